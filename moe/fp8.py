@@ -1,0 +1,357 @@
+"""FP8 (e4m3) block quantization with E8M0 scales packed four to an int32 word.
+
+This is the wire format of expert-parallel dispatch (DESIGN.md, "FP8 wire format"): per row
+(the last axis, H channels), blocks of ``block_size`` channels share one power-of-two scale
+``2^e``; the data is ``e4m3(x / 2^e)`` and the scale travels as its E8M0 byte ``e + 127``.
+Four consecutive scale bytes are packed little-endian into one int32 word (block ``4w+j`` in
+byte ``j`` of word ``w``), as DeepEP's UE8M0 layout.
+
+Scales are computed from the bits of the float32 block maximum with integer arithmetic only
+(no ``log2``, no rounding cast), so every backend produces the same bytes.
+
+Gradients: :func:`quantize` is not differentiable (rounding to e4m3 and choosing a scale have
+no useful derivative), and differentiating through it raises a ``TypeError``. Callers that
+send FP8 over the wire define the backward pass themselves with ``jax.custom_vjp`` (e.g. the
+cotangent travels back quantized, or in bf16). :func:`dequantize` is an ordinary array
+function of ``q.data``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike
+
+__all__ = [
+    "E4M3_MAX",
+    "E8M0_BIAS",
+    "E8M0_NAN",
+    "Fp8Array",
+    "quantize",
+    "dequantize",
+    "pack_e8m0",
+    "unpack_e8m0",
+    "scale_exponents",
+    "wire_nbytes",
+]
+
+E4M3_MAX = 448.0
+"""Largest finite float8_e4m3fn magnitude; quantized data saturates here."""
+E8M0_BIAS = 127
+"""E8M0 byte ``b`` encodes the scale ``2^(b - 127)``."""
+E8M0_NAN = 0xFF
+"""E8M0 NaN byte; produced only for blocks that contain a NaN or an infinity."""
+
+_F32_EXP_MASK = 0x7F800000
+_F32_ABS_MASK = 0x7FFFFFFF
+_F32_MANT_MASK = 0x007FFFFF
+# 448 = 1.75 * 2^8: a float32 m * 2^E (1 <= m < 2) satisfies
+# ceil(log2(m * 2^E / 448)) = E - 8 + (m > 1.75), and m > 1.75 <=> mantissa field > 0x600000.
+_E4M3_MAX_EXP = 8
+_E4M3_MAX_MANT = 0x600000
+# Smallest and largest bytes quantize produces for finite input. Byte 1 (2^-126) is the
+# smallest scale that is a normal float32, so neither the scale nor its inverse is a denormal
+# that a flush-to-zero backend would turn into 0 (equivalently: amax is floored at
+# 448 * 2^-126). The largest float32 (< 2^128) needs at most 2^120, byte 247.
+_MIN_BYTE = 1
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Array:
+    """An FP8 block-quantized tensor: e4m3 payload plus packed E8M0 block scales.
+
+    A registered pytree whose two leaves are ``data`` and ``scales``, so ``jax.tree.map`` can
+    build matching ``PartitionSpec`` trees and custom VJPs can return cotangents of the same
+    structure. No validation runs on construction (leaves may be specs, tracers or ``None``).
+
+    Attributes:
+      data: float8_e4m3fn ``[..., H]``, ``x / scale`` saturated to +-448.
+      scales: int32 ``[..., H // (4 * block_size)]``; word ``w`` holds the E8M0 bytes of blocks
+        ``4w .. 4w+3`` (block ``4w+j`` in byte ``j``, little-endian).
+    """
+
+    data: jax.Array
+    scales: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the logical (dequantized) tensor."""
+        return tuple(self.data.shape)
+
+    @property
+    def block_size(self) -> int:
+        """Channels per scale block, ``H // (4 * scales.shape[-1])``."""
+        return self.data.shape[-1] // (4 * self.scales.shape[-1])
+
+
+def _check_quantize_args(x: jax.Array, block_size: int) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
+        raise TypeError(
+            f"block_size must be a Python int, got {type(block_size).__name__}; pass e.g. "
+            "block_size=128."
+        )
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}; use e.g. 128.")
+    if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.finfo(x.dtype).bits > 32:
+        raise TypeError(
+            f"x must be a float16/bfloat16/float32 array, got dtype {x.dtype}; cast x to "
+            "float32 or bfloat16 before quantizing."
+        )
+    if x.ndim < 1:
+        raise ValueError("x must have at least one axis (the channel axis H), got a scalar.")
+    h = x.shape[-1]
+    if h == 0 or h % (4 * block_size) != 0:
+        raise ValueError(
+            f"x.shape[-1] = {h} must be a positive multiple of 4 * block_size = "
+            f"{4 * block_size} (four E8M0 scales per int32 word); pad d_model to a multiple "
+            f"of {4 * block_size}, or choose a block_size with 4 * block_size dividing {h}."
+        )
+
+
+def _quantize_impl(x: jax.Array, block_size: int) -> Fp8Array:
+    lead, h = x.shape[:-1], x.shape[-1]
+    nblocks = h // block_size
+    xb = x.astype(jnp.float32).reshape(*lead, nblocks, block_size)
+    # |x| as int32 bits: integer order equals magnitude order and NaN > inf > every finite.
+    abs_bits = jax.lax.bitcast_convert_type(xb, jnp.int32) & _F32_ABS_MASK
+    amax_bits = jnp.max(abs_bits, axis=-1)
+    nonfinite = amax_bits >= _F32_EXP_MASK
+    exp_field = amax_bits >> 23  # biased float32 exponent; 0 for zeros and denormals
+    mant = amax_bits & _F32_MANT_MASK
+    byte = exp_field - _E4M3_MAX_EXP + (mant > _E4M3_MAX_MANT).astype(jnp.int32)
+    byte = jnp.maximum(byte, _MIN_BYTE)
+    # 1/scale = 2^-(byte-127): biased float32 exponent 254 - byte, always normal here.
+    inv_exp = jnp.where(nonfinite, E8M0_BIAS, 2 * E8M0_BIAS - byte)
+    inv_scale = jax.lax.bitcast_convert_type(inv_exp << 23, jnp.float32)
+    y = jnp.clip(xb * inv_scale[..., None], -E4M3_MAX, E4M3_MAX)  # exact power-of-2 multiply
+    data = y.astype(jnp.float8_e4m3fn).reshape(x.shape)
+    byte = jnp.where(nonfinite, E8M0_NAN, byte).astype(jnp.uint8)
+    return Fp8Array(data=data, scales=pack_e8m0(byte))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _quantize(x: jax.Array, block_size: int) -> Fp8Array:
+    return _quantize_impl(x, block_size)
+
+
+@_quantize.defjvp
+def _quantize_jvp(block_size, primals, tangents):
+    del block_size, primals, tangents
+    raise TypeError(
+        "moe.fp8.quantize is not differentiable (e4m3 rounding and scale choice have no "
+        "useful derivative). Wrap the FP8 path in jax.custom_vjp and define its backward "
+        "pass (e.g. send the cotangent back in bf16 or quantize it too), or apply "
+        "jax.lax.stop_gradient to x if no gradient is wanted."
+    )
+
+
+def quantize(x: ArrayLike, block_size: int = 128) -> Fp8Array:
+    """Quantize ``x`` to e4m3 with one power-of-two scale per block of the last axis.
+
+    For each row and block ``b`` of ``block_size`` channels::
+
+        amax  = max(|x_b|, 448 * 2^-126)
+        scale = 2^ceil(log2(amax / 448))              (E8M0 byte: log2(scale) + 127)
+        data  = e4m3(clip(x_b / scale, -448, 448))    (round to nearest even)
+
+    The byte is computed from the float32 bits of ``amax`` (``E - 8 + (mantissa > 1.75)``),
+    so it is exact. Zeros and denormals get the smallest scale 2^-126; finite input never
+    produces byte 0xFF. A block holding a NaN or an infinity gets byte 0xFF (E8M0 NaN), so
+    the whole block dequantizes to NaN. Works under ``jit``, ``vmap`` and ``shard_map`` and
+    on any leading shape. Not differentiable: differentiating through it raises
+    ``TypeError``; define the backward pass with ``jax.custom_vjp``.
+
+    Args:
+      x: float32/bfloat16/float16 array ``[..., H]`` with ``H`` a multiple of
+        ``4 * block_size``.
+      block_size: channels per scale (static Python int).
+
+    Returns:
+      An :class:`Fp8Array` with ``data`` float8_e4m3fn ``[..., H]`` and ``scales`` int32
+      ``[..., H // (4 * block_size)]``.
+
+    Raises:
+      ValueError: ``H`` is not a positive multiple of ``4 * block_size``, or ``block_size`` is
+        not positive.
+      TypeError: ``x`` is not a float array of at most 32 bits, or ``block_size`` not an int.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> q = quantize(jnp.ones((2, 512)) * 3.0)
+      >>> q.data.dtype, q.scales.shape, q.scales.dtype
+      (dtype(float8_e4m3fn), (2, 1), dtype('int32'))
+      >>> [int(b) for b in unpack_e8m0(q.scales)[0]]  # 2^ceil(log2(3/448)) = 2^-7
+      [120, 120, 120, 120]
+      >>> float(dequantize(q, jnp.float32)[0, 0])
+      3.0
+
+    References:
+      DeepEP UE8M0 scale layout (github.com/deepseek-ai/DeepEP); OCP Microscaling Formats
+      (MX) v1.0 specification (E8M0 scales); DeepSeek-V3 technical report (fine-grained FP8).
+    """
+    x = jnp.asarray(x)
+    _check_quantize_args(x, block_size)
+    return _quantize(x, int(block_size))
+
+
+def dequantize(q: Fp8Array, dtype: jnp.dtype = jnp.bfloat16) -> jax.Array:
+    """Reconstruct ``data * scale`` per block, saturating to ``dtype``'s finite range.
+
+    ``y = clip(float32(data) * 2^(byte - 127), -max(dtype), max(dtype))``; a block with scale
+    byte 0xFF (NaN or infinity in the input) is all NaN.
+
+    Args:
+      q: an :class:`Fp8Array` from :func:`quantize`.
+      dtype: floating output dtype (default bfloat16).
+
+    Returns:
+      Array of ``q.shape`` and ``dtype``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> x = jnp.linspace(-1.0, 1.0, 512).reshape(1, 512)
+      >>> y = dequantize(quantize(x), jnp.float32)
+      >>> bool(jnp.max(jnp.abs(y - x)) < 0.07)
+      True
+
+    References:
+      OCP Microscaling Formats (MX) v1.0 specification; DeepEP UE8M0 scale layout.
+    """
+    if not isinstance(q, Fp8Array):
+        raise TypeError(f"q must be an Fp8Array from moe.fp8.quantize, got {type(q).__name__}.")
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"dtype must be a floating dtype, got {dtype}; use e.g. jnp.bfloat16.")
+    data, h = q.data, q.data.shape[-1]
+    nwords = q.scales.shape[-1]
+    if nwords == 0 or h % (4 * nwords) != 0 or q.scales.shape[:-1] != data.shape[:-1]:
+        raise ValueError(
+            f"q.scales shape {q.scales.shape} does not match q.data shape {data.shape}: expected "
+            f"[..., H // (4 * block_size)] with the same leading axes; build q with quantize."
+        )
+    nblocks = 4 * nwords
+    byte = unpack_e8m0(q.scales).astype(jnp.int32)
+    scale = jax.lax.bitcast_convert_type(byte << 23, jnp.float32)  # byte >= 1 in practice
+    scale = jnp.where(byte == E8M0_NAN, jnp.float32(jnp.nan), scale)
+    y = data.astype(jnp.float32).reshape(*data.shape[:-1], nblocks, h // nblocks)
+    y = y * scale[..., None]
+    fmax = float(jnp.finfo(dtype).max)
+    y = jnp.clip(y, -fmax, fmax)  # keeps NaN; stops 2^128 rounding to inf
+    return y.reshape(data.shape).astype(dtype)
+
+
+def pack_e8m0(scale_bytes: ArrayLike) -> jax.Array:
+    """Pack E8M0 bytes four to an int32 word, little-endian.
+
+    ``word[..., w] = b[4w] | b[4w+1] << 8 | b[4w+2] << 16 | b[4w+3] << 24`` (as int32 bits).
+
+    Args:
+      scale_bytes: uint8 array ``[..., 4n]``.
+
+    Returns:
+      int32 array ``[..., n]``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> hex(int(pack_e8m0(jnp.array([1, 2, 3, 4], jnp.uint8))[0]))
+      '0x4030201'
+
+    References:
+      DeepEP UE8M0 scale layout (four UE8M0 scales per int32).
+    """
+    b = jnp.asarray(scale_bytes)
+    if b.dtype != jnp.uint8:
+        raise TypeError(
+            f"scale_bytes must be uint8 E8M0 bytes, got dtype {b.dtype}; cast with "
+            ".astype(jnp.uint8) or view float8_e8m0fnu as uint8."
+        )
+    if b.ndim < 1 or b.shape[-1] % 4 != 0:
+        raise ValueError(
+            f"scale_bytes.shape[-1] must be a multiple of 4, got shape {b.shape}; pad the "
+            "number of blocks to a multiple of 4."
+        )
+    w = b.astype(jnp.uint32).reshape(*b.shape[:-1], b.shape[-1] // 4, 4)
+    shifts = jnp.arange(4, dtype=jnp.uint32) * 8
+    word = jnp.sum(w << shifts, axis=-1, dtype=jnp.uint32)  # disjoint bits: sum == or
+    return jax.lax.bitcast_convert_type(word, jnp.int32)
+
+
+def unpack_e8m0(words: ArrayLike) -> jax.Array:
+    """Unpack int32 words into their four little-endian E8M0 bytes (inverse of ``pack_e8m0``).
+
+    ``b[..., 4w+j] = (word[..., w] >> 8j) & 0xFF``.
+
+    Args:
+      words: int32 array ``[..., n]``.
+
+    Returns:
+      uint8 array ``[..., 4n]``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> unpack_e8m0(jnp.array([0x04030201], jnp.int32)).tolist()
+      [1, 2, 3, 4]
+
+    References:
+      DeepEP UE8M0 scale layout (four UE8M0 scales per int32).
+    """
+    w = jnp.asarray(words)
+    if w.dtype != jnp.int32 or w.ndim < 1:
+        raise TypeError(
+            f"words must be an int32 array with at least one axis, got dtype {w.dtype} and "
+            f"shape {w.shape}; pass Fp8Array.scales."
+        )
+    u = jax.lax.bitcast_convert_type(w, jnp.uint32)
+    shifts = jnp.arange(4, dtype=jnp.uint32) * 8
+    b = (u[..., None] >> shifts) & 0xFF
+    return b.reshape(*w.shape[:-1], 4 * w.shape[-1]).astype(jnp.uint8)
+
+
+def scale_exponents(q: Fp8Array) -> jax.Array:
+    """Unbiased scale exponents ``e`` (scale ``2^e``) of every block.
+
+    ``e = byte - 127``; a NaN block (byte 0xFF) reports 128.
+
+    Args:
+      q: an :class:`Fp8Array`.
+
+    Returns:
+      int32 array ``[..., H // block_size]``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> scale_exponents(quantize(jnp.full((512,), 448.0))).tolist()
+      [0, 0, 0, 0]
+
+    References:
+      OCP Microscaling Formats (MX) v1.0 specification (E8M0).
+    """
+    return unpack_e8m0(q.scales).astype(jnp.int32) - E8M0_BIAS
+
+
+def wire_nbytes(q: Fp8Array) -> int:
+    """Bytes a quantized tensor occupies on the wire: one per element plus four per word.
+
+    ``nbytes = prod(data.shape) + 4 * prod(scales.shape)``; against bf16 this is
+    ``(1 + 1 / block_size) / 2`` of the bytes.
+
+    Args:
+      q: an :class:`Fp8Array` (arrays or ``jax.ShapeDtypeStruct`` leaves).
+
+    Returns:
+      Python int byte count.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> wire_nbytes(quantize(jnp.zeros((8, 1024))))
+      8256
+
+    References:
+      DeepEP low-latency dispatch (FP8 payload + UE8M0 scales).
+    """
+    data_bytes = int(np.prod(q.data.shape)) * np.dtype(q.data.dtype).itemsize
+    return data_bytes + int(np.prod(q.scales.shape)) * np.dtype(q.scales.dtype).itemsize
