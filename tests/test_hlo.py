@@ -1,0 +1,157 @@
+"""muon_jax.hlo reads kinds, bytes, group sizes, ring costs, loops and overlap from HLO text."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from muon_jax import hlo, overlap
+
+
+@pytest.fixture(scope="module")
+def report_1d():
+    """psum / all_gather / psum_scatter / all_to_all / ppermute of an f32[8, 16] shard."""
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+
+    def f(x):
+        return (
+            jax.lax.psum(x, "d"),
+            jax.lax.all_gather(x, "d", tiled=True),
+            jax.lax.psum_scatter(x, "d", scatter_dimension=0, tiled=True),
+            jax.lax.all_to_all(x, "d", 0, 0, tiled=True),
+            jax.lax.ppermute(x, "d", [(i, (i + 1) % 8) for i in range(8)]),
+        )
+
+    g = jax.shard_map(f, mesh=mesh, in_specs=P("d"), out_specs=(P("d"),) * 5)
+    x = jax.device_put(jnp.ones((64, 16), jnp.float32), NamedSharding(mesh, P("d")))
+    return hlo.analyze_collectives(jax.jit(g).lower(x).compile())
+
+
+def test_kinds_bytes_and_ring_costs(report_1d):
+    rep = report_1d
+    print(rep.table())
+    assert rep.counts() == {
+        "all-reduce": 1, "all-gather": 1, "reduce-scatter": 1, "all-to-all": 1,
+        "collective-permute": 1,
+    }
+    shard = 8 * 16 * 4  # bytes of one f32[8, 16] shard
+    (ar,) = rep.of_kind("all-reduce")
+    (ag,) = rep.of_kind("all-gather")
+    (rs,) = rep.of_kind("reduce-scatter")
+    (a2a,) = rep.of_kind("all-to-all")
+    (cp,) = rep.of_kind("collective-permute")
+    assert (ar.buffer_bytes, ar.group_size, ar.ring_bytes) == (shard, 8, 2 * 7 / 8 * shard)
+    assert ag.shapes == ((64, 16),) and ag.dtypes == ("f32",)
+    assert (ag.buffer_bytes, ag.ring_bytes) == (8 * shard, 7 * shard)
+    assert (rs.buffer_bytes, rs.ring_bytes) == (shard, 7 / 8 * shard)
+    assert (a2a.buffer_bytes, a2a.ring_bytes) == (shard, 7 / 8 * shard)
+    assert (cp.buffer_bytes, cp.ring_bytes) == (shard, shard)
+    assert rep.ring_bytes == pytest.approx(sum(c.ring_bytes for c in rep))
+    assert not rep.in_while_loop and all(not c.is_async for c in rep)
+    assert rep.exposed_fraction == 1.0
+
+
+def test_group_sizes_on_2d_mesh_and_while_loop_flag():
+    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
+
+    def f(x):
+        y = jax.lax.psum_scatter(x, "a", scatter_dimension=0, tiled=True)
+        z = jax.lax.fori_loop(0, 3, lambda i, c: jax.lax.psum(c, "b") * 0.5 + c, x)
+        return y, z
+
+    spec = P(("a", "b"))
+    g = jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=(spec, spec))
+    x = jax.device_put(jnp.ones((64, 16), jnp.float32), NamedSharding(mesh, spec))
+    rep = hlo.analyze_collectives(jax.jit(g).lower(x).compile().as_text())
+    (rs,) = rep.of_kind("reduce-scatter")
+    (ar,) = rep.of_kind("all-reduce")
+    assert (rs.group_size, rs.in_while_loop) == (2, False)
+    assert rs.ring_bytes == pytest.approx(0.5 * 8 * 16 * 4)
+    assert (ar.group_size, ar.in_while_loop) == (4, True)
+    assert rep.in_while_loop == (ar,)
+    assert "LOOP" in rep.table()
+
+
+_ASYNC_HLO = """HloModule m, is_scheduled=true, num_partitions=8
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%wrapped_rs (p: bf16[64,32]) -> bf16[16,32] {
+  %p = bf16[64,32]{1,0} parameter(0)
+  ROOT %rs = bf16[16,32]{1,0} reduce-scatter(%p), channel_id=2, replica_groups=[2,4]<=[8], dimensions={0}, to_apply=%add
+}
+
+ENTRY %main (a: f32[8,128], b: bf16[64,32]) -> (f32[64,128], bf16[16,32], f32[8,128]) {
+  %a = f32[8,128]{1,0} parameter(0)
+  %b = bf16[64,32]{1,0} parameter(1)
+  %ag-start = (f32[8,128]{1,0}, f32[64,128]{1,0}) all-gather-start(f32[8,128]{1,0} %a), channel_id=1, replica_groups={}, dimensions={0}
+  %rs-start = ((bf16[64,32]{1,0}), bf16[16,32]{1,0}, s32[]) async-start(%b), calls=%wrapped_rs
+  %fusion.1 = f32[8,128]{1,0} fusion(%a), kind=kLoop, calls=%add
+  %gte = f32[8,128]{1,0} get-tuple-element(%ag-start), index=0
+  %ag-done = f32[64,128]{1,0} all-gather-done(%ag-start)
+  %rs-done = bf16[16,32]{1,0} async-done(%rs-start)
+  %ar-start = f32[8,128]{1,0} all-reduce-start(%fusion.1), channel_id=3, replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add
+  %ar-done = f32[8,128]{1,0} all-reduce-done(%ar-start)
+  ROOT %t = (f32[64,128]{1,0}, bf16[16,32]{1,0}, f32[8,128]{1,0}) tuple(%ag-done, %rs-done, %ar-done)
+}
+"""  # noqa: E501
+
+
+def test_async_pairs_and_overlap_from_text():
+    rep = hlo.analyze_collectives(_ASYNC_HLO)
+    assert rep.counts() == {"all-gather": 1, "reduce-scatter": 1, "all-reduce": 1}
+    (ag,) = rep.of_kind("all-gather")
+    (rs,) = rep.of_kind("reduce-scatter")
+    (ar,) = rep.of_kind("all-reduce")
+    assert all(c.is_async for c in rep)
+    assert (ag.done_name, ag.group_size, ag.buffer_bytes) == ("ag-done", 8, 64 * 128 * 4)
+    assert ag.overlapped == (("fusion", "fusion.1"),) and not ag.exposed
+    assert (rs.done_name, rs.group_size, rs.dtypes) == ("rs-done", 4, ("bf16",))
+    assert rs.ring_bytes == pytest.approx(3 / 4 * 64 * 32 * 2)
+    assert rs.overlapped == (("fusion", "fusion.1"),)
+    assert (ar.group_size, ar.overlapped, ar.exposed) == (2, (), True)
+    assert rep.exposed_ring_bytes == pytest.approx(ar.ring_bytes)
+
+
+def test_hlo_text_rejects_other_objects():
+    with pytest.raises(TypeError, match="compile"):
+        hlo.hlo_text(3)
+
+
+def test_overlap_flags_and_refusal_after_backend_init():
+    flags = overlap.overlap_flags(1 << 20, pipelined=True)
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in flags
+    assert "--xla_gpu_reduce_scatter_combine_threshold_bytes=1048576" in flags
+    assert "--xla_gpu_enable_pipelined_all_gather=true" in flags
+    with pytest.raises(ValueError, match="combine_threshold_bytes"):
+        overlap.overlap_flags(0)
+    jax.devices()  # the test process has a backend
+    before = os.environ.get("XLA_FLAGS")
+    with pytest.raises(ValueError, match="already initialized"):
+        overlap.enable_overlap()
+    assert os.environ.get("XLA_FLAGS") == before
+
+
+def test_enable_overlap_in_fresh_process_sets_flags_xla_accepts():
+    code = (
+        "import os; from muon_jax import overlap as o; o.enable_overlap(pipelined=True); "
+        "import jax; jax.devices(); assert o.backend_initialized(); "
+        "print(os.environ['XLA_FLAGS'])"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in out.stdout
