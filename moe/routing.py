@@ -1,0 +1,265 @@
+"""Top-k MoE router: scores, (group-limited) expert selection, weights and auxiliary losses.
+
+Pure functions on arrays (DESIGN.md, "MoE semantics"):
+
+    logits  = x @ router_kernel                          (float32)
+    scores  = softmax(logits) or sigmoid(logits)
+    experts = top_k(scores + bias)                        (bias: selection only)
+    weights = routed_scaling * scores[experts] (/ sum, if renormalize)
+
+The bias is DeepSeek-V3's auxiliary-loss-free balancing term: it is not trained by gradients
+but moved by :func:`update_balancing_bias` from the observed expert loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+__all__ = ["RouterConfig", "Routing", "route", "update_balancing_bias"]
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    """Static router options (hashable, so it can be a ``jit`` static argument).
+
+    Attributes:
+      num_experts: number of routed experts ``E``.
+      top_k: experts per token ``k``.
+      routed_scaling: factor applied to the routing weights (DeepSeek-V3 uses 2.5).
+      num_groups: split the experts into this many equal groups for group-limited routing;
+        1 disables it.
+      topk_groups: keep this many best groups per token (``None``: all groups).
+      score_fn: ``'softmax'`` or ``'sigmoid'`` of the logits.
+      renormalize: divide the ``k`` selected scores by their sum before scaling.
+      stop_score_gradient: treat the logits (hence scores, weights and both auxiliary losses)
+        as constants: the router kernel gets an exact zero gradient and the backward pass
+        holds no router matmul. The losses are then metrics only.
+    """
+
+    num_experts: int
+    top_k: int
+    routed_scaling: float = 1.0
+    num_groups: int = 1
+    topk_groups: int | None = None
+    _: dataclasses.KW_ONLY
+    score_fn: Literal["softmax", "sigmoid"] = "softmax"
+    renormalize: bool = True
+    stop_score_gradient: bool = False
+
+    def __post_init__(self):
+        e, k, g = self.num_experts, self.top_k, self.num_groups
+        if not _is_int(e) or e < 1:
+            raise ValueError(f"num_experts must be a positive int, got {e!r}.")
+        if not _is_int(k) or not 1 <= k <= e:
+            raise ValueError(
+                f"top_k must be an int in [1, num_experts={e}], got {k!r}; lower top_k or add "
+                "experts."
+            )
+        if not _is_int(g) or g < 1 or e % g != 0:
+            raise ValueError(
+                f"num_groups must be a positive int dividing num_experts={e}, got {g!r}; use "
+                "num_groups=1 to disable group-limited routing."
+            )
+        tg = self.topk_groups
+        if tg is not None and (not _is_int(tg) or not 1 <= tg <= g):
+            raise ValueError(
+                f"topk_groups must be None or an int in [1, num_groups={g}], got {tg!r}."
+            )
+        if tg is not None and tg * (e // g) < k:
+            raise ValueError(
+                f"topk_groups * experts per group = {tg} * {e // g} < top_k = {k}: the kept "
+                "groups hold too few experts; raise topk_groups or lower top_k."
+            )
+        if self.score_fn not in ("softmax", "sigmoid"):
+            raise ValueError(f"score_fn must be 'softmax' or 'sigmoid', got {self.score_fn!r}.")
+        if not isinstance(self.routed_scaling, (int, float)) or not self.routed_scaling > 0:
+            raise ValueError(
+                f"routed_scaling must be a positive number, got {self.routed_scaling!r}."
+            )
+
+
+class Routing(NamedTuple):
+    """Result of :func:`route` for tokens ``x[..., d_model]``.
+
+    Attributes:
+      expert_ids: int32 ``[..., k]``, selected experts, best (by biased score) first.
+      weights: float32 ``[..., k]``, combine weights of those experts.
+      scores: float32 ``[..., E]``, ``softmax``/``sigmoid`` of the logits (no bias).
+      logits: float32 ``[..., E]``.
+      tokens_per_expert: int32 ``[E]``, token slots routed to each expert (over all tokens).
+      load_balance_loss: float32 scalar, Switch-Transformer balancing loss.
+      router_z_loss: float32 scalar, ST-MoE z-loss.
+    """
+
+    expert_ids: jax.Array
+    weights: jax.Array
+    scores: jax.Array
+    logits: jax.Array
+    tokens_per_expert: jax.Array
+    load_balance_loss: jax.Array
+    router_z_loss: jax.Array
+
+
+def _group_limited_mask(choice: jax.Array, num_groups: int, topk_groups: int) -> jax.Array:
+    """Bool ``[..., E]``: experts in the ``topk_groups`` groups with the largest top-2 sums."""
+    *lead, e = choice.shape
+    grouped = choice.reshape(*lead, num_groups, e // num_groups)
+    top2 = jax.lax.top_k(grouped, min(2, e // num_groups))[0]
+    group_score = jnp.sum(top2, axis=-1)
+    kept = jax.lax.top_k(group_score, topk_groups)[1]
+    group_mask = jnp.any(kept[..., :, None] == jnp.arange(num_groups), axis=-2)
+    return jnp.repeat(group_mask, e // num_groups, axis=-1)
+
+
+def route(
+    x: ArrayLike,
+    router_kernel: ArrayLike,
+    bias: ArrayLike | None = None,
+    *,
+    config: RouterConfig,
+) -> Routing:
+    """Route tokens to their top-k experts and compute the auxiliary router losses.
+
+    ``logits = x @ W`` (float32, full precision); ``s = softmax(logits)`` or
+    ``sigmoid(logits)``; with group-limited routing, only experts of the ``topk_groups`` groups
+    with the largest sum of their top-2 biased scores ``s + b`` compete (as DeepSeek-V3);
+    ``ids = top_k(s + b)``; ``w = routed_scaling * s[ids] / (sum s[ids] if renormalize)``.
+    Losses over all ``T`` tokens: ``load_balance_loss = E * sum_e f_e * P_e`` with ``f_e`` the
+    fraction of the ``T*k`` slots sent to ``e`` and ``P_e`` the mean of ``s`` normalized to sum
+    1 over experts (``s`` itself for softmax); ``router_z_loss = mean(logsumexp(logits)^2)``.
+    The bias only changes the selection; it gets no gradient. Under ``shard_map`` the counts
+    and losses cover the local tokens.
+
+    Args:
+      x: tokens ``[..., d_model]``.
+      router_kernel: ``[d_model, num_experts]``.
+      bias: balancing bias ``[num_experts]`` (default zeros), see :func:`update_balancing_bias`.
+      config: a :class:`RouterConfig`.
+
+    Returns:
+      A :class:`Routing`.
+
+    Raises:
+      ValueError: shapes of ``x``, ``router_kernel`` or ``bias`` do not match ``config``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> cfg = RouterConfig(num_experts=4, top_k=2)
+      >>> r = route(jnp.ones((3, 8)), jnp.eye(8, 4), config=cfg)
+      >>> r.expert_ids.shape, r.weights.shape, float(r.weights.sum(-1)[0])
+      ((3, 2), (3, 2), 1.0)
+
+    References:
+      DeepSeek-V3 technical report (sigmoid scores, group-limited routing, auxiliary-loss-free
+      bias); Switch Transformer (load-balancing loss); ST-MoE (router z-loss).
+    """
+    if not isinstance(config, RouterConfig):
+        raise TypeError(f"config must be a RouterConfig, got {type(config).__name__}.")
+    x, router_kernel = jnp.asarray(x), jnp.asarray(router_kernel)
+    e, k = config.num_experts, config.top_k
+    if router_kernel.ndim != 2 or router_kernel.shape[1] != e:
+        raise ValueError(
+            f"router_kernel must have shape [d_model, num_experts={e}], got "
+            f"{router_kernel.shape}; match config.num_experts to the kernel."
+        )
+    if x.ndim < 1 or x.shape[-1] != router_kernel.shape[0]:
+        raise ValueError(
+            f"x must have shape [..., d_model={router_kernel.shape[0]}] to match "
+            f"router_kernel, got {x.shape}."
+        )
+    if bias is None:
+        bias = jnp.zeros((e,), jnp.float32)
+    bias = jnp.asarray(bias)
+    if bias.shape != (e,):
+        raise ValueError(
+            f"bias must have shape [num_experts] = ({e},), got {bias.shape}; pass None for "
+            "no balancing bias."
+        )
+    bias = jax.lax.stop_gradient(bias.astype(jnp.float32))
+
+    with jax.named_scope("router_logits"):
+        logits = jnp.matmul(
+            x.astype(jnp.float32),
+            router_kernel.astype(jnp.float32),
+            precision=jax.lax.Precision.HIGHEST,
+        )
+    if config.stop_score_gradient:
+        logits = jax.lax.stop_gradient(logits)
+    if config.score_fn == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)
+        probs = scores
+    else:
+        scores = jax.nn.sigmoid(logits)
+        probs = scores / jnp.maximum(scores.sum(-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+
+    choice = jax.lax.stop_gradient(scores) + bias
+    tg = config.topk_groups
+    if config.num_groups > 1 and tg is not None and tg < config.num_groups:
+        mask = _group_limited_mask(choice, config.num_groups, tg)
+        choice = jnp.where(mask, choice, -jnp.inf)
+    expert_ids = jax.lax.top_k(choice, k)[1].astype(jnp.int32)
+
+    weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
+    if config.renormalize:
+        denom = jnp.sum(weights, axis=-1, keepdims=True)
+        weights = weights / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)
+    weights = weights * jnp.float32(config.routed_scaling)
+
+    tokens_per_expert = jnp.bincount(expert_ids.reshape(-1), length=e).astype(jnp.int32)
+    num_slots = expert_ids.size
+    f = tokens_per_expert.astype(jnp.float32) / max(num_slots, 1)
+    p = jnp.mean(probs.reshape(-1, e), axis=0)
+    load_balance_loss = e * jnp.sum(f * p)
+    router_z_loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+    return Routing(
+        expert_ids=expert_ids,
+        weights=weights,
+        scores=scores,
+        logits=logits,
+        tokens_per_expert=tokens_per_expert,
+        load_balance_loss=load_balance_loss,
+        router_z_loss=router_z_loss,
+    )
+
+
+def update_balancing_bias(
+    bias: ArrayLike, tokens_per_expert: ArrayLike, rate: float = 1e-3
+) -> jax.Array:
+    """One auxiliary-loss-free balancing step: raise the bias of underloaded experts.
+
+    ``bias' = bias + rate * sign(mean(load) - load)``, with ``load = tokens_per_expert``
+    (sum it over data-parallel shards first for a global update).
+
+    Args:
+      bias: float ``[E]``, current balancing bias.
+      tokens_per_expert: ``[E]`` token slots per expert, e.g. ``Routing.tokens_per_expert``.
+      rate: bias update speed (DeepSeek-V3: 1e-3).
+
+    Returns:
+      float32 ``[E]`` updated bias.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> update_balancing_bias(jnp.zeros(3), jnp.array([6, 2, 1]), 0.5).tolist()
+      [-0.5, 0.5, 0.5]
+
+    References:
+      DeepSeek-V3 technical report, auxiliary-loss-free load balancing (bias update speed).
+    """
+    bias, load = jnp.asarray(bias), jnp.asarray(tokens_per_expert)
+    if bias.ndim != 1 or load.shape != bias.shape:
+        raise ValueError(
+            f"bias and tokens_per_expert must both have shape [num_experts], got "
+            f"{bias.shape} and {load.shape}; pass Routing.tokens_per_expert."
+        )
+    load = load.astype(jnp.float32)
+    return bias.astype(jnp.float32) + jnp.float32(rate) * jnp.sign(jnp.mean(load) - load)
