@@ -1,0 +1,265 @@
+"""The dispatch plan: where every token slot goes, computed from integer expert ids.
+
+A *slot* is one (token, choice) pair ``s = t * k + j`` of the local ``expert_ids [T, k]``.
+Slots are ordered by (expert, t, j) with a stable sort; within each expert, the first slots in
+(t, j) order are the ones kept when a capacity limit applies (GShard / Switch rule).
+
+References: GShard and Switch Transformer (capacity and dropping), DeepEP (count exchange
+before payload exchange), MaxText's ragged MoE (sorted-by-expert send buffers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+AxisName = str | tuple[str, ...]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DispatchPlan:
+    """Everything :func:`moe.dispatch.combine` needs to send expert outputs back.
+
+    A registered pytree (int arrays are leaves; the static layout is metadata), so it can be
+    returned from ``jax.shard_map`` and passed through ``jax.jit``. ``N`` below is the number
+    of send-buffer rows: ``num_experts * capacity`` for ``'dense'``, ``T * k`` for ``'ragged'``.
+
+    Attributes:
+      send_slot: int32 ``[N]``, the slot ``t * k + j`` carried by each send-buffer row
+        (``T * k`` marks a padding row). Send buffers are destination-major: for ``'dense'``
+        row ``e * capacity + r`` is the ``r``-th kept slot of global expert ``e``; for
+        ``'ragged'`` rows are all slots sorted by (expert, t, j).
+      slot_row: int32 ``[T, k]``, the send-buffer row of each slot (``N`` if dropped).
+      kept: bool ``[T, k]``, False for slots dropped by the capacity limit.
+      send_counts: int32 ``[E]``, slots of this device routed to each global expert (before
+        any capacity limit).
+      recv_counts: int32 ``[P, E_local]``, slots that source device ``p`` routes to each local
+        expert (before any capacity limit).
+      group_sizes: int32 ``[E_local]``, valid rows per local expert in the expert layout.
+      dropped: int32 ``[]``, slots of this device dropped by the capacity limit.
+      send_offsets: ragged only, int32 ``[E]``: first send-buffer row of each global expert.
+      remote_offsets: ragged only, int32 ``[E]``: row on expert ``e``'s owner where this
+        device's slice for ``e`` lands.
+      recv_offsets: ragged only, int32 ``[P * E_local]``: row of this device's expert layout
+        where the slice from source ``p`` for local expert ``l`` starts (index ``p*E_local+l``).
+      return_offsets: ragged only, int32 ``[P * E_local]``: send-buffer row on source ``p``
+        where its slice for local expert ``l`` started (where results go back to).
+      transport: ``'dense'`` or ``'ragged'``.
+      num_experts: global number of experts ``E``.
+      axis_name: the expert-parallel mesh axis (or axes).
+      axis_size: ``P``, the size of ``axis_name``.
+      capacity: dense: rows per (source, expert); ragged: rows ``R`` of the expert layout.
+      ragged_impl: ``'native'`` or ``'emulated'`` (ragged only; ``'native'`` otherwise).
+      x_dtype: dtype name of the dispatched tokens (combine returns this dtype).
+      block_size: FP8 block size (used by an FP8 combine gradient).
+    """
+
+    send_slot: jax.Array
+    slot_row: jax.Array
+    kept: jax.Array
+    send_counts: jax.Array
+    recv_counts: jax.Array
+    group_sizes: jax.Array
+    dropped: jax.Array
+    send_offsets: jax.Array | None
+    remote_offsets: jax.Array | None
+    recv_offsets: jax.Array | None
+    return_offsets: jax.Array | None
+    transport: Literal["dense", "ragged"] = dataclasses.field(metadata=dict(static=True))
+    num_experts: int = dataclasses.field(metadata=dict(static=True))
+    axis_name: AxisName = dataclasses.field(metadata=dict(static=True))
+    axis_size: int = dataclasses.field(metadata=dict(static=True))
+    capacity: int = dataclasses.field(metadata=dict(static=True))
+    ragged_impl: Literal["native", "emulated"] = dataclasses.field(metadata=dict(static=True))
+    x_dtype: str = dataclasses.field(metadata=dict(static=True))
+    block_size: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def num_local_experts(self) -> int:
+        """``E_local = num_experts // axis_size``."""
+        return self.num_experts // self.axis_size
+
+    @property
+    def num_tokens(self) -> int:
+        """Local tokens ``T``."""
+        return self.slot_row.shape[0]
+
+    @property
+    def top_k(self) -> int:
+        """Slots per token ``k``."""
+        return self.slot_row.shape[1]
+
+    def expert_shape(self, width: int) -> tuple[int, ...]:
+        """Shape of the expert layout with rows of ``width``: dense ``[E_local, P*C, width]``,
+        ragged ``[R, width]``."""
+        if self.transport == "dense":
+            return (self.num_local_experts, self.axis_size * self.capacity, width)
+        return (self.capacity, width)
+
+
+def dense_capacity(
+    num_tokens: int,
+    top_k: int,
+    num_experts: int,
+    capacity_factor: float | None,
+    *,
+    multiple: int = 8,
+) -> int:
+    """Per-(source, expert) capacity of the dense transport.
+
+    ``C = round_up(min(ceil(capacity_factor * T * k / E), T), multiple)``; ``capacity_factor
+    None`` gives ``round_up(T, multiple)``, the worst case (a token picks an expert at most
+    once), so nothing is dropped.
+
+    Args:
+      num_tokens: local tokens ``T``.
+      top_k: slots per token ``k``.
+      num_experts: global experts ``E``.
+      capacity_factor: positive float, or None for dropless.
+      multiple: round the capacity up to a multiple of this (8 keeps GPU tiles aligned).
+
+    Returns:
+      The capacity ``C`` (>= 1).
+
+    Example:
+      >>> dense_capacity(1024, 2, 16, 1.25)
+      160
+
+    References:
+      GShard (Lepikhin et al., 2020) and Switch Transformer (Fedus et al., 2021) capacity.
+    """
+    if capacity_factor is None:
+        raw = num_tokens
+    else:
+        raw = min(math.ceil(capacity_factor * num_tokens * top_k / num_experts), num_tokens)
+    return -(-max(raw, 1) // multiple) * multiple
+
+
+def ragged_rows(num_tokens: int, top_k: int, num_experts: int, axis_size: int) -> int:
+    """Static rows ``R`` of the ragged expert layout: ``P * T * min(k, E_local)``.
+
+    The worst case: every source routes all its tokens to this device, each token at most once
+    per expert. Rows past ``sum(group_sizes)`` are padding.
+
+    Args:
+      num_tokens: local tokens ``T``.
+      top_k: slots per token ``k``.
+      num_experts: global experts ``E``.
+      axis_size: expert-parallel size ``P``.
+
+    Returns:
+      ``R``.
+
+    Example:
+      >>> ragged_rows(64, 2, 16, 4)
+      512
+
+    References:
+      MaxText ragged MoE (worst-case receive buffer for ``ragged_all_to_all``).
+    """
+    return axis_size * num_tokens * min(top_k, num_experts // axis_size)
+
+
+def _exclusive_cumsum(a: jax.Array, axis: int) -> jax.Array:
+    return jnp.cumsum(a, axis=axis) - a
+
+
+def build_plan(
+    expert_ids: jax.Array,
+    *,
+    num_experts: int,
+    axis_name: AxisName,
+    axis_size: int,
+    transport: Literal["dense", "ragged"],
+    capacity: int,
+    ragged_impl: Literal["native", "emulated"],
+    x_dtype: str,
+    block_size: int,
+) -> DispatchPlan:
+    """Sort slots by expert, count them, exchange counts; return the :class:`DispatchPlan`.
+
+    Dense: ``kept[t, j] = rank of (t, j) among this device's slots of its expert < capacity``
+    with slots ranked in (t, j) order. Ragged: every slot is kept.
+
+    Args:
+      expert_ids: int ``[T, k]`` global expert ids in ``[0, num_experts)``.
+      num_experts, axis_name, axis_size, transport, capacity, ragged_impl, x_dtype,
+        block_size: see :class:`DispatchPlan` (already validated by ``dispatch``).
+
+    Returns:
+      The plan (its collectives: one tiny all-to-all (dense) or all-gather (ragged) of counts).
+
+    Example:
+      >>> # inside shard_map: build_plan(ids, num_experts=8, axis_name='expert', ...)
+
+    References:
+      DeepEP (counts exchanged before the payload); GShard capacity rule.
+    """
+    t, k = expert_ids.shape
+    s = t * k
+    p, e_total = axis_size, num_experts
+    e_local = e_total // p
+    flat = expert_ids.reshape(s).astype(jnp.int32)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # slots by (expert, t, j)
+    send_counts = jnp.zeros((e_total,), jnp.int32).at[flat].add(1)
+    starts = _exclusive_cumsum(send_counts, 0)
+    rank = jnp.arange(s, dtype=jnp.int32) - starts[flat[order]]  # position within its expert
+
+    if transport == "dense":
+        c = capacity
+        n = e_total * c
+        row_sorted = jnp.where(rank < c, flat[order] * c + rank, n)
+        slot_row = jnp.zeros((s,), jnp.int32).at[order].set(row_sorted)
+        r = jnp.arange(c, dtype=jnp.int32)[None, :]
+        src = jnp.minimum(starts[:, None] + r, s - 1)
+        send_slot = jnp.where(r < send_counts[:, None], order[src], s).reshape(n)
+        recv_counts = jax.lax.all_to_all(send_counts, axis_name, 0, 0, tiled=True)
+        recv_counts = recv_counts.reshape(p, e_local)
+        group_sizes = jnp.minimum(recv_counts, c).sum(axis=0)
+        dropped = jnp.maximum(send_counts - c, 0).sum()
+        ragged = dict(send_offsets=None, remote_offsets=None, recv_offsets=None,
+                      return_offsets=None)
+    else:
+        send_slot = order
+        slot_row = jnp.zeros((s,), jnp.int32).at[order].set(jnp.arange(s, dtype=jnp.int32))
+        me = jax.lax.axis_index(axis_name)
+        counts = jax.lax.all_gather(send_counts, axis_name, axis=0)  # [P src, E]
+        by_owner = counts.reshape(p, p, e_local)  # [src, owner, local expert]
+        totals = by_owner.sum(axis=0)  # [owner, local expert]
+        group_start = _exclusive_cumsum(totals, 1)  # [owner, l]
+        before_src = _exclusive_cumsum(by_owner, 0)  # [src, owner, l]
+        at_owner = group_start[None] + before_src  # row on owner of (src, l) slice
+        recv_counts = jnp.take(by_owner, me, axis=1)  # [P, E_local]
+        group_sizes = jnp.take(totals, me, axis=0)
+        dropped = jnp.zeros((), jnp.int32)
+        src_starts = _exclusive_cumsum(counts, 1).reshape(p, p, e_local)
+        ragged = dict(
+            send_offsets=starts,
+            remote_offsets=jnp.take(at_owner, me, axis=0).reshape(e_total),
+            recv_offsets=jnp.take(at_owner, me, axis=1).reshape(e_total),
+            return_offsets=jnp.take(src_starts, me, axis=1).reshape(e_total),
+        )
+    kept = (slot_row < send_slot.shape[0]).reshape(t, k)
+    return DispatchPlan(
+        send_slot=send_slot,
+        slot_row=slot_row.reshape(t, k),
+        kept=kept,
+        send_counts=send_counts,
+        recv_counts=recv_counts,
+        group_sizes=group_sizes.astype(jnp.int32),
+        dropped=dropped.astype(jnp.int32),
+        **ragged,
+        transport=transport,
+        num_experts=num_experts,
+        axis_name=axis_name,
+        axis_size=axis_size,
+        capacity=capacity,
+        ragged_impl=ragged_impl,
+        x_dtype=x_dtype,
+        block_size=block_size,
+    )

@@ -1,0 +1,225 @@
+"""Collective transports for expert-parallel token exchange (used inside ``jax.shard_map``).
+
+Three pieces, all pure functions on per-device arrays:
+
+* the wire codec: rows are sent either as-is (any float dtype) or as FP8, i.e. the e4m3 bytes
+  of :func:`moe.fp8.quantize` followed by its packed E8M0 scale words, fused into one uint8
+  row of ``H + H // block_size`` bytes (one collective instead of two);
+* ``dense_exchange``: a tiled ``jax.lax.all_to_all`` of a destination-major buffer;
+* ``ragged_exchange``: ``jax.lax.ragged_all_to_all`` on GPU/TPU and, where XLA does not
+  implement it (CPU), an emulation with identical semantics built from ``all_gather`` and
+  gathers (correct, not fast).
+
+References: DeepEP (FP8 dispatch with UE8M0 scales); MaxText's ragged MoE
+(``ragged_all_to_all`` + ``ragged_dot``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from moe import fp8
+
+AxisName = str | tuple[str, ...]
+RaggedImpl = Literal["auto", "native", "emulated"]
+
+# Backends whose XLA implements the ragged-all-to-all HLO.
+_NATIVE_RAGGED_BACKENDS = frozenset({"gpu", "cuda", "rocm", "tpu"})
+
+
+def resolve_ragged_impl(impl: RaggedImpl) -> Literal["native", "emulated"]:
+    """Pick the ragged all-to-all implementation: native where XLA has it, else emulated.
+
+    Args:
+      impl: ``'auto'`` (native on GPU/TPU, emulated elsewhere, by ``jax.default_backend()``),
+        ``'native'`` or ``'emulated'``.
+
+    Returns:
+      ``'native'`` or ``'emulated'``.
+
+    Example:
+      >>> resolve_ragged_impl("emulated")
+      'emulated'
+
+    References:
+      XLA:CPU has no ragged-all-to-all; see DESIGN.md, "Runs everywhere".
+    """
+    if impl not in ("auto", "native", "emulated"):
+        raise ValueError(
+            f"ragged_impl must be 'auto', 'native' or 'emulated', got {impl!r}; use 'auto' "
+            "to pick by backend."
+        )
+    if impl != "auto":
+        return impl
+    return "native" if jax.default_backend() in _NATIVE_RAGGED_BACKENDS else "emulated"
+
+
+def encode_rows(
+    rows: jax.Array, *, wire: Literal["fp8"] | jnp.dtype, block_size: int
+) -> jax.Array:
+    """Encode rows ``[N, H]`` for the wire: a dtype cast, or fused FP8 bytes + E8M0 scales.
+
+    FP8: ``uint8[N, H + H // block_size]`` = ``bytes(e4m3(x / scale)) ++ bytes(int32 scales)``.
+
+    Args:
+      rows: float array ``[N, H]``.
+      wire: ``'fp8'`` or a float dtype to cast to.
+      block_size: FP8 channels per scale (``H`` must be a multiple of ``4 * block_size``).
+
+    Returns:
+      The wire buffer (zero rows decode to zero rows).
+
+    Example:
+      >>> encode_rows(jnp.ones((2, 512)), wire="fp8", block_size=128).shape
+      (2, 516)
+
+    References:
+      DeepEP FP8 dispatch (e4m3 payload + UE8M0 scales).
+    """
+    if isinstance(wire, str):
+        q = fp8.quantize(rows, block_size)
+        data = jax.lax.bitcast_convert_type(q.data, jnp.uint8)
+        scales = jax.lax.bitcast_convert_type(q.scales, jnp.uint8)  # [N, W, 4], little-endian
+        return jnp.concatenate([data, scales.reshape(rows.shape[0], -1)], axis=-1)
+    return rows.astype(wire)
+
+
+def decode_rows(
+    buf: jax.Array, *, wire: Literal["fp8"] | jnp.dtype, width: int, out_dtype: jnp.dtype
+) -> jax.Array:
+    """Invert :func:`encode_rows` on ``buf [..., wire_width]``, returning ``[..., width]``.
+
+    Args:
+      buf: wire buffer from :func:`encode_rows` (possibly exchanged / reshaped on leading axes).
+      wire: the ``wire`` given to :func:`encode_rows`.
+      width: logical row width ``H``.
+      out_dtype: dtype of the decoded rows.
+
+    Returns:
+      ``out_dtype[..., H]``.
+
+    Example:
+      >>> b = encode_rows(jnp.ones((2, 512)), wire="fp8", block_size=128)
+      >>> float(decode_rows(b, wire="fp8", width=512, out_dtype=jnp.float32).sum())
+      1024.0
+
+    References:
+      DeepEP UE8M0 scale layout (four scale bytes per int32 word).
+    """
+    if isinstance(wire, str):
+        lead = buf.shape[:-1]
+        data = jax.lax.bitcast_convert_type(buf[..., :width], jnp.float8_e4m3fn)
+        sbytes = buf[..., width:].reshape(*lead, -1, 4)
+        scales = jax.lax.bitcast_convert_type(sbytes, jnp.int32)
+        return fp8.dequantize(fp8.Fp8Array(data=data, scales=scales), out_dtype)
+    return buf.astype(out_dtype)
+
+
+def dense_exchange(buf: jax.Array, axis_name: AxisName) -> jax.Array:
+    """Tiled all-to-all on axis 0: block ``p`` of ``buf`` goes to device ``p``.
+
+    ``out[p] = buf_on_device_p[me]`` with ``buf`` viewed as ``[P, N/P, ...]``.
+
+    Args:
+      buf: ``[P * n, ...]``, destination-major (``P`` = size of ``axis_name``).
+      axis_name: the mesh axis (or axes) to exchange over.
+
+    Returns:
+      ``[P * n, ...]``, source-major.
+
+    Example:
+      >>> # inside jax.shard_map over 'expert': dense_exchange(buf, 'expert')
+
+    References:
+      GShard / Switch Transformer capacity-padded all-to-all dispatch.
+    """
+    return jax.lax.all_to_all(buf, axis_name, 0, 0, tiled=True)
+
+
+def ragged_all_to_all_emulated(
+    operand: jax.Array,
+    output: jax.Array,
+    input_offsets: jax.Array,
+    send_sizes: jax.Array,
+    output_offsets: jax.Array,
+    recv_sizes: jax.Array,
+    *,
+    axis_name: AxisName,
+) -> jax.Array:
+    """``jax.lax.ragged_all_to_all`` semantics from ``all_gather`` + gathers (any backend).
+
+    Slice ``i`` of sender ``s`` (``operand[input_offsets[i] : +send_sizes[i]]``) lands on device
+    ``i // (K / P)`` at ``output[output_offsets[i] : +send_sizes[i]]``; rows nobody writes keep
+    ``output``'s value. Costs an all-gather of every operand, so it is for tests and CPU only.
+
+    Args:
+      operand: ``[N, ...]`` rows to send.
+      output: ``[M, ...]`` initial receive buffer.
+      input_offsets, send_sizes, output_offsets, recv_sizes: int ``[K]``, ``K`` a multiple of
+        the axis size, as for ``jax.lax.ragged_all_to_all`` (``recv_sizes`` is implied by the
+        senders' ``send_sizes`` and is unused here).
+      axis_name: the mesh axis (or axes).
+
+    Returns:
+      ``[M, ...]``, ``output`` with the received slices written.
+
+    Example:
+      >>> # inside shard_map: ragged_all_to_all_emulated(x, out, io, ss, oo, rs, axis_name='e')
+
+    References:
+      ``jax.lax.ragged_all_to_all`` docstring; MaxText ragged MoE.
+    """
+    del recv_sizes
+    p = jax.lax.axis_size(axis_name)
+    n, m, k = operand.shape[0], output.shape[0], input_offsets.shape[0]
+    spd = k // p  # slices per destination
+    me = jax.lax.axis_index(axis_name)
+    all_rows = jax.lax.all_gather(operand, axis_name, axis=0, tiled=True)  # [P*N, ...]
+    meta = jnp.stack([input_offsets, send_sizes, output_offsets]).astype(jnp.int32)
+    meta = jax.lax.all_gather(meta, axis_name, axis=0)  # [P, 3, K]
+    mine = jax.lax.dynamic_slice_in_dim(meta, me * spd, spd, axis=2)  # [P, 3, spd]
+    io, ss, oo = mine[:, 0, :, None], mine[:, 1, :, None], mine[:, 2, :, None]
+    r = jnp.arange(n, dtype=jnp.int32)
+    src = jnp.arange(p, dtype=jnp.int32)[:, None, None] * n + io + r  # [P, spd, N]
+    dst = jnp.where(r < ss, oo + r, m)  # out-of-range -> dropped by the scatter
+    row_src = jnp.full((m,), -1, jnp.int32).at[dst.reshape(-1)].set(src.reshape(-1), mode="drop")
+    got = jnp.take(all_rows, jnp.maximum(row_src, 0), axis=0)
+    keep = (row_src >= 0).reshape((m,) + (1,) * (output.ndim - 1))
+    return jnp.where(keep, got, output)
+
+
+def ragged_exchange(
+    operand: jax.Array,
+    output: jax.Array,
+    input_offsets: jax.Array,
+    send_sizes: jax.Array,
+    output_offsets: jax.Array,
+    recv_sizes: jax.Array,
+    *,
+    axis_name: AxisName,
+    impl: Literal["native", "emulated"],
+) -> jax.Array:
+    """``jax.lax.ragged_all_to_all`` (``impl='native'``) or its emulation (``'emulated'``).
+
+    Args:
+      operand, output, input_offsets, send_sizes, output_offsets, recv_sizes: as for
+        ``jax.lax.ragged_all_to_all``.
+      axis_name: the mesh axis (or axes).
+      impl: from :func:`resolve_ragged_impl`.
+
+    Returns:
+      ``output`` with received slices written.
+
+    Example:
+      >>> # inside shard_map: ragged_exchange(..., axis_name='expert', impl='native')
+
+    References:
+      MaxText ragged MoE dispatch.
+    """
+    args = (operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
+    if impl == "native":
+        return jax.lax.ragged_all_to_all(*args, axis_name=axis_name)
+    return ragged_all_to_all_emulated(*args, axis_name=axis_name)
