@@ -204,6 +204,10 @@ def ragged_exchange(
 ) -> jax.Array:
     """``jax.lax.ragged_all_to_all`` (``impl='native'``) or its emulation (``'emulated'``).
 
+    The native op types its result like ``output``, so under ``shard_map``'s varying-axes
+    checks ``output`` must vary over the operand's mesh axes: build it with
+    ``jnp.zeros_like(operand, shape=...)``, not ``jnp.zeros``.
+
     Args:
       operand, output, input_offsets, send_sizes, output_offsets, recv_sizes: as for
         ``jax.lax.ragged_all_to_all``.

@@ -77,7 +77,7 @@ def _to_experts(rows: jax.Array, row_index: jax.Array, plan: DispatchPlan, w: _W
         out = _transport.decode_rows(recv, wire=w.codec, width=width, out_dtype=w.out)
         out = out.reshape(plan.axis_size, plan.num_local_experts, plan.capacity, width)
         return out.transpose(1, 0, 2, 3).reshape(plan.expert_shape(width))
-    recv = jnp.zeros((plan.capacity, buf.shape[-1]), buf.dtype)
+    recv = jnp.zeros_like(send, shape=(plan.capacity, send.shape[-1]))  # varies like send
     recv = _transport.ragged_exchange(
         send, recv, plan.send_offsets, plan.send_counts, plan.remote_offsets,
         plan.recv_counts.reshape(-1), axis_name=plan.axis_name, impl=plan.ragged_impl,
@@ -93,7 +93,7 @@ def _from_experts(expert_rows: jax.Array, plan: DispatchPlan) -> jax.Array:
         send = expert_rows.reshape(el, p, c, width).transpose(1, 0, 2, 3).reshape(-1, width)
         back = _transport.dense_exchange(send, plan.axis_name)  # send-buffer layout
     else:
-        back = jnp.zeros((plan.send_slot.shape[0], width), expert_rows.dtype)
+        back = jnp.zeros_like(expert_rows, shape=(plan.send_slot.shape[0], width))
         back = _transport.ragged_exchange(
             expert_rows, back, plan.recv_offsets, plan.recv_counts.reshape(-1),
             plan.return_offsets, plan.send_counts, axis_name=plan.axis_name,
@@ -147,6 +147,15 @@ def _combine_rows_bwd(grad_wire, res, dy):
 
 
 _combine_rows.defvjp(_combine_rows_fwd, _combine_rows_bwd)
+
+
+def _vary_like(x: jax.Array, *others) -> jax.Array:
+    """``x``, typed by ``shard_map`` as varying over every mesh axis any leaf of ``others``
+    varies over (adds a zero scalar; a no-op outside ``shard_map``). The custom VJPs need
+    their inputs to vary like their cotangents, which come out of collectives."""
+    for leaf in jax.tree.leaves(others):
+        x = x + jnp.zeros_like(leaf, shape=(), dtype=x.dtype)
+    return x
 
 
 # ----------------------------------------------------------------------------- validation
@@ -301,6 +310,7 @@ def dispatch(
             x_dtype=jnp.dtype(x.dtype).name, block_size=block_size,
         )
     with jax.named_scope("dispatch_exchange"):
+        x = _vary_like(x, plan)
         expert_x = _dispatch_rows(x, plan, _wire_for(dispatch_dtype, x.dtype, block_size))
     return expert_x, plan.group_sizes, plan
 
@@ -356,4 +366,5 @@ def combine(
         _check_block(expert_y.shape[-1], plan.block_size, "expert_y.shape[-1]")
     _axis_size(plan.axis_name, "combine")
     with jax.named_scope("combine"):
+        expert_y, weights = _vary_like(expert_y, weights, plan), _vary_like(weights, expert_y, plan)
         return _combine_rows(expert_y, weights, plan, combine_grad_dtype)

@@ -320,3 +320,25 @@ def test_unbound_axis_outside_shard_map_raises():
     with pytest.raises(ValueError, match="axis_name='expert'.*shard_map"):
         dispatch(jnp.zeros((8, 32)), jnp.zeros((8, K), jnp.int32), num_experts=E,
                  axis_name="expert")
+
+
+def test_native_ragged_path_lowers_with_fp8_wire():
+    """XLA:CPU cannot run ragged_all_to_all, but the native program must trace and lower
+    (shard_map's varying-axes checks included), with FP8 bytes on the dispatch-direction wire."""
+    mesh = make_mesh((2, 4), ("data", "expert"))
+    tok = P(("data", "expert"))
+    x = jax.ShapeDtypeStruct((T_ALL, FP8["d"]), jnp.float32)
+    ids = jax.ShapeDtypeStruct((T_ALL, K), jnp.int32)
+
+    def local(x, ids):
+        ex, _, plan = dispatch(x, ids, num_experts=E, axis_name="expert", transport="ragged",
+                               ragged_impl="native", dispatch_dtype="fp8")
+        w = jnp.ones(ids.shape, jnp.float32)  # invariant weights: still type-checks
+        return combine(jnp.sin(ex), w, plan, combine_grad_dtype="fp8")
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok), out_specs=tok)
+    hlo = jax.jit(jax.grad(lambda x, ids: jnp.sum(f(x, ids) ** 2))).lower(x, ids).as_text(
+        dialect="hlo")
+    ops = re.findall(r"= (\w+)\[[\d,]*\]\S* ragged-all-to-all\(", hlo)
+    # dispatch fwd, combine fwd, combine bwd (dispatch direction, FP8), dispatch bwd.
+    assert sorted(ops) == ["bf16", "bf16", "u8", "u8"], ops
