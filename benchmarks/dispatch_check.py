@@ -1,0 +1,242 @@
+"""Check and time moe.dispatch / moe.combine: dense vs ragged transport, bf16 vs FP8 wire.
+
+1. Checks (dropless): the native ``jax.lax.ragged_all_to_all`` path (GPU/TPU only) equals the
+   CPU emulation, and both equal the dense ``all_to_all`` path: expert inputs, group sizes,
+   combined outputs and gradients, with per-expert scaling as the "experts".
+2. Times ``dispatch -> combine`` (identity experts) forward and forward+backward for every
+   (transport, wire) pair: warmup, then the median of ``--iters`` runs, each ending in
+   ``jax.block_until_ready``; random (non-zero) tokens and routing. Also reports the bytes of
+   every collective in the emitted HLO (buffer sizes; ragged buffers are worst-case sized).
+
+Prints a table and writes JSON to ``--out``.
+
+    python benchmarks/dispatch_check.py                      # GPU, real sizes
+    python benchmarks/dispatch_check.py --small              # CPU, 8 simulated devices
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--small", action="store_true", help="small sizes (CPU, 8 simulated devices)")
+    p.add_argument("--tokens", type=int, help="tokens per device (default 16384; small: 256)")
+    p.add_argument("--d-model", type=int, help="d_model (default 4096; small: 512)")
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--capacity-factor", type=float, default=1.25,
+                   help="dense capacity factor for the timings (checks are dropless)")
+    p.add_argument("--check-tokens", type=int, help="tokens per device for the checks")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, help="timed runs (default 20; small: 5)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results/dispatch_check.json")
+    a = p.parse_args()
+    a.tokens = a.tokens or (256 if a.small else 16384)
+    a.d_model = a.d_model or (512 if a.small else 4096)
+    a.check_tokens = a.check_tokens or (64 if a.small else 2048)
+    a.iters = a.iters or (5 if a.small else 20)
+    return a
+
+
+ARGS = parse_args()
+if ARGS.small and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from moe._transport import resolve_ragged_impl  # noqa: E402
+from moe.dispatch import combine, dispatch  # noqa: E402
+
+AXIS = "expert"
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+          "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_COLLECTIVE = re.compile(r"=\s*(.*?)\s+(all-to-all|ragged-all-to-all|all-gather)\(")
+
+
+def collective_bytes(hlo: str) -> dict[str, int]:
+    """Bytes of every collective's result buffer in (pre-optimization) HLO text, by kind."""
+    out: dict[str, int] = {}
+    for line in hlo.splitlines():
+        m = _COLLECTIVE.search(line)
+        if m:
+            n = sum(_BYTES[dt] * math.prod(int(v) for v in dims.split(",") if v)
+                    for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)))
+            out[m.group(2)] = out.get(m.group(2), 0) + n
+    return out
+
+
+def make_inputs(n_dev, tokens, d, experts, k, seed):
+    """Random tokens, distinct top-k expert ids from random logits, softmax weights."""
+    kx, kl, kc = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(kx, (n_dev * tokens, d), jnp.float32).astype(jnp.bfloat16)
+    logits = jax.random.normal(kl, (n_dev * tokens, experts), jnp.float32)
+    w, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+    ct = jax.random.normal(kc, (n_dev * tokens, d), jnp.float32).astype(jnp.bfloat16)
+    return x, ids.astype(jnp.int32), w, ct
+
+
+def expert_scale(ex, sizes, transport, num_experts):
+    """'Experts' that scale rows by (1 + global expert id) / E, so misrouting shows."""
+    el = sizes.shape[0]
+    first = jax.lax.axis_index(AXIS) * el
+    if transport == "dense":
+        s = (1.0 + first + jnp.arange(el)) / num_experts
+        return ex * s[:, None, None].astype(ex.dtype)
+    row_e = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(ex.shape[0]), side="right")
+    s = (1.0 + first + jnp.minimum(row_e, el - 1)) / num_experts
+    return ex * s[:, None].astype(ex.dtype)
+
+
+def build(mesh, *, transport, impl, wire, experts, capacity_factor, scale):
+    """jit(forward) and jit(forward + backward) of dispatch -> experts -> combine."""
+
+    def local(x, ids, w):
+        ex, sizes, plan = dispatch(
+            x, ids, num_experts=experts, axis_name=AXIS, transport=transport,
+            capacity_factor=capacity_factor, dispatch_dtype=wire, ragged_impl=impl)
+        ey = expert_scale(ex, sizes, transport, experts) if scale else ex
+        y = combine(ey, w, plan, combine_grad_dtype=wire)
+        return y, ex, sizes, plan.dropped[None]
+
+    spec = P(AXIS)
+    f = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec),
+                      out_specs=(spec, spec, spec, spec))
+    fwd = jax.jit(lambda x, ids, w: f(x, ids, w)[0])
+    full = jax.jit(f)
+
+    def loss(x, ids, w, ct):
+        return jnp.sum(f(x, ids, w)[0].astype(jnp.float32) * ct.astype(jnp.float32))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 2)))
+    return fwd, full, grad
+
+
+def run_checks(mesh, n_dev, native_ok):
+    a = ARGS
+    x, ids, w, ct = make_inputs(n_dev, a.check_tokens, a.d_model, a.experts, a.top_k, a.seed + 1)
+    results, ref = {}, None
+    impls = ["emulated"] + (["native"] if native_ok else [])
+    for wire in ("bf16", "fp8"):
+        outs = {}
+        for transport, impl in [("dense", "emulated")] + [("ragged", i) for i in impls]:
+            _, full, grad = build(mesh, transport=transport, impl=impl, wire=wire,
+                                  experts=a.experts, capacity_factor=None, scale=True)
+            y, ex, sizes, dropped = jax.block_until_ready(full(x, ids, w))
+            dx, dw = jax.block_until_ready(grad(x, ids, w, ct))
+            assert int(dropped.sum()) == 0
+            outs[(transport, impl)] = dict(y=y, ex=ex, sizes=sizes, dx=dx, dw=dw)
+        ref = outs[("dense", "emulated")]
+        for key, o in outs.items():
+            if key == ("dense", "emulated"):
+                continue
+            err = {name: float(jnp.max(jnp.abs(o[name].astype(jnp.float32)
+                                               - ref[name].astype(jnp.float32))))
+                   for name in ("y", "dx", "dw")}
+            ok = bool(np.array_equal(o["sizes"], ref["sizes"])) and all(
+                v <= 1e-3 * float(jnp.max(jnp.abs(ref[n].astype(jnp.float32))))
+                for n, v in err.items())
+            if key == ("ragged", "native"):  # native vs emulated: the same data movement
+                emu = outs[("ragged", "emulated")]
+                ok &= bool(np.array_equal(np.asarray(o["ex"], np.float32),
+                                          np.asarray(emu["ex"], np.float32)))
+                ok &= bool(np.array_equal(np.asarray(o["y"], np.float32),
+                                          np.asarray(emu["y"], np.float32)))
+            name = f"{key[0]}[{key[1]}] vs dense, wire={wire}"
+            results[name] = dict(ok=ok, max_abs_err=err)
+            print(f"check {name:40s} {'OK' if ok else 'FAIL'}  max|err| {err}")
+    if not native_ok:
+        print(f"check native ragged_all_to_all: skipped (backend {jax.default_backend()} has "
+              "no ragged-all-to-all; run on GPU/TPU)")
+    return results
+
+
+def time_fn(fn, *args):
+    for _ in range(ARGS.warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(ARGS.iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_timings(mesh, n_dev, native_ok):
+    a = ARGS
+    x, ids, w, ct = make_inputs(n_dev, a.tokens, a.d_model, a.experts, a.top_k, a.seed)
+    rows = []
+    impl = "native" if native_ok else "emulated"
+    for transport in ("dense", "ragged"):
+        for wire in ("bf16", "fp8"):
+            cf = a.capacity_factor if transport == "dense" else None
+            fwd, full, grad = build(mesh, transport=transport, impl=impl, wire=wire,
+                                    experts=a.experts, capacity_factor=cf, scale=False)
+            dropped = int(jax.block_until_ready(full(x, ids, w))[3].sum())
+            hlo = fwd.lower(x, ids, w).as_text(dialect="hlo")
+            row = dict(
+                transport=transport, impl=impl if transport == "ragged" else "all_to_all",
+                wire=wire, capacity_factor=cf,
+                fwd_ms=1e3 * time_fn(fwd, x, ids, w),
+                fwd_bwd_ms=1e3 * time_fn(grad, x, ids, w, ct),
+                fwd_collective_mb=sum(collective_bytes(hlo).values()) / 2**20,
+                dropped_frac=dropped / (n_dev * a.tokens * a.top_k),
+            )
+            rows.append(row)
+            print(f"{row['transport']:7s} {row['impl']:10s} {wire:5s} "
+                  f"fwd {row['fwd_ms']:9.3f} ms  fwd+bwd {row['fwd_bwd_ms']:9.3f} ms  "
+                  f"fwd collectives {row['fwd_collective_mb']:9.2f} MB/device  "
+                  f"dropped {row['dropped_frac']:.4f}")
+    return rows
+
+
+def main():
+    a = ARGS
+    devices = jax.devices()
+    n_dev = len(devices)
+    if a.experts % n_dev:
+        raise SystemExit(f"--experts {a.experts} must be a multiple of the device count {n_dev}")
+    mesh = Mesh(np.array(devices), (AXIS,))
+    native_ok = resolve_ragged_impl("auto") == "native"
+    print(f"backend {jax.default_backend()} x{n_dev} ({devices[0].device_kind}), jax "
+          f"{jax.__version__}; tokens/device {a.tokens}, d_model {a.d_model}, experts "
+          f"{a.experts}, top-{a.top_k}")
+    checks = run_checks(mesh, n_dev, native_ok)
+    rows = run_timings(mesh, n_dev, native_ok)
+    print()
+    head = ("transport", "impl", "wire", "fwd_ms", "fwd_bwd_ms", "fwd_collective_mb",
+            "dropped_frac")
+    print(" | ".join(f"{h:>17s}" for h in head))
+    for r in rows:
+        print(" | ".join(f"{r[h]:>17.3f}" if isinstance(r[h], float) else f"{str(r[h]):>17s}"
+                         for h in head))
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as fh:
+        json.dump(dict(
+            config=vars(a), backend=jax.default_backend(), device_kind=devices[0].device_kind,
+            n_devices=n_dev, jax=jax.__version__, python=platform.python_version(),
+            native_ragged=native_ok, checks=checks, timings=rows,
+        ), fh, indent=2)
+    print(f"wrote {a.out}")
+    if not all(c["ok"] for c in checks.values()):
+        raise SystemExit("a check FAILED")
+
+
+if __name__ == "__main__":
+    main()
