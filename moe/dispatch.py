@@ -153,9 +153,10 @@ def _vary_like(x: jax.Array, *others) -> jax.Array:
     """``x``, typed by ``shard_map`` as varying over every mesh axis any leaf of ``others``
     varies over (adds a zero scalar; a no-op outside ``shard_map``). The custom VJPs need
     their inputs to vary like their cotangents, which come out of collectives."""
+    zero = jnp.zeros((), x.dtype)
     for leaf in jax.tree.leaves(others):
-        x = x + jnp.zeros_like(leaf, shape=(), dtype=x.dtype)
-    return x
+        zero = zero + jnp.zeros_like(leaf, shape=(), dtype=x.dtype)
+    return x + zero
 
 
 # ----------------------------------------------------------------------------- validation
