@@ -1,0 +1,280 @@
+"""Leaves as batches of matrices: dimension numbers, the [B, m, n] view and shape scaling.
+
+A leaf of any rank becomes a batch of independent matrices once its axes are split into
+reduction (fan-in, ``m``), output (fan-out, ``n``) and batch axes (everything else), as in
+:class:`optax.contrib.MuonDimensionNumbers`. These pure functions do that split and its inverse,
+so the unsharded transform and the sharded (stacked) path share one definition.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NamedTuple, TypeAlias
+
+import jax
+import jax.numpy as jnp
+import optax
+
+MuonDimensionNumbers = optax.contrib.MuonDimensionNumbers
+
+ShapeScaling: TypeAlias = Literal["spectral", "rms_match"] | None
+DimNumsLike: TypeAlias = Any  # MuonDimensionNumbers | tree (prefix) of them | callable on params
+
+RMS_MATCH_FACTOR = 0.2
+"""Moonlight's factor: ``0.2 * sqrt(max(m, n))`` gives updates the RMS of AdamW's."""
+
+
+class MatrixLayout(NamedTuple):
+    """How one leaf maps to a ``[B, m, n]`` batch (all axes non-negative, static)."""
+
+    batch_axes: tuple[int, ...]
+    reduction_axes: tuple[int, ...]
+    output_axes: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def batch(self) -> int:
+        """Number of matrices ``B`` (1 for a 2-D leaf)."""
+        return math.prod(self.shape[a] for a in self.batch_axes)
+
+    @property
+    def m(self) -> int:
+        """Fan-in: product of the reduction axes."""
+        return math.prod(self.shape[a] for a in self.reduction_axes)
+
+    @property
+    def n(self) -> int:
+        """Fan-out: product of the output axes."""
+        return math.prod(self.shape[a] for a in self.output_axes)
+
+
+def path_str(path: Sequence[Any]) -> str:
+    """Human-readable leaf path such as ``'layers/0/kernel'`` from a JAX key path.
+
+    Args:
+      path: a key path from :func:`jax.tree_util.tree_flatten_with_path`.
+
+    Returns:
+      The key names joined by ``'/'`` (``'<root>'`` for the empty path).
+
+    >>> import jax
+    >>> path_str(jax.tree_util.tree_flatten_with_path({'a': [1, 2]})[0][1][0])
+    'a/1'
+    """
+    parts = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            parts.append(str(k.key))
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            parts.append(k.name)
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            parts.append(str(k.idx))
+        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+            parts.append(str(k.key))
+        else:
+            parts.append(str(k))
+    return "/".join(parts) or "<root>"
+
+
+def _axes(value: Any, ndim: int, what: str, where: str) -> tuple[int, ...]:
+    axes = (value,) if isinstance(value, int) else tuple(value)
+    out = []
+    for ax in axes:
+        if not isinstance(ax, int) or not -ndim <= ax < ndim:
+            raise ValueError(
+                f"{where}: {what} {value!r} does not fit a leaf of rank {ndim}; give axes in "
+                f"[-{ndim}, {ndim}) or route this leaf to AdamW (muon_mask)."
+            )
+        out.append(ax % ndim)
+    if not out:
+        raise ValueError(f"{where}: {what} is empty; give at least one axis.")
+    return tuple(out)
+
+
+def matrix_layout(
+    shape: Sequence[int], dim_nums: MuonDimensionNumbers | None = None, *, path: str = "leaf"
+) -> MatrixLayout:
+    """Split a leaf's axes into batch, reduction and output axes.
+
+    Without dimension numbers, the last two axes are the matrix (reduction ``-2``, output
+    ``-1``) and leading axes are batch: ``[m, n]`` is one matrix (optax's default), ``[L, m, n]``
+    a stack. Kernels whose fan-in spans several axes (convolutions ``[kh, kw, c_in, c_out]``)
+    need explicit ``MuonDimensionNumbers(reduction_axis=(0, 1, 2), output_axis=3)``.
+
+    Args:
+      shape: the leaf's shape, rank ``>= 2``.
+      dim_nums: optional :class:`optax.contrib.MuonDimensionNumbers`.
+      path: the leaf's path, used in error messages.
+
+    Returns:
+      A :class:`MatrixLayout`.
+
+    >>> matrix_layout((3, 4, 5)).batch, matrix_layout((3, 4, 5)).m
+    (3, 4)
+    """
+    shape = tuple(int(d) for d in shape)
+    ndim = len(shape)
+    if dim_nums is None:
+        if ndim < 2:
+            raise ValueError(
+                f"{path}: Muon needs a matrix (rank >= 2), got shape {shape}; route it to AdamW "
+                "(muon_mask) or give MuonDimensionNumbers."
+            )
+        return MatrixLayout(tuple(range(ndim - 2)), (ndim - 2,), (ndim - 1,), shape)
+    if not isinstance(dim_nums, MuonDimensionNumbers):
+        raise TypeError(
+            f"{path}: dimension numbers must be optax.contrib.MuonDimensionNumbers, got "
+            f"{type(dim_nums).__name__}."
+        )
+    red = _axes(dim_nums.reduction_axis, ndim, "reduction_axis", path)
+    out = _axes(dim_nums.output_axis, ndim, "output_axis", path)
+    if len(set(red)) != len(red) or len(set(out)) != len(out) or set(red) & set(out):
+        raise ValueError(
+            f"{path}: reduction axes {red} and output axes {out} of {dim_nums} must be distinct "
+            f"and disjoint for shape {shape}; every axis is reduction, output or batch."
+        )
+    batch = tuple(a for a in range(ndim) if a not in red and a not in out)
+    return MatrixLayout(batch, red, out, shape)
+
+
+def to_matrices(x: jax.Array, layout: MatrixLayout) -> jax.Array:
+    """Transpose and reshape a leaf to its ``[B, m, n]`` batch of matrices.
+
+    ``x.transpose(batch + reduction + output).reshape(B, m, n)``, the same order as optax.
+
+    Args:
+      x: the leaf, of shape ``layout.shape``.
+      layout: from :func:`matrix_layout`.
+
+    Returns:
+      Array of shape ``[B, m, n]``.
+
+    >>> import jax.numpy as jnp
+    >>> to_matrices(jnp.zeros((2, 3, 4)), matrix_layout((2, 3, 4))).shape
+    (2, 3, 4)
+    """
+    perm = layout.batch_axes + layout.reduction_axes + layout.output_axes
+    return jnp.transpose(x, perm).reshape(layout.batch, layout.m, layout.n)
+
+
+def from_matrices(y: jax.Array, layout: MatrixLayout) -> jax.Array:
+    """Inverse of :func:`to_matrices`: ``[B, m, n]`` back to the leaf's shape and axis order.
+
+    Args:
+      y: array of shape ``[B, m, n]``.
+      layout: the layout used to build ``y``.
+
+    Returns:
+      Array of shape ``layout.shape``.
+
+    >>> import jax.numpy as jnp
+    >>> lay = matrix_layout((3, 4, 5), MuonDimensionNumbers(0, 2))
+    >>> x = jnp.arange(60.0).reshape(3, 4, 5)
+    >>> bool((from_matrices(to_matrices(x, lay), lay) == x).all())
+    True
+    """
+    perm = layout.batch_axes + layout.reduction_axes + layout.output_axes
+    permuted_shape = tuple(layout.shape[a] for a in perm)
+    inverse = tuple(sorted(range(len(perm)), key=lambda i: perm[i]))
+    return jnp.transpose(y.reshape(permuted_shape), inverse)
+
+
+def shape_scale(m: int, n: int, mode: ShapeScaling) -> float:
+    r"""Factor applied to an orthogonalized ``[m, n]`` update (``m`` fan-in, ``n`` fan-out).
+
+    .. math::
+      \text{'spectral'}: \sqrt{\max(1, n / m)}, \qquad
+      \text{'rms\_match'}: 0.2 \sqrt{\max(m, n)}, \qquad \text{None}: 1.
+
+    Args:
+      m: fan-in (product of the reduction axes).
+      n: fan-out (product of the output axes).
+      mode: ``'spectral'`` (Jordan's width scaling, optax's default), ``'rms_match'``
+        (Moonlight: update RMS ~0.2 like AdamW, so AdamW learning rates and weight decay carry
+        over) or ``None``.
+
+    Returns:
+      The factor as a Python float.
+
+    >>> shape_scale(4, 16, 'spectral'), shape_scale(4, 16, 'rms_match'), shape_scale(4, 16, None)
+    (2.0, 0.8, 1.0)
+
+    References:
+      Liu et al., `Muon is Scalable for LLM Training <https://arxiv.org/abs/2502.16982>`_, 2025.
+    """
+    if mode is None:
+        return 1.0
+    if mode == "spectral":
+        return math.sqrt(max(1.0, n / m))
+    if mode == "rms_match":
+        return RMS_MATCH_FACTOR * math.sqrt(max(m, n))
+    raise ValueError(
+        f"shape_scaling must be 'spectral', 'rms_match' or None, got {mode!r}."
+    )
+
+
+def is_dim_nums_leaf(x: Any) -> bool:
+    """Leaves of a dimension-numbers tree: dimension numbers, ``None`` or ``MaskedNode``."""
+    return x is None or isinstance(x, MuonDimensionNumbers | optax.MaskedNode)
+
+
+def broadcast_prefix(
+    prefix: Any, tree: Any, *, is_leaf: Callable[[Any], bool], name: str
+) -> list[Any]:
+    """Broadcast a prefix tree over ``tree``; one entry per leaf of ``tree``, in leaf order.
+
+    Args:
+      prefix: a tree whose structure is a prefix of ``tree``'s.
+      tree: the full tree (params or updates).
+      is_leaf: marks the prefix's leaves.
+      name: the argument's name, for the error message.
+
+    Returns:
+      A list aligned with ``jax.tree.leaves(tree)``.
+
+    >>> broadcast_prefix({'a': 1, 'b': 2}, {'a': [0, 0], 'b': 0}, is_leaf=lambda x: False,
+    ...                  name='x')
+    [1, 1, 2]
+    """
+    out: list[Any] = []
+
+    def _extend(p, sub):
+        out.extend([p] * len(jax.tree.leaves(sub)))
+
+    try:
+        jax.tree.map(_extend, prefix, tree, is_leaf=is_leaf)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"{name} must be a tree with the structure of the params (or a prefix of it), or a "
+            f"callable on params returning one; for nnx.State params pass a callable. ({e})"
+        ) from None
+    return out
+
+
+def resolve_dim_nums(
+    dimension_numbers: DimNumsLike, tree: Any
+) -> list[MuonDimensionNumbers | None]:
+    """Per-leaf dimension numbers of ``tree`` (``None``: the default last-two-axes layout).
+
+    Args:
+      dimension_numbers: ``None``, one ``MuonDimensionNumbers`` for every leaf, a tree (prefix)
+        of them with ``None`` / ``MaskedNode`` for "default", or a callable on the tree.
+      tree: params or updates.
+
+    Returns:
+      A list aligned with ``jax.tree.leaves(tree)``.
+
+    >>> resolve_dim_nums(None, {'w': 0, 'v': 0})
+    [None, None]
+    """
+    n = len(jax.tree.leaves(tree))
+    if dimension_numbers is None:
+        return [None] * n
+    if callable(dimension_numbers) and not isinstance(dimension_numbers, MuonDimensionNumbers):
+        dimension_numbers = dimension_numbers(tree)
+    if isinstance(dimension_numbers, MuonDimensionNumbers):
+        return [dimension_numbers] * n
+    flat = broadcast_prefix(dimension_numbers, tree, is_leaf=is_dim_nums_leaf,
+                            name="dimension_numbers")
+    return [None if isinstance(d, optax.MaskedNode) else d for d in flat]
