@@ -214,7 +214,10 @@ def route(
         weights = weights / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)
     weights = weights * jnp.float32(config.routed_scaling)
 
-    tokens_per_expert = jnp.bincount(expert_ids.reshape(-1), length=e).astype(jnp.int32)
+    # A one-hot sum rather than bincount: a reduction partitions under every mesh type
+    # (bincount's scatter needs an ambient mesh when the ids are Explicit-sharded).
+    one_hot = expert_ids[..., None] == jnp.arange(e, dtype=expert_ids.dtype)
+    tokens_per_expert = jnp.sum(one_hot.reshape(-1, e), axis=0, dtype=jnp.int32)
     num_slots = expert_ids.size
     f = tokens_per_expert.astype(jnp.float32) / max(num_slots, 1)
     p = jnp.mean(probs.reshape(-1, e), axis=0)
