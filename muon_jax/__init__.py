@@ -4,15 +4,18 @@ from optax.contrib import MuonDimensionNumbers
 
 from muon_jax._masking import default_muon_mask
 from muon_jax._newton_schulz import ns_flops, orthogonalize, resolve_ns_coeffs
-from muon_jax._transform import MuonState, muon, scale_by_muon
+from muon_jax._sharded import reduced_view
+from muon_jax._transform import MuonState, ShardedMuonState, muon, scale_by_muon
 
 __all__ = [
     "MuonDimensionNumbers",
     "MuonState",
+    "ShardedMuonState",
     "default_muon_mask",
     "muon",
     "ns_flops",
     "orthogonalize",
+    "reduced_view",
     "resolve_ns_coeffs",
     "scale_by_muon",
 ]

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from muon_jax import _dims, _masking
+from muon_jax import _dims, _masking, _sharded
 from muon_jax._newton_schulz import NsCoeffsLike, orthogonalize, resolve_ns_coeffs
 
 
@@ -23,6 +23,17 @@ class MuonState(NamedTuple):
 
     count: jax.Array  # int32 scalar: number of updates so far
     mu: optax.Updates  # momentum, same tree as the params
+
+
+class ShardedMuonState(NamedTuple):
+    """State of :func:`scale_by_muon` on a mesh: momentum of whole matrices, 1/N per device."""
+
+    count: jax.Array  # int32 scalar: number of updates so far
+    mu: tuple[jax.Array, ...]  # per stack [N * k_owner, m, n], sharded P(owner_axes)
+    layout: _sharded.Layout  # the static plan (a pytree node without leaves)
+
+
+jax.tree_util.register_static(_sharded.Layout)
 
 
 def momentum_step(
@@ -98,6 +109,8 @@ def scale_by_muon(
     ns_dtype: jax.typing.DTypeLike = jnp.bfloat16,
     shape_scaling: _dims.ShapeScaling = "spectral",
     dimension_numbers: _dims.DimNumsLike = None,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+    shard_axes: str | tuple[str, ...] | None = None,
 ) -> optax.GradientTransformation:
     r"""Rescale updates to Muon's direction: orthogonalized (Nesterov) momentum.
 
@@ -128,9 +141,21 @@ def scale_by_muon(
         (or ``MaskedNode``) use the default: the last two axes are the matrix (reduction, output)
         and leading axes are a batch, so ``[m, n]`` is one matrix and ``[L, m, n]`` a stack.
         Conv kernels ``[kh, kw, c_in, c_out]`` need ``MuonDimensionNumbers((0, 1, 2), 3)``.
+      mesh: shard the optimizer over this mesh (ZeRO-1 owner compute, see
+        :mod:`muon_jax._sharded`); ``None``: the ambient ``jax.set_mesh`` mesh at ``init``, and
+        without one the unsharded path. Matrices of one shape form stacks whose stack axis is
+        split over ``shard_axes``: each device keeps the momentum of, and orthogonalizes, only
+        its own whole matrices; gradients arrive by reduce-scatter when they are unreduced
+        (see :func:`muon_jax.reduced_view`), else by a local slice (replicated) or an
+        all-to-all (FSDP / tensor-parallel leaves); updates leave with the params' shardings.
+        Call ``init`` on params placed as in training (Auto mesh axes are read from concrete
+        arrays; Explicit axes also from traced types); updates come back in the gradient dtype.
+      shard_axes: mesh axes that split the stacks (``None``: all mesh axes). Every mesh axis
+        that shards a Muon param must be one of them.
 
     Returns:
-      An ``optax.GradientTransformation`` with state :class:`MuonState`.
+      An ``optax.GradientTransformation`` with state :class:`MuonState` (unsharded) or
+      :class:`ShardedMuonState` (on a mesh).
 
     >>> import jax.numpy as jnp, optax
     >>> tx = scale_by_muon(ns_dtype=jnp.float32)
@@ -144,6 +169,9 @@ def scale_by_muon(
       <https://kellerjordan.github.io/posts/muon/>`_, 2024.
 
       Liu et al., `Muon is Scalable for LLM Training <https://arxiv.org/abs/2502.16982>`_, 2025.
+
+      Rajbhandari et al., `ZeRO <https://arxiv.org/abs/1910.02054>`_, 2020 (owner compute);
+      Keller Jordan's distributed Muon (modded-nanogpt, 2024).
     """
     resolve_ns_coeffs(ns_coeffs, ns_steps)  # fail at construction on a bad schedule
     _dims.shape_scale(1, 1, shape_scaling)  # and on a bad scaling name
@@ -151,11 +179,25 @@ def scale_by_muon(
 
     def init_fn(params):
         _layouts(params, dimension_numbers, "params")
+        resolved = _sharded.resolve_mesh(mesh)
+        if resolved is not None:
+            return _sharded_init(params, resolved, shard_axes, dimension_numbers, mu_dtype)
         mu = optax.tree.zeros_like(params, dtype=mu_dtype)
         return MuonState(count=jnp.zeros([], jnp.int32), mu=mu)
 
+    def owner_step(stack, blocks, scalars):
+        g, mu = blocks
+        mu_new, mu_hat = momentum_step(g, mu, scalars[0], beta, nesterov=nesterov)
+        o = orthogonalize(mu_hat, ns_coeffs=ns_coeffs, ns_steps=ns_steps, eps=eps, dtype=ns_dtype)
+        scale = _dims.shape_scale(stack.m, stack.n, shape_scaling)
+        if scale != 1.0:
+            o = o * jnp.asarray(scale, o.dtype)
+        return mu_new.astype(mu.dtype), o.astype(stack.dtype)
+
     def update_fn(updates, state, params=None):
         del params
+        if isinstance(state, ShardedMuonState):
+            return _sharded_update(updates, state, owner_step)
         layouts = _layouts(updates, dimension_numbers, "updates")
         count_inc = optax.safe_increment(state.count)
         grads, treedef = jax.tree.flatten(updates)
@@ -181,6 +223,66 @@ def scale_by_muon(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+def _replicated_grads(mesh: Any) -> _sharded.ReplicatedGrads:
+    """'scatter' where XLA forms reduce-scatter from all-reduce + slice (GPU/TPU), else 'slice'."""
+    abstract = mesh if isinstance(mesh, jax.sharding.AbstractMesh) else mesh.abstract_mesh
+    device = abstract.abstract_device
+    platform = device.platform if device is not None else jax.default_backend()
+    return "slice" if platform == "cpu" else "scatter"
+
+
+def _sharded_init(
+    params: Any, mesh: Any, shard_axes: Any, dimension_numbers: Any, mu_dtype: Any
+) -> ShardedMuonState:
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    entries = [
+        (_dims.path_str(path), x.shape, x.dtype, _sharded.param_spec(x)) for path, x in flat
+    ]
+    layout = _sharded.plan_layout(
+        entries,
+        _dims.resolve_dim_nums(dimension_numbers, params),
+        mesh=mesh,
+        shard_axes=shard_axes,
+        replicated_grads=_replicated_grads(mesh),
+    )
+    mu = _sharded.init_owner_stacks(layout, mu_dtype)
+    return ShardedMuonState(count=jnp.zeros([], jnp.int32), mu=mu, layout=layout)
+
+
+def _sharded_update(updates: Any, state: ShardedMuonState, owner_step: Any):
+    layout = state.layout
+    flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    if len(flat) != len(layout.leaves):
+        raise ValueError(
+            f"scale_by_muon: got {len(flat)} gradient leaves but the state was initialized for "
+            f"{len(layout.leaves)}; pass gradients with the structure of the params."
+        )
+    for (path, g), leaf in zip(flat, layout.leaves, strict=True):
+        if tuple(g.shape) != leaf.shape:
+            raise ValueError(
+                f"scale_by_muon: gradient leaf {_dims.path_str(path)!r} has shape {g.shape}, but "
+                f"its param {leaf.path!r} had {leaf.shape}; pass the gradients of the params."
+            )
+    count_inc = optax.safe_increment(state.count)
+    owner_grads = _sharded.to_owners([g for _, g in flat], layout)
+    with jax.named_scope("muon_owner_step"):
+        res = _sharded.owner_map(
+            owner_step, layout, list(zip(owner_grads, state.mu, strict=True)), (count_inc,)
+        )
+    out = _sharded.from_owners([r[1] for r in res], layout)
+    new_state = ShardedMuonState(count=count_inc, mu=tuple(r[0] for r in res), layout=layout)
+    return jax.tree.unflatten(treedef, out), new_state
+
+
+def _reducing(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` after all-reducing gradients that arrive unreduced (same state as ``tx``)."""
+
+    def update_fn(updates, state, params=None):
+        return tx.update(jax.tree.map(_sharded.reduce_unreduced, updates), state, params)
+
+    return optax.GradientTransformation(tx.init, update_fn)
+
+
 def muon(
     learning_rate: optax.ScalarOrSchedule,
     ns_coeffs: NsCoeffsLike = "jordan",
@@ -199,6 +301,8 @@ def muon(
     adam_b2: jax.typing.ArrayLike = 0.95,
     adam_eps: jax.typing.ArrayLike = 1e-8,
     adam_weight_decay: jax.typing.ArrayLike | None = None,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+    shard_axes: str | tuple[str, ...] | None = None,
 ) -> optax.GradientTransformation:
     r"""Muon for hidden-layer matrices, AdamW for every other leaf.
 
@@ -233,6 +337,10 @@ def muon(
       adam_b2: AdamW's second-moment decay.
       adam_eps: AdamW's epsilon.
       adam_weight_decay: AdamW's decoupled weight decay (``None``: ``weight_decay``).
+      mesh: shard Muon's state and work over this mesh (see :func:`scale_by_muon`);
+        ``None``: the ambient ``jax.set_mesh`` mesh, if any, at ``init``. AdamW leaves keep
+        the params' shardings; their gradients are all-reduced first if they arrive unreduced.
+      shard_axes: mesh axes that split Muon's stacks (``None``: all mesh axes).
 
     Returns:
       An ``optax.GradientTransformation`` (an ``optax.partition`` with labels ``'muon'`` and
@@ -278,15 +386,19 @@ def muon(
             ns_dtype=ns_dtype,
             shape_scaling=shape_scaling,
             dimension_numbers=dimension_numbers,
+            mesh=mesh,
+            shard_axes=shard_axes,
         ),
         optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(learning_rate),
     )
-    adamw_tx = optax.adamw(
-        adam_learning_rate,
-        b1=adam_b1,
-        b2=adam_b2,
-        eps=adam_eps,
-        weight_decay=adam_weight_decay,
+    adamw_tx = _reducing(
+        optax.adamw(
+            adam_learning_rate,
+            b1=adam_b1,
+            b2=adam_b2,
+            eps=adam_eps,
+            weight_decay=adam_weight_decay,
+        )
     )
     return optax.partition({"muon": muon_tx, "adamw": adamw_tx}, param_labels)
