@@ -1,0 +1,146 @@
+"""A small decoder-only transformer in Flax NNX whose feed-forward layers are ``moe.MoE``.
+
+RMSNorm, rotary causal attention, MoE feed-forward (SwiGLU experts, expert parallel over
+the mesh's expert axis), tied or untied byte head. Parameter names follow what
+``muon_jax.default_muon_mask`` expects: ``embed`` and ``lm_head`` go to AdamW, the hidden
+matrices and expert banks to Muon.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import moe
+
+
+@dataclasses.dataclass(frozen=True)
+class LMConfig:
+    """Model size and MoE options."""
+
+    vocab_size: int = 256
+    d_model: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    d_ff: int = 128
+    num_experts: int = 8
+    top_k: int = 2
+    capacity_factor: float | None = 2.0
+    dispatch_dtype: str = "bf16"
+    fp8_block_size: int = 32
+    tie_embeddings: bool = False
+    rope_base: float = 10000.0
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"d_model={self.d_model} must be divisible by num_heads={self.num_heads}."
+            )
+        if (self.d_model // self.num_heads) % 2:
+            raise ValueError("d_model // num_heads must be even for rotary embeddings.")
+
+
+def rotary(x: jax.Array, base: float) -> jax.Array:
+    """Rotary position embedding on [batch, seq, heads, head_dim] (Su et al., 2021)."""
+    seq, half = x.shape[1], x.shape[-1] // 2
+    freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * freqs[None, :]
+    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal multi-head self-attention with rotary embeddings."""
+
+    def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs):
+        self.num_heads, self.rope_base = cfg.num_heads, cfg.rope_base
+        dt = jnp.dtype(cfg.dtype)
+        init = nnx.initializers.normal(cfg.d_model**-0.5)
+        self.qkv = nnx.Linear(
+            cfg.d_model, 3 * cfg.d_model, use_bias=False, kernel_init=init, dtype=dt, rngs=rngs
+        )
+        self.out = nnx.Linear(
+            cfg.d_model, cfg.d_model, use_bias=False, kernel_init=init, dtype=dt, rngs=rngs
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, s, d = x.shape
+        h = self.num_heads
+        q, k, v = jnp.split(self.qkv(x).reshape(b, s, 3 * h, d // h), 3, axis=2)
+        q, k = rotary(q, self.rope_base), rotary(k, self.rope_base)
+        with jax.named_scope("attention"):
+            logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / (d // h) ** 0.5
+            mask = jnp.tril(jnp.ones((s, s), dtype=bool))
+            probs = jax.nn.softmax(jnp.where(mask, logits, -1e30), axis=-1).astype(v.dtype)
+            y = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, d)
+        return self.out(y)
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: attention then an MoE feed-forward layer."""
+
+    def __init__(self, cfg: LMConfig, *, mesh, rngs: nnx.Rngs):
+        self.attn_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.ffn_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
+        self.moe = moe.MoE(
+            cfg.d_model,
+            cfg.d_ff,
+            cfg.num_experts,
+            cfg.top_k,
+            mesh=mesh,
+            expert_axis="expert",
+            capacity_factor=cfg.capacity_factor,
+            dispatch_dtype=cfg.dispatch_dtype,
+            fp8_block_size=cfg.fp8_block_size,
+            dtype=jnp.dtype(cfg.dtype),
+            rngs=rngs,
+        )
+
+    def __call__(self, x: jax.Array):
+        x = x + self.attn(self.attn_norm(x))
+        y, aux = self.moe(self.ffn_norm(x))
+        return x + y, aux
+
+
+class TransformerLM(nnx.Module):
+    """Byte-level decoder-only transformer with MoE feed-forward layers."""
+
+    def __init__(self, cfg: LMConfig, *, mesh=None, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = nnx.Embed(
+            cfg.vocab_size,
+            cfg.d_model,
+            embedding_init=nnx.initializers.normal(1.0),
+            rngs=rngs,
+        )
+        self.blocks = nnx.List([Block(cfg, mesh=mesh, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
+        if not cfg.tie_embeddings:
+            self.lm_head = nnx.Linear(
+                cfg.d_model,
+                cfg.vocab_size,
+                use_bias=False,
+                kernel_init=nnx.initializers.normal(cfg.d_model**-0.5),
+                rngs=rngs,
+            )
+
+    def __call__(self, tokens: jax.Array):
+        """Returns f32 logits [batch, seq, vocab] and the summed MoE auxiliary outputs."""
+        x = self.embed(tokens).astype(jnp.dtype(self.cfg.dtype))
+        aux_sum = None
+        for block in self.blocks:
+            x, aux = block(x)
+            aux_sum = aux if aux_sum is None else jax.tree.map(jnp.add, aux_sum, aux)
+        x = self.final_norm(x)
+        if self.cfg.tie_embeddings:
+            logits = self.embed.attend(x)
+        else:
+            logits = self.lm_head(x)
+        return logits.astype(jnp.float32), aux_sum

@@ -1,0 +1,397 @@
+"""Train a byte-level MoE language model with sharded Muon (and/or AdamW) on real text.
+
+The text is the source of Python's own standard library, split into train and validation
+by file. The model is a small decoder-only transformer whose feed-forward layers are
+``moe.MoE`` (experts sharded over the mesh's ``expert`` axis, optional FP8 dispatch); the
+optimizer is ``muon_jax.muon`` with its state sharded ZeRO-1 style over every mesh axis.
+
+Run (CPU, 8 simulated devices as a ('data', 'expert') = (2, 4) mesh)::
+
+    python examples/train_lm.py                      # Muon vs AdamW, ~4 minutes on 2 cores
+    python examples/train_lm.py --optimizer muon --steps 500 --out runs/long
+    python examples/train_lm.py --out runs/x --resume  # continue from the last checkpoint
+
+Outputs in ``--out``: ``metrics.jsonl``, ``loss.png``, ``summary.json`` and orbax
+checkpoints under ``ckpt/<optimizer>/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+
+# Before JAX initializes: give the CPU backend 8 devices (harmless on GPU/TPU, where the
+# accelerator is the default backend and these CPU devices go unused).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import lm_data  # noqa: E402
+import lm_model  # noqa: E402
+
+import muon_jax  # noqa: E402
+
+MESH_AXES = ("data", "expert")
+import inspect  # noqa: E402
+_MUON_SHARDED = "mesh" in inspect.signature(muon_jax.muon).parameters
+OPTIMIZERS = ("muon", "adamw", "both")
+
+
+class UsageError(ValueError):
+    """A bad flag: reported as one line, without a traceback."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one clear line, exit status 2
+        raise UsageError(message)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = _Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--optimizer", default="both", help="muon | adamw | both (default both)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--d-ff", type=int, default=128)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--capacity-factor", type=float, default=2.0, help="<= 0 means dropless")
+    p.add_argument("--fp8-dispatch", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--fp8-block-size", type=int, default=32)
+    p.add_argument("--tie-embeddings", action="store_true")
+    p.add_argument("--lr", type=float, default=0.02, help="Muon learning rate (matrices)")
+    p.add_argument("--adam-lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--aux-loss", type=float, default=0.01, help="load-balancing loss weight")
+    p.add_argument("--z-loss", type=float, default=1e-3, help="router z-loss weight")
+    p.add_argument("--mesh", default=None, help="'data,expert' sizes, e.g. 2,4 (default: "
+                   "2,4 on CPU; 1,<all devices> on GPU/TPU)")
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--ckpt-every", type=int, default=100)
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="stop (with a checkpoint) after this step; the learning-rate schedule "
+                   "still spans --steps, so --resume later continues the same run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-corpus-mb", type=float, default=16.0)
+    p.add_argument("--out", default="runs/train_lm")
+    p.add_argument("--no-progress", action="store_true", help="disable the progress bar")
+    args = p.parse_args(argv)
+    if args.optimizer not in OPTIMIZERS:
+        raise UsageError(
+            f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {args.optimizer!r}."
+        )
+    for name in ("steps", "batch", "seq_len", "d_model", "layers", "heads", "experts", "top_k"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
+    if args.top_k > args.experts:
+        raise UsageError(f"--top-k ({args.top_k}) cannot exceed --experts ({args.experts}).")
+    return args
+
+
+def build_mesh(spec: str | None) -> jax.sharding.Mesh:
+    """A ('data', 'expert') mesh over the available devices."""
+    devices = jax.devices()
+    n = len(devices)
+    if spec is None:
+        shape = (2, n // 2) if jax.default_backend() == "cpu" and n % 2 == 0 else (1, n)
+    else:
+        try:
+            shape = tuple(int(s) for s in spec.split(","))
+        except ValueError:
+            raise UsageError(f"--mesh must look like 'data,expert' (e.g. 2,4), got {spec!r}.")
+        if len(shape) != 2 or min(shape) < 1:
+            raise UsageError(f"--mesh needs two positive sizes 'data,expert', got {spec!r}.")
+    if math.prod(shape) != n:
+        raise UsageError(
+            f"--mesh {shape[0]},{shape[1]} needs {math.prod(shape)} devices but {n} are "
+            f"available ({jax.default_backend()}); choose sizes whose product is {n}."
+        )
+    # Auto axes: XLA's partitioner places the dense parts; the MoE layer and Muon are explicit
+    # about their own layouts (shard_map), so nothing else needs Explicit sharding types.
+    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
+
+
+def model_config(args) -> lm_model.LMConfig:
+    return lm_model.LMConfig(
+        d_model=args.d_model,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        d_ff=args.d_ff,
+        num_experts=args.experts,
+        top_k=args.top_k,
+        capacity_factor=args.capacity_factor if args.capacity_factor > 0 else None,
+        dispatch_dtype="fp8" if args.fp8_dispatch else "bf16",
+        fp8_block_size=args.fp8_block_size,
+        tie_embeddings=args.tie_embeddings,
+    )
+
+
+def make_tx(name: str, args, mesh) -> optax.GradientTransformation:
+    """Muon (hidden matrices, ZeRO-1 sharded) + AdamW for the rest, or plain AdamW."""
+
+    def schedule(peak):
+        warmup = min(args.warmup, args.steps // 2)
+        return optax.warmup_cosine_decay_schedule(
+            0.0, peak, warmup, max(args.steps, warmup + 1), end_value=0.1 * peak
+        )
+
+    if name == "adamw":
+        return optax.adamw(schedule(args.adam_lr), b1=0.9, b2=0.95, weight_decay=args.weight_decay)
+    return muon_jax.muon(
+        schedule(args.lr),
+        weight_decay=args.weight_decay,
+        adam_learning_rate=schedule(args.adam_lr),
+        **({"mesh": mesh} if _MUON_SHARDED else {}),
+    )
+
+
+def create(name: str, args, mesh):
+    """Model and optimizer with params and state placed on the mesh."""
+    cfg = model_config(args)
+    with jax.set_mesh(mesh):
+        model = lm_model.TransformerLM(cfg, mesh=mesh, rngs=nnx.Rngs(args.seed))
+        state = nnx.state(model)
+        specs = nnx.get_partition_spec(state)
+        nnx.update(model, jax.device_put(state, jax.tree.map(
+            lambda s: NamedSharding(mesh, s if s is not None else P()), specs,
+            is_leaf=lambda x: isinstance(x, P) or x is None)))
+        optimizer = nnx.Optimizer(model, make_tx(name, args, mesh), wrt=nnx.Param)
+    return model, optimizer
+
+
+def loss_terms(model, batch, aux_w, z_w):
+    logits, aux = model(batch[:, :-1])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    n_layers = len(model.blocks)
+    lb = aux["load_balance_loss"] / n_layers
+    zl = aux["router_z_loss"] / n_layers
+    return ce + aux_w * lb + z_w * zl, (ce, lb, aux["dropped_tokens"])
+
+
+@nnx.jit(static_argnums=(3, 4))
+def train_step(model, optimizer, batch, aux_w, z_w):
+    grad_fn = nnx.value_and_grad(loss_terms, has_aux=True)
+    (_, (ce, lb, dropped)), grads = grad_fn(model, batch, aux_w, z_w)
+    optimizer.update(model, grads)
+    return {"loss": ce, "load_balance_loss": lb, "dropped_tokens": dropped}
+
+
+@nnx.jit
+def eval_step(model, batch):
+    logits, _ = model(batch[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+def evaluate(model, batches, put) -> float:
+    return float(np.mean([float(eval_step(model, put(b))) for b in batches]))
+
+
+def _manager(path: pathlib.Path):
+    import orbax.checkpoint as ocp
+
+    opts = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+    return ocp.CheckpointManager(path.resolve(), options=opts)
+
+
+def _save(mngr, step, model, optimizer):
+    import orbax.checkpoint as ocp
+
+    state = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
+    mngr.save(step, args=ocp.args.StandardSave(state))
+
+
+def _restore(mngr, model, optimizer) -> int:
+    import orbax.checkpoint as ocp
+
+    step = mngr.latest_step()
+    if step is None:
+        return 0
+    state = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    restored = mngr.restore(step, args=ocp.args.StandardRestore(abstract))
+    nnx.update(model, restored["model"])
+    nnx.update(optimizer, restored["optimizer"])
+    return int(step)
+
+
+def train_one(name, args, mesh, corpus, out: pathlib.Path, metrics_file) -> dict:
+    """Trains one optimizer's run; returns its final figures."""
+    model, optimizer = create(name, args, mesh)
+    data_sharding = NamedSharding(mesh, P(MESH_AXES, None))
+    put = lambda b: jax.device_put(jnp.asarray(b), data_sharding)
+    val = lm_data.eval_batches(corpus.val, args.batch, args.seq_len, args.eval_batches)
+    mngr = _manager(out / "ckpt" / name)
+    start = _restore(mngr, model, optimizer) if args.resume else 0
+    if start >= args.steps:
+        print(f"[{name}] checkpoint at step {start} already reaches --steps {args.steps}.")
+    tokens_per_step = args.batch * args.seq_len
+    bar = None
+    if not args.no_progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=args.steps, initial=start, desc=name, unit="step", dynamic_ncols=True)
+    last = {}
+    t_prev = time.perf_counter()
+    with jax.set_mesh(mesh):
+        for step in range(start + 1, args.steps + 1):
+            batch = put(lm_data.sample_batch(
+                corpus.train, args.batch, args.seq_len, seed=args.seed, step=step))
+            m = train_step(model, optimizer, batch, args.aux_loss, args.z_loss)
+            rec = {"optimizer": name, "step": step, "train_loss": float(m["loss"]),
+                   "load_balance_loss": float(m["load_balance_loss"]),
+                   "dropped_tokens": int(m["dropped_tokens"])}
+            if not math.isfinite(rec["train_loss"]):
+                raise FloatingPointError(f"[{name}] loss became {rec['train_loss']} at step {step}")
+            now = time.perf_counter()
+            rec["tokens_per_s"] = tokens_per_step / max(now - t_prev, 1e-9)
+            t_prev = now
+            if step % args.eval_every == 0 or step == args.steps:
+                rec["val_loss"] = evaluate(model, val, put)
+                rec["val_bits_per_byte"] = rec["val_loss"] / math.log(2)
+            metrics_file.write(json.dumps(rec) + "\n")
+            metrics_file.flush()
+            if step % args.ckpt_every == 0 or step == args.steps:
+                _save(mngr, step, model, optimizer)
+            last = rec
+            if args.stop_after is not None and step >= args.stop_after:
+                if step % args.ckpt_every and step != args.steps:
+                    _save(mngr, step, model, optimizer)
+                break
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{rec['train_loss']:.3f}",
+                                tok_s=f"{rec['tokens_per_s']:.0f}")
+    mngr.wait_until_finished()
+    mngr.close()
+    if bar is not None:
+        bar.close()
+    if "val_loss" not in last:
+        with jax.set_mesh(mesh):
+            last["val_loss"] = evaluate(model, val, put)
+        last["val_bits_per_byte"] = last["val_loss"] / math.log(2)
+    return {"final_val_loss": last["val_loss"], "final_val_bits_per_byte": last[
+        "val_bits_per_byte"], "final_train_loss": last.get("train_loss"), "steps": args.steps}
+
+
+def read_metrics(path: pathlib.Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot(records: list[dict], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, name in enumerate(sorted({r["optimizer"] for r in records})):
+        rs = [r for r in records if r["optimizer"] == name]
+        steps = np.array([r["step"] for r in rs])
+        train = np.array([r["train_loss"] for r in rs])
+        k = max(1, len(train) // 30)
+        smooth = np.convolve(train, np.ones(k) / k, mode="valid")
+        color = f"C{i}"
+        ax.plot(steps[k - 1:], smooth, color=color, alpha=0.6, label=f"{name} train")
+        vs = [(r["step"], r["val_loss"]) for r in rs if "val_loss" in r]
+        if vs:
+            ax.plot(*zip(*vs), "o-", color=color, label=f"{name} validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats / byte)")
+    ax.set_title("Byte-level MoE LM on the Python standard library")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(argv)
+        mesh = build_mesh(args.mesh)
+        n_dev = mesh.devices.size
+        if args.batch % n_dev:
+            raise UsageError(
+                f"--batch {args.batch} must be divisible by the {n_dev} devices of the "
+                f"('data', 'expert') mesh {tuple(mesh.devices.shape)}: the batch is split over both."
+            )
+        if args.experts % mesh.shape["expert"]:
+            raise UsageError(
+                f"--experts {args.experts} must be divisible by the expert axis size "
+                f"{mesh.shape['expert']} (set --mesh or --experts)."
+            )
+        if args.fp8_dispatch and args.d_model % (4 * args.fp8_block_size):
+            raise UsageError(
+                f"--d-model {args.d_model} must be a multiple of 4 x --fp8-block-size "
+                f"({4 * args.fp8_block_size}) with FP8 dispatch; or pass --no-fp8-dispatch."
+            )
+        corpus = lm_data.load_stdlib_corpus(
+            max_bytes=int(args.max_corpus_mb * (1 << 20)) if args.max_corpus_mb > 0 else None
+        )
+    except UsageError as e:
+        print(f"train_lm.py: error: {e}", file=sys.stderr)
+        return 2
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(
+        f"mesh {dict(mesh.shape)} on {jax.default_backend()}; corpus {corpus.train.size / 1e6:.1f} MB"
+        f" train ({corpus.num_train_files} files), {corpus.val.size / 1e6:.2f} MB val "
+        f"({corpus.num_val_files} files) from {corpus.root}"
+    )
+    names = ["muon", "adamw"] if args.optimizer == "both" else [args.optimizer]
+    metrics_path = out / "metrics.jsonl"
+    kept = read_metrics(metrics_path) if args.resume else []
+    results = {}
+    with metrics_path.open("w") as f:
+        for name in names:
+            resume_step = 0
+            if args.resume:
+                ck = out / "ckpt" / name
+                steps = [int(p.name) for p in ck.glob("*") if p.name.isdigit()] if ck.exists() else []
+                resume_step = max(steps, default=0)
+            for r in kept:  # keep the history up to the checkpoint we resume from
+                if r["optimizer"] == name and r["step"] <= resume_step:
+                    f.write(json.dumps(r) + "\n")
+            results[name] = train_one(name, args, mesh, corpus, out, f)
+    plot(read_metrics(metrics_path), out / "loss.png")
+    summary = {"args": vars(args), "mesh": dict(mesh.shape), "backend": jax.default_backend(),
+               "results": results}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    for name, r in results.items():
+        print(f"{name:>6}: final validation loss {r['final_val_loss']:.4f} nats/byte = "
+              f"{r['final_val_bits_per_byte']:.4f} bits/byte")
+    if len(results) == 2:
+        d = results["adamw"]["final_val_loss"] - results["muon"]["final_val_loss"]
+        print(f"Muon {'beats' if d > 0 else 'trails'} AdamW by {abs(d):.4f} nats/byte at "
+              f"{args.steps} steps.")
+    print(f"wrote {metrics_path}, {out / 'loss.png'}, {out / 'summary.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
