@@ -48,8 +48,6 @@ import lm_model  # noqa: E402
 import muon_jax  # noqa: E402
 
 MESH_AXES = ("data", "expert")
-import inspect  # noqa: E402
-_MUON_SHARDED = "mesh" in inspect.signature(muon_jax.muon).parameters
 OPTIMIZERS = ("muon", "adamw", "both")
 
 
@@ -164,7 +162,7 @@ def make_tx(name: str, args, mesh) -> optax.GradientTransformation:
         schedule(args.lr),
         weight_decay=args.weight_decay,
         adam_learning_rate=schedule(args.adam_lr),
-        **({"mesh": mesh} if _MUON_SHARDED else {}),
+        mesh=mesh,
     )
 
 
