@@ -233,10 +233,11 @@ import muon_jax
         """),
         md("""
             Two collectives: one all-reduce that sums every gradient over the 8 devices (the
-            data-parallel sum, the same as with AdamW), and one all-gather of the `[8, 64, 64]`
-            stack of Muon updates, each device contributing its own matrix's update. Between
-            them each device slices out its matrix and runs momentum and Newton-Schulz on it,
-            with no communication.
+            data-parallel sum, as with AdamW), and one all-gather of the `[8, 64, 64]` stack of
+            Muon updates, each device contributing its own matrix's update. In between, each
+            device slices out its matrix and runs momentum and Newton-Schulz on it with no
+            communication at all. This is XLA:CPU's program; on GPU/TPU the list can differ
+            (there XLA can turn the all-reduce and the slice into a reduce-scatter).
 
             ## 6. Muon vs AdamW
 
@@ -282,10 +283,10 @@ import muon_jax
             ## Next steps
 
             - `muon_jax.muon(..., shard_axes=...)` picks the mesh axes the stacks are split over
-              (default: the data-parallel axes).
-            - `muon_jax.hlo.analyze_collectives(jax.jit(step).lower(...).compile())` lists the
-              collectives of a compiled step and their bytes.
-            - `examples/quickstart.py` is the same recipe as a script.
+              (default: all axes of the mesh).
+            - `examples/quickstart.py` is a one-device version of this recipe as a script;
+              `examples/train_lm.py` trains a small MoE language model with sharded Muon.
+            - `moe_expert_parallel.ipynb` shows the expert-parallel MoE layer.
         """),
     ]
 
