@@ -1,0 +1,76 @@
+"""Small helpers shared by moe_layer_bench.py and lm_step_bench.py (timing, ceiling, JSON).
+
+Import after JAX's XLA_FLAGS are set (the scripts set them before importing this module).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def median_seconds(fn: Callable, args, warmup: int, iters: int) -> tuple[float, list[float]]:
+    """Median wall time of ``fn(*args)`` after ``warmup`` calls; each call blocked until ready."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times
+
+
+def dense_ceiling(n: int, warmup: int, iters: int, seed: int = 123, inner: int = 5) -> dict:
+    """Dense bf16 [n, n] @ [n, n] (f32 accumulation, bf16 out) on device 0: TFLOP/s per device.
+
+    Each timed sample is ``inner`` back-to-back calls, blocked once; the median sample / inner.
+    """
+    dev = jax.devices()[0]
+    ka, kb = jax.random.split(jax.random.key(seed))
+    a = jax.device_put(jax.random.normal(ka, (n, n), jnp.bfloat16), dev)
+    b = jax.device_put(jax.random.normal(kb, (n, n), jnp.bfloat16), dev)
+
+    @jax.jit
+    def mm(a, b):
+        return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+    def calls(a, b):  # back-to-back calls per sample: launch latency is not counted
+        return [mm(a, b) for _ in range(inner)]
+
+    sec, _ = median_seconds(calls, (a, b), warmup, iters)
+    sec /= inner
+    return {"name": f"dense_bf16_matmul_{n}^3", "n": n, "seconds": sec,
+            "calls_per_sample": inner, "tflops": 2.0 * n**3 / sec / 1e12}
+
+
+def env_info() -> dict:
+    devs = jax.devices()
+    return {"backend": jax.default_backend(), "device_kind": devs[0].device_kind,
+            "n_devices": len(devs), "jax": jax.__version__,
+            "python": platform.python_version()}
+
+
+def write_json(path: str | None, report: dict) -> None:
+    """Write ``report`` atomically (so a timeout mid-run leaves the last complete version)."""
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(report, fh, indent=2, default=str)
+    os.replace(tmp, path)
+
+
+def force_cpu_devices(n: int = 8) -> None:
+    """Simulate ``n`` CPU devices (call before JAX initializes its backend)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()

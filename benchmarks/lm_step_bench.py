@@ -1,0 +1,286 @@
+"""Benchmark one full training step of the MoE language model (examples/lm_model.py).
+
+Step = forward, backward (cross-entropy + 0.01 load-balancing + 1e-3 router z-loss, as in
+examples/train_lm.py) and the optimizer update (``muon_jax.muon`` with ``mesh=`` when it
+accepts one, Muon for hidden matrices and AdamW for the rest; or ``--optimizer adamw``), jitted
+over the split NNX state with the state donated. Mesh ('data', 'expert') = (1, n_devices);
+bf16 compute, f32 params. Variants: FP8 dispatch on and off.
+
+MFU = (6 * active_params * tokens + attention FLOPs) / (step time x n_devices x dense rate),
+the dense rate being a bf16 8192^3 matmul on one device timed in the same run.
+active_params: every matrix except the embedding lookup, with the expert banks scaled by
+top_k / num_experts (router, attention, lm_head counted in full); attention FLOPs
+12 * layers * d_model * seq per token (QK^T and PV, forward + backward, full square as the
+kernel computes it, PaLM's convention). Dropped slots and capacity padding are not subtracted.
+
+Usage:
+  python benchmarks/lm_step_bench.py                  # GPU: d 2048, 8 layers, E16 k2, 64x1024
+  python benchmarks/lm_step_bench.py --small          # CPU, 8 simulated devices
+  python benchmarks/lm_step_bench.py --profile /tmp/lm_trace --out r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import inspect
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--small", action="store_true", help="CPU sizes, 8 simulated devices")
+    p.add_argument("--d-model", type=int, help="2048; small 128")
+    p.add_argument("--layers", type=int, help="8; small 2")
+    p.add_argument("--heads", type=int, help="16; small 4")
+    p.add_argument("--d-ff", type=int, help="1408; small 128")
+    p.add_argument("--experts", type=int, help="16; small 8")
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--capacity-factor", type=float, default=1.25, help="<= 0: dropless")
+    p.add_argument("--fp8-block-size", type=int, help="128; small 32")
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--batch", type=int, help="global sequences (64; small 16)")
+    p.add_argument("--seq-len", type=int, help="1024; small 64")
+    p.add_argument("--fp8", nargs="+", choices=("on", "off"), default=["on", "off"],
+                   help="FP8 dispatch variants to run")
+    p.add_argument("--optimizer", choices=("muon", "adamw"), default="muon")
+    p.add_argument("--ceiling-n", type=int, help="dense matmul size (8192; small 512)")
+    p.add_argument("--warmup", type=int, help="3; small 1")
+    p.add_argument("--iters", type=int, help="10; small 2")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="trace a few steps of each variant under DIR/<variant>; report overlap")
+    p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(HERE / "results" / "lm_step_bench.json"),
+                   help="JSON path ('' to skip)")
+    a = p.parse_args(argv)
+    small = dict(d_model=128, layers=2, heads=4, d_ff=128, experts=8, fp8_block_size=32,
+                 batch=16, seq_len=64, ceiling_n=512, warmup=1, iters=2)
+    full = dict(d_model=2048, layers=8, heads=16, d_ff=1408, experts=16, fp8_block_size=128,
+                batch=64, seq_len=1024, ceiling_n=8192, warmup=3, iters=10)
+    for k, v in (small if a.small else full).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    return a
+
+
+ARGS = parse_args() if __name__ == "__main__" else None
+if ARGS is not None and ARGS.small:
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import lm_model  # noqa: E402  (examples/lm_model.py)
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from bench_util import dense_ceiling, env_info, write_json  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+from trace_overlap import exposed_comm_fraction  # noqa: E402
+
+import muon_jax  # noqa: E402
+
+AXES = ("data", "expert")
+MUON_SHARDED = "mesh" in inspect.signature(muon_jax.muon).parameters
+
+
+def make_mesh():
+    n = len(jax.devices())
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    return jax.make_mesh((1, n), AXES, axis_types=auto, devices=jax.devices())
+
+
+def model_config(a, fp8: bool) -> lm_model.LMConfig:
+    want = dict(vocab_size=a.vocab, d_model=a.d_model, num_layers=a.layers, num_heads=a.heads,
+                d_ff=a.d_ff, num_experts=a.experts, top_k=a.top_k,
+                capacity_factor=a.capacity_factor if a.capacity_factor > 0 else None,
+                dispatch_dtype="fp8" if fp8 else "bf16", fp8_block_size=a.fp8_block_size,
+                dtype="bfloat16")
+    names = {f.name for f in dataclasses.fields(lm_model.LMConfig)}
+    missing = set(want) - names
+    if missing:
+        print(f"note: LMConfig has no fields {sorted(missing)}; they are not set", flush=True)
+    return lm_model.LMConfig(**{k: v for k, v in want.items() if k in names})
+
+
+def make_tx(a, mesh):
+    if a.optimizer == "adamw":
+        return optax.adamw(3e-4, b1=0.9, b2=0.95, weight_decay=0.01)
+    kw = {"mesh": mesh} if MUON_SHARDED else {}
+    return muon_jax.muon(0.02, weight_decay=0.01, adam_learning_rate=3e-4, **kw)
+
+
+def active_params(model, cfg) -> dict:
+    """Matrix params by role; expert banks scaled by top_k / num_experts in 'active'."""
+    total = active = 0
+    by_role: dict[str, int] = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
+        name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        size = int(np.prod(leaf.shape))
+        total += size
+        if len(leaf.shape) < 2:
+            role, act = "vector", 0
+        elif "embed" in name:
+            role, act = "embedding", size if cfg.tie_embeddings else 0  # tied: also the head
+        elif "w_gate_up" in name or "w_down" in name:
+            role, act = "experts", size * cfg.top_k / cfg.num_experts
+        elif "router" in name:
+            role, act = "router", size
+        else:
+            role, act = ("lm_head" if "lm_head" in name else "dense"), size
+        by_role[role] = by_role.get(role, 0) + size
+        active += act
+    return {"total": total, "active": active, "by_role": by_role}
+
+
+def create(cfg, a, mesh):
+    with jax.set_mesh(mesh):
+        model = lm_model.TransformerLM(cfg, mesh=mesh, rngs=nnx.Rngs(a.seed))
+        state = nnx.state(model)
+        specs = nnx.get_partition_spec(state)
+        nnx.update(model, jax.device_put(state, jax.tree.map(
+            lambda s: NamedSharding(mesh, s if s is not None else P()), specs,
+            is_leaf=lambda x: isinstance(x, P) or x is None)))
+        optimizer = nnx.Optimizer(model, make_tx(a, mesh), wrt=nnx.Param)
+    return model, optimizer
+
+
+def loss_fn(model, batch):
+    logits, aux = model(batch[:, :-1])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    n = len(model.blocks)
+    loss = ce + 0.01 * aux["load_balance_loss"] / n + 1e-3 * aux["router_z_loss"] / n
+    return loss, (ce, aux["dropped_tokens"])
+
+
+def make_step(graphdef):
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(state, batch):
+        model, optimizer = nnx.merge(graphdef, state)
+        (_, (ce, dropped)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), (ce, dropped)
+
+    return step
+
+
+def run_steps(step, state, batch, n):
+    times, out = [], None
+    for _ in range(n):
+        t0 = time.perf_counter()
+        state, out = step(state, batch)
+        jax.block_until_ready((state, out))
+        times.append(time.perf_counter() - t0)
+    return state, out, times
+
+
+def bench_variant(fp8: bool, a, mesh, ceiling) -> dict:
+    n_dev = mesh.devices.size
+    cfg = model_config(a, fp8)
+    model, optimizer = create(cfg, a, mesh)
+    counts = active_params(model, cfg)
+    graphdef, state = nnx.split((model, optimizer))
+    del model, optimizer
+    step = make_step(graphdef)
+    rng = np.random.default_rng(a.seed)
+    tokens = rng.integers(0, a.vocab, size=(a.batch, a.seq_len + 1), dtype=np.int32)
+    batch = jax.device_put(jnp.asarray(tokens), NamedSharding(mesh, P(AXES, None)))
+    with jax.set_mesh(mesh):
+        t0 = time.perf_counter()
+        state, _, _ = run_steps(step, state, batch, 1)
+        first = time.perf_counter() - t0
+        state, _, _ = run_steps(step, state, batch, a.warmup)
+        state, (ce, dropped), times = run_steps(step, state, batch, a.iters)
+        sec = float(np.median(times))
+        overlap = None
+        if a.profile:
+            trace_dir = os.path.join(a.profile, f"fp8_{'on' if fp8 else 'off'}")
+            try:
+                with jax.profiler.trace(trace_dir):
+                    state, _, _ = run_steps(step, state, batch, a.profile_steps)
+                overlap = exposed_comm_fraction(trace_dir)
+                overlap.pop("source", None)
+                overlap["trace_dir"] = trace_dir
+            except Exception as err:
+                overlap = {"exposed_fraction": None, "reason": f"profiler failed: {err!r}"}
+    ntok = a.batch * a.seq_len
+    attn = 12.0 * a.layers * a.d_model * a.seq_len * ntok
+    flops = 6.0 * counts["active"] * ntok + attn
+    slots = ntok * a.top_k * a.layers
+    row = dict(variant=f"fp8_dispatch_{'on' if fp8 else 'off'}", fp8_dispatch=fp8,
+               optimizer=a.optimizer, muon_sharded=MUON_SHARDED and a.optimizer == "muon",
+               params_total=counts["total"], params_active=counts["active"],
+               params_by_role=counts["by_role"], tokens_per_step=ntok,
+               step_seconds=sec, step_ms=sec * 1e3, times_s=times, first_call_s=first,
+               tokens_per_s=ntok / sec, flops_per_step=flops, attention_flops=attn,
+               mfu=flops / (sec * n_dev * ceiling["tflops"] * 1e12),
+               loss=float(ce), dropped_frac=int(dropped) / slots)
+    if overlap is not None:
+        row["overlap"] = overlap
+    del state
+    return row
+
+
+def main(a) -> dict:
+    mesh = make_mesh()
+    n = mesh.devices.size
+    if a.experts % n or a.batch % n:
+        raise SystemExit(f"--experts {a.experts} and --batch {a.batch} must be multiples of the "
+                         f"{n} devices")
+    report = dict(benchmark="lm_train_step", env=env_info(),
+                  settings={k: v for k, v in vars(a).items() if k != "out"},
+                  mesh={"data": 1, "expert": n}, muon_sharded_available=MUON_SHARDED,
+                  flops_formula="6*active_params*tokens + 12*layers*d_model*seq*tokens",
+                  steps=[], errors={})
+    report["ceiling"] = dense_ceiling(a.ceiling_n, a.warmup, max(a.iters, 5))
+    print(f"ceiling: {report['ceiling']['tflops']:.2f} TFLOP/s per device", flush=True)
+    write_json(a.out, report)
+    for v in a.fp8:
+        try:
+            row = bench_variant(v == "on", a, mesh, report["ceiling"])
+        except Exception as err:
+            report["errors"][f"fp8_{v}"] = repr(err)[:2000]
+            print(f"fp8 {v}: FAILED {err!r}"[:800], flush=True)
+            continue
+        report["steps"].append(row)
+        ov = row.get("overlap", {}).get("exposed_fraction")
+        print(f"{row['variant']:20s} step {row['step_ms']:9.2f} ms  {row['tokens_per_s']:11.0f} "
+              f"tok/s  MFU {row['mfu']:.3f}  dropped {row['dropped_frac']:.4f}  loss "
+              f"{row['loss']:.3f}  first call {row['first_call_s']:.1f} s"
+              + (f"  exposed comm {ov:.3f}" if ov is not None else ""), flush=True)
+        write_json(a.out, report)
+    e, c = report["env"], report["ceiling"]
+    print(f"\nLM train step on {n}x {e['device_kind']} ({e['backend']}), jax {e['jax']}: "
+          f"d_model {a.d_model}, {a.layers} layers, {a.heads} heads, E {a.experts} top-{a.top_k}"
+          f" d_ff {a.d_ff}, batch {a.batch}x{a.seq_len}, optimizer {a.optimizer}"
+          f"{' (sharded)' if MUON_SHARDED and a.optimizer == 'muon' else ''}")
+    if report["steps"]:
+        r0 = report["steps"][0]
+        print(f"params {r0['params_total'] / 1e6:.1f} M total, {r0['params_active'] / 1e6:.1f} M "
+              f"active; dense ceiling {c['tflops']:.2f} TFLOP/s per device")
+    hdr = f"{'variant':20s} {'step ms':>9s} {'tok/s':>11s} {'MFU':>7s} {'dropped':>8s}"
+    print(hdr + "\n" + "-" * len(hdr))
+    for r in report["steps"]:
+        print(f"{r['variant']:20s} {r['step_ms']:9.2f} {r['tokens_per_s']:11.0f} "
+              f"{r['mfu']:7.3f} {r['dropped_frac']:8.4f}")
+    write_json(a.out, report)
+    if a.out:
+        print(f"wrote {a.out}")
+    return report
+
+
+if __name__ == "__main__":
+    main(ARGS)

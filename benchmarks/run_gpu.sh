@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Run every benchmark on this machine (2x H200 by default), then merge and plot.
+#
+#   bash benchmarks/run_gpu.sh OUT            # real sizes (GPU), ~9 minutes at most
+#   bash benchmarks/run_gpu.sh OUT --small    # CPU plumbing check (each script's --small)
+#
+# Each script runs under `timeout` (continue on failure) with PYTHONUNBUFFERED=1 and writes
+# OUT/<script>.json and OUT/<script>.log; OUT/run_status.tsv records exit code, seconds and
+# limit per script; then benchmarks/collect.py writes OUT/h200x2.json and
+# benchmarks/plot_results.py writes OUT/plot_*.png (SVG without matplotlib). Profiler traces
+# go under OUT/traces. Environment: BENCH_BUDGET_S (total seconds for the scripts, default
+# 530; 1200 with --small) and <NAME>_TIMEOUT (e.g. LM_STEP_BENCH_TIMEOUT=200) per script.
+# NCCL_* and XLA_FLAGS from the environment are left as they are.
+set -u
+OUT=${1:?usage: bash benchmarks/run_gpu.sh OUT [--small]}
+shift
+SMALL=""
+for arg in "$@"; do
+  case "$arg" in
+    --small) SMALL="--small" ;;
+    *) echo "run_gpu.sh: unknown argument $arg" >&2; exit 2 ;;
+  esac
+done
+cd "$(dirname "$0")/.." || exit 1
+mkdir -p "$OUT" "$OUT/traces"
+OUT=$(cd "$OUT" && pwd)
+export PYTHONUNBUFFERED=1
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python}
+if [ -n "$SMALL" ]; then BUDGET=${BENCH_BUDGET_S:-1200}; else BUDGET=${BENCH_BUDGET_S:-530}; fi
+START=$SECONDS
+STATUS="$OUT/run_status.tsv"
+printf 'script\trc\tseconds\tlimit_s\n' > "$STATUS"
+
+{
+  echo "date: $(date -u +%FT%TZ)"; echo "host: $(hostname)"; echo "git: $(git rev-parse HEAD 2>/dev/null)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
+  $PY -c 'import jax; print("jax", jax.__version__, jax.devices())' 2>&1 | tail -1
+} > "$OUT/env.txt" 2>&1
+
+# run NAME DEFAULT_LIMIT_S SCRIPT ARGS...
+run() {
+  local name=$1 limit=$2 script=$3
+  shift 3
+  local var
+  var="$(echo "$name" | tr '[:lower:]' '[:upper:]')_TIMEOUT"
+  limit=${!var:-$limit}
+  local left=$((BUDGET - (SECONDS - START)))
+  [ "$limit" -gt "$left" ] && limit=$left
+  if [ ! -f "$script" ] || [ "$limit" -lt 15 ]; then
+    echo "=== $name: skipped ($( [ -f "$script" ] && echo "only ${left}s left" || echo "no $script"))"
+    printf '%s\tskipped\t0\t%s\n' "$name" "$limit" >> "$STATUS"
+    return
+  fi
+  echo "=== $name (limit ${limit}s): $PY $script $* $SMALL"
+  local t0=$SECONDS
+  timeout -k 10 "$limit" "$PY" "$script" "$@" $SMALL > "$OUT/$name.log" 2>&1
+  local rc=$?
+  local dt=$((SECONDS - t0))
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$dt" "$limit" >> "$STATUS"
+  tail -n 25 "$OUT/$name.log"
+  echo "=== $name: rc=$rc in ${dt}s"
+}
+
+run moe_layer_bench 140 benchmarks/moe_layer_bench.py --out "$OUT/moe_layer_bench.json" \
+  --profile "$OUT/traces/moe_layer"
+run lm_step_bench 130 benchmarks/lm_step_bench.py --out "$OUT/lm_step_bench.json" \
+  --profile "$OUT/traces/lm_step"
+run muon_step 90 benchmarks/muon_step.py --out "$OUT/muon_step.json"
+run dispatch_check 90 benchmarks/dispatch_check.py --out "$OUT/dispatch_check.json"
+run experts_bench 80 benchmarks/experts_bench.py --out "$OUT/experts_bench.json" \
+  --configs bf16 all_fp8
+
+echo "=== scripts done in $((SECONDS - START))s"
+$PY benchmarks/collect.py "$OUT" --name h200x2 || echo "collect.py failed"
+$PY benchmarks/plot_results.py "$OUT" || echo "plot_results.py failed"
+echo "=== total $((SECONDS - START))s; summary: $OUT/h200x2.json"
