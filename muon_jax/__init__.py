@@ -4,8 +4,8 @@ from optax.contrib import MuonDimensionNumbers
 
 from muon_jax._masking import default_muon_mask
 from muon_jax._newton_schulz import ns_flops, orthogonalize, resolve_ns_coeffs
-from muon_jax._sharded import reduced_view
 from muon_jax._transform import MuonState, ShardedMuonState, muon, scale_by_muon
+from muon_jax.dp import reduce_unreduced, reduced_view
 
 __all__ = [
     "MuonDimensionNumbers",
@@ -15,6 +15,7 @@ __all__ = [
     "muon",
     "ns_flops",
     "orthogonalize",
+    "reduce_unreduced",
     "reduced_view",
     "resolve_ns_coeffs",
     "scale_by_muon",

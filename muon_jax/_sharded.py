@@ -33,9 +33,10 @@ of six 64x64 matrices trained data-parallel; ring bytes/device, AdamW = one all-
 3. Explicit meshes with ``unreduced`` (jax 0.10.2): ``jax.reshard(g_unreduced, P('d'))`` emits
    all-reduce + slice, and concatenating / padding unreduced arrays before the reshard gives
    *wrong values* (reduced twice). Parameters stored ``reduced`` break optax (no reduced rule
-   for ``integer_pow`` / ``is_finite``). What works: keep params replicated, differentiate with
-   respect to a reduced *view*, ``jax.grad(loss)(jax.reshard(p, P(reduced={'d'})), x)`` (a
-   free cast): the gradients come out unreduced and ``to_owners`` reduce-scatters them itself.
+   for ``integer_pow`` / ``is_finite``), and adding a reduced bias to batch-sharded
+   activations is a type error. What works: keep params replicated, differentiate with respect
+   to a reduced *view* of the Muon matrices (:func:`muon_jax.dp.reduced_view`, a free cast):
+   their gradients come out unreduced and ``to_owners`` reduce-scatters them itself.
    Measured: RS + AG = 229,376 B with 6 matrices padded to 8 (172,032 B AdamW), exactly
    AdamW's bytes when K is a multiple of N.
 4. Replicated gradients (``jax.grad`` on replicated params, Auto or Explicit): the all-reduce
@@ -74,11 +75,10 @@ __all__ = [
     "param_spec",
     "plan_layout",
     "init_owner_stacks",
+    "replicated_zeros",
     "to_owners",
     "owner_map",
     "from_owners",
-    "reduce_unreduced",
-    "reduced_view",
 ]
 
 Axes = tuple[str, ...]
@@ -177,7 +177,7 @@ class Layout:
 
     def owner_spec(self, stack: StackPlan) -> P:
         """PartitionSpec of an owner stack ``[N * k_owner, m, n]``."""
-        return P(stack.owner_axes or None, None, None)
+        return P(stack.owner_axes or None)
 
     def owner_shape(self, stack: StackPlan) -> tuple[int, int, int]:
         """Global shape of an owner stack."""
@@ -436,9 +436,9 @@ def _explicit_axes(mesh: MeshLike) -> frozenset[str]:
 def _constrain(x: jax.Array, spec: P, mesh: MeshLike) -> jax.Array:
     """Pin ``x`` to ``spec``: ``reshard`` on Explicit meshes, a sharding constraint on Auto."""
     explicit = _explicit_axes(mesh)
-    target = NamedSharding(mesh, spec) if isinstance(mesh, jax.sharding.Mesh) else spec
     if explicit and explicit == frozenset(mesh.axis_names):
-        return jax.sharding.reshard(x, target)
+        return jax.sharding.reshard(x, NamedSharding(mesh, spec))
+    target = NamedSharding(mesh, spec) if isinstance(mesh, jax.sharding.Mesh) else spec
     if explicit:
         return x  # mixed meshes: shard_map's in_specs carry the constraint
     return jax.lax.with_sharding_constraint(x, target)
@@ -471,14 +471,35 @@ def init_owner_stacks(layout: Layout, dtype: Any = None) -> tuple[jax.Array, ...
     References:
       ZeRO stage 1 (Rajbhandari et al., 2020).
     """
-    out = []
-    for s in layout.stacks:
-        dt = s.dtype if dtype is None else jnp.dtype(dtype)
-        shape = (s.k_owner, s.m, s.n)
-        f = _shard_map(lambda shape=shape, dt=dt: jnp.zeros(shape, dt), layout, (),
-                       layout.owner_spec(s))
-        out.append(f())
-    return tuple(out)
+    dts = [s.dtype if dtype is None else jnp.dtype(dtype) for s in layout.stacks]
+
+    def zeros():
+        return tuple(
+            jnp.zeros((s.k_owner, s.m, s.n), dt) for s, dt in zip(layout.stacks, dts, strict=True)
+        )
+
+    out_specs = tuple(layout.owner_spec(s) for s in layout.stacks)
+    return tuple(_shard_map(zeros, layout, (), out_specs)())
+
+
+def replicated_zeros(layout: Layout, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """Zeros replicated over the layout's mesh (e.g. a step counter), eager or traced.
+
+    Args:
+      layout: from :func:`plan_layout`.
+      shape: the array shape.
+      dtype: the element type.
+
+    Returns:
+      An array sharded ``P()`` over ``layout.mesh``.
+
+    Example:
+      >>> count = replicated_zeros(layout, (), jnp.int32)
+
+    References:
+      ZeRO (Rajbhandari et al., 2020).
+    """
+    return _shard_map(lambda: jnp.zeros(shape, dtype), layout, (), P())()
 
 
 def to_owners(grads: Sequence[jax.Array], layout: Layout) -> tuple[jax.Array, ...]:
@@ -505,19 +526,19 @@ def to_owners(grads: Sequence[jax.Array], layout: Layout) -> tuple[jax.Array, ..
     """
     mesh = layout.mesh
     explicit = _explicit_axes(mesh)
-    out = []
+    placed, in_specs, local, per_stack_u = list(grads), [None] * len(grads), {}, []
     for s in layout.stacks:
-        leaves = [layout.leaves[i] for i in s.leaves]
-        xs = [grads[i] for i in s.leaves]
-        unreduced = {_unreduced(x) for x in xs}
+        unreduced = {_unreduced(grads[i]) for i in s.leaves}
         if len(unreduced) != 1:
             raise ValueError(
-                f"leaf {leaves[0].path!r}: gradients of one stack are unreduced over different "
-                f"mesh axes {sorted(map(sorted, unreduced))}; reduce them alike."
+                f"leaf {layout.leaves[s.leaves[0]].path!r}: gradients of one stack are "
+                f"unreduced over different mesh axes {sorted(map(sorted, unreduced))}; "
+                "reduce them alike."
             )
         u = unreduced.pop()
-        in_specs, local, placed = [], [], []
-        for leaf, x in zip(leaves, xs, strict=True):
+        per_stack_u.append(u)
+        for i in s.leaves:
+            leaf, x = layout.leaves[i], grads[i]
             typed = _typed_spec(x, explicit)
             want = tuple(tuple(a for a in e if a in explicit) for e in leaf.spec)
             if typed is not None and typed != want:
@@ -529,40 +550,44 @@ def to_owners(grads: Sequence[jax.Array], layout: Layout) -> tuple[jax.Array, ..
             # Axes the gradient is unreduced over are reduce-scattered, never sliced.
             spec = tuple(tuple(a for a in e if a not in u) for e in leaf.entry_spec)
             if not u:
-                x = _constrain(x, _pspec(spec), mesh)
-            placed.append(x)
-            in_specs.append(_pspec(spec, unreduced=u) if u else _pspec(spec))
-            local.append(_local_layout(leaf, spec, mesh))
-        xs = placed
-        extra = tuple(a for a in mesh.axis_names if a in u and a not in layout.shard_axes)
+                placed[i] = _constrain(x, _pspec(spec), mesh)
+            in_specs[i] = _pspec(spec, unreduced=u) if u else _pspec(spec)
+            local[i] = _local_layout(leaf, spec, mesh)
 
-        def entry(*blocks, s=s, local=local, u=u, extra=extra):
-            mats = [_dims.to_matrices(b, lay) for b, lay in zip(blocks, local, strict=True)]
-            x = jnp.concatenate(mats, axis=0) if len(mats) > 1 else mats[0]
-            if extra:
-                x = jax.lax.psum(x, extra)
-            factor = _size(mesh, [a for op in s.ops for a in op.axes])
-            pad = s.k_owner * factor - x.shape[0]
-            if pad:
-                x = jnp.pad(x, ((0, pad), (0, 0), (0, 0)))
-            for op in s.ops:
-                if set(op.axes) <= u:
-                    x = jax.lax.psum_scatter(x, op.axes, scatter_dimension=0, tiled=True)
-                elif op.entry == "split" or set(op.axes) & u:
-                    if set(op.axes) & u:
-                        x = jax.lax.psum(x, tuple(a for a in op.axes if a in u))
-                    chunk = x.shape[0] // _size(mesh, op.axes)
-                    i = jax.lax.axis_index(op.axes)
-                    x = jax.lax.dynamic_slice_in_dim(x, i * chunk, chunk, axis=0)
-                else:
-                    x = jax.lax.all_to_all(
-                        x, op.axes, 0, 1 if op.entry == "a2a_m" else 2, tiled=True
-                    )
-            return x
+    def entry(*blocks):
+        return tuple(
+            _entry_stack(s, [_dims.to_matrices(blocks[i], local[i]) for i in s.leaves], u, layout)
+            for s, u in zip(layout.stacks, per_stack_u, strict=True)
+        )
 
-        f = _shard_map(entry, layout, tuple(in_specs), layout.owner_spec(s))
-        out.append(f(*xs))
-    return tuple(out)
+    out_specs = tuple(layout.owner_spec(s) for s in layout.stacks)
+    return _shard_map(entry, layout, tuple(in_specs), out_specs)(*placed)
+
+
+def _entry_stack(
+    s: StackPlan, mats: list[jax.Array], u: frozenset[str], layout: Layout
+) -> jax.Array:
+    """Device-local: stack, pad, then reduce-scatter / slice / all-to-all into owner blocks."""
+    mesh = layout.mesh
+    x = jnp.concatenate(mats, axis=0) if len(mats) > 1 else mats[0]
+    extra = tuple(a for a in mesh.axis_names if a in u and a not in layout.shard_axes)
+    if extra:  # unreduced over an axis that does not shard the stacks: plain all-reduce
+        x = jax.lax.psum(x, extra)
+    pad = s.k_owner * _size(mesh, [a for op in s.ops for a in op.axes]) - x.shape[0]
+    if pad:
+        x = jnp.pad(x, ((0, pad), (0, 0), (0, 0)))
+    for op in s.ops:
+        if set(op.axes) <= u:
+            x = jax.lax.psum_scatter(x, op.axes, scatter_dimension=0, tiled=True)
+        elif op.entry == "split" or set(op.axes) & u:
+            if set(op.axes) & u:
+                x = jax.lax.psum(x, tuple(a for a in op.axes if a in u))
+            chunk = x.shape[0] // _size(mesh, op.axes)
+            i = jax.lax.axis_index(op.axes)
+            x = jax.lax.dynamic_slice_in_dim(x, i * chunk, chunk, axis=0)
+        else:
+            x = jax.lax.all_to_all(x, op.axes, 0, 1 if op.entry == "a2a_m" else 2, tiled=True)
+    return x
 
 
 def _typed_spec(x: Any, explicit: frozenset[str]) -> tuple[Axes, ...] | None:
@@ -608,21 +633,27 @@ def owner_map(
     References:
       ZeRO (Rajbhandari et al., 2020).
     """
-    out = []
-    for s, arrays in zip(layout.stacks, stacks, strict=True):
-        spec = layout.owner_spec(s)
-        arrays = tuple(arrays)
-        n_in = len(arrays)
+    stacks = [tuple(a) for a in stacks]
+    counts = [len(a) for a in stacks]
+    flat = [a for arrays in stacks for a in arrays]
 
-        def body(*args, s=s, n_in=n_in):
-            return tuple(fn(s, args[:n_in], args[n_in:]))
+    def body(*args):
+        res, start = [], 0
+        blocks, sc = args[: len(flat)], args[len(flat):]
+        for s, n in zip(layout.stacks, counts, strict=True):
+            res.append(tuple(fn(s, blocks[start: start + n], sc)))
+            start += n
+        return tuple(res)
 
-        local = [jax.ShapeDtypeStruct((s.k_owner, s.m, s.n), a.dtype) for a in arrays]
-        local += [jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in scalars]
-        n_out = len(jax.eval_shape(body, *local))
-        f = _shard_map(body, layout, (spec,) * n_in + (P(),) * len(scalars), (spec,) * n_out)
-        out.append(f(*arrays, *scalars))
-    return out
+    local = [jax.ShapeDtypeStruct((s.k_owner, s.m, s.n), a.dtype)
+             for s, arrays in zip(layout.stacks, stacks, strict=True) for a in arrays]
+    local += [jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in scalars]
+    shapes = jax.eval_shape(body, *local)
+    specs = [layout.owner_spec(s) for s in layout.stacks]
+    in_specs = tuple(sp for sp, n in zip(specs, counts, strict=True) for _ in range(n))
+    out_specs = tuple((sp,) * len(r) for sp, r in zip(specs, shapes, strict=True))
+    f = _shard_map(body, layout, in_specs + (P(),) * len(scalars), out_specs)
+    return list(f(*flat, *scalars))
 
 
 def from_owners(
@@ -649,12 +680,11 @@ def from_owners(
       ZeRO (Rajbhandari et al., 2020).
     """
     mesh = layout.mesh
-    out: list[jax.Array | None] = [None] * len(layout.leaves)
-    for s, y in zip(layout.stacks, owner_stacks, strict=True):
-        leaves = [layout.leaves[i] for i in s.leaves]
-        local = [_local_layout(leaf, leaf.spec, mesh) for leaf in leaves]
+    local = [_local_layout(leaf, leaf.spec, mesh) for leaf in layout.leaves]
 
-        def exit_fn(y, s=s, local=local):
+    def exit_fn(*ys):
+        out: list[Any] = [None] * len(layout.leaves)
+        for s, y in zip(layout.stacks, ys, strict=True):
             for op in reversed(s.ops):
                 if op.exit == "gather":
                     y = jax.lax.all_gather(y, op.axes, axis=0, tiled=True)
@@ -662,81 +692,18 @@ def from_owners(
                     y = jax.lax.all_to_all(
                         y, op.axes, 1 if op.exit == "a2a_m" else 2, 0, tiled=True
                     )
-            res, start = [], 0
-            for lay in local:
-                res.append(_dims.from_matrices(y[start: start + lay.batch], lay))
-                start += lay.batch
-            return tuple(res)
+            start = 0
+            for i in s.leaves:
+                out[i] = _dims.from_matrices(y[start: start + local[i].batch], local[i])
+                start += local[i].batch
+        return tuple(out)
 
-        specs = tuple(_pspec(leaf.spec) for leaf in leaves)
-        f = _shard_map(exit_fn, layout, layout.owner_spec(s), specs, check_vma=False)
-        for i, r in zip(s.leaves, f(y), strict=True):
-            out[i] = r
+    in_specs = tuple(layout.owner_spec(s) for s in layout.stacks)
+    out_specs = tuple(_pspec(leaf.spec) for leaf in layout.leaves)
+    out = list(_shard_map(exit_fn, layout, in_specs, out_specs, check_vma=False)(*owner_stacks))
     if param_specs is not None:
         out = [
             _constrain(u, spec, mesh) if spec is not None and spec.reduced else u
             for u, spec in zip(out, param_specs, strict=True)
         ]
-    return out  # type: ignore[return-value]
-
-
-def reduce_unreduced(x: jax.Array) -> jax.Array:
-    """All-reduce a gradient that is unreduced over mesh axes (identity otherwise).
-
-    Args:
-      x: an array, possibly of type ``{U: axes}``.
-
-    Returns:
-      ``x`` with the same spec minus ``unreduced`` (one all-reduce when it had any).
-
-    Example:
-      >>> g = reduce_unreduced(g)  # before a nonlinear transform such as AdamW
-
-    References:
-      JAX explicit sharding: unreduced / reduced types.
-    """
-    u = _unreduced(x)
-    if not u:
-        return x
-    spec = jax.typeof(x).sharding.spec
-    return jax.sharding.reshard(x, P(*_parts(spec), reduced=spec.reduced))
-
-
-def reduced_view(params: Any, axes: str | Sequence[str]) -> Any:
-    """Cast replicated params to ``reduced`` over ``axes``: a free cast whose gradient is unreduced.
-
-    Use it inside the differentiated call so data-parallel gradients reach the optimizer as
-    per-device partial sums; sharded Muon then reduce-scatters them (bytes = one all-reduce):
-    ``grads = jax.grad(loss)(reduced_view(params, 'data'), batch)``. Explicit mesh axes only.
-
-    Args:
-      params: a tree of arrays, replicated over ``axes`` (typed on an Explicit mesh).
-      axes: the data-parallel mesh axes.
-
-    Returns:
-      The same values, typed ``{R: axes}``.
-
-    Raises:
-      ValueError: naming the leaf and axis when a leaf is sharded over one of ``axes``.
-
-    Example:
-      >>> g = jax.grad(loss)(reduced_view(params, 'data'), batch)  # g is {U: data}
-
-    References:
-      JAX "Autodiff and sharding" (reduced / unreduced); ZeRO (Rajbhandari et al., 2020).
-    """
-    axes_set = frozenset((axes,) if isinstance(axes, str) else axes)
-
-    def cast(path, x):
-        spec = jax.typeof(x).sharding.spec
-        parts = _parts(spec)
-        used = {a for e in parts if e is not None for a in ((e,) if isinstance(e, str) else e)}
-        if used & axes_set:
-            raise ValueError(
-                f"reduced_view: leaf {_dims.path_str(path)!r} is sharded over "
-                f"{sorted(used & axes_set)}; only params replicated over {sorted(axes_set)} "
-                "can be viewed as reduced."
-            )
-        return jax.sharding.reshard(x, P(*parts, reduced=axes_set | set(spec.reduced)))
-
-    return jax.tree_util.tree_map_with_path(cast, params)
+    return out

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from muon_jax import _dims, _masking, _sharded
+from muon_jax import _dims, _masking, _sharded, dp
 from muon_jax._newton_schulz import NsCoeffsLike, orthogonalize, resolve_ns_coeffs
 
 
@@ -146,7 +146,7 @@ def scale_by_muon(
         without one the unsharded path. Matrices of one shape form stacks whose stack axis is
         split over ``shard_axes``: each device keeps the momentum of, and orthogonalizes, only
         its own whole matrices; gradients arrive by reduce-scatter when they are unreduced
-        (see :func:`muon_jax.reduced_view`), else by a local slice (replicated) or an
+        (see :func:`muon_jax.dp.reduced_view`), else by a local slice (replicated) or an
         all-to-all (FSDP / tensor-parallel leaves); updates leave with the params' shardings.
         Call ``init`` on params placed as in training (Auto mesh axes are read from concrete
         arrays; Explicit axes also from traced types); updates come back in the gradient dtype.
@@ -246,7 +246,8 @@ def _sharded_init(
         replicated_grads=_replicated_grads(mesh),
     )
     mu = _sharded.init_owner_stacks(layout, mu_dtype)
-    return ShardedMuonState(count=jnp.zeros([], jnp.int32), mu=mu, layout=layout)
+    count = _sharded.replicated_zeros(layout, (), jnp.int32)
+    return ShardedMuonState(count=count, mu=mu, layout=layout)
 
 
 def _sharded_update(updates: Any, state: ShardedMuonState, owner_step: Any):
@@ -278,7 +279,7 @@ def _reducing(tx: optax.GradientTransformation) -> optax.GradientTransformation:
     """``tx`` after all-reducing gradients that arrive unreduced (same state as ``tx``)."""
 
     def update_fn(updates, state, params=None):
-        return tx.update(jax.tree.map(_sharded.reduce_unreduced, updates), state, params)
+        return tx.update(jax.tree.map(dp.reduce_unreduced, updates), state, params)
 
     return optax.GradientTransformation(tx.init, update_fn)
 

@@ -99,6 +99,8 @@ class Collective:
       in_while_loop: the computation is reachable from a while loop body or condition.
       done_name: name of the matching `-done` op, or None.
       overlapped: (opcode, name) of compute ops scheduled between start and done.
+      executions: times it runs per call: the product of the enclosing loops' known trip
+        counts (XLA's ``known_trip_count``; a loop without one counts once).
     """
 
     name: str
@@ -113,6 +115,7 @@ class Collective:
     in_while_loop: bool
     done_name: str | None = None
     overlapped: tuple[tuple[str, str], ...] = ()
+    executions: int = 1
 
     @property
     def exposed(self) -> bool:
@@ -163,16 +166,16 @@ class CollectiveReport:
         return out
 
     def ring_bytes_by_kind(self) -> dict[str, float]:
-        """Per-device ring bytes per kind."""
+        """Per-device ring bytes per kind (times loop trip counts)."""
         out: dict[str, float] = {}
         for c in self.collectives:
-            out[c.kind] = out.get(c.kind, 0.0) + c.ring_bytes
+            out[c.kind] = out.get(c.kind, 0.0) + c.ring_bytes * c.executions
         return out
 
     @property
     def ring_bytes(self) -> float:
-        """Total bytes each device sends per execution (ring algorithm, loops counted once)."""
-        return float(sum(c.ring_bytes for c in self.collectives))
+        """Total bytes each device sends per call (ring algorithm, times loop trip counts)."""
+        return float(sum(c.ring_bytes * c.executions for c in self.collectives))
 
     @property
     def in_while_loop(self) -> tuple[Collective, ...]:
@@ -182,7 +185,7 @@ class CollectiveReport:
     @property
     def exposed_ring_bytes(self) -> float:
         """Ring bytes of collectives with no compute scheduled under them."""
-        return float(sum(c.ring_bytes for c in self.collectives if c.exposed))
+        return float(sum(c.ring_bytes * c.executions for c in self.collectives if c.exposed))
 
     @property
     def exposed_fraction(self) -> float:
@@ -193,13 +196,14 @@ class CollectiveReport:
     def table(self) -> str:
         """A fixed-width text table, one row per collective, then totals."""
         head = ("kind", "async", "buffer", "bytes", "N", "ring B/dev", "computation", "loop",
-                "overlap ops")
+                "overlap ops")  # loop: "LOOP xT" with T executions per call
         rows = [head]
         for c in self.collectives:
             rows.append((
                 c.kind, "y" if c.is_async else "n", c.shape_str(), f"{c.buffer_bytes:,}",
                 str(c.group_size), f"{c.ring_bytes:,.0f}", c.computation,
-                "LOOP" if c.in_while_loop else "", str(len(c.overlapped)) if c.is_async else "-",
+                f"LOOP x{c.executions}" if c.in_while_loop else "",
+                str(len(c.overlapped)) if c.is_async else "-",
             ))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = [
@@ -371,6 +375,28 @@ def _ring_bytes(kind: str, buffer_bytes: int, n: int) -> float:
     return (n - 1) / n * buffer_bytes
 
 
+def _executions(comps: dict[str, list[_Instr]]) -> dict[str, int]:
+    """Runs per call of each computation: product of enclosing known loop trip counts."""
+    called = {c for body in comps.values() for ins in body for c in _callees(ins.attrs)}
+    roots = [c for c in comps if c not in called]
+    mult: dict[str, int] = {}
+    stack = [(c, 1) for c in roots]
+    while stack:
+        c, k = stack.pop()
+        if c not in comps or mult.get(c, 0) >= k:
+            continue
+        mult[c] = k
+        for ins in comps[c]:
+            trips = 1
+            if ins.opcode == "while":
+                m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attrs)
+                trips = int(m.group(1)) if m else 1
+            loop_parts = set(re.findall(r"\b(?:body|condition)=%?([\w.\-]+)", ins.attrs))
+            for callee in _callees(ins.attrs):
+                stack.append((callee, k * trips if callee in loop_parts else k))
+    return mult
+
+
 def _base_kind(opcode: str) -> tuple[str | None, str]:
     """(kind, role) for an opcode; role is 'sync', 'start', 'done' or ''."""
     if opcode in COLLECTIVE_KINDS:
@@ -425,6 +451,7 @@ def analyze_collectives(compiled_or_text: Any) -> CollectiveReport:
             continue
         in_loop.add(c)
         stack.extend(edges.get(c, []))
+    executions = _executions(comps)
 
     users: dict[str, list[_Instr]] = {}
     for ins in table.values():
@@ -497,5 +524,6 @@ def analyze_collectives(compiled_or_text: Any) -> CollectiveReport:
                 in_while_loop=cname in in_loop,
                 done_name=done.name if done is not None else None,
                 overlapped=overlapped,
+                executions=executions.get(cname, 1),
             ))
     return CollectiveReport(tuple(found), num_partitions)

@@ -72,9 +72,10 @@ def test_group_sizes_on_2d_mesh_and_while_loop_flag():
     (ar,) = rep.of_kind("all-reduce")
     assert (rs.group_size, rs.in_while_loop) == (2, False)
     assert rs.ring_bytes == pytest.approx(0.5 * 8 * 16 * 4)
-    assert (ar.group_size, ar.in_while_loop) == (4, True)
+    assert (ar.group_size, ar.in_while_loop, ar.executions) == (4, True, 3)
     assert rep.in_while_loop == (ar,)
-    assert "LOOP" in rep.table()
+    assert rep.ring_bytes == pytest.approx(rs.ring_bytes + 3 * ar.ring_bytes)
+    assert "LOOP x3" in rep.table()
 
 
 _ASYNC_HLO = """HloModule m, is_scheduled=true, num_partitions=8

@@ -1,0 +1,315 @@
+"""Sharded (ZeRO-1 owner-compute) Muon on 8 CPU devices: exactness, shardings, memory, work,
+communication parity with data-parallel AdamW, wrappers, and errors."""
+
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import muon_jax
+from muon_jax import _sharded, hlo, loss_scale
+
+SHAPES = {  # >= 6 distinct matrix shapes, stack counts not divisible by the axis sizes
+    "w1": (16, 32),
+    "w2": (3, 16, 32),  # joins w1: K = 4
+    "w3": (32, 16),
+    "w4": (5, 24, 40),
+    "w5": (8, 8),
+    "w6": (2, 40, 24),
+    "w7": (12, 20),
+    "w8": (8, 16, 32),  # scanned layers, sharded along L on some meshes
+    "w9": (16, 32),  # bf16 param, f32 momentum: its own stack
+}
+CASES = {  # mesh shape, axis names, axis type, param shardings
+    "8-explicit-fsdp": ((8,), ("d",), AxisType.Explicit,
+                        {"w3": P("d", None), "w8": P("d")}),
+    "2x4-auto-tp": ((2, 4), ("data", "model"), AxisType.Auto,
+                    {"w1": P(None, "model"), "w6": P(None, None, "model"),
+                     "w8": P("data", None, "model")}),
+    "4x2-explicit-mixed": ((4, 2), ("data", "model"), AxisType.Explicit,
+                           {"w3": P(("data", "model"), None), "w4": P(None, "model"),
+                            "w8": P("data")}),
+}
+F32_TX = dict(ns_dtype=jnp.float32, mu_dtype=jnp.float32)
+
+
+def _random_tree(seed, shapes=SHAPES):
+    """Host arrays (numpy RNG: no per-shape compilations); w9 is bf16."""
+    rng = np.random.default_rng(seed)
+    return {k: rng.standard_normal(s, np.float32).astype(jnp.bfloat16 if k == "w9" else np.float32)
+            for k, s in shapes.items()}
+
+
+def _make_params(mesh, specs):
+    return {k: jax.device_put(x, NamedSharding(mesh, specs.get(k, P())))
+            for k, x in _random_tree(0).items()}
+
+
+@pytest.fixture(scope="module")
+def reference_updates():
+    """Five steps of unsharded scale_by_muon on the host trees (shared by all meshes)."""
+    tx = muon_jax.scale_by_muon(**F32_TX)
+    update, state, out = jax.jit(tx.update), tx.init(_random_tree(0)), []
+    for step in range(5):
+        updates, state = update(_random_tree(100 + step), state)
+        out.append(jax.tree.map(lambda x: np.asarray(x, np.float32), updates))
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sharded_equals_unsharded_shardings_and_memory(case, reference_updates):
+    shape, names, axis_type, specs = CASES[case]
+    mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names))
+    params = _make_params(mesh, specs)
+    tx = muon_jax.scale_by_muon(**F32_TX, mesh=mesh)
+    state = tx.init(params)
+    assert isinstance(state, muon_jax.ShardedMuonState)
+    state_shardings = jax.tree.map(lambda x: x.sharding, state)
+    update = jax.jit(tx.update)
+    for step, ref in enumerate(reference_updates):
+        grads = {k: jax.device_put(g, params[k].sharding)
+                 for k, g in _random_tree(100 + step).items()}
+        updates, state = update(grads, state)
+        for k, u in updates.items():
+            assert u.sharding.is_equivalent_to(params[k].sharding, u.ndim), (k, u.sharding)
+            tol = dict(rtol=2e-2, atol=2e-2) if k == "w9" else dict(rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(np.asarray(u, np.float32), ref[k], **tol, err_msg=k)
+        for now, before in zip(jax.tree.leaves(state), jax.tree.leaves(state_shardings),
+                               strict=True):
+            assert now.sharding.is_equivalent_to(before, now.ndim), (now.sharding, before)
+    # Momentum memory per device: total / N + at most one padded matrix per stack.
+    n = state.layout.num_shards
+    total = sum(math.prod(s) * 4 for s in SHAPES.values())
+    slack = sum(s.m * s.n * 4 for s in state.layout.stacks)
+    per_device: dict = {}
+    for mu, stack in zip(state.mu, state.layout.stacks, strict=True):
+        assert mu.dtype == jnp.float32
+        for shard in mu.addressable_shards:
+            assert shard.data.shape == (stack.k_owner, stack.m, stack.n)
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    assert len(per_device) == 8
+    assert max(per_device.values()) <= total / n + slack, (per_device, total / n, slack)
+
+
+@pytest.mark.parametrize("policy", ["slice", "scatter"])
+def test_layout_round_trip_both_replicated_grad_policies(policy):
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    specs = {"w1": P(None, "model"), "w8": P("data", None, "model")}
+    params = {k: v for k, v in _make_params(mesh, specs).items() if k != "w9"}
+    leaves = jax.tree.leaves(params)
+    entries = [(k, v.shape, v.dtype, _sharded.param_spec(v)) for k, v in params.items()]
+    layout = _sharded.plan_layout(entries, [None] * len(leaves), mesh=mesh,
+                                  replicated_grads=policy)
+
+    def f(xs):
+        owned = _sharded.to_owners(xs, layout)
+        doubled = _sharded.owner_map(lambda s, b, c: (2 * b[0],), layout, [(o,) for o in owned])
+        return _sharded.from_owners([d[0] for d in doubled], layout)
+
+    out = jax.jit(f)(leaves)
+    for x, y in zip(leaves, out, strict=True):
+        np.testing.assert_array_equal(np.asarray(y), 2 * np.asarray(x))
+        assert y.sharding.is_equivalent_to(x.sharding, x.ndim)
+
+
+def test_no_collective_in_newton_schulz_and_no_repeated_work():
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+    shapes = {"a": (8, 32, 64), "b": (16, 64, 32), "c": (8, 48, 48)}
+    params = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+    grads = _random_tree(1, shapes)
+    tx = muon_jax.scale_by_muon(ns_steps=5, mesh=mesh)
+    state = tx.init(params)
+    compiled = jax.jit(tx.update).lower(grads, state).compile()
+    rep = hlo.analyze_collectives(compiled)
+    print(rep.table())
+    assert rep.in_while_loop == ()
+    assert rep.kinds == {"all-gather"} and len(rep) == len(state.layout.stacks)
+    flops = compiled.cost_analysis()["flops"]
+    ns_total = sum(s[0] * muon_jax.ns_flops(s[1], s[2], 5) for s in shapes.values())
+    elementwise = 100 * sum(math.prod(s) for s in shapes.values()) / 8
+    plain = muon_jax.scale_by_muon(ns_steps=5)
+    dense = jax.jit(plain.update).lower(grads, plain.init(params)).compile()
+    print(f"per-device flops {flops:.3e}; NS total / N {ns_total / 8:.3e}; "
+          f"unsharded {dense.cost_analysis()['flops']:.3e}")
+    assert flops <= 1.15 * ns_total / 8 + elementwise
+    assert flops >= ns_total / 8  # every device does its own share
+
+
+DP_SHAPES = {"embed": (16, 32), "w_up": (8, 32, 64), "w_down": (8, 64, 32), "bias": (8, 64),
+             "head": (32, 8)}  # Muon: the scanned w_up / w_down stacks; AdamW: the rest
+
+
+def _dp_loss(params, batch):
+    x, y = batch
+    h = x @ params["embed"]
+
+    def layer(h, p):
+        w_up, w_down, b = p
+        return h + jnp.tanh(h @ w_up + b) @ w_down, None
+
+    h, _ = jax.lax.scan(layer, h, (params["w_up"], params["w_down"], params["bias"]))
+    return jnp.mean((h @ params["head"] - y) ** 2)
+
+
+def _dp_step(tx, *, loss=_dp_loss, view_axes=None, scaled=False):
+    """A jitted data-parallel train step: grad (optionally w.r.t. a reduced view), update, apply."""
+
+    def step(params, state, batch):
+        view = muon_jax.reduced_view(params, view_axes) if view_axes else params
+
+        def objective(p):
+            value = loss(p, batch)
+            return loss_scale.scale_loss(value, state) if scaled else value
+
+        grads = jax.grad(objective)(view)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return jax.jit(step)
+
+
+@pytest.fixture(scope="module")
+def dp_setup():
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+    rng = np.random.default_rng(7)
+    host = {k: (0.3 * rng.standard_normal(s)).astype(np.float32) for k, s in DP_SHAPES.items()}
+    params = jax.device_put(host, NamedSharding(mesh, P()))
+    batch = (rng.standard_normal((64, 16)).astype(np.float32),
+             rng.standard_normal((64, 8)).astype(np.float32))
+    batch = jax.device_put(batch, NamedSharding(mesh, P("d")))
+    return mesh, host, params, batch
+
+
+def _ring_bytes(step, *args):
+    rep = hlo.analyze_collectives(step.lower(*args).compile())
+    return rep, rep.ring_bytes
+
+
+def test_dp_step_communication_parity_with_adamw(dp_setup):
+    mesh, host, params, batch = dp_setup
+    tx = muon_jax.muon(0.02, ns_dtype=jnp.float32, mesh=mesh)
+    state = tx.init(params)
+    muon_step = _dp_step(tx, view_axes="d")
+    adamw = optax.adamw(1e-3)
+    adamw_state = adamw.init(params)
+    rep_m, muon_bytes = _ring_bytes(muon_step, params, state, batch)
+    rep_a, adamw_bytes = _ring_bytes(_dp_step(adamw), params, adamw_state, batch)
+    _, plain_bytes = _ring_bytes(_dp_step(tx), params, state, batch)
+    print(f"\nring bytes/device per DP step: sharded Muon (unreduced grads) {muon_bytes:,.0f}; "
+          f"AdamW {adamw_bytes:,.0f}; ratio {muon_bytes / adamw_bytes:.3f}; sharded Muon on "
+          f"replicated grads (all-reduce + all-gather) {plain_bytes:,.0f}")
+    print(rep_m.table())
+    assert rep_m.counts().get("reduce-scatter", 0) >= 1
+    assert muon_bytes <= 1.1 * adamw_bytes
+    # The same step is exact: equal to unsharded muon on the reduced gradient.
+    new_params, _ = muon_step(params, state, batch)
+    ref_tx = muon_jax.muon(0.02, ns_dtype=jnp.float32)
+    host_batch = jax.tree.map(np.asarray, batch)
+    grads = jax.jit(jax.grad(_dp_loss))(host, host_batch)
+    ref_updates, _ = jax.jit(ref_tx.update)(grads, ref_tx.init(host), host)
+    ref = optax.apply_updates(host, ref_updates)
+    for k in DP_SHAPES:
+        assert new_params[k].sharding.is_equivalent_to(params[k].sharding, params[k].ndim)
+        np.testing.assert_allclose(np.asarray(new_params[k]), np.asarray(ref[k]),
+                                   rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def _collectives(rep, min_bytes=64):
+    """Multiset of (kind, buffers) of the non-scalar collectives (tuple order ignored)."""
+    return sorted((c.kind, tuple(sorted(zip(c.dtypes, c.shapes, strict=True))), c.executions)
+                  for c in rep if c.buffer_bytes >= min_bytes)
+
+
+def _same_arrays(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        for sx, sy in zip(x.addressable_shards, y.addressable_shards, strict=True):
+            if not np.array_equal(np.asarray(sx.data), np.asarray(sy.data), equal_nan=True):
+                return False
+    return True
+
+
+def test_wrappers_keep_collectives_results_and_skip_bitwise(dp_setup):
+    mesh, _, params, batch = dp_setup
+    nan_batch = jax.device_put((np.full((64, 16), np.nan, np.float32), np.asarray(batch[1])),
+                               NamedSharding(mesh, P("d")))
+    def tx():
+        return muon_jax.muon(0.02, ns_dtype=jnp.float32, mesh=mesh)
+
+    cases = {  # wrapper name: (plain tx, wrapped tx, step kwargs)
+        "apply_if_finite": (tx(), optax.apply_if_finite(tx(), 5), {}),
+        "dynamic_loss_scale": (
+            tx(), loss_scale.dynamic_loss_scale(tx(), init_scale=2.0**10), {"view_axes": "d"}),
+    }
+    for name, (plain, wrapped, kw) in cases.items():
+        plain_step = _dp_step(plain, **kw)
+        wrapped_step = _dp_step(wrapped, scaled=name == "dynamic_loss_scale", **kw)
+        ps, ws = plain.init(params), wrapped.init(params)
+        rep_p, _ = _ring_bytes(plain_step, params, ps, batch)
+        rep_w, _ = _ring_bytes(wrapped_step, params, ws, batch)
+        assert _collectives(rep_p) == _collectives(rep_w), (name, rep_p.table(), rep_w.table())
+        p1, p2 = params, params
+        for _ in range(2):
+            p1, ps = plain_step(p1, ps, batch)
+            p2, ws = wrapped_step(p2, ws, batch)
+        chex.assert_trees_all_close(p1, p2, rtol=1e-5, atol=1e-5)  # fusion-order rounding
+        skipped, ws_after = wrapped_step(p2, ws, nan_batch)
+        assert _same_arrays(skipped, p2), name
+        assert _same_arrays(ws_after.inner_state, ws.inner_state), name
+
+
+def test_tied_weight_gets_one_update_from_summed_gradient(dp_setup):
+    mesh, _, _, batch = dp_setup
+    rng = np.random.default_rng(3)
+    host = {"embed": rng.standard_normal((16, 32)).astype(np.float32),
+            "w": (0.3 * rng.standard_normal((8, 32, 32))).astype(np.float32)}
+
+    def tied_loss(p, batch, second_use=lambda w: w):  # every w[l] is used twice
+        h = batch[0] @ p["embed"]
+        for layer in range(8):
+            h = jnp.tanh(jnp.tanh(h @ p["w"][layer]) @ second_use(p["w"][layer]))
+        return jnp.mean((h[:, :8] - batch[1]) ** 2)
+
+    params = jax.device_put(host, NamedSharding(mesh, P()))
+    masked = optax.masked(muon_jax.scale_by_muon(**F32_TX, mesh=mesh), {"embed": False, "w": True})
+    step = _dp_step(masked, loss=tied_loss, view_axes="d")
+    state = masked.init(params)
+    rep, _ = _ring_bytes(step, params, state, batch)
+    assert len(rep.of_kind("reduce-scatter")) == 1 and len(rep.of_kind("all-gather")) == 1
+    new = np.asarray(step(params, state, batch)[0]["w"]) - host["w"]
+    host_batch = jax.tree.map(np.asarray, batch)
+    ref_tx = muon_jax.scale_by_muon(**F32_TX)
+    refs = []
+    for second_use in (lambda w: w, jax.lax.stop_gradient):  # summed vs first use only
+        g = jax.jit(jax.grad(lambda p, b, u=second_use: tied_loss(p, b, u)))(host, host_batch)["w"]
+        refs.append(np.asarray(jax.jit(ref_tx.update)({"w": g}, ref_tx.init({"w": g}))[0]["w"]))
+    # Gradient summation order differs (reduce-scatter of per-device partial sums).
+    np.testing.assert_allclose(new, refs[0], rtol=1e-4, atol=5e-5)
+    assert np.abs(new - refs[1]).max() > 100 * np.abs(new - refs[0]).max()
+
+
+def test_bad_axes_and_unservable_shardings_raise_naming_leaf_and_axis():
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    params = {"mlp": {"kernel": jax.device_put(np.ones((16, 32), np.float32),
+                                               NamedSharding(mesh, P(None, "model")))}}
+    with pytest.raises(ValueError, match=r"mlp/kernel.*'bogus'|'bogus'.*mlp/kernel"):
+        muon_jax.muon(0.02, mesh=mesh, shard_axes=("data", "bogus")).init(params)
+    with pytest.raises(ValueError, match=r"mlp/kernel.*'model'"):
+        muon_jax.muon(0.02, mesh=mesh, shard_axes="data").init(params)
+    conv = {"conv": jax.device_put(np.ones((3, 3, 8, 16), np.float32),
+                                   NamedSharding(mesh, P(None, None, "data")))}
+    dims = muon_jax.MuonDimensionNumbers(reduction_axis=(0, 1, 2), output_axis=3)
+    with pytest.raises(ValueError, match=r"conv.*dim 2.*\('data',\)"):
+        muon_jax.scale_by_muon(dimension_numbers=dims, mesh=mesh).init(conv)
+    explicit = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+    w = {"w": jax.device_put(np.ones((16, 32), np.float32), NamedSharding(explicit, P()))}
+    tx = muon_jax.scale_by_muon(mesh=explicit)
+    state = tx.init(w)
+    g = {"w": jax.device_put(np.ones((16, 32), np.float32), NamedSharding(explicit, P("d")))}
+    with pytest.raises(ValueError, match=r"'w'.*differs"):
+        jax.jit(tx.update)(g, state)
