@@ -216,19 +216,24 @@ def collect(out: Path) -> dict:
     # ---- Muon step (benchmarks/muon_step.py, another helper's script)
     mu = data["muon_step"]
     if mu:
-        res["muon_step_speedup_vs_optax"] = find_key(mu, (
-            "muon_step_speedup_vs_optax", "speedup_vs_optax", "speedup_vs_optax_contrib",
-            "speedup"))
-        res["muon_step_over_limit"] = find_key(mu, (
-            "muon_step_over_limit", "over_limit", "ratio_to_limit", "over_compute_limit",
-            "time_over_limit"))
-        res["muon_step_exposed_comm_fraction"] = find_key(mu, (
-            "muon_step_exposed_comm_fraction", "exposed_comm_fraction",
-            "exposed_collective_fraction", "exposed_fraction"))
-        for k in ("muon_step_speedup_vs_optax", "muon_step_over_limit",
-                  "muon_step_exposed_comm_fraction"):
+        fallbacks = {
+            "muon_step_speedup_vs_optax": ("speedup_vs_optax",),
+            "muon_step_over_limit": ("over_limit", "ratio_to_limit"),
+            "muon_step_exposed_comm_fraction": ("exposed_comm_fraction",),
+        }
+        for k, alts in fallbacks.items():
+            if k in mu:  # muon_step.py writes these top-level keys (None: not measured)
+                res[k] = mu[k] if _finite(mu[k]) else None
+            else:
+                res[k] = find_key(mu, alts)
             if res[k] is None:
-                why[k] = f"muon_step.json has no recognizable value for {k}"
+                why[k] = (f"muon_step.json: {k} is null" + (
+                    " (optax baseline skipped?)" if "speedup" in k else "")) if k in mu else \
+                    f"muon_step.json has no {k}" + (
+                        f" (status: {why_missing('muon_step', out, status)})"
+                        if "muon_step_seconds" not in mu else "")
+        res["muon_step_exposed_comm_source"] = mu.get("muon_step_exposed_comm_source")
+        res["muon_step_seconds"] = mu.get("muon_step_seconds")
         details["muon_step"] = mu
     else:
         for k in ("muon_step_speedup_vs_optax", "muon_step_over_limit",

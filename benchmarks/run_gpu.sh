@@ -62,16 +62,25 @@ run() {
   echo "=== $name: rc=$rc in ${dt}s"
 }
 
-run moe_layer_bench 140 benchmarks/moe_layer_bench.py --out "$OUT/moe_layer_bench.json" \
+run moe_layer_bench 130 benchmarks/moe_layer_bench.py --out "$OUT/moe_layer_bench.json" \
   --profile "$OUT/traces/moe_layer"
 run lm_step_bench 130 benchmarks/lm_step_bench.py --out "$OUT/lm_step_bench.json" \
   --profile "$OUT/traces/lm_step"
-run muon_step 90 benchmarks/muon_step.py --out "$OUT/muon_step.json"
-run dispatch_check 90 benchmarks/dispatch_check.py --out "$OUT/dispatch_check.json"
-run experts_bench 80 benchmarks/experts_bench.py --out "$OUT/experts_bench.json" \
+run muon_step 110 benchmarks/muon_step.py --out "$OUT/muon_step.json" \
+  --trace-dir "$OUT/traces/muon_step"
+run dispatch_check 80 benchmarks/dispatch_check.py --out "$OUT/dispatch_check.json"
+run experts_bench 70 benchmarks/experts_bench.py --out "$OUT/experts_bench.json" \
   --configs bf16 all_fp8
 
 echo "=== scripts done in $((SECONDS - START))s"
+# Keep the traces small enough to fetch: drop xplane.pb where a trace.json.gz has the same run
+# (KEEP_TRACES=1 keeps everything).
+if [ "${KEEP_TRACES:-0}" != "1" ]; then
+  find "$OUT/traces" -name '*.xplane.pb' 2>/dev/null | while read -r f; do
+    ls "$(dirname "$f")"/*.trace.json.gz > /dev/null 2>&1 && rm -f "$f"
+  done
+fi
+du -sh "$OUT/traces" 2>/dev/null
 $PY benchmarks/collect.py "$OUT" --name h200x2 || echo "collect.py failed"
 $PY benchmarks/plot_results.py "$OUT" || echo "plot_results.py failed"
 echo "=== total $((SECONDS - START))s; summary: $OUT/h200x2.json"
