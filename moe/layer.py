@@ -12,7 +12,6 @@ shared experts); experts are split over the expert axis. Inside ``jax.shard_map`
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -33,6 +32,7 @@ Transport = Literal["dense", "ragged", "auto"]
 WireDtype = Literal["bf16", "fp8"] | None
 
 
+@nnx.register_variable_name("balancing_bias", overwrite=True)  # Linen collection name
 class BalancingBias(nnx.Variable):
     """Aux-loss-free balancing bias (DeepSeek-V3): changes expert selection, never trained."""
 
@@ -106,17 +106,27 @@ def _reshard(a: jax.Array, mesh, spec: P) -> jax.Array:
 
 
 def _check_fp8(d_model: int, d_ff: int, opts: MoEOptions) -> None:
-    width = 4 * opts.fp8_block_size
-    uses = []
-    if "fp8" in (opts.dispatch_dtype, opts.combine_grad_dtype):
-        uses.append(("d_model", d_model))
-    if opts.gemm_dtype == "fp8" or opts.wgrad_dtype == "fp8" or opts.save_z == "fp8":
-        uses += [("d_model", d_model), ("d_ff", d_ff)]
-    for name, value in uses:
+    """The FP8 options' shape rules (those of ``moe.dispatch`` and ``moe.gated_experts``),
+    checked up front so the error names the layer's arguments."""
+    bs = opts.fp8_block_size
+    if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+        raise ValueError(f"fp8_block_size must be a positive int, got {bs!r}; use 128.")
+    width = 4 * bs
+    uses = []  # (name, size, option): FP8-quantized feature axes (four scales per int32 word)
+    for option in ("dispatch_dtype", "combine_grad_dtype"):
+        if getattr(opts, option) == "fp8":
+            uses.append(("d_model", d_model, option))
+    if opts.gemm_dtype == "fp8":
+        uses += [("d_model", d_model, "gemm_dtype"), ("d_ff", d_ff, "gemm_dtype")]
+    if opts.save_z == "fp8":
+        uses.append(("2 * d_ff", 2 * d_ff, "save_z"))  # z is [rows, 2 * d_ff]
+    # wgrad_dtype='fp8' blocks run along the token axis, which is zero-padded: no rule.
+    for name, value, option in uses:
         if value % width:
             raise ValueError(
-                f"{name}={value} must be a multiple of 4 * fp8_block_size = {width} for the FP8 "
-                f"options; choose a {name} that is, a smaller fp8_block_size, or bf16."
+                f"{name}={value} must be a multiple of 4 * fp8_block_size = {width} for "
+                f"{option}='fp8'; choose a d_model / d_ff that makes it one, a smaller "
+                f"fp8_block_size (4 * fp8_block_size dividing {value}), or {option}='bf16'."
             )
 
 
@@ -237,8 +247,9 @@ def moe_apply(
         )
     if (b * s) % n_dev:
         raise ValueError(
-            f"batch * seq = {b * s} tokens must be divisible by the {n_dev} devices of the mesh "
-            f"axes {axes} they are split over; change the batch or sequence length."
+            f"x has batch * seq = {b * s} tokens, which must be divisible by the {n_dev} "
+            f"devices of the mesh axes {axes} they are split over; change the batch or "
+            f"sequence length (or pass batch_axes= fewer axes)."
         )
 
     tokens = x.reshape(b * s, d)
@@ -261,8 +272,8 @@ def moe_apply(
     if shared is not None:
         gu, dn = shared
         with jax.named_scope("moe_shared_experts"):
-            z = jnp.einsum("td,df->tf", tokens, gu.astype(x.dtype))
-            g, u = jnp.split(z, 2, axis=-1)
+            zs = jnp.einsum("td,df->tf", tokens, gu.astype(x.dtype))
+            g, u = jnp.split(zs, 2, axis=-1)
             y = y + jnp.einsum("tf,fd->td", jax.nn.silu(g) * u, dn.astype(x.dtype))
     aux = {
         "load_balance_loss": lb,
@@ -380,29 +391,36 @@ class MoE(nnx.Module):
                     f"num_experts={num_experts} is not divisible by the size {ep} of expert_axis "
                     f"{expert_axis!r}; choose num_experts a multiple of {ep}."
                 )
-        eager = resolved is not None
+        # With an explicit mesh, place the values here (``reshard`` / a sharding constraint):
+        # ``jax.set_mesh`` is refused under a trace, and ``moe_linen`` builds the module inside
+        # ``apply``, often under ``jax.jit``. With only an ambient mesh, flax places them.
+        eager = mesh is None and resolved is not None
+
+        def place(value, sharding):
+            if mesh is not None:
+                value = _reshard(value, mesh, P(*sharding))
+            return value
 
         def param(key, shape, fan_in, sharding):
             value = jax.random.normal(key, shape, param_dtype) * fan_in**-0.5
-            return nnx.Param(value, out_sharding=sharding, eager_sharding=eager)
+            return nnx.Param(place(value, sharding), out_sharding=sharding,
+                             eager_sharding=eager)
 
-        ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
-        with ctx:
-            self.router_kernel = param(rngs.params(), (d_model, num_experts), d_model,
-                                       (None, None))
-            self.w_gate_up = param(rngs.params(), (num_experts, d_model, 2 * d_ff), d_model,
-                                   (expert_axis, None, None))
-            self.w_down = param(rngs.params(), (num_experts, d_ff, d_model), d_ff,
-                                (expert_axis, None, None))
-            if num_shared_experts:
-                f = num_shared_experts * d_ff
-                self.shared_gate_up = param(rngs.params(), (d_model, 2 * f), d_model, (None, None))
-                self.shared_down = param(rngs.params(), (f, d_model), f, (None, None))
-            else:
-                self.shared_gate_up = self.shared_down = None
-            self.balancing_bias = BalancingBias(
-                jnp.zeros((num_experts,), jnp.float32), out_sharding=(None,), eager_sharding=eager
-            )
+        self.router_kernel = param(rngs.params(), (d_model, num_experts), d_model, (None, None))
+        self.w_gate_up = param(rngs.params(), (num_experts, d_model, 2 * d_ff), d_model,
+                               (expert_axis, None, None))
+        self.w_down = param(rngs.params(), (num_experts, d_ff, d_model), d_ff,
+                            (expert_axis, None, None))
+        if num_shared_experts:
+            f = num_shared_experts * d_ff
+            self.shared_gate_up = param(rngs.params(), (d_model, 2 * f), d_model, (None, None))
+            self.shared_down = param(rngs.params(), (f, d_model), f, (None, None))
+        else:
+            self.shared_gate_up = self.shared_down = None
+        self.balancing_bias = BalancingBias(
+            place(jnp.zeros((num_experts,), jnp.float32), (None,)), out_sharding=(None,),
+            eager_sharding=eager,
+        )
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Returns ``(y, aux)`` for ``x [batch, seq, d_model]``; see :func:`moe_apply`."""
@@ -432,7 +450,9 @@ def moe_linen(*args, **kwargs):
 
     Takes :class:`MoE`'s arguments except ``rngs``; the Linen module's ``init`` / ``apply``
     carry the params in the ``'params'`` collection and the balancing bias in
-    ``'balancing_bias'``.
+    ``'balancing_bias'`` (``flax.linen.unbox`` them for plain arrays). With a mesh of Explicit
+    axes, run a jitted ``init`` inside ``jax.set_mesh(mesh)``: JAX places newly created
+    explicitly sharded values only under a mesh context.
 
     Example:
       >>> layer = moe_linen(512, 256, 8, 2)
