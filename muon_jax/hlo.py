@@ -17,8 +17,9 @@ form `all-gather-start` or the generic `async-start(..., calls=%wrapped)`), each
   loop's body or condition (e.g. the Newton-Schulz `fori_loop`);
 - for async ops, `overlapped`: the compute ops the scheduler placed between start and done.
 
-Byte counts are those of the compiled module; note that XLA:CPU promotes bf16 all-reduces
-and reduce-scatters to f32 (`*_promoted` reducers), so on CPU those bytes double.
+Byte counts are those of the compiled module; note that XLA:CPU promotes bf16 collectives
+(all-reduce, reduce-scatter, all-gather) to f32, so on CPU their bytes double. Collectives in
+while loops count once per iteration when XLA knows the trip count (`executions`).
 
 References:
   Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter

@@ -27,7 +27,7 @@ import os
 
 import jax
 
-__all__ = ["backend_initialized", "enable_overlap", "overlap_flags"]
+__all__ = ["backend_initialized", "enable_overlap", "overlap_compiler_options", "overlap_flags"]
 
 
 def overlap_flags(
@@ -76,6 +76,41 @@ def overlap_flags(
             "--xla_gpu_enable_pipelined_all_reduce=true",
         ]
     return tuple(flags)
+
+
+def overlap_compiler_options(
+    combine_threshold_bytes: int = 64 * 1024 * 1024,
+    *,
+    pipelined: bool = False,
+    high_priority_stream: bool = True,
+) -> dict[str, bool | int]:
+    """`overlap_flags` as per-compilation options (no restart, no XLA_FLAGS).
+
+    For ``jax.jit(f).lower(*args).compile(compiler_options=...)``: the same debug options,
+    applied to one executable, so a process can compile with and without them.
+
+    Args:
+      combine_threshold_bytes: see `overlap_flags`.
+      pipelined: see `overlap_flags`.
+      high_priority_stream: see `overlap_flags`.
+
+    Returns:
+      A dict of XLA debug-option names to bool / int values.
+
+    Example:
+      >>> compiled = jax.jit(step).lower(*args).compile(
+      ...     compiler_options=overlap_compiler_options())
+
+    References:
+      XLA latency-hiding scheduler (openxla.org/xla/flags_guidance).
+    """
+    out: dict[str, bool | int] = {}
+    for flag in overlap_flags(
+        combine_threshold_bytes, pipelined=pipelined, high_priority_stream=high_priority_stream
+    ):
+        name, value = flag.lstrip("-").split("=", 1)
+        out[name] = value == "true" if value in ("true", "false") else int(value)
+    return out
 
 
 def backend_initialized() -> bool:

@@ -135,6 +135,12 @@ def test_overlap_flags_and_refusal_after_backend_init():
     assert "--xla_gpu_enable_pipelined_all_gather=true" in flags
     with pytest.raises(ValueError, match="combine_threshold_bytes"):
         overlap.overlap_flags(0)
+    opts = overlap.overlap_compiler_options(1 << 20)
+    assert opts["xla_gpu_enable_latency_hiding_scheduler"] is True
+    assert opts["xla_gpu_all_gather_combine_threshold_bytes"] == 1 << 20
+    x = jnp.ones(4)
+    compiled = jax.jit(lambda v: v * 2).lower(x).compile(compiler_options=opts)
+    assert float(compiled(x)[0]) == 2.0  # XLA accepts every option
     jax.devices()  # the test process has a backend
     before = os.environ.get("XLA_FLAGS")
     with pytest.raises(ValueError, match="already initialized"):
