@@ -313,3 +313,16 @@ def test_bad_axes_and_unservable_shardings_raise_naming_leaf_and_axis():
     g = {"w": jax.device_put(np.ones((16, 32), np.float32), NamedSharding(explicit, P("d")))}
     with pytest.raises(ValueError, match=r"'w'.*differs"):
         jax.jit(tx.update)(g, state)
+
+
+def test_ambient_mesh_is_used_when_mesh_is_none():
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+    params = {"w": jax.device_put(np.ones((4, 16, 32), np.float32), NamedSharding(mesh, P()))}
+    assert isinstance(muon_jax.scale_by_muon().init(jax.tree.map(np.asarray, params)),
+                      muon_jax.MuonState)
+    with jax.set_mesh(mesh):
+        state = muon_jax.scale_by_muon().init(params)
+        jitted = jax.jit(muon_jax.scale_by_muon().init)(params)
+    assert isinstance(state, muon_jax.ShardedMuonState)
+    assert state.layout.shard_axes == ("d",) and state.layout.stacks[0].k_owner == 1
+    assert jax.tree.structure(jitted) == jax.tree.structure(state)
