@@ -144,15 +144,30 @@ def main(argv=None) -> dict:
         "default": None,
         "overlap": overlap.overlap_compiler_options(),
     }
+    def compile_with(opts):
+        """Compile, dropping options this XLA does not know (reported in the JSON)."""
+        opts, dropped = dict(opts or {}), []
+        while True:
+            try:
+                return (lowered.compile(compiler_options=opts) if opts else lowered.compile(),
+                        dropped)
+            except Exception as err:  # XLA names the unknown option in its message
+                bad = [k for k in opts if k in str(err)]
+                if not bad:
+                    raise
+                dropped.append(bad[0])
+                opts.pop(bad[0])
+
     for name, opts in options.items():
         t0 = time.perf_counter()
-        compiled = lowered.compile(compiler_options=opts) if opts else lowered.compile()
+        compiled, dropped = compile_with(opts)
         compile_s = time.perf_counter() - t0
         colls = hlo.analyze_collectives(compiled)
         sec, _ = median_seconds(compiled, (params, state, data), args.warmup, args.iters)
         variants[name] = {"compiled": compiled, "report": colls, "seconds": sec}
         report[f"muon_jax_{name}"] = {
             "step_seconds": sec, "compile_seconds": compile_s, "counts": colls.counts(),
+            "options": opts, "options_dropped": dropped,
             "ring_bytes_per_device": colls.ring_bytes,
             "hlo_exposed_fraction": colls.exposed_fraction,
             "collectives_in_while_loops": len(colls.in_while_loop)}
