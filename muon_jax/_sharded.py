@@ -38,10 +38,11 @@ of six 64x64 matrices trained data-parallel; ring bytes/device, AdamW = one all-
    to a reduced *view* of the Muon matrices (:func:`muon_jax.dp.reduced_view`, a free cast):
    their gradients come out unreduced and ``to_owners`` reduce-scatters them itself.
    Measured: RS + AG = 229,376 B with 6 matrices padded to 8 (172,032 B AdamW), exactly
-   AdamW's bytes when K is a multiple of N.
+   AdamW's bytes when K is a multiple of N (tests/test_muon_sharded.py, a scanned 8-layer MLP
+   with AdamW leaves: 238,336 B for both).
 4. Replicated gradients (``jax.grad`` on replicated params, Auto or Explicit): the all-reduce
    happens in the backward pass, before the optimizer sees the gradient; owners slice locally
-   and the updates are all-gathered: all-reduce + all-gather (1.5x AdamW on CPU).
+   and the updates are all-gathered: all-reduce + all-gather (353,024 B in that test, 1.48x).
 
 References:
   Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"
@@ -334,7 +335,7 @@ def owner_map(
 
 
 def from_owners(
-    owner_stacks: Sequence[jax.Array], layout: Layout, *, param_specs: Sequence[P] | None = None
+    owner_stacks: Sequence[jax.Array], layout: Layout
 ) -> list[jax.Array]:
     """Return owner stacks to leaves with exactly the params' shardings.
 
@@ -344,8 +345,6 @@ def from_owners(
     Args:
       owner_stacks: one ``[N * k_owner, m, n]`` stack per ``layout.stacks``.
       layout: from :func:`plan_layout`.
-      param_specs: per leaf, the params' current PartitionSpec when it carries ``reduced`` axes
-        (the updates are cast to it); None: the plan's specs.
 
     Returns:
       Leaves in ``layout.leaves`` order, each of its param's shape and sharding.
@@ -377,10 +376,4 @@ def from_owners(
 
     in_specs = tuple(layout.owner_spec(s) for s in layout.stacks)
     out_specs = tuple(_pspec(leaf.spec) for leaf in layout.leaves)
-    out = list(_shard_map(exit_fn, layout, in_specs, out_specs, check_vma=False)(*owner_stacks))
-    if param_specs is not None:
-        out = [
-            _constrain(u, spec, mesh) if spec is not None and spec.reduced else u
-            for u, spec in zip(out, param_specs, strict=True)
-        ]
-    return out
+    return list(_shard_map(exit_fn, layout, in_specs, out_specs, check_vma=False)(*owner_stacks))
