@@ -3,10 +3,17 @@
 1. Checks (dropless): the native ``jax.lax.ragged_all_to_all`` path (GPU/TPU only) equals the
    CPU emulation, and both equal the dense ``all_to_all`` path: expert inputs, group sizes,
    combined outputs and gradients, with per-expert scaling as the "experts".
-2. Times ``dispatch -> combine`` (identity experts) forward and forward+backward for every
-   (transport, wire) pair: warmup, then the median of ``--iters`` runs, each ending in
-   ``jax.block_until_ready``; random (non-zero) tokens and routing. Also reports the bytes of
-   every collective in the emitted HLO (buffer sizes; ragged buffers are worst-case sized).
+2. Times, for every (transport, wire) pair, ``dispatch`` alone (forward, up to the expert
+   layout: the time the FP8 <= 0.6x bf16 target is about, since combine returns bf16 either
+   way) and ``dispatch -> combine`` (identity experts) forward and forward+backward: warmup,
+   then the median of ``--iters`` runs, each ending in ``jax.block_until_ready``; random
+   (non-zero) tokens and routing, sharded over the expert axis before timing (unsharded
+   inputs would add a host-side reshard to every call). Also reports the bytes of every
+   collective in the emitted HLO (buffer sizes; ragged buffers are worst-case sized) and GB/s
+   per GPU two ways: ``GBps_buffer`` = payload all-to-all buffer bytes per device (capacity
+   padding and the chunk a device keeps included) / time, ``GBps_remote`` = (P-1)/P of those
+   bytes (what leaves the GPU; moe_layer_bench's figure) / time. benchmarks/dispatch_phases.py
+   times each phase and also gives DeepEP's count.
 
 Prints a table and writes JSON to ``--out``.
 
@@ -58,7 +65,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from moe._transport import resolve_ragged_impl  # noqa: E402
@@ -82,14 +89,34 @@ def collective_bytes(hlo: str) -> dict[str, int]:
     return out
 
 
-def make_inputs(n_dev, tokens, d, experts, k, seed):
-    """Random tokens, distinct top-k expert ids from random logits, softmax weights."""
+def payload_bytes(hlo: str) -> int:
+    """Bytes of the payload exchanges (all-to-all / ragged-all-to-all buffers of 2-D or more
+    rows; the count exchange is 1-D and left out) in pre-optimization HLO text."""
+    total = 0
+    for line in hlo.splitlines():
+        m = _COLLECTIVE.search(line)
+        if m and m.group(2) != "all-gather":
+            for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
+                shape = [int(v) for v in dims.split(",") if v]
+                if len(shape) >= 2:
+                    total += _BYTES[dt] * math.prod(shape)
+    return total
+
+
+def make_inputs(mesh, n_dev, tokens, d, experts, k, seed):
+    """Random tokens, distinct top-k expert ids from random logits, softmax weights; all
+    sharded over the expert axis (as the per-device arrays of a real step are)."""
     kx, kl, kc = jax.random.split(jax.random.key(seed), 3)
-    x = jax.random.normal(kx, (n_dev * tokens, d), jnp.float32).astype(jnp.bfloat16)
-    logits = jax.random.normal(kl, (n_dev * tokens, experts), jnp.float32)
-    w, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
-    ct = jax.random.normal(kc, (n_dev * tokens, d), jnp.float32).astype(jnp.bfloat16)
-    return x, ids.astype(jnp.int32), w, ct
+
+    def make():
+        x = jax.random.normal(kx, (n_dev * tokens, d), jnp.float32).astype(jnp.bfloat16)
+        logits = jax.random.normal(kl, (n_dev * tokens, experts), jnp.float32)
+        w, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+        ct = jax.random.normal(kc, (n_dev * tokens, d), jnp.float32).astype(jnp.bfloat16)
+        return x, ids.astype(jnp.int32), w, ct
+
+    sh = NamedSharding(mesh, P(AXIS))
+    return jax.jit(make, out_shardings=(sh, sh, sh, sh))()
 
 
 def expert_scale(ex, sizes, transport, num_experts):
@@ -120,23 +147,29 @@ def build(mesh, *, transport, impl, wire, experts, capacity_factor, scale):
                       out_specs=(spec, spec, spec, spec))
     fwd = jax.jit(lambda x, ids, w: f(x, ids, w)[0])
     full = jax.jit(f)
+    disp = jax.jit(jax.shard_map(
+        lambda x, ids: dispatch(x, ids, num_experts=experts, axis_name=AXIS,
+                                transport=transport, capacity_factor=capacity_factor,
+                                dispatch_dtype=wire, ragged_impl=impl)[0],
+        mesh=mesh, in_specs=(spec, spec), out_specs=spec))
 
     def loss(x, ids, w, ct):
         return jnp.sum(f(x, ids, w)[0].astype(jnp.float32) * ct.astype(jnp.float32))
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 2)))
-    return fwd, full, grad
+    return fwd, full, grad, disp
 
 
 def run_checks(mesh, n_dev, native_ok):
     a = ARGS
-    x, ids, w, ct = make_inputs(n_dev, a.check_tokens, a.d_model, a.experts, a.top_k, a.seed + 1)
+    x, ids, w, ct = make_inputs(mesh, n_dev, a.check_tokens, a.d_model, a.experts, a.top_k,
+                                a.seed + 1)
     results, ref = {}, None
     impls = ["emulated"] + (["native"] if native_ok else [])
     for wire in ("bf16", "fp8"):
         outs = {}
         for transport, impl in [("dense", "emulated")] + [("ragged", i) for i in impls]:
-            _, full, grad = build(mesh, transport=transport, impl=impl, wire=wire,
+            _, full, grad, _ = build(mesh, transport=transport, impl=impl, wire=wire,
                                   experts=a.experts, capacity_factor=None, scale=True)
             y, ex, sizes, dropped = jax.block_until_ready(full(x, ids, w))
             dx, dw = jax.block_until_ready(grad(x, ids, w, ct))
@@ -180,29 +213,51 @@ def time_fn(fn, *args):
 
 def run_timings(mesh, n_dev, native_ok):
     a = ARGS
-    x, ids, w, ct = make_inputs(n_dev, a.tokens, a.d_model, a.experts, a.top_k, a.seed)
+    x, ids, w, ct = make_inputs(mesh, n_dev, a.tokens, a.d_model, a.experts, a.top_k, a.seed)
     rows = []
     impl = "native" if native_ok else "emulated"
     for transport in ("dense", "ragged"):
         for wire in ("bf16", "fp8"):
             cf = a.capacity_factor if transport == "dense" else None
-            fwd, full, grad = build(mesh, transport=transport, impl=impl, wire=wire,
-                                    experts=a.experts, capacity_factor=cf, scale=False)
+            fwd, full, grad, disp = build(mesh, transport=transport, impl=impl, wire=wire,
+                                          experts=a.experts, capacity_factor=cf, scale=False)
             dropped = int(jax.block_until_ready(full(x, ids, w))[3].sum())
             hlo = fwd.lower(x, ids, w).as_text(dialect="hlo")
+            disp_hlo = disp.lower(x, ids).as_text(dialect="hlo")
+            disp_bytes = payload_bytes(disp_hlo)
+            disp_s = time_fn(disp, x, ids)
+            fwd_s = time_fn(fwd, x, ids, w)
+            fwd_bytes = payload_bytes(hlo)
+            remote = (n_dev - 1) / n_dev
             row = dict(
                 transport=transport, impl=impl if transport == "ragged" else "all_to_all",
                 wire=wire, capacity_factor=cf,
-                fwd_ms=1e3 * time_fn(fwd, x, ids, w),
+                dispatch_fwd_ms=1e3 * disp_s,
+                fwd_ms=1e3 * fwd_s,
                 fwd_bwd_ms=1e3 * time_fn(grad, x, ids, w, ct),
                 fwd_collective_mb=sum(collective_bytes(hlo).values()) / 2**20,
+                dispatch_payload_mb=disp_bytes / 2**20,
+                dispatch_GBps_buffer=disp_bytes / disp_s / 1e9,
+                dispatch_GBps_remote=remote * disp_bytes / disp_s / 1e9,
+                fwd_GBps_buffer=fwd_bytes / fwd_s / 1e9,
+                fwd_GBps_remote=remote * fwd_bytes / fwd_s / 1e9,
                 dropped_frac=dropped / (n_dev * a.tokens * a.top_k),
             )
             rows.append(row)
             print(f"{row['transport']:7s} {row['impl']:10s} {wire:5s} "
+                  f"dispatch {row['dispatch_fwd_ms']:9.3f} ms  "
                   f"fwd {row['fwd_ms']:9.3f} ms  fwd+bwd {row['fwd_bwd_ms']:9.3f} ms  "
                   f"fwd collectives {row['fwd_collective_mb']:9.2f} MB/device  "
+                  f"fwd {row['fwd_GBps_remote']:7.1f} GB/s remote "
+                  f"({row['fwd_GBps_buffer']:7.1f} buffer)  "
                   f"dropped {row['dropped_frac']:.4f}")
+    by = {(r["transport"], r["wire"]): r for r in rows}
+    for transport in ("dense", "ragged"):
+        b, f = by.get((transport, "bf16")), by.get((transport, "fp8"))
+        if b and f:
+            print(f"{transport}: fp8/bf16 dispatch time "
+                  f"{f['dispatch_fwd_ms'] / b['dispatch_fwd_ms']:.3f}, dispatch+combine fwd "
+                  f"{f['fwd_ms'] / b['fwd_ms']:.3f}")
     return rows
 
 
@@ -220,8 +275,8 @@ def main():
     checks = run_checks(mesh, n_dev, native_ok)
     rows = run_timings(mesh, n_dev, native_ok)
     print()
-    head = ("transport", "impl", "wire", "fwd_ms", "fwd_bwd_ms", "fwd_collective_mb",
-            "dropped_frac")
+    head = ("transport", "impl", "wire", "dispatch_fwd_ms", "fwd_ms", "fwd_bwd_ms",
+            "fwd_collective_mb", "fwd_GBps_remote", "dropped_frac")
     print(" | ".join(f"{h:>17s}" for h in head))
     for r in rows:
         print(" | ".join(f"{r[h]:>17.3f}" if isinstance(r[h], float) else f"{str(r[h]):>17s}"

@@ -169,6 +169,36 @@ def _exclusive_cumsum(a: jax.Array, axis: int) -> jax.Array:
     return jnp.cumsum(a, axis=axis) - a
 
 
+def sort_slots(flat: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """Slots sorted by (expert, slot): ``(order, expert_of_sorted)``, both int32 ``[S]``.
+
+    One single-operand sort of the packed key ``expert * S + slot`` (unique keys, so no
+    stability is needed, and the slot and expert come back by ``%`` and ``//``): half the bytes
+    of a stable key/index argsort, and on GPU a plain radix sort of int32 keys. Falls back to
+    the stable argsort when ``num_experts * S`` does not fit in int32.
+
+    Args:
+      flat: int32 ``[S]`` expert id of every slot, in ``[0, num_experts)``.
+      num_experts: ``E``.
+
+    Returns:
+      ``order`` (slot ids by (expert, slot)) and ``expert_of_sorted`` (``flat[order]``).
+
+    Example:
+      >>> sort_slots(jnp.array([2, 0, 2, 1], jnp.int32), 3)[0].tolist()
+      [1, 3, 0, 2]
+
+    References:
+      GShard / Switch Transformer (slots ranked in (t, j) order within each expert).
+    """
+    s = flat.shape[0]
+    if num_experts * s < 2**31:
+        key = jnp.sort(flat * s + jnp.arange(s, dtype=jnp.int32), stable=False)
+        return key % s, key // s
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    return order, flat[order]
+
+
 def build_plan(
     expert_ids: jax.Array,
     *,
@@ -185,6 +215,10 @@ def build_plan(
 
     Dense: ``kept[t, j] = rank of (t, j) among this device's slots of its expert < capacity``
     with slots ranked in (t, j) order. Ragged: every slot is kept.
+
+    Work: one int32 sort of ``S = T * k`` packed keys (:func:`sort_slots`), one scatter of
+    ``S`` int32 (each slot's row), a gather of ``N`` int32 (each row's slot, dense) and
+    ``O(E)`` count arithmetic; no pass over the token rows.
 
     Args:
       expert_ids: int ``[T, k]`` global expert ids in ``[0, num_experts)``.
@@ -205,16 +239,16 @@ def build_plan(
     p, e_total = axis_size, num_experts
     e_local = e_total // p
     flat = expert_ids.reshape(s).astype(jnp.int32)
-    order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # slots by (expert, t, j)
+    order, e_sorted = sort_slots(flat, e_total)  # slots by (expert, t, j)
     send_counts = jnp.zeros((e_total,), jnp.int32).at[flat].add(1)
     starts = _exclusive_cumsum(send_counts, 0)
-    rank = jnp.arange(s, dtype=jnp.int32) - starts[flat[order]]  # position within its expert
+    rank = jnp.arange(s, dtype=jnp.int32) - starts[e_sorted]  # position within its expert
 
     if transport == "dense":
         c = capacity
         n = e_total * c
-        row_sorted = jnp.where(rank < c, flat[order] * c + rank, n)
-        slot_row = jnp.zeros((s,), jnp.int32).at[order].set(row_sorted)
+        row_sorted = jnp.where(rank < c, e_sorted * c + rank, n)
+        slot_row = jnp.zeros((s,), jnp.int32).at[order].set(row_sorted, unique_indices=True)
         r = jnp.arange(c, dtype=jnp.int32)[None, :]
         src = jnp.minimum(starts[:, None] + r, s - 1)
         send_slot = jnp.where(r < send_counts[:, None], order[src], s).reshape(n)
@@ -226,7 +260,8 @@ def build_plan(
                       return_offsets=None)
     else:
         send_slot = order
-        slot_row = jnp.zeros((s,), jnp.int32).at[order].set(jnp.arange(s, dtype=jnp.int32))
+        slot_row = jnp.zeros((s,), jnp.int32).at[order].set(jnp.arange(s, dtype=jnp.int32),
+                                                             unique_indices=True)
         me = jax.lax.axis_index(axis_name)
         counts = jax.lax.all_gather(send_counts, axis_name, axis=0)  # [P src, E]
         by_owner = counts.reshape(p, p, e_local)  # [src, owner, local expert]

@@ -15,6 +15,16 @@ Layouts (``C`` = per-(source, expert) capacity, ``R`` = :func:`moe._plan.ragged_
   ...), then expert 1's, ...; rows past ``sum(group_sizes)`` are zero. Feed
   ``jax.lax.ragged_dot(expert_x, w, group_sizes)``.
 
+Data movement per call (``S = T * k`` slots, ``N`` send rows): the plan sorts ``S`` packed
+int32 keys once (no pass over token rows); FP8 quantizes the ``T`` tokens once and gathers
+their e4m3 + scale bytes into the send buffer (never quantizing the ``N``-row buffer); the
+receive side dequantizes and lays out the expert rows in one pass; combine's un-permute,
+weighting and sum over ``k`` are ``k`` row gathers feeding one elementwise f32 sum (no
+``[T, k, d]`` intermediate, no batched dot with a contraction of size ``k``), and its
+backward reads the router gradient's rows straight from the returned buffer (kept as the
+residual unless it is over twice the ``[T, k, d]`` slots, e.g. dense dropless). Combine's
+FP8 gradient quantizes each weighted slot row once (``S`` rows) before the gather.
+
 Transport choice: ``'auto'`` is ``'dense'`` on every backend. On 2x H200 (jax 0.11.2)
 ``all_to_all`` moved 153 GB/s per GPU but ``ragged_all_to_all`` 2.6 GB/s, and a capacity-padded
 einsum ran at 548 useful TFLOP/s against 91 for ``ragged_dot`` (DESIGN.md).
@@ -85,22 +95,49 @@ def _to_experts(rows: jax.Array, row_index: jax.Array, plan: DispatchPlan, w: _W
     return _transport.decode_rows(recv, wire=w.codec, width=width, out_dtype=w.out)
 
 
-def _from_experts(expert_rows: jax.Array, plan: DispatchPlan) -> jax.Array:
-    """Combine direction: expert layout -> per-slot rows ``[T, k, width]`` (dropped: 0)."""
+def _return_trip(expert_rows: jax.Array, plan: DispatchPlan) -> jax.Array:
+    """Combine direction: expert layout -> the send-buffer layout ``[N, width]`` on the source
+    (row ``plan.slot_row[t, j]`` holds slot ``(t, j)``'s result; rows of dropped slots are
+    never read)."""
     width = expert_rows.shape[-1]
     if plan.transport == "dense":
         p, el, c = plan.axis_size, plan.num_local_experts, plan.capacity
         send = expert_rows.reshape(el, p, c, width).transpose(1, 0, 2, 3).reshape(-1, width)
-        back = _transport.dense_exchange(send, plan.axis_name)  # send-buffer layout
-    else:
-        back = jnp.zeros_like(expert_rows, shape=(plan.send_slot.shape[0], width))
-        back = _transport.ragged_exchange(
-            expert_rows, back, plan.recv_offsets, plan.recv_counts.reshape(-1),
-            plan.return_offsets, plan.send_counts, axis_name=plan.axis_name,
-            impl=plan.ragged_impl,
-        )
-    slots = jnp.take(back, plan.slot_row.reshape(-1), axis=0, mode="fill", fill_value=0)
-    return slots.reshape(plan.num_tokens, plan.top_k, width)
+        return _transport.dense_exchange(send, plan.axis_name)
+    back = jnp.zeros_like(expert_rows, shape=(plan.send_slot.shape[0], width))
+    return _transport.ragged_exchange(
+        expert_rows, back, plan.recv_offsets, plan.recv_counts.reshape(-1),
+        plan.return_offsets, plan.send_counts, axis_name=plan.axis_name,
+        impl=plan.ragged_impl,
+    )
+
+
+def _slot_rows(back: jax.Array, plan: DispatchPlan, j: int) -> jax.Array:
+    """``[T, width]``: the returned row of slot ``(t, j)`` for every token (0 if dropped)."""
+    return jnp.take(back, plan.slot_row[:, j], axis=0, mode="fill", fill_value=0)
+
+
+def _sum_slots(back: jax.Array, plan: DispatchPlan, weights: jax.Array | None) -> jax.Array:
+    """``sum_j weights[:, j] * back[slot_row[:, j]]`` in f32 (``weights`` None: plain sum).
+
+    One gather per choice ``j`` feeding an elementwise f32 sum, so XLA fuses the gathers,
+    the weighting and the sum into one pass that writes only ``[T, width]``: no ``[T, k,
+    width]`` intermediate and no batched dot with a contraction of size ``k``."""
+    total = None
+    for j in range(plan.top_k):
+        term = _slot_rows(back, plan, j).astype(jnp.float32)
+        if weights is not None:
+            term = weights[:, j, None] * term
+        total = term if total is None else total + term
+    return total
+
+
+def _keep_return_buffer(plan: DispatchPlan) -> bool:
+    """Whether combine's backward reads the router gradient's expert outputs from the
+    returned buffer itself (``N`` rows, no copy) rather than from gathered ``[T, k]`` slot
+    rows: yes unless the buffer is more than twice their size (dense with a large capacity,
+    e.g. dropless ``C = T``), where keeping it would cost more memory than the copy."""
+    return plan.send_slot.shape[0] <= 2 * plan.num_tokens * plan.top_k
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -114,7 +151,7 @@ def _dispatch_rows_fwd(x, plan, w):
 
 def _dispatch_rows_bwd(w, plan, ct):
     # Combine-direction exchange of the cotangent, summed over the k slots of each token.
-    dx = _from_experts(ct, plan).astype(jnp.float32).sum(axis=1)
+    dx = _sum_slots(_return_trip(ct, plan), plan, None)
     return dx.astype(plan.x_dtype), None
 
 
@@ -128,18 +165,25 @@ def _combine_rows(expert_y, weights, plan, grad_wire: WireDtype):
 
 def _combine_rows_fwd(expert_y, weights, plan, grad_wire):
     with jax.named_scope("combine_weighted_sum"):
-        slots = _from_experts(expert_y, plan)
-        y = jnp.einsum("tk,tkd->td", weights.astype(jnp.float32), slots.astype(jnp.float32))
-    return y.astype(plan.x_dtype), (slots, weights, plan)
+        back = _return_trip(expert_y, plan)
+        y = _sum_slots(back, plan, weights.astype(jnp.float32))
+    if _keep_return_buffer(plan):
+        rows = back  # [N, width]: read again by the backward's gathers
+    else:
+        rows = jnp.stack([_slot_rows(back, plan, j) for j in range(plan.top_k)], axis=1)
+    return y.astype(plan.x_dtype), (rows, weights, plan)
 
 
 def _combine_rows_bwd(grad_wire, res, dy):
-    slots, weights, plan = res
-    y_dtype = slots.dtype  # expert_y's dtype: the return trip keeps it
+    rows, weights, plan = res
+    y_dtype = rows.dtype  # expert_y's dtype: the return trip keeps it
     dy32 = dy.astype(jnp.float32)
     with jax.named_scope("combine_grad_weights"):
         # Exact router gradient: <dy[t], expert output of slot (t, j)>; 0 for dropped slots.
-        dw = jnp.einsum("td,tkd->tk", dy32, slots.astype(jnp.float32))
+        dw = jnp.stack([
+            jnp.sum(dy32 * (_slot_rows(rows, plan, j) if rows.ndim == 2 else rows[:, j])
+                    .astype(jnp.float32), axis=-1)
+            for j in range(plan.top_k)], axis=1)
     g = (weights.astype(jnp.float32)[:, :, None] * dy32[:, None, :]).reshape(-1, dy.shape[-1])
     w = _wire_for(grad_wire, y_dtype, plan.block_size)
     d_expert_y = _to_experts(g, plan.send_slot, plan, w).astype(y_dtype)
