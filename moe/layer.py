@@ -226,6 +226,11 @@ def moe_apply(
             f"x must be [batch, seq, d_model], got shape {x.shape}; reshape tokens to rank 3."
         )
     b, s, d = x.shape
+    if b * s == 0:
+        raise ValueError(
+            f"x has shape {x.shape}: a batch with no tokens; pass at least one token per device "
+            "(skip the layer for empty batches)."
+        )
     num_experts = opts.router.num_experts
     if router_kernel.shape != (d, num_experts):
         raise ValueError(

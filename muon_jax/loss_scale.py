@@ -17,6 +17,8 @@ References:
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, NamedTuple
 
 import jax
@@ -97,10 +99,10 @@ def dynamic_loss_scale(
             f"dynamic_loss_scale: need 0 < backoff_factor < 1 and growth_factor >= 1, got "
             f"backoff_factor={backoff_factor}, growth_factor={growth_factor}."
         )
-    if growth_interval < 1 or init_scale <= 0 or min_scale <= 0:
+    if growth_interval < 1 or not (0 < init_scale < math.inf) or not (0 < min_scale < math.inf):
         raise ValueError(
             f"dynamic_loss_scale: growth_interval={growth_interval} must be >= 1 and "
-            f"init_scale={init_scale}, min_scale={min_scale} positive."
+            f"init_scale={init_scale}, min_scale={min_scale} finite and positive."
         )
     inner = optax.with_extra_args_support(inner)
 
