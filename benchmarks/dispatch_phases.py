@@ -17,8 +17,9 @@ pipeline and nothing else:
   combine      expert layout -> destination-major (transpose), the bf16 all_to_all back (=
                the bf16 all_to_all row), un-permute + weight + sum over k (fused gathers;
                + "before": gather [T, k, d] then einsum)
-  backward     combine's FP8/bf16 gradient send buffer (weights * dy per slot, encoded,
-               gathered), router gradient <dy, slot rows>
+  backward     combine's FP8/bf16 gradient send buffer: weights * dy built inside the gather,
+               FP8 scales from dy's block maxima (T rows) x |weight| (+ "before": [T*k, d]
+               weighted rows, encoded, then gathered; bytes checked equal), router gradient
   whole        public dispatch (-> expert_x), dispatch + combine forward (identity experts,
                as moe_layer_bench; and "materialized": expert_x forced into HBM by an
                optimization barrier, as with real experts, so the layout transposes run),
@@ -98,7 +99,7 @@ from bench_util import env_info, median_seconds, write_json  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from moe import _transport  # noqa: E402
+from moe import _transport, fp8  # noqa: E402
 from moe._plan import DispatchPlan, build_plan, dense_capacity  # noqa: E402
 from moe.dispatch import _sum_slots, combine, dispatch  # noqa: E402
 
@@ -338,10 +339,21 @@ def run(a) -> dict:
           smap(mesh, lambda x, s: _transport.encode_rows(gather(x, s), wire="fp8",
                                                           block_size=bs), 2),
           (x, send_slot))
-    bench("quantize+gather (as dispatch runs it)", "gather", "fp8",
-          smap(mesh, lambda x, s: gather(_transport.encode_rows(x, wire="fp8",
-                                                                block_size=bs), s), 2),
-          (x, send_slot))
+    bench("quantize T + gather bytes (library)", "gather", "fp8",
+          smap(mesh, lambda x, s: _transport.gather_rows(x, s // k, wire="fp8",
+                                                         block_size=bs), 2), (x, send_slot))
+
+    def amax_fused(x, s):
+        tok = s // k
+        r = jnp.take(x, tok, axis=0, mode="fill", fill_value=0)
+        amax = jnp.take(fp8.block_amax(x, bs), tok, axis=0, mode="fill", fill_value=0)
+        q = fp8.quantize_with_amax(r, amax, bs)
+        return jnp.concatenate([jax.lax.bitcast_convert_type(q.data, jnp.uint8),
+                                jax.lax.bitcast_convert_type(q.scales, jnp.uint8)
+                                .reshape(r.shape[0], -1)], axis=-1)
+
+    bench("alt: amax of T rows + gather-quantize fused", "gather", "fp8",
+          smap(mesh, amax_fused, 2), (x, send_slot), note="padding rows: scale byte 1, not 0")
     send_bf16, send_fp8 = g(x, send_slot), g(xq, send_slot)
 
     # ---- the all_to_all alone
@@ -395,22 +407,22 @@ def run(a) -> dict:
         codec = "fp8" if wire == "fp8" else jnp.dtype(jnp.bfloat16)
 
         def grad_send(dy, w, send_slot, codec=codec):
+            return _transport.gather_weighted_rows(dy, w.reshape(-1), send_slot, top_k=k,
+                                                   wire=codec, block_size=bs)
+
+        def grad_send_before(dy, w, send_slot, codec=codec):
             g = (w.astype(jnp.float32)[:, :, None]
                  * dy.astype(jnp.float32)[:, None, :]).reshape(-1, d)
-            buf = _transport.encode_rows(g, wire=codec, block_size=bs)
-            return jnp.take(buf, send_slot, axis=0, mode="fill", fill_value=0)
+            return _transport.gather_rows(g, send_slot, wire=codec, block_size=bs)
 
-        bench("combine-grad send buffer (w*dy, enc, gather)", "backward", wire,
-              smap(mesh, grad_send, 3), (dy, w, send_slot))
-
-    def grad_send_alt(dy, w, send_slot):
-        tok = jnp.take(dy, send_slot // k, axis=0, mode="fill", fill_value=0)
-        ww = jnp.take(w.reshape(-1), send_slot, mode="fill", fill_value=0)
-        g = ww.astype(jnp.float32)[:, None] * tok.astype(jnp.float32)
-        return _transport.encode_rows(g, wire="fp8", block_size=bs)
-
-    bench("alt: gather dy then quantize E*C rows", "backward", "fp8",
-          smap(mesh, grad_send_alt, 3), (dy, w, send_slot))
+        sec = bench("combine-grad send buffer (w*dy in the gather)", "backward", wire,
+                    smap(mesh, grad_send, 3), (dy, w, send_slot))
+        bench("before: w*dy [T*k,d], encode, gather", "backward", wire,
+              smap(mesh, grad_send_before, 3), (dy, w, send_slot))
+        if sec is not None and wire == "fp8":
+            same = np.array_equal(np.asarray(smap(mesh, grad_send, 3)(dy, w, send_slot)),
+                                  np.asarray(smap(mesh, grad_send_before, 3)(dy, w, send_slot)))
+            report["derived"]["fp8_grad_send_bytes_equal_before"] = bool(same)
 
     def router_grad(back, send_slot, slot_row, dy):
         plan = rebuild_plan(send_slot, slot_row, kw)

@@ -87,6 +87,84 @@ def encode_rows(
     return rows.astype(wire)
 
 
+def gather_rows(
+    rows: jax.Array, index: jax.Array, *, wire: Literal["fp8"] | jnp.dtype, block_size: int
+) -> jax.Array:
+    """Send buffer ``out[i] = encode(rows[index[i]])`` (a zero row where ``index[i]`` is out of
+    range): the rows are encoded ONCE (``N`` rows of ``rows``, however often each is sent),
+    then their wire bytes are gathered (for FP8: e4m3 + scale bytes, half the bytes of bf16).
+
+    Args:
+      rows: float ``[N, H]``.
+      index: int ``[M]`` (values ``>= N`` give zero rows).
+      wire, block_size: as :func:`encode_rows`.
+
+    Returns:
+      The wire buffer ``[M, wire_width]``.
+
+    Example:
+      >>> gather_rows(jnp.ones((2, 512)), jnp.array([1, 2, 0]), wire="fp8",
+      ...             block_size=128).shape
+      (3, 516)
+
+    References:
+      DeepEP FP8 dispatch (tokens quantized once, before the exchange).
+    """
+    buf = encode_rows(rows, wire=wire, block_size=block_size)
+    return jnp.take(buf, index, axis=0, mode="fill", fill_value=0)
+
+
+def gather_weighted_rows(
+    rows: jax.Array,
+    weights: jax.Array,
+    slot: jax.Array,
+    *,
+    top_k: int,
+    wire: Literal["fp8"] | jnp.dtype,
+    block_size: int,
+) -> jax.Array:
+    """Send buffer ``out[i] = encode(weights[s] * rows[s // top_k])`` with ``s = slot[i]`` (f32
+    product; a zero row where ``s >= weights.size``): what :func:`gather_rows` of the ``[S, H]``
+    weighted rows gives, bit for bit, without building them.
+
+    FP8: the block maxima of ``rows`` are taken once per row ``t`` (``T`` rows, not ``S``) and
+    scaled by ``|weights[s]|`` (exact: rounding is monotone, :func:`moe.fp8.quantize_with_amax`),
+    so the weighting, quantization and gather run as one elementwise pass over the ``M`` send
+    rows with no ``[S, H]`` intermediate.
+
+    Args:
+      rows: float ``[T, H]``.
+      weights: float ``[S]`` (``S = T * top_k``), one per slot.
+      slot: int ``[M]``, the slot of each send row (``>= S``: padding).
+      top_k: slots per row ``k``.
+      wire, block_size: as :func:`encode_rows`.
+
+    Returns:
+      The wire buffer ``[M, wire_width]``.
+
+    Example:
+      >>> gather_weighted_rows(jnp.ones((2, 512)), jnp.ones(4), jnp.array([3, 4]), top_k=2,
+      ...                      wire="fp8", block_size=128).shape
+      (2, 516)
+
+    References:
+      DeepEP FP8 dispatch; combine's gradient travels in the dispatch direction.
+    """
+    s = weights.shape[0]
+    tok = slot // top_k
+    r = jnp.take(rows, tok, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
+    w = jnp.take(weights.astype(jnp.float32), slot, mode="fill", fill_value=0)
+    x = w[:, None] * r
+    if not isinstance(wire, str):
+        return x.astype(wire)
+    amax = jnp.take(fp8.block_amax(rows, block_size), tok, axis=0, mode="fill", fill_value=0)
+    q = fp8.quantize_with_amax(x, jnp.abs(w)[:, None] * amax, block_size)
+    data = jax.lax.bitcast_convert_type(q.data, jnp.uint8)
+    scales = jax.lax.bitcast_convert_type(q.scales, jnp.uint8).reshape(x.shape[0], -1)
+    buf = jnp.concatenate([data, scales], axis=-1)
+    return jnp.where((slot < s)[:, None], buf, jnp.zeros((), jnp.uint8))  # padding: 0 bytes
+
+
 def decode_rows(
     buf: jax.Array, *, wire: Literal["fp8"] | jnp.dtype, width: int, out_dtype: jnp.dtype
 ) -> jax.Array:

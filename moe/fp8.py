@@ -32,6 +32,8 @@ __all__ = [
     "E8M0_NAN",
     "Fp8Array",
     "quantize",
+    "quantize_with_amax",
+    "block_amax",
     "dequantize",
     "pack_e8m0",
     "unpack_e8m0",
@@ -113,13 +115,17 @@ def _check_quantize_args(x: jax.Array, block_size: int) -> None:
         )
 
 
-def _quantize_impl(x: jax.Array, block_size: int) -> Fp8Array:
+def _block_amax_bits(x: jax.Array, block_size: int) -> jax.Array:
+    """int32 bits of max |x| per block (integer order = magnitude order; NaN > inf > finite)."""
     lead, h = x.shape[:-1], x.shape[-1]
-    nblocks = h // block_size
-    xb = x.astype(jnp.float32).reshape(*lead, nblocks, block_size)
-    # |x| as int32 bits: integer order equals magnitude order and NaN > inf > every finite.
+    xb = x.astype(jnp.float32).reshape(*lead, h // block_size, block_size)
     abs_bits = jax.lax.bitcast_convert_type(xb, jnp.int32) & _F32_ABS_MASK
-    amax_bits = jnp.max(abs_bits, axis=-1)
+    return jnp.max(abs_bits, axis=-1)
+
+
+def _quantize_from_amax_bits(x: jax.Array, amax_bits: jax.Array, block_size: int) -> Fp8Array:
+    lead, h = x.shape[:-1], x.shape[-1]
+    xb = x.astype(jnp.float32).reshape(*lead, h // block_size, block_size)
     nonfinite = amax_bits >= _F32_EXP_MASK
     exp_field = amax_bits >> 23  # biased float32 exponent; 0 for zeros and denormals
     mant = amax_bits & _F32_MANT_MASK
@@ -132,6 +138,10 @@ def _quantize_impl(x: jax.Array, block_size: int) -> Fp8Array:
     data = y.astype(jnp.float8_e4m3fn).reshape(x.shape)
     byte = jnp.where(nonfinite, E8M0_NAN, byte).astype(jnp.uint8)
     return Fp8Array(data=data, scales=pack_e8m0(byte))
+
+
+def _quantize_impl(x: jax.Array, block_size: int) -> Fp8Array:
+    return _quantize_from_amax_bits(x, _block_amax_bits(x, block_size), block_size)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
@@ -197,6 +207,97 @@ def quantize(x: ArrayLike, block_size: int = 128) -> Fp8Array:
     x = jnp.asarray(x)
     _check_quantize_args(x, block_size)
     return _quantize(x, int(block_size))
+
+
+def block_amax(x: ArrayLike, block_size: int = 128) -> jax.Array:
+    """Per-row block maxima of ``|x|`` in float32: the ``amax`` that :func:`quantize` uses.
+
+    Computed on the float32 bits, so a block holding a NaN reports NaN (and an infinity,
+    inf). Not differentiable in any useful sense (a max of magnitudes); meant as the input of
+    :func:`quantize_with_amax`.
+
+    Args:
+      x: float32/bfloat16/float16 array ``[..., H]`` with ``H`` a multiple of
+        ``4 * block_size``.
+      block_size: channels per block (static Python int).
+
+    Returns:
+      float32 ``[..., H // block_size]``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> block_amax(jnp.arange(512.0).reshape(1, 512)).tolist()
+      [[127.0, 255.0, 383.0, 511.0]]
+
+    References:
+      DeepEP / DeepSeek-V3 fine-grained FP8 (per-block amax scaling).
+    """
+    x = jnp.asarray(x)
+    _check_quantize_args(x, block_size)
+    bits = _block_amax_bits(jax.lax.stop_gradient(x), int(block_size))
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _quantize_amax(x: jax.Array, amax: jax.Array, block_size: int) -> Fp8Array:
+    bits = jax.lax.bitcast_convert_type(amax.astype(jnp.float32), jnp.int32) & _F32_ABS_MASK
+    return _quantize_from_amax_bits(x, bits, block_size)
+
+
+@_quantize_amax.defjvp
+def _quantize_amax_jvp(block_size, primals, tangents):
+    del block_size, primals, tangents
+    raise TypeError(
+        "moe.fp8.quantize_with_amax is not differentiable; define the backward pass with "
+        "jax.custom_vjp (see moe.fp8.quantize)."
+    )
+
+
+def quantize_with_amax(x: ArrayLike, amax: ArrayLike, block_size: int = 128) -> Fp8Array:
+    """:func:`quantize` with the block maxima supplied: the same bytes when ``amax`` equals
+    :func:`block_amax` of ``x``, without the reduction over ``x``.
+
+    Useful when ``amax`` is cheaper to get elsewhere. The case it exists for: rows scaled by a
+    per-row factor, ``x = c[:, None] * y`` (float32 multiply). Rounding is monotone, so
+    ``block_amax(c * y) == |c| * block_amax(y)`` exactly (NaN and overflow blocks included),
+    and the maxima of ``y`` can be taken once and reused for many factors ``c`` (e.g. the
+    ``k`` router weights of a token). ``amax`` is read through its float32 bits (sign
+    ignored); only its value per block matters, not how it was computed.
+
+    Args:
+      x: float32/bfloat16/float16 array ``[..., H]`` with ``H`` a multiple of
+        ``4 * block_size``.
+      amax: float array ``[..., H // block_size]`` (``x``'s leading shape), the block maxima
+        of ``|x|``.
+      block_size: channels per scale (static Python int).
+
+    Returns:
+      An :class:`Fp8Array`, as :func:`quantize`.
+
+    Raises:
+      ValueError / TypeError: as :func:`quantize`, or ``amax`` of the wrong shape.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> y = jnp.linspace(-3.0, 5.0, 1024).reshape(2, 512)
+      >>> c = jnp.array([[0.5], [-2.0]])
+      >>> q = quantize_with_amax(c * y, jnp.abs(c) * block_amax(y))
+      >>> bool(jnp.all(q.scales == quantize(c * y).scales))
+      True
+
+    References:
+      DeepEP UE8M0 layout; DeepSeek-V3 fine-grained FP8 quantization.
+    """
+    x, amax = jnp.asarray(x), jnp.asarray(amax)
+    _check_quantize_args(x, block_size)
+    want = x.shape[:-1] + (x.shape[-1] // block_size,)
+    if amax.shape != want or not jnp.issubdtype(amax.dtype, jnp.floating):
+        raise ValueError(
+            f"amax must be a float array of shape {want} (x's leading axes, one value per "
+            f"block of {block_size}), got shape {amax.shape} dtype {amax.dtype}; compute it "
+            "with moe.fp8.block_amax."
+        )
+    return _quantize_amax(x, amax, int(block_size))
 
 
 def dequantize(q: Fp8Array, dtype: jnp.dtype = jnp.bfloat16) -> jax.Array:
