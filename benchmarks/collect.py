@@ -136,9 +136,16 @@ def collect(out: Path) -> dict:
     ml_rows = {r["wire"]: r for r in (ml or {}).get("dispatch_combine", [])}
     if ("dense", "bf16") in dc_rows and ("dense", "fp8") in dc_rows:
         b, f = dc_rows[("dense", "bf16")], dc_rows[("dense", "fp8")]
-        res["fp8_over_bf16_dispatch_time"] = f["fwd_ms"] / b["fwd_ms"]
+        # The target is about dispatch alone: combine returns bf16 whatever the dispatch wire,
+        # so a dispatch+combine ratio could never go below ~0.75.
+        if b.get("dispatch_fwd_ms") and f.get("dispatch_fwd_ms"):
+            res["fp8_over_bf16_dispatch_time"] = f["dispatch_fwd_ms"] / b["dispatch_fwd_ms"]
+            res["fp8_over_bf16_dispatch_source"] = "dispatch_check (dense transport, dispatch fwd)"
+        else:
+            res["fp8_over_bf16_dispatch_time"] = f["fwd_ms"] / b["fwd_ms"]
+            res["fp8_over_bf16_dispatch_source"] = "dispatch_check (dense, dispatch+combine fwd)"
+        res["fp8_over_bf16_dispatch_combine_time"] = f["fwd_ms"] / b["fwd_ms"]
         res["fp8_over_bf16_dispatch_fwd_bwd_time"] = f["fwd_bwd_ms"] / b["fwd_bwd_ms"]
-        res["fp8_over_bf16_dispatch_source"] = "dispatch_check (dense transport, fwd)"
         if ("ragged", "bf16") in dc_rows and ("ragged", "fp8") in dc_rows:
             res["fp8_over_bf16_ragged_dispatch_time"] = (
                 dc_rows[("ragged", "fp8")]["fwd_ms"] / dc_rows[("ragged", "bf16")]["fwd_ms"])

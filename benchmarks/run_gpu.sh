@@ -69,6 +69,7 @@ run lm_step_bench 130 benchmarks/lm_step_bench.py --out "$OUT/lm_step_bench.json
 run muon_step 110 benchmarks/muon_step.py --out "$OUT/muon_step.json" \
   --trace-dir "$OUT/traces/muon_step"
 run dispatch_check 80 benchmarks/dispatch_check.py --out "$OUT/dispatch_check.json"
+run dispatch_phases 75 benchmarks/dispatch_phases.py --out "$OUT/dispatch_phases.json"
 run experts_bench 70 benchmarks/experts_bench.py --out "$OUT/experts_bench.json" \
   --configs bf16 all_fp8
 
