@@ -1,20 +1,39 @@
-"""Benchmark a data-parallel Muon train step: sharded muon_jax vs optax.contrib.muon vs the limit.
+"""Benchmark a Muon train step: sharded muon_jax vs optax.contrib.muon (DP and FSDP) vs the limit.
 
 Params: LLaMA-like matrices, per layer four d x d, two d x f and one f x d (default 8 layers,
-d 4096, f 11008: ~1.6B params), bf16, replicated over a 1-D mesh ('data',) of all devices.
-Step: a synthetic data-parallel loss whose per-device gradient contributions are random
-(``loss = sum_leaf sum_d <W, D_d>``, D sharded over 'data'), jax.grad, the optimizer update,
-apply. muon_jax differentiates with respect to ``muon_jax.reduced_view(params, 'data')`` so its
-gradients reach the owners by reduce-scatter; optax.contrib.muon gets all-reduced gradients
-and runs Newton-Schulz for every matrix on every device. Both: 5 Jordan NS steps in bf16
-(muon_jax: f32 momentum, bf16 NS operands; optax: bf16 momentum, so its NS runs in bf16).
+d 4096, f 11008: ~1.6B params), bf16, on a 1-D mesh ('data',) of all devices. Step: a
+synthetic loss whose per-device gradient contributions are random (``loss = sum_leaf sum_d
+<W, D_d>``, D sharded over 'data'), jax.grad, the optimizer update, apply. All: 5 Jordan NS
+steps in bf16 (muon_jax: f32 momentum, bf16 NS operands; optax: bf16 momentum, so its NS runs
+in bf16).
+
+Variants (``--variants``, comma separated; default all):
+
+- ``muon``: sharded muon_jax (library defaults) on replicated (data-parallel) params, Explicit
+  mesh; it differentiates w.r.t. ``muon_jax.reduced_view(params, 'data')`` so its gradients
+  reach the owners by reduce-scatter (one per stack) and updates leave by all-gather.
+- ``muon_chunked``: the same with ``chunk_bytes=--chunk-bytes`` (default 128 MiB; ``--small``:
+  one matrix per device per chunk): per-chunk collectives that XLA can overlap with
+  Newton-Schulz of other chunks. Its HLO ring bytes must equal ``muon``'s
+  (``chunking_ring_bytes_equal``).
+- ``muon_overlap``: ``muon`` compiled with ``muon_jax.overlap`` options (latency-hiding
+  scheduler, combine thresholds).
+- ``optax``: optax.contrib.muon on the same replicated params (all-reduced gradients; every
+  device orthogonalizes every matrix).
+- ``optax_fsdp``: optax.contrib.muon with params (and its state) sharded over 'data' along
+  d_model (``P('data', None)``; ``P(None, 'data')`` for the f x d matrix), Auto mesh, jitted
+  with those shardings: XLA's partitioner shards Newton-Schulz (DESIGN.md's 0.61 s baseline).
+  The loss all-gathers each matrix (FSDP forward); gradients come back reduce-scattered.
+- ``muon_fsdp``: sharded muon_jax on those FSDP params (all-to-all into whole-matrix owners
+  and back): the comparison on equal params.
+- ``ns``: Newton-Schulz alone on one device's owner share (no communication, no momentum):
+  how far NS itself is from the dense matmul rate.
 
 Limit = NS FLOPs / (N x dense bf16 matmul rate) + time of a psum of the params' bytes, both
-measured here. The sharded step is compiled twice, with ``muon_jax.overlap`` options
-(latency-hiding scheduler, combine thresholds) and without; the table shows the HLO collective
-report of each and both step times. The exposed-communication fraction comes from a
-jax.profiler trace (benchmarks/trace_overlap.py) when the backend records device kernels, else
-the HLO estimate (ring bytes of collectives with no compute scheduled between start and done).
+measured here. The exposed-communication fraction comes from a jax.profiler trace
+(benchmarks/trace_overlap.py) of the fastest muon DP variant when the backend records device
+kernels, else the HLO estimate (ring bytes of collectives with no compute scheduled between
+start and done).
 
 Usage:
   python benchmarks/muon_step.py --out muon_step.json          # GPU, real size
@@ -24,6 +43,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import tempfile
@@ -32,28 +52,48 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+VARIANTS = ("muon", "optax", "optax_fsdp", "muon_fsdp", "muon_chunked", "ns", "muon_overlap")
+MUON_DP = ("muon", "muon_chunked", "muon_overlap")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--small", action="store_true", help="CPU sizes, 8 simulated devices")
-    p.add_argument("--layers", type=int, help="8; small 8")
+    p.add_argument("--layers", type=int, help="8; small 4")
     p.add_argument("--d-model", type=int, help="4096; small 64")
     p.add_argument("--d-ff", type=int, help="11008; small 176")
     p.add_argument("--ns-steps", type=int, default=5)
     p.add_argument("--ceiling-n", type=int, help="dense matmul size (8192; small 256)")
     p.add_argument("--warmup", type=int, help="2; small 1")
     p.add_argument("--iters", type=int, help="5; small 2")
-    p.add_argument("--no-optax", action="store_true", help="skip the optax.contrib.muon baseline")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated subset of {','.join(VARIANTS)} (default: all, in "
+                        "this order, muon_overlap not with --small; the JSON is rewritten "
+                        "after each)")
+    p.add_argument("--chunk-bytes", type=int, default=None,
+                   help="chunk_bytes of the muon_chunked variant (128 MiB; small: 1, i.e. "
+                        "one matrix per device per chunk)")
+    p.add_argument("--no-optax", action="store_true", help="skip the optax variants")
     p.add_argument("--trace-dir", default=None, help="where to keep the profiler trace")
     p.add_argument("--out", default=None, help="write the JSON report here")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    big = dict(layers=8, d_model=4096, d_ff=11008, ceiling_n=8192, warmup=2, iters=5)
-    small = dict(layers=8, d_model=64, d_ff=176, ceiling_n=256, warmup=1, iters=2)
+    if args.small and args.variants == ",".join(VARIANTS):  # overlap options are GPU-only
+        args.variants = ",".join(v for v in VARIANTS if v != "muon_overlap")
+    big = dict(layers=8, d_model=4096, d_ff=11008, ceiling_n=8192, warmup=2, iters=5,
+               chunk_bytes=128 * 2**20)
+    small = dict(layers=4, d_model=64, d_ff=176, ceiling_n=256, warmup=1, iters=2,
+                 chunk_bytes=1)
     for k, v in (small if args.small else big).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    chosen = [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad = [v for v in chosen if v not in VARIANTS]
+    if bad:
+        p.error(f"unknown variants {bad}; choose from {','.join(VARIANTS)}")
+    if args.no_optax:
+        chosen = [v for v in chosen if not v.startswith("optax")]
+    args.variants = [v for v in VARIANTS if v in chosen]  # fixed order: most important first
     return args
 
 
@@ -65,6 +105,7 @@ def main(argv=None) -> dict:
         if "xla_force_host_platform_device_count" not in flags:
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
     sys.path[:0] = [str(ROOT), str(HERE)]
+    t_start = time.perf_counter()
 
     import jax
     import jax.numpy as jnp
@@ -79,6 +120,7 @@ def main(argv=None) -> dict:
     report: dict = {"benchmark": "muon_step", "env": env_info(), "config": vars(args)}
     n = len(jax.devices())
     mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,))
+    auto_mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,))
     # Dense bf16 matmul rate on one device (before the mesh becomes ambient).
     ceiling = dense_ceiling(args.ceiling_n, args.warmup, max(args.iters, 3))
     rate = ceiling["tflops"] * 1e12
@@ -86,24 +128,28 @@ def main(argv=None) -> dict:
     d, f, layers = args.d_model, args.d_ff, args.layers
     shapes = {"wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d),
               "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
+    # FSDP: shard the d_model axis of every matrix.
+    fsdp_specs = {k: P("data", None) if s[0] == d else P(None, "data") for k, s in shapes.items()}
     rep = NamedSharding(mesh, P())
-    key = jax.random.key(args.seed)
 
-    def init_params(key):
-        out = {}
-        for layer in range(layers):
-            for name, shape in shapes.items():
-                key, sub = jax.random.split(key)
-                out.setdefault(f"layer_{layer}", {})[name] = (
-                    0.02 * jax.random.normal(sub, shape, jnp.float32)).astype(jnp.bfloat16)
+    names = [(f"layer_{layer}", name) for layer in range(layers) for name in shapes]
+
+    def fill(shape, salt, scale):
+        """Cheap deterministic pseudo-random bf16 values in [-scale/2, scale/2) (a multiplicative
+        hash of the index: compiles and runs in milliseconds, unlike 1.6B threefry draws)."""
+        i = jax.lax.iota(jnp.uint32, math.prod(shape)).reshape(shape)
+        h = (i * jnp.uint32(2654435761) + jnp.uint32(97 * salt + 1)) >> 8
+        return (scale * (h.astype(jnp.float32) / 2**24 - 0.5)).astype(jnp.bfloat16)
+
+    def make_tree(lead, salt, scale):
+        out: dict = {}
+        for j, (lk, name) in enumerate(names):
+            out.setdefault(lk, {})[name] = fill((*lead, *shapes[name]), salt + j, scale)
         return out
 
-    params = jax.jit(init_params, out_shardings=rep)(key)
+    params = jax.jit(lambda: make_tree((), args.seed, 0.07), out_shardings=rep)()
     data_sharding = NamedSharding(mesh, P("data"))
-    data = jax.jit(
-        lambda p, k: jax.tree.map(
-            lambda w: jax.random.normal(k, (n, *w.shape), jnp.bfloat16), p),
-        out_shardings=data_sharding)(params, jax.random.key(args.seed + 1))
+    data = jax.jit(lambda: make_tree((n,), args.seed + 1000, 3.5), out_shardings=data_sharding)()
     n_params = sum(x.size for x in jax.tree.leaves(params))
     ns_flops = sum(layers * muon_jax.ns_flops(*s, args.ns_steps) for s in shapes.values())
     report["model"] = {"params": int(n_params), "matrices": layers * len(shapes),
@@ -115,16 +161,23 @@ def main(argv=None) -> dict:
                                     out_sharding=data_sharding).sum(), p, data)
         return sum(jax.tree.leaves(terms))
 
-    def make_step(tx, reduced: bool):
+    def fsdp_loss(p, data):  # FSDP forward: all-gather each matrix, then the same loss
+        full = NamedSharding(auto_mesh, P())
+        terms = jax.tree.map(
+            lambda w, x: jnp.einsum("dmn,mn->d", x, jax.lax.with_sharding_constraint(w, full),
+                                    preferred_element_type=jnp.float32).sum(), p, data)
+        return sum(jax.tree.leaves(terms))
+
+    def make_step(tx, reduced: bool, loss_fn=loss):
         def step(p, state, data):
             view = muon_jax.reduced_view(p, "data") if reduced else p
-            grads = jax.grad(loss)(view, data)
+            grads = jax.grad(loss_fn)(view, data)
             updates, state = tx.update(grads, state, p)
             return optax.apply_updates(p, updates), state
-        return jax.jit(step)
+        return step
 
     # Limit: the dense rate above and a psum of the params' bytes, measured here.
-    buf = jax.device_put(jnp.zeros((n, n_params), jnp.bfloat16), data_sharding)
+    buf = jax.jit(lambda: jnp.zeros((n, n_params), jnp.bfloat16), out_shardings=data_sharding)()
     psum = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh,
                                  in_specs=P("data"), out_specs=P("data")))
     ar_s, _ = median_seconds(psum, (buf,), args.warmup, max(args.iters, 3))
@@ -133,18 +186,10 @@ def main(argv=None) -> dict:
     report["limit"] = {"dense_tflops": ceiling["tflops"], "ns_seconds": ns_flops / (n * rate),
                        "allreduce_seconds": ar_s, "seconds": limit}
     write_json(args.out, report)
+    print(f"[{time.perf_counter() - t_start:6.1f}s] setup: dense {ceiling['tflops']:.1f} TFLOP/s, "
+          f"psum {ar_s * 1e3:.2f} ms, limit {limit:.4f} s", flush=True)
 
-    # Sharded muon_jax: compiled with and without the overlap options.
-    tx = muon_jax.scale_by_muon(mu_dtype=jnp.float32, ns_steps=args.ns_steps, mesh=mesh)
-    state = tx.init(params)
-    step = make_step(tx, reduced=True)
-    lowered = step.lower(params, state, data)
-    variants = {}
-    options = {
-        "default": None,
-        "overlap": overlap.overlap_compiler_options(),
-    }
-    def compile_with(opts):
+    def compile_with(lowered, opts):
         """Compile, dropping options this XLA does not know (reported in the JSON)."""
         opts, dropped = dict(opts or {}), []
         while True:
@@ -158,83 +203,198 @@ def main(argv=None) -> dict:
                 dropped.append(bad[0])
                 opts.pop(bad[0])
 
-    for name, opts in options.items():
+    def run_variant(name, step, args_, opts=None, jit_kw=None):
+        """Lower, compile, analyze and time one step; returns its record."""
         t0 = time.perf_counter()
-        compiled, dropped = compile_with(opts)
+        lowered = jax.jit(step, **(jit_kw or {})).lower(*args_)
+        compiled, dropped = compile_with(lowered, opts)
         compile_s = time.perf_counter() - t0
         colls = hlo.analyze_collectives(compiled)
-        sec, _ = median_seconds(compiled, (params, state, data), args.warmup, args.iters)
-        variants[name] = {"compiled": compiled, "report": colls, "seconds": sec}
-        report[f"muon_jax_{name}"] = {
-            "step_seconds": sec, "compile_seconds": compile_s, "counts": colls.counts(),
-            "options": opts, "options_dropped": dropped,
-            "ring_bytes_per_device": colls.ring_bytes,
-            "hlo_exposed_fraction": colls.exposed_fraction,
-            "collectives_in_while_loops": len(colls.in_while_loop)}
+        sec, _ = median_seconds(compiled, args_, args.warmup, args.iters)
+        rec = {"step_seconds": sec, "compile_seconds": compile_s, "counts": colls.counts(),
+               "ring_bytes_per_device": colls.ring_bytes,
+               "hlo_exposed_fraction": colls.exposed_fraction,
+               "collectives_in_while_loops": len(colls.in_while_loop)}
+        if opts is not None:
+            rec.update(options=opts, options_dropped=dropped)
+        results[name] = {"compiled": compiled, "report": colls, "seconds": sec,
+                         "args": args_}
+        report[f"muon_jax_{name[5:] or 'default'}" if name.startswith("muon") else name] = rec
+        report["variants_done"] = list(results)
+        report["elapsed_seconds"] = time.perf_counter() - t_start
         write_json(args.out, report)
-    best = min(variants, key=lambda k: variants[k]["seconds"])
-    sharded_s = variants[best]["seconds"]
+        print(f"[{time.perf_counter() - t_start:6.1f}s] {name}: {sec:.4f} s/step "
+              f"(compile {compile_s:.1f} s)", flush=True)
+        return rec
+
+    results: dict = {}
+    fsdp_params = fsdp_data = None
+
+    def to_fsdp():
+        nonlocal fsdp_params, fsdp_data
+        if fsdp_params is None:
+            shard = {k: NamedSharding(auto_mesh, s) for k, s in fsdp_specs.items()}
+            fsdp_params = jax.device_put(
+                params, {lk: shard for lk in params})
+            fsdp_data = jax.device_put(data, NamedSharding(auto_mesh, P("data")))
+        return fsdp_params, fsdp_data
+
+    for name in args.variants:
+        if name in MUON_DP:
+            kw = {"chunk_bytes": args.chunk_bytes} if name == "muon_chunked" else {}
+            tx = muon_jax.scale_by_muon(mu_dtype=jnp.float32, ns_steps=args.ns_steps,
+                                        mesh=mesh, **kw)
+            state = tx.init(params)
+            report[f"{name}_chunks"] = [list(s.chunks) for s in state.layout.stacks]
+            opts = overlap.overlap_compiler_options() if name == "muon_overlap" else None
+            run_variant(name, make_step(tx, reduced=True), (params, state, data), opts)
+        elif name == "optax":
+            base = optax.contrib.muon(0.02, ns_steps=args.ns_steps, mu_dtype=jnp.bfloat16)
+            base_state = jax.jit(base.init)(params)
+            run_variant("optax_contrib_muon", make_step(base, reduced=False),
+                        (params, base_state, data))
+        elif name in ("optax_fsdp", "muon_fsdp"):
+            fp, fd = to_fsdp()
+            with jax.set_mesh(auto_mesh):
+                if name == "optax_fsdp":
+                    tx = optax.contrib.muon(0.02, ns_steps=args.ns_steps, mu_dtype=jnp.bfloat16)
+                    state = jax.jit(tx.init)(fp)
+                    label = "optax_contrib_muon_fsdp"
+                else:
+                    tx = muon_jax.scale_by_muon(mu_dtype=jnp.float32, ns_steps=args.ns_steps,
+                                                mesh=auto_mesh)
+                    state = tx.init(fp)
+                    label = "muon_fsdp"
+                shardings = shardings_of((fp, state))
+                run_variant(label, make_step(tx, reduced=False, loss_fn=fsdp_loss),
+                            (fp, state, fd),
+                            jit_kw={"in_shardings": (*shardings, shardings_of(fd)),
+                                    "out_shardings": shardings})
+        elif name == "ns":
+            # Each device's owner share, orthogonalized as in the sharded step (f32 in, bf16
+            # out), without momentum or communication.
+            lay = muon_jax.scale_by_muon(mesh=mesh).init(params).layout
+            owner = NamedSharding(mesh, P("data"))
+            xs = jax.jit(lambda stacks=lay.stacks: [
+                jnp.ones((n * s.k_owner, s.m, s.n), jnp.float32) for s in stacks],
+                out_shardings=owner)()
+            ns_only = jax.shard_map(
+                lambda xs: [muon_jax.orthogonalize(x, ns_steps=args.ns_steps)
+                            .astype(jnp.bfloat16) for x in xs],
+                mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+            t0 = time.perf_counter()
+            compiled = jax.jit(ns_only).lower(xs).compile()
+            sec, _ = median_seconds(compiled, (xs,), args.warmup, args.iters)
+            del xs
+            flops = sum(s.k_owner * muon_jax.ns_flops(s.m, s.n, args.ns_steps)
+                        for s in lay.stacks)
+            report["ns_owner_share"] = {
+                "seconds": sec, "tflops": flops / sec / 1e12,
+                "fraction_of_dense": flops / sec / rate,
+                "shapes": [[s.k_owner, s.m, s.n] for s in lay.stacks],
+                "compile_and_run_seconds": time.perf_counter() - t0}
+            write_json(args.out, report)
+            print(f"[{time.perf_counter() - t_start:6.1f}s] ns: {sec:.4f} s "
+                  f"({flops / sec / 1e12:.1f} TFLOP/s)", flush=True)
+
+    muon_dp = {k: v for k, v in results.items() if k in MUON_DP}
+    best = min(muon_dp, key=lambda k: muon_dp[k]["seconds"]) if muon_dp else None
+    sharded_s = muon_dp[best]["seconds"] if best else None
+    if "muon" in results and "muon_chunked" in results:
+        a, b = results["muon_chunked"]["report"], results["muon"]["report"]
+        report["chunking_ring_bytes_equal"] = a.ring_bytes == b.ring_bytes
+        report["chunking_ring_bytes"] = {"chunked": a.ring_bytes, "unchunked": b.ring_bytes}
 
     # Exposed communication: profiler trace (GPU) or the HLO estimate.
     exposed, source = None, None
-    try:
-        from trace_overlap import exposed_comm_fraction
-        trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="muon_step_trace_")
-        compiled = variants[best]["compiled"]
-        jax.block_until_ready(compiled(params, state, data))
-        with jax.profiler.trace(trace_dir):
-            for _ in range(3):
-                jax.block_until_ready(compiled(params, state, data))
-        res = exposed_comm_fraction(trace_dir)
-        report["trace"] = {k: v for k, v in res.items() if k != "devices"}
-        if res.get("exposed_fraction") is not None:
-            exposed, source = res["exposed_fraction"], f"jax.profiler trace ({trace_dir})"
-    except Exception as err:  # profiling is best effort
-        report["trace"] = {"error": repr(err)}
-    if exposed is None:
-        exposed = variants[best]["report"].exposed_fraction
-        source = ("HLO estimate: ring bytes of collectives with no compute scheduled between "
-                  "start and done / all ring bytes (not a measurement)")
+    if best:
+        try:
+            from trace_overlap import exposed_comm_fraction
+            trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="muon_step_trace_")
+            compiled, cargs = results[best]["compiled"], results[best]["args"]
+            jax.block_until_ready(compiled(*cargs))
+            with jax.profiler.trace(trace_dir):
+                for _ in range(3):
+                    jax.block_until_ready(compiled(*cargs))
+            res = exposed_comm_fraction(trace_dir)
+            report["trace"] = {k: v for k, v in res.items() if k != "devices"}
+            if res.get("exposed_fraction") is not None:
+                exposed, source = res["exposed_fraction"], f"jax.profiler trace ({trace_dir})"
+        except Exception as err:  # profiling is best effort
+            report["trace"] = {"error": repr(err)}
+        if exposed is None:
+            exposed = results[best]["report"].exposed_fraction
+            source = ("HLO estimate: ring bytes of collectives with no compute scheduled "
+                      "between start and done / all ring bytes (not a measurement)")
 
-    # Baseline: optax.contrib.muon on the same mesh and params.
-    optax_s = None
-    if not args.no_optax:
-        base = optax.contrib.muon(0.02, ns_steps=args.ns_steps, mu_dtype=jnp.bfloat16)
-        base_step = make_step(base, reduced=False)
-        base_state = jax.jit(base.init)(params)
-        optax_s, _ = median_seconds(base_step, (params, base_state, data), args.warmup,
-                                    args.iters)
-        report["optax_contrib_muon"] = {"step_seconds": optax_s}
+    def sec_of(name):
+        return results[name]["seconds"] if name in results else None
+
+    optax_s, optax_fsdp_s = sec_of("optax_contrib_muon"), sec_of("optax_contrib_muon_fsdp")
+    fsdp_s = sec_of("muon_fsdp")
+
+    def ratio(a, b):
+        return a / b if a and b else None
 
     report.update({
         "muon_step_seconds": sharded_s,
         "muon_step_variant": best,
-        "muon_step_speedup_vs_optax": (optax_s / sharded_s) if optax_s else None,
-        "muon_step_over_limit": sharded_s / limit,
+        "muon_step_speedup_vs_optax": ratio(optax_s, sharded_s),
+        "muon_step_speedup_vs_optax_fsdp": ratio(optax_fsdp_s, sharded_s),
+        "optax_step_seconds": optax_s,
+        "optax_fsdp_step_seconds": optax_fsdp_s,
+        "muon_step_fsdp_seconds": fsdp_s,
+        "muon_step_fsdp_speedup_vs_optax_fsdp": ratio(optax_fsdp_s, fsdp_s),
+        "muon_step_over_limit": ratio(sharded_s, limit),
         "muon_step_exposed_comm_fraction": exposed,
         "muon_step_exposed_comm_source": source,
+        "elapsed_seconds": time.perf_counter() - t_start,
     })
     write_json(args.out, report)
 
-    rows = [("variant", "step s", "ring MB/dev", "collectives", "HLO exposed")]
-    for name, v in variants.items():
+    rows = [("variant", "step s", "vs limit", "ring MB/dev", "collectives", "HLO exposed")]
+    labels = {"muon": "muon_jax DP (default)", "muon_chunked": "muon_jax DP (chunked)",
+              "muon_overlap": "muon_jax DP (overlap opts)",
+              "optax_contrib_muon": "optax.contrib.muon DP (replicated)",
+              "optax_contrib_muon_fsdp": "optax.contrib.muon FSDP (auto-sharded)",
+              "muon_fsdp": "muon_jax FSDP"}
+    for name, v in results.items():
         r = v["report"]
-        rows.append((f"muon_jax ({name})", f"{v['seconds']:.4f}", f"{r.ring_bytes / 1e6:.1f}",
-                     str(r.counts()), f"{r.exposed_fraction:.0%}"))
-    if optax_s:
-        rows.append(("optax.contrib.muon", f"{optax_s:.4f}", "-", "-", "-"))
-    rows.append(("limit (NS / N rate + psum)", f"{limit:.4f}", "-", "-", "-"))
+        rows.append((labels.get(name, name), f"{v['seconds']:.4f}", f"{v['seconds'] / limit:.2f}x",
+                     f"{r.ring_bytes / 1e6:.1f}", str(r.counts()), f"{r.exposed_fraction:.0%}"))
+    if "ns_owner_share" in report:
+        ns = report["ns_owner_share"]
+        rows.append(("NS only, one owner share", f"{ns['seconds']:.4f}", "-", "-", "-",
+                     f"{ns['fraction_of_dense']:.0%} of dense"))
+    rows.append(("limit (NS / N rate + psum)", f"{limit:.4f}", "1.00x", "-", "-", "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     print(f"{n_params / 1e6:,.1f}M params, {layers * len(shapes)} matrices, {n} devices, "
           f"dense {ceiling['tflops']:.1f} TFLOP/s, psum {ar_s * 1e3:.2f} ms")
     for r in rows:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)))
-    print(variants[best]["report"].table())
-    speed = report["muon_step_speedup_vs_optax"]
-    print(f"speedup vs optax: {speed:.2f}x" if speed else "speedup vs optax: skipped",
-          f"| over limit: {report['muon_step_over_limit']:.2f}x | exposed comm: {exposed:.0%} "
-          f"({source.split(':')[0]})")
+    if best:
+        print(results[best]["report"].table())
+    if "chunking_ring_bytes_equal" in report:
+        print(f"muon_chunked: chunks per stack {report.get('muon_chunked_chunks')}; ring bytes "
+              f"chunked == unchunked: {report['chunking_ring_bytes_equal']}")
+
+    def fmt(x, spec=".2f", suffix="x"):
+        return f"{x:{spec}}{suffix}" if x is not None else "skipped"
+
+    print(f"speedup vs optax DP: {fmt(report['muon_step_speedup_vs_optax'])} | vs optax FSDP: "
+          f"{fmt(report['muon_step_speedup_vs_optax_fsdp'])} | FSDP vs FSDP: "
+          f"{fmt(report['muon_step_fsdp_speedup_vs_optax_fsdp'])} | over limit: "
+          f"{fmt(report['muon_step_over_limit'])} | exposed comm: "
+          f"{fmt(exposed, '.0%', '')} ({(source or '-').split(':')[0]}) | "
+          f"total {report['elapsed_seconds']:.0f} s")
     return report
+
+
+def shardings_of(tree):
+    """The shardings of a tree of arrays (for jit's in_shardings / out_shardings)."""
+    import jax
+
+    return jax.tree.map(lambda x: x.sharding, tree)
 
 
 if __name__ == "__main__":

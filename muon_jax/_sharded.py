@@ -16,6 +16,12 @@ Newton-Schulz on them alone. All data movement is explicit, in ``jax.shard_map``
 - ``from_owners``: owner blocks -> updates with exactly the params' shardings
   (``all_gather`` where the param is replicated, the inverse ``all_to_all`` where it is sharded).
 
+With ``chunk_bytes`` a stack's owner blocks are split into chunks (``Layout.chunks``: rows
+``start..start + rows`` of every device's block) that move and are orthogonalized
+independently: the same bytes in more, smaller collectives that XLA may overlap with
+Newton-Schulz of other chunks. Momentum stays one array per stack (``split_chunks`` /
+``join_chunks``).
+
 Bytes per device for a data-parallel step with unreduced gradients: reduce-scatter + all-gather
 = one all-reduce, the traffic of data-parallel AdamW (plus padding of ``K`` to ``N``).
 
@@ -63,7 +69,9 @@ from jax.sharding import PartitionSpec as P
 
 from muon_jax import _dims
 from muon_jax._layout import (
+    DEFAULT_CHUNK_BYTES,
     Axes,
+    Chunk,
     Layout,
     LeafPlan,
     MeshLike,
@@ -72,26 +80,34 @@ from muon_jax._layout import (
     StackPlan,
     _parts,
     _size,
+    check_chunk_bytes,
+    chunk_pieces,
     param_spec,
     plan_layout,
     resolve_mesh,
     resolve_shard_axes,
+    row_pieces,
 )
 
 __all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "Chunk",
     "Layout",
     "LeafPlan",
     "Op",
     "ReplicatedGrads",
     "StackPlan",
+    "check_chunk_bytes",
     "from_owners",
     "init_owner_stacks",
+    "join_chunks",
     "owner_map",
     "param_spec",
     "plan_layout",
     "replicated_zeros",
     "resolve_mesh",
     "resolve_shard_axes",
+    "split_chunks",
     "to_owners",
 ]
 
@@ -181,23 +197,26 @@ def replicated_zeros(layout: Layout, shape: tuple[int, ...], dtype: Any) -> jax.
 
 
 def to_owners(grads: Sequence[jax.Array], layout: Layout) -> tuple[jax.Array, ...]:
-    """Move gradients (one per Muon leaf) to owner stacks with explicit collectives.
+    """Move gradients (one per Muon leaf) to owner chunks with explicit collectives.
 
-    Per stack and shard axis: reduce-scatter of unreduced partial sums (``psum_scatter``), a
-    local slice of replicated gradients, or an all-to-all for matrix-sharded ones.
+    Per chunk (``layout.chunks``) and shard axis: reduce-scatter of unreduced partial sums
+    (``psum_scatter``), a local slice of replicated gradients, or an all-to-all for
+    matrix-sharded ones. Chunks of one stack split its bytes; their collectives are independent,
+    so XLA can overlap one chunk's collective with another chunk's Newton-Schulz.
 
     Args:
       grads: gradient leaves in ``layout.leaves`` order (unreduced over shard axes allowed).
       layout: from :func:`plan_layout`.
 
     Returns:
-      One ``[N * k_owner, m, n]`` stack per ``layout.stacks``, sharded ``P(owner_axes)``.
+      One ``[N * rows, m, n]`` array per ``layout.chunks``, sharded ``P(owner_axes)``; with
+      one chunk per stack, one ``[N * k_owner, m, n]`` stack per ``layout.stacks``.
 
     Raises:
       ValueError: naming the leaf when its gradient's explicit sharding differs from the plan.
 
     Example:
-      >>> stacks = to_owners(jax.tree.leaves(grads), layout)
+      >>> owned = to_owners(jax.tree.leaves(grads), layout)  # one array per layout.chunks
 
     References:
       ZeRO (Rajbhandari et al., 2020).
@@ -233,27 +252,70 @@ def to_owners(grads: Sequence[jax.Array], layout: Layout) -> tuple[jax.Array, ..
             local[i] = _local_layout(leaf, spec, mesh)
 
     def entry(*blocks):
-        return tuple(
-            _entry_stack(s, [_dims.to_matrices(blocks[i], local[i]) for i in s.leaves], u, layout)
-            for s, u in zip(layout.stacks, per_stack_u, strict=True)
-        )
+        out = []
+        for s, u in zip(layout.stacks, per_stack_u, strict=True):
+            mats = [_dims.to_matrices(blocks[i], local[i]) for i in s.leaves]
+            f = _factor(s, layout)
+            for start, rows in zip(s.offsets, s.chunks or (s.k_owner,), strict=True):
+                # Rows start..start+rows of every owner's block: owner g's block is rows
+                # g*k_owner.. of the (padded) local stack, as each op splits dim 0 evenly.
+                ranges = [(g * s.k_owner + start, g * s.k_owner + start + rows) for g in range(f)]
+                out.append(_entry_ops(s, _take_rows(mats, ranges), u, layout))
+        return tuple(out)
 
-    out_specs = tuple(layout.owner_spec(s) for s in layout.stacks)
+    out_specs = tuple(layout.owner_spec(layout.stacks[c.stack]) for c in layout.chunks)
     return _shard_map(entry, layout, tuple(in_specs), out_specs)(*placed)
 
 
-def _entry_stack(
-    s: StackPlan, mats: list[jax.Array], u: frozenset[str], layout: Layout
-) -> jax.Array:
-    """Device-local: stack, pad, then reduce-scatter / slice / all-to-all into owner blocks."""
+def _factor(s: StackPlan, layout: Layout) -> int:
+    """Devices the stack's ops split it over: the local stack is ``[factor * k_owner, m, n]``."""
+    return _size(layout.mesh, [a for op in s.ops for a in op.axes])
+
+
+# XLA:GPU's concatenate kernel slows down with many operands (H200, jax 0.11.2: 2.2 TB/s for 8
+# operands, 0.7 TB/s for 16-32); in-place dynamic_update_slice copies kept 1.4-1.5 TB/s.
+_CONCAT_MAX = 8
+
+
+def _assemble(pieces: Sequence[jax.Array | int]) -> jax.Array:
+    """Concatenate ``pieces`` along axis 0; an int piece is that many zero rows.
+
+    Zeros are padding of a real piece, so they share its type (e.g. unreduced).
+    """
+    ref = next(p for p in pieces if not isinstance(p, int))
+    if len(pieces) == 1:
+        return ref
+
+    def zeros(rows: int) -> jax.Array:
+        return jnp.pad(ref[:0], ((rows, 0),) + ((0, 0),) * (ref.ndim - 1))
+
+    if len(pieces) <= _CONCAT_MAX:
+        return jnp.concatenate([zeros(p) if isinstance(p, int) else p for p in pieces], axis=0)
+    out, pos = zeros(sum(p if isinstance(p, int) else p.shape[0] for p in pieces)), 0
+    for p in pieces:
+        if not isinstance(p, int):
+            out = jax.lax.dynamic_update_slice_in_dim(out, p, pos, axis=0)
+        pos += p if isinstance(p, int) else p.shape[0]
+    return out
+
+
+def _take_rows(mats: Sequence[jax.Array], ranges: Sequence[tuple[int, int]]) -> jax.Array:
+    """Rows ``[a, b)`` for each range of ``concatenate(mats)`` (zeros past its end), in order.
+
+    Built from slices of ``mats`` in one copy, without materializing the concatenation.
+    """
+    pieces = row_pieces([x.shape[0] for x in mats], ranges)
+    return _assemble([p if isinstance(p, int) else
+                      mats[p[0]] if (p[1], p[2]) == (0, mats[p[0]].shape[0]) else
+                      mats[p[0]][p[1]:p[2]] for p in pieces])
+
+
+def _entry_ops(s: StackPlan, x: jax.Array, u: frozenset[str], layout: Layout) -> jax.Array:
+    """Device-local: reduce-scatter / slice / all-to-all ``x`` into owner blocks."""
     mesh = layout.mesh
-    x = jnp.concatenate(mats, axis=0) if len(mats) > 1 else mats[0]
     extra = tuple(a for a in mesh.axis_names if a in u and a not in layout.shard_axes)
     if extra:  # unreduced over an axis that does not shard the stacks: plain all-reduce
         x = jax.lax.psum(x, extra)
-    pad = s.k_owner * _size(mesh, [a for op in s.ops for a in op.axes]) - x.shape[0]
-    if pad:
-        x = jnp.pad(x, ((0, pad), (0, 0), (0, 0)))
     for op in s.ops:
         if set(op.axes) <= u:
             x = jax.lax.psum_scatter(x, op.axes, scatter_dimension=0, tiled=True)
@@ -287,23 +349,23 @@ def _typed_spec(x: Any, explicit: frozenset[str]) -> tuple[Axes, ...] | None:
 def owner_map(
     fn: Callable[..., tuple[jax.Array, ...]],
     layout: Layout,
-    stacks: Sequence[Sequence[jax.Array]],
+    chunks: Sequence[Sequence[jax.Array]],
     scalars: Sequence[jax.Array] = (),
 ) -> list[tuple[jax.Array, ...]]:
-    """Apply ``fn`` to each stack's owner blocks, device-locally (no collectives).
+    """Apply ``fn`` to each chunk's owner blocks, device-locally (no collectives).
 
     ``fn(stack_plan, blocks, scalars) -> tuple of blocks`` runs under ``jax.shard_map`` with
-    ``in_specs = out_specs = P(owner_axes)`` (scalars replicated), so each device computes on
-    its ``k_owner`` whole matrices only.
+    ``in_specs = out_specs = P(owner_axes)`` (scalars replicated), once per chunk, so each
+    device computes on its own whole matrices only, and chunks stay independent.
 
     Args:
       fn: the per-device computation (e.g. momentum + Newton-Schulz).
       layout: from :func:`plan_layout`.
-      stacks: per stack, a sequence of owner stacks (e.g. gradient, momentum).
+      chunks: per ``layout.chunks``, a sequence of owner arrays (e.g. gradient, momentum).
       scalars: replicated scalars passed to ``fn`` (e.g. the step count).
 
     Returns:
-      Per stack, the tuple of owner stacks ``fn`` returned.
+      Per chunk, the tuple of owner arrays ``fn`` returned.
 
     Example:
       >>> owner_map(lambda s, b, c: (b[0] * 2,), layout, [(g,) for g in owner_grads])
@@ -311,39 +373,102 @@ def owner_map(
     References:
       ZeRO (Rajbhandari et al., 2020).
     """
-    stacks = [tuple(a) for a in stacks]
-    counts = [len(a) for a in stacks]
-    flat = [a for arrays in stacks for a in arrays]
+    chunks = [tuple(a) for a in chunks]
+    plans = layout.chunks
+    if len(chunks) != len(plans):
+        raise ValueError(f"owner_map: got {len(chunks)} chunks, the layout has {len(plans)}.")
+    counts = [len(a) for a in chunks]
+    flat = [a for arrays in chunks for a in arrays]
 
     def body(*args):
         res, start = [], 0
         blocks, sc = args[: len(flat)], args[len(flat):]
-        for s, n in zip(layout.stacks, counts, strict=True):
-            res.append(tuple(fn(s, blocks[start: start + n], sc)))
+        for c, n in zip(plans, counts, strict=True):
+            res.append(tuple(fn(layout.stacks[c.stack], blocks[start: start + n], sc)))
             start += n
         return tuple(res)
 
-    local = [jax.ShapeDtypeStruct((s.k_owner, s.m, s.n), a.dtype)
-             for s, arrays in zip(layout.stacks, stacks, strict=True) for a in arrays]
+    local = [jax.ShapeDtypeStruct((c.rows, *layout.stacks[c.stack].matrix_shape), a.dtype)
+             for c, arrays in zip(plans, chunks, strict=True) for a in arrays]
     local += [jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in scalars]
     shapes = jax.eval_shape(body, *local)
-    specs = [layout.owner_spec(s) for s in layout.stacks]
+    specs = [layout.owner_spec(layout.stacks[c.stack]) for c in plans]
     in_specs = tuple(sp for sp, n in zip(specs, counts, strict=True) for _ in range(n))
     out_specs = tuple((sp,) * len(r) for sp, r in zip(specs, shapes, strict=True))
     f = _shard_map(body, layout, in_specs + (P(),) * len(scalars), out_specs)
     return list(f(*flat, *scalars))
 
 
-def from_owners(
-    owner_stacks: Sequence[jax.Array], layout: Layout
-) -> list[jax.Array]:
-    """Return owner stacks to leaves with exactly the params' shardings.
+def split_chunks(stacks: Sequence[jax.Array], layout: Layout) -> tuple[jax.Array, ...]:
+    """Owner stacks (e.g. momentum, one per ``layout.stacks``) -> one array per chunk.
 
-    Per op in reverse: all-gather of the stack axis where the param is replicated, the inverse
-    all-to-all where it is sharded along a matrix axis; then unpad and unstack.
+    Device-local static slices (no communication).
 
     Args:
-      owner_stacks: one ``[N * k_owner, m, n]`` stack per ``layout.stacks``.
+      stacks: ``[N * k_owner, m, n]`` arrays sharded ``P(owner_axes)``.
+      layout: from :func:`plan_layout`.
+
+    Returns:
+      One ``[N * rows, m, n]`` array per ``layout.chunks``.
+
+    Example:
+      >>> mu_chunks = split_chunks(state.mu, layout)
+
+    References:
+      ZeRO (Rajbhandari et al., 2020).
+    """
+    if all(len(s.chunks) <= 1 for s in layout.stacks):
+        return tuple(stacks)
+
+    def body(*xs):
+        return tuple(xs[c.stack][c.start: c.start + c.rows] for c in layout.chunks)
+
+    in_specs = tuple(layout.owner_spec(s) for s in layout.stacks)
+    out_specs = tuple(in_specs[c.stack] for c in layout.chunks)
+    return tuple(_shard_map(body, layout, in_specs, out_specs)(*stacks))
+
+
+def join_chunks(chunks: Sequence[jax.Array], layout: Layout) -> tuple[jax.Array, ...]:
+    """Inverse of :func:`split_chunks`: one owner stack per ``layout.stacks``.
+
+    Args:
+      chunks: one ``[N * rows, m, n]`` array per ``layout.chunks``.
+      layout: from :func:`plan_layout`.
+
+    Returns:
+      One ``[N * k_owner, m, n]`` array per ``layout.stacks``, sharded ``P(owner_axes)``.
+
+    Example:
+      >>> mu = join_chunks(new_mu_chunks, layout)
+
+    References:
+      ZeRO (Rajbhandari et al., 2020).
+    """
+    if all(len(s.chunks) <= 1 for s in layout.stacks):
+        return tuple(chunks)
+
+    def body(*xs):
+        parts: list[list[jax.Array]] = [[] for _ in layout.stacks]
+        for c, x in zip(layout.chunks, xs, strict=True):
+            parts[c.stack].append(x)
+        return tuple(_assemble(p) for p in parts)
+
+    out_specs = tuple(layout.owner_spec(s) for s in layout.stacks)
+    in_specs = tuple(out_specs[c.stack] for c in layout.chunks)
+    return tuple(_shard_map(body, layout, in_specs, out_specs)(*chunks))
+
+
+def from_owners(
+    owner_chunks: Sequence[jax.Array], layout: Layout
+) -> list[jax.Array]:
+    """Return owner chunks to leaves with exactly the params' shardings.
+
+    Per chunk and op in reverse: all-gather of the stack axis where the param is replicated,
+    the inverse all-to-all where it is sharded along a matrix axis; then each leaf is cut from
+    its rows of the chunks (device-local slices; padding dropped).
+
+    Args:
+      owner_chunks: one ``[N * rows, m, n]`` array per ``layout.chunks``.
       layout: from :func:`plan_layout`.
 
     Returns:
@@ -359,21 +484,27 @@ def from_owners(
     local = [_local_layout(leaf, leaf.spec, mesh) for leaf in layout.leaves]
 
     def exit_fn(*ys):
-        out: list[Any] = [None] * len(layout.leaves)
-        for s, y in zip(layout.stacks, ys, strict=True):
-            for op in reversed(s.ops):
+        gathered: list[list[jax.Array]] = [[] for _ in layout.stacks]
+        for c, y in zip(layout.chunks, ys, strict=True):
+            for op in reversed(layout.stacks[c.stack].ops):
                 if op.exit == "gather":
                     y = jax.lax.all_gather(y, op.axes, axis=0, tiled=True)
                 else:
                     y = jax.lax.all_to_all(
                         y, op.axes, 1 if op.exit == "a2a_m" else 2, 0, tiled=True
                     )
+            gathered[c.stack].append(y)
+        out: list[Any] = [None] * len(layout.leaves)
+        for s, parts in zip(layout.stacks, gathered, strict=True):
             start = 0
             for i in s.leaves:
-                out[i] = _dims.from_matrices(y[start: start + local[i].batch], local[i])
+                pieces = chunk_pieces(s, start, local[i].batch)
+                y = _assemble([parts[j] if (lo, hi) == (0, parts[j].shape[0]) else
+                               parts[j][lo:hi] for j, lo, hi in pieces])
+                out[i] = _dims.from_matrices(y, local[i])
                 start += local[i].batch
         return tuple(out)
 
-    in_specs = tuple(layout.owner_spec(s) for s in layout.stacks)
+    in_specs = tuple(layout.owner_spec(layout.stacks[c.stack]) for c in layout.chunks)
     out_specs = tuple(_pspec(leaf.spec) for leaf in layout.leaves)
-    return list(_shard_map(exit_fn, layout, in_specs, out_specs, check_vma=False)(*owner_stacks))
+    return list(_shard_map(exit_fn, layout, in_specs, out_specs, check_vma=False)(*owner_chunks))
