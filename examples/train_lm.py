@@ -214,10 +214,23 @@ def _manager(path: pathlib.Path):
     return ocp.CheckpointManager(path.resolve(), options=opts)
 
 
+_to_portable = jax.jit(muon_jax.portable_state)
+_from_portable = jax.jit(muon_jax.restore_state)
+
+
 def _save(mngr, step, model, optimizer):
+    """Saves params, the MoE balancing biases and the optimizer state, each shard in place.
+
+    Sharded Muon momentum is saved in its mesh-independent form (each matrix's momentum in its
+    param's layout), so ``--resume`` also works after ``--mesh`` changes.
+    """
     import orbax.checkpoint as ocp
 
-    state = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
+    state = {
+        "model": nnx.state(model),
+        "step": optimizer.step[...],
+        "opt_state": _to_portable(nnx.as_pure(optimizer.opt_state)),
+    }
     mngr.save(step, args=ocp.args.StandardSave(state))
 
 
@@ -227,11 +240,16 @@ def _restore(mngr, model, optimizer) -> int:
     step = mngr.latest_step()
     if step is None:
         return 0
-    state = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    template = nnx.as_pure(optimizer.opt_state)
+    abstract = {
+        "model": jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.state(model)),
+        "step": ocp.utils.to_shape_dtype_struct(optimizer.step[...]),
+        "opt_state": muon_jax.portable_target(template),
+    }
     restored = mngr.restore(step, args=ocp.args.StandardRestore(abstract))
     nnx.update(model, restored["model"])
-    nnx.update(optimizer, restored["optimizer"])
+    optimizer.step[...] = restored["step"]
+    nnx.update(optimizer.opt_state, nnx.state(_from_portable(restored["opt_state"], template)))
     return int(step)
 
 
