@@ -1,26 +1,41 @@
 """Benchmark moe.experts.gated_experts forward + backward against a dense bf16 matmul ceiling.
 
 Times ``jax.grad`` of ``sum(y * ct)`` (ct a random cotangent) with respect to x, w_gate_up and
-w_down for each backend ('ragged_dot' on [T, d], 'einsum' on capacity-padded [E, C, d]) and
-option set (z saving, FP8 GEMMs), under balanced and Zipf-skewed routing. Useful work counts
-real tokens only: 6 * tokens * d_model * 3 * d_ff FLOPs (three GEMMs, forward + two backward),
-so padding (einsum under skew) and dropped tokens (a capacity factor) count as waste. The
-ceiling is a dense bf16 matmul [T, d_model] @ [d_model, 2*d_ff] timed in the same run.
+w_down for each backend ('ragged_dot' and 'pallas' on [T, d], 'einsum' on capacity-padded
+[E, C, d]) and option set (z saving, FP8 GEMMs), under balanced and Zipf-skewed routing. Useful
+work counts real tokens only: 6 * tokens * d_model * 3 * d_ff FLOPs (three GEMMs, forward +
+two backward), so padding (einsum under skew) and dropped tokens (a capacity factor) count as
+waste. The ceiling is a dense bf16 matmul [T, d_model] @ [d_model, 2*d_ff] timed in the same run.
+
+'pallas' (moe/_gmm_pallas.py, Pallas Triton kernels) runs on GPU only (on CPU Pallas would
+interpret it, which measures nothing; --allow-interpret forces it, for plumbing checks). Before
+its first timing a small correctness check compares it with 'ragged_dot' (max relative error
+of y and the three gradients, f32 at highest precision and bf16; JSON "pallas_check"); if the
+kernels fail to compile, the error is printed and recorded ("pallas_check"/"skipped") and the
+'pallas' rows are skipped. Its rows run after the other backends' and the JSON is rewritten
+after every row, so a timeout keeps what finished. --pallas-sweep times the three grouped
+GEMMs alone (gmm fwd, gmm transposed = dgrad, tgmm = wgrad; gate_up shapes) for a few tilings
+(JSON "pallas_sweep"); --gmm-tiling / --tgmm-tiling set the tiling gated_experts uses.
 
 Usage:
   python benchmarks/experts_bench.py            # GPU: 32768 tokens, d 4096, d_ff 2048, 8 experts
   python benchmarks/experts_bench.py --small    # CPU-sized run
   python benchmarks/experts_bench.py --out res.json --configs bf16 recompute z_fp8
+  python benchmarks/experts_bench.py --backends pallas --configs bf16 --pallas-sweep
+  python benchmarks/experts_bench.py --backends pallas --gmm-tiling 128,256,64,8,3
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
+import os
 import platform
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,9 +44,11 @@ import jax.numpy as jnp
 import numpy as np
 
 try:
+    from moe import _gmm_pallas
     from moe.experts import gated_experts
-except ModuleNotFoundError:  # run from a checkout without `pip install -e .`
+except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from moe import _gmm_pallas
     from moe.experts import gated_experts
 
 CONFIGS: dict[str, dict[str, str]] = {
@@ -42,7 +59,26 @@ CONFIGS: dict[str, dict[str, str]] = {
     "wgrad_fp8": {"wgrad_dtype": "fp8"},
     "all_fp8": {"gemm_dtype": "fp8", "save_z": "fp8", "wgrad_dtype": "fp8"},
 }
-BACKENDS = ("ragged_dot", "einsum")
+BACKENDS = ("ragged_dot", "einsum", "pallas")
+RAGGED_BACKENDS = ("ragged_dot", "pallas")  # x as [T, d]; 'einsum' takes [E, C, d]
+# --pallas-sweep candidates: (block_m, block_n, block_k, num_warps, num_stages).
+GMM_SWEEP = (
+    (128, 128, 64, 8, 4),
+    (128, 128, 64, 4, 4),
+    (128, 128, 64, 8, 3),
+    (128, 256, 64, 8, 3),
+    (64, 128, 64, 4, 4),
+    (128, 128, 32, 4, 5),
+)
+# tgmm: output tile [block_k, block_n], rows stepped by block_m.
+TGMM_SWEEP = (
+    (64, 128, 128, 8, 4),
+    (64, 128, 128, 4, 3),
+    (32, 128, 128, 4, 4),
+    (64, 256, 128, 8, 3),
+    (128, 128, 128, 8, 3),
+    (64, 128, 64, 4, 4),
+)
 ROUTINGS = ("balanced", "zipf")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "experts_bench.json"
 
@@ -78,7 +114,7 @@ def _layout(backend: str, x_real: jax.Array, sizes: np.ndarray, capacity: int):
 
     Returns (x, group sizes actually processed).
     """
-    if backend == "ragged_dot":
+    if backend in RAGGED_BACKENDS:
         return x_real, sizes
     kept = np.minimum(sizes, capacity)
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
@@ -175,6 +211,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(DEFAULT_OUT), help="JSON path ('' to skip)")
+    p.add_argument(
+        "--allow-interpret",
+        action="store_true",
+        help="time 'pallas' off GPU too (Pallas interpret mode: plumbing check, not a timing)",
+    )
+    p.add_argument(
+        "--pallas-sweep", action="store_true", help="time gmm/gmm_t/tgmm alone per tiling"
+    )
+    p.add_argument(
+        "--gmm-tiling",
+        default=None,
+        help="BM,BN,BK,WARPS,STAGES for gated_experts' gmm (fwd and dgrad) kernels",
+    )
+    p.add_argument(
+        "--tgmm-tiling", default=None, help="BM,BN,BK,WARPS,STAGES for the tgmm (wgrad) kernel"
+    )
     args = p.parse_args(argv)
     small = {"tokens": 1024, "d_model": 512, "d_ff": 512, "experts": 4, "warmup": 1, "iters": 3}
     full = {"tokens": 32768, "d_model": 4096, "d_ff": 2048, "experts": 8, "warmup": 3, "iters": 10}
@@ -184,8 +236,146 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _tiling(spec: str | None, default: _gmm_pallas.Tiling) -> _gmm_pallas.Tiling:
+    if not spec:
+        return default
+    bm, bn, bk, warps, stages = (int(v) for v in spec.split(","))
+    return _gmm_pallas.Tiling(bm, bn, bk, warps, stages)
+
+
+def _tiling_dict(t: _gmm_pallas.Tiling) -> dict:
+    return {k: getattr(t, k) for k in ("block_m", "block_n", "block_k", "num_warps", "num_stages")}
+
+
+def _short_error(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) <= 4000 else text[:2000] + " ... " + text[-2000:]
+
+
+def _max_rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
+
+
+def pallas_check(seed: int) -> dict:
+    """gated_experts fwd+bwd, 'pallas' vs 'ragged_dot' on small random data (uneven groups, an
+    empty group, padding rows): max relative error (max |diff| / max |ragged_dot|) of y, dx,
+    dw_gate_up, dw_down, in f32 (both at 'highest' matmul precision) and in bf16."""
+    r, d, f = 2048, 512, 256
+    gs = jnp.asarray([1000, 0, 600, 300], jnp.int32)  # 148 padding rows
+    keys = jax.random.split(jax.random.key(seed + 7), 4)
+    base = (
+        jax.random.normal(keys[0], (r, d)),
+        jax.random.normal(keys[1], (4, d, 2 * f)) / math.sqrt(d),
+        jax.random.normal(keys[2], (4, f, d)) / math.sqrt(f),
+        jax.random.normal(keys[3], (r, d)),
+    )
+
+    def run(backend, dtype):
+        def loss(x, w_gu, w_d, ct):
+            y = gated_experts(x, gs, w_gu, w_d, backend=backend)
+            return jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32)), y
+
+        fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+        (_, y), grads = fn(*(a.astype(dtype) for a in base))
+        return jax.block_until_ready((y, *grads))
+
+    out = {"shapes": {"rows": r, "d_model": d, "d_ff": f, "group_sizes": [1000, 0, 600, 300]}}
+    names = ("y", "dx", "dw_gate_up", "dw_down")
+    t0 = time.perf_counter()
+    for tag, dtype, tol in (("f32", jnp.float32, 1e-4), ("bf16", jnp.bfloat16, 3e-2)):
+        with jax.default_matmul_precision("highest"):
+            got, want = run("pallas", dtype), run("ragged_dot", dtype)
+        errs = {n: _max_rel_err(g, w) for n, g, w in zip(names, got, want, strict=True)}
+        pad_zero = bool(np.all(np.asarray(got[0])[1900:] == 0))
+        out[tag] = {
+            "max_rel_err": errs,
+            "tolerance": tol,
+            "padding_rows_zero": pad_zero,
+            "ok": bool(max(errs.values()) <= tol and pad_zero),
+        }
+        print(
+            f"pallas check {tag}: max rel err vs ragged_dot "
+            + " ".join(f"{n}={v:.2e}" for n, v in errs.items())
+            + f" (tol {tol:g}), padding rows zero: {pad_zero}"
+        )
+    out["ok"] = bool(out["f32"]["ok"] and out["bf16"]["ok"])
+    out["seconds"] = time.perf_counter() - t0
+    if not out["ok"]:
+        print("WARNING: pallas check above tolerance; its timings below are of a wrong result")
+    return out
+
+
+def pallas_sweep(sizes_by_routing: dict, data: dict, dense_tflops: float, args) -> list[dict]:
+    """Time gmm (x @ W_gu), gmm_t (dz @ W_gu^T) and tgmm (x^T dz) alone for each tiling, and
+    ragged_dot on the same GEMM; useful TFLOP/s = 2 * tokens * d_model * 2 d_ff / time."""
+    t, d, f = args.tokens, args.d_model, args.d_ff
+    x, w = data["x"], data["w_gate_up"]
+    dz = jax.random.normal(jax.random.key(args.seed + 3), (t, 2 * f), jnp.bfloat16)
+    flops = 2.0 * t * d * 2 * f
+    # (candidates, operands, pallas call (a, b, gs, tiling), ragged_dot call or None)
+    kernels = {
+        "gmm": (
+            GMM_SWEEP,
+            (x, w),
+            lambda a, b, gs, tl: _gmm_pallas.gmm(a, b, gs, tiling=tl),
+            lambda a, b, gs: jax.lax.ragged_dot(a, b, gs),
+        ),
+        "gmm_t": (
+            GMM_SWEEP,
+            (dz, w),
+            lambda a, b, gs, tl: _gmm_pallas.gmm(a, b, gs, transpose_rhs=True, tiling=tl),
+            None,
+        ),
+        "tgmm": (
+            TGMM_SWEEP,
+            (x, dz),
+            lambda a, b, gs, tl: _gmm_pallas.tgmm(a, b, gs, tiling=tl),
+            None,
+        ),
+    }
+    rows = []
+    for routing, sizes in sizes_by_routing.items():
+        gs = jnp.asarray(sizes, jnp.int32)
+        for kname, (cands, operands, fn, ref) in kernels.items():
+            variants = [(str(c), functools.partial(fn, tl=_gmm_pallas.Tiling(*c))) for c in cands]
+            if ref is not None:
+                variants.append(("ragged_dot", ref))
+            for label, call in variants:
+                row = {"routing": routing, "kernel": kname, "tiling": label}
+                try:
+                    step = jax.jit(call)
+                    sec = median_seconds(step, (*operands, gs), args.warmup, args.iters)
+                    row.update(
+                        seconds=sec,
+                        tflops=flops / sec / 1e12,
+                        ratio_to_dense=flops / sec / 1e12 / dense_tflops,
+                    )
+                    print(
+                        f"sweep {routing:9s} {kname:6s} {label:26s} {sec * 1e3:8.3f} ms "
+                        f"{row['tflops']:8.1f} TFLOP/s {row['ratio_to_dense']:6.3f}"
+                    )
+                except Exception as e:  # noqa: BLE001 - record and keep sweeping
+                    row["error"] = _short_error(e)
+                    print(f"sweep {routing:9s} {kname:6s} {label:26s} FAILED {row['error'][:200]}")
+                rows.append(row)
+    return rows
+
+
+def _write(path: str, report: dict) -> None:
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(report, fh, indent=2, default=str)
+    os.replace(tmp, path)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    _gmm_pallas.GMM_TILING = _tiling(args.gmm_tiling, _gmm_pallas.GMM_TILING)
+    _gmm_pallas.TGMM_TILING = _tiling(args.tgmm_tiling, _gmm_pallas.TGMM_TILING)
     keys = jax.random.split(jax.random.key(args.seed), 4)
     t, d, f, e = args.tokens, args.d_model, args.d_ff, args.experts
     data = {
@@ -196,16 +386,78 @@ def main(argv=None) -> dict:
         "w_down": (jax.random.normal(keys[2], (e, f, d)) / math.sqrt(f)).astype(jnp.bfloat16),
     }
     dense = bench_dense(t, d, f, args.warmup, args.iters, keys[3])
-    results = []
-    for routing in args.routing:
-        sizes = group_sizes_for(routing, args.tokens, args.experts, args.zipf_s)
-        for backend in args.backends:
+    dev = jax.devices()[0]
+    results, skipped = [], []
+    report = {
+        "benchmark": "gated_experts_fwd_bwd",
+        "device": dev.device_kind,
+        "platform": jax.default_backend(),
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "useful_flops_formula": "6 * real_tokens * d_model * 3 * d_ff",
+        "dense": dense,
+        "results": results,
+        "skipped": skipped,
+        "pallas_tiling": {
+            "gmm": _tiling_dict(_gmm_pallas.GMM_TILING),
+            "tgmm": _tiling_dict(_gmm_pallas.TGMM_TILING),
+        },
+    }
+    sizes_by_routing = {
+        r: group_sizes_for(r, args.tokens, args.experts, args.zipf_s) for r in args.routing
+    }
+    # 'pallas' last: a compile failure or a timeout there leaves the other rows written.
+    backends = [b for b in args.backends if b != "pallas"] + [
+        b for b in args.backends if b == "pallas"
+    ]
+    for backend in backends:
+        if backend == "pallas":
+            on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+            if not on_gpu and not args.allow_interpret:
+                reason = (
+                    f"pallas: GPU only (default backend {jax.default_backend()!r}; Pallas "
+                    "would interpret it: pass --allow-interpret for a plumbing check)"
+                )
+                print(f"skipping {reason}")
+                skipped.append({"backend": "pallas", "reason": reason})
+                continue
+            try:
+                report["pallas_check"] = pallas_check(args.seed)
+            except Exception as e:  # noqa: BLE001 - e.g. the Triton lowering fails to compile
+                err = _short_error(e)
+                traceback.print_exc()
+                print(f"skipping pallas: the correctness check failed to run: {err[:500]}")
+                report["pallas_check"] = {"ok": False, "error": err}
+                skipped.append({"backend": "pallas", "reason": "check failed", "error": err})
+                _write(args.out, report)
+                continue
+            _write(args.out, report)
+            if args.pallas_sweep:
+                report["pallas_sweep"] = pallas_sweep(sizes_by_routing, data, dense["tflops"], args)
+                _write(args.out, report)
+        for routing, sizes in sizes_by_routing.items():
             for config in args.configs:
-                r = bench_experts(backend, config, routing, sizes, data, args)
+                try:
+                    r = bench_experts(backend, config, routing, sizes, data, args)
+                except Exception as e:  # noqa: BLE001
+                    if backend != "pallas":
+                        raise
+                    err = _short_error(e)
+                    print(f"skipping pallas {routing}/{config}: {err[:500]}")
+                    skipped.append(
+                        {"backend": backend, "routing": routing, "config": config, "error": err}
+                    )
+                    _write(args.out, report)
+                    continue
                 r["ratio_to_dense"] = r["useful_tflops"] / dense["tflops"]
                 results.append(r)
+                print(
+                    f"  {routing} {backend} {config}: {r['seconds'] * 1e3:.3f} ms, "
+                    f"{r['useful_tflops']:.1f} TFLOP/s ({r['ratio_to_dense']:.3f} of dense)"
+                )
+                _write(args.out, report)
 
-    dev = jax.devices()[0]
     print(
         f"\ngated_experts fwd+bwd on {dev.device_kind} ({jax.default_backend()}), jax "
         f"{jax.__version__}: tokens={args.tokens} d_model={args.d_model} d_ff={args.d_ff} "
@@ -229,20 +481,10 @@ def main(argv=None) -> dict:
             f"{r['useful_tflops']:9.3f} {r['ratio_to_dense']:7.3f} {r['rows_computed']:8d} "
             f"{r['dropped_tokens']:8d}"
         )
-    report = {
-        "benchmark": "gated_experts_fwd_bwd",
-        "device": dev.device_kind,
-        "platform": jax.default_backend(),
-        "jax": jax.__version__,
-        "python": platform.python_version(),
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
-        "useful_flops_formula": "6 * real_tokens * d_model * 3 * d_ff",
-        "dense": dense,
-        "results": results,
-    }
+    for sk in skipped:
+        print(f"skipped: {sk}"[:300])
     if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(report, fh, indent=2)
+        _write(args.out, report)
         print(f"wrote {args.out}")
     return report
 

@@ -6,7 +6,10 @@ inputs that `moe.dispatch` produces, in one of two layouts:
 - ragged ``x [R, d_model]`` with ``group_sizes [E]`` (rows grouped by expert, rows past
   ``sum(group_sizes)`` are padding), computed with `jax.lax.ragged_dot_general`;
 - padded ``x [E, C, d_model]`` (rows ``c >= group_sizes[e]`` are padding), computed with batched
-  einsums, which XLA turns into one large batched GEMM.
+  einsums, which XLA turns into one large batched GEMM;
+- ragged ``x [R, d_model]`` again with backend='pallas': grouped-GEMM kernels written in Pallas
+  (`moe._gmm_pallas`, Triton lowering on GPU; interpreted, slowly, on CPU) that pad each group
+  only to the row-tile size instead of every group to the largest one.
 
 The backward is a `jax.custom_vjp` whose dgrad and wgrad GEMMs are written out, so what is
 kept for it (the SonicMoE options: ``z`` in bf16, ``z`` in FP8, or nothing and recompute) and
@@ -24,9 +27,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from moe import fp8
+from moe import _gmm_pallas, fp8
 
-Backend = Literal["auto", "ragged_dot", "einsum"]
+Backend = Literal["auto", "ragged_dot", "einsum", "pallas"]
 GemmDtype = Literal["bf16", "fp8"]
 SaveZ = Literal["bf16", "fp8", "recompute"]
 WgradDtype = Literal["bf16", "fp8"]
@@ -37,10 +40,10 @@ _SAVE_Z = ("bf16", "fp8", "recompute")
 
 # ----------------------------------------------------------------------------------------------
 # Grouped-GEMM backends. Each provides the three GEMMs of a grouped linear layer
-# ``out[rows of e] = a[rows of e] @ w[e]``, accumulating in f32:
-#   fwd(a [..., k], w [E, k, n], gs)   -> [..., n]     (forward)
-#   dgrad(g [..., n], w [E, k, n], gs) -> [..., k]     (g @ w[e]^T, gradient of the input)
-#   wgrad(a [..., k], g [..., n], gs)  -> [E, k, n]    (a_e^T @ g_e, gradient of the weight)
+# ``out[rows of e] = a[rows of e] @ w[e]``, accumulating in f32 and returning ``out_dtype``:
+#   fwd(a [..., k], w [E, k, n], gs, out_dtype)   -> [..., n]   (forward)
+#   dgrad(g [..., n], w [E, k, n], gs, out_dtype) -> [..., k]   (g @ w[e]^T, input gradient)
+#   wgrad(a [..., k], g [..., n], gs, out_dtype)  -> [E, k, n]  (a_e^T @ g_e, weight gradient)
 # A GPU kernel backend is one more entry in `_BACKENDS` (and in the `Backend` literal).
 # ----------------------------------------------------------------------------------------------
 
@@ -51,9 +54,9 @@ class _GroupedGemms:
 
     x_ndim: int  # rank of the token operand: 2 = ragged [R, k], 3 = padded [E, C, k]
     token_axis: int  # axis of the token operand that indexes tokens (wgrad contraction)
-    fwd: Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
-    dgrad: Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
-    wgrad: Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+    fwd: Callable[..., jax.Array]
+    dgrad: Callable[..., jax.Array]
+    wgrad: Callable[..., jax.Array]
 
 
 def _ragged_dn(contract, ragged, group) -> lax.RaggedDotDimensionNumbers:
@@ -72,37 +75,56 @@ _RAGGED_DGRAD = _ragged_dn(([1], [2]), [0], [0])
 _RAGGED_WGRAD = _ragged_dn(([0], [0]), [0], [])
 
 
-def _ragged_fwd(a: jax.Array, w: jax.Array, gs: jax.Array) -> jax.Array:
-    return lax.ragged_dot_general(a, w, gs, _RAGGED_FWD, preferred_element_type=jnp.float32)
+def _ragged_fwd(a: jax.Array, w: jax.Array, gs: jax.Array, out_dtype) -> jax.Array:
+    out = lax.ragged_dot_general(a, w, gs, _RAGGED_FWD, preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
 
 
-def _ragged_dgrad(g: jax.Array, w: jax.Array, gs: jax.Array) -> jax.Array:
-    return lax.ragged_dot_general(g, w, gs, _RAGGED_DGRAD, preferred_element_type=jnp.float32)
+def _ragged_dgrad(g: jax.Array, w: jax.Array, gs: jax.Array, out_dtype) -> jax.Array:
+    out = lax.ragged_dot_general(g, w, gs, _RAGGED_DGRAD, preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
 
 
-def _ragged_wgrad(a: jax.Array, g: jax.Array, gs: jax.Array) -> jax.Array:
-    return lax.ragged_dot_general(a, g, gs, _RAGGED_WGRAD, preferred_element_type=jnp.float32)
+def _ragged_wgrad(a: jax.Array, g: jax.Array, gs: jax.Array, out_dtype) -> jax.Array:
+    out = lax.ragged_dot_general(a, g, gs, _RAGGED_WGRAD, preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
 
 
-def _einsum_fwd(a: jax.Array, w: jax.Array, gs: jax.Array) -> jax.Array:
+def _einsum_fwd(a: jax.Array, w: jax.Array, gs: jax.Array, out_dtype) -> jax.Array:
     del gs  # padding rows are zero (masked by the caller), so they add nothing
-    return jnp.einsum("eck,ekn->ecn", a, w, preferred_element_type=jnp.float32)
+    return jnp.einsum("eck,ekn->ecn", a, w, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
-def _einsum_dgrad(g: jax.Array, w: jax.Array, gs: jax.Array) -> jax.Array:
+def _einsum_dgrad(g: jax.Array, w: jax.Array, gs: jax.Array, out_dtype) -> jax.Array:
     del gs
-    return jnp.einsum("ecn,ekn->eck", g, w, preferred_element_type=jnp.float32)
+    return jnp.einsum("ecn,ekn->eck", g, w, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
-def _einsum_wgrad(a: jax.Array, g: jax.Array, gs: jax.Array) -> jax.Array:
+def _einsum_wgrad(a: jax.Array, g: jax.Array, gs: jax.Array, out_dtype) -> jax.Array:
     del gs
-    return jnp.einsum("eck,ecn->ekn", a, g, preferred_element_type=jnp.float32)
+    return jnp.einsum("eck,ecn->ekn", a, g, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+# Pallas grouped GEMMs (f32 accumulation inside the kernel, ``out_dtype`` stored directly).
+# Pallas interpret mode (slow; for tests) when lowered for CPU, Triton when lowered for GPU.
+def _pallas_fwd(a: jax.Array, w: jax.Array, gs: jax.Array, out_dtype) -> jax.Array:
+    return _gmm_pallas.gmm(a, w, gs, out_dtype=out_dtype)
+
+
+def _pallas_dgrad(g: jax.Array, w: jax.Array, gs: jax.Array, out_dtype) -> jax.Array:
+    return _gmm_pallas.gmm(g, w, gs, transpose_rhs=True, out_dtype=out_dtype)
+
+
+def _pallas_wgrad(a: jax.Array, g: jax.Array, gs: jax.Array, out_dtype) -> jax.Array:
+    return _gmm_pallas.tgmm(a, g, gs, out_dtype=out_dtype)
 
 
 _BACKENDS: dict[str, _GroupedGemms] = {
     "ragged_dot": _GroupedGemms(2, 0, _ragged_fwd, _ragged_dgrad, _ragged_wgrad),
     "einsum": _GroupedGemms(3, 1, _einsum_fwd, _einsum_dgrad, _einsum_wgrad),
+    "pallas": _GroupedGemms(2, 0, _pallas_fwd, _pallas_dgrad, _pallas_wgrad),
 }
+_AUTO_BACKEND = {2: "ragged_dot", 3: "einsum"}  # by the rank of x
 
 
 # ----------------------------------------------------------------------------------------------
@@ -172,7 +194,7 @@ def _gate_up(opts: _Opts, x: jax.Array, gs: jax.Array, w_gate_up: jax.Array) -> 
     a = _act_operand(x, opts)
     w = _weight_operand(w_gate_up, opts, x.dtype)
     with jax.named_scope("experts_gate_up"):
-        return ops.fwd(a, w, gs).astype(x.dtype)
+        return ops.fwd(a, w, gs, x.dtype)
 
 
 def _swiglu(z: jax.Array) -> jax.Array:
@@ -212,7 +234,7 @@ def _forward(opts: _Opts, x, gs, w_gate_up, w_down) -> tuple[jax.Array, jax.Arra
     h = _act_operand(_swiglu(z).astype(x.dtype), opts)
     w = _weight_operand(w_down, opts, x.dtype)
     with jax.named_scope("experts_down"):
-        y = ops.fwd(h, w, gs).astype(x.dtype)
+        y = ops.fwd(h, w, gs, x.dtype)
     return _mask_rows(opts, y, gs), z
 
 
@@ -246,19 +268,21 @@ def _experts_bwd(opts: _Opts, res, dy):
     h = _swiglu(z).astype(dtype)
     dy = _mask_rows(opts, dy.astype(dtype), gs)
     with jax.named_scope("experts_down_dgrad"):
-        dh = ops.dgrad(dy, w_down.astype(dtype), gs)
+        dh = ops.dgrad(dy, w_down.astype(dtype), gs, jnp.float32)
     with jax.named_scope("experts_down_wgrad"):
-        dw_down = ops.wgrad(_wgrad_operand(h, opts), _wgrad_operand(dy, opts), gs)
+        dw_down = ops.wgrad(_wgrad_operand(h, opts), _wgrad_operand(dy, opts), gs, w_down.dtype)
     dz = _swiglu_bwd(z, dh).astype(dtype)
     with jax.named_scope("experts_gate_up_dgrad"):
-        dx = ops.dgrad(dz, w_gate_up.astype(dtype), gs)
+        dx = ops.dgrad(dz, w_gate_up.astype(dtype), gs, x.dtype)
     with jax.named_scope("experts_gate_up_wgrad"):
-        dw_gate_up = ops.wgrad(_wgrad_operand(x, opts), _wgrad_operand(dz, opts), gs)
+        dw_gate_up = ops.wgrad(
+            _wgrad_operand(x, opts), _wgrad_operand(dz, opts), gs, w_gate_up.dtype
+        )
     return (
-        dx.astype(x.dtype),  # zero on padding rows: dy is masked, so dz is zero there
+        dx,  # zero on padding rows: dy is masked, so dz is zero there
         None,
-        dw_gate_up.astype(w_gate_up.dtype),
-        dw_down.astype(w_down.dtype),
+        dw_gate_up,
+        dw_down,
     )
 
 
@@ -280,10 +304,11 @@ def _resolve_backend(backend: str, x_ndim: int) -> str:
     if x_ndim not in (2, 3):
         raise ValueError(
             f"x has rank {x_ndim}; pass x as [R, d_model] (rows grouped by expert, "
-            "backend='ragged_dot') or [E, C, d_model] (capacity-padded, backend='einsum')."
+            "backend='ragged_dot' or 'pallas') or [E, C, d_model] (capacity-padded, "
+            "backend='einsum')."
         )
     if backend == "auto":
-        return next(n for n, b in _BACKENDS.items() if b.x_ndim == x_ndim)
+        return _AUTO_BACKEND[x_ndim]
     want = _BACKENDS[backend].x_ndim
     if want != x_ndim:
         layout = "[R, d_model]" if want == 2 else "[E, C, d_model]"
@@ -291,7 +316,19 @@ def _resolve_backend(backend: str, x_ndim: int) -> str:
             f"backend={backend!r} takes x as {layout} but x has rank {x_ndim}; "
             "use backend='auto' or reshape x."
         )
+    if backend == "pallas":
+        _check_pallas_platform()
     return backend
+
+
+def _check_pallas_platform() -> None:
+    """backend='pallas' runs compiled on GPUs (Triton) and interpreted (slowly) on CPU only."""
+    try:
+        _gmm_pallas.check_platform()
+    except ValueError as e:
+        raise ValueError(
+            f"backend='pallas' is unavailable: {e} (or 'einsum' with capacity-padded x)."
+        ) from None
 
 
 def _check_shapes(x, group_sizes, w_gate_up, w_down) -> None:
@@ -380,7 +417,8 @@ def gated_experts(
     dtype is ``x.dtype`` (weights are cast to it), gradients come back in each input's dtype.
     The backward is explicit: dgrad ``dz @ W^T`` and wgrad ``x_e^T @ dz_e`` GEMMs per expert
     (``ragged_dot_general`` with a contracted ragged axis for the ragged layout, einsums for
-    the padded one); ``group_sizes`` gets no gradient.
+    the padded one, `moe._gmm_pallas` ``gmm``/``tgmm`` kernels for 'pallas'); ``group_sizes``
+    gets no gradient.
 
     Args:
       x: expert inputs, ragged ``[R, d_model]`` (rows grouped by expert, as the 'ragged'
@@ -390,7 +428,12 @@ def gated_experts(
       w_gate_up: ``[E, d_model, 2*d_ff]``; columns ``[:d_ff]`` gate, ``[d_ff:]`` up.
       w_down: ``[E, d_ff, d_model]``.
       backend: 'ragged_dot' (2-D x, `jax.lax.ragged_dot_general`), 'einsum' (3-D x, batched
-        einsum) or 'auto' (chosen by the rank of x).
+        einsum), 'pallas' (2-D x, Pallas grouped-GEMM kernels: each expert's rows padded only
+        to the 128-row tile, so skewed routing costs no padding; compiled through Triton on
+        GPU, run in Pallas interpret mode when lowered for CPU, which is slow and meant for
+        tests; ValueError on TPU), or 'auto' (by the rank of x: 'ragged_dot'
+        for 2-D, 'einsum' for 3-D). FP8 options work with every backend: operands are
+        quantized and dequantized before the GEMM.
       gemm_dtype: 'fp8' feeds the two forward GEMMs FP8 operands: activations (x and h) per
         row in 1 x block_size blocks; weights quantized inside every call from the params
         passed in (nothing is cached), per output column in blocks of block_size along the

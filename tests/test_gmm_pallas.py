@@ -1,0 +1,263 @@
+"""Pallas grouped GEMMs (moe._gmm_pallas) and gated_experts(backend='pallas'), in interpret mode.
+
+On CPU the kernels run through Pallas interpret mode (the same kernel code, executed as XLA
+ops). That they also lower to Triton for a GPU is checked by exporting for 'cuda' here, without
+a GPU; compiling and timing them needs one (benchmarks/experts_bench.py).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from moe import _gmm_pallas as gp
+from moe import experts as experts_mod
+from moe.experts import gated_experts
+
+M, K, N, G = 96, 64, 48, 4
+GS = np.array([30, 0, 41, 13], np.int32)  # an empty group, boundaries inside tiles, 12 pad rows
+TILES = gp.Tiling(block_m=16, block_n=16, block_k=16, group_m=2)
+
+
+def _data(dtype, seed=0, m=M, k=K, n=N, g=G):
+    r = np.random.default_rng(seed)
+    lhs = r.standard_normal((m, k)).astype(np.float32)
+    rhs = r.standard_normal((g, k, n)).astype(np.float32)
+    dy = r.standard_normal((m, n)).astype(np.float32)
+    return tuple(jnp.asarray(a, dtype) for a in (lhs, rhs, dy))
+
+
+def _offsets(gs):
+    return np.concatenate([[0], np.cumsum(gs)])
+
+
+def _ref_gmm(lhs, rhs, gs):
+    lhs, rhs = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
+    out = np.zeros((lhs.shape[0], rhs.shape[2]))
+    off = _offsets(gs)
+    for g in range(len(gs)):
+        out[off[g] : off[g + 1]] = lhs[off[g] : off[g + 1]] @ rhs[g]
+    return out
+
+
+def _ref_tgmm(lhs, dy, gs):
+    lhs, dy = np.asarray(lhs, np.float64), np.asarray(dy, np.float64)
+    off = _offsets(gs)
+    return np.stack([lhs[off[g] : off[g + 1]].T @ dy[off[g] : off[g + 1]] for g in range(len(gs))])
+
+
+def _close(got, want, rtol):
+    """Max error relative to the largest reference entry (entry-wise for f32, norm-wise bf16)."""
+    got = np.asarray(got, np.float64)
+    err = np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30)
+    assert err <= rtol, f"max rel err {err:.3g} > {rtol}"
+
+
+@pytest.mark.parametrize("dtype,rtol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_gmm_matches_reference(dtype, rtol):
+    lhs, rhs, _ = _data(dtype)
+    out = gp.gmm(lhs, rhs, jnp.asarray(GS), tiling=TILES)
+    assert out.shape == (M, N) and out.dtype == dtype
+    want = _ref_gmm(lhs, rhs, GS)
+    _close(out, want, rtol)
+    assert np.all(np.asarray(out)[GS.sum() :] == 0)  # padding rows are exactly zero
+
+
+@pytest.mark.parametrize("dtype,rtol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_gmm_transposed_rhs_matches_reference(dtype, rtol):
+    _, rhs, dy = _data(dtype)  # dy [M, N] @ rhs[g]^T ([N, K]) -> [M, K]
+    out = gp.gmm(dy, rhs, jnp.asarray(GS), transpose_rhs=True, tiling=TILES)
+    assert out.shape == (M, K)
+    _close(out, _ref_gmm(dy, np.swapaxes(np.asarray(rhs, np.float32), 1, 2), GS), rtol)
+    assert np.all(np.asarray(out)[GS.sum() :] == 0)
+
+
+@pytest.mark.parametrize("dtype,rtol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_tgmm_matches_reference(dtype, rtol):
+    lhs, _, dy = _data(dtype)
+    out = gp.tgmm(lhs, dy, jnp.asarray(GS), out_dtype=jnp.float32, tiling=TILES)
+    assert out.shape == (G, K, N) and out.dtype == jnp.float32
+    _close(out, _ref_tgmm(lhs, dy, GS), rtol)
+    assert np.all(np.asarray(out)[1] == 0)  # the empty group
+
+
+def test_tgmm_ignores_padding_rows():
+    lhs, _, dy = _data(jnp.float32)
+    tail = slice(int(GS.sum()), None)
+    noisy_lhs = lhs.at[tail].set(1e30)
+    noisy_dy = dy.at[tail].set(jnp.nan)
+    out = gp.tgmm(noisy_lhs, noisy_dy, jnp.asarray(GS), tiling=TILES)
+    _close(out, _ref_tgmm(lhs, dy, GS), 1e-5)
+
+
+def test_unaligned_shapes_and_default_tiles():
+    """Dims that are not tile multiples are zero-padded; default (128-row) tiles."""
+    m, k, n = 90, 40, 24
+    gs = np.array([7, 50, 0, 33], np.int32)  # sums to m: no padding rows
+    lhs, rhs, dy = _data(jnp.float32, seed=1, m=m, k=k, n=n)
+    _close(gp.gmm(lhs, rhs, jnp.asarray(gs), tiling=TILES), _ref_gmm(lhs, rhs, gs), 1e-5)
+    _close(gp.gmm(lhs, rhs, jnp.asarray(gs)), _ref_gmm(lhs, rhs, gs), 1e-5)
+    got = gp.gmm(dy, rhs, jnp.asarray(gs), transpose_rhs=True, tiling=TILES)  # [m, k]
+    _close(got, _ref_gmm(dy, np.swapaxes(np.asarray(rhs), 1, 2), gs), 1e-5)
+    _close(gp.tgmm(lhs, dy, jnp.asarray(gs), tiling=TILES), _ref_tgmm(lhs, dy, gs), 1e-5)
+    _close(gp.tgmm(lhs, dy, jnp.asarray(gs)), _ref_tgmm(lhs, dy, gs), 1e-5)
+
+
+def test_jit_and_traced_group_sizes():
+    lhs, rhs, _ = _data(jnp.float32)
+    f = jax.jit(functools.partial(gp.gmm, tiling=TILES))
+    for gs in (GS, np.array([0, 0, 96, 0], np.int32), np.zeros(4, np.int32)):
+        np.testing.assert_allclose(f(lhs, rhs, jnp.asarray(gs)), _ref_gmm(lhs, rhs, gs), 1e-5, 1e-4)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_work_tiles_cover_every_row_once(seed):
+    r = np.random.default_rng(seed)
+    m, bm, g = 160, 16, 5
+    gs = r.multinomial(int(r.integers(0, m + 1)), np.ones(g) / g).astype(np.int32)
+    gs[r.integers(0, g)] = 0
+    grp, tile, lo, hi = (np.asarray(a) for a in gp.work_tiles(jnp.asarray(gs), m, bm))
+    assert grp.shape == (m // bm + g,)
+    owner = np.full(m, -1)
+    off = _offsets(gs)
+    for gi, t, a, b in zip(grp, tile, lo, hi, strict=True):
+        assert t * bm <= a <= b <= (t + 1) * bm
+        assert np.all(owner[a:b] == -1)  # no row written twice
+        owner[a:b] = gi
+    want = np.full(m, g)  # padding rows: the zero pseudo-group
+    for gi in range(g):
+        want[off[gi] : off[gi + 1]] = gi
+    np.testing.assert_array_equal(owner, want)
+
+
+def test_bad_arguments_raise():
+    lhs, rhs, dy = _data(jnp.float32)
+    with pytest.raises(ValueError, match="block_m"):
+        gp.Tiling(block_m=48)
+    with pytest.raises(ValueError, match="num_warps"):
+        gp.Tiling(num_warps=0)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        gp.gmm(lhs, rhs, jnp.asarray(GS), transpose_rhs=True)
+    with pytest.raises(ValueError, match="tgmm takes"):
+        gp.tgmm(lhs, dy[:10], jnp.asarray(GS))
+
+
+def test_refuses_tpu(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    lhs, rhs, _ = _data(jnp.float32)
+    with pytest.raises(ValueError, match="ragged_dot"):
+        gp.gmm(lhs, rhs, jnp.asarray(GS))
+    x = jnp.ones((8, 64))
+    w_gu, w_d = jnp.ones((2, 64, 64)), jnp.ones((2, 32, 64))
+    with pytest.raises(ValueError, match="backend='pallas' is unavailable"):
+        gated_experts(x, jnp.array([4, 4]), w_gu, w_d, backend="pallas")
+
+
+# ----------------------------------------------------------------------------------------------
+# gated_experts(backend='pallas') against backend='ragged_dot'
+# ----------------------------------------------------------------------------------------------
+
+R, D, F, E = 96, 64, 32, 4
+
+
+def _expert_inputs(dtype):
+    r = np.random.default_rng(3)
+    x = r.standard_normal((R, D))
+    w_gu = r.standard_normal((E, D, 2 * F)) / np.sqrt(D)
+    w_d = r.standard_normal((E, F, D)) / np.sqrt(F)
+    ct = r.standard_normal((R, D))
+    return tuple(jnp.asarray(a, dtype) for a in (x, w_gu, w_d, ct))
+
+
+@functools.cache
+def _experts_fn(backend, **opts):
+    def loss(x, w_gu, w_d, ct):
+        y = gated_experts(x, jnp.asarray(GS), w_gu, w_d, backend=backend, **opts)
+        return jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32)), y
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+
+def _compare(dtype, rtol, **opts):
+    args = _expert_inputs(dtype)
+    (_, y), grads = _experts_fn("pallas", **opts)(*args)
+    (_, y_ref), grads_ref = _experts_fn("ragged_dot", **opts)(*args)
+    for name, got, want in zip(
+        ("y", "dx", "dw_gate_up", "dw_down"), (y, *grads), (y_ref, *grads_ref), strict=True
+    ):
+        assert got.dtype == want.dtype, name
+        want = np.asarray(want, np.float64)
+        err = np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want))
+        assert err <= rtol, f"{name}: max rel err {err:.3g} > {rtol}"
+    assert np.all(np.asarray(y)[GS.sum() :] == 0)
+    assert np.all(np.asarray(grads[0])[GS.sum() :] == 0)
+    assert np.all(np.asarray(grads[1])[1] == 0) and np.all(np.asarray(grads[2])[1] == 0)
+
+
+def test_gated_experts_pallas_f32_matches_ragged_dot():
+    _compare(jnp.float32, 1e-5)
+
+
+def test_gated_experts_pallas_bf16_matches_ragged_dot():
+    _compare(jnp.bfloat16, 2e-2)
+
+
+def test_gated_experts_pallas_fp8_and_recompute_match_ragged_dot():
+    # FP8 is emulated before the kernel (quantize-dequantize), identically for both backends.
+    _compare(
+        jnp.bfloat16,
+        2e-2,
+        gemm_dtype="fp8",
+        save_z="recompute",
+        wgrad_dtype="fp8",
+        block_size=8,
+    )
+
+
+def test_gated_experts_pallas_needs_ragged_x():
+    x = jnp.ones((E, 8, D))
+    w_gu, w_d = jnp.ones((E, D, 2 * F)), jnp.ones((E, F, D))
+    with pytest.raises(ValueError, match="backend='pallas' takes x as"):
+        gated_experts(x, None, w_gu, w_d, backend="pallas")
+    assert experts_mod._resolve_backend("auto", 2) == "ragged_dot"  # auto is unchanged
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernels lower to Triton for CUDA (checked on a CPU-only machine via jax.export).
+# ----------------------------------------------------------------------------------------------
+
+
+def _cuda_module(fn, *args) -> str:
+    chk = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    try:
+        exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=chk)(*args)
+    except Exception as e:  # pragma: no cover - depends on the jaxlib build
+        if "triton" in str(e).lower() and "lower" not in str(e).lower():
+            pytest.skip(f"this jaxlib cannot lower Pallas to Triton: {e}")
+        raise
+    return exp.mlir_module()
+
+
+def test_gated_experts_pallas_lowers_to_triton_for_cuda():
+    x, w_gu, w_d, ct = (
+        jnp.zeros((512, 256), jnp.bfloat16),
+        jnp.zeros((E, 256, 256), jnp.bfloat16),
+        jnp.zeros((E, 128, 256), jnp.bfloat16),
+        jnp.zeros((512, 256), jnp.bfloat16),
+    )
+    gs = jnp.array([200, 0, 150, 100], jnp.int32)
+
+    def step(x, w_gu, w_d, ct, gs):
+        def loss(x, w_gu, w_d):
+            y = gated_experts(x, gs, w_gu, w_d, backend="pallas")
+            return jnp.sum(y.astype(jnp.float32) * ct)
+
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(x, w_gu, w_d)
+
+    text = _cuda_module(step, x, w_gu, w_d, ct, gs)
+    # fwd 2 gmm, dgrad 2 gmm_t, wgrad 2 tgmm; no interpreter loop left in the GPU module.
+    assert text.count("__gpu$xla.gpu.triton") == 6
+    assert "stablehlo.while" not in text
