@@ -62,16 +62,16 @@ run() {
   echo "=== $name: rc=$rc in ${dt}s"
 }
 
-run moe_layer_bench 130 benchmarks/moe_layer_bench.py --out "$OUT/moe_layer_bench.json" \
-  --profile "$OUT/traces/moe_layer"
-run lm_step_bench 130 benchmarks/lm_step_bench.py --out "$OUT/lm_step_bench.json" \
-  --profile "$OUT/traces/lm_step"
-run muon_step 110 benchmarks/muon_step.py --out "$OUT/muon_step.json" \
+run experts_bench 110 benchmarks/experts_bench.py --out "$OUT/experts_bench.json" \
+  --configs bf16
+run muon_step 100 benchmarks/muon_step.py --out "$OUT/muon_step.json" \
   --trace-dir "$OUT/traces/muon_step"
-run dispatch_check 80 benchmarks/dispatch_check.py --out "$OUT/dispatch_check.json"
+run moe_layer_bench 90 benchmarks/moe_layer_bench.py --out "$OUT/moe_layer_bench.json" \
+  --profile "$OUT/traces/moe_layer"
+run dispatch_check 60 benchmarks/dispatch_check.py --out "$OUT/dispatch_check.json"
 run dispatch_phases 75 benchmarks/dispatch_phases.py --out "$OUT/dispatch_phases.json"
-run experts_bench 70 benchmarks/experts_bench.py --out "$OUT/experts_bench.json" \
-  --configs bf16 all_fp8
+run lm_step_bench 90 benchmarks/lm_step_bench.py --out "$OUT/lm_step_bench.json" \
+  --profile "$OUT/traces/lm_step"
 
 echo "=== scripts done in $((SECONDS - START))s"
 # Keep the traces small enough to fetch: drop xplane.pb where a trace.json.gz has the same run
