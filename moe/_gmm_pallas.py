@@ -218,8 +218,11 @@ def _gmm_kernel(
         b = b.astype(compute_dtype)
         return acc + lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
-    trips = jnp.where(g < n_groups, n_k, 0)
-    acc = lax.fori_loop(0, trips, step, jnp.zeros((bm, bn), jnp.float32))
+    # A static trip count (lowered to scf.for with i32 constant bounds: with a traced bound,
+    # jax 0.11.2's Triton lowering emitted mismatched bound types, rejected on H200). Tiles of
+    # the padding group compute a throwaway product and store zeros.
+    acc = lax.fori_loop(0, n_k, step, jnp.zeros((bm, bn), jnp.float32))
+    acc = jnp.where(g < n_groups, acc, 0.0)
     plgpu.store(
         out_ref.at[pl.ds(row0, bm), pl.ds(col0, bn)],
         acc.astype(out_ref.dtype),
@@ -358,7 +361,13 @@ def _tgmm_kernel(
             a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
         )
 
-    acc = lax.fori_loop(0, trips, step, jnp.zeros((bk, bn), jnp.float32))
+    # Static bound (see _gmm_kernel); iterations past this group's row tiles are skipped.
+    max_trips = _cdiv(lhs_ref.shape[0], bm)
+    acc = lax.fori_loop(
+        0, max_trips,
+        lambda i, a: lax.cond(i < trips, lambda b: step(i, b), lambda b: b, a),
+        jnp.zeros((bk, bn), jnp.float32),
+    )
     plgpu.store(out_ref.at[g, pl.ds(k0, bk), pl.ds(n0, bn)], acc.astype(out_ref.dtype))
 
 
