@@ -88,8 +88,8 @@ class Tiling:
 # Defaults for H100/H200 bf16 (untuned guesses until benchmarks/experts_bench.py --pallas-sweep
 # has run on the GPU). A group boundary inside a 128-row tile costs one extra tile of work, so
 # at most G extra tiles per GEMM. Read at trace time: assigning these retunes later traces.
-GMM_TILING = Tiling(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
-TGMM_TILING = Tiling(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=4)
+GMM_TILING = Tiling(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+TGMM_TILING = Tiling(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
 
 
 def _cdiv(a: int, b: int) -> int:
