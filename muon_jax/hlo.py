@@ -75,7 +75,8 @@ _NON_COMPUTE = frozenset({
     "partition-id", "replica-id",
 })
 _ARRAY_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
-_HEADER_RE = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\))?\s*->.*\{\s*$")
+# Compiled text has "name (params) -> result {"; lowered (pre-optimization) text "name {".
+_HEADER_RE = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\))?\s*(->.*)?\{\s*$")
 _INSTR_RE = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _CALLEE_RE = re.compile(
     r"\b(calls|to_apply|body|condition|true_computation|false_computation|"

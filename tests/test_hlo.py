@@ -162,3 +162,14 @@ def test_enable_overlap_in_fresh_process_sets_flags_xla_accepts():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in out.stdout
+
+
+def test_lowered_text_is_parsed_too():
+    """Pre-optimization HLO (``lower(...).as_text(dialect='hlo')``) has computation headers
+    without a ``->`` signature; its collectives are still found (they were silently missed)."""
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "d"), mesh=mesh, in_specs=P("d"),
+                              out_specs=P()))
+    lowered = f.lower(jnp.ones(8))
+    assert len(hlo.analyze_collectives(lowered.as_text(dialect="hlo"))) == 1
+    assert len(hlo.analyze_collectives(lowered.compile())) == 1
