@@ -186,6 +186,11 @@ def scale_by_muon(
     _dims.shape_scale(1, 1, shape_scaling)  # and on a bad scaling name
     _sharded.check_chunk_bytes(chunk_bytes)
     mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
+    if mu_dtype is not None and not jnp.issubdtype(mu_dtype, jnp.floating):
+        raise ValueError(
+            f"mu_dtype={mu_dtype} is not a float dtype; pass jnp.float32, jnp.bfloat16 or None "
+            "(the params' dtype)."
+        )
 
     def init_fn(params):
         _layouts(params, dimension_numbers, "params")
@@ -215,6 +220,14 @@ def scale_by_muon(
         grads, treedef = jax.tree.flatten(updates)
         mus = treedef.flatten_up_to(state.mu)
         new_mu, out = [], []
+        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(updates)[0]]
+        for path, g, m in zip(paths, grads, mus, strict=True):
+            if tuple(g.shape) != tuple(m.shape):
+                raise ValueError(
+                    f"scale_by_muon: gradient leaf {_dims.path_str(path)!r} has shape {g.shape}, "
+                    f"but its momentum (from the params at init) has {m.shape}; pass the "
+                    "gradients of the params."
+                )
         for g, m, layout in zip(grads, mus, layouts, strict=True):
             m, m_hat = momentum_step(g, m, count_inc, beta, nesterov=nesterov)
             new_mu.append(m if mu_dtype is None else m.astype(mu_dtype))
@@ -273,6 +286,12 @@ def _sharded_update(updates: Any, state: ShardedMuonState, owner_step: Any):
             f"{len(layout.leaves)}; pass gradients with the structure of the params."
         )
     for (path, g), leaf in zip(flat, layout.leaves, strict=True):
+        if not jnp.issubdtype(g.dtype, jnp.floating):
+            raise ValueError(
+                f"scale_by_muon: gradient leaf {_dims.path_str(path)!r} has dtype {g.dtype}; "
+                "Muon updates float matrices only: route it to AdamW (muon_mask) or keep it "
+                "out of the optimized params."
+            )
         if tuple(g.shape) != leaf.shape:
             raise ValueError(
                 f"scale_by_muon: gradient leaf {_dims.path_str(path)!r} has shape {g.shape}, but "
