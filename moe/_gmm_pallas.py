@@ -119,6 +119,8 @@ def _per_platform(call, interpret: bool | None, *args):
     return lax.platform_dependent(
         *args,
         cpu=functools.partial(call, True),
+        # GPU only: the compiled Triton kernel. CI lowers it for CUDA (tests/test_gmm_pallas.py);
+        # benchmarks/experts_bench.py runs it on GPUs against ragged_dot before timing it.
         default=functools.partial(call, False),
     )
 
