@@ -202,13 +202,16 @@ def scale_by_muon(
         mu = optax.tree.zeros_like(params, dtype=mu_dtype)
         return MuonState(count=jnp.zeros([], jnp.int32), mu=mu)
 
+    def direction(mats, m, n):
+        """Orthogonalized, shape-scaled ``[B, m, n]`` matrices: one definition for both paths."""
+        o = orthogonalize(mats, ns_coeffs=ns_coeffs, ns_steps=ns_steps, eps=eps, dtype=ns_dtype)
+        scale = _dims.shape_scale(m, n, shape_scaling)
+        return o * jnp.asarray(scale, o.dtype) if scale != 1.0 else o
+
     def owner_step(stack, blocks, scalars):
         g, mu = blocks
         mu_new, mu_hat = momentum_step(g, mu, scalars[0], beta, nesterov=nesterov)
-        o = orthogonalize(mu_hat, ns_coeffs=ns_coeffs, ns_steps=ns_steps, eps=eps, dtype=ns_dtype)
-        scale = _dims.shape_scale(stack.m, stack.n, shape_scaling)
-        if scale != 1.0:
-            o = o * jnp.asarray(scale, o.dtype)
+        o = direction(mu_hat, stack.m, stack.n)
         return mu_new.astype(mu.dtype), o.astype(stack.dtype)
 
     def update_fn(updates, state, params=None):
@@ -231,16 +234,7 @@ def scale_by_muon(
         for g, m, layout in zip(grads, mus, layouts, strict=True):
             m, m_hat = momentum_step(g, m, count_inc, beta, nesterov=nesterov)
             new_mu.append(m if mu_dtype is None else m.astype(mu_dtype))
-            o = orthogonalize(
-                _dims.to_matrices(m_hat, layout),
-                ns_coeffs=ns_coeffs,
-                ns_steps=ns_steps,
-                eps=eps,
-                dtype=ns_dtype,
-            )
-            scale = _dims.shape_scale(layout.m, layout.n, shape_scaling)
-            if scale != 1.0:
-                o = o * jnp.asarray(scale, o.dtype)
+            o = direction(_dims.to_matrices(m_hat, layout), layout.m, layout.n)
             out.append(_dims.from_matrices(o, layout))
         mu = jax.tree.unflatten(treedef, new_mu)
         return jax.tree.unflatten(treedef, out), MuonState(count=count_inc, mu=mu)
