@@ -30,7 +30,6 @@ Example (orbax)::
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -78,18 +77,6 @@ def _like(template: Any, value: Any) -> Any:
     if isinstance(template, jax.Array | jax.ShapeDtypeStruct | np.ndarray):
         return value
     return jax.tree.unflatten(jax.tree.structure(template), [value])
-
-
-def _split(stacks: Sequence[jax.Array], layout: Any) -> tuple[jax.Array, ...]:
-    """Owner stacks -> the arrays ``from_owners`` takes (per chunk when the layout has them)."""
-    split = getattr(_sharded, "split_chunks", None)
-    return tuple(stacks) if split is None else tuple(split(stacks, layout))
-
-
-def _join(arrays: Sequence[jax.Array], layout: Any) -> tuple[jax.Array, ...]:
-    """The arrays ``to_owners`` returns -> one owner stack per ``layout.stacks``."""
-    join = getattr(_sharded, "join_chunks", None)
-    return tuple(arrays) if join is None else tuple(join(arrays, layout))
 
 
 def _spec(spec: tuple[tuple[str, ...], ...]) -> P:
@@ -141,7 +128,7 @@ def portable_state(opt_state: Any) -> Any:
                 f"ShardedMuonState has {len(stacks)} momentum stacks, its layout "
                 f"{len(layout.stacks)}; pass a state made by scale_by_muon."
             )
-        leaves = _sharded.from_owners(_split(stacks, layout), layout)
+        leaves = _sharded.from_owners(_sharded.split_chunks(stacks, layout), layout)
         return PortableMuonState(count=x.count, mu=tuple(leaves))
 
     return jax.tree.map(one, opt_state, is_leaf=_is_muon)
@@ -195,7 +182,7 @@ def restore_state(portable: Any, template: Any) -> Any:
                     f"restore_state: momentum of leaf {leaf.path!r} has shape {tuple(m.shape)}, "
                     f"the template's param {leaf.shape}; save and restore the same model."
                 )
-        stacks = _join(_sharded.to_owners(list(mus), layout), layout)
+        stacks = _sharded.join_chunks(_sharded.to_owners(list(mus), layout), layout)
         mu = tuple(
             _like(tm, s.astype(_value(tm).dtype)) for tm, s in zip(t.mu, stacks, strict=True)
         )
