@@ -24,12 +24,10 @@ from jax.sharding import PartitionSpec as P
 
 from moe import experts as _experts
 from moe import routing as _routing
-from moe.dispatch import combine, dispatch
+from moe.dispatch import Transport, WireDtype, combine, dispatch
+from moe.experts import Backend, GemmDtype, SaveZ, WgradDtype
 
 __all__ = ["BalancingBias", "MoE", "MoEOptions", "moe_apply", "moe_linen"]
-
-Transport = Literal["dense", "ragged", "auto"]
-WireDtype = Literal["bf16", "fp8"] | None
 
 
 @nnx.register_variable_name("balancing_bias", overwrite=True)  # Linen collection name
@@ -63,10 +61,10 @@ class MoEOptions:
     capacity_factor: float | None = None
     dispatch_dtype: WireDtype = None
     combine_grad_dtype: WireDtype = None
-    backend: Literal["auto", "ragged_dot", "einsum"] = "auto"
-    gemm_dtype: Literal["bf16", "fp8"] = "bf16"
-    save_z: Literal["bf16", "fp8", "recompute"] = "bf16"
-    wgrad_dtype: Literal["bf16", "fp8"] = "bf16"
+    backend: Backend = "auto"
+    gemm_dtype: GemmDtype = "bf16"
+    save_z: SaveZ = "bf16"
+    wgrad_dtype: WgradDtype = "bf16"
     fp8_block_size: int = 128
 
 
@@ -350,10 +348,10 @@ class MoE(nnx.Module):
         capacity_factor: float | None = None,
         dispatch_dtype: WireDtype = None,
         combine_grad_dtype: WireDtype = None,
-        backend: Literal["auto", "ragged_dot", "einsum"] = "auto",
-        gemm_dtype: Literal["bf16", "fp8"] = "bf16",
-        save_z: Literal["bf16", "fp8", "recompute"] = "bf16",
-        wgrad_dtype: Literal["bf16", "fp8"] = "bf16",
+        backend: Backend = "auto",
+        gemm_dtype: GemmDtype = "bf16",
+        save_z: SaveZ = "bf16",
+        wgrad_dtype: WgradDtype = "bf16",
         fp8_block_size: int = 128,
         num_shared_experts: int = 0,
         dtype: Any = jnp.float32,
