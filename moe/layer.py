@@ -132,10 +132,7 @@ def _global_router_stats(r: _routing.Routing, opts: MoEOptions, all_axes, total_
     """Load-balancing and z losses over *all* tokens, from per-device partial sums."""
     e, k = opts.router.num_experts, opts.router.top_k
     counts = jax.lax.psum(r.tokens_per_expert, all_axes)
-    if opts.router.score_fn == "softmax":
-        probs = r.scores
-    else:
-        probs = r.scores / jnp.maximum(r.scores.sum(-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+    probs = _routing.balance_probs(r.scores, opts.router.score_fn)
     p_mean = jax.lax.psum(probs.sum(0), all_axes) / total_tokens
     f = counts.astype(jnp.float32) / (total_tokens * k)
     lb = e * jnp.sum(jax.lax.stop_gradient(f) * p_mean)

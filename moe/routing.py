@@ -120,6 +120,14 @@ def _group_limited_mask(choice: jax.Array, num_groups: int, topk_groups: int) ->
     return jnp.repeat(group_mask, e // num_groups, axis=-1)
 
 
+def balance_probs(scores: jax.Array, score_fn: str) -> jax.Array:
+    """The ``P`` of the load-balancing loss: ``scores`` normalized to sum 1 over experts
+    (softmax scores already do; sigmoid scores are divided by their sum)."""
+    if score_fn == "softmax":
+        return scores
+    return scores / jnp.maximum(scores.sum(-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+
+
 def route(
     x: ArrayLike,
     router_kernel: ArrayLike,
@@ -196,10 +204,9 @@ def route(
         logits = jax.lax.stop_gradient(logits)
     if config.score_fn == "softmax":
         scores = jax.nn.softmax(logits, axis=-1)
-        probs = scores
     else:
         scores = jax.nn.sigmoid(logits)
-        probs = scores / jnp.maximum(scores.sum(-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+    probs = balance_probs(scores, config.score_fn)
 
     choice = jax.lax.stop_gradient(scores) + bias
     tg = config.topk_groups
