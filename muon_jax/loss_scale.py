@@ -18,7 +18,6 @@ References:
 from __future__ import annotations
 
 import math
-
 from typing import Any, NamedTuple
 
 import jax
