@@ -44,6 +44,8 @@ VARIANTS: dict[str, dict] = {
     "dense_ragged_dot_fp8": dict(transport="dense", backend="ragged_dot", wire="fp8"),
     "ragged_bf16": dict(transport="ragged", backend="ragged_dot", wire="bf16"),
     "ragged_fp8": dict(transport="ragged", backend="ragged_dot", wire="fp8"),
+    "ragged_pallas_bf16": dict(transport="ragged", backend="pallas", wire="bf16"),
+    "ragged_pallas_fp8": dict(transport="ragged", backend="pallas", wire="fp8"),
 }
 DEFAULT_VARIANTS = ["dense_einsum_bf16", "dense_einsum_fp8", "dense_ragged_dot_bf16",
                     "ragged_bf16", "ragged_fp8"]
