@@ -308,11 +308,6 @@ def _resolve_backend(backend: str, x_ndim: int) -> str:
             "backend='einsum')."
         )
     if backend == "auto":
-        # Measured on 2x H200 (BENCHMARKS.md): for the ragged layout the Pallas kernels ran at
-        # 0.77 of the dense matmul rate, XLA's ragged_dot at 0.15; elsewhere (CPU: interpreted,
-        # TPU: unsupported) ragged_dot.
-        if x_ndim == 2 and jax.default_backend() == "gpu":
-            return "pallas"
         return _AUTO_BACKEND[x_ndim]
     want = _BACKENDS[backend].x_ndim
     if want != x_ndim:
@@ -436,9 +431,8 @@ def gated_experts(
         einsum), 'pallas' (2-D x, Pallas grouped-GEMM kernels: each expert's rows padded only
         to the 128-row tile, so skewed routing costs no padding; compiled through Triton on
         GPU, run in Pallas interpret mode when lowered for CPU, which is slow and meant for
-        tests; ValueError on TPU), or 'auto' (by the rank of x: 'einsum' for 3-D; for 2-D,
-        'pallas' on GPU, measured at 0.77 of the dense rate against 0.15 for 'ragged_dot' on
-        H200, and 'ragged_dot' elsewhere). FP8 options work with every backend: operands are
+        tests; ValueError on TPU), or 'auto' (by the rank of x: 'ragged_dot'
+        for 2-D, 'einsum' for 3-D). FP8 options work with every backend: operands are
         quantized and dequantized before the GEMM.
       gemm_dtype: 'fp8' feeds the two forward GEMMs FP8 operands: activations (x and h) per
         row in 1 x block_size blocks; weights quantized inside every call from the params
