@@ -103,6 +103,16 @@ def _reshard(a: jax.Array, mesh, spec: P) -> jax.Array:
     return jax.lax.with_sharding_constraint(a, sharding)
 
 
+def _check_backend(opts: MoEOptions) -> None:
+    if opts.backend == "pallas":
+        raise ValueError(
+            "backend='pallas' is not supported inside the expert-parallel layer yet: its "
+            "pallas_call does not carry shard_map's varying-axes types. Use backend='auto' "
+            "(einsum for the dense transport, ragged_dot for the ragged one), or call "
+            "moe.gated_experts(..., backend='pallas') outside jax.shard_map."
+        )
+
+
 def _check_fp8(d_model: int, d_ff: int, opts: MoEOptions) -> None:
     """The FP8 options' shape rules (those of ``moe.dispatch`` and ``moe.gated_experts``),
     checked up front so the error names the layer's arguments."""
@@ -234,6 +244,7 @@ def moe_apply(
         )
     d_ff = w_down.shape[1]
     _check_fp8(d, d_ff, opts)
+    _check_backend(opts)
     mesh = _resolve_mesh(mesh)
     if mesh is None:
         mesh = jax.make_mesh((1,), (opts.expert_axis,), devices=jax.devices()[:1])
@@ -382,6 +393,7 @@ class MoE(nnx.Module):
             fp8_block_size=fp8_block_size,
         )
         _check_fp8(d_model, d_ff, self.opts)
+        _check_backend(self.opts)
         resolved = _resolve_mesh(mesh)
         if resolved is not None:
             _token_axes(resolved, self.opts)

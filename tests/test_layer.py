@@ -535,3 +535,10 @@ def test_linen_wrapper_matches_nnx():
     chex.assert_trees_all_close(jax.tree.map(np.asarray, grads),
                                 jax.tree.map(np.asarray, nnx.to_pure_dict(gm)),
                                 rtol=1e-6, atol=1e-6)
+
+
+def test_pallas_backend_is_refused_in_the_layer_with_a_clear_error():
+    """Pallas kernels don't carry shard_map's varying-axes types yet (seen on 2x H200 and on
+    CPU); the layer says so instead of failing deep inside the trace."""
+    with pytest.raises(ValueError, match="backend='pallas'.*gated_experts"):
+        moe.MoE(64, 32, 8, 2, backend="pallas", rngs=nnx.Rngs(0))
