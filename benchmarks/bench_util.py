@@ -51,6 +51,25 @@ def dense_ceiling(n: int, warmup: int, iters: int, seed: int = 123, inner: int =
             "calls_per_sample": inner, "tflops": 2.0 * n**3 / sec / 1e12}
 
 
+def compile_with(lowered, opts: dict | None):
+    """``lowered.compile(compiler_options=opts)``, dropping options this XLA does not know.
+
+    Returns ``(compiled, dropped)``; ``dropped`` lists the option names XLA refused (XLA names
+    an unknown option in its error message), so a report can say what was really applied.
+    """
+    opts, dropped = dict(opts or {}), []
+    while True:
+        try:
+            return (lowered.compile(compiler_options=opts) if opts else lowered.compile(),
+                    dropped)
+        except Exception as err:
+            bad = [k for k in opts if k in str(err)]
+            if not bad:
+                raise
+            dropped.append(bad[0])
+            opts.pop(bad[0])
+
+
 def env_info() -> dict:
     devs = jax.devices()
     return {"backend": jax.default_backend(), "device_kind": devs[0].device_kind,

@@ -1,6 +1,7 @@
 """Merge the benchmark JSONs of one run_gpu.sh run into OUT/h200x2.json (headline numbers).
 
-Reads OUT/{experts_bench,dispatch_check,moe_layer_bench,lm_step_bench,muon_step}.json and
+Reads OUT/{experts_bench,dispatch_check,moe_layer_bench,lm_step_bench,muon_step,
+muon_step_f32}.json (muon_step: bf16 params; muon_step_f32: f32 master params) and
 OUT/run_status.tsv (written by run_gpu.sh: script, exit code, seconds, limit). Every headline
 key is present; a value that could not be computed is null with ``<key>_reason`` saying why.
 Details per benchmark stay under ``details``.
@@ -16,7 +17,8 @@ import math
 import os
 from pathlib import Path
 
-SCRIPTS = ("experts_bench", "dispatch_check", "moe_layer_bench", "lm_step_bench", "muon_step")
+SCRIPTS = ("experts_bench", "dispatch_check", "moe_layer_bench", "lm_step_bench", "muon_step",
+           "muon_step_f32")
 HEADLINE = (
     "dense_bf16_matmul_tflops",
     "grouped_gemm_useful_tflops",
@@ -255,6 +257,20 @@ def collect(out: Path) -> dict:
         for k in ("muon_step_speedup_vs_optax", "muon_step_over_limit",
                   "muon_step_exposed_comm_fraction"):
             why[k] = reasons["muon_step"]
+
+    # ---- Muon step with f32 master params (same script, --param-dtype f32): optax's NS then
+    # runs in f32 (it orthogonalizes in the updates' dtype), muon_jax's stays bf16 (ns_dtype).
+    mf = data["muon_step_f32"]
+    res["muon_step_params_dtype"] = "bfloat16" if mu else None
+    if mf:
+        for k in ("muon_step_seconds", "muon_step_speedup_vs_optax", "muon_step_over_limit",
+                  "muon_step_speedup_vs_optax_fsdp", "optax_step_seconds",
+                  "optax_fsdp_step_seconds", "muon_step_fsdp_seconds"):
+            res[f"f32_params_{k}"] = mf.get(k)
+        res["f32_params_limit_seconds"] = (mf.get("limit") or {}).get("seconds")
+        details["muon_step_f32"] = {k: v for k, v in mf.items() if k != "config"}
+    else:
+        res["f32_params_muon_step_reason"] = reasons["muon_step_f32"]
 
     for k in HEADLINE:
         if res.get(k) is None:

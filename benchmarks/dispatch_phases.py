@@ -344,7 +344,10 @@ def run(a) -> dict:
 
     g = smap(mesh, gather, 2)
     bench("gather send buffer (bf16 rows)", "gather", "bf16", g, (x, send_slot))
-    bench("gather send buffer (fp8 bytes)", "gather", "fp8", g, (xq, send_slot))
+    bench("gather send buffer (fp8 words)", "gather", "fp8", g, (xq, send_slot))
+    xq8 = jax.jit(lambda q: jax.lax.bitcast_convert_type(q, jnp.uint8).reshape(
+        q.shape[0], -1))(xq)  # the same bytes as uint8 (the wire's element type before)
+    bench("before: gather send buffer (fp8 as uint8)", "gather", "fp8", g, (xq8, send_slot))
     bench("alt: gather bf16 then quantize E*C rows", "gather", "fp8",
           smap(mesh, lambda x, s: _transport.encode_rows(gather(x, s), wire="fp8",
                                                           block_size=bs), 2),
@@ -357,15 +360,12 @@ def run(a) -> dict:
         tok = s // k
         r = jnp.take(x, tok, axis=0, mode="fill", fill_value=0)
         amax = jnp.take(fp8.block_amax(x, bs), tok, axis=0, mode="fill", fill_value=0)
-        q = fp8.quantize_with_amax(r, amax, bs)
-        return jnp.concatenate([jax.lax.bitcast_convert_type(q.data, jnp.uint8),
-                                jax.lax.bitcast_convert_type(q.scales, jnp.uint8)
-                                .reshape(r.shape[0], -1)], axis=-1)
+        return _transport.pack_fp8_words(fp8.quantize_with_amax(r, amax, bs))
 
     bench("alt: amax of T rows + gather-quantize fused", "gather", "fp8",
           smap(mesh, amax_fused, 2), (x, send_slot), note="padding rows: scale byte 1, not 0")
     send_bf16 = call("gather send buffer (bf16 rows)", "bf16", g, x, send_slot)
-    send_fp8 = call("gather send buffer (fp8 bytes)", "fp8", g, xq, send_slot)
+    send_fp8 = call("gather send buffer (fp8 words)", "fp8", g, xq, send_slot)
 
     # ---- the all_to_all alone
     a2a = smap(mesh, lambda b: _transport.dense_exchange(b, AXIS), 1)
@@ -373,6 +373,11 @@ def run(a) -> dict:
           buffer_bytes=bf16_buf, deepep_bytes=dp_bf16)
     bench("all_to_all alone", "all_to_all", "fp8", a2a, (send_fp8,),
           buffer_bytes=fp8_buf, deepep_bytes=dp_fp8)
+    send_fp8_u8 = jax.jit(lambda q: jax.lax.bitcast_convert_type(q, jnp.uint8).reshape(
+        q.shape[0], -1))(send_fp8)
+    bench("before: all_to_all alone (fp8 as uint8)", "all_to_all", "fp8", a2a, (send_fp8_u8,),
+          buffer_bytes=fp8_buf, deepep_bytes=dp_fp8)
+    del send_fp8_u8
     recv_bf16 = call("all_to_all alone", "bf16", a2a, send_bf16)
     recv_fp8 = call("all_to_all alone", "fp8", a2a, send_fp8)
 

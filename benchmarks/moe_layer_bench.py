@@ -20,7 +20,9 @@ times these too but reports no GB/s and parses argv at import, so it is not impo
 
 ``--profile DIR`` captures a jax.profiler trace of a few steps of the variants in
 ``--profile-variants`` and reports the fraction of NCCL kernel time hidden under compute
-(benchmarks/trace_overlap.py).
+(benchmarks/trace_overlap.py). Variants ending in ``_overlap`` are the same step compiled with
+``muon_jax.overlap.overlap_compiler_options()``, so exposed communication is compared with and
+without the overlap flags in one run.
 
 Usage:
   python benchmarks/moe_layer_bench.py                   # GPU: 16384 tokens/GPU, 4096/2048, E16 k2
@@ -46,9 +48,16 @@ VARIANTS: dict[str, dict] = {
     "ragged_fp8": dict(transport="ragged", backend="ragged_dot", wire="fp8"),
     "ragged_pallas_bf16": dict(transport="ragged", backend="pallas", wire="bf16"),
     "ragged_pallas_fp8": dict(transport="ragged", backend="pallas", wire="fp8"),
+    # The same steps compiled with muon_jax.overlap.overlap_compiler_options() (latency-hiding
+    # scheduler, combine thresholds, high-priority collective stream).
+    "dense_einsum_bf16_overlap": dict(transport="dense", backend="einsum", wire="bf16",
+                                      overlap=True),
+    "dense_einsum_fp8_overlap": dict(transport="dense", backend="einsum", wire="fp8",
+                                     overlap=True),
 }
-DEFAULT_VARIANTS = ["dense_einsum_bf16", "dense_einsum_fp8", "dense_ragged_dot_bf16",
-                    "ragged_bf16", "ragged_fp8"]
+DEFAULT_VARIANTS = ["dense_einsum_bf16", "dense_einsum_fp8", "dense_einsum_bf16_overlap",
+                    "dense_einsum_fp8_overlap", "dense_ragged_dot_bf16", "ragged_bf16",
+                    "ragged_fp8"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -70,7 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="capture jax.profiler traces under DIR/<variant> and report overlap")
     p.add_argument("--profile-variants", nargs="+", choices=list(VARIANTS),
-                   default=["dense_einsum_bf16", "dense_einsum_fp8"])
+                   default=["dense_einsum_bf16", "dense_einsum_fp8",
+                            "dense_einsum_bf16_overlap", "dense_einsum_fp8_overlap"])
     p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(HERE / "results" / "moe_layer_bench.json"),
@@ -96,13 +106,20 @@ sys.path.insert(0, str(HERE.parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from bench_util import dense_ceiling, env_info, median_seconds, write_json  # noqa: E402
+from bench_util import (  # noqa: E402
+    compile_with,
+    dense_ceiling,
+    env_info,
+    median_seconds,
+    write_json,
+)
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from trace_overlap import exposed_comm_fraction  # noqa: E402
 
 import moe  # noqa: E402
 from muon_jax import hlo as mhlo  # noqa: E402
+from muon_jax import overlap as moverlap  # noqa: E402
 
 AXES = ("data", "expert")
 
@@ -150,7 +167,13 @@ def options(name: str, a) -> moe.MoEOptions:
     )
 
 
-def build_layer(name, mesh, a):
+def layer_args(data):
+    return (data["x"], data["router_kernel"], data["w_gate_up"], data["w_down"], data["ct"])
+
+
+def build_layer(name, mesh, a, data):
+    """The jitted fwd+bwd step (compiled with the overlap options for ``*_overlap`` variants,
+    which records the options XLA applied) and the dropped-token count."""
     opts = options(name, a)
 
     def fwd(x, rk, wgu, wd):
@@ -161,8 +184,13 @@ def build_layer(name, mesh, a):
         return jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32))
 
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    compiler = None
+    if VARIANTS[name].get("overlap"):
+        want = moverlap.overlap_compiler_options()
+        step, dropped_opts = compile_with(step.lower(*layer_args(data)), want)
+        compiler = {"options": want, "options_dropped": dropped_opts}
     dropped = jax.jit(lambda x, rk, wgu, wd: fwd(x, rk, wgu, wd)[1]["dropped_tokens"])
-    return step, dropped
+    return step, dropped, compiler
 
 
 def useful_flops(a, n_dev: int, kept_slots: int) -> float:
@@ -174,7 +202,7 @@ def useful_flops(a, n_dev: int, kept_slots: int) -> float:
 
 def bench_layer(name, mesh, data, a, ceiling, step, dropped_fn) -> dict:
     n_dev = mesh.devices.size
-    args = (data["x"], data["router_kernel"], data["w_gate_up"], data["w_down"], data["ct"])
+    args = layer_args(data)
     t0 = time.perf_counter()
     jax.block_until_ready(step(*args))
     first = time.perf_counter() - t0
@@ -193,7 +221,7 @@ def bench_layer(name, mesh, data, a, ceiling, step, dropped_fn) -> dict:
 
 
 def profile_layer(name, data, a, step) -> dict:
-    args = (data["x"], data["router_kernel"], data["w_gate_up"], data["w_down"], data["ct"])
+    args = layer_args(data)
     jax.block_until_ready(step(*args))
     trace_dir = os.path.join(a.profile, name)
     try:
@@ -261,12 +289,12 @@ def print_table(report):
           f"{e['jax']}: tokens/device {s['tokens']}, d_model {s['d_model']}, d_ff {s['d_ff']}, "
           f"E {s['experts']}, top-{s['top_k']}")
     print(f"dense bf16 ceiling {c['tflops']:.2f} TFLOP/s per device ({c['name']})")
-    hdr = f"{'variant':24s} {'ms':>9s} {'TFLOP/s/dev':>11s} {'MFU':>7s} {'dropped':>8s} " \
+    hdr = f"{'variant':26s} {'ms':>9s} {'TFLOP/s/dev':>11s} {'MFU':>7s} {'dropped':>8s} " \
           f"{'exposed':>8s}"
     print(hdr + "\n" + "-" * len(hdr))
     for r in report["layer"]:
         ov = r.get("overlap", {}).get("exposed_fraction")
-        print(f"{r['variant']:24s} {r['ms']:9.3f} {r['useful_tflops_per_device']:11.3f} "
+        print(f"{r['variant']:26s} {r['ms']:9.3f} {r['useful_tflops_per_device']:11.3f} "
               f"{r['mfu']:7.3f} {r['dropped_frac']:8.4f} "
               f"{'-' if ov is None else f'{ov:.3f}':>8s}")
     for r in report.get("dispatch_combine", []):
@@ -303,15 +331,17 @@ def main(a) -> dict:
 
     for name in a.variants:
         try:
-            step, dropped_fn = build_layer(name, mesh, a)
+            step, dropped_fn, compiler = build_layer(name, mesh, a, data)
             row = bench_layer(name, mesh, data, a, report["ceiling"], step, dropped_fn)
+            if compiler:
+                row["compiler"] = compiler
         except Exception as err:  # keep going: one variant failing must not lose the rest
             report["errors"][name] = repr(err)[:2000]
             print(f"{name}: FAILED {err!r}"[:500], flush=True)
             dispatch_once()
             continue
         report["layer"].append(row)
-        print(f"{name:24s} {row['ms']:9.3f} ms  MFU {row['mfu']:.3f}  dropped "
+        print(f"{name:26s} {row['ms']:9.3f} ms  MFU {row['mfu']:.3f}  dropped "
               f"{row['dropped_frac']:.4f}", flush=True)
         write_json(a.out, report)
         if a.profile and name in a.profile_variants:  # reuses the compiled step

@@ -1,11 +1,14 @@
 """Benchmark a Muon train step: sharded muon_jax vs optax.contrib.muon (DP and FSDP) vs the limit.
 
 Params: LLaMA-like matrices, per layer four d x d, two d x f and one f x d (default 8 layers,
-d 4096, f 11008: ~1.6B params), bf16, on a 1-D mesh ('data',) of all devices. Step: a
-synthetic loss whose per-device gradient contributions are random (``loss = sum_leaf sum_d
-<W, D_d>``, D sharded over 'data'), jax.grad, the optimizer update, apply. All: 5 Jordan NS
-steps in bf16 (muon_jax: f32 momentum, bf16 NS operands; optax: bf16 momentum, so its NS runs
-in bf16).
+d 4096, f 11008: ~1.6B params), in ``--param-dtype`` (bf16, or f32 for f32 master weights, the
+usual mixed-precision setup), on a 1-D mesh ('data',) of all devices. Step: a synthetic loss
+whose per-device gradient contributions are random (``loss = sum_leaf sum_d <W, D_d>``, D
+sharded over 'data'), jax.grad, the optimizer update, apply. All: 5 Jordan NS steps.
+muon_jax: library defaults (f32 momentum, bf16 Newton-Schulz whatever the param dtype).
+optax.contrib.muon: its defaults (momentum in the param dtype; its Newton-Schulz runs in the
+dtype of the updates, i.e. bf16 for bf16 params and f32 for f32 params - the setting of
+DESIGN.md's 0.61 s baseline).
 
 Variants (``--variants``, comma separated; default all):
 
@@ -29,8 +32,8 @@ Variants (``--variants``, comma separated; default all):
 - ``ns``: Newton-Schulz alone on one device's owner share (no communication, no momentum):
   how far NS itself is from the dense matmul rate.
 
-Limit = NS FLOPs / (N x dense bf16 matmul rate) + time of a psum of the params' bytes, both
-measured here. The exposed-communication fraction comes from a jax.profiler trace
+Limit = NS FLOPs / (N x dense bf16 matmul rate) + time of a psum of the params' bytes (in the
+param dtype), both measured here. The exposed-communication fraction comes from a jax.profiler trace
 (benchmarks/trace_overlap.py) of the fastest muon DP variant when the backend records device
 kernels, else the HLO estimate (ring bytes of collectives with no compute scheduled between
 start and done).
@@ -63,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--d-model", type=int, help="4096; small 64")
     p.add_argument("--d-ff", type=int, help="11008; small 176")
     p.add_argument("--ns-steps", type=int, default=5)
+    p.add_argument("--param-dtype", choices=("bf16", "f32"), default="bf16",
+                   help="dtype of the params, gradients and the all-reduce (default bf16)")
     p.add_argument("--ceiling-n", type=int, help="dense matmul size (8192; small 256)")
     p.add_argument("--warmup", type=int, help="2; small 1")
     p.add_argument("--iters", type=int, help="5; small 2")
@@ -110,7 +115,7 @@ def main(argv=None) -> dict:
     import jax
     import jax.numpy as jnp
     import optax
-    from bench_util import dense_ceiling, env_info, median_seconds, write_json
+    from bench_util import compile_with, dense_ceiling, env_info, median_seconds, write_json
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -134,12 +139,14 @@ def main(argv=None) -> dict:
 
     names = [(f"layer_{layer}", name) for layer in range(layers) for name in shapes]
 
+    pdtype = {"bf16": jnp.bfloat16, "f32": jnp.float32}[args.param_dtype]
+
     def fill(shape, salt, scale):
-        """Cheap deterministic pseudo-random bf16 values in [-scale/2, scale/2) (a multiplicative
+        """Cheap deterministic pseudo-random values (param dtype) in [-scale/2, scale/2) (a multiplicative
         hash of the index: compiles and runs in milliseconds, unlike 1.6B threefry draws)."""
         i = jax.lax.iota(jnp.uint32, math.prod(shape)).reshape(shape)
         h = (i * jnp.uint32(2654435761) + jnp.uint32(97 * salt + 1)) >> 8
-        return (scale * (h.astype(jnp.float32) / 2**24 - 0.5)).astype(jnp.bfloat16)
+        return (scale * (h.astype(jnp.float32) / 2**24 - 0.5)).astype(pdtype)
 
     def make_tree(lead, salt, scale):
         out: dict = {}
@@ -153,7 +160,8 @@ def main(argv=None) -> dict:
     n_params = sum(x.size for x in jax.tree.leaves(params))
     ns_flops = sum(layers * muon_jax.ns_flops(*s, args.ns_steps) for s in shapes.values())
     report["model"] = {"params": int(n_params), "matrices": layers * len(shapes),
-                       "ns_flops_total": float(ns_flops), "mesh": [n]}
+                       "ns_flops_total": float(ns_flops), "mesh": [n],
+                       "param_dtype": jnp.dtype(pdtype).name}
 
     def loss(p, data):  # sum_leaf sum_d <W, D_d>: per-device gradient contributions D_d
         terms = jax.tree.map(
@@ -177,7 +185,7 @@ def main(argv=None) -> dict:
         return step
 
     # Limit: the dense rate above and a psum of the params' bytes, measured here.
-    buf = jax.jit(lambda: jnp.zeros((n, n_params), jnp.bfloat16), out_shardings=data_sharding)()
+    buf = jax.jit(lambda: jnp.zeros((n, n_params), pdtype), out_shardings=data_sharding)()
     psum = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh,
                                  in_specs=P("data"), out_specs=P("data")))
     ar_s, _ = median_seconds(psum, (buf,), args.warmup, max(args.iters, 3))
@@ -188,20 +196,6 @@ def main(argv=None) -> dict:
     write_json(args.out, report)
     print(f"[{time.perf_counter() - t_start:6.1f}s] setup: dense {ceiling['tflops']:.1f} TFLOP/s, "
           f"psum {ar_s * 1e3:.2f} ms, limit {limit:.4f} s", flush=True)
-
-    def compile_with(lowered, opts):
-        """Compile, dropping options this XLA does not know (reported in the JSON)."""
-        opts, dropped = dict(opts or {}), []
-        while True:
-            try:
-                return (lowered.compile(compiler_options=opts) if opts else lowered.compile(),
-                        dropped)
-            except Exception as err:  # XLA names the unknown option in its message
-                bad = [k for k in opts if k in str(err)]
-                if not bad:
-                    raise
-                dropped.append(bad[0])
-                opts.pop(bad[0])
 
     def run_variant(name, step, args_, opts=None, jit_kw=None):
         """Lower, compile, analyze and time one step; returns its record."""
@@ -249,7 +243,7 @@ def main(argv=None) -> dict:
             opts = overlap.overlap_compiler_options() if name == "muon_overlap" else None
             run_variant(name, make_step(tx, reduced=True), (params, state, data), opts)
         elif name == "optax":
-            base = optax.contrib.muon(0.02, ns_steps=args.ns_steps, mu_dtype=jnp.bfloat16)
+            base = optax.contrib.muon(0.02, ns_steps=args.ns_steps)
             base_state = jax.jit(base.init)(params)
             run_variant("optax_contrib_muon", make_step(base, reduced=False),
                         (params, base_state, data))
@@ -257,7 +251,7 @@ def main(argv=None) -> dict:
             fp, fd = to_fsdp()
             with jax.set_mesh(auto_mesh):
                 if name == "optax_fsdp":
-                    tx = optax.contrib.muon(0.02, ns_steps=args.ns_steps, mu_dtype=jnp.bfloat16)
+                    tx = optax.contrib.muon(0.02, ns_steps=args.ns_steps)
                     state = jax.jit(tx.init)(fp)
                     label = "optax_contrib_muon_fsdp"
                 else:

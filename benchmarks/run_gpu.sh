@@ -66,7 +66,9 @@ run experts_bench 110 benchmarks/experts_bench.py --out "$OUT/experts_bench.json
   --configs bf16
 run muon_step 100 benchmarks/muon_step.py --out "$OUT/muon_step.json" \
   --trace-dir "$OUT/traces/muon_step"
-run moe_layer_bench 90 benchmarks/moe_layer_bench.py --out "$OUT/moe_layer_bench.json" \
+run muon_step_f32 100 benchmarks/muon_step.py --out "$OUT/muon_step_f32.json" \
+  --param-dtype f32 --variants muon,optax,optax_fsdp,muon_fsdp
+run moe_layer_bench 120 benchmarks/moe_layer_bench.py --out "$OUT/moe_layer_bench.json" \
   --profile "$OUT/traces/moe_layer"
 run dispatch_check 60 benchmarks/dispatch_check.py --out "$OUT/dispatch_check.json"
 run dispatch_phases 75 benchmarks/dispatch_phases.py --out "$OUT/dispatch_phases.json"
