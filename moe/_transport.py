@@ -3,8 +3,9 @@
 Three pieces, all pure functions on per-device arrays:
 
 * the wire codec: rows are sent either as-is (any float dtype) or as FP8, i.e. the e4m3 bytes
-  of :func:`moe.fp8.quantize` followed by its packed E8M0 scale words, fused into one uint8
-  row of ``H + H // block_size`` bytes (one collective instead of two);
+  of :func:`moe.fp8.quantize` followed by its packed E8M0 scale words, fused into one row of
+  ``(H + H // block_size) / 4`` uint32 words (one collective instead of two; 32-bit words so
+  the gathers, transposes and copies around the exchange move 4 bytes per element, not 1);
 * ``dense_exchange``: a tiled ``jax.lax.all_to_all`` of a destination-major buffer;
 * ``ragged_exchange``: ``jax.lax.ragged_all_to_all`` on GPU/TPU and, where XLA does not
   implement it (CPU), an emulation with identical semantics built from ``all_gather`` and
@@ -57,12 +58,66 @@ def resolve_ragged_impl(impl: RaggedImpl) -> Literal["native", "emulated"]:
     return "native" if jax.default_backend() in _NATIVE_RAGGED_BACKENDS else "emulated"
 
 
+def pack_fp8_words(q: fp8.Fp8Array) -> jax.Array:
+    """The FP8 wire row of an :class:`moe.fp8.Fp8Array` ``[N, H]``: ``uint32[N, H/4 + W]``.
+
+    Word ``j < H/4`` holds e4m3 bytes ``4j .. 4j+3`` (little-endian, byte ``4j`` lowest); the
+    last ``W = H / (4 * block_size)`` words are the packed E8M0 scale words. As bytes, the row
+    is ``bytes(e4m3 data) ++ bytes(int32 scales)``: the same bytes as a uint8 row, typed as
+    32-bit words so that XLA moves them 4 bytes per element.
+
+    Args:
+      q: FP8 rows ``[N, H]`` (scales ``[N, W]``).
+
+    Returns:
+      uint32 ``[N, H // 4 + W]``.
+
+    Example:
+      >>> q = fp8.quantize(jnp.ones((2, 512)), 128)
+      >>> pack_fp8_words(q).shape
+      (2, 129)
+
+    References:
+      DeepEP UE8M0 scale layout (four scale bytes per int32 word).
+    """
+    lead, h = q.data.shape[:-1], q.data.shape[-1]
+    data = jax.lax.bitcast_convert_type(q.data.reshape(*lead, h // 4, 4), jnp.uint32)
+    scales = jax.lax.bitcast_convert_type(q.scales, jnp.uint32)
+    return jnp.concatenate([data, scales], axis=-1)
+
+
+def unpack_fp8_words(buf: jax.Array, width: int) -> fp8.Fp8Array:
+    """Invert :func:`pack_fp8_words` on ``buf [..., width / 4 + W]``: an ``Fp8Array
+    [..., width]``.
+
+    Args:
+      buf: uint32 wire rows (possibly exchanged / reshaped on leading axes).
+      width: logical row width ``H``.
+
+    Returns:
+      The :class:`moe.fp8.Fp8Array`.
+
+    Example:
+      >>> q = fp8.quantize(jnp.ones((2, 512)), 128)
+      >>> unpack_fp8_words(pack_fp8_words(q), 512).data.shape
+      (2, 512)
+
+    References:
+      DeepEP UE8M0 scale layout.
+    """
+    lead, nw = buf.shape[:-1], width // 4
+    data = jax.lax.bitcast_convert_type(buf[..., :nw], jnp.float8_e4m3fn)  # [..., H/4, 4]
+    scales = jax.lax.bitcast_convert_type(buf[..., nw:], jnp.int32)
+    return fp8.Fp8Array(data=data.reshape(*lead, width), scales=scales)
+
+
 def encode_rows(
     rows: jax.Array, *, wire: Literal["fp8"] | jnp.dtype, block_size: int
 ) -> jax.Array:
     """Encode rows ``[N, H]`` for the wire: a dtype cast, or fused FP8 bytes + E8M0 scales.
 
-    FP8: ``uint8[N, H + H // block_size]`` = ``bytes(e4m3(x / scale)) ++ bytes(int32 scales)``.
+    FP8: ``uint32[N, (H + H // block_size) / 4]`` holding ``bytes(e4m3(x / scale)) ++
+    bytes(int32 scales)`` (:func:`pack_fp8_words`).
 
     Args:
       rows: float array ``[N, H]``.
@@ -74,16 +129,13 @@ def encode_rows(
 
     Example:
       >>> encode_rows(jnp.ones((2, 512)), wire="fp8", block_size=128).shape
-      (2, 516)
+      (2, 129)
 
     References:
       DeepEP FP8 dispatch (e4m3 payload + UE8M0 scales).
     """
     if isinstance(wire, str):
-        q = fp8.quantize(rows, block_size)
-        data = jax.lax.bitcast_convert_type(q.data, jnp.uint8)
-        scales = jax.lax.bitcast_convert_type(q.scales, jnp.uint8)  # [N, W, 4], little-endian
-        return jnp.concatenate([data, scales.reshape(rows.shape[0], -1)], axis=-1)
+        return pack_fp8_words(fp8.quantize(rows, block_size))
     return rows.astype(wire)
 
 
@@ -92,7 +144,7 @@ def gather_rows(
 ) -> jax.Array:
     """Send buffer ``out[i] = encode(rows[index[i]])`` (a zero row where ``index[i]`` is out of
     range): the rows are encoded ONCE (``N`` rows of ``rows``, however often each is sent),
-    then their wire bytes are gathered (for FP8: e4m3 + scale bytes, half the bytes of bf16).
+    then their wire words are gathered (for FP8: e4m3 + scale bytes, half the bytes of bf16).
 
     Args:
       rows: float ``[N, H]``.
@@ -105,7 +157,7 @@ def gather_rows(
     Example:
       >>> gather_rows(jnp.ones((2, 512)), jnp.array([1, 2, 0]), wire="fp8",
       ...             block_size=128).shape
-      (3, 516)
+      (3, 129)
 
     References:
       DeepEP FP8 dispatch (tokens quantized once, before the exchange).
@@ -145,7 +197,7 @@ def gather_weighted_rows(
     Example:
       >>> gather_weighted_rows(jnp.ones((2, 512)), jnp.ones(4), jnp.array([3, 4]), top_k=2,
       ...                      wire="fp8", block_size=128).shape
-      (2, 516)
+      (2, 129)
 
     References:
       DeepEP FP8 dispatch; combine's gradient travels in the dispatch direction.
@@ -159,10 +211,8 @@ def gather_weighted_rows(
         return x.astype(wire)
     amax = jnp.take(fp8.block_amax(rows, block_size), tok, axis=0, mode="fill", fill_value=0)
     q = fp8.quantize_with_amax(x, jnp.abs(w)[:, None] * amax, block_size)
-    data = jax.lax.bitcast_convert_type(q.data, jnp.uint8)
-    scales = jax.lax.bitcast_convert_type(q.scales, jnp.uint8).reshape(x.shape[0], -1)
-    buf = jnp.concatenate([data, scales], axis=-1)
-    return jnp.where((slot < s)[:, None], buf, jnp.zeros((), jnp.uint8))  # padding: 0 bytes
+    buf = pack_fp8_words(q)
+    return jnp.where((slot < s)[:, None], buf, jnp.zeros((), jnp.uint32))  # padding: 0 bytes
 
 
 def decode_rows(
@@ -188,11 +238,7 @@ def decode_rows(
       DeepEP UE8M0 scale layout (four scale bytes per int32 word).
     """
     if isinstance(wire, str):
-        lead = buf.shape[:-1]
-        data = jax.lax.bitcast_convert_type(buf[..., :width], jnp.float8_e4m3fn)
-        sbytes = buf[..., width:].reshape(*lead, -1, 4)
-        scales = jax.lax.bitcast_convert_type(sbytes, jnp.int32)
-        return fp8.dequantize(fp8.Fp8Array(data=data, scales=scales), out_dtype)
+        return fp8.dequantize(unpack_fp8_words(buf, width), out_dtype)
     return buf.astype(out_dtype)
 
 

@@ -277,7 +277,8 @@ def test_fp8_dispatch_halves_wire_bytes():
     (bf16_emitted, bf16_compiled), (fp8_emitted, fp8_compiled) = wire_ops("bf16"), wire_ops("fp8")
     for ops in (bf16_emitted, bf16_compiled, fp8_emitted, fp8_compiled):
         assert len(ops) == 2, ops  # counts + payload, nothing else
-    assert [op[0] for op in fp8_compiled] in ([{"s32"}, {"u8"}], [{"u8"}, {"s32"}])
+    # counts (s32) and the payload: e4m3 + scale bytes as uint32 words
+    assert [op[0] for op in fp8_compiled] in ([{"s32"}, {"u32"}], [{"u32"}, {"s32"}])
     fp8_bytes = sum(op[1] for op in fp8_compiled)
     assert fp8_bytes == sum(op[1] for op in fp8_emitted)  # the backend sends what we emit
     # XLA:CPU widens bf16 collectives to f32 when compiling, so the bf16 baseline is read
@@ -341,4 +342,4 @@ def test_native_ragged_path_lowers_with_fp8_wire():
         dialect="hlo")
     ops = re.findall(r"= (\w+)\[[\d,]*\]\S* ragged-all-to-all\(", hlo)
     # dispatch fwd, combine fwd, combine bwd (dispatch direction, FP8), dispatch bwd.
-    assert sorted(ops) == ["bf16", "bf16", "u8", "u8"], ops
+    assert sorted(ops) == ["bf16", "bf16", "u32", "u32"], ops
