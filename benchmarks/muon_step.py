@@ -142,8 +142,9 @@ def main(argv=None) -> dict:
     pdtype = {"bf16": jnp.bfloat16, "f32": jnp.float32}[args.param_dtype]
 
     def fill(shape, salt, scale):
-        """Cheap deterministic pseudo-random values (param dtype) in [-scale/2, scale/2) (a multiplicative
-        hash of the index: compiles and runs in milliseconds, unlike 1.6B threefry draws)."""
+        """Cheap deterministic pseudo-random values (param dtype) in [-scale/2, scale/2) (a
+        multiplicative hash of the index: compiles and runs in milliseconds, unlike 1.6B
+        threefry draws)."""
         i = jax.lax.iota(jnp.uint32, math.prod(shape)).reshape(shape)
         h = (i * jnp.uint32(2654435761) + jnp.uint32(97 * salt + 1)) >> 8
         return (scale * (h.astype(jnp.float32) / 2**24 - 0.5)).astype(pdtype)
