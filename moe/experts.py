@@ -431,9 +431,9 @@ def gated_experts(
         einsum), 'pallas' (2-D x, Pallas grouped-GEMM kernels: each expert's rows padded only
         to the 128-row tile, so skewed routing costs no padding; compiled through Triton on
         GPU, run in Pallas interpret mode when lowered for CPU, which is slow and meant for
-        tests; ValueError on TPU), or 'auto' (by the rank of x: 'ragged_dot'
-        for 2-D, 'einsum' for 3-D). FP8 options work with every backend: operands are
-        quantized and dequantized before the GEMM.
+        tests; ValueError on TPU; works inside ``jax.shard_map``, as in `moe.MoE`), or
+        'auto' (by the rank of x: 'ragged_dot' for 2-D, 'einsum' for 3-D). FP8 options work
+        with every backend: operands are quantized and dequantized before the GEMM.
       gemm_dtype: 'fp8' feeds the two forward GEMMs FP8 operands: activations (x and h) per
         row in 1 x block_size blocks; weights quantized inside every call from the params
         passed in (nothing is cached), per output column in blocks of block_size along the

@@ -49,7 +49,10 @@ class MoEOptions:
       dispatch_dtype: wire format of the tokens (``None``: activation dtype, ``'bf16'``,
         ``'fp8'``).
       combine_grad_dtype: wire format of the combine gradient.
-      backend: grouped-GEMM backend of ``moe.gated_experts`` (``'auto'`` follows the layout).
+      backend: grouped-GEMM backend of ``moe.gated_experts`` (``'auto'`` follows the layout:
+        ``'einsum'`` for the dense transport, ``'ragged_dot'`` for the ragged one). ``'pallas'``
+        works with both transports (the dense layout's capacity slots become ragged groups of
+        ``C`` rows); it is compiled through Triton on GPUs and interpreted, slowly, on CPU.
       gemm_dtype, save_z, wgrad_dtype: expert precision/memory options (``moe.gated_experts``).
       fp8_block_size: channels per FP8 scale (wire and GEMMs).
     """
@@ -104,13 +107,9 @@ def _reshard(a: jax.Array, mesh, spec: P) -> jax.Array:
 
 
 def _check_backend(opts: MoEOptions) -> None:
+    """backend='pallas' needs Pallas and a GPU (or the CPU, interpreted): say so up front."""
     if opts.backend == "pallas":
-        raise ValueError(
-            "backend='pallas' is not supported inside the expert-parallel layer yet: its "
-            "pallas_call does not carry shard_map's varying-axes types. Use backend='auto' "
-            "(einsum for the dense transport, ragged_dot for the ragged one), or call "
-            "moe.gated_experts(..., backend='pallas') outside jax.shard_map."
-        )
+        _experts._check_pallas_platform()
 
 
 def _check_fp8(d_model: int, d_ff: int, opts: MoEOptions) -> None:
@@ -177,11 +176,11 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, *, opts: MoEOptions, a
     expert_kw = dict(gemm_dtype=opts.gemm_dtype, save_z=opts.save_z,
                      wgrad_dtype=opts.wgrad_dtype, block_size=opts.fp8_block_size)
     wgu, wd = w_gate_up.astype(ex.dtype), w_down.astype(ex.dtype)
-    if ex.ndim == 3 and opts.backend == "ragged_dot":  # dense layout through ragged_dot
+    if ex.ndim == 3 and opts.backend in ("ragged_dot", "pallas"):  # dense layout, 2-D GEMMs
         e_local, c, d = ex.shape
         full = jnp.full((e_local,), c, dtype=jnp.int32)
         ey = _experts.gated_experts(
-            ex.reshape(e_local * c, d), full, wgu, wd, backend="ragged_dot", **expert_kw
+            ex.reshape(e_local * c, d), full, wgu, wd, backend=opts.backend, **expert_kw
         ).reshape(e_local, c, -1)
     else:
         # The dense layout interleaves padding per source (row p * C + r), so its valid rows

@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import export
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from moe import _gmm_pallas as gp
 from moe import experts as experts_mod
@@ -226,6 +228,167 @@ def test_gated_experts_pallas_needs_ragged_x():
 
 
 # ----------------------------------------------------------------------------------------------
+# Inside jax.shard_map (check_vma=True): the pallas_call declares its outputs' varying mesh axes
+# (the union of its operands'), and interpret mode runs unchecked (moe._gmm_pallas, comment
+# above _varying_axes). Every device owns its own groups; tiny shapes (interpret mode is slow).
+# ----------------------------------------------------------------------------------------------
+
+N_DEV, SM, SG = 8, 32, 3  # devices, rows and groups per device
+
+
+@functools.cache
+def _mesh(shape=(N_DEV,), names=("expert",)):
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(shape))
+
+
+def _sharded(mesh, spec, *arrays):
+    return tuple(jax.device_put(a, jax.NamedSharding(mesh, spec)) for a in arrays)
+
+
+def _shard_data(seed=5):
+    """Per-device blocks stacked along axis 0: lhs [8*SM, K], rhs [8*SG, K, N], dy, gs."""
+    r = np.random.default_rng(seed)
+    lhs, rhs, dy = _data(jnp.float32, seed=seed, m=N_DEV * SM, k=32, n=16, g=N_DEV * SG)
+    gs = np.stack(
+        [r.multinomial(r.integers(SM // 2, SM + 1), np.ones(SG) / SG) for _ in range(N_DEV)]
+    ).astype(np.int32)
+    gs[::3, 1] = 0  # empty groups; most shards also have padding rows
+    return lhs, rhs, dy, gs.reshape(-1)
+
+
+def _per_shard(ref, *arrays, gs):
+    """``ref`` applied to every device's block (rows of SM, groups of SG), concatenated."""
+    outs = []
+    for i in range(N_DEV):
+        blocks = [np.asarray(a)[i * len(a) // N_DEV : (i + 1) * len(a) // N_DEV] for a in arrays]
+        outs.append(ref(*blocks, gs[i * SG : (i + 1) * SG]))
+    return np.concatenate(outs)
+
+
+def test_gmm_and_tgmm_inside_shard_map():
+    mesh = _mesh()
+    lhs, rhs, dy, gs = _shard_data()
+    e = P("expert")
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=e, out_specs=e)  # check_vma=True
+    def local(lhs, rhs, dy, gs):
+        return (
+            gp.gmm(lhs, rhs, gs, tiling=TILES),
+            gp.gmm(dy, rhs, gs, transpose_rhs=True, tiling=TILES),
+            gp.tgmm(lhs, dy, gs, tiling=TILES),
+        )
+
+    out, out_t, out_w = local(*_sharded(mesh, e, lhs, rhs, dy, jnp.asarray(gs)))
+    _close(out, _per_shard(_ref_gmm, lhs, rhs, gs=gs), 1e-5)
+    rhs_t = np.swapaxes(np.asarray(rhs), 1, 2)
+    _close(out_t, _per_shard(_ref_gmm, dy, rhs_t, gs=gs), 1e-5)
+    _close(out_w, _per_shard(_ref_tgmm, lhs, dy, gs=gs), 1e-5)
+    # Padding rows of every shard are exactly zero.
+    rows = np.asarray(out).reshape(N_DEV, SM, -1)
+    for i, n in enumerate(gs.reshape(N_DEV, SG).sum(1)):
+        assert np.all(rows[i, n:] == 0)
+
+
+def test_gmm_inside_shard_map_with_replicated_operands():
+    """Operands of different varying axes (rows sharded, weights and sizes replicated), on a
+    2-D mesh; the results must be typed varying over the rows' axes."""
+    mesh = _mesh((2, 4), ("data", "expert"))
+    lhs, rhs, dy, gs = _shard_data(seed=6)
+    rhs, gs = rhs[:SG], gs[:SG]
+    rows = P(("data", "expert"))
+
+    @jax.jit
+    @functools.partial(
+        jax.shard_map,
+        mesh=mesh,
+        in_specs=(rows, P(), P(), rows),
+        out_specs=(rows, P(("data", "expert"), None, None)),
+    )
+    def local(lhs, rhs, gs, dy):
+        out = gp.gmm(lhs, rhs, gs, tiling=TILES)
+        assert gp._varying_axes(out) == {"data", "expert"}
+        return out, gp.tgmm(lhs, dy, gs, tiling=TILES)
+
+    out, out_w = local(
+        *_sharded(mesh, rows, lhs), jnp.asarray(rhs), jnp.asarray(gs), *_sharded(mesh, rows, dy)
+    )
+    _close(out, _per_shard(_ref_gmm, lhs, np.tile(rhs, (N_DEV, 1, 1)), gs=np.tile(gs, N_DEV)), 1e-5)
+    _close(out_w, _per_shard(_ref_tgmm, lhs, dy, gs=np.tile(gs, N_DEV)), 1e-5)
+
+
+@functools.cache
+def _sharded_experts_fn(backend):
+    """jit(value_and_grad) of gated_experts on a ('data', 'expert') mesh, as the MoE layer
+    runs it: tokens (and their group sizes) split over both axes, experts over 'expert' and
+    pcast to varying over 'data' (so their gradients are summed over 'data')."""
+    mesh = _mesh((2, 4), ("data", "expert"))
+    rows, experts = P(("data", "expert")), P("expert")
+
+    def local(x, gs, w_gu, w_d, ct):
+        def loss(x, w_gu, w_d):
+            w_gu, w_d = (jax.lax.pcast(w, ("data",), to="varying") for w in (w_gu, w_d))
+            y = gated_experts(x, gs, w_gu, w_d, backend=backend)
+            part = jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32))
+            return jax.lax.psum(part, ("data", "expert")), y
+
+        return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w_gu, w_d)
+
+    fn = jax.jit(
+        jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(rows, rows, experts, experts, rows),
+            out_specs=((P(), rows), (rows, experts, experts)),
+        )
+    )
+
+    def call(x, gs, w_gu, w_d, ct):
+        x, gs, ct = _sharded(mesh, rows, x, gs, ct)
+        return fn(x, gs, *_sharded(mesh, experts, w_gu, w_d), ct)
+
+    return call
+
+
+@pytest.mark.parametrize("dtype,rtol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_gated_experts_pallas_inside_shard_map_matches_ragged_dot(dtype, rtol):
+    """Forward and backward (gmm, gmm_t dgrad, tgmm wgrad) under shard_map, against ragged_dot
+    under the same shard_map. Device (i, j) holds SM rows for the 2 local experts of column j
+    (padding rows included), which it shares with device (1 - i, j)."""
+    r = np.random.default_rng(8)
+    e_local, d, f = 2, 32, 16
+    gs = np.stack(
+        [
+            r.multinomial(r.integers(SM // 2, SM + 1), np.ones(e_local) / e_local)
+            for _ in range(N_DEV)
+        ]
+    ).astype(np.int32)
+    gs[::3, 0] = 0  # an empty expert on some devices
+    x, w_gu, w_d, ct = (
+        jnp.asarray(a, dtype)
+        for a in (
+            r.standard_normal((N_DEV * SM, d)),
+            r.standard_normal((4 * e_local, d, 2 * f)) / np.sqrt(d),
+            r.standard_normal((4 * e_local, f, d)) / np.sqrt(f),
+            r.standard_normal((N_DEV * SM, d)),
+        )
+    )
+    args = (x, jnp.asarray(gs.reshape(-1)), w_gu, w_d, ct)
+    (loss, y), grads = _sharded_experts_fn("pallas")(*args)
+    (loss_ref, y_ref), grads_ref = _sharded_experts_fn("ragged_dot")(*args)
+    for name, got, want in zip(
+        ("y", "dx", "dw_gate_up", "dw_down"), (y, *grads), (y_ref, *grads_ref), strict=True
+    ):
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert got.sharding.spec == want.sharding.spec, name
+        _close(got, np.asarray(want, np.float64), rtol)
+    np.testing.assert_allclose(float(loss), float(loss_ref), rtol=10 * rtol)
+    y = np.asarray(y, np.float32).reshape(N_DEV, SM, d)
+    for i, n in enumerate(gs.sum(1)):
+        assert np.all(y[i, n:] == 0)  # every device's padding rows
+
+
+# ----------------------------------------------------------------------------------------------
 # The kernels lower to Triton for CUDA (checked on a CPU-only machine via jax.export).
 # ----------------------------------------------------------------------------------------------
 
@@ -259,5 +422,34 @@ def test_gated_experts_pallas_lowers_to_triton_for_cuda():
 
     text = _cuda_module(step, x, w_gu, w_d, ct, gs)
     # fwd 2 gmm, dgrad 2 gmm_t, wgrad 2 tgmm; no interpreter loop left in the GPU module.
+    assert text.count("__gpu$xla.gpu.triton") == 6
+    assert "stablehlo.while" not in text
+
+
+def test_gated_experts_pallas_lowers_to_triton_inside_shard_map():
+    """The compiled path under shard_map(check_vma=True): the out_shape's varying axes are all
+    the Triton kernels need (no interpreter, no unchecked nested shard_map)."""
+    mesh = _mesh()
+    e = P("expert")
+
+    def step(x, w_gu, w_d, ct, gs):
+        def loss(x, w_gu, w_d):
+            y = gated_experts(x, gs, w_gu, w_d, backend="pallas")
+            return jax.lax.psum(jnp.sum(y.astype(jnp.float32) * ct), "expert")
+
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(x, w_gu, w_d)
+
+    fn = jax.shard_map(step, mesh=mesh, in_specs=e, out_specs=(P(), (e, e, e)))
+    sds = lambda shape, dtype: jax.ShapeDtypeStruct(
+        shape, dtype, sharding=jax.NamedSharding(mesh, e)
+    )
+    args = (
+        sds((N_DEV * 512, 256), jnp.bfloat16),
+        sds((N_DEV * E, 256, 256), jnp.bfloat16),
+        sds((N_DEV * E, 128, 256), jnp.bfloat16),
+        sds((N_DEV * 512, 256), jnp.float32),
+        sds((N_DEV * E,), jnp.int32),
+    )
+    text = _cuda_module(fn, *args)
     assert text.count("__gpu$xla.gpu.triton") == 6
     assert "stablehlo.while" not in text

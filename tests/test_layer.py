@@ -537,8 +537,34 @@ def test_linen_wrapper_matches_nnx():
                                 rtol=1e-6, atol=1e-6)
 
 
-def test_pallas_backend_is_refused_in_the_layer_with_a_clear_error():
-    """Pallas kernels don't carry shard_map's varying-axes types yet (seen on 2x H200 and on
-    CPU); the layer says so instead of failing deep inside the trace."""
-    with pytest.raises(ValueError, match="backend='pallas'.*gated_experts"):
+# ----------------------------------------------------------------------------- 7. pallas
+
+
+@pytest.mark.parametrize(
+    "mesh_spec,transport,other",
+    [(MESHES[2], "ragged", "ragged_dot"), (MESHES[3], "dense", "einsum")],
+    ids=["ragged-2x4-explicit", "dense-1x8-auto"],
+)
+def test_pallas_backend_matches_other_backends_inside_the_layer(mesh_spec, transport, other):
+    """backend='pallas' (interpreted on CPU) inside the layer's shard_map: y, aux and every
+    gradient equal those of the XLA backends in f32."""
+    x, ct = inputs()
+    results = {}
+    for backend in ("pallas", other):
+        model = layer(mesh_spec=mesh_spec, transport=transport, backend=backend)
+        y, aux, gm, gx = layer_step(model, x, ct)
+        results[backend] = (
+            {"y": np.asarray(y), "x": np.asarray(gx),
+             **jax.tree.map(np.asarray, nnx.to_pure_dict(gm))},
+            jax.tree.map(np.asarray, aux),
+        )
+    (got, aux), (want, raux) = results["pallas"], results[other]
+    assert set(got) == set(want)
+    assert_close(got, want, rtol=1e-5)
+    assert_aux(aux, raux)
+
+
+def test_pallas_backend_refused_on_tpu(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    with pytest.raises(ValueError, match="backend='pallas' is unavailable"):
         moe.MoE(64, 32, 8, 2, backend="pallas", rngs=nnx.Rngs(0))
