@@ -101,7 +101,7 @@ from bench_util import env_info, median_seconds, write_json  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from moe import _transport, fp8  # noqa: E402
+from moe import _transport, _wire_pallas, fp8  # noqa: E402
 from moe._plan import DispatchPlan, build_plan, dense_capacity  # noqa: E402
 from moe.dispatch import _sum_slots, combine, dispatch  # noqa: E402
 
@@ -364,6 +364,16 @@ def run(a) -> dict:
 
     bench("alt: amax of T rows + gather-quantize fused", "gather", "fp8",
           smap(mesh, amax_fused, 2), (x, send_slot), note="padding rows: scale byte 1, not 0")
+    for wire in ("bf16", "fp8"):  # the Pallas kernel: gather + encode in one pass
+        codec = "fp8" if wire == "fp8" else jnp.dtype(jnp.bfloat16)
+        kern = smap(mesh, lambda x, s, codec=codec: _transport.gather_rows(
+            x, s // k, wire=codec, block_size=bs, kernels="auto"), 2)
+        bench("gather+encode, one pass (pallas kernel)", "gather", wire, kern, (x, send_slot))
+        lib = smap(mesh, lambda x, s, codec=codec: _transport.gather_rows(
+            x, s // k, wire=codec, block_size=bs, kernels="xla"), 2)
+        report["derived"][f"pallas_gather_encode_equals_xla_{wire}"] = bool(jnp.all(
+            call("gather+encode, one pass (pallas kernel)", wire, kern, x, send_slot)
+            == lib(x, send_slot)))
     send_bf16 = call("gather send buffer (bf16 rows)", "bf16", g, x, send_slot)
     send_fp8 = call("gather send buffer (fp8 words)", "fp8", g, xq, send_slot)
 
@@ -393,6 +403,18 @@ def run(a) -> dict:
     bench("dequantize only (no layout)", "recv", "fp8", smap(mesh, lambda r: (
         _transport.decode_rows(r, wire="fp8", width=d, out_dtype=jnp.bfloat16)), 1),
         (recv_fp8,))
+    # the Pallas kernel: expert-layout row (l, q, r) read from received row (q, l, r), decoded
+    perm = (jnp.arange(n_dev)[None, :, None] * (el * c) + jnp.arange(el)[:, None, None] * c
+            + jnp.arange(c)[None, None, :]).reshape(-1).astype(jnp.int32)
+    for wire, recv in (("bf16", recv_bf16), ("fp8", recv_fp8)):
+        kern = smap(mesh, lambda r, wire=wire: _wire_pallas.gather_decode(
+            r, perm, width=d, fp8_wire=wire == "fp8", block_size=bs, out_dtype=jnp.bfloat16,
+            interpret=jax.default_backend() == "cpu").reshape(el, n_dev * c, d), 1)
+        bench("decode -> expert layout, one pass (pallas kernel)", "recv", wire, kern, (recv,))
+        ref = (smap(mesh, to_layout, 1) if wire == "bf16" else deq)(recv)
+        got = call("decode -> expert layout, one pass (pallas kernel)", wire, kern, recv)
+        report["derived"][f"pallas_decode_equals_xla_{wire}"] = bool(jnp.all(
+            (got == ref) | (jnp.isnan(got) & jnp.isnan(ref))))
     expert_x = call("recv -> expert layout (transpose)", "bf16", smap(mesh, to_layout, 1),
                     recv_bf16)
 
@@ -455,41 +477,50 @@ def run(a) -> dict:
     bench("router grad <dy, slot rows>", "backward", "bf16",
           smap(mesh, router_grad, 4), (back, send_slot, slot_row, dy))
 
-    # ---- whole pipeline
+    # ---- whole pipeline: the library default (wire_kernels='auto': the Pallas wire kernels on
+    # NVIDIA GPUs) and the XLA wire path, same bytes
     cf = a.capacity_factor
     res = {}
-    for wire in ("bf16", "fp8"):
-        buf = bf16_buf if wire == "bf16" else fp8_buf
-        dp = dp_bf16 if wire == "bf16" else dp_fp8
+    for kernels in ("auto", "xla"):
+        tag = "" if kernels == "auto" else " [xla wire]"
+        for wire in ("bf16", "fp8"):
+            buf = bf16_buf if wire == "bf16" else fp8_buf
+            dp = dp_bf16 if wire == "bf16" else dp_fp8
 
-        def disp(x, ids, wire=wire):
-            return dispatch(x, ids, num_experts=e, axis_name=AXIS, transport="dense",
-                            capacity_factor=cf, dispatch_dtype=wire, block_size=bs)[0]
+            def disp(x, ids, wire=wire, kernels=kernels):
+                return dispatch(x, ids, num_experts=e, axis_name=AXIS, transport="dense",
+                                capacity_factor=cf, dispatch_dtype=wire, block_size=bs,
+                                wire_kernels=kernels)[0]
 
-        res[("dispatch", wire)] = bench("dispatch (public API -> expert_x)", "whole", wire,
-                                        smap(mesh, disp, 2), (x, ids), buffer_bytes=buf,
-                                        deepep_bytes=dp)
+            sec = bench("dispatch (public API -> expert_x)" + tag, "whole", wire,
+                        smap(mesh, disp, 2), (x, ids), buffer_bytes=buf, deepep_bytes=dp)
+            res[("dispatch" + tag, wire)] = sec
 
-        def dc(x, ids, w, wire=wire, barrier=False):
-            ex, _, plan = dispatch(x, ids, num_experts=e, axis_name=AXIS, transport="dense",
-                                   capacity_factor=cf, dispatch_dtype=wire, block_size=bs)
-            if barrier:
-                ex = jax.lax.optimization_barrier(ex)
-            return combine(ex, w, plan, combine_grad_dtype=wire)
+            def dc(x, ids, w, wire=wire, barrier=False, kernels=kernels):
+                ex, _, plan = dispatch(x, ids, num_experts=e, axis_name=AXIS,
+                                       transport="dense", capacity_factor=cf,
+                                       dispatch_dtype=wire, block_size=bs,
+                                       wire_kernels=kernels)
+                if barrier:
+                    ex = jax.lax.optimization_barrier(ex)
+                return combine(ex, w, plan, combine_grad_dtype=wire)
 
-        both = buf + bf16_buf  # dispatch payload + bf16 return
-        res[("dc", wire)] = bench("dispatch+combine fwd (identity experts)", "whole", wire,
-                                  smap(mesh, dc, 3), (x, ids, w), buffer_bytes=both,
-                                  deepep_bytes=dp + dp_bf16)
-        bench("dispatch+combine fwd (expert_x materialized)", "whole", wire,
-              smap(mesh, lambda x, ids, w, wire=wire: dc(x, ids, w, wire, True), 3),
-              (x, ids, w), buffer_bytes=both, deepep_bytes=dp + dp_bf16)
-        fdc = jax.shard_map(dc, mesh=mesh, in_specs=(P(AXIS),) * 3, out_specs=P(AXIS))
-        grad = jax.jit(jax.grad(lambda x, ids, w, dy, fdc=fdc: jnp.sum(
-            fdc(x, ids, w).astype(jnp.float32) * dy.astype(jnp.float32)), argnums=(0, 2)))
-        bench("dispatch+combine fwd+bwd", "whole", wire, grad, (x, ids, w, dy),
-              buffer_bytes=2 * both, deepep_bytes=2 * (dp + dp_bf16),
-              note="4 all_to_alls: dispatch, return, grad dispatch (wire), grad return (bf16)")
+            both = buf + bf16_buf  # dispatch payload + bf16 return
+            res[("dc" + tag, wire)] = bench(
+                "dispatch+combine fwd (identity experts)" + tag, "whole", wire,
+                smap(mesh, dc, 3), (x, ids, w), buffer_bytes=both, deepep_bytes=dp + dp_bf16)
+            if kernels == "xla":
+                continue
+            bench("dispatch+combine fwd (expert_x materialized)", "whole", wire,
+                  smap(mesh, lambda x, ids, w, wire=wire: dc(x, ids, w, wire, True), 3),
+                  (x, ids, w), buffer_bytes=both, deepep_bytes=dp + dp_bf16)
+            fdc = jax.shard_map(dc, mesh=mesh, in_specs=(P(AXIS),) * 3, out_specs=P(AXIS))
+            grad = jax.jit(jax.grad(lambda x, ids, w, dy, fdc=fdc: jnp.sum(
+                fdc(x, ids, w).astype(jnp.float32) * dy.astype(jnp.float32)), argnums=(0, 2)))
+            bench("dispatch+combine fwd+bwd", "whole", wire, grad, (x, ids, w, dy),
+                  buffer_bytes=2 * both, deepep_bytes=2 * (dp + dp_bf16),
+                  note="4 all_to_alls: dispatch, return, grad dispatch (wire), grad return "
+                       "(bf16)")
 
     # ---- experiment: exchanges that split axis 1 of the expert layout [E_local, P*C, .]
     # (XLA:GPU lays an all-to-all out with its split axis major, so the send gather can write
@@ -557,7 +588,9 @@ def run(a) -> dict:
 
 def finish(report, res):
     ratios = {}
-    for key, name in (("dispatch", "dispatch"), ("dc", "dispatch_combine_fwd")):
+    for key, name in (("dispatch", "dispatch"), ("dc", "dispatch_combine_fwd"),
+                      ("dispatch [xla wire]", "dispatch_xla_wire"),
+                      ("dc [xla wire]", "dispatch_combine_fwd_xla_wire")):
         b, f8 = res.get((key, "bf16")), res.get((key, "fp8"))
         if b and f8:
             ratios[f"fp8_over_bf16_{name}_time"] = f8 / b

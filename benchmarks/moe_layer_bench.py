@@ -3,9 +3,11 @@
 Times ``jax.grad`` of ``sum(y * ct)`` (``ct`` a random cotangent) with respect to x, the
 router kernel, w_gate_up and w_down, expert parallel over all devices (mesh ('data', 'expert')
 = (1, n_devices)), bf16 activations and expert weights (router kernel f32, as the router
-computes in f32), for the variants in VARIANTS: dense transport (capacity 1.25) with einsum or
-ragged_dot experts, ragged (dropless) transport with ragged_dot, each with a bf16 or FP8 wire
-(FP8 for the dispatch and for the combine gradient).
+computes in f32), for the variants in VARIANTS: dense transport (capacity 1.25) with einsum,
+Pallas or ragged_dot experts, ragged (dropless) transport with ragged_dot or Pallas experts,
+each with a bf16 or FP8 wire (FP8 for the dispatch and for the combine gradient); the wire
+rows go through the Pallas wire kernels (``wire_kernels='auto'`` on GPUs) except in the
+``*_xla_wire`` variants.
 
 MFU = useful FLOPs / (time x n_devices x dense rate), the dense rate being a bf16
 8192^3 matmul on one device timed in the same run. Useful FLOPs count the router
@@ -54,10 +56,17 @@ VARIANTS: dict[str, dict] = {
                                       overlap=True),
     "dense_einsum_fp8_overlap": dict(transport="dense", backend="einsum", wire="fp8",
                                      overlap=True),
+    # The XLA wire path instead of the Pallas wire kernels (wire_kernels='auto' on GPUs).
+    "dense_einsum_bf16_xla_wire": dict(transport="dense", backend="einsum", wire="bf16",
+                                       wire_kernels="xla"),
+    "dense_einsum_fp8_xla_wire": dict(transport="dense", backend="einsum", wire="fp8",
+                                      wire_kernels="xla"),
+    "dense_pallas_bf16": dict(transport="dense", backend="pallas", wire="bf16"),
 }
 DEFAULT_VARIANTS = ["dense_einsum_bf16", "dense_einsum_fp8", "dense_einsum_bf16_overlap",
-                    "dense_einsum_fp8_overlap", "dense_ragged_dot_bf16", "ragged_bf16",
-                    "ragged_fp8"]
+                    "dense_einsum_fp8_overlap", "dense_einsum_bf16_xla_wire",
+                    "dense_einsum_fp8_xla_wire", "dense_pallas_bf16", "dense_ragged_dot_bf16",
+                    "ragged_pallas_bf16", "ragged_bf16", "ragged_fp8"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -164,6 +173,7 @@ def options(name: str, a) -> moe.MoEOptions:
         combine_grad_dtype=v["wire"],
         backend=v["backend"],
         fp8_block_size=a.fp8_block_size,
+        wire_kernels=v.get("wire_kernels", "auto"),
     )
 
 
@@ -237,7 +247,8 @@ def profile_layer(name, data, a, step) -> dict:
 
 
 def build_dispatch(mesh, a, wire):
-    """jit(forward) and jit(forward + backward) of dispatch -> combine (dense, identity)."""
+    """jit(forward) and jit(forward + backward) of dispatch -> combine (dense, identity; the
+    library's default wire kernels)."""
     cf = a.capacity_factor
 
     def local(x, ids, w):

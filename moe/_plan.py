@@ -57,6 +57,8 @@ class DispatchPlan:
       ragged_impl: ``'native'`` or ``'emulated'`` (ragged only; ``'native'`` otherwise).
       x_dtype: dtype name of the dispatched tokens (combine returns this dtype).
       block_size: FP8 block size (used by an FP8 combine gradient).
+      wire_kernels: ``'auto'``, ``'xla'`` or ``'pallas'``: who encodes and lays out the rows
+        of both dispatch-direction exchanges (``moe._transport.by_platform``).
     """
 
     send_slot: jax.Array
@@ -78,6 +80,7 @@ class DispatchPlan:
     ragged_impl: Literal["native", "emulated"] = dataclasses.field(metadata=dict(static=True))
     x_dtype: str = dataclasses.field(metadata=dict(static=True))
     block_size: int = dataclasses.field(metadata=dict(static=True))
+    wire_kernels: str = dataclasses.field(default="xla", metadata=dict(static=True))
 
     @property
     def num_local_experts(self) -> int:
@@ -210,6 +213,7 @@ def build_plan(
     ragged_impl: Literal["native", "emulated"],
     x_dtype: str,
     block_size: int,
+    wire_kernels: str = "xla",
 ) -> DispatchPlan:
     """Sort slots by expert, count them, exchange counts; return the :class:`DispatchPlan`.
 
@@ -297,4 +301,5 @@ def build_plan(
         ragged_impl=ragged_impl,
         x_dtype=x_dtype,
         block_size=block_size,
+        wire_kernels=wire_kernels,
     )

@@ -17,15 +17,17 @@ References: DeepEP (FP8 dispatch with UE8M0 scales); MaxText's ragged MoE
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
-from moe import fp8
+from moe import _wire_pallas, fp8
 
 AxisName = str | tuple[str, ...]
 RaggedImpl = Literal["auto", "native", "emulated"]
+WireKernels = Literal["auto", "xla", "pallas"]
 
 # Backends whose XLA implements the ragged-all-to-all HLO.
 _NATIVE_RAGGED_BACKENDS = frozenset({"gpu", "cuda", "rocm", "tpu"})
@@ -111,6 +113,37 @@ def unpack_fp8_words(buf: jax.Array, width: int) -> fp8.Fp8Array:
     return fp8.Fp8Array(data=data.reshape(*lead, width), scales=scales)
 
 
+def check_wire_kernels(kernels: WireKernels) -> None:
+    """ValueError unless ``kernels`` is a known wire-kernel choice usable here."""
+    if kernels not in ("auto", "xla", "pallas"):
+        raise ValueError(
+            f"wire_kernels must be 'auto', 'xla' or 'pallas', got {kernels!r}; 'auto' uses the "
+            "Pallas (Triton) wire kernels on NVIDIA GPUs and XLA elsewhere."
+        )
+    if kernels == "pallas" and _wire_pallas.PALLAS_IMPORT_ERROR is not None:
+        raise ValueError(
+            f"wire_kernels='pallas' needs jax.experimental.pallas, which failed to import "
+            f"({_wire_pallas.PALLAS_IMPORT_ERROR}); use 'auto' or 'xla'."
+        )
+    if kernels == "pallas" and jax.default_backend() == "tpu":
+        raise ValueError("wire_kernels='pallas' are Triton (GPU) kernels; use 'auto' on TPU.")
+
+
+def by_platform(args: tuple, *, xla, pallas, kernels: WireKernels):
+    """``xla(*args)`` or ``pallas(interpret, *args)`` by ``kernels`` and lowering platform.
+
+    ``'xla'`` (or ``pallas`` None: shape not supported): XLA. ``'auto'``: the compiled Pallas
+    kernel when lowered for CUDA, XLA elsewhere. ``'pallas'``: compiled on GPUs, interpreted
+    (slow; for tests) when lowered for CPU.
+    """
+    if kernels == "xla" or pallas is None:
+        return xla(*args)
+    if kernels == "pallas":
+        return jax.lax.platform_dependent(
+            *args, cpu=functools.partial(pallas, True), default=functools.partial(pallas, False))
+    return jax.lax.platform_dependent(*args, cuda=functools.partial(pallas, False), default=xla)
+
+
 def encode_rows(
     rows: jax.Array, *, wire: Literal["fp8"] | jnp.dtype, block_size: int
 ) -> jax.Array:
@@ -140,16 +173,24 @@ def encode_rows(
 
 
 def gather_rows(
-    rows: jax.Array, index: jax.Array, *, wire: Literal["fp8"] | jnp.dtype, block_size: int
+    rows: jax.Array,
+    index: jax.Array,
+    *,
+    wire: Literal["fp8"] | jnp.dtype,
+    block_size: int,
+    kernels: WireKernels = "xla",
 ) -> jax.Array:
     """Send buffer ``out[i] = encode(rows[index[i]])`` (a zero row where ``index[i]`` is out of
-    range): the rows are encoded ONCE (``N`` rows of ``rows``, however often each is sent),
-    then their wire words are gathered (for FP8: e4m3 + scale bytes, half the bytes of bf16).
+    range). XLA: the rows are encoded ONCE (``N`` rows of ``rows``, however often each is
+    sent), then their wire words are gathered (for FP8: e4m3 + scale bytes, half the bytes of
+    bf16). Pallas (:func:`moe._wire_pallas.gather_encode`): one pass that reads each sent row
+    and writes its encoding, the same bytes.
 
     Args:
       rows: float ``[N, H]``.
       index: int ``[M]`` (values ``>= N`` give zero rows).
       wire, block_size: as :func:`encode_rows`.
+      kernels: ``'xla'``, ``'auto'`` or ``'pallas'`` (see :func:`by_platform`).
 
     Returns:
       The wire buffer ``[M, wire_width]``.
@@ -162,8 +203,19 @@ def gather_rows(
     References:
       DeepEP FP8 dispatch (tokens quantized once, before the exchange).
     """
-    buf = encode_rows(rows, wire=wire, block_size=block_size)
-    return jnp.take(buf, index, axis=0, mode="fill", fill_value=0)
+    def xla(rows, index):
+        buf = encode_rows(rows, wire=wire, block_size=block_size)
+        return jnp.take(buf, index, axis=0, mode="fill", fill_value=0)
+
+    is_fp8 = isinstance(wire, str)
+
+    def pallas(interpret, rows, index):
+        return _wire_pallas.gather_encode(
+            rows, index, fp8_wire=is_fp8, block_size=block_size,
+            out_dtype=None if is_fp8 else wire, interpret=interpret)
+
+    ok = _wire_pallas.supported(rows.shape[-1], fp8_wire=is_fp8, block_size=block_size)
+    return by_platform((rows, index), xla=xla, pallas=pallas if ok else None, kernels=kernels)
 
 
 def gather_weighted_rows(

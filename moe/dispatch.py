@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe import _transport
+from moe import _transport, _wire_pallas
 from moe._plan import AxisName, DispatchPlan, build_plan, dense_capacity, ragged_rows
 
 __all__ = ["DispatchPlan", "combine", "dense_capacity", "dispatch", "ragged_rows"]
@@ -57,22 +57,24 @@ WireDtype = Literal["bf16", "fp8"] | None
 
 @dataclasses.dataclass(frozen=True)
 class _Wire:
-    """Static wire format of one direction: ``'fp8'`` or a dtype name; decoded to ``out``."""
+    """Static wire format of one direction: ``'fp8'`` or a dtype name; decoded to ``out``;
+    ``kernels``: who encodes/gathers and decodes/lays out the rows (``_transport.by_platform``)."""
 
     wire: str
     out: str
     block_size: int
+    kernels: str = "xla"
 
     @property
     def codec(self):
         return "fp8" if self.wire == "fp8" else jnp.dtype(self.wire)
 
 
-def _wire_for(name: WireDtype, dtype: jnp.dtype, block_size: int) -> _Wire:
+def _wire_for(name: WireDtype, dtype: jnp.dtype, block_size: int, kernels: str = "xla") -> _Wire:
     if name == "fp8":
-        return _Wire("fp8", "bfloat16", block_size)
+        return _Wire("fp8", "bfloat16", block_size, kernels)
     wire = "bfloat16" if name == "bf16" else jnp.dtype(dtype).name
-    return _Wire(wire, wire, block_size)
+    return _Wire(wire, wire, block_size, kernels)
 
 
 # ----------------------------------------------------------------------------- data movement
@@ -81,17 +83,42 @@ def _wire_for(name: WireDtype, dtype: jnp.dtype, block_size: int) -> _Wire:
 def _to_experts(rows: jax.Array, row_index: jax.Array, plan: DispatchPlan, w: _Wire):
     """Dispatch direction: send-buffer row ``i`` is ``rows[row_index[i]]`` (zero if out of
     range), encoded once per row of ``rows``; exchange; return the expert layout in ``w.out``."""
-    send = _transport.gather_rows(rows, row_index, wire=w.codec, block_size=w.block_size)
+    send = _transport.gather_rows(rows, row_index, wire=w.codec, block_size=w.block_size,
+                                  kernels=w.kernels)
     return _exchange_to_experts(send, plan, w, rows.shape[-1])
+
+
+def _dense_to_layout(recv: jax.Array, plan: DispatchPlan, w: _Wire, width: int) -> jax.Array:
+    """Received rows ``[P src * E_local * C, W]`` -> decoded expert layout ``[E_local, P * C,
+    width]``: XLA decodes and transposes; the Pallas kernel reads each expert-layout row from
+    its source row (a permutation index) and decodes it in the same pass."""
+    p, el, c = plan.axis_size, plan.num_local_experts, plan.capacity
+
+    def xla(recv):
+        out = _transport.decode_rows(recv, wire=w.codec, width=width, out_dtype=w.out)
+        out = out.reshape(p, el, c, width)
+        return out.transpose(1, 0, 2, 3).reshape(plan.expert_shape(width))
+
+    def pallas(interpret, recv):
+        # expert-layout row (l, q, r) <- received row (q, l, r)
+        src = jax.lax.broadcasted_iota(jnp.int32, (el, p, c), 1) * (el * c) \
+            + jax.lax.broadcasted_iota(jnp.int32, (el, p, c), 0) * c \
+            + jax.lax.broadcasted_iota(jnp.int32, (el, p, c), 2)
+        out = _wire_pallas.gather_decode(
+            recv, src.reshape(-1), width=width, fp8_wire=w.wire == "fp8",
+            block_size=w.block_size, out_dtype=w.out, interpret=interpret)
+        return out.reshape(plan.expert_shape(width))
+
+    ok = _wire_pallas.supported(width, fp8_wire=w.wire == "fp8", block_size=w.block_size)
+    return _transport.by_platform((recv,), xla=xla, pallas=pallas if ok else None,
+                                  kernels=w.kernels)
 
 
 def _exchange_to_experts(send: jax.Array, plan: DispatchPlan, w: _Wire, width: int):
     """Exchange a send buffer (wire format ``w``) and decode it into the expert layout."""
     if plan.transport == "dense":
         recv = _transport.dense_exchange(send, plan.axis_name)  # [P src, E_local, C, W]
-        out = _transport.decode_rows(recv, wire=w.codec, width=width, out_dtype=w.out)
-        out = out.reshape(plan.axis_size, plan.num_local_experts, plan.capacity, width)
-        return out.transpose(1, 0, 2, 3).reshape(plan.expert_shape(width))
+        return _dense_to_layout(recv, plan, w, width)
     recv = jnp.zeros_like(send, shape=(plan.capacity, send.shape[-1]))  # varies like send
     recv = _transport.ragged_exchange(
         send, recv, plan.send_offsets, plan.send_counts, plan.remote_offsets,
@@ -191,7 +218,7 @@ def _combine_rows_bwd(grad_wire, res, dy):
             for j in range(plan.top_k)], axis=1)
     # Send row i carries weights[s] * dy[s // k] (s = send_slot[i]), encoded: for FP8 the
     # scales come from dy's block maxima (T rows) times |weight|, so no [T * k, d] rows exist.
-    w = _wire_for(grad_wire, y_dtype, plan.block_size)
+    w = _wire_for(grad_wire, y_dtype, plan.block_size, plan.wire_kernels)
     send = _transport.gather_weighted_rows(
         dy, weights.reshape(-1), plan.send_slot, top_k=plan.top_k, wire=w.codec,
         block_size=w.block_size)
@@ -304,6 +331,7 @@ def dispatch(
     dispatch_dtype: WireDtype = None,
     block_size: int = 128,
     ragged_impl: _transport.RaggedImpl = "auto",
+    wire_kernels: _transport.WireKernels = "auto",
 ) -> tuple[jax.Array, jax.Array, DispatchPlan]:
     """Send each token slot to the device that owns its expert, grouped by local expert.
 
@@ -329,6 +357,10 @@ def dispatch(
       block_size: FP8 channels per scale.
       ragged_impl: ``'auto'`` (native on GPU/TPU, emulated elsewhere), ``'native'``,
         ``'emulated'``.
+      wire_kernels: who builds the send buffer (gather + encode) and, for the dense
+        transport, decodes the received rows into the expert layout: ``'auto'`` (the Pallas
+        kernels of ``moe._wire_pallas`` when lowered for NVIDIA GPUs, XLA elsewhere),
+        ``'xla'``, or ``'pallas'`` (interpreted, slowly, on CPU). Same bytes either way.
 
     Returns:
       ``(expert_x, group_sizes, plan)``: ``expert_x`` dense ``[E_local, P * C, d_model]`` or
@@ -348,6 +380,7 @@ def dispatch(
     p = _axis_size(axis_name, "dispatch")
     _check_dispatch_args(x, expert_ids, num_experts, transport, capacity_factor,
                          capacity_multiple, dispatch_dtype, block_size, p)
+    _transport.check_wire_kernels(wire_kernels)
     transport = "dense" if transport == "auto" else transport
     t, k = expert_ids.shape
     if transport == "dense":
@@ -362,10 +395,12 @@ def dispatch(
             expert_ids, num_experts=num_experts, axis_name=axis_name, axis_size=p,
             transport=transport, capacity=capacity, ragged_impl=impl,
             x_dtype=jnp.dtype(x.dtype).name, block_size=block_size,
+            wire_kernels=wire_kernels,
         )
     with jax.named_scope("dispatch_exchange"):
         x = _vary_like(x, plan)
-        expert_x = _dispatch_rows(x, plan, _wire_for(dispatch_dtype, x.dtype, block_size))
+        expert_x = _dispatch_rows(
+            x, plan, _wire_for(dispatch_dtype, x.dtype, block_size, plan.wire_kernels))
     return expert_x, plan.group_sizes, plan
 
 

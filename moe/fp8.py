@@ -123,9 +123,12 @@ def _block_amax_bits(x: jax.Array, block_size: int) -> jax.Array:
     return jnp.max(abs_bits, axis=-1)
 
 
-def _quantize_from_amax_bits(x: jax.Array, amax_bits: jax.Array, block_size: int) -> Fp8Array:
-    lead, h = x.shape[:-1], x.shape[-1]
-    xb = x.astype(jnp.float32).reshape(*lead, h // block_size, block_size)
+def scales_from_amax_bits(amax_bits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Block scales from the int32 bits of ``|amax|``: ``(E8M0 byte as int32, 1 / scale)``.
+
+    Integer arithmetic only (also used inside the Pallas wire kernels, so both produce the
+    same bytes). A NaN/inf block gets byte 0xFF and ``1 / scale = 1``.
+    """
     nonfinite = amax_bits >= _F32_EXP_MASK
     exp_field = amax_bits >> 23  # biased float32 exponent; 0 for zeros and denormals
     mant = amax_bits & _F32_MANT_MASK
@@ -134,10 +137,16 @@ def _quantize_from_amax_bits(x: jax.Array, amax_bits: jax.Array, block_size: int
     # 1/scale = 2^-(byte-127): biased float32 exponent 254 - byte, always normal here.
     inv_exp = jnp.where(nonfinite, E8M0_BIAS, 2 * E8M0_BIAS - byte)
     inv_scale = jax.lax.bitcast_convert_type(inv_exp << 23, jnp.float32)
+    return jnp.where(nonfinite, E8M0_NAN, byte), inv_scale
+
+
+def _quantize_from_amax_bits(x: jax.Array, amax_bits: jax.Array, block_size: int) -> Fp8Array:
+    lead, h = x.shape[:-1], x.shape[-1]
+    xb = x.astype(jnp.float32).reshape(*lead, h // block_size, block_size)
+    byte, inv_scale = scales_from_amax_bits(amax_bits)
     y = jnp.clip(xb * inv_scale[..., None], -E4M3_MAX, E4M3_MAX)  # exact power-of-2 multiply
     data = y.astype(jnp.float8_e4m3fn).reshape(x.shape)
-    byte = jnp.where(nonfinite, E8M0_NAN, byte).astype(jnp.uint8)
-    return Fp8Array(data=data, scales=pack_e8m0(byte))
+    return Fp8Array(data=data, scales=pack_e8m0(byte.astype(jnp.uint8)))
 
 
 def _quantize_impl(x: jax.Array, block_size: int) -> Fp8Array:

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe import experts as _experts
 from moe import routing as _routing
+from moe._transport import WireKernels
 from moe.dispatch import Transport, WireDtype, combine, dispatch
 from moe.experts import Backend, GemmDtype, SaveZ, WgradDtype
 
@@ -55,6 +56,8 @@ class MoEOptions:
         ``C`` rows); it is compiled through Triton on GPUs and interpreted, slowly, on CPU.
       gemm_dtype, save_z, wgrad_dtype: expert precision/memory options (``moe.gated_experts``).
       fp8_block_size: channels per FP8 scale (wire and GEMMs).
+      wire_kernels: who encodes / lays out the dispatched rows (``moe.dispatch``): ``'auto'``
+        (Pallas kernels on NVIDIA GPUs, XLA elsewhere), ``'xla'`` or ``'pallas'``.
     """
 
     router: _routing.RouterConfig
@@ -69,6 +72,7 @@ class MoEOptions:
     save_z: SaveZ = "bf16"
     wgrad_dtype: WgradDtype = "bf16"
     fp8_block_size: int = 128
+    wire_kernels: WireKernels = "auto"
 
 
 def _resolve_mesh(mesh):
@@ -172,6 +176,7 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, *, opts: MoEOptions, a
         capacity_factor=opts.capacity_factor,
         dispatch_dtype=opts.dispatch_dtype,
         block_size=opts.fp8_block_size,
+        wire_kernels=opts.wire_kernels,
     )
     expert_kw = dict(gemm_dtype=opts.gemm_dtype, save_z=opts.save_z,
                      wgrad_dtype=opts.wgrad_dtype, block_size=opts.fp8_block_size)
@@ -319,6 +324,7 @@ class MoE(nnx.Module):
         (``moe.dispatch``).
       backend, gemm_dtype, save_z, wgrad_dtype: expert options (``moe.gated_experts``).
       fp8_block_size: channels per FP8 scale.
+      wire_kernels: who encodes / lays out dispatched rows (see :class:`MoEOptions`).
       num_shared_experts: always-on experts, fused into one SwiGLU of width
         ``num_shared_experts * d_ff``.
       dtype: compute dtype; param_dtype: parameter dtype.
@@ -360,6 +366,7 @@ class MoE(nnx.Module):
         save_z: SaveZ = "bf16",
         wgrad_dtype: WgradDtype = "bf16",
         fp8_block_size: int = 128,
+        wire_kernels: WireKernels = "auto",
         num_shared_experts: int = 0,
         dtype: Any = jnp.float32,
         param_dtype: Any = jnp.float32,
@@ -390,6 +397,7 @@ class MoE(nnx.Module):
             save_z=save_z,
             wgrad_dtype=wgrad_dtype,
             fp8_block_size=fp8_block_size,
+            wire_kernels=wire_kernels,
         )
         _check_fp8(d_model, d_ff, self.opts)
         _check_backend(self.opts)
