@@ -14,6 +14,10 @@
    padding and the chunk a device keeps included) / time, ``GBps_remote`` = (P-1)/P of those
    bytes (what leaves the GPU; moe_layer_bench's figure) / time. benchmarks/dispatch_phases.py
    times each phase and also gives DeepEP's count.
+3. A/B: dense ``dispatch`` with the bf16 and the FP8 wire timed interleaved (one call of each
+   per round, 60 rounds), for the default wire kernels and for the XLA wire path: the
+   headline FP8/bf16 dispatch-time ratio (benchmarks/collect.py), robust to drift between
+   separately timed runs (which moved single figures by 10-15% on the H200s).
 
 Prints a table and writes JSON to ``--out``.
 
@@ -261,6 +265,50 @@ def run_timings(mesh, n_dev, native_ok):
     return rows
 
 
+def run_ab(mesh, n_dev, rounds: int) -> dict:
+    """Dense dispatch, bf16 vs FP8 wire, timed interleaved: each round times one bf16 call
+    then one FP8 call (compiled executables, each call blocked), so clock or NVLink drift
+    during the run hits both alike. Reports the medians, their ratio and the median of the
+    per-round ratios, for the library default (wire_kernels='auto') and the XLA wire path."""
+    a = ARGS
+    x, ids, _, _ = make_inputs(mesh, n_dev, a.tokens, a.d_model, a.experts, a.top_k, a.seed)
+    spec = P(AXIS)
+    out = {}
+    for kernels in ("auto", "xla"):
+        exe = {}
+        for wire in ("bf16", "fp8"):
+            f = jax.jit(jax.shard_map(
+                lambda x, ids, wire=wire, kernels=kernels: dispatch(
+                    x, ids, num_experts=a.experts, axis_name=AXIS, transport="dense",
+                    capacity_factor=a.capacity_factor, dispatch_dtype=wire,
+                    wire_kernels=kernels)[0],
+                mesh=mesh, in_specs=(spec, spec), out_specs=spec))
+            exe[wire] = f.lower(x, ids).compile()
+            for _ in range(a.warmup):
+                jax.block_until_ready(exe[wire](x, ids))
+        times = {"bf16": [], "fp8": []}
+        for _ in range(rounds):
+            for wire in ("bf16", "fp8"):
+                t0 = time.perf_counter()
+                jax.block_until_ready(exe[wire](x, ids))
+                times[wire].append(time.perf_counter() - t0)
+        med = {w: statistics.median(v) for w, v in times.items()}
+        per_round = [f8 / b for b, f8 in zip(times["bf16"], times["fp8"], strict=True)]
+        out[kernels] = dict(rounds=rounds, bf16_ms=1e3 * med["bf16"], fp8_ms=1e3 * med["fp8"],
+                            ratio_of_medians=med["fp8"] / med["bf16"],
+                            median_round_ratio=statistics.median(per_round),
+                            bf16_ms_quartiles=[1e3 * q for q in
+                                               statistics.quantiles(times["bf16"], n=4)],
+                            fp8_ms_quartiles=[1e3 * q for q in
+                                              statistics.quantiles(times["fp8"], n=4)])
+        r = out[kernels]
+        print(f"A/B dense dispatch, wire_kernels={kernels!r}, {rounds} interleaved rounds: "
+              f"bf16 {r['bf16_ms']:.3f} ms, fp8 {r['fp8_ms']:.3f} ms, fp8/bf16 "
+              f"{r['ratio_of_medians']:.3f} (median per-round ratio "
+              f"{r['median_round_ratio']:.3f})", flush=True)
+    return out
+
+
 def main():
     a = ARGS
     devices = jax.devices()
@@ -274,6 +322,7 @@ def main():
           f"{a.experts}, top-{a.top_k}")
     checks = run_checks(mesh, n_dev, native_ok)
     rows = run_timings(mesh, n_dev, native_ok)
+    ab = run_ab(mesh, n_dev, rounds=5 if a.small else 60)
     print()
     head = ("transport", "impl", "wire", "dispatch_fwd_ms", "fwd_ms", "fwd_bwd_ms",
             "fwd_collective_mb", "fwd_GBps_remote", "dropped_frac")
@@ -286,7 +335,7 @@ def main():
         json.dump(dict(
             config=vars(a), backend=jax.default_backend(), device_kind=devices[0].device_kind,
             n_devices=n_dev, jax=jax.__version__, python=platform.python_version(),
-            native_ragged=native_ok, checks=checks, timings=rows,
+            native_ragged=native_ok, checks=checks, timings=rows, dispatch_ab=ab,
         ), fh, indent=2)
     print(f"wrote {a.out}")
     if not all(c["ok"] for c in checks.values()):

@@ -8,7 +8,7 @@
 # OUT/<script>.json and OUT/<script>.log; OUT/run_status.tsv records exit code, seconds and
 # limit per script; then benchmarks/collect.py writes OUT/h200x2.json and
 # benchmarks/plot_results.py writes OUT/plot_*.png (SVG without matplotlib). Profiler traces
-# go under OUT/traces. Environment: BENCH_BUDGET_S (total seconds for the scripts, default
+# go under OUT/traces; PACK=file.tgz packs OUT into one archive at the end. Environment: BENCH_BUDGET_S (total seconds for the scripts, default
 # 530; 1200 with --small) and <NAME>_TIMEOUT (e.g. LM_STEP_BENCH_TIMEOUT=200) per script.
 # NCCL_* and XLA_FLAGS from the environment are left as they are.
 set -u
@@ -70,7 +70,7 @@ run muon_step_f32 100 benchmarks/muon_step.py --out "$OUT/muon_step_f32.json" \
   --param-dtype f32 --variants muon,optax,optax_fsdp,muon_fsdp
 run moe_layer_bench 120 benchmarks/moe_layer_bench.py --out "$OUT/moe_layer_bench.json" \
   --profile "$OUT/traces/moe_layer"
-run dispatch_check 60 benchmarks/dispatch_check.py --out "$OUT/dispatch_check.json"
+run dispatch_check 90 benchmarks/dispatch_check.py --out "$OUT/dispatch_check.json"
 run dispatch_phases 75 benchmarks/dispatch_phases.py --out "$OUT/dispatch_phases.json"
 run lm_step_bench 90 benchmarks/lm_step_bench.py --out "$OUT/lm_step_bench.json" \
   --profile "$OUT/traces/lm_step"
@@ -87,3 +87,7 @@ du -sh "$OUT/traces" 2>/dev/null
 $PY benchmarks/collect.py "$OUT" --name h200x2 || echo "collect.py failed"
 $PY benchmarks/plot_results.py "$OUT" || echo "plot_results.py failed"
 echo "=== total $((SECONDS - START))s; summary: $OUT/h200x2.json"
+# PACK=path.tgz: also pack OUT into one archive (for transports that fetch only a few files).
+if [ -n "${PACK:-}" ]; then
+  tar czf "$PACK" -C "$(dirname "$OUT")" "$(basename "$OUT")" && echo "packed $PACK"
+fi
