@@ -14,9 +14,9 @@ pipeline and nothing else:
   all_to_all   the exchange alone, bf16 payload vs FP8 payload of the same rows
   recv         received buffer -> expert layout [E_local, P*C, d] (bf16: transpose; FP8:
                dequantize + transpose, one pass)
-  combine      expert layout -> destination-major (transpose), the bf16 all_to_all back (=
-               the bf16 all_to_all row), un-permute + weight + sum over k (fused gathers;
-               + "before": gather [T, k, d] then einsum)
+  combine      the bf16 all_to_all back, split on the expert layout's axis 1 (library; "before":
+               a transpose to destination-major, then the axis-0 all_to_all), un-permute +
+               weight + sum over k (fused gathers; + "before": gather [T, k, d] then einsum)
   backward     combine's FP8/bf16 gradient send buffer: weights * dy built inside the gather,
                FP8 scales from dy's block maxima (T rows) x |weight| (+ "before": [T*k, d]
                weighted rows, encoded, then gathered; bytes checked equal), router gradient
@@ -422,8 +422,14 @@ def run(a) -> dict:
     def send_layout(ey):
         return ey.reshape(el, n_dev, c, d).transpose(1, 0, 2, 3).reshape(-1, d)
 
-    bench("expert layout -> send layout (transpose)", "combine", "bf16",
+    bench("before: expert layout -> send layout (transpose)", "combine", "bf16",
           smap(mesh, send_layout, 1), (expert_x,))
+    bench("before: transpose + all_to_all back", "combine", "bf16",
+          smap(mesh, lambda ey: _transport.dense_exchange(send_layout(ey), AXIS), 1),
+          (expert_x,), buffer_bytes=bf16_buf)
+    bench("all_to_all back, split on the layout's axis 1 (library)", "combine", "bf16",
+          smap(mesh, lambda ey: jax.lax.all_to_all(ey, AXIS, 1, 1, tiled=True), 1),
+          (expert_x,), buffer_bytes=bf16_buf)
     back = recv_bf16  # same shape/dtype as the combine all_to_all's result
 
     def unpermute(back, send_slot, slot_row, w):

@@ -151,18 +151,27 @@ def plot_all(out: Path) -> list[Path]:
     # 4. dispatch + combine
     dc = _load(out / "dispatch_check.json")
     labels, vals = [], []
+    for kernels, r in ((dc or {}).get("dispatch_ab") or {}).items():
+        labels += [f"dispatch bf16 (A/B, {kernels})", f"dispatch fp8 (A/B, {kernels})"]
+        vals += [r.get("bf16_ms"), r.get("fp8_ms")]
     for r in (dc or {}).get("timings", []):
         labels += [f"{r['transport']}/{r['wire']} fwd", f"{r['transport']}/{r['wire']} fwd+bwd"]
         vals += [r.get("fwd_ms"), r.get("fwd_bwd_ms")]
     if labels:
-        written.append(bars(out / "plot_dispatch_ms", f"dispatch+combine time ({tag})", labels,
-                            vals, "ms (lower is better)"))
-    dcl = (ml or {}).get("dispatch_combine") or []
-    if dcl:
+        written.append(bars(out / "plot_dispatch_ms", f"dispatch / dispatch+combine ({tag})",
+                            labels, vals, "ms (lower is better)"))
+    labels, vals = [], []
+    for r in (ml or {}).get("dispatch_combine") or []:
+        labels.append(f"dense/{r['wire']}, identity experts")
+        vals.append(r["GBps_per_gpu"])
+    for r in (_load(out / "dispatch_phases.json") or {}).get("phases", []):
+        if r.get("phase") == "dispatch+combine fwd (expert_x materialized)":
+            labels.append(f"dense/{r['wire']}, expert_x materialized")
+            vals.append(r.get("GBps_remote"))
+    if labels:
         written.append(bars(
             out / "plot_dispatch_GBps", f"dispatch+combine all-to-all GB/s per GPU ({tag})",
-            [f"dense/{r['wire']}" for r in dcl], [r["GBps_per_gpu"] for r in dcl],
-            "GB/s per GPU (bytes sent / fwd time)"))
+            labels, vals, "GB/s per GPU (bytes sent / fwd time)", 150.0, "target 150"))
 
     # 5. LM step
     lm = _load(out / "lm_step_bench.json")

@@ -8,8 +8,10 @@
 # OUT/<script>.json and OUT/<script>.log; OUT/run_status.tsv records exit code, seconds and
 # limit per script; then benchmarks/collect.py writes OUT/h200x2.json and
 # benchmarks/plot_results.py writes OUT/plot_*.png (SVG without matplotlib). Profiler traces
-# go under OUT/traces; PACK=file.tgz packs OUT into one archive at the end. Environment: BENCH_BUDGET_S (total seconds for the scripts, default
-# 530; 1200 with --small) and <NAME>_TIMEOUT (e.g. LM_STEP_BENCH_TIMEOUT=200) per script.
+# go under OUT/traces; PACK=file.tgz packs OUT into one archive at the end. Environment:
+# BENCH_BUDGET_S (total seconds for the scripts, default 530; 1200 with --small) and
+# <NAME>_TIMEOUT (e.g. LM_STEP_BENCH_TIMEOUT=200) per script. A file COMMIT in the tree (an
+# exported snapshot has no .git) names the commit in env.txt.
 # NCCL_* and XLA_FLAGS from the environment are left as they are.
 set -u
 OUT=${1:?usage: bash benchmarks/run_gpu.sh OUT [--small]}
@@ -33,7 +35,7 @@ STATUS="$OUT/run_status.tsv"
 printf 'script\trc\tseconds\tlimit_s\n' > "$STATUS"
 
 {
-  echo "date: $(date -u +%FT%TZ)"; echo "host: $(hostname)"; echo "git: $(git rev-parse HEAD 2>/dev/null)"
+  echo "date: $(date -u +%FT%TZ)"; echo "host: $(hostname)"; echo "git: $(cat COMMIT 2>/dev/null || git rev-parse HEAD 2>/dev/null)"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
   $PY -c 'import jax; print("jax", jax.__version__, jax.devices())' 2>&1 | tail -1
 } > "$OUT/env.txt" 2>&1

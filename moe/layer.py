@@ -51,7 +51,8 @@ class MoEOptions:
         ``'fp8'``).
       combine_grad_dtype: wire format of the combine gradient.
       backend: grouped-GEMM backend of ``moe.gated_experts`` (``'auto'`` follows the layout:
-        ``'einsum'`` for the dense transport, ``'ragged_dot'`` for the ragged one). ``'pallas'``
+        ``'einsum'`` for the dense transport; for the ragged one ``'pallas'`` on NVIDIA GPUs,
+        ``'ragged_dot'`` elsewhere). ``'pallas'``
         works with both transports (the dense layout's capacity slots become ragged groups of
         ``C`` rows); it is compiled through Triton on GPUs and interpreted, slowly, on CPU.
       gemm_dtype, save_z, wgrad_dtype: expert precision/memory options (``moe.gated_experts``).
