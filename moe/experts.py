@@ -319,7 +319,7 @@ def _resolve_backend(backend: str, x_ndim: int) -> str:
         )
     if backend == "auto":
         # Measured on 2x H200 (BENCHMARKS.md): for the ragged layout the Pallas kernels ran at
-        # 0.77 of the dense matmul rate against 0.15 for XLA's ragged_dot, and the dropless
+        # 0.74-0.77 of the dense matmul rate against 0.15 for XLA's ragged_dot, and the dropless
         # expert-parallel layer fwd+bwd took 38 ms with them against 134 ms. Elsewhere (CPU:
         # interpreted; TPU, ROCm: not measured) ragged_dot.
         if x_ndim == 2 and _on_cuda():
@@ -449,7 +449,7 @@ def gated_experts(
         GPU, run in Pallas interpret mode when lowered for CPU, which is slow and meant for
         tests; ValueError on TPU; works inside ``jax.shard_map``, as in `moe.MoE`), or
         'auto' (by the rank of x: 'einsum' for 3-D; for 2-D 'pallas' on NVIDIA GPUs,
-        measured at 0.77 of the dense rate against 0.15 for 'ragged_dot' on H200, and
+        measured at 0.74-0.77 of the dense rate against 0.15 for 'ragged_dot' on H200, and
         'ragged_dot' elsewhere). FP8 options work with every backend: operands are
         quantized and dequantized before the GEMM.
       gemm_dtype: 'fp8' feeds the two forward GEMMs FP8 operands: activations (x and h) per
