@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
+from _cuda_export import cuda_module
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -393,17 +393,6 @@ def test_gated_experts_pallas_inside_shard_map_matches_ragged_dot(dtype, rtol):
 # ----------------------------------------------------------------------------------------------
 
 
-def _cuda_module(fn, *args) -> str:
-    chk = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    try:
-        exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=chk)(*args)
-    except Exception as e:  # pragma: no cover - depends on the jaxlib build
-        if "triton" in str(e).lower() and "lower" not in str(e).lower():
-            pytest.skip(f"this jaxlib cannot lower Pallas to Triton: {e}")
-        raise
-    return exp.mlir_module()
-
-
 def test_gated_experts_pallas_lowers_to_triton_for_cuda():
     x, w_gu, w_d, ct = (
         jnp.zeros((512, 256), jnp.bfloat16),
@@ -420,7 +409,7 @@ def test_gated_experts_pallas_lowers_to_triton_for_cuda():
 
         return jax.value_and_grad(loss, argnums=(0, 1, 2))(x, w_gu, w_d)
 
-    text = _cuda_module(step, x, w_gu, w_d, ct, gs)
+    text = cuda_module(step, x, w_gu, w_d, ct, gs)
     # fwd 2 gmm, dgrad 2 gmm_t, wgrad 2 tgmm; no interpreter loop left in the GPU module.
     assert text.count("__gpu$xla.gpu.triton") == 6
     assert "stablehlo.while" not in text
@@ -450,6 +439,6 @@ def test_gated_experts_pallas_lowers_to_triton_inside_shard_map():
         sds((N_DEV * 512, 256), jnp.float32),
         sds((N_DEV * E,), jnp.int32),
     )
-    text = _cuda_module(fn, *args)
+    text = cuda_module(fn, *args)
     assert text.count("__gpu$xla.gpu.triton") == 6
     assert "stablehlo.while" not in text
