@@ -33,10 +33,11 @@ Variants (``--variants``, comma separated; default all):
   how far NS itself is from the dense matmul rate.
 
 Limit = NS FLOPs / (N x dense bf16 matmul rate) + time of a psum of the params' bytes (in the
-param dtype), both measured here. The exposed-communication fraction comes from a jax.profiler trace
-(benchmarks/trace_overlap.py) of the fastest muon DP variant when the backend records device
-kernels, else the HLO estimate (ring bytes of collectives with no compute scheduled between
-start and done).
+param dtype), both measured here. The exposed-communication fraction comes from a jax.profiler
+trace (benchmarks/trace_overlap.py) of the fastest muon DP variant when the backend records
+device kernels (every DP variant is traced, e.g. with and without the overlap options:
+``trace_by_variant``), else the HLO estimate (ring bytes of collectives with no compute
+scheduled between start and done).
 
 Usage:
   python benchmarks/muon_step.py --out muon_step.json          # GPU, real size
@@ -300,23 +301,32 @@ def main(argv=None) -> dict:
         report["chunking_ring_bytes_equal"] = a.ring_bytes == b.ring_bytes
         report["chunking_ring_bytes"] = {"chunked": a.ring_bytes, "unchunked": b.ring_bytes}
 
-    # Exposed communication: profiler trace (GPU) or the HLO estimate.
+    # Exposed communication: a profiler trace of every data-parallel muon_jax variant (so the
+    # default and the overlap-options builds are compared in one run); the headline is the
+    # fastest variant's, or the HLO estimate where the backend records no device kernels.
     exposed, source = None, None
     if best:
-        try:
-            from trace_overlap import exposed_comm_fraction
-            trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="muon_step_trace_")
-            compiled, cargs = results[best]["compiled"], results[best]["args"]
-            jax.block_until_ready(compiled(*cargs))
-            with jax.profiler.trace(trace_dir):
-                for _ in range(3):
-                    jax.block_until_ready(compiled(*cargs))
-            res = exposed_comm_fraction(trace_dir)
-            report["trace"] = {k: v for k, v in res.items() if k != "devices"}
-            if res.get("exposed_fraction") is not None:
-                exposed, source = res["exposed_fraction"], f"jax.profiler trace ({trace_dir})"
-        except Exception as err:  # profiling is best effort
-            report["trace"] = {"error": repr(err)}
+        report["trace_by_variant"] = {}
+        root = args.trace_dir or tempfile.mkdtemp(prefix="muon_step_trace_")
+        for name in muon_dp:
+            try:
+                from trace_overlap import exposed_comm_fraction
+                trace_dir = os.path.join(root, name)
+                compiled, cargs = results[name]["compiled"], results[name]["args"]
+                jax.block_until_ready(compiled(*cargs))
+                with jax.profiler.trace(trace_dir):
+                    for _ in range(3):
+                        jax.block_until_ready(compiled(*cargs))
+                res = {k: v for k, v in exposed_comm_fraction(trace_dir).items()
+                       if k != "devices"}
+            except Exception as err:  # profiling is best effort
+                res, trace_dir = {"error": repr(err)}, None
+            report["trace_by_variant"][name] = res
+            if name == best:
+                report["trace"] = res
+                if res.get("exposed_fraction") is not None:
+                    exposed = res["exposed_fraction"]
+                    source = f"jax.profiler trace ({trace_dir})"
         if exposed is None:
             exposed = results[best]["report"].exposed_fraction
             source = ("HLO estimate: ring bytes of collectives with no compute scheduled "
