@@ -164,8 +164,8 @@ def make_data(mesh, a):
 
 def options(name: str, a) -> moe.MoEOptions:
     v = VARIANTS[name]
-    return moe.MoEOptions(
-        router=moe.RouterConfig(a.experts, a.top_k),
+    return moe.MoEOptions.create(
+        a.experts, a.top_k,
         expert_axis="expert",
         transport=v["transport"],
         capacity_factor=a.capacity_factor if v["transport"] == "dense" else None,

@@ -55,8 +55,9 @@ class Block(nnx.Module):
     def __init__(self, d, d_ff, experts, top_k, mesh, fp8, *, rngs):
         self.norm = nnx.RMSNorm(d, rngs=rngs)
         self.proj = nnx.Linear(d, d, use_bias=False, rngs=rngs)
-        self.moe = moe.MoE(d, d_ff, experts, top_k, mesh=mesh, capacity_factor=2.0,
-                           dispatch_dtype="fp8" if fp8 else None, fp8_block_size=16, rngs=rngs)
+        self.moe = moe.MoE(d, d_ff, options=moe.MoEOptions.create(
+            experts, top_k, capacity_factor=2.0, dispatch_dtype="fp8" if fp8 else None,
+            fp8_block_size=16), mesh=mesh, rngs=rngs)
 
     def __call__(self, x):
         y, aux = self.moe(self.proj(self.norm(x)))

@@ -89,19 +89,16 @@ class Block(nnx.Module):
         self.attn_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
         self.attn = Attention(cfg, rngs=rngs)
         self.ffn_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
-        self.moe = moe.MoE(
-            cfg.d_model,
-            cfg.d_ff,
+        options = moe.MoEOptions.create(
             cfg.num_experts,
             cfg.top_k,
-            mesh=mesh,
             expert_axis="expert",
             capacity_factor=cfg.capacity_factor,
             dispatch_dtype=cfg.dispatch_dtype,
             fp8_block_size=cfg.fp8_block_size,
-            dtype=jnp.dtype(cfg.dtype),
-            rngs=rngs,
         )
+        self.moe = moe.MoE(cfg.d_model, cfg.d_ff, options=options, mesh=mesh,
+                           dtype=jnp.dtype(cfg.dtype), rngs=rngs)
 
     def __call__(self, x: jax.Array):
         x = x + self.attn(self.attn_norm(x))

@@ -2,38 +2,38 @@
 
 Functional core: :mod:`moe.fp8` (e4m3 + packed E8M0 block scales), :mod:`moe.routing`
 (top-k router, balancing), :mod:`moe.dispatch` (expert-parallel all-to-all dispatch/combine),
-:mod:`moe.experts` (SwiGLU grouped GEMMs); shell: :class:`moe.MoE` (NNX) and
-:func:`moe.moe_linen` (Linen via ``flax.nnx.bridge``).
+:mod:`moe.experts` (SwiGLU grouped GEMMs); options: :mod:`moe.options`; shell:
+:class:`moe.MoE` (NNX) and :func:`moe.moe_linen` (Linen via ``flax.nnx.bridge``).
 """
 
-from moe import fp8, routing
-from moe.dispatch import DispatchPlan, combine, dense_capacity, dispatch, ragged_rows
+from moe import fp8, options, routing
+from moe.dispatch import DispatchPlan, combine, dispatch
 from moe.experts import gated_experts
-from moe.fp8 import Fp8Array, dequantize, pack_e8m0, quantize, unpack_e8m0
-from moe.layer import BalancingBias, MoE, MoEOptions, moe_apply, moe_linen
+from moe.fp8 import Fp8Array, dequantize, quantize
+from moe.layer import BalancingBias, MoE, moe_apply, moe_linen
+from moe.options import DispatchOptions, ExpertOptions, MoEOptions
 from moe.routing import RouterConfig, Routing, route, update_balancing_bias
 
 __all__ = [
     "BalancingBias",
+    "DispatchOptions",
     "DispatchPlan",
+    "ExpertOptions",
     "Fp8Array",
     "MoE",
     "MoEOptions",
     "RouterConfig",
     "Routing",
     "combine",
-    "dense_capacity",
     "dequantize",
     "dispatch",
     "fp8",
     "gated_experts",
     "moe_apply",
     "moe_linen",
-    "pack_e8m0",
+    "options",
     "quantize",
-    "ragged_rows",
     "route",
     "routing",
-    "unpack_e8m0",
     "update_balancing_bias",
 ]

@@ -36,7 +36,7 @@ default backend): the kernel then runs as ordinary, slow XLA ops, which is how t
 it on CPU. Lowered for a GPU it compiles through Triton. TPUs are refused (ValueError).
 
 Both work inside ``jax.shard_map`` with ``check_vma=True`` (as in `moe.MoE`): the outputs are
-typed as varying over the union of the operands' varying mesh axes (see `_per_platform`).
+typed as varying over the union of the operands' varying mesh axes (`moe._vma`).
 """
 
 from __future__ import annotations
@@ -47,17 +47,18 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec as P
+
+from moe import _vma
 
 try:  # Pallas (and its Triton dialect) ships with jax, but keep CPU-only imports safe.
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
     # jax >= 0.7 names it CompilerParams (older: TritonCompilerParams).
-    _TritonParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
+    TritonParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
     PALLAS_IMPORT_ERROR: str | None = None
 except Exception as e:  # pragma: no cover - depends on the installed jax
-    pl = plgpu = _TritonParams = None
+    pl = plgpu = TritonParams = None
     PALLAS_IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 
@@ -115,82 +116,15 @@ def check_platform() -> None:
         )
 
 
-# ----------------------------------------------------------------------------------------------
-# Inside jax.shard_map(check_vma=True) every value's type names the mesh axes it varies over
-# (its varying manual axes, "vma"), and a pallas_call must declare those of its outputs in its
-# out_shape (`ShapeDtypeStruct(manual_axis_type=...)`; ``vma=`` in older jax): the union of the
-# operands' axes. The compiled (Triton) kernel is traced with the types stripped, so that
-# declaration is all it needs. Interpret mode is not: it evaluates the kernel's jaxpr with jax
-# ops when it is lowered, on the typed operands, under the shard_map's check_vma=True, and ops
-# that mix the varying blocks with the grid's invariant program ids fail the check
-# (dynamic_slice), as does its grid loop (a while loop whose carry loses the types). So in
-# interpret mode the pallas_call runs in a nested shard_map over no new axes with
-# check_vma=False (lowered inline, no op of its own) on untyped copies of the operands, and its
-# result is cast back to varying (`pcast`, no work at run time).
-# ----------------------------------------------------------------------------------------------
-
-
-def _varying_axes(x) -> frozenset:
-    """The mesh axes ``x`` is typed as varying over (empty outside a check_vma shard_map)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", ()))  # older jax
-
-
-def _out_struct(shape, dtype, varying: frozenset) -> jax.ShapeDtypeStruct:
-    """A pallas_call out_shape typed as varying over ``varying``."""
-    mat_type = getattr(jax.sharding, "ManualAxisType", None)
-    if mat_type is not None:  # jax >= 0.10
-        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat_type(varying=varying))
-    try:  # pragma: no cover - older jax
-        return jax.ShapeDtypeStruct(shape, dtype, vma=varying)
-    except TypeError:  # pragma: no cover - jax without varying-axes types
-        return jax.ShapeDtypeStruct(shape, dtype)
-
-
-def _to_varying(x: jax.Array, axes: tuple) -> jax.Array:
-    """``x``, typed invariant over ``axes``, typed varying over them (no run-time work)."""
-    if hasattr(lax, "pcast"):
-        return lax.pcast(x, axes, to="varying")
-    return lax.pvary(x, axes)  # pragma: no cover - older jax
-
-
-def _untyped(x: jax.Array) -> jax.Array:
-    """``x`` without its varying-axes type: any op traced under check_vma=False drops it.
-
-    ``x - 0`` is exact for every value (-0.0 and NaN included) and differentiable."""
-    return lax.sub(x, jnp.zeros((), x.dtype))
-
-
-def _unchecked(fn, varying: frozenset, *args):
-    """``fn(*args)`` traced and lowered with check_vma=False, its result typed ``varying``."""
-    if not varying:  # not inside a check_vma shard_map, or nothing varies
-        return fn(*args)
-    mesh = jax.sharding.get_abstract_mesh()
-    out = jax.shard_map(
-        lambda *a: fn(*map(_untyped, a)),
-        mesh=mesh,
-        in_specs=(P(),) * len(args),
-        out_specs=P(),
-        # The axes that are manual already (only those: not the Auto ones of a partly manual
-        # shard_map): no new manual axes, so the body is lowered inline, no op of its own.
-        axis_names=frozenset(mesh.manual_axes),
-        check_vma=False,
-    )(*args)
-    return _to_varying(out, tuple(sorted(varying, key=str)))  # pcast orders them by the mesh
-
-
 def _per_platform(call, interpret: bool | None, *args):
     """``call(interpret, varying, *args)``: interpreted when lowered for CPU if ``interpret``
-    is None. ``varying``: the union of the operands' varying mesh axes (see above)."""
+    is None. ``varying``: the union of the operands' varying mesh axes (`moe._vma`)."""
     check_platform()
-    varying = frozenset().union(*map(_varying_axes, args))
+    varying = _vma.varying_of(*args)
 
     def run(interp: bool, *operands):
         if interp:
-            return _unchecked(functools.partial(call, True, varying), varying, *operands)
+            return _vma.unchecked(functools.partial(call, True, varying), varying, *operands)
         return call(False, varying, *operands)
 
     if interpret is not None:
@@ -265,7 +199,7 @@ def _swizzle(pid, n_rows: int, n_cols: int, group_m: int):
 
 
 def _compiler_params(tiling: Tiling):
-    return _TritonParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages)
+    return TritonParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -386,7 +320,7 @@ def gmm(
     def call(interp, varying, *operands):
         return pl.pallas_call(
             kernel,
-            out_shape=_out_struct((mp, np_), out_dtype, varying),
+            out_shape=_vma.out_struct((mp, np_), out_dtype, varying),
             grid=(n_work * n_cols,),
             interpret=interp,
             compiler_params=None if interp else _compiler_params(tiling),
@@ -511,7 +445,7 @@ def tgmm(
     def call(interp, varying, *operands):
         return pl.pallas_call(
             kernel,
-            out_shape=_out_struct((n_groups, kp, np_), out_dtype, varying),
+            out_shape=_vma.out_struct((n_groups, kp, np_), out_dtype, varying),
             grid=(n_groups * n_ktiles * n_ntiles,),
             interpret=interp,
             compiler_params=None if interp else _compiler_params(tiling),

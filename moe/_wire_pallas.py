@@ -28,15 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from moe import fp8
-from moe._gmm_pallas import (
-    PALLAS_IMPORT_ERROR,
-    _out_struct,
-    _TritonParams,
-    _unchecked,
-    _varying_axes,
-    pl,
-)
+from moe import _vma, fp8
+from moe._gmm_pallas import PALLAS_IMPORT_ERROR, TritonParams, pl
 from moe._gmm_pallas import plgpu as _plgpu
 
 
@@ -123,21 +116,21 @@ def _decode_kernel(idx_ref, buf_ref, out_ref, *, n_src, width, block_size, fp8_w
 
 def _launch(kernel, index, operand, out_shape, out_dtype, *, name, interpret, **kw):
     """One program per output row; interpret mode where asked (the CPU tests)."""
-    varying = frozenset().union(*map(_varying_axes, (index, operand)))
+    varying = _vma.varying_of(index, operand)
     body = functools.partial(kernel, **kw)
 
     def call(interp, *ops):
         return pl.pallas_call(
             body,
-            out_shape=_out_struct(out_shape, out_dtype, varying),
+            out_shape=_vma.out_struct(out_shape, out_dtype, varying),
             grid=(out_shape[0],),
             interpret=interp,
-            compiler_params=None if interp else _TritonParams(num_warps=4, num_stages=1),
+            compiler_params=None if interp else TritonParams(num_warps=4, num_stages=1),
             name=name,
         )(*ops)
 
     if interpret:
-        return _unchecked(functools.partial(call, True), varying, index, operand)
+        return _vma.unchecked(functools.partial(call, True), varying, index, operand)
     return call(False, index, operand)
 
 

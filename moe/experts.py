@@ -4,154 +4,37 @@
 inputs that `moe.dispatch` produces, in one of two layouts:
 
 - ragged ``x [R, d_model]`` with ``group_sizes [E]`` (rows grouped by expert, rows past
-  ``sum(group_sizes)`` are padding), computed with `jax.lax.ragged_dot_general`;
-- padded ``x [E, C, d_model]`` (rows ``c >= group_sizes[e]`` are padding), computed with batched
-  einsums, which XLA turns into one large batched GEMM;
-- ragged ``x [R, d_model]`` again with backend='pallas': grouped-GEMM kernels written in Pallas
-  (`moe._gmm_pallas`, Triton lowering on GPU; interpreted, slowly, on CPU) that pad each group
-  only to the row-tile size instead of every group to the largest one.
+  ``sum(group_sizes)`` are padding): backends 'mosaic' (Pallas Mosaic GPU wgmma kernels for
+  Hopper, `moe._gmm_mosaic`), 'pallas' (Pallas Triton kernels, `moe._gmm_pallas`) and
+  'ragged_dot' (`jax.lax.ragged_dot_general`);
+- padded ``x [E, C, d_model]`` (rows ``c >= group_sizes[e]`` are padding): backend 'einsum',
+  batched einsums that XLA turns into one large batched GEMM.
+
+FP8 GEMMs consume ``float8_e4m3fn`` operands on the tensor cores (no dequantized copy): each
+operand is quantized along its contraction axis with one power-of-two (E8M0) scale per row
+(tokens) or per output channel (weights), the GEMM runs on the FP8 payloads, and the scales,
+exact powers of two, multiply its f32-accumulated result (torchao's float8 "rowwise" recipe;
+DeepSeek-V3's 1 x 128 blocks would need a per-block promotion inside the kernel). Weights are
+quantized on every call from the params passed in, in the K-major layout their GEMM reads.
 
 The backward is a `jax.custom_vjp` whose dgrad and wgrad GEMMs are written out, so what is
 kept for it (the SonicMoE options: ``z`` in bf16, ``z`` in FP8, or nothing and recompute) and
-the precision of each GEMM are under the caller's control.
+the precision of each GEMM (``gemm_dtype``, ``dgrad_dtype``, ``wgrad_dtype``) are the caller's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from moe import _gmm_pallas, fp8
-
-Backend = Literal["auto", "ragged_dot", "einsum", "pallas"]
-GemmDtype = Literal["bf16", "fp8"]
-SaveZ = Literal["bf16", "fp8", "recompute"]
-WgradDtype = Literal["bf16", "fp8"]
+from moe import _gmm_pallas, _grouped, fp8
+from moe.options import Backend, GemmDtype, SaveZ, check_choice
 
 _GEMM_DTYPES = ("bf16", "fp8")
 _SAVE_Z = ("bf16", "fp8", "recompute")
-
-
-# ----------------------------------------------------------------------------------------------
-# Grouped-GEMM backends. Each provides the three GEMMs of a grouped linear layer
-# ``out[rows of e] = a[rows of e] @ w[e]``, accumulating in f32 and returning ``out_dtype``:
-#   fwd(a [..., k], w [E, k, n], gs, out_dtype)   -> [..., n]   (forward)
-#   dgrad(g [..., n], w [E, k, n], gs, out_dtype) -> [..., k]   (g @ w[e]^T, input gradient)
-#   wgrad(a [..., k], g [..., n], gs, out_dtype)  -> [E, k, n]  (a_e^T @ g_e, weight gradient)
-# A GPU kernel backend is one more entry in `_BACKENDS` (and in the `Backend` literal).
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _GroupedGemms:
-    """The three grouped GEMMs of one backend, and the layout of the token rows it expects."""
-
-    x_ndim: int  # rank of the token operand: 2 = ragged [R, k], 3 = padded [E, C, k]
-    token_axis: int  # axis of the token operand that indexes tokens (wgrad contraction)
-    fwd: Callable[..., jax.Array]
-    dgrad: Callable[..., jax.Array]
-    wgrad: Callable[..., jax.Array]
-
-
-def _ragged_dn(contract, ragged, group) -> lax.RaggedDotDimensionNumbers:
-    return lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(contract, ([], [])),
-        lhs_ragged_dimensions=ragged,
-        rhs_group_dimensions=group,
-    )
-
-
-# [R, k] x [E, k, n] -> [R, n]: rows ragged, one weight per group.
-_RAGGED_FWD = _ragged_dn(([1], [1]), [0], [0])
-# [R, n] x [E, k, n] -> [R, k]: contract the weight's output axis (w^T without a transpose).
-_RAGGED_DGRAD = _ragged_dn(([1], [2]), [0], [0])
-# [R, k] x [R, n] -> [E, k, n]: the ragged axis is contracted, giving one result per group.
-_RAGGED_WGRAD = _ragged_dn(([0], [0]), [0], [])
-
-
-def _ragged_fwd(a: jax.Array, w: jax.Array, gs: jax.Array, out_dtype) -> jax.Array:
-    out = lax.ragged_dot_general(a, w, gs, _RAGGED_FWD, preferred_element_type=jnp.float32)
-    return out.astype(out_dtype)
-
-
-def _ragged_dgrad(g: jax.Array, w: jax.Array, gs: jax.Array, out_dtype) -> jax.Array:
-    out = lax.ragged_dot_general(g, w, gs, _RAGGED_DGRAD, preferred_element_type=jnp.float32)
-    return out.astype(out_dtype)
-
-
-def _ragged_wgrad(a: jax.Array, g: jax.Array, gs: jax.Array, out_dtype) -> jax.Array:
-    out = lax.ragged_dot_general(a, g, gs, _RAGGED_WGRAD, preferred_element_type=jnp.float32)
-    return out.astype(out_dtype)
-
-
-def _einsum_fwd(a: jax.Array, w: jax.Array, gs: jax.Array, out_dtype) -> jax.Array:
-    del gs  # padding rows are zero (masked by the caller), so they add nothing
-    return jnp.einsum("eck,ekn->ecn", a, w, preferred_element_type=jnp.float32).astype(out_dtype)
-
-
-def _einsum_dgrad(g: jax.Array, w: jax.Array, gs: jax.Array, out_dtype) -> jax.Array:
-    del gs
-    return jnp.einsum("ecn,ekn->eck", g, w, preferred_element_type=jnp.float32).astype(out_dtype)
-
-
-def _einsum_wgrad(a: jax.Array, g: jax.Array, gs: jax.Array, out_dtype) -> jax.Array:
-    del gs
-    return jnp.einsum("eck,ecn->ekn", a, g, preferred_element_type=jnp.float32).astype(out_dtype)
-
-
-# Pallas grouped GEMMs (f32 accumulation inside the kernel, ``out_dtype`` stored directly).
-# Pallas interpret mode (slow; for tests) when lowered for CPU, Triton when lowered for GPU.
-def _pallas_fwd(a: jax.Array, w: jax.Array, gs: jax.Array, out_dtype) -> jax.Array:
-    return _gmm_pallas.gmm(a, w, gs, out_dtype=out_dtype)
-
-
-def _pallas_dgrad(g: jax.Array, w: jax.Array, gs: jax.Array, out_dtype) -> jax.Array:
-    return _gmm_pallas.gmm(g, w, gs, transpose_rhs=True, out_dtype=out_dtype)
-
-
-def _pallas_wgrad(a: jax.Array, g: jax.Array, gs: jax.Array, out_dtype) -> jax.Array:
-    return _gmm_pallas.tgmm(a, g, gs, out_dtype=out_dtype)
-
-
-_BACKENDS: dict[str, _GroupedGemms] = {
-    "ragged_dot": _GroupedGemms(2, 0, _ragged_fwd, _ragged_dgrad, _ragged_wgrad),
-    "einsum": _GroupedGemms(3, 1, _einsum_fwd, _einsum_dgrad, _einsum_wgrad),
-    "pallas": _GroupedGemms(2, 0, _pallas_fwd, _pallas_dgrad, _pallas_wgrad),
-}
-_AUTO_BACKEND = {2: "ragged_dot", 3: "einsum"}  # by the rank of x
-
-
-# ----------------------------------------------------------------------------------------------
-# FP8 operands. Every FP8 GEMM operand is block-quantized along the GEMM's contraction axis
-# with `moe.fp8.quantize` (E8M0 scales, blocks of `block_size`), then dequantized for the GEMM.
-# The dequantized values are e4m3 values times powers of two, exact in bf16/f32, and the GEMM
-# accumulates in f32, so this is the arithmetic of an FP8 GEMM with per-block scaling
-# (DeepSeek-V3), on every backend; an FP8-kernel backend consumes the same blocks directly.
-# ----------------------------------------------------------------------------------------------
-
-
-def _fp8_round(a: jax.Array, *, axis: int, block_size: int, dtype: jnp.dtype) -> jax.Array:
-    """Quantize ``a`` to FP8 in blocks along ``axis`` and dequantize it to ``dtype``.
-
-    ``axis`` is padded with zeros up to a multiple of ``4 * block_size`` (four scales per
-    packed word) when needed; zero padding does not change any block's amax.
-    """
-    moved = jnp.moveaxis(a, axis, -1)
-    n = moved.shape[-1]
-    quantum = 4 * block_size
-    pad = (-n) % quantum
-    if pad:
-        moved = jnp.pad(moved, [(0, 0)] * (moved.ndim - 1) + [(0, pad)])
-    out = fp8.dequantize(fp8.quantize(moved, block_size=block_size), dtype=dtype)
-    if pad:
-        out = out[..., :n]
-    return jnp.moveaxis(out, -1, axis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,41 +43,76 @@ class _Opts:
 
     backend: str
     gemm_dtype: str
+    dgrad_dtype: str
     save_z: str
     wgrad_dtype: str
     block_size: int
     mask_rows: bool  # False only for padded x without group_sizes (every row is real)
 
 
-def _weight_operand(w: jax.Array, opts: _Opts, dtype: jnp.dtype) -> jax.Array:
-    """Forward GEMM weight ``[E, k, n]``: FP8 per output column, blocks along ``k``, if asked."""
-    if opts.gemm_dtype == "fp8":
-        return _fp8_round(w, axis=1, block_size=opts.block_size, dtype=dtype)
-    return w.astype(dtype)
+# ----------------------------------------------------------------------------------------------
+# FP8 GEMMs: operands quantized along their contraction axis (power-of-two scale per row /
+# output channel), the GEMM on the e4m3 payloads, the exact scales applied to its result.
+# ----------------------------------------------------------------------------------------------
 
 
-def _act_operand(a: jax.Array, opts: _Opts) -> jax.Array:
-    """Forward GEMM activation ``[..., k]``: FP8 per row, blocks of 1 x block_size, if asked."""
-    if opts.gemm_dtype == "fp8":
-        return _fp8_round(a, axis=-1, block_size=opts.block_size, dtype=a.dtype)
-    return a
+def _rowwise(a: jax.Array) -> fp8.Fp8Array:
+    """``a`` as e4m3 with one power-of-two scale per row of its last axis."""
+    return fp8.quantize(a, block_size=a.shape[-1])
 
 
-def _wgrad_operand(a: jax.Array, opts: _Opts) -> jax.Array:
-    """Weight-gradient GEMM operand: FP8 in blocks along the token (contraction) axis."""
+def _fp8_matmul(ops: _grouped.GroupedGemms, a, w_kmajor, gs, out_dtype):
+    """``a @ w_kmajor[e]^T`` for the rows of each group, on FP8 operands.
+
+    ``a [..., K]`` per row, ``w_kmajor [E, N, K]`` per output channel ``n``; result
+    ``raw * s_a[row] * s_w[e, n]`` in ``out_dtype`` (raw accumulated in f32 on the GEMM).
+    """
+    aq, wq = _rowwise(a), _rowwise(w_kmajor)
+    raw_dtype = jnp.float32 if out_dtype == jnp.float32 else jnp.bfloat16
+    raw = ops.mm8(aq.data, wq.data, gs, raw_dtype)
+    s_w = fp8.block_scales(wq)[..., 0]  # [E, N]
+    if a.ndim == 3:
+        s_w = s_w[:, None, :]
+    else:
+        s_w = jnp.take(s_w, _grouped.group_of_rows(gs, a.shape[0]), axis=0, mode="clip")
+    return (raw.astype(jnp.float32) * fp8.block_scales(aq) * s_w).astype(out_dtype)
+
+
+def _fp8_wgrad(ops: _grouped.GroupedGemms, a, g, gs, out_dtype):
+    """``a_e^T @ g_e`` on FP8 K-major copies, one scale per channel over the token rows."""
+    aq, gq = _rowwise(ops.transpose_rows(a)), _rowwise(ops.transpose_rows(g))
+    raw = ops.tmm8(aq.data, gq.data, gs)  # [E, K, N] f32
+    s_a, s_g = fp8.block_scales(aq), fp8.block_scales(gq)  # [(E,) K, 1], [(E,) N, 1]
+    return (raw * s_a * jnp.swapaxes(s_g, -1, -2)).astype(out_dtype)
+
+
+def _matmul(opts: _Opts, precision: str, a, w, gs, out_dtype):
+    """``a @ w[e]`` per group (``w [E, K, N]``), bf16 or FP8 (K-major weight copy)."""
+    ops = _grouped.BACKENDS[opts.backend]
+    if precision == "fp8":
+        return _fp8_matmul(ops, a, jnp.swapaxes(w, 1, 2), gs, out_dtype)
+    return ops.fwd(a, w.astype(a.dtype), gs, out_dtype)
+
+
+def _matmul_t(opts: _Opts, a, w, gs, out_dtype):
+    """``a @ w[e]^T`` per group (the dgrad ``dz @ W^T``), bf16 or FP8 (``w`` is K-major)."""
+    ops = _grouped.BACKENDS[opts.backend]
+    if opts.dgrad_dtype == "fp8":
+        return _fp8_matmul(ops, a, w, gs, out_dtype)
+    return ops.dgrad(a, w.astype(a.dtype), gs, out_dtype)
+
+
+def _wgrad(opts: _Opts, a, g, gs, out_dtype):
+    ops = _grouped.BACKENDS[opts.backend]
     if opts.wgrad_dtype == "fp8":
-        axis = _BACKENDS[opts.backend].token_axis
-        return _fp8_round(a, axis=axis, block_size=opts.block_size, dtype=a.dtype)
-    return a
+        return _fp8_wgrad(ops, a, g, gs, out_dtype)
+    return ops.wgrad(a, g, gs, out_dtype)
 
 
 def _gate_up(opts: _Opts, x: jax.Array, gs: jax.Array, w_gate_up: jax.Array) -> jax.Array:
     """z = x @ W_gate_up per expert, rounded to the compute dtype (the saved/recomputed z)."""
-    ops = _BACKENDS[opts.backend]
-    a = _act_operand(x, opts)
-    w = _weight_operand(w_gate_up, opts, x.dtype)
     with jax.named_scope("experts_gate_up"):
-        return ops.fwd(a, w, gs, x.dtype)
+        return _matmul(opts, opts.gemm_dtype, x, w_gate_up, gs, x.dtype)
 
 
 def _swiglu(z: jax.Array) -> jax.Array:
@@ -227,15 +145,13 @@ def _mask_rows(opts: _Opts, a: jax.Array, gs: jax.Array) -> jax.Array:
 
 
 def _forward(opts: _Opts, x, gs, w_gate_up, w_down) -> tuple[jax.Array, jax.Array]:
-    """Returns (y, z)."""
-    ops = _BACKENDS[opts.backend]
+    """Returns (y, z). Padding rows of x are zeroed, so they give y = 0 on every backend."""
     x = _mask_rows(opts, x, gs)
     z = _gate_up(opts, x, gs, w_gate_up)
-    h = _act_operand(_swiglu(z).astype(x.dtype), opts)
-    w = _weight_operand(w_down, opts, x.dtype)
+    h = _swiglu(z).astype(x.dtype)
     with jax.named_scope("experts_down"):
-        y = ops.fwd(h, w, gs, x.dtype)
-    return _mask_rows(opts, y, gs), z
+        y = _matmul(opts, opts.gemm_dtype, h, w_down, gs, x.dtype)
+    return y, z
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -256,7 +172,6 @@ def _experts_fwd(opts: _Opts, x, gs, w_gate_up, w_down):
 
 def _experts_bwd(opts: _Opts, res, dy):
     x, gs, w_gate_up, w_down, z_saved = res
-    ops = _BACKENDS[opts.backend]
     dtype = x.dtype
     x = _mask_rows(opts, x, gs)  # x is saved as passed in (no copy), masked again here
     if opts.save_z == "recompute":
@@ -268,16 +183,14 @@ def _experts_bwd(opts: _Opts, res, dy):
     h = _swiglu(z).astype(dtype)
     dy = _mask_rows(opts, dy.astype(dtype), gs)
     with jax.named_scope("experts_down_dgrad"):
-        dh = ops.dgrad(dy, w_down.astype(dtype), gs, jnp.float32)
+        dh = _matmul_t(opts, dy, w_down, gs, jnp.float32)
     with jax.named_scope("experts_down_wgrad"):
-        dw_down = ops.wgrad(_wgrad_operand(h, opts), _wgrad_operand(dy, opts), gs, w_down.dtype)
+        dw_down = _wgrad(opts, h, dy, gs, w_down.dtype)
     dz = _swiglu_bwd(z, dh).astype(dtype)
     with jax.named_scope("experts_gate_up_dgrad"):
-        dx = ops.dgrad(dz, w_gate_up.astype(dtype), gs, x.dtype)
+        dx = _matmul_t(opts, dz, w_gate_up, gs, x.dtype)
     with jax.named_scope("experts_gate_up_wgrad"):
-        dw_gate_up = ops.wgrad(
-            _wgrad_operand(x, opts), _wgrad_operand(dz, opts), gs, w_gate_up.dtype
-        )
+        dw_gate_up = _wgrad(opts, x, dz, gs, w_gate_up.dtype)
     return (
         dx,  # zero on padding rows: dy is masked, so dz is zero there
         None,
@@ -294,57 +207,78 @@ _experts.defvjp(_experts_fwd, _experts_bwd)
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_choice(name: str, value, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not supported; use one of {allowed}.")
-
-
-def _on_cuda() -> bool:
-    """Whether the default backend is an NVIDIA GPU (where the Triton kernels were measured)."""
+def _cuda_capability() -> tuple[int, int] | None:
+    """The default device's CUDA compute capability, or None off NVIDIA GPUs."""
     if jax.default_backend() != "gpu":
-        return False
+        return None
     try:  # pragma: no cover - GPU only
-        return "cuda" in jax.devices()[0].client.platform_version.lower()
+        dev = jax.devices()[0]
+        if "cuda" not in dev.client.platform_version.lower():
+            return None
+        major, minor = str(dev.compute_capability).split(".")
+        return int(major), int(minor)
     except Exception:  # pragma: no cover - GPU only
-        return False
+        return None
+
+
+def auto_backend(x_ndim: int) -> str:
+    """The backend ``'auto'`` picks for x of rank ``x_ndim`` on the default platform.
+
+    Padded x: 'einsum'. Ragged x: 'mosaic' on Hopper GPUs (compute capability 9.x; measured on
+    H200 at 0.95-1.0 of the dense matmul rate in bf16 and at 1,150-1,280 TFLOP/s in FP8,
+    BENCHMARKS.md), 'pallas' (Triton) on other NVIDIA GPUs, 'ragged_dot' elsewhere (CPU, TPU).
+    """
+    if x_ndim == 3:
+        return "einsum"
+    cc = _cuda_capability()
+    if cc is None:
+        return "ragged_dot"
+    return "mosaic" if cc[0] == 9 else "pallas"
 
 
 def _resolve_backend(backend: str, x_ndim: int) -> str:
-    _check_choice("backend", backend, ("auto", *_BACKENDS))
+    check_choice("backend", backend, ("auto", *_grouped.BACKENDS))
     if x_ndim not in (2, 3):
         raise ValueError(
             f"x has rank {x_ndim}; pass x as [R, d_model] (rows grouped by expert, "
-            "backend='ragged_dot' or 'pallas') or [E, C, d_model] (capacity-padded, "
+            "backend='mosaic', 'pallas' or 'ragged_dot') or [E, C, d_model] (capacity-padded, "
             "backend='einsum')."
         )
     if backend == "auto":
-        # Measured on 2x H200 (BENCHMARKS.md): for the ragged layout the Pallas kernels ran at
-        # 0.74-0.77 of the dense matmul rate against 0.15 for XLA's ragged_dot, and the dropless
-        # expert-parallel layer fwd+bwd took 38 ms with them against 134 ms. Elsewhere (CPU:
-        # interpreted; TPU, ROCm: not measured) ragged_dot.
-        if x_ndim == 2 and _on_cuda():
-            return "pallas"
-        return _AUTO_BACKEND[x_ndim]
-    want = _BACKENDS[backend].x_ndim
+        return auto_backend(x_ndim)
+    want = _grouped.BACKENDS[backend].x_ndim
     if want != x_ndim:
         layout = "[R, d_model]" if want == 2 else "[E, C, d_model]"
         raise ValueError(
             f"backend={backend!r} takes x as {layout} but x has rank {x_ndim}; "
             "use backend='auto' or reshape x."
         )
-    if backend == "pallas":
-        _check_pallas_platform()
+    check_backend_available(backend)
     return backend
 
 
-def _check_pallas_platform() -> None:
-    """backend='pallas' runs compiled on GPUs (Triton) and interpreted (slowly) on CPU only."""
-    try:
-        _gmm_pallas.check_platform()
-    except ValueError as e:
-        raise ValueError(
-            f"backend='pallas' is unavailable: {e} (or 'einsum' with capacity-padded x)."
-        ) from None
+def check_backend_available(backend: Backend) -> None:
+    """ValueError unless ``backend`` can run on the default platform.
+
+    ``'pallas'`` runs compiled on NVIDIA GPUs and interpreted (slowly) on CPU; ``'mosaic'``
+    runs its kernels on Hopper GPUs and their XLA emulation on CPU (for tests); the other
+    backends run everywhere.
+    """
+    if backend == "pallas":
+        try:
+            _gmm_pallas.check_platform()
+        except ValueError as e:
+            raise ValueError(
+                f"backend='pallas' is unavailable: {e} (or 'einsum' with capacity-padded x)."
+            ) from None
+    if backend == "mosaic":
+        cc = _cuda_capability()
+        if jax.default_backend() not in ("cpu", "gpu") or (cc is not None and cc[0] != 9):
+            raise ValueError(
+                "backend='mosaic' needs an NVIDIA Hopper GPU (wgmma; compute capability 9.x) "
+                f"or the CPU (emulated), not {jax.default_backend()!r} / {cc}; use "
+                "backend='auto'."
+            )
 
 
 def _check_shapes(x, group_sizes, w_gate_up, w_down) -> None:
@@ -395,22 +329,18 @@ def _check_shapes(x, group_sizes, w_gate_up, w_down) -> None:
 
 
 def _check_fp8_dims(opts: _Opts, d_model: int, d_ff: int) -> None:
-    if not isinstance(opts.block_size, int) or opts.block_size <= 0:
-        raise ValueError(f"block_size={opts.block_size!r}; pass a positive int such as 128.")
-    quantum = 4 * opts.block_size
-    needs = []
-    if opts.gemm_dtype == "fp8":
-        needs += [("d_model", d_model, "gemm_dtype"), ("d_ff", d_ff, "gemm_dtype")]
     if opts.save_z == "fp8":
-        needs += [("2*d_ff", 2 * d_ff, "save_z")]
-    for name, size, option in needs:
-        if size % quantum:
-            raise ValueError(
-                f"{name}={size} is not a multiple of 4*block_size={quantum} (FP8 blocks of "
-                f"{opts.block_size}, four scales per int32 word) needed by {option}='fp8'; "
-                f"pad {name} to a multiple of {quantum}, pass a smaller block_size, or use "
-                f"{option}='bf16'."
-            )
+        fp8.check_width(2 * d_ff, opts.block_size, what="2*d_ff (for save_z='fp8')")
+
+
+def _aligned_call(opts: _Opts, x, gs, w_gate_up, w_down, alignment: int) -> jax.Array:
+    """Runs a backend that needs tile-aligned groups on plain ragged x: rows are gathered into
+    the aligned layout and the outputs gathered back (both differentiable gathers)."""
+    src, dst, padded = _grouped.align_map(gs, x.shape[0], alignment)
+    x = _mask_rows(opts, x, gs)
+    x_al = jnp.take(x, src, axis=0, mode="fill", fill_value=0)
+    y_al = _experts(opts, x_al, padded, w_gate_up, w_down)
+    return jnp.take(y_al, dst, axis=0, mode="fill", fill_value=0)
 
 
 def gated_experts(
@@ -421,9 +351,11 @@ def gated_experts(
     *,
     backend: Backend = "auto",
     gemm_dtype: GemmDtype = "bf16",
+    dgrad_dtype: GemmDtype = "bf16",
+    wgrad_dtype: GemmDtype = "bf16",
     save_z: SaveZ = "bf16",
-    wgrad_dtype: WgradDtype = "bf16",
     block_size: int = 128,
+    group_alignment: int | None = None,
 ) -> jax.Array:
     """SwiGLU experts over tokens grouped by local expert, with a hand-written backward.
 
@@ -431,10 +363,14 @@ def gated_experts(
     y = h @ W_d[e].  Padding rows (ragged: index >= sum(group_sizes); padded: c >=
     group_sizes[e]) give y = 0 and receive zero gradient. GEMMs accumulate in f32; the compute
     dtype is ``x.dtype`` (weights are cast to it), gradients come back in each input's dtype.
-    The backward is explicit: dgrad ``dz @ W^T`` and wgrad ``x_e^T @ dz_e`` GEMMs per expert
-    (``ragged_dot_general`` with a contracted ragged axis for the ragged layout, einsums for
-    the padded one, `moe._gmm_pallas` ``gmm``/``tgmm`` kernels for 'pallas'); ``group_sizes``
-    gets no gradient.
+    The backward is explicit: dgrad ``dz @ W^T`` and wgrad ``x_e^T @ dz_e`` GEMMs per expert;
+    ``group_sizes`` gets no gradient.
+
+    An FP8 GEMM ``a @ W`` runs on e4m3 payloads: ``a`` with one power-of-two scale per row,
+    ``W`` (from the params passed in, every call: nothing is cached) with one per output
+    channel, both K-major; ``out = (a_q @ W_q) * s_a[row] * s_W[channel]``, exact scaling of
+    the f32-accumulated product. Weight-gradient GEMMs contract the token rows: their
+    operands are K-major copies ``x^T``, ``dz^T`` with one scale per channel.
 
     Args:
       x: expert inputs, ragged ``[R, d_model]`` (rows grouped by expert, as the 'ragged'
@@ -443,28 +379,24 @@ def gated_experts(
         None for padded x (all C rows real).
       w_gate_up: ``[E, d_model, 2*d_ff]``; columns ``[:d_ff]`` gate, ``[d_ff:]`` up.
       w_down: ``[E, d_ff, d_model]``.
-      backend: 'ragged_dot' (2-D x, `jax.lax.ragged_dot_general`), 'einsum' (3-D x, batched
-        einsum), 'pallas' (2-D x, Pallas grouped-GEMM kernels: each expert's rows padded only
-        to the 128-row tile, so skewed routing costs no padding; compiled through Triton on
-        GPU, run in Pallas interpret mode when lowered for CPU, which is slow and meant for
-        tests; ValueError on TPU; works inside ``jax.shard_map``, as in `moe.MoE`), or
-        'auto' (by the rank of x: 'einsum' for 3-D; for 2-D 'pallas' on NVIDIA GPUs,
-        measured at 0.74-0.77 of the dense rate against 0.15 for 'ragged_dot' on H200, and
-        'ragged_dot' elsewhere). FP8 options work with every backend: operands are
-        quantized and dequantized before the GEMM.
-      gemm_dtype: 'fp8' feeds the two forward GEMMs FP8 operands: activations (x and h) per
-        row in 1 x block_size blocks; weights quantized inside every call from the params
-        passed in (nothing is cached), per output column in blocks of block_size along the
-        contraction axis (d_model for W_gu, d_ff for W_d). Scales are E8M0 (`moe.fp8`). The
-        dgrad GEMMs use the unquantized weights in the compute dtype.
+      backend: ragged x: 'mosaic' (Pallas Mosaic GPU wgmma kernels, Hopper; XLA-emulated on
+        CPU), 'pallas' (Pallas Triton kernels, NVIDIA GPUs; interpreted on CPU) or
+        'ragged_dot' (`jax.lax.ragged_dot_general`); padded x: 'einsum'. 'auto' picks by
+        layout and platform (:func:`auto_backend`). All work inside ``jax.shard_map``.
+      gemm_dtype: precision of the two forward GEMMs, 'bf16' or 'fp8'.
+      dgrad_dtype: precision of the two data-gradient GEMMs (``dy @ W_d^T``,
+        ``dz @ W_gu^T``).
+      wgrad_dtype: precision of the two weight-gradient GEMMs.
       save_z: what the backward keeps of z (SonicMoE): 'bf16' keeps z unquantized in the
-        compute dtype (bf16 for bf16 activations); 'fp8' keeps z as `moe.fp8` blocks of
-        block_size per row (about half the bytes); 'recompute' keeps no z and recomputes
-        x @ W_gu (with the forward's precision) in the backward.
-      wgrad_dtype: 'fp8' feeds the two weight-gradient GEMMs FP8 operands, blocks of
-        block_size along the token axis (their contraction axis; zero-padded to whole blocks).
-      block_size: FP8 block length; FP8-quantized feature axes must be multiples of
-        4 * block_size.
+        compute dtype; 'fp8' keeps z as `moe.fp8` blocks of ``block_size`` per row (about
+        half the bytes); 'recompute' keeps no z and recomputes x @ W_gu (with the forward's
+        precision) in the backward.
+      block_size: FP8 block length of ``save_z='fp8'`` (a multiple of it must be 2 * d_ff).
+      group_alignment: None for plain ragged x. An int ``A`` says x is already in the
+        A-aligned layout: group g starts at row ``sum(ceil(gs[:g] / A) * A)`` and the rows
+        between groups are zero (what ``moe.dispatch`` gives with ``group_alignment``).
+        'mosaic' needs 128-aligned groups and aligns plain ragged x itself (two extra row
+        gathers each way).
 
     Returns:
       y with the shape and dtype of x.
@@ -481,19 +413,32 @@ def gated_experts(
     References:
       SonicMoE (Guo et al., 2025), "SonicMoE: Accelerating MoE with IO and Tile-aware
       Optimizations": saving z instead of h, FP8 z, recomputation in the backward.
-      DeepSeek-AI (2024), "DeepSeek-V3 Technical Report", Sec. 3.3 (FP8 training): 1 x 128
-      activation blocks, per-block weight scales, f32 accumulation.
+      DeepSeek-AI (2024), "DeepSeek-V3 Technical Report", Sec. 3.3 (FP8 training).
+      torchao float8 training, "rowwise" scaling recipe (per-row / per-channel scales).
     """
     for name, value, allowed in (
         ("gemm_dtype", gemm_dtype, _GEMM_DTYPES),
-        ("save_z", save_z, _SAVE_Z),
+        ("dgrad_dtype", dgrad_dtype, _GEMM_DTYPES),
         ("wgrad_dtype", wgrad_dtype, _GEMM_DTYPES),
+        ("save_z", save_z, _SAVE_Z),
     ):
-        _check_choice(name, value, allowed)
+        check_choice(name, value, allowed)
+    if group_alignment is not None and (isinstance(group_alignment, bool)
+                                        or not isinstance(group_alignment, int)
+                                        or group_alignment < 1):
+        raise ValueError(f"group_alignment must be None or a positive int, got "
+                         f"{group_alignment!r}.")
     resolved = _resolve_backend(backend, x.ndim)
     _check_shapes(x, group_sizes, w_gate_up, w_down)
-    opts = _Opts(resolved, gemm_dtype, save_z, wgrad_dtype, block_size, group_sizes is not None)
+    opts = _Opts(resolved, gemm_dtype, dgrad_dtype, save_z, wgrad_dtype, block_size,
+                 group_sizes is not None)
     _check_fp8_dims(opts, w_gate_up.shape[1], w_down.shape[1])
     if group_sizes is None:
         group_sizes = jnp.full((x.shape[0],), x.shape[1], jnp.int32)
-    return _experts(opts, x, group_sizes.astype(jnp.int32), w_gate_up, w_down)
+    group_sizes = group_sizes.astype(jnp.int32)
+    if x.ndim == 2 and group_alignment is not None:
+        group_sizes = -(-jnp.maximum(group_sizes, 0) // group_alignment) * group_alignment
+    need = _grouped.GROUP_ALIGNMENT
+    if _grouped.BACKENDS[resolved].aligned and (group_alignment or 1) % need:
+        return _aligned_call(opts, x, group_sizes, w_gate_up, w_down, need)
+    return _experts(opts, x, group_sizes, w_gate_up, w_down)

@@ -29,11 +29,13 @@ from jax.typing import ArrayLike
 __all__ = [
     "E4M3_MAX",
     "E8M0_BIAS",
+    "E8M0_PAD",
     "E8M0_NAN",
     "Fp8Array",
     "quantize",
     "quantize_with_amax",
     "block_amax",
+    "block_scales",
     "dequantize",
     "pack_e8m0",
     "unpack_e8m0",
@@ -47,6 +49,9 @@ E8M0_BIAS = 127
 """E8M0 byte ``b`` encodes the scale ``2^(b - 127)``."""
 E8M0_NAN = 0xFF
 """E8M0 NaN byte; produced only for blocks that contain a NaN or an infinity."""
+E8M0_PAD = 0
+"""E8M0 byte in the unused slots of the last scale word (when the blocks per row are not a
+multiple of four); ignored when dequantizing."""
 
 _F32_EXP_MASK = 0x7F800000
 _F32_ABS_MASK = 0x7FFFFFFF
@@ -73,22 +78,27 @@ class Fp8Array:
 
     Attributes:
       data: float8_e4m3fn ``[..., H]``, ``x / scale`` saturated to +-448.
-      scales: int32 ``[..., H // (4 * block_size)]``; word ``w`` holds the E8M0 bytes of blocks
-        ``4w .. 4w+3`` (block ``4w+j`` in byte ``j``, little-endian).
+      scales: int32 ``[..., ceil(H / (4 * block_size))]``; word ``w`` holds the E8M0 bytes of
+        blocks ``4w .. 4w+3`` (block ``4w+j`` in byte ``j``, little-endian); slots past the
+        last block hold :data:`E8M0_PAD`.
+      block_size: channels per scale (static). ``None`` (an array built from leaves alone):
+        ``H // (4 * scales.shape[-1])``, exact when the blocks fill every word.
     """
 
     data: jax.Array
     scales: jax.Array
+    block_size: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    def __post_init__(self):
+        if self.block_size is None and hasattr(self.data, "shape") \
+                and hasattr(self.scales, "shape") and self.scales.shape[-1]:
+            object.__setattr__(
+                self, "block_size", self.data.shape[-1] // (4 * self.scales.shape[-1]))
 
     @property
     def shape(self) -> tuple[int, ...]:
         """Shape of the logical (dequantized) tensor."""
         return tuple(self.data.shape)
-
-    @property
-    def block_size(self) -> int:
-        """Channels per scale block, ``H // (4 * scales.shape[-1])``."""
-        return self.data.shape[-1] // (4 * self.scales.shape[-1])
 
 
 def _check_quantize_args(x: jax.Array, block_size: int) -> None:
@@ -106,12 +116,28 @@ def _check_quantize_args(x: jax.Array, block_size: int) -> None:
         )
     if x.ndim < 1:
         raise ValueError("x must have at least one axis (the channel axis H), got a scalar.")
-    h = x.shape[-1]
-    if h == 0 or h % (4 * block_size) != 0:
+    check_width(x.shape[-1], block_size, what="x.shape[-1]")
+
+
+def num_scale_words(width: int, block_size: int) -> int:
+    """int32 scale words per row of ``width`` channels: ``ceil(width / block_size / 4)``."""
+    return -(-(width // block_size) // 4)
+
+
+def check_width(width: int, block_size: int, *, what: str) -> None:
+    """ValueError naming ``what`` unless ``width`` is a positive multiple of ``block_size``.
+
+    Every FP8 feature axis of the library (wire rows, GEMM operands, saved ``z``) obeys this
+    one rule; the last int32 scale word is padded when the blocks do not fill it.
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) \
+            or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}; use 128.")
+    if width <= 0 or width % block_size:
         raise ValueError(
-            f"x.shape[-1] = {h} must be a positive multiple of 4 * block_size = "
-            f"{4 * block_size} (four E8M0 scales per int32 word); pad d_model to a multiple "
-            f"of {4 * block_size}, or choose a block_size with 4 * block_size dividing {h}."
+            f"{what} = {width} must be a positive multiple of the FP8 block size "
+            f"{block_size}; pad it to a multiple of {block_size}, or choose a block size "
+            f"dividing {width}."
         )
 
 
@@ -146,7 +172,12 @@ def _quantize_from_amax_bits(x: jax.Array, amax_bits: jax.Array, block_size: int
     byte, inv_scale = scales_from_amax_bits(amax_bits)
     y = jnp.clip(xb * inv_scale[..., None], -E4M3_MAX, E4M3_MAX)  # exact power-of-2 multiply
     data = y.astype(jnp.float8_e4m3fn).reshape(x.shape)
-    return Fp8Array(data=data, scales=pack_e8m0(byte.astype(jnp.uint8)))
+    pad = (-byte.shape[-1]) % 4
+    if pad:
+        byte = jnp.pad(byte, [(0, 0)] * (byte.ndim - 1) + [(0, pad)],
+                       constant_values=E8M0_PAD)
+    return Fp8Array(data=data, scales=pack_e8m0(byte.astype(jnp.uint8)),
+                    block_size=block_size)
 
 
 def _quantize_impl(x: jax.Array, block_size: int) -> Fp8Array:
@@ -186,16 +217,16 @@ def quantize(x: ArrayLike, block_size: int = 128) -> Fp8Array:
     ``TypeError``; define the backward pass with ``jax.custom_vjp``.
 
     Args:
-      x: float32/bfloat16/float16 array ``[..., H]`` with ``H`` a multiple of
-        ``4 * block_size``.
+      x: float32/bfloat16/float16 array ``[..., H]`` with ``H`` a multiple of ``block_size``.
       block_size: channels per scale (static Python int).
 
     Returns:
       An :class:`Fp8Array` with ``data`` float8_e4m3fn ``[..., H]`` and ``scales`` int32
-      ``[..., H // (4 * block_size)]``.
+      ``[..., ceil(H / (4 * block_size))]`` (unused byte slots of the last word:
+      :data:`E8M0_PAD`).
 
     Raises:
-      ValueError: ``H`` is not a positive multiple of ``4 * block_size``, or ``block_size`` is
+      ValueError: ``H`` is not a positive multiple of ``block_size``, or ``block_size`` is
         not positive.
       TypeError: ``x`` is not a float array of at most 32 bits, or ``block_size`` not an int.
 
@@ -226,8 +257,7 @@ def block_amax(x: ArrayLike, block_size: int = 128) -> jax.Array:
     :func:`quantize_with_amax`.
 
     Args:
-      x: float32/bfloat16/float16 array ``[..., H]`` with ``H`` a multiple of
-        ``4 * block_size``.
+      x: float32/bfloat16/float16 array ``[..., H]`` with ``H`` a multiple of ``block_size``.
       block_size: channels per block (static Python int).
 
     Returns:
@@ -274,8 +304,7 @@ def quantize_with_amax(x: ArrayLike, amax: ArrayLike, block_size: int = 128) -> 
     ignored); only its value per block matters, not how it was computed.
 
     Args:
-      x: float32/bfloat16/float16 array ``[..., H]`` with ``H`` a multiple of
-        ``4 * block_size``.
+      x: float32/bfloat16/float16 array ``[..., H]`` with ``H`` a multiple of ``block_size``.
       amax: float array ``[..., H // block_size]`` (``x``'s leading shape), the block maxima
         of ``|x|``.
       block_size: channels per scale (static Python int).
@@ -336,22 +365,48 @@ def dequantize(q: Fp8Array, dtype: jnp.dtype = jnp.bfloat16) -> jax.Array:
         raise TypeError(f"q must be an Fp8Array from moe.fp8.quantize, got {type(q).__name__}.")
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"dtype must be a floating dtype, got {dtype}; use e.g. jnp.bfloat16.")
-    data, h = q.data, q.data.shape[-1]
+    data, h, bs = q.data, q.data.shape[-1], q.block_size
     nwords = q.scales.shape[-1]
-    if nwords == 0 or h % (4 * nwords) != 0 or q.scales.shape[:-1] != data.shape[:-1]:
+    if not bs or h % bs or nwords != num_scale_words(h, bs) \
+            or q.scales.shape[:-1] != data.shape[:-1]:
         raise ValueError(
-            f"q.scales shape {q.scales.shape} does not match q.data shape {data.shape}: expected "
-            f"[..., H // (4 * block_size)] with the same leading axes; build q with quantize."
+            f"q.scales shape {q.scales.shape} does not match q.data shape {data.shape} with "
+            f"block_size {bs}: expected [..., ceil(H / (4 * block_size))] with the same leading "
+            "axes; build q with quantize."
         )
-    nblocks = 4 * nwords
-    byte = unpack_e8m0(q.scales).astype(jnp.int32)
-    scale = jax.lax.bitcast_convert_type(byte << 23, jnp.float32)  # byte >= 1 in practice
-    scale = jnp.where(byte == E8M0_NAN, jnp.float32(jnp.nan), scale)
+    nblocks = h // bs
+    scale = block_scales(q)
     y = data.astype(jnp.float32).reshape(*data.shape[:-1], nblocks, h // nblocks)
     y = y * scale[..., None]
     fmax = float(jnp.finfo(dtype).max)
     y = jnp.clip(y, -fmax, fmax)  # keeps NaN; stops 2^128 rounding to inf
     return y.reshape(data.shape).astype(dtype)
+
+
+def block_scales(q: Fp8Array) -> jax.Array:
+    """The scale of every block as float32: ``2^(byte - 127)`` (NaN for byte 0xFF).
+
+    ``x ~= data * scale`` per block; scales are exact powers of two, so multiplying a product
+    of FP8 payloads by them is exact (barring overflow).
+
+    Args:
+      q: an :class:`Fp8Array`.
+
+    Returns:
+      float32 ``[..., H // block_size]``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> block_scales(quantize(jnp.full((1, 512), 3.0))).tolist()
+      [[0.0078125, 0.0078125, 0.0078125, 0.0078125]]
+
+    References:
+      OCP Microscaling Formats (MX) v1.0 specification (E8M0 scales).
+    """
+    nblocks = q.data.shape[-1] // q.block_size
+    byte = unpack_e8m0(q.scales).astype(jnp.int32)[..., :nblocks]
+    scale = jax.lax.bitcast_convert_type(byte << 23, jnp.float32)
+    return jnp.where(byte == E8M0_NAN, jnp.float32(jnp.nan), scale)
 
 
 def pack_e8m0(scale_bytes: ArrayLike) -> jax.Array:

@@ -37,8 +37,8 @@ class Block(nnx.Module):
     def __init__(self, mesh, dispatch_dtype, *, rngs):
         self.norm = nnx.RMSNorm(D, rngs=rngs)
         self.proj = nnx.Linear(D, D, use_bias=False, rngs=rngs)
-        self.moe = moe.MoE(D, D_FF, E, K, mesh=mesh, dispatch_dtype=dispatch_dtype,
-                           fp8_block_size=16, rngs=rngs)
+        self.moe = moe.MoE(D, D_FF, options=moe.MoEOptions.create(
+            E, K, dispatch_dtype=dispatch_dtype, fp8_block_size=16), mesh=mesh, rngs=rngs)
 
     def __call__(self, x):
         h = self.proj(self.norm(x))

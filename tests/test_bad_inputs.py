@@ -51,9 +51,10 @@ def _reduced_view_of_sharded():
 
 
 def _moe(**kw):
-    kw = {"mesh": _mesh(), **kw}
-    return moe.MoE(kw.pop("d_model", 64), kw.pop("d_ff", 32), kw.pop("num_experts", 8),
-                   kw.pop("top_k", 2), rngs=nnx.Rngs(0), **kw)
+    mesh = kw.pop("mesh", _mesh())
+    d_model, d_ff = kw.pop("d_model", 64), kw.pop("d_ff", 32)
+    opts = moe.MoEOptions.create(kw.pop("num_experts", 8), kw.pop("top_k", 2), **kw)
+    return moe.MoE(d_model, d_ff, options=opts, mesh=mesh, rngs=nnx.Rngs(0))
 
 
 def _call(x_shape=(2, 8, 64), **kw):
@@ -63,7 +64,7 @@ def _call(x_shape=(2, 8, 64), **kw):
 
 
 def _moe_apply(w_down_shape=(8, 32, 64), bias_shape=(8,)):
-    opts = moe.MoEOptions(moe.RouterConfig(8, 2))
+    opts = moe.MoEOptions.create(8, 2)
     return jax.eval_shape(
         lambda *a: moe.moe_apply(*a, opts=opts, mesh=_mesh()),
         jnp.ones((2, 8, 64)), jnp.ones((64, 8)), jnp.ones((8, 64, 64)), jnp.ones(w_down_shape),
@@ -145,11 +146,13 @@ CASES = {
     "expert_axis missing": (ValueError, "expert_axis='ep' is not an axis of the mesh",
                             lambda: _moe(expert_axis="ep")),
     "batch_axes missing": (ValueError, "batch_axes names 'dp'", lambda: _moe(batch_axes=("dp",))),
-    "fp8 d_model": (ValueError, "d_model=96 must be a multiple of 4 \\* fp8_block_size",
+    "fp8 d_model": (ValueError, r"d_model \(for dispatch_dtype=.fp8.\) = 96 must be a positive "
+                    "multiple of the FP8 "
+                    "block size 128",
                     lambda: _moe(d_model=96, dispatch_dtype="fp8", mesh=None)),
     "fp8_block_size=0": (ValueError, "fp8_block_size must be a positive int",
                          lambda: _moe(dispatch_dtype="fp8", fp8_block_size=0, mesh=None)),
-    "shared experts < 0": (ValueError, "num_shared_experts must be >= 0",
+    "shared experts < 0": (ValueError, "num_shared_experts must be an int >= 0",
                            lambda: _moe(num_shared_experts=-1)),
     "score_fn": (ValueError, "score_fn must be 'softmax' or 'sigmoid'",
                  lambda: _moe(score_fn="relu")),
@@ -157,9 +160,9 @@ CASES = {
                            lambda: _moe(routed_scaling=float("nan"))),
     "num_groups": (ValueError, "num_groups must be a positive int dividing num_experts=8",
                    lambda: _moe(num_groups=3)),
-    "dispatch_dtype": (ValueError, "dispatch_dtype must be None, 'bf16' or 'fp8'",
+    "dispatch_dtype": (ValueError, "dispatch_dtype='fp16' is not supported",
                        lambda: _call(dispatch_dtype="fp16")),
-    "transport": (ValueError, "transport must be 'dense', 'ragged' or 'auto'",
+    "transport": (ValueError, "transport='bogus' is not supported",
                   lambda: _call(transport="bogus")),
     "capacity_factor=0": (ValueError, "capacity_factor must be > 0", lambda: _call(
         capacity_factor=0.0)),

@@ -1,8 +1,9 @@
 """moe.experts.gated_experts against a per-expert loop of plain einsums (autodiff'd).
 
-Both layouts (ragged [R, d] with ragged_dot, padded [E, C, d] with einsum) carry uneven
-groups, an empty group and padding rows filled with garbage, which must give y = 0 and no
-gradient. Compiled functions are cached per option set so each compiles once.
+Both layouts (ragged [R, d] with ragged_dot and with 'mosaic', whose Hopper kernels run as
+their XLA emulation on CPU behind the same aligned-layout plumbing; padded [E, C, d] with
+einsum) carry uneven groups, an empty group and padding rows filled with garbage, which must
+give y = 0 and no gradient. Compiled functions are cached per option set so each compiles once.
 """
 
 import functools
@@ -14,14 +15,15 @@ import numpy as np
 import optax
 import pytest
 
-from moe import fp8
+from moe import _grouped, fp8
 from moe.experts import gated_experts
 
-E, D, F = 4, 512, 512  # d_model, d_ff: multiples of 4 * 128 so every FP8 option applies
+E, D, F = 4, 512, 512  # d_model, d_ff: multiples of 128 (save_z='fp8' blocks)
 GROUPS = (50, 0, 97, 60)  # uneven, one empty expert
 R = 256  # ragged rows; rows past sum(GROUPS) = 207 are padding
 C = 112  # padded capacity >= max(GROUPS)
-BACKENDS = ("ragged_dot", "einsum")
+BACKENDS = ("ragged_dot", "mosaic", "einsum")
+RAGGED = ("ragged_dot", "mosaic")
 HI = jax.lax.Precision.HIGHEST
 
 
@@ -49,7 +51,7 @@ GS = np.asarray(GROUPS, np.int32)
 
 
 def _inputs(backend, dtype):
-    x, ct = DATA[backend]
+    x, ct = DATA["ragged_dot" if backend in RAGGED else backend]
     w_gu, w_d = DATA["w"]
     return tuple(jnp.asarray(a, dtype) for a in (x, w_gu, w_d, ct))
 
@@ -58,7 +60,7 @@ def _rows(backend):
     """(expert, index expression) of the real rows of each group in the given layout."""
     out, start = [], 0
     for e, n in enumerate(GROUPS):
-        out.append((e, np.s_[start : start + n] if backend == "ragged_dot" else np.s_[e, :n]))
+        out.append((e, np.s_[start : start + n] if backend in RAGGED else np.s_[e, :n]))
         start += n
     return out
 
@@ -66,8 +68,9 @@ def _rows(backend):
 def _reference(backend, x, w_gu, w_d, *, quant=None):
     """Per-expert dense einsums in f32 on the real rows; zeros on padding rows.
 
-    quant(a, axis) optionally rounds a GEMM operand (FP8 blocks along axis) as the FP8
-    forward does: x and h per row, weights per output column along the contraction axis.
+    quant(a, axis) optionally rounds a GEMM operand to FP8 as the FP8 forward does: one
+    power-of-two scale per row of x and h, per output column (along the contraction axis) of
+    the weights.
     """
     q = quant or (lambda a, axis: a)
     x, w_gu, w_d = (a.astype(jnp.float32) for a in (x, w_gu, w_d))
@@ -149,9 +152,10 @@ def test_bf16_matches_reference(backend):
 
 FP8_OPTIONS = {
     "gemm": {"gemm_dtype": "fp8"},
+    "dgrad": {"dgrad_dtype": "fp8"},
     "save_z": {"save_z": "fp8"},
     "wgrad": {"wgrad_dtype": "fp8"},
-    "all": {"gemm_dtype": "fp8", "save_z": "fp8", "wgrad_dtype": "fp8"},
+    "all": {"gemm_dtype": "fp8", "dgrad_dtype": "fp8", "save_z": "fp8", "wgrad_dtype": "fp8"},
 }
 
 
@@ -166,8 +170,8 @@ def test_fp8_options_close_to_reference(backend, option):
     for name, g, w in zip(names, *map(jax.tree.leaves, (got, want)), strict=True):
         cos, rel = _cos_and_rel_rms(g, w)
         print(f"{backend} fp8 {option:7s} {name:11s} cos={cos:.5f} rel_rms={rel:.4f}")
-        assert cos >= 0.99, (name, cos)
-        assert rel < 0.1, (name, rel)
+        assert cos >= 0.996, (name, cos)
+        assert rel <= 0.09, (name, rel)
     _padding_is_zero(backend, got[0], got[1][0])
 
 
@@ -199,7 +203,8 @@ def _residual_bytes(backend, save_z):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_saved_residual_bytes(backend):
     total = {s: _residual_bytes(backend, s) for s in ("bf16", "fp8", "recompute")}
-    rows = R if backend == "ragged_dot" else E * C
+    rows = {"ragged_dot": R, "einsum": E * C,
+            "mosaic": _grouped.aligned_rows(R, E, _grouped.GROUP_ALIGNMENT)}[backend]
     z_bf16 = rows * 2 * F * 2
     z_fp8 = {s: total[s][0] - total["recompute"][0] for s in ("bf16", "fp8")}
     for s, (nbytes, leaves) in total.items():
@@ -216,8 +221,10 @@ def test_saved_residual_bytes(backend):
 
 
 def _quant_round(a, axis):
+    """FP8 rounding with one power-of-two scale per 1-D slice along ``axis``."""
     moved = jnp.moveaxis(a, axis, -1)
-    return jnp.moveaxis(fp8.dequantize(fp8.quantize(moved), jnp.float32), -1, axis)
+    q = fp8.quantize(moved, block_size=moved.shape[-1])
+    return jnp.moveaxis(fp8.dequantize(q, jnp.float32), -1, axis)
 
 
 def test_fp8_weights_come_from_current_params():
@@ -258,8 +265,6 @@ def _small(d=D, f=F, e=E, rows=8):
 @pytest.mark.parametrize(
     "case, kwargs, match",
     [
-        ("d_model", {"gemm_dtype": "fp8"}, "d_model"),
-        ("d_ff", {"gemm_dtype": "fp8"}, "d_ff"),
         ("d_ff_z", {"save_z": "fp8"}, r"2\*d_ff"),
         ("gs_len", {}, "group_sizes"),
         ("gs_none", {}, "group_sizes"),
@@ -275,15 +280,15 @@ def _small(d=D, f=F, e=E, rows=8):
         ("gemm_dtype", {"gemm_dtype": "fp16"}, "gemm_dtype"),
         ("save_z", {"save_z": "f32"}, "save_z"),
         ("wgrad_dtype", {"wgrad_dtype": "int8"}, "wgrad_dtype"),
-        ("block_size", {"gemm_dtype": "fp8", "block_size": 0}, "block_size"),
+        ("dgrad_dtype", {"dgrad_dtype": "e5m2"}, "dgrad_dtype"),
+        ("block_size", {"save_z": "fp8", "block_size": 0}, "block_size"),
+        ("alignment", {"group_alignment": 0}, "group_alignment"),
     ],
 )
 def test_bad_inputs_raise_value_error(case, kwargs, match):
     x, gs, w_gu, w_d = _small()
-    if case == "d_model":
-        x, gs, w_gu, w_d = _small(d=384)
-    elif case in ("d_ff", "d_ff_z"):
-        x, gs, w_gu, w_d = _small(f=128)
+    if case == "d_ff_z":
+        x, gs, w_gu, w_d = _small(f=96)
     elif case == "gs_len":
         gs = jnp.zeros((E + 1,), jnp.int32)
     elif case == "gs_none":

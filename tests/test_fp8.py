@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from moe.fp8 import (
+    E8M0_PAD,
     Fp8Array,
     dequantize,
     pack_e8m0,
@@ -165,8 +166,8 @@ def test_not_differentiable_but_custom_vjp_works():
 @pytest.mark.parametrize(
     "shape,block_size,err,match",
     [
-        ((4, 100), 128, ValueError, "pad d_model"),
-        ((4, 256), 128, ValueError, "block_size"),
+        ((4, 100), 128, ValueError, "multiple of the FP8 block size 128"),
+        ((4, 200), 64, ValueError, "pad it to a multiple of 64"),
         ((4, 0), 128, ValueError, "x.shape"),
         ((), 128, ValueError, "at least one axis"),
         ((4, 512), 0, ValueError, "block_size must be positive"),
@@ -187,3 +188,21 @@ def test_bad_dtypes_raise():
         pack_e8m0(jnp.zeros((6,), jnp.uint8))
     with pytest.raises(TypeError, match="Fp8Array"):
         dequantize(jnp.zeros((2, 512)))
+
+
+@pytest.mark.parametrize("width", [128, 256, 384, 768, 896, 1280])
+def test_any_block_aligned_width(width):
+    """Widths that leave the last int32 scale word partly empty: the unused byte slots hold
+    E8M0_PAD, the data and used scales equal those of the same rows padded to whole words."""
+    x = jax.random.normal(jax.random.key(width), (5, width)) * 3.0
+    q = quantize(x, block_size=128)
+    nblocks = width // 128
+    assert q.scales.shape == (5, -(-nblocks // 4)) and q.block_size == 128
+    padded = quantize(jnp.pad(x, ((0, 0), (0, (-width) % 512))), block_size=128)
+    assert bool(jnp.all(q.data.view(jnp.uint8) == padded.data[:, :width].view(jnp.uint8)))
+    got = unpack_e8m0(q.scales)
+    assert bool(jnp.all(got[:, :nblocks] == unpack_e8m0(padded.scales)[:, :nblocks]))
+    assert bool(jnp.all(got[:, nblocks:] == E8M0_PAD))
+    y = dequantize(q, jnp.float32)
+    rel = jnp.sqrt(jnp.mean((y - x) ** 2) / jnp.mean(x**2))
+    assert float(rel) < 0.04

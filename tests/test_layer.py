@@ -48,9 +48,10 @@ def make_mesh(shape, kind="explicit"):
     return mesh
 
 
-def layer(d=D, f=F, mesh_spec=((2, 4), "explicit"), seed=0, **kw):
+def layer(d=D, f=F, mesh_spec=((2, 4), "explicit"), seed=0, dtype=jnp.float32, **kw):
     mesh = make_mesh(*mesh_spec) if mesh_spec is not None else None
-    return moe.MoE(d, f, E, K, mesh=mesh, rngs=nnx.Rngs(seed), **kw)
+    return moe.MoE(d, f, options=moe.MoEOptions.create(E, K, **kw), mesh=mesh, dtype=dtype,
+                   rngs=nnx.Rngs(seed))
 
 
 def inputs(d=D, b=B, s=S, seed=1):
@@ -414,7 +415,8 @@ def test_ambient_mesh_and_sharded_input():
     mesh = make_mesh((2, 4))
     x, ct = inputs()
     with jax.set_mesh(mesh):
-        model = moe.MoE(D, F, E, K, transport="ragged", rngs=nnx.Rngs(0))
+        model = moe.MoE(D, F, options=moe.MoEOptions.create(E, K, transport="ragged"),
+                        rngs=nnx.Rngs(0))
         assert model.w_gate_up[...].sharding.spec == P("expert", None, None)
         xs = jax.device_put(x, P("data"))
         got, want, aux, raux = run_both(model, xs, ct)
@@ -430,15 +432,16 @@ def test_ambient_mesh_and_sharded_input():
 @pytest.mark.parametrize(
     "make,match",
     [
-        (lambda: layer(96, F, mesh_spec=None, dispatch_dtype="fp8", fp8_block_size=BLOCK),
-         r"d_model=96 must be a multiple of 4 \* fp8_block_size = 128 for dispatch_dtype="
-         r"'fp8'; choose .* a smaller fp8_block_size"),
+        (lambda: layer(48, F, mesh_spec=None, dispatch_dtype="fp8", fp8_block_size=BLOCK),
+         r"d_model \(for dispatch_dtype='fp8'\) = 48 must be a positive multiple of the FP8 "
+         r"block size 32; pad it to a multiple of 32"),
         (lambda: layer(DQ, 48, mesh_spec=None, gemm_dtype="fp8", fp8_block_size=BLOCK),
-         r"d_ff=48 must be .* for gemm_dtype='fp8'; .*or gemm_dtype='bf16'"),
-        (lambda: layer(D, 48, mesh_spec=None, save_z="fp8", fp8_block_size=BLOCK),
-         r"2 \* d_ff=96 must be .* for save_z='fp8'"),
+         r"d_ff \(for gemm_dtype='fp8'\) = 48 must be .* block size 32"),
+        (lambda: layer(D, 40, mesh_spec=None, save_z="fp8", fp8_block_size=BLOCK),
+         r"2 \* d_ff \(for save_z='fp8'\) = 80 must be"),
         (lambda: layer(mesh_spec=None, fp8_block_size=0), r"fp8_block_size must be a positive"),
-        (lambda: moe.MoE(D, F, 6, K, mesh=make_mesh((2, 4)), rngs=nnx.Rngs(0)),
+        (lambda: moe.MoE(D, F, options=moe.MoEOptions.create(6, K), mesh=make_mesh((2, 4)),
+                         rngs=nnx.Rngs(0)),
          r"num_experts=6 .*expert_axis.*choose num_experts a multiple of 4"),
         (lambda: layer(mesh_spec=MESHES[2], expert_axis="model"),
          r"expert_axis='model' is not an axis of the mesh.*pass expert_axis="),
@@ -511,12 +514,13 @@ def test_trains_with_muon_under_nnx_jit_and_optimizer():
 def test_linen_wrapper_matches_nnx():
     mesh = make_mesh((4, 2))  # Explicit: a jitted init that creates sharded values
     x, ct = inputs()  # needs the mesh as context
-    lin = moe.moe_linen(D, F, E, K, mesh=mesh, transport="ragged")
+    lin = moe.moe_linen(D, F, options=moe.MoEOptions.create(E, K, transport="ragged"), mesh=mesh)
     with jax.set_mesh(mesh):
         variables = nn.unbox(jax.jit(lin.init)(jax.random.key(3), x))
     assert variables["params"]["w_gate_up"].sharding.spec == P("expert", None, None)
     assert set(variables) == {"params", "balancing_bias"}
-    model = moe.MoE(D, F, E, K, mesh=mesh, transport="ragged", rngs=nnx.Rngs(0))
+    model = moe.MoE(D, F, options=moe.MoEOptions.create(E, K, transport="ragged"), mesh=mesh,
+                    rngs=nnx.Rngs(0))
     for name, value in variables["params"].items():  # copy the Linen params over
         getattr(model, name)[...] = value
     y_nnx, aux_nnx, gm, _ = layer_step(model, x, ct)
@@ -567,4 +571,4 @@ def test_pallas_backend_matches_other_backends_inside_the_layer(mesh_spec, trans
 def test_pallas_backend_refused_on_tpu(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     with pytest.raises(ValueError, match="backend='pallas' is unavailable"):
-        moe.MoE(64, 32, 8, 2, backend="pallas", rngs=nnx.Rngs(0))
+        moe.MoE(64, 32, options=moe.MoEOptions.create(8, 2, backend="pallas"), rngs=nnx.Rngs(0))

@@ -164,8 +164,9 @@ def test_moe_layer_with_fp8_dispatch_inf_token():
     batch, and the auxiliary router losses turn NaN, so a loss built on them is non-finite
     and apply_if_finite / loss scaling skip the step instead of training on a wrong value."""
     mesh = tm.make_mesh(MESH)
-    layer = moe.MoE(D, F, E, K, mesh=mesh, dispatch_dtype="fp8", fp8_block_size=BLOCK,
-                    rngs=nnx.Rngs(0))
+    layer = moe.MoE(D, F, options=moe.MoEOptions.create(E, K, dispatch_dtype="fp8",
+                                                      fp8_block_size=BLOCK),
+                    mesh=mesh, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (4, 16, D))
     f = nnx.jit(lambda m, x: m(x))
     with jax.set_mesh(mesh):

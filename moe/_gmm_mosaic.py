@@ -1,0 +1,430 @@
+"""Grouped GEMMs in Pallas Mosaic GPU (Hopper wgmma): ``gmm`` (forward, dgrad), ``tgmm`` (wgrad).
+
+Both take rows grouped by expert in the *tile-aligned* ragged layout: every group's size is a
+multiple of the row tile (``group_alignment``, 128 by default), so a row tile (``gmm``) or a
+contraction tile (``tgmm``) never straddles two groups. :func:`align_groups` gives that layout
+for any ragged input; the layer's dispatch produces it directly. Rows past ``sum(group_sizes)``
+are padding.
+
+* ``gmm(lhs [M, K], rhs, group_sizes) -> [M, N]``: ``out[rows of g] = lhs[rows of g] @ W_g``
+  with ``rhs`` either ``[G, K, N]`` (``W_g = rhs[g]``) or ``[G, N, K]`` (``rhs_k_major=True``,
+  ``W_g = rhs[g]^T``). FP8 operands need ``rhs_k_major=True`` (FP8 wgmma reads both operands
+  K-major).
+* ``tgmm(a, b, group_sizes) -> [G, N1, N2]``: ``out[g] = a_g^T @ b_g`` over the rows of group
+  ``g``, with ``a [M, N1]``, ``b [M, N2]``, or K-major copies ``a [N1, M]``, ``b [N2, M]``
+  (``k_major=True``; required for FP8).
+
+Each kernel is persistent (one CTA per SM walks a list of output tiles) and warp-specialized:
+a memory warpgroup streams ``[tile_m, tile_k]`` / ``[tile_k, 2 tile_n]`` blocks into shared
+memory with TMA, two compute warpgroups each own ``tile_n`` columns of the CTA tile and
+accumulate in registers with ``wgmma`` (f32), and the epilogue stores through shared memory
+with TMA. A padding tile (``gmm``) or an empty group (``tgmm``) stores zeros without loading
+anything. Operands must be multiples of the tiles (the callers pad).
+
+These kernels lower only for NVIDIA Hopper GPUs (``sm_90a``). Off GPU, :mod:`moe.experts`
+uses the same arithmetic through XLA (``reference`` functions here), which is how the tests
+check it on CPU; CI lowers the kernels for CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from moe import _vma
+
+try:  # Mosaic GPU ships with jax; keep CPU-only imports safe.
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    MOSAIC_IMPORT_ERROR: str | None = None
+except Exception as e:  # pragma: no cover - depends on the installed jax
+    pl = plgpu = None
+    MOSAIC_IMPORT_ERROR = f"{type(e).__name__}: {e}"
+
+GROUP_ALIGNMENT = 128
+"""Row alignment of every group in the layout these kernels take (the row/contraction tile)."""
+
+H100_SMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicTiling:
+    """Tile sizes of one grouped GEMM kernel.
+
+    Each compute warpgroup owns a ``[tile_m, tile_n]`` accumulator; the CTA tile is
+    ``[tile_m, 2 * tile_n]``. ``tile_k``: contraction step (64 bf16 / 128 FP8 elements are
+    128-byte rows). ``stages``: shared-memory pipeline depth. ``epi_m``/``epi_n``: epilogue
+    store tile. ``snake_width``: output tiles per band of the space-filling tile order.
+    """
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64
+    stages: int = 4
+    epi_m: int = 64
+    epi_n: int = 64
+    snake_width: int = 8
+
+    def __post_init__(self):
+        for name in ("tile_m", "tile_n", "tile_k", "epi_m", "epi_n"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 8 or v & (v - 1):
+                raise ValueError(f"MosaicTiling.{name}={v!r}; use a power of two >= 8.")
+        if self.tile_m % self.epi_m or self.tile_n % self.epi_n:
+            raise ValueError("MosaicTiling: epi_m / epi_n must divide tile_m / tile_n.")
+        if not isinstance(self.stages, int) or self.stages < 2:
+            raise ValueError(f"MosaicTiling.stages={self.stages!r}; use an int >= 2.")
+
+
+def default_tiling(dtype, out_dtype=jnp.bfloat16) -> MosaicTiling:
+    """The default tiling for operands of ``dtype``: 128-byte contraction rows, and one
+    pipeline stage fewer when the epilogue stores f32 (shared memory is 227 KiB)."""
+    stages = 4 if jnp.dtype(out_dtype).itemsize <= 2 else 3
+    return MosaicTiling(tile_k=128 // jnp.dtype(dtype).itemsize, stages=stages)
+
+
+def _num_sms() -> int:
+    try:  # pragma: no cover - GPU only
+        dev = jax.devices()[0]
+        if dev.platform == "gpu":
+            return int(dev.core_count)
+    except Exception:  # pragma: no cover
+        pass
+    return H100_SMS
+
+
+def _smem_transforms(minor_elems: int, dtype) -> tuple:
+    """Tiling + swizzle of a shared-memory block whose minor dimension has ``minor_elems``."""
+    bits = minor_elems * jnp.dtype(dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(bits)
+    return (
+        plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+        plgpu.SwizzleTransform(swizzle),
+    )
+
+
+def _t(ref):
+    """A transposed view of a 2-D shared-memory ref (the API moved between jax versions)."""
+    if hasattr(ref, "transpose"):
+        return ref.transpose((1, 0))
+    return plgpu.transpose_ref(ref, (1, 0))  # pragma: no cover - older jax
+
+
+def _params():
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+
+
+def _epilogue(acc, out_smem, out_tile, wg, cfg: MosaicTiling):
+    """Store a compute warpgroup's ``[tile_m, tile_n]`` accumulator into ``out_tile``."""
+    acc = acc.astype(out_smem.dtype)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    per_row = cfg.tile_n // cfg.epi_n
+    for i in range(cfg.tile_m // cfg.epi_m):
+        for j in range(per_row):
+            rows = slice(i * cfg.epi_m, (i + 1) * cfg.epi_m)
+            cols = slice(j * cfg.epi_n, (j + 1) * cfg.epi_n)
+            slot = (i * per_row + j) % 2
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            out_smem[wg, slot] = acc[rows, cols]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_tile.at[rows, cols])
+
+
+def _out_smem(out_dtype, cfg: MosaicTiling):
+    return plgpu.SMEM((2, 2, cfg.epi_m, cfg.epi_n), out_dtype,
+                      transforms=_smem_transforms(cfg.epi_n, out_dtype))
+
+
+def _zero_tile(out_smem, out_tile, wg, cfg: MosaicTiling):
+    """Compute warpgroups store a zero ``[tile_m, tile_n]`` tile (the memory one idles)."""
+
+    @pl.when(wg < 2)
+    def _():
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((cfg.tile_m, cfg.tile_n)))
+        def _(acc_ref):
+            _epilogue(acc_ref[...], out_smem, out_tile, wg, cfg)
+
+
+# ----------------------------------------------------------------------------------------------
+# gmm
+# ----------------------------------------------------------------------------------------------
+
+
+def _gmm_body(tile_group, a_gmem, b_gmem, out_gmem, *, cfg: MosaicTiling, rhs_k_major: bool,
+              num_groups: int):
+    m, k = a_gmem.shape
+    n = out_gmem.shape[1]
+    tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
+    cta_n = 2 * tn
+    m_iters, n_iters, k_iters = m // tm, n // cta_n, k // tk
+    in_t = _smem_transforms(tk, a_gmem.dtype)
+    b_t = in_t if rhs_k_major else _smem_transforms(cta_n, b_gmem.dtype)
+
+    def pipeline(body, compute_context):
+        b_spec = (plgpu.BlockSpec((cta_n, tk), lambda kk: (0, kk), transforms=b_t,
+                                  memory_space=plgpu.SMEM) if rhs_k_major else
+                  plgpu.BlockSpec((tk, cta_n), lambda kk: (kk, 0), transforms=b_t,
+                                  memory_space=plgpu.SMEM))
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k_iters,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((tm, tk), lambda kk: (0, kk), transforms=in_t,
+                                memory_space=plgpu.SMEM),
+                b_spec,
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=cfg.stages,
+            compute_context=compute_context,
+        )
+
+    def ignore(*_, **__):
+        return None
+
+    b_block = b_gmem.at[0]
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=pipeline(ignore, ignore).get_allocations(a_gmem, b_block),
+        out_smem=_out_smem(out_gmem.dtype, cfg),
+        collective_axes="wg",
+    )
+    def _scope(allocs, out_smem):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+        def _tiles(info):
+            (lin,) = info.index
+            mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 1, cfg.snake_width)
+            g = tile_group[mi]
+            m_sl = pl.ds(mi * tm, tm)
+            n_sl = pl.ds(ni * cta_n, cta_n)
+            wg_n = pl.ds(wg * tn, tn)
+            out_tile = out_gmem.at[m_sl, n_sl].at[:, wg_n]
+
+            def compute_context(eval_pipeline):
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn)))
+                def _(acc_ref):
+                    eval_pipeline(acc_ref)
+                    _epilogue(acc_ref[...], out_smem, out_tile, wg, cfg)
+
+            def mma(idxs, a_smem, b_smem, acc_ref):
+                del idxs
+                b = _t(b_smem.at[wg_n, :]) if rhs_k_major else b_smem.at[:, wg_n]
+                plgpu.wgmma(acc_ref, a_smem, b)
+                plgpu.wgmma_wait(0)
+                return acc_ref
+
+            @pl.when(g < num_groups)
+            def _():
+                gc = jnp.minimum(g, num_groups - 1)
+                b_rows = b_gmem.at[gc, n_sl, :] if rhs_k_major else b_gmem.at[gc, :, n_sl]
+                pipeline(mma, compute_context)(a_gmem.at[m_sl, :], b_rows, allocations=allocs)
+
+            @pl.when(g >= num_groups)
+            def _():
+                _zero_tile(out_smem, out_tile, wg, cfg)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def tile_groups(group_sizes: jax.Array, m: int, tile_m: int) -> jax.Array:
+    """int32 ``[m // tile_m]``: the group of each row tile (``G`` for padding tiles).
+
+    Assumes every group size is a multiple of ``tile_m`` (the aligned layout).
+    """
+    n_groups = group_sizes.shape[0]
+    ends = jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0))
+    starts = jnp.arange(m // tile_m, dtype=jnp.int32) * tile_m
+    g = jnp.searchsorted(ends, starts, side="right", method="compare_all")
+    return jnp.minimum(g, n_groups).astype(jnp.int32)
+
+
+def gmm(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    rhs_k_major: bool = False,
+    out_dtype=None,
+    tiling: MosaicTiling | None = None,
+    varying: frozenset = frozenset(),
+) -> jax.Array:
+    """Grouped GEMM on the tile-aligned layout: ``out[rows of g] = lhs[rows of g] @ W_g``.
+
+    ``W_g = rhs[g]`` (``rhs [G, K, N]``) or ``rhs[g]^T`` (``rhs [G, N, K]``,
+    ``rhs_k_major=True``). ``M``, ``K``, ``N`` must be multiples of ``tile_m``, ``tile_k``,
+    ``2 * tile_n``; every group size a multiple of ``tile_m``. Rows past ``sum(group_sizes)``
+    come out zero. Accumulation is f32; ``out_dtype`` defaults to bf16 for FP8 operands.
+    ``varying``: mesh axes the output varies over inside a check_vma ``shard_map``.
+    """
+    if out_dtype is None:
+        out_dtype = jnp.bfloat16 if jnp.dtype(lhs.dtype).itemsize == 1 else lhs.dtype
+    cfg = tiling or default_tiling(lhs.dtype, out_dtype)
+    m, k = lhs.shape
+    n_groups = rhs.shape[0]
+    n = rhs.shape[1] if rhs_k_major else rhs.shape[2]
+    k2 = rhs.shape[2] if rhs_k_major else rhs.shape[1]
+    if k2 != k or group_sizes.shape != (n_groups,):
+        raise ValueError(f"gmm shapes disagree: lhs {lhs.shape}, rhs {rhs.shape} "
+                         f"(rhs_k_major={rhs_k_major}), group_sizes {group_sizes.shape}.")
+    if m % cfg.tile_m or k % cfg.tile_k or n % (2 * cfg.tile_n):
+        raise ValueError(f"gmm needs M % {cfg.tile_m}, K % {cfg.tile_k}, N % {2 * cfg.tile_n} "
+                         f"== 0; got M={m}, K={k}, N={n}.")
+    if jnp.dtype(lhs.dtype).itemsize == 1 and not rhs_k_major:
+        raise ValueError("FP8 gmm needs the weights K-major ([G, N, K], rhs_k_major=True).")
+    body = functools.partial(_gmm_body, cfg=cfg, rhs_k_major=rhs_k_major, num_groups=n_groups)
+    kernel = plgpu.kernel(
+        body,
+        out_type=_vma.out_struct((m, n), out_dtype, varying),
+        grid=(_num_sms(),),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=_params(),
+    )
+    return kernel(tile_groups(group_sizes, m, cfg.tile_m), lhs, rhs)
+
+
+# ----------------------------------------------------------------------------------------------
+# tgmm
+# ----------------------------------------------------------------------------------------------
+
+
+def _tgmm_body(start_tile, num_tiles, a_gmem, b_gmem, out_gmem, *, cfg: MosaicTiling,
+               k_major: bool):
+    n_groups, n1, n2 = out_gmem.shape
+    tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
+    cta_n = 2 * tn
+    rows = a_gmem.shape[1] if k_major else a_gmem.shape[0]
+    m_iters, n_iters = n1 // tm, n2 // cta_n
+    if k_major:
+        a_t = b_t = _smem_transforms(tk, a_gmem.dtype)
+        a_spec = plgpu.BlockSpec((tm, tk), lambda kk: (0, kk), transforms=a_t,
+                                 memory_space=plgpu.SMEM)
+        b_spec = plgpu.BlockSpec((cta_n, tk), lambda kk: (0, kk), transforms=b_t,
+                                 memory_space=plgpu.SMEM)
+    else:
+        a_t = _smem_transforms(tm, a_gmem.dtype)
+        b_t = _smem_transforms(cta_n, b_gmem.dtype)
+        a_spec = plgpu.BlockSpec((tk, tm), lambda kk: (kk, 0), transforms=a_t,
+                                 memory_space=plgpu.SMEM)
+        b_spec = plgpu.BlockSpec((tk, cta_n), lambda kk: (kk, 0), transforms=b_t,
+                                 memory_space=plgpu.SMEM)
+
+    def pipeline(body, compute_context, steps):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(steps,),
+            memory_registers=40,
+            in_specs=[a_spec, b_spec],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=cfg.stages,
+            compute_context=compute_context,
+        )
+
+    def ignore(*_, **__):
+        return None
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=pipeline(ignore, ignore, 2 * cfg.stages).get_allocations(a_gmem, b_gmem),
+        out_smem=_out_smem(out_gmem.dtype, cfg),
+        collective_axes="wg",
+    )
+    def _scope(allocs, out_smem):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((n_groups, m_iters * n_iters), collective_axes="sm")
+        def _tiles(info):
+            g, lin = info.index
+            mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 1, cfg.snake_width)
+            steps = num_tiles[g]
+            tok = pl.ds(pl.multiple_of(start_tile[g] * tk, tk), rows)
+            m_sl = pl.ds(mi * tm, tm)
+            n_sl = pl.ds(ni * cta_n, cta_n)
+            wg_n = pl.ds(wg * tn, tn)
+            out_tile = out_gmem.at[g, m_sl, n_sl].at[:, wg_n]
+
+            def compute_context(eval_pipeline):
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn)))
+                def _(acc_ref):
+                    eval_pipeline(acc_ref)
+                    _epilogue(acc_ref[...], out_smem, out_tile, wg, cfg)
+
+            def mma(idxs, a_smem, b_smem, acc_ref):
+                del idxs
+                if k_major:
+                    plgpu.wgmma(acc_ref, a_smem, _t(b_smem.at[wg_n, :]))
+                else:
+                    plgpu.wgmma(acc_ref, _t(a_smem), b_smem.at[:, wg_n])
+                plgpu.wgmma_wait(0)
+                return acc_ref
+
+            @pl.when(steps > 0)
+            def _():
+                if k_major:
+                    a_rows, b_rows = a_gmem.at[m_sl, tok], b_gmem.at[n_sl, tok]
+                else:
+                    a_rows, b_rows = a_gmem.at[tok, m_sl], b_gmem.at[tok, n_sl]
+                pipeline(mma, compute_context, steps)(a_rows, b_rows, allocations=allocs)
+
+            @pl.when(steps == 0)
+            def _():
+                _zero_tile(out_smem, out_tile, wg, cfg)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def tgmm(
+    a: jax.Array,
+    b: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    k_major: bool = False,
+    out_dtype=jnp.float32,
+    tiling: MosaicTiling | None = None,
+    varying: frozenset = frozenset(),
+) -> jax.Array:
+    """Per-group ``a_g^T @ b_g`` on the tile-aligned layout: ``[G, N1, N2]``.
+
+    ``a [M, N1]``, ``b [M, N2]`` (rows grouped by ``group_sizes``), or their K-major copies
+    ``a [N1, M]``, ``b [N2, M]`` with ``k_major=True`` (required for FP8). Group sizes must
+    be multiples of ``tile_k``; ``N1 % tile_m == 0`` and ``N2 % (2 * tile_n) == 0``. An empty
+    group gives zeros. Accumulation is f32. ``varying``: as in :func:`gmm`.
+    """
+    cfg = tiling or default_tiling(a.dtype, out_dtype)
+    n1, rows = (a.shape if k_major else a.shape[::-1])
+    n2, rows_b = (b.shape if k_major else b.shape[::-1])
+    if rows != rows_b:
+        raise ValueError(f"tgmm operands disagree: a {a.shape}, b {b.shape} (k_major={k_major}).")
+    if n1 % cfg.tile_m or n2 % (2 * cfg.tile_n) or rows % cfg.tile_k:
+        raise ValueError(f"tgmm needs N1 % {cfg.tile_m}, N2 % {2 * cfg.tile_n}, M % "
+                         f"{cfg.tile_k} == 0; got N1={n1}, N2={n2}, M={rows}.")
+    if jnp.dtype(a.dtype).itemsize == 1 and not k_major:
+        raise ValueError("FP8 tgmm needs K-major operands (k_major=True).")
+    n_groups = group_sizes.shape[0]
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(sizes), rows)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    start_tile = (starts // cfg.tile_k).astype(jnp.int32)
+    num_tiles = ((ends - starts) // cfg.tile_k).astype(jnp.int32)
+    body = functools.partial(_tgmm_body, cfg=cfg, k_major=k_major)
+    kernel = plgpu.kernel(
+        body,
+        out_type=_vma.out_struct((n_groups, n1, n2), out_dtype, varying),
+        grid=(_num_sms(),),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=_params(),
+    )
+    return kernel(start_tile, num_tiles, a, b)

@@ -1,0 +1,246 @@
+"""The grouped-GEMM backends of the expert layer, bf16 and FP8, for both token layouts.
+
+A backend gives the five GEMMs of a grouped linear layer ``out[rows of e] = a[rows of e] @ w[e]``
+(f32 accumulation):
+
+* ``fwd(a [..., K], w [E, K, N], gs, out_dtype) -> [..., N]`` (forward);
+* ``dgrad(g [..., N], w [E, K, N], gs, out_dtype) -> [..., K]`` (``g @ w[e]^T``);
+* ``wgrad(a [..., K], g [..., N], gs, out_dtype) -> [E, K, N]`` (``a_e^T @ g_e``);
+* ``mm8(a [..., K], b [E, N, K], gs, out_dtype) -> [..., N]``: FP8 ``a @ b[e]^T`` with both
+  operands K-major (what FP8 tensor cores read), no scales (see :mod:`moe.experts`);
+* ``tmm8(a_t, b_t, gs) -> [E, N1, N2]`` f32: FP8 ``a_e^T @ b_e`` from K-major copies
+  ``a_t [..., N1, rows]``, ``b_t [..., N2, rows]``.
+
+Layouts: ragged ``[R, K]`` (rows grouped by expert, ``gs`` rows each; backends 'ragged_dot',
+'pallas', 'mosaic') or capacity-padded ``[E, C, K]`` ('einsum'), whose K-major copies are
+``[E, K, C]``.
+
+'mosaic' (Pallas Mosaic GPU, Hopper wgmma: `moe._gmm_mosaic`) needs the tile-aligned layout
+(every group a multiple of 128 rows; :func:`align_map` makes it) and operand widths that are
+multiples of its tiles (padded here when they are not). Lowered for CPU it runs its XLA
+emulation (the same products through ``ragged_dot``), which is how tests exercise it there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from moe import _gmm_mosaic, _gmm_pallas, _vma
+
+F8 = jnp.float8_e4m3fn
+GROUP_ALIGNMENT = _gmm_mosaic.GROUP_ALIGNMENT
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedGemms:
+    """The GEMMs of one backend and the layout of the token rows it takes."""
+
+    x_ndim: int  # rank of the token operand: 2 = ragged [R, k], 3 = padded [E, C, k]
+    fwd: Callable[..., jax.Array]
+    dgrad: Callable[..., jax.Array]
+    wgrad: Callable[..., jax.Array]
+    mm8: Callable[..., jax.Array]
+    tmm8: Callable[..., jax.Array]
+    aligned: bool = False  # needs every group a multiple of GROUP_ALIGNMENT rows
+
+    def transpose_rows(self, a: jax.Array) -> jax.Array:
+        """The K-major copy of a token operand: ``[K, R]`` or ``[E, K, C]``."""
+        return a.T if a.ndim == 2 else jnp.swapaxes(a, 1, 2)
+
+
+def _dn(contract, ragged, group) -> lax.RaggedDotDimensionNumbers:
+    return lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(contract, ([], [])),
+        lhs_ragged_dimensions=ragged,
+        rhs_group_dimensions=group,
+    )
+
+
+_RAGGED_FWD = _dn(([1], [1]), [0], [0])  # [R, k] x [E, k, n] -> [R, n]
+_RAGGED_KMAJOR = _dn(([1], [2]), [0], [0])  # [R, n] x [E, k, n] -> [R, k] (w^T, no copy)
+_RAGGED_WGRAD = _dn(([0], [0]), [0], [])  # [R, k] x [R, n] -> [E, k, n]
+
+
+def _rd(a, b, gs, dn, out_dtype):
+    out = lax.ragged_dot_general(a, b, gs, dn, preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
+
+
+def _up(a):
+    """FP8 payload as bf16 (exact) for the emulated FP8 GEMMs."""
+    return a.astype(jnp.bfloat16)
+
+
+RAGGED_DOT = GroupedGemms(
+    2,
+    fwd=lambda a, w, gs, dt: _rd(a, w, gs, _RAGGED_FWD, dt),
+    dgrad=lambda g, w, gs, dt: _rd(g, w, gs, _RAGGED_KMAJOR, dt),
+    wgrad=lambda a, g, gs, dt: _rd(a, g, gs, _RAGGED_WGRAD, dt),
+    mm8=lambda a, b, gs, dt: _rd(_up(a), _up(b), gs, _RAGGED_KMAJOR, dt),
+    tmm8=lambda at, bt, gs: _rd(_up(at).T, _up(bt).T, gs, _RAGGED_WGRAD, jnp.float32),
+)
+
+
+def _es(spec, a, b, dt):
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(dt)
+
+
+EINSUM = GroupedGemms(
+    3,
+    fwd=lambda a, w, gs, dt: _es("eck,ekn->ecn", a, w, dt),
+    dgrad=lambda g, w, gs, dt: _es("ecn,ekn->eck", g, w, dt),
+    wgrad=lambda a, g, gs, dt: _es("eck,ecn->ekn", a, g, dt),
+    # XLA emits FP8 tensor-core GEMMs for these on Hopper (both operands K-major).
+    mm8=lambda a, b, gs, dt: jnp.einsum("eck,enk->ecn", a, b, preferred_element_type=dt),
+    tmm8=lambda at, bt, gs: jnp.einsum("ekc,enc->ekn", at, bt,
+                                       preferred_element_type=jnp.float32),
+)
+
+PALLAS = GroupedGemms(
+    2,
+    fwd=lambda a, w, gs, dt: _gmm_pallas.gmm(a, w, gs, out_dtype=dt),
+    dgrad=lambda g, w, gs, dt: _gmm_pallas.gmm(g, w, gs, transpose_rhs=True, out_dtype=dt),
+    wgrad=lambda a, g, gs, dt: _gmm_pallas.tgmm(a, g, gs, out_dtype=dt),
+    mm8=lambda a, b, gs, dt: _gmm_pallas.gmm(a, b, gs, transpose_rhs=True, out_dtype=dt),
+    tmm8=lambda at, bt, gs: _gmm_pallas.tgmm(at.T, bt.T, gs, out_dtype=jnp.float32),
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# Mosaic GPU: the kernels when lowered for CUDA, their XLA emulation elsewhere.
+# ----------------------------------------------------------------------------------------------
+
+
+def _pad_to(a: jax.Array, axis: int, multiple: int) -> jax.Array:
+    pad = (-a.shape[axis]) % multiple
+    if not pad:
+        return a
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(a, widths)
+
+
+def _on_gpu(kernel_fn, emulated_fn, *args):
+    """``kernel_fn(*args)`` when lowered for CUDA, ``emulated_fn(*args)`` elsewhere.
+
+    Inside a check_vma ``shard_map`` the kernel's output is typed varying like its operands.
+    """
+    varying = _vma.varying_of(*args)
+    return lax.platform_dependent(
+        *args,
+        cuda=functools.partial(kernel_fn, varying),
+        default=emulated_fn,
+    )
+
+
+def _mosaic_gmm(a, b, gs, *, k_major: bool, out_dtype):
+    """``a @ b[g]`` (``b [G, K, N]``) or ``a @ b[g]^T`` (``b [G, N, K]``, ``k_major``)."""
+    n = b.shape[1] if k_major else b.shape[2]
+
+    def kernel(varying, a, b, gs):
+        cfg = _gmm_mosaic.default_tiling(a.dtype, out_dtype)
+        a_p = _pad_to(a, 1, cfg.tile_k)
+        b_p = _pad_to(_pad_to(b, 2 if k_major else 1, cfg.tile_k), 1 if k_major else 2,
+                      2 * cfg.tile_n)
+        out = _gmm_mosaic.gmm(a_p, b_p, gs, rhs_k_major=k_major, out_dtype=out_dtype,
+                              tiling=cfg, varying=varying)
+        return out[:, :n] if out.shape[1] != n else out
+
+    def emulated(a, b, gs):
+        dn = _RAGGED_KMAJOR if k_major else _RAGGED_FWD
+        ops = (_up(a), _up(b)) if a.dtype == F8 else (a, b)
+        return _rd(*ops, gs, dn, out_dtype)
+
+    return _on_gpu(kernel, emulated, a, b, gs)
+
+
+def _mosaic_tgmm(a, b, gs, *, k_major: bool, out_dtype):
+    """Per-group ``a_g^T @ b_g``: ``a [R, N1]``, ``b [R, N2]`` or K-major ``[N1, R]``, ``[N2, R]``."""
+    n1 = a.shape[0] if k_major else a.shape[1]
+    n2 = b.shape[0] if k_major else b.shape[1]
+
+    def kernel(varying, a, b, gs):
+        cfg = _gmm_mosaic.default_tiling(a.dtype, out_dtype)
+        ax = 0 if k_major else 1
+        a_p, b_p = _pad_to(a, ax, cfg.tile_m), _pad_to(b, ax, 2 * cfg.tile_n)
+        out = _gmm_mosaic.tgmm(a_p, b_p, gs, k_major=k_major, out_dtype=out_dtype,
+                               tiling=cfg, varying=varying)
+        return out[:, :n1, :n2] if out.shape[1:] != (n1, n2) else out
+
+    def emulated(a, b, gs):
+        if k_major:
+            a, b = a.T, b.T
+        ops = (_up(a), _up(b)) if a.dtype == F8 else (a, b)
+        return _rd(*ops, gs, _RAGGED_WGRAD, out_dtype)
+
+    return _on_gpu(kernel, emulated, a, b, gs)
+
+
+MOSAIC = GroupedGemms(
+    2,
+    fwd=lambda a, w, gs, dt: _mosaic_gmm(a, w, gs, k_major=False, out_dtype=dt),
+    dgrad=lambda g, w, gs, dt: _mosaic_gmm(g, w, gs, k_major=True, out_dtype=dt),
+    wgrad=lambda a, g, gs, dt: _mosaic_tgmm(a, g, gs, k_major=False, out_dtype=dt),
+    mm8=lambda a, b, gs, dt: _mosaic_gmm(a, b, gs, k_major=True, out_dtype=dt),
+    tmm8=lambda at, bt, gs: _mosaic_tgmm(at, bt, gs, k_major=True, out_dtype=jnp.float32),
+    aligned=True,
+)
+
+BACKENDS: dict[str, GroupedGemms] = {
+    "ragged_dot": RAGGED_DOT,
+    "einsum": EINSUM,
+    "pallas": PALLAS,
+    "mosaic": MOSAIC,
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# The tile-aligned ragged layout.
+# ----------------------------------------------------------------------------------------------
+
+
+def aligned_rows(rows: int, num_groups: int, alignment: int) -> int:
+    """Static rows of the aligned layout of ``rows`` ragged rows in ``num_groups`` groups."""
+    return -(-(rows + num_groups * (alignment - 1)) // alignment) * alignment
+
+
+def align_map(group_sizes: jax.Array, rows: int, alignment: int):
+    """Index maps between a ragged layout and its tile-aligned copy.
+
+    The aligned layout puts group ``g`` at rows ``[A_g, A_g + gs_g)`` with ``A_g`` the
+    cumulative sum of the sizes rounded up to ``alignment``; the rows in between are padding.
+
+    Returns:
+      ``(src, dst, aligned_sizes)``: aligned row ``i`` holds ragged row ``src[i]`` (``rows``:
+      a padding row); ragged row ``r`` sits at aligned row ``dst[r]`` (out of range for
+      padding rows); ``aligned_sizes`` int32 ``[G]`` are the rounded-up group sizes.
+    """
+    n = aligned_rows(rows, group_sizes.shape[0], alignment)
+    gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    padded = -(-gs // alignment) * alignment
+    starts = jnp.cumsum(gs) - gs
+    a_starts = jnp.cumsum(padded) - padded
+    i = jnp.arange(n, dtype=jnp.int32)
+    g_i = jnp.searchsorted(jnp.cumsum(padded), i, side="right", method="compare_all")
+    g_c = jnp.minimum(g_i, gs.shape[0] - 1)
+    off = i - a_starts[g_c]
+    src = jnp.where((g_i < gs.shape[0]) & (off < gs[g_c]), starts[g_c] + off, rows)
+    r = jnp.arange(rows, dtype=jnp.int32)
+    g_r = jnp.searchsorted(jnp.cumsum(gs), r, side="right", method="compare_all")
+    g_rc = jnp.minimum(g_r, gs.shape[0] - 1)
+    dst = jnp.where(g_r < gs.shape[0], a_starts[g_rc] + r - starts[g_rc], n)
+    return src.astype(jnp.int32), dst.astype(jnp.int32), padded
+
+
+def group_of_rows(group_sizes: jax.Array, rows: int) -> jax.Array:
+    """int32 ``[rows]``: the group of each ragged row (``G`` past ``sum(group_sizes)``)."""
+    ends = jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0))
+    g = jnp.searchsorted(ends, jnp.arange(rows, dtype=jnp.int32), side="right",
+                         method="compare_all")
+    return g.astype(jnp.int32)

@@ -1,0 +1,249 @@
+"""The options of the MoE layer: one frozen object with a router, a dispatch and an experts part.
+
+:class:`MoEOptions` holds every static choice of :func:`moe.moe_apply` / :class:`moe.MoE`:
+
+* ``router``: a :class:`moe.routing.RouterConfig` (expert count, ``top_k``, scores, groups);
+* ``dispatch``: a :class:`DispatchOptions` (mesh axes, transport, capacity, wire formats);
+* ``experts``: an :class:`ExpertOptions` (grouped-GEMM backend, precision, what is saved);
+* ``fp8_block_size``: channels per FP8 scale, shared by the wire and the experts.
+
+All parts are frozen and hashable (they are ``jit``-static). :meth:`MoEOptions.create` and
+:meth:`MoEOptions.replace` take flat keyword names and route each to its part, so a variant is
+one call: ``opts.replace(transport='ragged', gemm_dtype='fp8')``. :meth:`MoEOptions.check` is
+the single validation pass of the options against a layer's widths and mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from moe import fp8
+from moe.routing import RouterConfig
+
+__all__ = ["DispatchOptions", "ExpertOptions", "MoEOptions"]
+
+Transport = Literal["auto", "dense", "ragged"]
+WireDtype = Literal["bf16", "fp8"] | None
+WireKernels = Literal["auto", "xla", "pallas"]
+Backend = Literal["auto", "einsum", "ragged_dot", "pallas", "mosaic"]
+GemmDtype = Literal["bf16", "fp8"]
+SaveZ = Literal["bf16", "fp8", "recompute"]
+
+_WIRES = (None, "bf16", "fp8")
+_GEMM_DTYPES = ("bf16", "fp8")
+
+
+def check_choice(name: str, value: Any, allowed: tuple) -> None:
+    """ValueError naming ``name`` unless ``value`` is one of ``allowed``."""
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not supported; use one of {allowed}.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DispatchOptions:
+    """How tokens travel to their experts and back (:func:`moe.dispatch`, :func:`moe.combine`).
+
+    Attributes:
+      expert_axis: mesh axis the experts are split over.
+      batch_axes: mesh axes the tokens are split over besides ``expert_axis``; ``None``: every
+        other axis of the mesh.
+      transport: ``'dense'`` (capacity-padded ``all_to_all``), ``'ragged'`` (dropless) or
+        ``'auto'`` (see :func:`moe.dispatch`).
+      capacity_factor: dense transport capacity factor; ``None`` is dropless.
+      dispatch_dtype: wire format of the tokens: ``None`` (activation dtype), ``'bf16'`` or
+        ``'fp8'`` (e4m3 + packed E8M0 block scales).
+      combine_grad_dtype: wire format of the combine gradient (same choices).
+      wire_kernels: who encodes and lays out the dispatched rows: ``'auto'`` (Pallas kernels on
+        NVIDIA GPUs, XLA elsewhere), ``'xla'`` or ``'pallas'``.
+    """
+
+    expert_axis: str = "expert"
+    batch_axes: tuple[str, ...] | None = None
+    transport: Transport = "auto"
+    capacity_factor: float | None = None
+    dispatch_dtype: WireDtype = None
+    combine_grad_dtype: WireDtype = None
+    wire_kernels: WireKernels = "auto"
+
+    def __post_init__(self):
+        if self.batch_axes is not None and not isinstance(self.batch_axes, tuple):
+            object.__setattr__(self, "batch_axes", tuple(self.batch_axes))
+        check_choice("transport", self.transport, ("auto", "dense", "ragged"))
+        check_choice("dispatch_dtype", self.dispatch_dtype, _WIRES)
+        check_choice("combine_grad_dtype", self.combine_grad_dtype, _WIRES)
+        check_choice("wire_kernels", self.wire_kernels, ("auto", "xla", "pallas"))
+        cf = self.capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float))
+                               or not cf > 0):
+            raise ValueError(f"capacity_factor must be > 0 or None, got {cf!r}.")
+        if cf is not None and self.transport == "ragged":
+            raise ValueError(
+                "capacity_factor applies to transport='dense' only ('ragged' is dropless); "
+                "pass capacity_factor=None or transport='dense'."
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExpertOptions:
+    """How the local experts compute (:func:`moe.gated_experts`), and the shared experts.
+
+    Attributes:
+      backend: grouped-GEMM backend: ``'auto'`` (by layout and platform), ``'einsum'``,
+        ``'mosaic'``, ``'pallas'`` or ``'ragged_dot'`` (see :func:`moe.gated_experts`).
+      gemm_dtype: precision of the two forward GEMMs, ``'bf16'`` or ``'fp8'`` (e4m3 operands
+        on the tensor cores, per-row / per-channel power-of-two scales).
+      dgrad_dtype: precision of the two data-gradient GEMMs.
+      save_z: what the backward keeps of ``z = x W_gu``: ``'bf16'``, ``'fp8'`` or
+        ``'recompute'``.
+      wgrad_dtype: precision of the two weight-gradient GEMMs.
+      num_shared_experts: always-on experts, fused into one SwiGLU of width
+        ``num_shared_experts * d_ff`` (DeepSeekMoE).
+    """
+
+    backend: Backend = "auto"
+    gemm_dtype: GemmDtype = "bf16"
+    dgrad_dtype: GemmDtype = "bf16"
+    save_z: SaveZ = "bf16"
+    wgrad_dtype: GemmDtype = "bf16"
+    num_shared_experts: int = 0
+
+    def __post_init__(self):
+        check_choice("backend", self.backend,
+                     ("auto", "einsum", "ragged_dot", "pallas", "mosaic"))
+        check_choice("gemm_dtype", self.gemm_dtype, _GEMM_DTYPES)
+        check_choice("dgrad_dtype", self.dgrad_dtype, _GEMM_DTYPES)
+        check_choice("save_z", self.save_z, ("bf16", "fp8", "recompute"))
+        check_choice("wgrad_dtype", self.wgrad_dtype, _GEMM_DTYPES)
+        n = self.num_shared_experts
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"num_shared_experts must be an int >= 0, got {n!r}.")
+
+
+_PARTS = ("router", "dispatch", "experts")
+_PART_TYPES = {"router": RouterConfig, "dispatch": DispatchOptions, "experts": ExpertOptions}
+
+
+def _field_names(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.name != "_")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEOptions:
+    """Every static option of the MoE layer, in three parts (hashable, ``jit``-static).
+
+    Attributes:
+      router: the :class:`moe.routing.RouterConfig` (``num_experts``, ``top_k``, scores).
+      dispatch: the :class:`DispatchOptions`.
+      experts: the :class:`ExpertOptions`.
+      fp8_block_size: channels per FP8 scale (the wire and the experts' FP8 operands).
+
+    Example:
+      >>> opts = MoEOptions.create(8, 2, dispatch_dtype="fp8", save_z="recompute")
+      >>> opts.dispatch.dispatch_dtype, opts.experts.save_z, opts.router.top_k
+      ('fp8', 'recompute', 2)
+      >>> opts.replace(transport="ragged").dispatch.transport
+      'ragged'
+    """
+
+    router: RouterConfig
+    dispatch: DispatchOptions = DispatchOptions()
+    experts: ExpertOptions = ExpertOptions()
+    fp8_block_size: int = 128
+
+    def __post_init__(self):
+        for part in _PARTS:
+            value = getattr(self, part)
+            if not isinstance(value, _PART_TYPES[part]):
+                raise TypeError(
+                    f"MoEOptions.{part} must be a {_PART_TYPES[part].__name__}, got "
+                    f"{type(value).__name__}; build it with MoEOptions.create(...)."
+                )
+        bs = self.fp8_block_size
+        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+            raise ValueError(f"fp8_block_size must be a positive int, got {bs!r}; use 128.")
+
+    @classmethod
+    def create(cls, num_experts: int, top_k: int, **options: Any) -> MoEOptions:
+        """Options for ``num_experts`` experts, top ``top_k``, from flat keyword names.
+
+        Each keyword is a field of one part (``RouterConfig``, ``DispatchOptions``,
+        ``ExpertOptions``) or ``fp8_block_size``; defaults elsewhere.
+        """
+        return cls(router=RouterConfig(num_experts, top_k)).replace(**options)
+
+    def replace(self, **changes: Any) -> MoEOptions:
+        """A copy with the named fields changed, each routed to the part that owns it."""
+        by_part: dict[str, dict[str, Any]] = {p: {} for p in _PARTS}
+        top: dict[str, Any] = {}
+        for name, value in changes.items():
+            if name in _PARTS or name == "fp8_block_size":
+                top[name] = value
+                continue
+            owner = next((p for p in _PARTS if name in _field_names(_PART_TYPES[p])), None)
+            if owner is None:
+                known = sorted(n for p in _PARTS for n in _field_names(_PART_TYPES[p]))
+                raise TypeError(
+                    f"MoEOptions has no option {name!r}; the options are {known} and "
+                    "fp8_block_size."
+                )
+            by_part[owner][name] = value
+        parts = {p: dataclasses.replace(top.get(p, getattr(self, p)), **kw)
+                 for p, kw in by_part.items()}
+        return dataclasses.replace(self, **parts, **{k: v for k, v in top.items()
+                                                     if k not in _PARTS})
+
+    def fp8_widths(self, d_model: int, d_ff: int) -> list[tuple[str, int, str]]:
+        """``(name, width, option)`` of every feature axis the chosen options quantize to FP8."""
+        uses = []
+        for option in ("dispatch_dtype", "combine_grad_dtype"):
+            if getattr(self.dispatch, option) == "fp8":
+                uses.append(("d_model", d_model, option))
+        if self.experts.save_z == "fp8":
+            uses.append(("2 * d_ff", 2 * d_ff, "save_z"))  # z is [rows, 2 * d_ff]
+        return uses
+
+    def check(self, *, d_model: int, d_ff: int, mesh: Any = None) -> None:
+        """The one validation pass of these options against a layer's widths and mesh.
+
+        Raises:
+          ValueError: a width the FP8 options quantize is not block-aligned, the mesh lacks
+            ``expert_axis`` or a batch axis, or ``num_experts`` does not split over it.
+        """
+        for name, value in (("d_model", d_model), ("d_ff", d_ff)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}.")
+        for name, width, option in self.fp8_widths(d_model, d_ff):
+            fp8.check_width(width, self.fp8_block_size, what=f"{name} (for {option}='fp8')")
+        if self.experts.backend in ("pallas", "mosaic"):
+            from moe import experts  # noqa: PLC0415 - experts imports options
+
+            experts.check_backend_available(self.experts.backend)
+        if mesh is not None:
+            self.token_axes(mesh)
+            ep = mesh.shape[self.dispatch.expert_axis]
+            if self.router.num_experts % ep:
+                raise ValueError(
+                    f"num_experts={self.router.num_experts} is not divisible by the size {ep} "
+                    f"of expert_axis {self.dispatch.expert_axis!r}; choose num_experts a "
+                    f"multiple of {ep} or a smaller expert axis."
+                )
+
+    def token_axes(self, mesh: Any) -> tuple[str, ...]:
+        """The mesh axes the tokens are split over: the batch axes, then ``expert_axis``."""
+        names = tuple(mesh.axis_names)
+        axis = self.dispatch.expert_axis
+        if axis not in names:
+            raise ValueError(
+                f"expert_axis={axis!r} is not an axis of the mesh {names}; pass expert_axis= "
+                f"one of them (or build the mesh with an {axis!r} axis)."
+            )
+        batch = self.dispatch.batch_axes
+        if batch is None:
+            batch = tuple(a for a in names if a != axis)
+        for a in batch:
+            if a not in names:
+                raise ValueError(
+                    f"batch_axes names {a!r}, which is not an axis of the mesh {names}."
+                )
+        return (*batch, axis)
