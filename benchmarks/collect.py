@@ -251,7 +251,7 @@ def collect(out: Path) -> dict:
     lm = data["lm_step_bench"]
     if lm and lm.get("steps"):
         by = {r["variant"]: r for r in lm["steps"]}
-        main = by.get("fp8_dispatch_on") or lm["steps"][0]
+        main = by.get("fp8") or by.get("fp8_dispatch") or lm["steps"][0]
         res["lm_step_mfu"] = main["mfu"]
         res["lm_step_tokens_per_s"] = main["tokens_per_s"]
         res["lm_step_ms"] = main["step_ms"]

@@ -4,7 +4,8 @@ Step = forward, backward (cross-entropy + 0.01 load-balancing + 1e-3 router z-lo
 examples/train_lm.py) and the optimizer update (``muon_jax.muon`` with ``mesh=`` when it
 accepts one, Muon for hidden matrices and AdamW for the rest; or ``--optimizer adamw``), jitted
 over the split NNX state with the state donated. Mesh ('data', 'expert') = (1, n_devices);
-bf16 compute, f32 params. Variants: FP8 dispatch on and off.
+bf16 compute, f32 params. Variants (``--variants``): ``bf16`` (bf16 wire and expert GEMMs),
+``fp8_dispatch`` (FP8 wire), ``fp8`` (FP8 wire and FP8 expert GEMMs: forward, dgrad, wgrad).
 
 MFU = (6 * active_params * tokens + attention FLOPs) / (step time x n_devices x dense rate),
 the dense rate being a bf16 8192^3 matmul on one device timed in the same run.
@@ -34,6 +35,13 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 
+VARIANTS = {  # name: (dispatch wire, expert GEMM precision)
+    "bf16": ("bf16", "bf16"),
+    "fp8_dispatch": ("fp8", "bf16"),
+    "fp8": ("fp8", "fp8"),
+}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--small", action="store_true", help="CPU sizes, 8 simulated devices")
@@ -48,8 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--batch", type=int, help="global sequences (64; small 16)")
     p.add_argument("--seq-len", type=int, help="1024; small 64")
-    p.add_argument("--fp8", nargs="+", choices=("on", "off"), default=["on", "off"],
-                   help="FP8 dispatch variants to run")
+    p.add_argument("--variants", nargs="+", choices=tuple(VARIANTS),
+                   default=["bf16", "fp8_dispatch", "fp8"], help="what to run (see above)")
     p.add_argument("--optimizer", choices=("muon", "adamw"), default="muon")
     p.add_argument("--ceiling-n", type=int, help="dense matmul size (8192; small 512)")
     p.add_argument("--warmup", type=int, help="3; small 1")
@@ -103,11 +111,12 @@ def make_mesh():
     return jax.make_mesh((1, n), AXES, axis_types=auto, devices=jax.devices())
 
 
-def model_config(a, fp8: bool) -> lm_model.LMConfig:
+def model_config(a, variant: str) -> lm_model.LMConfig:
+    wire, gemm = VARIANTS[variant]
     want = dict(vocab_size=a.vocab, d_model=a.d_model, num_layers=a.layers, num_heads=a.heads,
                 d_ff=a.d_ff, num_experts=a.experts, top_k=a.top_k,
                 capacity_factor=a.capacity_factor if a.capacity_factor > 0 else None,
-                dispatch_dtype="fp8" if fp8 else "bf16", fp8_block_size=a.fp8_block_size,
+                dispatch_dtype=wire, expert_gemm_dtype=gemm, fp8_block_size=a.fp8_block_size,
                 dtype="bfloat16")
     names = {f.name for f in dataclasses.fields(lm_model.LMConfig)}
     missing = set(want) - names
@@ -187,9 +196,9 @@ def run_steps(step, state, batch, n):
     return state, out, times
 
 
-def bench_variant(fp8: bool, a, mesh, ceiling) -> dict:
+def bench_variant(variant: str, a, mesh, ceiling) -> dict:
     n_dev = mesh.devices.size
-    cfg = model_config(a, fp8)
+    cfg = model_config(a, variant)
     model, optimizer = create(cfg, a, mesh)
     counts = active_params(model, cfg)
     graphdef, state = nnx.split((model, optimizer))
@@ -207,7 +216,7 @@ def bench_variant(fp8: bool, a, mesh, ceiling) -> dict:
         sec = float(np.median(times))
         overlap = None
         if a.profile:
-            trace_dir = os.path.join(a.profile, f"fp8_{'on' if fp8 else 'off'}")
+            trace_dir = os.path.join(a.profile, variant)
             try:
                 with jax.profiler.trace(trace_dir):
                     state, _, _ = run_steps(step, state, batch, a.profile_steps)
@@ -220,7 +229,8 @@ def bench_variant(fp8: bool, a, mesh, ceiling) -> dict:
     attn = 12.0 * a.layers * a.d_model * a.seq_len * ntok
     flops = 6.0 * counts["active"] * ntok + attn
     slots = ntok * a.top_k * a.layers
-    row = dict(variant=f"fp8_dispatch_{'on' if fp8 else 'off'}", fp8_dispatch=fp8,
+    row = dict(variant=variant, fp8_dispatch=VARIANTS[variant][0] == "fp8",
+               expert_gemm_dtype=VARIANTS[variant][1],
                optimizer=a.optimizer, muon_sharded=MUON_SHARDED and a.optimizer == "muon",
                params_total=counts["total"], params_active=counts["active"],
                params_by_role=counts["by_role"], tokens_per_step=ntok,
@@ -248,12 +258,12 @@ def main(a) -> dict:
     report["ceiling"] = dense_ceiling(a.ceiling_n, a.warmup, max(a.iters, 5))
     print(f"ceiling: {report['ceiling']['tflops']:.2f} TFLOP/s per device", flush=True)
     write_json(a.out, report)
-    for v in a.fp8:
+    for v in a.variants:
         try:
-            row = bench_variant(v == "on", a, mesh, report["ceiling"])
+            row = bench_variant(v, a, mesh, report["ceiling"])
         except Exception as err:
-            report["errors"][f"fp8_{v}"] = repr(err)[:2000]
-            print(f"fp8 {v}: FAILED {err!r}"[:800], flush=True)
+            report["errors"][v] = repr(err)[:2000]
+            print(f"{v}: FAILED {err!r}"[:800], flush=True)
             continue
         report["steps"].append(row)
         ov = row.get("overlap", {}).get("exposed_fraction")
@@ -276,6 +286,11 @@ def main(a) -> dict:
     for r in report["steps"]:
         print(f"{r['variant']:20s} {r['step_ms']:9.2f} {r['tokens_per_s']:11.0f} "
               f"{r['mfu']:7.3f} {r['dropped_frac']:8.4f}")
+    by = {r["variant"]: r for r in report["steps"]}
+    if "bf16" in by and "fp8" in by:
+        report["lm_step_fp8_speedup"] = by["bf16"]["step_seconds"] / by["fp8"]["step_seconds"]
+        print(f"lm_step_fp8_speedup (bf16 / fp8 wire + FP8 GEMMs): "
+              f"{report['lm_step_fp8_speedup']:.3f}")
     write_json(a.out, report)
     if a.out:
         print(f"wrote {a.out}")

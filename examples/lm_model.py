@@ -31,6 +31,7 @@ class LMConfig:
     capacity_factor: float | None = 2.0
     dispatch_dtype: str = "bf16"
     fp8_block_size: int = 32
+    expert_gemm_dtype: str = "bf16"  # 'fp8': forward, dgrad and wgrad expert GEMMs in FP8
     tie_embeddings: bool = False
     rope_base: float = 10000.0
     dtype: str = "float32"
@@ -96,6 +97,9 @@ class Block(nnx.Module):
             capacity_factor=cfg.capacity_factor,
             dispatch_dtype=cfg.dispatch_dtype,
             fp8_block_size=cfg.fp8_block_size,
+            gemm_dtype=cfg.expert_gemm_dtype,
+            dgrad_dtype=cfg.expert_gemm_dtype,
+            wgrad_dtype=cfg.expert_gemm_dtype,
         )
         self.moe = moe.MoE(cfg.d_model, cfg.d_ff, options=options, mesh=mesh,
                            dtype=jnp.dtype(cfg.dtype), rngs=rngs)

@@ -1,0 +1,264 @@
+"""What FP8 buys on one GPU: grouped GEMM, gated experts and the MoE layer, FP8 against bf16.
+
+One process, random (never zero) inputs, medians after warm-up, the ceilings measured in the
+same run (dense bf16 and dense FP8 [8192]^3 matmuls). Rows:
+
+1. ``gmm``: the gate_up forward GEMM alone (tokens x d_model -> 2 d_ff, ``experts`` groups,
+   balanced): bf16 Pallas Triton (`moe._gmm_pallas`, the previous kernel), bf16 and FP8
+   Pallas Mosaic GPU (`moe._gmm_mosaic`). Key ``fp8_gmm_over_bf16_rate`` = FP8 Mosaic rate /
+   bf16 Triton rate (and ``..._vs_mosaic_bf16``).
+2. ``experts``: `moe.gated_experts` forward + backward (grad of ``sum(y * ct)``), per layout:
+   padded ``[E, C, d]`` ('einsum', balanced) and ragged ``[R, d]`` in the 128-aligned layout
+   ('mosaic', balanced and Zipf s=1), for bf16 and FP8 recipes (``gemm``, ``+dgrad``,
+   ``+wgrad``, ``+save_z``). Keys ``experts_fp8_speedup_padded`` / ``_ragged`` /
+   ``_ragged_zipf``: bf16 time / best FP8 time, same backend and layout.
+3. ``layer``: `moe.moe_apply` forward + backward on one device, dense transport capacity 1.25
+   (16k tokens, d 4096, d_ff 2048, 16 experts, top-2), bf16 vs FP8 (dispatch + all GEMMs).
+   MFU counts useful bf16-equivalent FLOPs (router + 3 GEMMs per kept slot, x3 for fwd+bwd)
+   over the dense bf16 rate: key ``moe_layer_fp8_mfu_1gpu``.
+
+Usage:
+  python benchmarks/fp8_bench.py --out fp8.json          # one H200, ~3-4 minutes
+  python benchmarks/fp8_bench.py --small                 # CPU plumbing check (numbers mean nothing)
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_util  # noqa: E402
+from experts_bench import group_sizes_for  # noqa: E402
+
+import moe  # noqa: E402
+from moe import _gmm_mosaic, _gmm_pallas, _grouped  # noqa: E402
+from moe.experts import gated_experts  # noqa: E402
+
+F8 = jnp.float8_e4m3fn
+ALIGN = _gmm_mosaic.GROUP_ALIGNMENT
+RECIPES = {
+    "bf16": {},
+    "fp8_gemm": {"gemm_dtype": "fp8"},
+    "fp8_gemm_dgrad": {"gemm_dtype": "fp8", "dgrad_dtype": "fp8"},
+    "fp8_all": {"gemm_dtype": "fp8", "dgrad_dtype": "fp8", "wgrad_dtype": "fp8"},
+    "fp8_all_z": {"gemm_dtype": "fp8", "dgrad_dtype": "fp8", "wgrad_dtype": "fp8",
+                  "save_z": "fp8"},
+}
+
+
+def timed(fn, args, a, inner=3):
+    def calls(*xs):
+        return [fn(*xs) for _ in range(inner)]
+    sec, _ = bench_util.median_seconds(calls, args, a.warmup, a.iters)
+    return sec / inner
+
+
+def record(report, section, entry):
+    report.setdefault(section, []).append(entry)
+    bench_util.write_json(report["out"], report)
+    keys = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in entry.items() if k not in ("options", "group_sizes"))
+    print(f"[{section}] {keys}", flush=True)
+
+
+def ceilings(report, a):
+    n = a.ceiling_n
+    k = jax.random.split(jax.random.key(1), 2)
+    x = jax.random.normal(k[0], (n, n), jnp.bfloat16)
+    y = jax.random.normal(k[1], (n, n), jnp.bfloat16)
+    mm = jax.jit(lambda u, v: jnp.dot(u, v, preferred_element_type=jnp.float32)
+                 .astype(jnp.bfloat16))
+    mm8 = jax.jit(lambda u, v: jax.lax.dot_general(
+        u, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16))
+    for name, fn, args in (("dense_bf16", mm, (x, y)), ("dense_fp8", mm8, (x.astype(F8),
+                                                                          y.T.astype(F8)))):
+        sec = timed(fn, args, a)
+        report[name + "_tflops"] = 2 * n**3 / sec / 1e12
+        record(report, "ceilings", {"name": name, "n": n, "ms": sec * 1e3,
+                                    "tflops": report[name + "_tflops"]})
+
+
+def aligned_ragged(x_real: jax.Array, sizes: np.ndarray):
+    """The 128-aligned ragged layout of rows grouped by ``sizes``: (x, group_sizes)."""
+    src, _, _ = _grouped.align_map(jnp.asarray(sizes), x_real.shape[0], ALIGN)
+    return jnp.take(x_real, src, axis=0, mode="fill", fill_value=0), jnp.asarray(sizes)
+
+
+def gmm_rows(report, a, data):
+    t, d, f2, e = a.tokens, a.d_model, 2 * a.d_ff, a.experts
+    sizes = group_sizes_for("balanced", t, e, 1.0)
+    x, gs = aligned_ragged(data["x"], sizes)
+    gs_al = jnp.asarray(-(-sizes // ALIGN) * ALIGN, jnp.int32)
+    w = data["w_gate_up"]
+    flops = 2.0 * t * d * f2
+    cands = {
+        "triton_bf16": (jax.jit(functools.partial(_gmm_pallas.gmm, out_dtype=jnp.bfloat16)),
+                        (x, w, gs_al)),
+        "mosaic_bf16": (jax.jit(_gmm_mosaic.gmm), (x, w, gs_al)),
+        "mosaic_fp8": (jax.jit(functools.partial(_gmm_mosaic.gmm, rhs_k_major=True)),
+                       (x.astype(F8), jnp.swapaxes(w, 1, 2).astype(F8), gs_al)),
+    }
+    rates = {}
+    for name, (fn, args) in cands.items():
+        try:
+            sec = timed(fn, args, a)
+        except Exception as err:  # noqa: BLE001 - record and go on
+            record(report, "gmm", {"kernel": name, "error": repr(err)[:500]})
+            continue
+        rates[name] = flops / sec / 1e12
+        record(report, "gmm", {"kernel": name, "ms": sec * 1e3, "tflops": rates[name]})
+    if {"triton_bf16", "mosaic_fp8"} <= rates.keys():
+        report["fp8_gmm_over_bf16_rate"] = rates["mosaic_fp8"] / rates["triton_bf16"]
+    if {"mosaic_bf16", "mosaic_fp8"} <= rates.keys():
+        report["fp8_gmm_over_bf16_rate_vs_mosaic_bf16"] = rates["mosaic_fp8"] / rates["mosaic_bf16"]
+
+
+def experts_rows(report, a, data):
+    t, d, f, e = a.tokens, a.d_model, a.d_ff, a.experts
+    useful = 6.0 * t * d * 3 * f
+    cases = [("padded", "einsum", "balanced"), ("ragged", "mosaic", "balanced"),
+             ("ragged", "mosaic", "zipf")]
+    for layout, backend, routing in cases:
+        sizes = group_sizes_for(routing, t, e, 1.0)
+        if layout == "padded":
+            c = int(sizes.max())
+            starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+            r = np.arange(c)[None, :]
+            src = np.where(r < sizes[:, None], starts[:, None] + r, t)
+            x = jnp.take(data["x"], jnp.asarray(src), axis=0, mode="fill", fill_value=0)
+            gs, align = jnp.asarray(sizes), None
+        else:
+            x, gs = aligned_ragged(data["x"], sizes)
+            align = ALIGN
+        ct = jax.random.normal(jax.random.key(7), x.shape, jnp.bfloat16)
+        times = {}
+        for recipe, opts in RECIPES.items():
+            def loss(x, wgu, wd, ct, opts=opts):
+                y = gated_experts(x, gs, wgu, wd, backend=backend, group_alignment=align,
+                                  **opts)
+                return jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32))
+
+            step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+            try:
+                sec = timed(step, (x, data["w_gate_up"], data["w_down"], ct), a, inner=1)
+            except Exception as err:  # noqa: BLE001
+                traceback.print_exc(limit=4)
+                record(report, "experts", {"layout": layout, "routing": routing,
+                                           "recipe": recipe, "error": repr(err)[:500]})
+                continue
+            times[recipe] = sec
+            record(report, "experts", {
+                "layout": layout, "backend": backend, "routing": routing, "recipe": recipe,
+                "options": opts, "ms": sec * 1e3, "useful_tflops": useful / sec / 1e12,
+                "bf16_equiv_mfu": useful / sec / 1e12 / report["dense_bf16_tflops"]})
+        fp8 = {k: v for k, v in times.items() if k != "bf16"}
+        if "bf16" in times and fp8:
+            best = min(fp8, key=fp8.get)
+            key = f"experts_fp8_speedup_{layout}" + ("_zipf" if routing == "zipf" else "")
+            report[key] = times["bf16"] / fp8[best]
+            report[key + "_recipe"] = best
+
+
+def layer_rows(report, a):
+    t, d, f, e, k = a.layer_tokens, a.d_model, a.d_ff, a.layer_experts, a.top_k
+    keys = jax.random.split(jax.random.key(3), 5)
+    x = jax.random.normal(keys[0], (1, t, d), jnp.bfloat16)
+    ct = jax.random.normal(keys[1], (1, t, d), jnp.bfloat16)
+    rk = jax.random.normal(keys[2], (d, e), jnp.float32) * d**-0.5
+    wgu = (jax.random.normal(keys[3], (e, d, 2 * f)) * d**-0.5).astype(jnp.bfloat16)
+    wd = (jax.random.normal(keys[4], (e, f, d)) * f**-0.5).astype(jnp.bfloat16)
+    base = moe.MoEOptions.create(e, k, transport="dense", capacity_factor=a.capacity_factor,
+                                 fp8_block_size=128)
+    variants = {
+        "bf16": base.replace(dispatch_dtype="bf16", combine_grad_dtype="bf16"),
+        "fp8": base.replace(dispatch_dtype="fp8", combine_grad_dtype="fp8",
+                            **RECIPES["fp8_all"]),
+    }
+    for name, opts in variants.items():
+        def loss(x, rk, wgu, wd, ct, opts=opts):
+            y, aux = moe.moe_apply(x, rk, wgu, wd, opts=opts)
+            obj = jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32))
+            return obj + aux["load_balance_loss"], aux["dropped_tokens"]
+
+        step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+        try:
+            _, dropped = jax.block_until_ready(step(x, rk, wgu, wd, ct))
+            sec = timed(step, (x, rk, wgu, wd, ct), a, inner=1)
+        except Exception as err:  # noqa: BLE001
+            traceback.print_exc(limit=4)
+            record(report, "layer", {"variant": name, "error": repr(err)[:500]})
+            continue
+        kept = t * k - int(dropped)
+        flops = 6.0 * t * d * e + 18.0 * d * f * kept  # router + 3 GEMMs, fwd + bwd
+        mfu = flops / sec / 1e12 / report["dense_bf16_tflops"]
+        record(report, "layer", {"variant": name, "ms": sec * 1e3, "mfu": mfu,
+                                 "dropped_frac": int(dropped) / (t * k)})
+        report[f"moe_layer_{name}_mfu_1gpu"] = mfu
+        report[f"moe_layer_{name}_ms_1gpu"] = sec * 1e3
+    if "moe_layer_fp8_ms_1gpu" in report and "moe_layer_bf16_ms_1gpu" in report:
+        report["moe_layer_fp8_speedup_1gpu"] = (report["moe_layer_bf16_ms_1gpu"]
+                                                / report["moe_layer_fp8_ms_1gpu"])
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--small", action="store_true")
+    p.add_argument("--out", default=None)
+    p.add_argument("--only", default="ceilings,gmm,experts,layer")
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--capacity-factor", type=float, default=1.25)
+    a = p.parse_args(argv)
+    full = dict(tokens=32768, d_model=4096, d_ff=2048, experts=8, layer_tokens=16384,
+                layer_experts=16, ceiling_n=8192, warmup=3, iters=10)
+    small = dict(tokens=1024, d_model=512, d_ff=256, experts=4, layer_tokens=512,
+                 layer_experts=8, ceiling_n=512, warmup=1, iters=2)
+    for key, v in (small if a.small else full).items():
+        setattr(a, key, v)
+    return a
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    report = {"benchmark": "fp8", "env": bench_util.env_info(), "out": a.out,
+              "settings": {k: v for k, v in vars(a).items() if k != "out"}}
+    keys = jax.random.split(jax.random.key(0), 3)
+    data = {
+        "x": jax.random.normal(keys[0], (a.tokens, a.d_model), jnp.bfloat16),
+        "w_gate_up": (jax.random.normal(keys[1], (a.experts, a.d_model, 2 * a.d_ff))
+                      * a.d_model**-0.5).astype(jnp.bfloat16),
+        "w_down": (jax.random.normal(keys[2], (a.experts, a.d_ff, a.d_model))
+                   * a.d_ff**-0.5).astype(jnp.bfloat16),
+    }
+    only = set(a.only.split(","))
+    on_gpu = jax.default_backend() == "gpu"
+    ceilings(report, a)
+    if "gmm" in only and on_gpu:
+        gmm_rows(report, a, data)
+    if "experts" in only:
+        experts_rows(report, a, data)
+    if "layer" in only:
+        layer_rows(report, a)
+    headline = {k: v for k, v in report.items() if k.startswith(("fp8_gmm", "experts_fp8",
+                                                                   "moe_layer", "dense_"))}
+    print("\n".join(f"{k:45s} {v:.4g}" if isinstance(v, float) else f"{k:45s} {v}"
+                    for k, v in headline.items()))
+    bench_util.write_json(a.out, report)
+    return report
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    main()
+    print(f"done in {time.time() - t0:.0f}s")
