@@ -290,7 +290,7 @@ def gmm(
         thread_name="wg",
         compiler_params=_params(),
     )
-    return kernel(tile_groups(group_sizes, m, cfg.tile_m), lhs, rhs)
+    return _vma.as_varying(kernel(tile_groups(group_sizes, m, cfg.tile_m), lhs, rhs), varying)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -427,4 +427,4 @@ def tgmm(
         thread_name="wg",
         compiler_params=_params(),
     )
-    return kernel(start_tile, num_tiles, a, b)
+    return _vma.as_varying(kernel(start_tile, num_tiles, a, b), varying)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["out_struct", "unchecked", "varying_axes", "varying_of"]
+__all__ = ["as_varying", "out_struct", "unchecked", "varying_axes", "varying_of"]
 
 
 def varying_axes(x) -> frozenset:
@@ -46,11 +46,15 @@ def out_struct(shape, dtype, varying: frozenset) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def _to_varying(x: jax.Array, axes: tuple) -> jax.Array:
-    """``x``, typed invariant over ``axes``, typed varying over them (no run-time work)."""
+def as_varying(x: jax.Array, varying: frozenset) -> jax.Array:
+    """``x`` typed varying over ``varying`` (no run-time work); a kernel whose output type
+    ignores the declared axes (``plgpu.kernel``) gets them this way."""
+    missing = tuple(sorted(varying - varying_axes(x), key=str))
+    if not missing:
+        return x
     if hasattr(lax, "pcast"):
-        return lax.pcast(x, axes, to="varying")
-    return lax.pvary(x, axes)  # pragma: no cover - older jax
+        return lax.pcast(x, missing, to="varying")
+    return lax.pvary(x, missing)  # pragma: no cover - older jax
 
 
 def _untyped(x: jax.Array) -> jax.Array:
@@ -73,4 +77,4 @@ def unchecked(fn, varying: frozenset, *args):
         axis_names=frozenset(mesh.manual_axes),
         check_vma=False,
     )(*args)
-    return _to_varying(out, tuple(sorted(varying, key=str)))  # pcast orders them by the mesh
+    return as_varying(out, varying)
