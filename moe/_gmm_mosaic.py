@@ -119,6 +119,23 @@ def _params():
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 
 
+def _scaled(acc, row_scale, col_scale, smem, bars, wg):
+    """``acc * row_scale[:, None] * col_scale[None, :]`` on a WGMMA accumulator.
+
+    The f32 scale vectors (GMEM refs of ``[tile_m]`` and ``[tile_n]``) are copied into this
+    warpgroup's shared-memory slots by TMA and read in the accumulator's row / column layouts.
+    """
+    rs_smem, cs_smem = smem
+    plgpu.copy_gmem_to_smem(row_scale, rs_smem.at[wg], bars.at[2 * wg])
+    plgpu.copy_gmem_to_smem(col_scale, cs_smem.at[wg], bars.at[2 * wg + 1])
+    plgpu.barrier_wait(bars.at[2 * wg])
+    plgpu.barrier_wait(bars.at[2 * wg + 1])
+    rs = plgpu.load(rs_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
+    cs = plgpu.load(cs_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(0))
+    return (acc * lax.broadcast_in_dim(rs, acc.shape, [0])
+            * lax.broadcast_in_dim(cs, acc.shape, [1]))
+
+
 def _epilogue(acc, out_smem, out_tile, wg, cfg: MosaicTiling):
     """Store a compute warpgroup's ``[tile_m, tile_n]`` accumulator into ``out_tile``."""
     acc = acc.astype(out_smem.dtype)
@@ -155,8 +172,9 @@ def _zero_tile(out_smem, out_tile, wg, cfg: MosaicTiling):
 # ----------------------------------------------------------------------------------------------
 
 
-def _gmm_body(tile_group, a_gmem, b_gmem, out_gmem, *, cfg: MosaicTiling, rhs_k_major: bool,
-              num_groups: int):
+def _gmm_body(tile_group, a_gmem, b_gmem, *rest, cfg: MosaicTiling, rhs_k_major: bool,
+              num_groups: int, scaled: bool):
+    row_s, col_s, out_gmem = rest if scaled else (None, None, rest[0])
     m, k = a_gmem.shape
     n = out_gmem.shape[1]
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
@@ -194,9 +212,12 @@ def _gmm_body(tile_group, a_gmem, b_gmem, out_gmem, *, cfg: MosaicTiling, rhs_k_
         pl.run_scoped,
         allocs=pipeline(ignore, ignore).get_allocations(a_gmem, b_block),
         out_smem=_out_smem(out_gmem.dtype, cfg),
+        scale_smem=(plgpu.SMEM((2, tm), jnp.float32), plgpu.SMEM((2, tn), jnp.float32))
+        if scaled else None,
+        scale_bars=plgpu.Barrier(num_barriers=4) if scaled else None,
         collective_axes="wg",
     )
-    def _scope(allocs, out_smem):
+    def _scope(allocs, out_smem, scale_smem, scale_bars):
         wg = lax.axis_index("wg")
 
         @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
@@ -213,7 +234,12 @@ def _gmm_body(tile_group, a_gmem, b_gmem, out_gmem, *, cfg: MosaicTiling, rhs_k_
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn)))
                 def _(acc_ref):
                     eval_pipeline(acc_ref)
-                    _epilogue(acc_ref[...], out_smem, out_tile, wg, cfg)
+                    acc = acc_ref[...]
+                    if scaled:
+                        gc = jnp.minimum(g, num_groups - 1)
+                        acc = _scaled(acc, row_s.at[m_sl], col_s.at[gc, n_sl].at[wg_n],
+                                      scale_smem, scale_bars, wg)
+                    _epilogue(acc, out_smem, out_tile, wg, cfg)
 
             def mma(idxs, a_smem, b_smem, acc_ref):
                 del idxs
@@ -256,6 +282,8 @@ def gmm(
     out_dtype=None,
     tiling: MosaicTiling | None = None,
     varying: frozenset = frozenset(),
+    row_scale: jax.Array | None = None,
+    col_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped GEMM on the tile-aligned layout: ``out[rows of g] = lhs[rows of g] @ W_g``.
 
@@ -264,6 +292,9 @@ def gmm(
     ``2 * tile_n``; every group size a multiple of ``tile_m``. Rows past ``sum(group_sizes)``
     come out zero. Accumulation is f32; ``out_dtype`` defaults to bf16 for FP8 operands.
     ``varying``: mesh axes the output varies over inside a check_vma ``shard_map``.
+    ``row_scale [M]`` and ``col_scale [G, N]`` (f32, both or neither) multiply the f32
+    accumulator in the epilogue: ``out[r, n] = acc[r, n] * row_scale[r] * col_scale[g, n]``
+    (FP8 operands' dequantization scales, applied before the output cast).
     """
     if out_dtype is None:
         out_dtype = jnp.bfloat16 if jnp.dtype(lhs.dtype).itemsize == 1 else lhs.dtype
@@ -280,7 +311,14 @@ def gmm(
                          f"== 0; got M={m}, K={k}, N={n}.")
     if jnp.dtype(lhs.dtype).itemsize == 1 and not rhs_k_major:
         raise ValueError("FP8 gmm needs the weights K-major ([G, N, K], rhs_k_major=True).")
-    body = functools.partial(_gmm_body, cfg=cfg, rhs_k_major=rhs_k_major, num_groups=n_groups)
+    scaled = row_scale is not None
+    if scaled != (col_scale is not None):
+        raise ValueError("gmm: pass row_scale and col_scale together (or neither).")
+    if scaled and (row_scale.shape != (m,) or col_scale.shape != (n_groups, n)):
+        raise ValueError(f"gmm: row_scale must be [{m}] and col_scale [{n_groups}, {n}]; got "
+                         f"{row_scale.shape}, {col_scale.shape}.")
+    body = functools.partial(_gmm_body, cfg=cfg, rhs_k_major=rhs_k_major, num_groups=n_groups,
+                             scaled=scaled)
     kernel = plgpu.kernel(
         body,
         out_type=_vma.out_struct((m, n), out_dtype, varying),
@@ -290,7 +328,9 @@ def gmm(
         thread_name="wg",
         compiler_params=_params(),
     )
-    return _vma.as_varying(kernel(tile_groups(group_sizes, m, cfg.tile_m), lhs, rhs), varying)
+    scales = (row_scale.astype(jnp.float32), col_scale.astype(jnp.float32)) if scaled else ()
+    out = kernel(tile_groups(group_sizes, m, cfg.tile_m), lhs, rhs, *scales)
+    return _vma.as_varying(out, varying)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,8 +338,9 @@ def gmm(
 # ----------------------------------------------------------------------------------------------
 
 
-def _tgmm_body(start_tile, num_tiles, a_gmem, b_gmem, out_gmem, *, cfg: MosaicTiling,
-               k_major: bool):
+def _tgmm_body(start_tile, num_tiles, a_gmem, b_gmem, *rest, cfg: MosaicTiling,
+               k_major: bool, scaled: bool):
+    row_s, col_s, out_gmem = rest if scaled else (None, None, rest[0])
     n_groups, n1, n2 = out_gmem.shape
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
     cta_n = 2 * tn
@@ -338,9 +379,12 @@ def _tgmm_body(start_tile, num_tiles, a_gmem, b_gmem, out_gmem, *, cfg: MosaicTi
         pl.run_scoped,
         allocs=pipeline(ignore, ignore, 2 * cfg.stages).get_allocations(a_gmem, b_gmem),
         out_smem=_out_smem(out_gmem.dtype, cfg),
+        scale_smem=(plgpu.SMEM((2, tm), jnp.float32), plgpu.SMEM((2, tn), jnp.float32))
+        if scaled else None,
+        scale_bars=plgpu.Barrier(num_barriers=4) if scaled else None,
         collective_axes="wg",
     )
-    def _scope(allocs, out_smem):
+    def _scope(allocs, out_smem, scale_smem, scale_bars):
         wg = lax.axis_index("wg")
 
         @plgpu.nd_loop((n_groups, m_iters * n_iters), collective_axes="sm")
@@ -358,7 +402,11 @@ def _tgmm_body(start_tile, num_tiles, a_gmem, b_gmem, out_gmem, *, cfg: MosaicTi
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn)))
                 def _(acc_ref):
                     eval_pipeline(acc_ref)
-                    _epilogue(acc_ref[...], out_smem, out_tile, wg, cfg)
+                    acc = acc_ref[...]
+                    if scaled:
+                        acc = _scaled(acc, row_s.at[m_sl], col_s.at[n_sl].at[wg_n],
+                                      scale_smem, scale_bars, wg)
+                    _epilogue(acc, out_smem, out_tile, wg, cfg)
 
             def mma(idxs, a_smem, b_smem, acc_ref):
                 del idxs
@@ -379,7 +427,7 @@ def _tgmm_body(start_tile, num_tiles, a_gmem, b_gmem, out_gmem, *, cfg: MosaicTi
 
             @pl.when(steps == 0)
             def _():
-                _zero_tile(out_smem, out_tile, wg, cfg)
+                _zero_tile(out_smem, out_tile, wg, cfg)  # scales do not change a zero
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -393,13 +441,17 @@ def tgmm(
     out_dtype=jnp.float32,
     tiling: MosaicTiling | None = None,
     varying: frozenset = frozenset(),
+    row_scale: jax.Array | None = None,
+    col_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Per-group ``a_g^T @ b_g`` on the tile-aligned layout: ``[G, N1, N2]``.
 
     ``a [M, N1]``, ``b [M, N2]`` (rows grouped by ``group_sizes``), or their K-major copies
     ``a [N1, M]``, ``b [N2, M]`` with ``k_major=True`` (required for FP8). Group sizes must
     be multiples of ``tile_k``; ``N1 % tile_m == 0`` and ``N2 % (2 * tile_n) == 0``. An empty
-    group gives zeros. Accumulation is f32. ``varying``: as in :func:`gmm`.
+    group gives zeros. Accumulation is f32. ``varying``: as in :func:`gmm`. ``row_scale
+    [N1]`` and ``col_scale [N2]`` (f32, both or neither) multiply the accumulator in the
+    epilogue: ``out[g, i, j] = acc[g, i, j] * row_scale[i] * col_scale[j]``.
     """
     cfg = tiling or default_tiling(a.dtype, out_dtype)
     n1, rows = (a.shape if k_major else a.shape[::-1])
@@ -417,7 +469,13 @@ def tgmm(
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     start_tile = (starts // cfg.tile_k).astype(jnp.int32)
     num_tiles = ((ends - starts) // cfg.tile_k).astype(jnp.int32)
-    body = functools.partial(_tgmm_body, cfg=cfg, k_major=k_major)
+    scaled = row_scale is not None
+    if scaled != (col_scale is not None):
+        raise ValueError("tgmm: pass row_scale and col_scale together (or neither).")
+    if scaled and (row_scale.shape != (n1,) or col_scale.shape != (n2,)):
+        raise ValueError(f"tgmm: row_scale must be [{n1}] and col_scale [{n2}]; got "
+                         f"{row_scale.shape}, {col_scale.shape}.")
+    body = functools.partial(_tgmm_body, cfg=cfg, k_major=k_major, scaled=scaled)
     kernel = plgpu.kernel(
         body,
         out_type=_vma.out_struct((n_groups, n1, n2), out_dtype, varying),
@@ -427,4 +485,5 @@ def tgmm(
         thread_name="wg",
         compiler_params=_params(),
     )
-    return _vma.as_varying(kernel(start_tile, num_tiles, a, b), varying)
+    scales = (row_scale.astype(jnp.float32), col_scale.astype(jnp.float32)) if scaled else ()
+    return _vma.as_varying(kernel(start_tile, num_tiles, a, b, *scales), varying)

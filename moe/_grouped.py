@@ -6,10 +6,15 @@ A backend gives the five GEMMs of a grouped linear layer ``out[rows of e] = a[ro
 * ``fwd(a [..., K], w [E, K, N], gs, out_dtype) -> [..., N]`` (forward);
 * ``dgrad(g [..., N], w [E, K, N], gs, out_dtype) -> [..., K]`` (``g @ w[e]^T``);
 * ``wgrad(a [..., K], g [..., N], gs, out_dtype) -> [E, K, N]`` (``a_e^T @ g_e``);
-* ``mm8(a [..., K], b [E, N, K], gs, out_dtype) -> [..., N]``: FP8 ``a @ b[e]^T`` with both
-  operands K-major (what FP8 tensor cores read), no scales (see :mod:`moe.experts`);
-* ``tmm8(a_t, b_t, gs) -> [E, N1, N2]`` f32: FP8 ``a_e^T @ b_e`` from K-major copies
-  ``a_t [..., N1, rows]``, ``b_t [..., N2, rows]``.
+* ``mm8(a [..., K], b [E, N, K], gs, out_dtype, s_a, s_b) -> [..., N]``: FP8
+  ``(a @ b[e]^T) * s_a[row] * s_b[e, n]`` with both payloads K-major (what FP8 tensor cores
+  read) and the f32 dequantization scales ``s_a [...]`` (per row) and ``s_b [E, N]``;
+* ``tmm8(a_t, b_t, gs, out_dtype, s_a, s_b) -> [E, N1, N2]``: FP8 ``a_e^T @ b_e`` from
+  K-major copies ``a_t [..., N1, rows]``, ``b_t [..., N2, rows]``, times ``s_a [..., N1]`` and
+  ``s_b [..., N2]``.
+
+The 'mosaic' kernels apply the scales to the f32 accumulator in their epilogue; the other
+backends multiply the GEMM's result by them in XLA.
 
 Layouts: ragged ``[R, K]`` (rows grouped by expert, ``gs`` rows each; backends 'ragged_dot',
 'pallas', 'mosaic') or capacity-padded ``[E, C, K]`` ('einsum'), whose K-major copies are
@@ -77,13 +82,55 @@ def _up(a):
     return a.astype(jnp.bfloat16)
 
 
+def group_of_rows(group_sizes: jax.Array, rows: int) -> jax.Array:
+    """int32 ``[rows]``: the group of each ragged row (``G`` past ``sum(group_sizes)``)."""
+    ends = jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0))
+    g = jnp.searchsorted(ends, jnp.arange(rows, dtype=jnp.int32), side="right",
+                         method="compare_all")
+    return g.astype(jnp.int32)
+
+
+def _scale_rows(raw, s_a, s_b, gs, out_dtype):
+    """``raw * s_a[row] * s_b[group of row, n]`` for a ragged ``[R, N]`` or padded
+    ``[E, C, N]`` GEMM result (f32 products of exact powers of two)."""
+    if raw.ndim == 3:
+        s_b = s_b[:, None, :]
+    else:
+        s_b = jnp.take(s_b, group_of_rows(gs, raw.shape[0]), axis=0, mode="clip")
+    return (raw.astype(jnp.float32) * s_a[..., None] * s_b).astype(out_dtype)
+
+
+def _scale_wgrad(raw, s_a, s_b, out_dtype):
+    """``raw[e] * s_a[..., :, None] * s_b[..., None, :]`` for a weight-gradient result."""
+    return (raw * s_a[..., :, None] * s_b[..., None, :]).astype(out_dtype)
+
+
+def _raw_dtype(out_dtype):
+    """The unscaled FP8 product's dtype: bf16 unless the output is f32 (scales are powers
+    of two, so scaling after the bf16 rounding changes nothing)."""
+    return jnp.float32 if jnp.dtype(out_dtype) == jnp.float32 else jnp.bfloat16
+
+
+def _scaled_mm8(raw_fn):
+    def mm8(a, b, gs, out_dtype, s_a, s_b):
+        return _scale_rows(raw_fn(a, b, gs, _raw_dtype(out_dtype)), s_a, s_b, gs, out_dtype)
+    return mm8
+
+
+def _scaled_tmm8(raw_fn):
+    def tmm8(at, bt, gs, out_dtype, s_a, s_b):
+        return _scale_wgrad(raw_fn(at, bt, gs), s_a, s_b, out_dtype)
+    return tmm8
+
+
 RAGGED_DOT = GroupedGemms(
     2,
     fwd=lambda a, w, gs, dt: _rd(a, w, gs, _RAGGED_FWD, dt),
     dgrad=lambda g, w, gs, dt: _rd(g, w, gs, _RAGGED_KMAJOR, dt),
     wgrad=lambda a, g, gs, dt: _rd(a, g, gs, _RAGGED_WGRAD, dt),
-    mm8=lambda a, b, gs, dt: _rd(_up(a), _up(b), gs, _RAGGED_KMAJOR, dt),
-    tmm8=lambda at, bt, gs: _rd(_up(at).T, _up(bt).T, gs, _RAGGED_WGRAD, jnp.float32),
+    mm8=_scaled_mm8(lambda a, b, gs, dt: _rd(_up(a), _up(b), gs, _RAGGED_KMAJOR, dt)),
+    tmm8=_scaled_tmm8(lambda at, bt, gs: _rd(_up(at).T, _up(bt).T, gs, _RAGGED_WGRAD,
+                                             jnp.float32)),
 )
 
 
@@ -97,9 +144,10 @@ EINSUM = GroupedGemms(
     dgrad=lambda g, w, gs, dt: _es("ecn,ekn->eck", g, w, dt),
     wgrad=lambda a, g, gs, dt: _es("eck,ecn->ekn", a, g, dt),
     # XLA emits FP8 tensor-core GEMMs for these on Hopper (both operands K-major).
-    mm8=lambda a, b, gs, dt: jnp.einsum("eck,enk->ecn", a, b, preferred_element_type=dt),
-    tmm8=lambda at, bt, gs: jnp.einsum("ekc,enc->ekn", at, bt,
-                                       preferred_element_type=jnp.float32),
+    mm8=_scaled_mm8(lambda a, b, gs, dt: jnp.einsum("eck,enk->ecn", a, b,
+                                                    preferred_element_type=dt)),
+    tmm8=_scaled_tmm8(lambda at, bt, gs: jnp.einsum("ekc,enc->ekn", at, bt,
+                                                    preferred_element_type=jnp.float32)),
 )
 
 PALLAS = GroupedGemms(
@@ -107,8 +155,10 @@ PALLAS = GroupedGemms(
     fwd=lambda a, w, gs, dt: _gmm_pallas.gmm(a, w, gs, out_dtype=dt),
     dgrad=lambda g, w, gs, dt: _gmm_pallas.gmm(g, w, gs, transpose_rhs=True, out_dtype=dt),
     wgrad=lambda a, g, gs, dt: _gmm_pallas.tgmm(a, g, gs, out_dtype=dt),
-    mm8=lambda a, b, gs, dt: _gmm_pallas.gmm(a, b, gs, transpose_rhs=True, out_dtype=dt),
-    tmm8=lambda at, bt, gs: _gmm_pallas.tgmm(at.T, bt.T, gs, out_dtype=jnp.float32),
+    mm8=_scaled_mm8(lambda a, b, gs, dt: _gmm_pallas.gmm(a, b, gs, transpose_rhs=True,
+                                                         out_dtype=dt)),
+    tmm8=_scaled_tmm8(lambda at, bt, gs: _gmm_pallas.tgmm(at.T, bt.T, gs,
+                                                          out_dtype=jnp.float32)),
 )
 
 
@@ -139,47 +189,60 @@ def _on_gpu(kernel_fn, emulated_fn, *args):
     )
 
 
-def _mosaic_gmm(a, b, gs, *, k_major: bool, out_dtype):
-    """``a @ b[g]`` (``b [G, K, N]``) or ``a @ b[g]^T`` (``b [G, N, K]``, ``k_major``)."""
+def _mosaic_gmm(a, b, gs, *scales, k_major: bool, out_dtype):
+    """``a @ b[g]`` (``b [G, K, N]``) or ``a @ b[g]^T`` (``b [G, N, K]``, ``k_major``), times
+    ``scales = (s_a [R], s_b [G, N])`` if given."""
     n = b.shape[1] if k_major else b.shape[2]
 
-    def kernel(varying, a, b, gs):
+    def kernel(varying, a, b, gs, *scales):
         cfg = _gmm_mosaic.default_tiling(a.dtype, out_dtype)
         a_p = _pad_to(a, 1, cfg.tile_k)
         b_p = _pad_to(_pad_to(b, 2 if k_major else 1, cfg.tile_k), 1 if k_major else 2,
                       2 * cfg.tile_n)
+        kw = {}
+        if scales:
+            kw = dict(row_scale=scales[0], col_scale=_pad_to(scales[1], 1, 2 * cfg.tile_n))
         out = _gmm_mosaic.gmm(a_p, b_p, gs, rhs_k_major=k_major, out_dtype=out_dtype,
-                              tiling=cfg, varying=varying)
+                              tiling=cfg, varying=varying, **kw)
         return out[:, :n] if out.shape[1] != n else out
 
-    def emulated(a, b, gs):
+    def emulated(a, b, gs, *scales):
         dn = _RAGGED_KMAJOR if k_major else _RAGGED_FWD
-        ops = (_up(a), _up(b)) if a.dtype == F8 else (a, b)
-        return _rd(*ops, gs, dn, out_dtype)
+        if not scales:
+            return _rd(a, b, gs, dn, out_dtype)
+        raw = _rd(_up(a), _up(b), gs, dn, jnp.float32)
+        return _scale_rows(raw, *scales, gs, out_dtype)
 
-    return _on_gpu(kernel, emulated, a, b, gs)
+    return _on_gpu(kernel, emulated, a, b, gs, *scales)
 
 
-def _mosaic_tgmm(a, b, gs, *, k_major: bool, out_dtype):
-    """Per-group ``a_g^T @ b_g``: ``a [R, N1]``, ``b [R, N2]`` or K-major ``[N1, R]``, ``[N2, R]``."""
+def _mosaic_tgmm(a, b, gs, *scales, k_major: bool, out_dtype):
+    """Per-group ``a_g^T @ b_g``: ``a [R, N1]``, ``b [R, N2]`` or K-major ``[N1, R]``,
+    ``[N2, R]``, times ``scales = (s_a [N1], s_b [N2])`` if given."""
     n1 = a.shape[0] if k_major else a.shape[1]
     n2 = b.shape[0] if k_major else b.shape[1]
 
-    def kernel(varying, a, b, gs):
+    def kernel(varying, a, b, gs, *scales):
         cfg = _gmm_mosaic.default_tiling(a.dtype, out_dtype)
         ax = 0 if k_major else 1
         a_p, b_p = _pad_to(a, ax, cfg.tile_m), _pad_to(b, ax, 2 * cfg.tile_n)
+        kw = {}
+        if scales:
+            kw = dict(row_scale=_pad_to(scales[0], 0, cfg.tile_m),
+                      col_scale=_pad_to(scales[1], 0, 2 * cfg.tile_n))
         out = _gmm_mosaic.tgmm(a_p, b_p, gs, k_major=k_major, out_dtype=out_dtype,
-                               tiling=cfg, varying=varying)
+                               tiling=cfg, varying=varying, **kw)
         return out[:, :n1, :n2] if out.shape[1:] != (n1, n2) else out
 
-    def emulated(a, b, gs):
+    def emulated(a, b, gs, *scales):
         if k_major:
             a, b = a.T, b.T
-        ops = (_up(a), _up(b)) if a.dtype == F8 else (a, b)
-        return _rd(*ops, gs, _RAGGED_WGRAD, out_dtype)
+        if not scales:
+            return _rd(a, b, gs, _RAGGED_WGRAD, out_dtype)
+        raw = _rd(_up(a), _up(b), gs, _RAGGED_WGRAD, jnp.float32)
+        return _scale_wgrad(raw, *scales, out_dtype)
 
-    return _on_gpu(kernel, emulated, a, b, gs)
+    return _on_gpu(kernel, emulated, a, b, gs, *scales)
 
 
 MOSAIC = GroupedGemms(
@@ -187,8 +250,10 @@ MOSAIC = GroupedGemms(
     fwd=lambda a, w, gs, dt: _mosaic_gmm(a, w, gs, k_major=False, out_dtype=dt),
     dgrad=lambda g, w, gs, dt: _mosaic_gmm(g, w, gs, k_major=True, out_dtype=dt),
     wgrad=lambda a, g, gs, dt: _mosaic_tgmm(a, g, gs, k_major=False, out_dtype=dt),
-    mm8=lambda a, b, gs, dt: _mosaic_gmm(a, b, gs, k_major=True, out_dtype=dt),
-    tmm8=lambda at, bt, gs: _mosaic_tgmm(at, bt, gs, k_major=True, out_dtype=jnp.float32),
+    mm8=lambda a, b, gs, dt, s_a, s_b: _mosaic_gmm(a, b, gs, s_a, s_b, k_major=True,
+                                                   out_dtype=dt),
+    tmm8=lambda at, bt, gs, dt, s_a, s_b: _mosaic_tgmm(at, bt, gs, s_a, s_b, k_major=True,
+                                                       out_dtype=dt),
     aligned=True,
 )
 
@@ -238,9 +303,3 @@ def align_map(group_sizes: jax.Array, rows: int, alignment: int):
     return src.astype(jnp.int32), dst.astype(jnp.int32), padded
 
 
-def group_of_rows(group_sizes: jax.Array, rows: int) -> jax.Array:
-    """int32 ``[rows]``: the group of each ragged row (``G`` past ``sum(group_sizes)``)."""
-    ends = jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0))
-    g = jnp.searchsorted(ends, jnp.arange(rows, dtype=jnp.int32), side="right",
-                         method="compare_all")
-    return g.astype(jnp.int32)

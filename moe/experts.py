@@ -68,22 +68,15 @@ def _fp8_matmul(ops: _grouped.GroupedGemms, a, w_kmajor, gs, out_dtype):
     ``raw * s_a[row] * s_w[e, n]`` in ``out_dtype`` (raw accumulated in f32 on the GEMM).
     """
     aq, wq = _rowwise(a), _rowwise(w_kmajor)
-    raw_dtype = jnp.float32 if out_dtype == jnp.float32 else jnp.bfloat16
-    raw = ops.mm8(aq.data, wq.data, gs, raw_dtype)
-    s_w = fp8.block_scales(wq)[..., 0]  # [E, N]
-    if a.ndim == 3:
-        s_w = s_w[:, None, :]
-    else:
-        s_w = jnp.take(s_w, _grouped.group_of_rows(gs, a.shape[0]), axis=0, mode="clip")
-    return (raw.astype(jnp.float32) * fp8.block_scales(aq) * s_w).astype(out_dtype)
+    s_a, s_w = fp8.block_scales(aq)[..., 0], fp8.block_scales(wq)[..., 0]
+    return ops.mm8(aq.data, wq.data, gs, out_dtype, s_a, s_w)
 
 
 def _fp8_wgrad(ops: _grouped.GroupedGemms, a, g, gs, out_dtype):
     """``a_e^T @ g_e`` on FP8 K-major copies, one scale per channel over the token rows."""
     aq, gq = _rowwise(ops.transpose_rows(a)), _rowwise(ops.transpose_rows(g))
-    raw = ops.tmm8(aq.data, gq.data, gs)  # [E, K, N] f32
-    s_a, s_g = fp8.block_scales(aq), fp8.block_scales(gq)  # [(E,) K, 1], [(E,) N, 1]
-    return (raw * s_a * jnp.swapaxes(s_g, -1, -2)).astype(out_dtype)
+    s_a, s_g = fp8.block_scales(aq)[..., 0], fp8.block_scales(gq)[..., 0]
+    return ops.tmm8(aq.data, gq.data, gs, out_dtype, s_a, s_g)
 
 
 def _matmul(opts: _Opts, precision: str, a, w, gs, out_dtype):
