@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import sys
 import time
 import traceback
@@ -145,7 +144,7 @@ def experts_rows(report, a, data):
         ct = jax.random.normal(jax.random.key(7), x.shape, jnp.bfloat16)
         times = {}
         for recipe, opts in RECIPES.items():
-            def loss(x, wgu, wd, ct, opts=opts):
+            def loss(x, wgu, wd, ct, opts=opts, gs=gs, backend=backend, align=align):
                 y = gated_experts(x, gs, wgu, wd, backend=backend, group_alignment=align,
                                   **opts)
                 return jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32))
