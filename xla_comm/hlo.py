@@ -40,8 +40,6 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
-import jax
-
 __all__ = [
     "COLLECTIVE_KINDS",
     "Collective",
@@ -295,10 +293,10 @@ def hlo_text(compiled_or_text: Any) -> str:
     """The HLO text of a compiled or lowered JAX stage (or the string itself).
 
     Args:
-      compiled_or_text: HLO text, a `jax.stages.Compiled` (`jax.jit(f).lower(*a).compile()`:
-        the optimized, scheduled module) or a `jax.stages.Lowered` (`jax.jit(f).lower(*a)`:
-        the pre-optimization HLO that JAX hands to XLA, i.e. what any backend is asked to
-        run before XLA's own rewrites).
+      compiled_or_text: HLO text, a compiled stage (`jax.jit(f).lower(*a).compile()`: the
+        optimized, scheduled module) or a lowered stage (`jax.jit(f).lower(*a)`, also
+        `nnx.jit`'s: the pre-optimization HLO that JAX hands to XLA, i.e. what any backend
+        is asked to run before XLA's own rewrites).
 
     Returns:
       The HLO module text.
@@ -311,8 +309,8 @@ def hlo_text(compiled_or_text: Any) -> str:
     """
     if isinstance(compiled_or_text, str):
         return compiled_or_text
-    if isinstance(compiled_or_text, jax.stages.Lowered):
-        return compiled_or_text.as_text(dialect="hlo")
+    if hasattr(compiled_or_text, "compile") and hasattr(compiled_or_text, "as_text"):
+        return compiled_or_text.as_text(dialect="hlo")  # a lowered stage (jax or nnx.jit)
     if hasattr(compiled_or_text, "as_text"):
         text = compiled_or_text.as_text()
         if isinstance(text, str):
