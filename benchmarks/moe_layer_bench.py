@@ -303,7 +303,7 @@ def print_table(report):
           f"{'exposed':>8s}"
     print(hdr + "\n" + "-" * len(hdr))
     for r in report["layer"]:
-        ov = r.get("overlap", {}).get("exposed_fraction")
+        ov = r["overlap"].get("exposed_fraction") if isinstance(r.get("overlap"), dict) else None
         print(f"{r['variant']:26s} {r['ms']:9.3f} {r['useful_tflops_per_device']:11.3f} "
               f"{r['mfu']:7.3f} {r['dropped_frac']:8.4f} "
               f"{'-' if ov is None else f'{ov:.3f}':>8s}")

@@ -28,15 +28,15 @@
 #
 # The notebook needs this repository's package, `muon-jax-moe` (`muon_jax`, `moe`,
 # `xla_comm`; it is not on PyPI). The next cell installs it when it is missing: from the
-# repository checkout the notebook sits in (a parent folder, or a folder next to the notebook,
-# with `pyproject.toml`), else from a `muon_jax_moe-*.whl` wheel next to the notebook. Run from
-# a clone where `pip install -e .` was done, it installs nothing.
+# repository checkout the notebook sits in (a parent folder, or a folder next to the notebook),
+# else from a `muon_jax_moe-*.whl` wheel next to the notebook. Run from a clone where
+# `pip install -e .` was done, it installs nothing.
 #
 # On Colab: open this notebook (*File > Upload notebook*, or from your copy of the repository on
 # GitHub), then give the runtime the package in one of two ways before running the cell:
 # upload a zip of the repository in the *Files* panel and run `!unzip -q muon-jax-moe.zip`, or
 # build a wheel in a clone (`pip wheel --no-deps . -w dist`) and upload
-# `dist/muon_jax_moe-0.1.0-py3-none-any.whl`. On a TPU runtime, read the last section first.
+# `dist/muon_jax_moe-*.whl`. On a TPU runtime, read the last section first.
 
 # %%
 import importlib
@@ -45,25 +45,14 @@ import pathlib
 import subprocess
 import sys
 
-
-def package_source(here: pathlib.Path) -> pathlib.Path | None:
-    """This repository's root (``here``, a parent, or a folder in ``here``), or a wheel."""
-    for folder in [here, *here.parents, *sorted(here.glob("*/"))]:
-        if (folder / "pyproject.toml").is_file() and (folder / "muon_jax").is_dir():
-            return folder
-    return next(iter(sorted(here.glob("muon_jax_moe-*.whl"))), None)
-
-
-if importlib.util.find_spec("muon_jax") is None:
-    source = package_source(pathlib.Path.cwd())
+if importlib.util.find_spec("xla_comm") is None:  # install this repository's package
+    here = pathlib.Path.cwd()
+    found = [p for p in [here, *here.parents, *here.glob("*/")] if (p / "xla_comm").is_dir()]
+    source = found[0] if found else next(iter(here.glob("muon_jax_moe-*.whl")), None)
     if source is None:
-        raise RuntimeError(
-            "muon-jax-moe is not installed and neither a checkout of its repository nor a "
-            f"muon_jax_moe-*.whl was found from {pathlib.Path.cwd()}; see the cell above."
-        )
+        raise RuntimeError(f"no checkout or wheel of muon-jax-moe found from {here}: see above")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", str(source)], check=True)
     importlib.invalidate_caches()
-print("muon_jax from", pathlib.Path(importlib.util.find_spec("muon_jax").origin).parent)
 
 # %% [markdown]
 # JAX sees a single CPU device by default. The flag below splits the host CPU into 8

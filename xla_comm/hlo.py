@@ -38,7 +38,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Iterable, Iterator
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -62,15 +62,7 @@ CollectiveKind = Literal[
     "collective-permute",
     "collective-broadcast",
 ]
-COLLECTIVE_KINDS: tuple[str, ...] = (
-    "all-reduce",
-    "reduce-scatter",
-    "all-gather",
-    "all-to-all",
-    "ragged-all-to-all",
-    "collective-permute",
-    "collective-broadcast",
-)
+COLLECTIVE_KINDS: tuple[str, ...] = get_args(CollectiveKind)
 
 _DTYPE_BITS = {
     "pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16,
@@ -125,7 +117,7 @@ class Collective:
     """
 
     name: str
-    kind: str
+    kind: CollectiveKind
     is_async: bool
     dtypes: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
