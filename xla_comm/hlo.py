@@ -584,7 +584,10 @@ def _find_done(start: Instruction, users: dict[str, list[Instruction]]) -> Instr
     return None
 
 
-def _full_buffer(ins, kind, role, done, table) -> tuple[list[tuple[str, tuple[int, ...]]], int]:
+def _full_buffer(
+    ins: Instruction, kind: str, role: str, done: Instruction | None,
+    table: dict[str, Instruction],
+) -> tuple[list[tuple[str, tuple[int, ...]]], int]:
     """(arrays, bytes) of the full buffer: the larger of the op's input and output."""
     operands = [table[o] for o in ins.operands if o in table]
     if kind == "ragged-all-to-all":
@@ -601,7 +604,9 @@ def _full_buffer(ins, kind, role, done, table) -> tuple[list[tuple[str, tuple[in
     return (out_arrays, n_out) if n_out >= n_in else (in_arrays, n_in)
 
 
-def _overlapped(body, start: Instruction, done: Instruction | None) -> tuple[tuple[str, str], ...]:
+def _overlapped(
+    body: tuple[Instruction, ...], start: Instruction, done: Instruction | None
+) -> tuple[tuple[str, str], ...]:
     """(opcode, name) of compute ops scheduled between `start` and its `done`."""
     if done is None or done.computation != start.computation:
         return ()
@@ -646,7 +651,9 @@ def analyze_collectives(compiled_or_text: Any) -> CollectiveReport:
     users = _users(table.values())
     found = []
     for cname, body in mod.computations.items():
-        for ins in body if cname not in wrapped else ():
+        if cname in wrapped:  # counted at its async-start
+            continue
+        for ins in body:
             op = _collective_op(mod, ins)
             if op is None:
                 continue
