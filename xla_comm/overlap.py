@@ -6,7 +6,8 @@ environment before any JAX computation runs (or in the environment of a fresh pr
 `os.environ['XLA_FLAGS']` and refuses (ValueError) once a backend exists. Check the effect with
 `xla_comm.hlo.analyze_collectives(compiled).exposed_fraction` on the GPU.
 
-The flags (all verified to parse in jaxlib 0.10.2; an unknown flag aborts XLA at startup):
+The flags (all verified to parse in jaxlib 0.10.2 and 0.11.2; an unknown flag aborts XLA at
+startup):
   --xla_gpu_enable_latency_hiding_scheduler=true   schedule compute between start and done
   --xla_gpu_all_reduce_combine_threshold_bytes=B    combine small collectives into buckets of
   --xla_gpu_all_gather_combine_threshold_bytes=B    up to B bytes (fewer launches, better
