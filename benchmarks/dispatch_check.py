@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -80,37 +78,25 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from moe._transport import resolve_ragged_impl  # noqa: E402
 from moe.dispatch import combine, dispatch  # noqa: E402
+from xla_comm import hlo  # noqa: E402
 
 AXIS = "expert"
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
-          "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-_COLLECTIVE = re.compile(r"=\s*(.*?)\s+(all-to-all|ragged-all-to-all|all-gather)\(")
+_EXCHANGES = ("all-to-all", "ragged-all-to-all")
 
 
-def collective_bytes(hlo: str) -> dict[str, int]:
-    """Bytes of every collective's result buffer in (pre-optimization) HLO text, by kind."""
+def collective_bytes(rep: hlo.CollectiveReport) -> dict[str, int]:
+    """Full-buffer bytes of the exchanges and all-gathers of a report, by kind."""
     out: dict[str, int] = {}
-    for line in hlo.splitlines():
-        m = _COLLECTIVE.search(line)
-        if m:
-            n = sum(_BYTES[dt] * math.prod(int(v) for v in dims.split(",") if v)
-                    for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)))
-            out[m.group(2)] = out.get(m.group(2), 0) + n
+    for c in rep.of_kind(*_EXCHANGES, "all-gather"):
+        out[c.kind] = out.get(c.kind, 0) + c.buffer_bytes
     return out
 
 
-def payload_bytes(hlo: str) -> int:
-    """Bytes of the payload exchanges (all-to-all / ragged-all-to-all buffers of 2-D or more
-    rows; the count exchange is 1-D and left out) in pre-optimization HLO text."""
-    total = 0
-    for line in hlo.splitlines():
-        m = _COLLECTIVE.search(line)
-        if m and m.group(2) != "all-gather":
-            for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
-                shape = [int(v) for v in dims.split(",") if v]
-                if len(shape) >= 2:
-                    total += _BYTES[dt] * math.prod(shape)
-    return total
+def payload_bytes(rep: hlo.CollectiveReport) -> int:
+    """Bytes of the payload exchanges (all-to-all / ragged-all-to-all arrays of 2-D or more
+    rows; the count exchange is 1-D and left out)."""
+    return sum(hlo.array_nbytes(dt, shape) for c in rep.of_kind(*_EXCHANGES)
+               for dt, shape in zip(c.dtypes, c.shapes, strict=True) if len(shape) >= 2)
 
 
 def make_inputs(mesh, n_dev, tokens, d, experts, k, seed):
@@ -232,12 +218,11 @@ def run_timings(mesh, n_dev, native_ok):
             fwd, full, grad, disp = build(mesh, transport=transport, impl=impl, wire=wire,
                                           experts=a.experts, capacity_factor=cf, scale=False)
             dropped = int(jax.block_until_ready(full(x, ids, w))[3].sum())
-            hlo = fwd.lower(x, ids, w).as_text(dialect="hlo")
-            disp_hlo = disp.lower(x, ids).as_text(dialect="hlo")
-            disp_bytes = payload_bytes(disp_hlo)
+            fwd_rep = hlo.analyze_collectives(fwd.lower(x, ids, w))  # as emitted
+            disp_bytes = payload_bytes(hlo.analyze_collectives(disp.lower(x, ids)))
             disp_s = time_fn(disp, x, ids)
             fwd_s = time_fn(fwd, x, ids, w)
-            fwd_bytes = payload_bytes(hlo)
+            fwd_bytes = payload_bytes(fwd_rep)
             remote = (n_dev - 1) / n_dev
             row = dict(
                 transport=transport, impl=impl if transport == "ragged" else "all_to_all",
@@ -245,7 +230,7 @@ def run_timings(mesh, n_dev, native_ok):
                 dispatch_fwd_ms=1e3 * disp_s,
                 fwd_ms=1e3 * fwd_s,
                 fwd_bwd_ms=1e3 * time_fn(grad, x, ids, w, ct),
-                fwd_collective_mb=sum(collective_bytes(hlo).values()) / 2**20,
+                fwd_collective_mb=sum(collective_bytes(fwd_rep).values()) / 2**20,
                 dispatch_payload_mb=disp_bytes / 2**20,
                 dispatch_GBps_buffer=disp_bytes / disp_s / 1e9,
                 dispatch_GBps_remote=remote * disp_bytes / disp_s / 1e9,

@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -104,6 +103,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from moe import _transport, _wire_pallas, fp8  # noqa: E402
 from moe._plan import DispatchPlan, build_plan, dense_capacity  # noqa: E402
 from moe.dispatch import _sum_slots, combine, dispatch  # noqa: E402
+from xla_comm import hlo  # noqa: E402
 
 AXIS = "expert"
 
@@ -111,29 +111,19 @@ AXIS = "expert"
 
 _OPS = ("sort", "gather", "scatter", "all-to-all", "transpose", "copy", "dot",
         "concatenate", "reduce")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\s([a-z][a-z0-9\-]*)\(")
 _SKIP = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all"}
 
 
 def hlo_summary(compiled) -> dict:
     """Cost-analysis bytes, top-level kernel count and op counts of a compiled executable."""
-    text = compiled.as_text()
+    mod = hlo.parse_hlo(compiled)
     ops = dict.fromkeys(_OPS, 0)
-    kernels, in_entry = 0, False
-    for line in text.splitlines():
-        if line.startswith("ENTRY"):
-            in_entry = True
-        elif in_entry and line.startswith("}"):
-            in_entry = False
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        op = m.group(1)
-        base = op.removesuffix("-start").removesuffix("-done")
-        if base in ops and not op.endswith("-done"):
+    for ins in mod.instructions():
+        base = ins.opcode.removesuffix("-start")
+        if base in ops and not ins.opcode.endswith("-done"):
             ops[base] += 1
-        if in_entry and op not in _SKIP and not op.endswith("-done"):
-            kernels += 1
+    kernels = sum(1 for ins in mod.computations.get(mod.entry, ())
+                  if ins.opcode not in _SKIP and not ins.opcode.endswith("-done"))
     try:
         ca = compiled.cost_analysis()
         ca = ca[0] if isinstance(ca, (list, tuple)) else ca

@@ -17,13 +17,13 @@ and dropped slots are not useful work. Dropped fraction = dropped slots / (token
 
 Also times dispatch -> combine alone (identity experts, dense transport, bf16 and FP8 wire):
 GB/s per GPU = bytes each device sends over the all-to-alls of the forward ((P-1)/P of each
-buffer, from the compiled HLO via muon_jax.hlo) / forward time. (benchmarks/dispatch_check.py
+buffer, from the compiled HLO via xla_comm.hlo) / forward time. (benchmarks/dispatch_check.py
 times these too but reports no GB/s and parses argv at import, so it is not imported here.)
 
 ``--profile DIR`` captures a jax.profiler trace of a few steps of the variants in
 ``--profile-variants`` and reports the fraction of NCCL kernel time hidden under compute
 (benchmarks/trace_overlap.py). Variants ending in ``_overlap`` are the same step compiled with
-``muon_jax.overlap.overlap_compiler_options()``, so exposed communication is compared with and
+``xla_comm.overlap.overlap_compiler_options()``, so exposed communication is compared with and
 without the overlap flags in one run.
 
 Usage:
@@ -50,7 +50,7 @@ VARIANTS: dict[str, dict] = {
     "ragged_fp8": dict(transport="ragged", backend="ragged_dot", wire="fp8"),
     "ragged_pallas_bf16": dict(transport="ragged", backend="pallas", wire="bf16"),
     "ragged_pallas_fp8": dict(transport="ragged", backend="pallas", wire="fp8"),
-    # The same steps compiled with muon_jax.overlap.overlap_compiler_options() (latency-hiding
+    # The same steps compiled with xla_comm.overlap.overlap_compiler_options() (latency-hiding
     # scheduler, combine thresholds, high-priority collective stream).
     "dense_einsum_bf16_overlap": dict(transport="dense", backend="einsum", wire="bf16",
                                       overlap=True),
@@ -127,8 +127,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from trace_overlap import exposed_comm_fraction  # noqa: E402
 
 import moe  # noqa: E402
-from muon_jax import hlo as mhlo  # noqa: E402
-from muon_jax import overlap as moverlap  # noqa: E402
+from xla_comm import hlo, overlap  # noqa: E402
 
 AXES = ("data", "expert")
 
@@ -196,7 +195,7 @@ def build_layer(name, mesh, a, data):
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
     compiler = None
     if VARIANTS[name].get("overlap"):
-        want = moverlap.overlap_compiler_options()
+        want = overlap.overlap_compiler_options()
         step, dropped_opts = compile_with(step.lower(*layer_args(data)), want)
         compiler = {"options": want, "options_dropped": dropped_opts}
     dropped = jax.jit(lambda x, rk, wgu, wd: fwd(x, rk, wgu, wd)[1]["dropped_tokens"])
@@ -278,7 +277,7 @@ def bench_dispatch(mesh, a) -> list[dict]:
     rows = []
     for wire in ("bf16", "fp8"):
         fwd, grad = build_dispatch(mesh, a, wire)
-        colls = mhlo.analyze_collectives(fwd.lower(x, ids, w).compile()).collectives
+        colls = hlo.analyze_collectives(fwd.lower(x, ids, w).compile()).collectives
         a2a = [c for c in colls if c.kind in ("all-to-all", "ragged-all-to-all")]
         sent = sum(c.ring_bytes for c in a2a)
         fwd_s, _ = median_seconds(fwd, (x, ids, w), a.warmup, a.iters)
@@ -304,7 +303,7 @@ def print_table(report):
           f"{'exposed':>8s}"
     print(hdr + "\n" + "-" * len(hdr))
     for r in report["layer"]:
-        ov = r.get("overlap", {}).get("exposed_fraction")
+        ov = r["overlap"].get("exposed_fraction") if isinstance(r.get("overlap"), dict) else None
         print(f"{r['variant']:26s} {r['ms']:9.3f} {r['useful_tflops_per_device']:11.3f} "
               f"{r['mfu']:7.3f} {r['dropped_frac']:8.4f} "
               f"{'-' if ov is None else f'{ov:.3f}':>8s}")

@@ -19,7 +19,7 @@ Variants (``--variants``, comma separated; default all):
   one matrix per device per chunk): per-chunk collectives that XLA can overlap with
   Newton-Schulz of other chunks. Its HLO ring bytes must equal ``muon``'s
   (``chunking_ring_bytes_equal``).
-- ``muon_overlap``: ``muon`` compiled with ``muon_jax.overlap`` options (latency-hiding
+- ``muon_overlap``: ``muon`` compiled with ``xla_comm.overlap`` options (latency-hiding
   scheduler, combine thresholds).
 - ``optax``: optax.contrib.muon on the same replicated params (all-reduced gradients; every
   device orthogonalizes every matrix).
@@ -121,7 +121,7 @@ def main(argv=None) -> dict:
     from jax.sharding import PartitionSpec as P
 
     import muon_jax
-    from muon_jax import hlo, overlap
+    from xla_comm import hlo, overlap
 
     report: dict = {"benchmark": "muon_step", "env": env_info(), "config": vars(args)}
     n = len(jax.devices())

@@ -2,7 +2,7 @@
 
 from optax.contrib import MuonDimensionNumbers
 
-from muon_jax import hlo, loss_scale, overlap
+from muon_jax import loss_scale
 from muon_jax._masking import default_muon_mask
 from muon_jax._newton_schulz import ns_flops, orthogonalize, resolve_ns_coeffs
 from muon_jax._transform import MuonState, ShardedMuonState, muon, scale_by_muon
@@ -10,9 +10,7 @@ from muon_jax.dp import reduce_unreduced, reduced_view
 from muon_jax.portable import PortableMuonState, portable_state, portable_target, restore_state
 
 __all__ = [
-    "hlo",
     "loss_scale",
-    "overlap",
     "MuonDimensionNumbers",
     "MuonState",
     "PortableMuonState",

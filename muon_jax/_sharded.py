@@ -25,7 +25,7 @@ Newton-Schulz of other chunks. Momentum stays one array per stack (``split_chunk
 Bytes per device for a data-parallel step with unreduced gradients: reduce-scatter + all-gather
 = one all-reduce, the traffic of data-parallel AdamW (plus padding of ``K`` to ``N``).
 
-What XLA does otherwise (measured with :mod:`muon_jax.hlo`, jax 0.10.2, 8 CPU devices, an MLP
+What XLA does otherwise (measured with :mod:`xla_comm.hlo`, jax 0.10.2, 8 CPU devices, an MLP
 of six 64x64 matrices trained data-parallel; ring bytes/device, AdamW = one all-reduce):
 
 1. ``with_sharding_constraint`` of the padded gradient stack to ``P('d')`` right after

@@ -2,7 +2,6 @@
 
 import functools
 import math
-import re
 
 import chex
 import jax
@@ -13,6 +12,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from moe.dispatch import combine, dense_capacity, dispatch
+from xla_comm import hlo
 
 E, K = 16, 2  # experts, top-k
 T_ALL = 64  # tokens over all devices (8 per device on 8 devices)
@@ -242,21 +242,10 @@ def test_capacity_drops_by_rule_and_nothing_else_changes():
 
 # ----------------------------------------------------------------------------- 3. wire bytes
 
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "bf16": 2, "f16": 2, "s16": 2,
-          "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-
-
-def all_to_all_ops(hlo: str):
-    """[(dtypes, bytes)] per all-to-all instruction in HLO text (tuple results summed)."""
-    ops = []
-    for line in hlo.splitlines():
-        m = re.search(r"=\s*(.*?)\s+all-to-all(?:-start)?\(", line)
-        if m:
-            arrays = re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))
-            nbytes = sum(_BYTES[dt] * math.prod(int(v) for v in dims.split(",") if v)
-                         for dt, dims in arrays)
-            ops.append(({dt for dt, _ in arrays}, nbytes))
-    return ops
+def all_to_all_ops(stage):
+    """[(dtypes, bytes)] per all-to-all of a lowered or compiled stage (tuples summed)."""
+    return [(set(c.dtypes), c.buffer_bytes)
+            for c in hlo.analyze_collectives(stage).of_kind("all-to-all")]
 
 
 def test_fp8_dispatch_halves_wire_bytes():
@@ -271,8 +260,7 @@ def test_fp8_dispatch_halves_wire_bytes():
                                     dispatch_dtype=wire)[:2],
             mesh=mesh, in_specs=(P("expert"), P("expert")), out_specs=P("expert"))
         lowered = jax.jit(f).lower(x, ids)
-        return (all_to_all_ops(lowered.as_text(dialect="hlo")),
-                all_to_all_ops(lowered.compile().as_text()))
+        return all_to_all_ops(lowered), all_to_all_ops(lowered.compile())
 
     (bf16_emitted, bf16_compiled), (fp8_emitted, fp8_compiled) = wire_ops("bf16"), wire_ops("fp8")
     for ops in (bf16_emitted, bf16_compiled, fp8_emitted, fp8_compiled):
@@ -338,8 +326,7 @@ def test_native_ragged_path_lowers_with_fp8_wire():
         return combine(jnp.sin(ex), w, plan, combine_grad_dtype="fp8")
 
     f = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok), out_specs=tok)
-    hlo = jax.jit(jax.grad(lambda x, ids: jnp.sum(f(x, ids) ** 2))).lower(x, ids).as_text(
-        dialect="hlo")
-    ops = re.findall(r"= (\w+)\[[\d,]*\]\S* ragged-all-to-all\(", hlo)
+    lowered = jax.jit(jax.grad(lambda x, ids: jnp.sum(f(x, ids) ** 2))).lower(x, ids)
+    ops = [c.dtypes for c in hlo.analyze_collectives(lowered).of_kind("ragged-all-to-all")]
     # dispatch fwd, combine fwd, combine bwd (dispatch direction, FP8), dispatch bwd.
-    assert sorted(ops) == ["bf16", "bf16", "u32", "u32"], ops
+    assert sorted(ops) == [("bf16",), ("bf16",), ("u32",), ("u32",)], ops

@@ -8,7 +8,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import muon_jax
-from muon_jax import _layout, hlo
+from muon_jax import _layout
+from xla_comm import hlo
 
 F32_TX = dict(ns_dtype=jnp.float32, mu_dtype=jnp.float32)
 # Stacks with several matrices per device; 'w*' are 12 separate leaves of one shape (more

@@ -13,7 +13,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import muon_jax
-from muon_jax import _sharded, hlo, loss_scale
+from muon_jax import _sharded, loss_scale
+from xla_comm import hlo
 
 SHAPES = {  # >= 6 distinct matrix shapes, stack counts not divisible by the axis sizes
     "w1": (16, 32),

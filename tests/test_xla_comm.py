@@ -1,4 +1,4 @@
-"""muon_jax.hlo reads kinds, bytes, group sizes, ring costs, loops and overlap from HLO text."""
+"""xla_comm.hlo reads kinds, bytes, group sizes, ring costs, loops and overlap from HLO text."""
 
 import os
 import subprocess
@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from muon_jax import hlo, overlap
+from xla_comm import hlo, overlap
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +150,7 @@ def test_overlap_flags_and_refusal_after_backend_init():
 
 def test_enable_overlap_in_fresh_process_sets_flags_xla_accepts():
     code = (
-        "import os; from muon_jax import overlap as o; o.enable_overlap(pipelined=True); "
+        "import os; from xla_comm import overlap as o; o.enable_overlap(pipelined=True); "
         "import jax; jax.devices(); assert o.backend_initialized(); "
         "print(os.environ['XLA_FLAGS'])"
     )
@@ -173,3 +173,76 @@ def test_lowered_text_is_parsed_too():
     lowered = f.lower(jnp.ones(8))
     assert len(hlo.analyze_collectives(lowered.as_text(dialect="hlo"))) == 1
     assert len(hlo.analyze_collectives(lowered.compile())) == 1
+
+
+@pytest.mark.parametrize(
+    "attrs,n",
+    [
+        ("replica_groups={}, to_apply=%add", 8),
+        ("replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add", 2),
+        ("replica_groups={{0,4,1,5,2,6,3,7}}, dimensions={0}", 8),
+        ("replica_groups=[2,4]<=[8], to_apply=%add", 4),
+        ("replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}", 2),
+        ("replica_groups=[1,8]<=[8], dimensions={0}", 8),
+        ("replica_groups=mesh['a'=2,'b'=4] {'b'}, use_global_device_ids=true", 4),
+        ("replica_groups=mesh['a'=2,'b'=4] {'a'}, dimensions={0}", 2),
+        ("replica_groups=mesh['a'=2,'b'=4] {'b','a'}, dimensions={0}", 8),
+        ("replica_groups=mesh['x'=8] {'x':(1)2}, to_apply=%add", 2),
+        ("replica_groups=mesh['x'=8,'y'=2] {'x':(2)4,'y'}, to_apply=%add", 8),
+        ("replica_groups=mesh[a=2,b=4], device_ids=(0,2,4,6,1,3,5,7) {b}, to_apply=%add", 4),
+        ("replica_groups=mesh['a'=2,'b'=4] {}, to_apply=%add", 1),
+        ("source_target_pairs={{0,1},{1,0}}", 2),
+        ("channel_id=1, to_apply=%add", 8),
+    ],
+)
+def test_replica_group_size_reads_every_form(attrs, n):
+    assert hlo.replica_group_size(attrs, 8) == n
+
+
+def test_group_sizes_of_a_real_program_match_the_mesh():
+    """Whichever replica-group form this jax prints, sizes come out of the mesh axes."""
+    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
+
+    def f(x):
+        return (jax.lax.psum(x, "a"), jax.lax.psum(x, "b"), jax.lax.psum(x, ("b", "a")),
+                jax.lax.all_gather(x, ("b", "a"), tiled=True))
+
+    spec = P(("a", "b"))
+    g = jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=(spec,) * 4)
+    x = jax.device_put(jnp.ones((64, 16), jnp.float32), NamedSharding(mesh, spec))
+    for stage in (jax.jit(g).lower(x), jax.jit(g).lower(x).compile()):
+        rep = hlo.analyze_collectives(stage)
+        assert sorted(c.group_size for c in rep.of_kind("all-reduce")) == [2, 4, 8], rep.table()
+        assert [c.group_size for c in rep.of_kind("all-gather")] == [8], rep.table()
+
+
+_RAGGED_HLO = """HloModule m, num_partitions=4
+
+ENTRY %main (x: u32[64,129], out: u32[96,129], o: s32[4], s: s32[4], p: s32[4], r: s32[4]) -> u32[96,129] {
+  %x = u32[64,129]{1,0} parameter(0)
+  %out = u32[96,129]{1,0} parameter(1)
+  %o = s32[4]{0} parameter(2)
+  %s = s32[4]{0} parameter(3)
+  %p = s32[4]{0} parameter(4)
+  %r = s32[4]{0} parameter(5)
+  ROOT %ra = u32[96,129]{1,0} ragged-all-to-all(%x, %out, %o, %s, %p, %r), replica_groups={{0,1,2,3}}
+}
+"""  # noqa: E501
+
+
+def test_ragged_all_to_all_buffer_is_data_not_offsets():
+    (c,) = hlo.analyze_collectives(_RAGGED_HLO)
+    assert (c.kind, c.dtypes, c.shapes, c.group_size) == (
+        "ragged-all-to-all", ("u32",), ((96, 129),), 4)
+    assert c.buffer_bytes == hlo.array_nbytes("u32", (96, 129)) == 96 * 129 * 4
+
+
+def test_parse_hlo_and_array_nbytes():
+    mod = hlo.parse_hlo(_ASYNC_HLO)
+    assert (mod.entry, mod.num_partitions, mod.num_devices) == ("main", 8, 8)
+    assert [i.opcode for i in mod.computations["wrapped_rs"]] == ["parameter", "reduce-scatter"]
+    (ag,) = [i for i in mod.instructions() if i.opcode == "all-gather-start"]
+    assert (ag.operands, ag.computation) == (("a",), "main")
+    assert hlo.array_nbytes("f4e2m1fn", (3,)) == 2 and hlo.array_nbytes("pred", ()) == 1
+    with pytest.raises(ValueError, match="dtype='q7'"):
+        hlo.array_nbytes("q7", (2,))

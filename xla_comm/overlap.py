@@ -4,9 +4,10 @@ XLA reads `XLA_FLAGS` once, when the first backend is created, so the flags must
 environment before any JAX computation runs (or in the environment of a fresh process).
 `overlap_flags()` returns the recommended set; `enable_overlap()` appends them to
 `os.environ['XLA_FLAGS']` and refuses (ValueError) once a backend exists. Check the effect with
-`muon_jax.hlo.analyze_collectives(compiled).exposed_fraction` on the GPU.
+`xla_comm.hlo.analyze_collectives(compiled).exposed_fraction` on the GPU.
 
-The flags (all verified to parse in jaxlib 0.10.2; an unknown flag aborts XLA at startup):
+The flags (all verified to parse in jaxlib 0.10.2 and 0.11.2; an unknown flag aborts XLA at
+startup):
   --xla_gpu_enable_latency_hiding_scheduler=true   schedule compute between start and done
   --xla_gpu_all_reduce_combine_threshold_bytes=B    combine small collectives into buckets of
   --xla_gpu_all_gather_combine_threshold_bytes=B    up to B bytes (fewer launches, better
@@ -98,8 +99,12 @@ def overlap_compiler_options(
       A dict of XLA debug-option names to bool / int values.
 
     Example:
-      >>> compiled = jax.jit(step).lower(*args).compile(
+      >>> import jax.numpy as jnp
+      >>> x = jnp.ones(4)
+      >>> compiled = jax.jit(jnp.sin).lower(x).compile(
       ...     compiler_options=overlap_compiler_options())
+      >>> overlap_compiler_options(1 << 20)["xla_gpu_all_gather_combine_threshold_bytes"]
+      1048576
 
     References:
       XLA latency-hiding scheduler (openxla.org/xla/flags_guidance).
@@ -123,7 +128,9 @@ def backend_initialized() -> bool:
       True when a backend has been created in this process.
 
     Example:
-      >>> backend_initialized()  # after jax.devices() this is True
+      >>> _ = jax.devices()
+      >>> backend_initialized()
+      True
 
     References:
       JAX configuration options (`jax_num_cpu_devices`).
@@ -161,7 +168,13 @@ def enable_overlap(
         at the top of the script, or set XLA_FLAGS in the environment of a new process.
 
     Example:
-      >>> import muon_jax.overlap as ov; ov.enable_overlap()  # first thing in the script
+      First thing in a script: ``from xla_comm import overlap; overlap.enable_overlap()``.
+      Once JAX has a backend it refuses:
+
+      >>> _ = jax.devices()
+      >>> enable_overlap()  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ValueError: enable_overlap: the JAX backend is already initialized, ...
 
     References:
       XLA latency-hiding scheduler (openxla.org/xla/flags_guidance).
@@ -172,7 +185,7 @@ def enable_overlap(
     if backend_initialized():
         raise ValueError(
             "enable_overlap: the JAX backend is already initialized, so XLA has read "
-            "XLA_FLAGS and new flags would be ignored. Call muon_jax.overlap.enable_overlap() "
+            "XLA_FLAGS and new flags would be ignored. Call xla_comm.overlap.enable_overlap() "
             "before any JAX computation (right after import), or start a new process with "
             f"XLA_FLAGS='{' '.join(flags)}'."
         )

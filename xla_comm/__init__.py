@@ -1,0 +1,18 @@
+"""xla_comm: what a compiled JAX program communicates, and XLA flags to overlap it.
+
+`xla_comm.hlo` reads the collectives of an HLO module (kind, bytes, group size, ring cost,
+while-loop membership, overlap with compute); `xla_comm.overlap` builds the XLA:GPU options
+that let async collectives overlap compute. Both packages of this distribution (`muon_jax`,
+`moe`), their tests, benchmarks and notebooks use them.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from xla_comm import hlo
+  >>> rep = hlo.analyze_collectives(jax.jit(jnp.sin).lower(jnp.ones(4)).compile())
+  >>> len(rep)
+  0
+"""
+
+from xla_comm import hlo, overlap
+
+__all__ = ["hlo", "overlap"]
