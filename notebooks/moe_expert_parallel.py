@@ -92,12 +92,13 @@ print(f"jax {jax.__version__}: {len(devices)} {devices[0].platform} devices")
 #
 # The 8 devices form a `2 x 4` mesh. `moe.MoE` splits its 8 experts over the `expert`
 # axis (2 experts per device) and keeps the router replicated; the tokens are split
-# over all 8 devices. `dispatch_dtype='fp8'` sends tokens to their experts as FP8.
+# over all 8 devices. The options live in one `moe.MoEOptions`; `dispatch_dtype='fp8'`
+# sends tokens to their experts as FP8.
 
 # %%
 mesh = jax.make_mesh((2, 4), ("data", "expert"), devices=devices)
-layer = moe.MoE(d_model=512, d_ff=256, num_experts=8, top_k=2, mesh=mesh,
-                dispatch_dtype="fp8", rngs=nnx.Rngs(0))
+options = moe.MoEOptions.create(8, 2, dispatch_dtype="fp8")  # 8 experts, top-2
+layer = moe.MoE(512, 256, options=options, mesh=mesh, rngs=nnx.Rngs(0))
 
 for path, p in nnx.state(layer, nnx.Param).flat_state():
     a = p[...]
@@ -226,8 +227,8 @@ from xla_comm import hlo
 
 x16 = x.astype(jnp.bfloat16)
 for wire in ["bf16", "fp8"]:
-    layer16 = moe.MoE(d_model=512, d_ff=256, num_experts=8, top_k=2, mesh=mesh,
-                      dtype=jnp.bfloat16, dispatch_dtype=wire, rngs=nnx.Rngs(0))
+    layer16 = moe.MoE(512, 256, options=options.replace(dispatch_dtype=wire), mesh=mesh,
+                      dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     lowered = nnx.jit(lambda layer, x: layer(x)[0]).lower(layer16, x16)
     for stage, program in [("emitted", lowered), ("compiled", lowered.compile())]:
         for c in hlo.analyze_collectives(program).of_kind("all-to-all"):
