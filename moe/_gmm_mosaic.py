@@ -261,13 +261,22 @@ def _gmm_body(tile_group, a_gmem, b_gmem, *rest, cfg: MosaicTiling, rhs_k_major:
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def group_ends(group_sizes: jax.Array) -> jax.Array:
+    """Inclusive cumulative sum of the (few) group sizes, as one masked reduction: XLA lowers
+    ``jnp.cumsum`` for CUDA to a scan loop (jax 0.11), which a handful of groups do not need."""
+    gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    n = gs.shape[0]
+    tri = jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]
+    return jnp.sum(jnp.where(tri, gs[None, :], 0), axis=1, dtype=jnp.int32)
+
+
 def tile_groups(group_sizes: jax.Array, m: int, tile_m: int) -> jax.Array:
     """int32 ``[m // tile_m]``: the group of each row tile (``G`` for padding tiles).
 
     Assumes every group size is a multiple of ``tile_m`` (the aligned layout).
     """
     n_groups = group_sizes.shape[0]
-    ends = jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0))
+    ends = group_ends(group_sizes)
     starts = jnp.arange(m // tile_m, dtype=jnp.int32) * tile_m
     g = jnp.searchsorted(ends, starts, side="right", method="compare_all")
     return jnp.minimum(g, n_groups).astype(jnp.int32)
@@ -465,7 +474,7 @@ def tgmm(
         raise ValueError("FP8 tgmm needs K-major operands (k_major=True).")
     n_groups = group_sizes.shape[0]
     sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends = jnp.minimum(jnp.cumsum(sizes), rows)
+    ends = jnp.minimum(group_ends(sizes), rows)
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     start_tile = (starts // cfg.tile_k).astype(jnp.int32)
     num_tiles = ((ends - starts) // cfg.tile_k).astype(jnp.int32)

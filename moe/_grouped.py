@@ -84,7 +84,7 @@ def _up(a):
 
 def group_of_rows(group_sizes: jax.Array, rows: int) -> jax.Array:
     """int32 ``[rows]``: the group of each ragged row (``G`` past ``sum(group_sizes)``)."""
-    ends = jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0))
+    ends = _gmm_mosaic.group_ends(group_sizes)
     g = jnp.searchsorted(ends, jnp.arange(rows, dtype=jnp.int32), side="right",
                          method="compare_all")
     return g.astype(jnp.int32)
@@ -289,15 +289,15 @@ def align_map(group_sizes: jax.Array, rows: int, alignment: int):
     n = aligned_rows(rows, group_sizes.shape[0], alignment)
     gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
     padded = -(-gs // alignment) * alignment
-    starts = jnp.cumsum(gs) - gs
-    a_starts = jnp.cumsum(padded) - padded
+    ends, a_ends = _gmm_mosaic.group_ends(gs), _gmm_mosaic.group_ends(padded)
+    starts, a_starts = ends - gs, a_ends - padded
     i = jnp.arange(n, dtype=jnp.int32)
-    g_i = jnp.searchsorted(jnp.cumsum(padded), i, side="right", method="compare_all")
+    g_i = jnp.searchsorted(a_ends, i, side="right", method="compare_all")
     g_c = jnp.minimum(g_i, gs.shape[0] - 1)
     off = i - a_starts[g_c]
     src = jnp.where((g_i < gs.shape[0]) & (off < gs[g_c]), starts[g_c] + off, rows)
     r = jnp.arange(rows, dtype=jnp.int32)
-    g_r = jnp.searchsorted(jnp.cumsum(gs), r, side="right", method="compare_all")
+    g_r = jnp.searchsorted(ends, r, side="right", method="compare_all")
     g_rc = jnp.minimum(g_r, gs.shape[0] - 1)
     dst = jnp.where(g_r < gs.shape[0], a_starts[g_rc] + r - starts[g_rc], n)
     return src.astype(jnp.int32), dst.astype(jnp.int32), padded
