@@ -13,7 +13,8 @@ from flax import nnx
 
 import muon_jax
 from muon_jax import MuonDimensionNumbers as MDN
-from muon_jax._dims import path_str
+from muon_jax import newton_schulz
+from muon_jax.matrices import path_str
 
 # Leaves of odd shapes: wide, tall, square, tiny, a stack [L, m, n], a conv kernel, and a leaf
 # whose reduction axis comes after its output axis.
@@ -93,7 +94,7 @@ def _scaled(updates, factor):
     ids=["jordan-nesterov", "per_step-plain-spectral"],
 )
 def test_scale_by_muon_matches_optax(ns_coeffs, beta, eps, nesterov, shape_scaling):
-    coeffs = muon_jax.resolve_ns_coeffs(ns_coeffs, 5)
+    coeffs = newton_schulz.resolve_ns_coeffs(ns_coeffs, 5)
     ours = muon_jax.scale_by_muon(
         ns_coeffs, 5, beta, eps, nesterov=nesterov, ns_dtype=jnp.float32,
         shape_scaling=shape_scaling, dimension_numbers=_our_dims(),
