@@ -227,8 +227,10 @@ def to_owners(grads: Sequence[jax.Array], plan: OwnerPlan) -> tuple[jax.Array, .
         for i in s.leaves:
             leaf = plan.leaves[i]
             _check_typed_sharding(grads[i], leaf, explicit)
-            # Axes the gradient is unreduced over are reduce-scattered, never sliced.
-            spec = tuple(tuple(a for a in e if a not in u) for e in leaf.entry_spec)
+            # Unreduced gradients come in the param's sharding (their remaining axes are
+            # sliced, see _entry_ops); the unreduced axes are reduce-scattered.
+            spec = tuple(tuple(a for a in e if a not in u)
+                         for e in (leaf.spec if u else leaf.entry_spec))
             if not u:
                 placed[i] = _constrain(grads[i], partition_spec(spec), mesh)
             in_specs[i] = partition_spec(spec, unreduced=u) if u else partition_spec(spec)
@@ -297,12 +299,15 @@ def _entry_ops(s: StackPlan, x: jax.Array, u: frozenset[str], plan: OwnerPlan) -
     for op in s.ops:
         if set(op.axes) <= u:
             x = jax.lax.psum_scatter(x, op.axes, scatter_dimension=0, tiled=True)
-        elif op.entry == "split" or set(op.axes) & u:
-            if set(op.axes) & u:
-                x = jax.lax.psum(x, tuple(a for a in op.axes if a in u))
-            chunk = x.shape[0] // mesh_size(mesh, op.axes)
-            i = jax.lax.axis_index(op.axes)
-            x = jax.lax.dynamic_slice_in_dim(x, i * chunk, chunk, axis=0)
+        elif op.entry == "split" or (u and op.exit == "gather"):
+            # Split dim 0 one axis at a time, major first (the tiled order of op.axes):
+            # reduce-scatter over axes the gradient is unreduced over, slice over the others.
+            for a in op.axes:
+                if a in u:
+                    x = jax.lax.psum_scatter(x, a, scatter_dimension=0, tiled=True)
+                else:
+                    chunk = x.shape[0] // mesh.shape[a]
+                    x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(a) * chunk, chunk)
         else:
             x = jax.lax.all_to_all(x, op.axes, 0, 1 if op.entry == "a2a_m" else 2, tiled=True)
     return x
