@@ -413,6 +413,7 @@ def muon(
     eps: float = 1e-8,
     weight_decay: jax.typing.ArrayLike = 0.0,
     *,
+    mu_dtype: jax.typing.DTypeLike | None = None,
     nesterov: bool = True,
     bias_correction: bool = True,
     ns_dtype: jax.typing.DTypeLike = jnp.bfloat16,
@@ -450,6 +451,7 @@ def muon(
       beta: Muon momentum decay.
       eps: added to the Frobenius norm before Newton-Schulz.
       weight_decay: decoupled weight decay of the Muon leaves (multiplied by the learning rate).
+      mu_dtype: dtype of Muon's momentum (``None``: the params' dtype).
       nesterov: Nesterov momentum for Muon.
       bias_correction: bias-corrected momentum (optax) or not (PyTorch); see
         :func:`scale_by_muon`.
@@ -514,6 +516,7 @@ def muon(
             ns_steps,
             beta,
             eps,
+            mu_dtype,
             nesterov=nesterov,
             bias_correction=bias_correction,
             ns_dtype=ns_dtype,

@@ -195,6 +195,15 @@ def test_default_routing_on_dict_tree():
     assert _muon_leaves(state) == {"mlp/kernel", "layers/attn"}
 
 
+def test_muon_mu_dtype_sets_muon_momentum_only():
+    params = {k: v for k, v in _routing_tree().items() if k != "steps"}
+    state = muon_jax.muon(0.1, mu_dtype=jnp.bfloat16).init(params)
+    muon_mu = state.inner_states["muon"].inner_state[0].mu
+    adam_mu = state.inner_states["adamw"].inner_state[0].mu
+    assert {x.dtype for x in jax.tree.leaves(muon_mu)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(adam_mu)} == {jnp.dtype(jnp.float32)}
+
+
 def test_dimension_numbers_route_to_muon():
     params = {"embed": jnp.zeros((3, 4, 5)), "w": jnp.zeros((4, 4))}
     dims = {"embed": MDN(reduction_axis=(0, 1), output_axis=2), "w": None}
