@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from muon_jax import dp, masking, matrices, owner_plan, owners
@@ -306,7 +306,8 @@ def _leaf_specs(params: Any, mesh: Any, shard_axes: Any, param_specs: SpecsLike)
     if param_specs is not None:
         given = _given_specs(params, param_specs)
         for (path, x), spec in zip(flat, given, strict=True):
-            seen = owner_plan.param_spec(x) if not isinstance(x, jax.core.Tracer) else None
+            placed = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
+            seen = placed.spec if isinstance(placed, NamedSharding) else None
             if seen is not None and (owner_plan.spec_dims(seen, x.ndim)
                                      != owner_plan.spec_dims(spec, x.ndim)):
                 raise ValueError(

@@ -225,8 +225,9 @@ def test_traced_init_on_auto_axes_needs_param_specs():
         jax.jit(muon_jax.scale_by_muon(mesh=mesh).init)(params)
     with pytest.raises(ValueError, match=r"'w' is sharded .*param_specs gives"):
         muon_jax.scale_by_muon(mesh=mesh, param_specs=P()).init(params)
-    state = jax.jit(muon_jax.scale_by_muon(mesh=mesh, param_specs={"w": P("data")}).init)(params)
-    assert state.plan.leaves[0].spec == (("data",), ())
+    tx = muon_jax.scale_by_muon(mesh=mesh, param_specs={"w": P("data")})
+    for state in (jax.jit(tx.init)(params), tx.init({"w": np.ones((16, 32), np.float32)})):
+        assert state.plan.leaves[0].spec == (("data",), ())  # traced, or host data
 
 
 # ----------------------------------------------------------------------------- global-norm clip
