@@ -121,6 +121,7 @@ def main(argv=None) -> dict:
     from jax.sharding import PartitionSpec as P
 
     import muon_jax
+    from muon_jax import newton_schulz
     from xla_comm import hlo, overlap
 
     report: dict = {"benchmark": "muon_step", "env": env_info(), "config": vars(args)}
@@ -160,7 +161,7 @@ def main(argv=None) -> dict:
     data_sharding = NamedSharding(mesh, P("data"))
     data = jax.jit(lambda: make_tree((n,), args.seed + 1000, 3.5), out_shardings=data_sharding)()
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    ns_flops = sum(layers * muon_jax.ns_flops(*s, args.ns_steps) for s in shapes.values())
+    ns_flops = sum(layers * newton_schulz.ns_flops(*s, args.ns_steps) for s in shapes.values())
     report["model"] = {"params": int(n_params), "matrices": layers * len(shapes),
                        "ns_flops_total": float(ns_flops), "mesh": [n],
                        "param_dtype": jnp.dtype(pdtype).name}
@@ -241,7 +242,7 @@ def main(argv=None) -> dict:
             tx = muon_jax.scale_by_muon(mu_dtype=jnp.float32, ns_steps=args.ns_steps,
                                         mesh=mesh, **kw)
             state = tx.init(params)
-            report[f"{name}_chunks"] = [list(s.chunks) for s in state.layout.stacks]
+            report[f"{name}_chunks"] = [list(s.chunks) for s in state.plan.stacks]
             opts = overlap.overlap_compiler_options() if name == "muon_overlap" else None
             run_variant(name, make_step(tx, reduced=True), (params, state, data), opts)
         elif name == "optax":
@@ -269,9 +270,9 @@ def main(argv=None) -> dict:
         elif name == "ns":
             # Each device's owner share, orthogonalized as in the sharded step (f32 in, bf16
             # out), without momentum or communication.
-            lay = muon_jax.scale_by_muon(mesh=mesh).init(params).layout
+            plan = muon_jax.scale_by_muon(mesh=mesh).init(params).plan
             owner = NamedSharding(mesh, P("data"))
-            xs = jax.jit(lambda stacks=lay.stacks: [
+            xs = jax.jit(lambda stacks=plan.stacks: [
                 jnp.ones((n * s.k_owner, s.m, s.n), jnp.float32) for s in stacks],
                 out_shardings=owner)()
             ns_only = jax.shard_map(
@@ -282,12 +283,12 @@ def main(argv=None) -> dict:
             compiled = jax.jit(ns_only).lower(xs).compile()
             sec, _ = median_seconds(compiled, (xs,), args.warmup, args.iters)
             del xs
-            flops = sum(s.k_owner * muon_jax.ns_flops(s.m, s.n, args.ns_steps)
-                        for s in lay.stacks)
+            flops = sum(s.k_owner * newton_schulz.ns_flops(s.m, s.n, args.ns_steps)
+                        for s in plan.stacks)
             report["ns_owner_share"] = {
                 "seconds": sec, "tflops": flops / sec / 1e12,
                 "fraction_of_dense": flops / sec / rate,
-                "shapes": [[s.k_owner, s.m, s.n] for s in lay.stacks],
+                "shapes": [[s.k_owner, s.m, s.n] for s in plan.stacks],
                 "compile_and_run_seconds": time.perf_counter() - t0}
             write_json(args.out, report)
             print(f"[{time.perf_counter() - t_start:6.1f}s] ns: {sec:.4f} s "

@@ -1,13 +1,21 @@
-"""muon_jax: the Muon optimizer for Optax, sharded ZeRO-1 style under jax.sharding meshes."""
+"""muon_jax: the Muon optimizer for Optax, sharded ZeRO-1 style under jax.sharding meshes.
+
+The top level holds what a training script calls; the building blocks stay in their modules:
+:mod:`muon_jax.newton_schulz` (schedules, FLOP counts), :mod:`muon_jax.matrices` (leaves as
+``[B, m, n]`` batches, shape scaling), :mod:`muon_jax.masking` (routing),
+:mod:`muon_jax.owner_plan` and :mod:`muon_jax.owners` (sharded owner compute),
+:mod:`muon_jax.dp` (unreduced data-parallel gradients), :mod:`muon_jax.portable` (checkpoints)
+and :mod:`muon_jax.loss_scale`.
+"""
 
 from optax.contrib import MuonDimensionNumbers
 
 from muon_jax import loss_scale
-from muon_jax._masking import default_muon_mask
-from muon_jax._newton_schulz import ns_flops, orthogonalize, resolve_ns_coeffs
-from muon_jax._transform import MuonState, ShardedMuonState, muon, scale_by_muon
-from muon_jax.dp import reduce_unreduced, reduced_view
+from muon_jax.dp import clip_by_global_norm, reduce_unreduced, reduced_view
+from muon_jax.masking import default_muon_mask
+from muon_jax.newton_schulz import orthogonalize
 from muon_jax.portable import PortableMuonState, portable_state, portable_target, restore_state
+from muon_jax.transform import MuonState, ShardedMuonState, muon, scale_by_muon
 
 __all__ = [
     "loss_scale",
@@ -15,15 +23,14 @@ __all__ = [
     "MuonState",
     "PortableMuonState",
     "ShardedMuonState",
+    "clip_by_global_norm",
     "default_muon_mask",
     "muon",
-    "ns_flops",
     "orthogonalize",
     "portable_state",
     "portable_target",
     "reduce_unreduced",
     "reduced_view",
-    "resolve_ns_coeffs",
     "restore_state",
     "scale_by_muon",
 ]

@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+
+from muon_jax import dp
 
 __all__ = ["DynamicScaleState", "dynamic_loss_scale", "scale_loss"]
 
@@ -38,20 +38,8 @@ class DynamicScaleState(NamedTuple):
     inner_state: optax.OptState
 
 
-def _times(g: jax.Array, s: jax.Array) -> jax.Array:
-    """``g * s`` where ``g`` may be unreduced (then ``s`` is cast to reduced, a free cast)."""
-    try:
-        t = jax.typeof(g).sharding
-        unreduced = frozenset(t.spec.unreduced)
-    except AttributeError:
-        unreduced = frozenset()
-    s = s.astype(g.dtype)
-    if unreduced:
-        s = jax.sharding.reshard(s, NamedSharding(t.mesh, P(reduced=unreduced)))
-    return g * s
-
-
 def _all_finite(tree: Any) -> jax.Array:
+    """Whether every inexact leaf of ``tree`` is finite (a replicated bool scalar)."""
     leaves = [x for x in jax.tree.leaves(tree) if hasattr(x, "dtype")]
     flags = [jnp.all(jnp.isfinite(x)) for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
     return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
@@ -84,11 +72,13 @@ def dynamic_loss_scale(
       A transform with state :class:`DynamicScaleState`; the train step must differentiate
       ``scale_loss(loss, state)``.
 
-    Example:
-      >>> tx = dynamic_loss_scale(muon_jax.muon(0.02))
-      >>> state = tx.init(params)
-      >>> grads = jax.grad(lambda p: scale_loss(loss(p), state))(params)
-      >>> updates, state = tx.update(grads, state, params)
+    >>> tx = dynamic_loss_scale(optax.sgd(0.5), init_scale=8.0)
+    >>> params = {'w': jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> grads = jax.grad(lambda p: scale_loss(jnp.sum(p['w'] ** 2), state))(params)
+    >>> updates, state = tx.update(grads, state, params)  # gradients unscaled by 1/8
+    >>> updates['w'].tolist(), float(state.scale)
+    ([-1.0, -1.0], 8.0)
 
     References:
       Micikevicius et al., "Mixed Precision Training" (2018).
@@ -115,7 +105,7 @@ def dynamic_loss_scale(
 
     def update_fn(updates, state, params=None, **extra_args):
         inv = 1.0 / state.scale
-        grads = jax.tree.map(lambda g: _times(g, inv), updates)
+        grads = jax.tree.map(lambda g: dp.scale(g, inv), updates)
         new_updates, new_inner = inner.update(grads, state.inner_state, params, **extra_args)
         finite = _all_finite(new_updates)
         out = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates)
@@ -149,8 +139,9 @@ def scale_loss(loss: jax.Array, state: DynamicScaleState) -> jax.Array:
     Returns:
       ``loss * state.scale`` in the loss's dtype.
 
-    Example:
-      >>> grads = jax.grad(lambda p: scale_loss(loss_fn(p, batch), opt_state))(params)
+    >>> state = dynamic_loss_scale(optax.sgd(0.1), init_scale=4.0).init({'w': jnp.ones(2)})
+    >>> float(scale_loss(jnp.float32(0.5), state))
+    2.0
 
     References:
       Micikevicius et al., "Mixed Precision Training" (2018).

@@ -11,12 +11,12 @@ onto another mesh hands momenta to the wrong matrices, silently.
 (the exit collectives of an update: all-gather of the stack axis where the param is replicated,
 the inverse all-to-all where it is sharded; nothing lands on one device). That form means the
 same on every mesh; save it with orbax, restore it with :func:`portable_target` as the abstract
-target, and put it into the new mesh's owner layout with :func:`restore_state` (the entry
+target, and put it into the new mesh's owner blocks with :func:`restore_state` (the entry
 collectives: a local slice where the param is replicated, an all-to-all where it is sharded).
 
-Raw owner stacks can still be saved; :func:`layout_fingerprint` gives, per stack row, which
+Raw owner stacks can still be saved; :func:`plan_fingerprint` gives, per stack row, which
 matrix it holds (a few bytes per matrix, host-side), and :func:`check_state` raises when a raw
-state restored onto a new layout holds its rows in another order.
+state restored onto a new owner plan holds its rows in another order.
 
 Example (orbax)::
 
@@ -35,15 +35,14 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from muon_jax import _sharded
-from muon_jax._transform import ShardedMuonState
+from muon_jax import owners
+from muon_jax.transform import ShardedMuonState
 
 __all__ = [
     "PortableMuonState",
     "check_state",
-    "layout_fingerprint",
+    "plan_fingerprint",
     "portable_state",
     "portable_target",
     "restore_state",
@@ -51,19 +50,19 @@ __all__ = [
 
 
 class PortableMuonState(NamedTuple):
-    """Sharded Muon state in the params' layout: the same on every mesh (for checkpoints)."""
+    """Sharded Muon state in the params' shapes and shardings: the same on every mesh."""
 
     count: jax.Array  # int32 scalar: number of updates so far
-    mu: tuple[jax.Array, ...]  # per Muon leaf (layout.leaves order), its param's shape/sharding
+    mu: tuple[jax.Array, ...]  # per Muon leaf (plan.leaves order), its param's shape/sharding
 
 
 def _is_muon(x: Any) -> bool:
+    """Whether ``x`` is a sharded or portable Muon state."""
     return isinstance(x, ShardedMuonState | PortableMuonState)
 
 
 def _value(x: Any) -> Any:
-    """The array inside ``x`` (``x`` itself, or the one leaf of a wrapper such as an nnx
-    ``Variable``)."""
+    """The array inside ``x`` (itself, or the one leaf of a wrapper such as an nnx Variable)."""
     if isinstance(x, jax.Array | jax.ShapeDtypeStruct | np.ndarray):
         return x
     leaves = jax.tree.leaves(x)
@@ -79,25 +78,17 @@ def _like(template: Any, value: Any) -> Any:
     return jax.tree.unflatten(jax.tree.structure(template), [value])
 
 
-def _spec(spec: tuple[tuple[str, ...], ...]) -> P:
-    """PartitionSpec of a leaf plan's per-dim axes (trailing ``None`` dropped, as jit does)."""
-    parts = [(a[0] if len(a) == 1 else a) if a else None for a in spec]
-    while parts and parts[-1] is None:
-        parts.pop()
-    return P(*parts)
-
-
-def _leaf_stacks(layout: Any) -> list[int]:
+def _leaf_stacks(plan: Any) -> list[int]:
     """Per Muon leaf, the index of its stack."""
-    out = [0] * len(layout.leaves)
-    for si, s in enumerate(layout.stacks):
+    out = [0] * len(plan.leaves)
+    for si, s in enumerate(plan.stacks):
         for i in s.leaves:
             out[i] = si
     return out
 
 
 def portable_state(opt_state: Any) -> Any:
-    """Replace each ShardedMuonState in ``opt_state`` by its momentum in the params' layout.
+    """Replace each ShardedMuonState in ``opt_state`` by its momentum in the params' shardings.
 
     For every ``ShardedMuonState`` (anywhere in an ``optax.chain`` / ``optax.partition`` /
     ``nnx.Optimizer`` state): ``mu_leaf = from_owners(mu_stacks)``, i.e. the collectives that
@@ -111,33 +102,38 @@ def portable_state(opt_state: Any) -> Any:
 
     Returns:
       The same tree with each ``ShardedMuonState`` replaced by a :class:`PortableMuonState`
-      (``count``, and ``mu``: one array per Muon leaf in ``layout.leaves`` order, i.e. the
+      (``count``, and ``mu``: one array per Muon leaf in ``plan.leaves`` order, i.e. the
       order of ``jax.tree.leaves`` of the Muon params), which means the same on every mesh.
 
-    Example:
-      >>> ckpt.save(path, {'params': params, 'opt': portable_state(opt_state)})
+    >>> from muon_jax import scale_by_muon
+    >>> mesh = jax.make_mesh((jax.device_count(),), ('data',))
+    >>> params = jax.device_put({'w': np.ones((4, 8, 8), np.float32)}, NamedSharding(mesh, jax.P()))
+    >>> state = scale_by_muon(mesh=mesh).init(params)
+    >>> portable = portable_state(state)  # e.g. orbax: ckpt.save(path, portable)
+    >>> type(portable).__name__, [m.shape for m in portable.mu]
+    ('PortableMuonState', [(4, 8, 8)])
     """
 
     def one(x):
         if not isinstance(x, ShardedMuonState):
             return x
-        layout = x.layout
+        plan = x.plan
         stacks = tuple(_value(m) for m in x.mu)
-        if len(stacks) != len(layout.stacks):
+        if len(stacks) != len(plan.stacks):
             raise ValueError(
-                f"ShardedMuonState has {len(stacks)} momentum stacks, its layout "
-                f"{len(layout.stacks)}; pass a state made by scale_by_muon."
+                f"ShardedMuonState has {len(stacks)} momentum stacks, its owner plan "
+                f"{len(plan.stacks)}; pass a state made by scale_by_muon."
             )
-        leaves = _sharded.from_owners(_sharded.split_chunks(stacks, layout), layout)
+        leaves = owners.from_owners(owners.split_chunks(stacks, plan), plan)
         return PortableMuonState(count=x.count, mu=tuple(leaves))
 
     return jax.tree.map(one, opt_state, is_leaf=_is_muon)
 
 
 def restore_state(portable: Any, template: Any) -> Any:
-    """Put a portable state into the owner layout of ``template`` (e.g. on a new mesh).
+    """Put a portable state into the owner blocks of ``template`` (e.g. on a new mesh).
 
-    Inverse of :func:`portable_state` for the template's layouts: for each
+    Inverse of :func:`portable_state` for the template's owner plans: for each
     ``ShardedMuonState`` of ``template``, ``mu_stacks = to_owners(portable.mu)`` (a local slice
     of the stack axis where the param is replicated, an all-to-all where it is sharded), cast to
     the template's momentum dtype; every other leaf comes from ``portable``. Jittable.
@@ -146,19 +142,25 @@ def restore_state(portable: Any, template: Any) -> Any:
       portable: a tree from :func:`portable_state` (e.g. restored by orbax with
         :func:`portable_target` as target), saved on any mesh.
       template: the optimizer state on the destination mesh, e.g. ``tx.init(params)`` with
-        params placed as in training; only its structure, layouts and dtypes are used (its
+        params placed as in training; only its structure, plans and dtypes are used (its
         leaves may be ``jax.ShapeDtypeStruct``).
 
     Returns:
       An optimizer state shaped like ``template``: ``ShardedMuonState`` with the template's
-      layout and momentum sharded ``P(owner_axes)``, other leaves from ``portable``.
+      plan and momentum sharded ``P(owner_axes)``, other leaves from ``portable``.
 
     Raises:
       ValueError: naming the leaf when the portable momentum does not fit the template's
         Muon leaves (another model), or a ``ShardedMuonState`` meets no portable state.
 
-    Example:
-      >>> opt_state = restore_state(ckpt.restore(path, portable_target(tmpl)), tmpl)
+    >>> from muon_jax import scale_by_muon
+    >>> mesh = jax.make_mesh((jax.device_count(),), ('data',))
+    >>> params = jax.device_put({'w': np.ones((4, 8, 8), np.float32)}, NamedSharding(mesh, jax.P()))
+    >>> tx = scale_by_muon(mesh=mesh)
+    >>> _, state = jax.jit(tx.update)(params, tx.init(params))
+    >>> back = restore_state(portable_state(state), tx.init(params))  # e.g. on another mesh
+    >>> bool((back.mu[0] == state.mu[0]).all()), int(back.count)
+    (True, 1)
     """
 
     def one(t, p):
@@ -169,29 +171,30 @@ def restore_state(portable: Any, template: Any) -> Any:
                 f"restore_state: the template holds a ShardedMuonState where the portable tree "
                 f"holds {type(p).__name__}; pass portable_state(...) of the same optimizer."
             )
-        layout = t.layout
+        plan = t.plan
         mus = tuple(_value(m) for m in p.mu)
-        if len(mus) != len(layout.leaves):
+        if len(mus) != len(plan.leaves):
             raise ValueError(
-                f"restore_state: {len(mus)} portable momentum leaves for {len(layout.leaves)} "
+                f"restore_state: {len(mus)} portable momentum leaves for {len(plan.leaves)} "
                 "Muon leaves in the template; save and restore the same model."
             )
-        for m, leaf in zip(mus, layout.leaves, strict=True):
+        for m, leaf in zip(mus, plan.leaves, strict=True):
             if tuple(m.shape) != leaf.shape:
                 raise ValueError(
                     f"restore_state: momentum of leaf {leaf.path!r} has shape {tuple(m.shape)}, "
                     f"the template's param {leaf.shape}; save and restore the same model."
                 )
-        stacks = _sharded.join_chunks(_sharded.to_owners(list(mus), layout), layout)
+        stacks = owners.join_chunks(owners.to_owners(list(mus), plan), plan)
         mu = tuple(
             _like(tm, s.astype(_value(tm).dtype)) for tm, s in zip(t.mu, stacks, strict=True)
         )
-        return ShardedMuonState(count=_like(t.count, _value(p.count)), mu=mu, layout=layout)
+        return ShardedMuonState(count=_like(t.count, _value(p.count)), mu=mu, plan=plan)
 
     return jax.tree.map(one, template, portable, is_leaf=_is_muon)
 
 
 def _abstract(x: Any) -> Any:
+    """``x`` as a ShapeDtypeStruct with its sharding."""
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
 
@@ -209,94 +212,102 @@ def portable_target(template: Any) -> Any:
     Returns:
       A tree of ``jax.ShapeDtypeStruct`` shaped like ``portable_state(template)``.
 
-    Example:
-      >>> restored = ckpt.restore(path, {'opt': portable_target(opt_state)})
+    >>> from muon_jax import scale_by_muon
+    >>> mesh = jax.make_mesh((jax.device_count(),), ('data',))
+    >>> params = jax.device_put({'w': np.ones((4, 8, 8), np.float32)}, NamedSharding(mesh, jax.P()))
+    >>> target = portable_target(scale_by_muon(mesh=mesh).init(params))
+    >>> target.mu[0].shape, target.mu[0].sharding.spec == jax.P()  # ckpt.restore(path, target)
+    ((4, 8, 8), True)
     """
 
     def one(x):
         if not isinstance(x, ShardedMuonState):
             return jax.tree.map(_abstract, x)
-        layout = x.layout
+        plan = x.plan
         mus = [_value(m) for m in x.mu]
-        mesh = layout.mesh
+        mesh = plan.mesh
         sharding = getattr(mus[0], "sharding", None) if mus else None
         if isinstance(sharding, NamedSharding):
-            mesh = sharding.mesh  # concrete even when the layout holds an AbstractMesh
-        where = _leaf_stacks(layout)
+            mesh = sharding.mesh  # concrete even when the plan holds an AbstractMesh
+        where = _leaf_stacks(plan)
         mu = tuple(
             jax.ShapeDtypeStruct(leaf.shape, mus[where[i]].dtype,
-                                 sharding=NamedSharding(mesh, _spec(leaf.spec)))
-            for i, leaf in enumerate(layout.leaves)
+                                 sharding=NamedSharding(mesh, owners.partition_spec(leaf.spec)))
+            for i, leaf in enumerate(plan.leaves)
         )
         return PortableMuonState(count=_like(x.count, _abstract(_value(x.count))), mu=mu)
 
     return jax.tree.map(one, template, is_leaf=_is_muon)
 
 
-def _owner_rows(layout: Any) -> tuple[np.ndarray, ...]:
+def _owner_rows(plan: Any) -> tuple[np.ndarray, ...]:
     """Per stack, the matrix each owner row holds (index over all Muon matrices; -1: padding).
 
     Owner row ``g`` of a stack is local row ``g % (F * k_owner)`` of the devices with
     stack-axis shard ``g // (F * k_owner)`` (``F``: devices its ops split it over); local rows
     are the leaves' local batches, joined in leaf order, then padding.
     """
-    offsets = np.cumsum([0] + [leaf.layout.batch for leaf in layout.leaves])
+    offsets = np.cumsum([0] + [leaf.view.batch for leaf in plan.leaves])
     out = []
-    for s in layout.stacks:
-        kk = math.prod(layout.mesh.shape[a] for a in s.k_axes)
-        f = math.prod(layout.mesh.shape[a] for op in s.ops for a in op.axes)
+    for s in plan.stacks:
+        kk = math.prod(plan.mesh.shape[a] for a in s.k_axes)
+        f = math.prod(plan.mesh.shape[a] for op in s.ops for a in op.axes)
         rows = np.full((kk, f * s.k_owner), -1, np.int32)
         for q in range(kk):
             r = 0
             for i in s.leaves:
-                b = layout.leaves[i].layout.batch // kk
+                b = plan.leaves[i].view.batch // kk
                 rows[q, r: r + b] = offsets[i] + q * b + np.arange(b)
                 r += b
         out.append(rows.reshape(-1))
     return tuple(out)
 
 
-def _matrix_name(layout: Any, index: int) -> str:
+def _matrix_name(plan: Any, index: int) -> str:
     """``'path[j]'`` for a global matrix index of :func:`_owner_rows` (or ``'padding'``)."""
-    starts = np.cumsum([0] + [leaf.layout.batch for leaf in layout.leaves])
+    starts = np.cumsum([0] + [leaf.view.batch for leaf in plan.leaves])
     i = int(np.searchsorted(starts, index, side="right")) - 1
-    if index < 0 or i >= len(layout.leaves):
+    if index < 0 or i >= len(plan.leaves):
         return "padding" if index < 0 else f"matrix {index}"
-    return f"{layout.leaves[i].path}[{index - starts[i]}]"
+    return f"{plan.leaves[i].path}[{index - starts[i]}]"
 
 
-def layout_fingerprint(opt_state: Any) -> tuple[tuple[np.ndarray, ...], ...]:
+def plan_fingerprint(opt_state: Any) -> tuple[tuple[np.ndarray, ...], ...]:
     """Which matrix each owner-stack row holds, per ShardedMuonState (host-side, tiny).
 
     Row ``g`` of stack ``s`` holds matrix ``rows[s][g]`` of the concatenation, in
-    ``layout.leaves`` order, of every Muon leaf's ``[B, m, n]`` view (``-1``: padding). Two
-    layouts keep raw momentum stacks interchangeable iff their fingerprints are equal. Save it
+    ``plan.leaves`` order, of every Muon leaf's ``[B, m, n]`` view (``-1``: padding). Two
+    owner plans keep raw momentum stacks interchangeable iff their fingerprints are equal. Save it
     next to raw (non-portable) states and pass it to :func:`check_state` after restoring.
 
     Args:
-      opt_state: an optimizer state tree (arrays or ShapeDtypeStructs; only layouts are read).
+      opt_state: an optimizer state tree (arrays or ShapeDtypeStructs; only plans are read).
 
     Returns:
       Per ``ShardedMuonState`` in tree order, a tuple of int32 numpy arrays
       ``[N * k_owner]``, one per stack.
 
-    Example:
-      >>> ckpt.save(path, {'opt': opt_state, 'rows': layout_fingerprint(opt_state)})
+    >>> from muon_jax import scale_by_muon
+    >>> mesh = jax.make_mesh((jax.device_count(),), ('data',))
+    >>> params = jax.device_put({'w': np.ones((4, 8, 8), np.float32)}, NamedSharding(mesh, jax.P()))
+    >>> (rows,), = plan_fingerprint(scale_by_muon(mesh=mesh).init(params))
+    >>> rows[rows >= 0].tolist()  # e.g. ckpt.save(path, {'opt': state, 'rows': ...})
+    [0, 1, 2, 3]
     """
     states = [x for x in jax.tree.leaves(opt_state, is_leaf=_is_muon)
               if isinstance(x, ShardedMuonState)]
-    return tuple(_owner_rows(s.layout) for s in states)
+    return tuple(_owner_rows(s.plan) for s in states)
 
 
 def check_state(opt_state: Any, fingerprint: Any) -> None:
-    """Raise if raw owner stacks were saved in another row order than ``opt_state``'s layouts.
+    """Raise if raw owner stacks were saved in another row order than ``opt_state``'s plans.
 
-    Compares ``fingerprint`` (saved with the state, from :func:`layout_fingerprint`) with the
-    fingerprint of the layouts in ``opt_state`` (e.g. the state restored onto a new mesh).
+    Compares ``fingerprint`` (saved with the state, from :func:`plan_fingerprint`) with the
+    fingerprint of the owner plans in ``opt_state`` (e.g. the state restored onto a new mesh).
 
     Args:
-      opt_state: the restored optimizer state (its layouts are those of the new mesh).
-      fingerprint: :func:`layout_fingerprint` of the state when it was saved.
+      opt_state: the restored optimizer state (its plans are those of the new mesh).
+      fingerprint: :func:`plan_fingerprint` of the state when it was saved.
 
     Returns:
       None.
@@ -305,14 +316,20 @@ def check_state(opt_state: Any, fingerprint: Any) -> None:
       ValueError: naming the stack and the first row that holds another matrix, with the fix
         (checkpoint :func:`portable_state` and restore with :func:`restore_state`).
 
-    Example:
-      >>> restored = ckpt.restore(path, target)
-      >>> check_state(restored['opt'], restored['rows'])
+    >>> from muon_jax import scale_by_muon
+    >>> mesh = jax.make_mesh((jax.device_count(),), ('data',))
+    >>> params = jax.device_put({'w': np.ones((4, 8, 8), np.float32)}, NamedSharding(mesh, jax.P()))
+    >>> state = scale_by_muon(mesh=mesh).init(params)
+    >>> check_state(state, plan_fingerprint(state))  # passes: same owner plan
+    >>> check_state(state, ((np.arange(8)[::-1],),))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: check_state: Muon state 0, stack 0 [8x8] of ['w']: ...
     """
-    want = layout_fingerprint(opt_state)
+    want = plan_fingerprint(opt_state)
     got = tuple(tuple(np.asarray(r) for r in per) for per in fingerprint)
-    fix = ("raw Muon owner stacks are mesh-specific; checkpoint muon_jax.portable."
-           "portable_state(opt_state) and restore with restore_state(restored, template).")
+    fix = ("raw Muon owner stacks are mesh-specific; checkpoint muon_jax.portable_state("
+           "opt_state) and restore with muon_jax.restore_state(restored, template).")
     if len(got) != len(want):
         raise ValueError(
             f"check_state: the fingerprint has {len(got)} sharded Muon states, the optimizer "
@@ -327,15 +344,15 @@ def check_state(opt_state: Any, fingerprint: Any) -> None:
         for si, (gr, wr) in enumerate(zip(g, w, strict=True)):
             if gr.shape == wr.shape and np.array_equal(gr, wr):
                 continue
-            s = st.layout.stacks[si]
-            names = [st.layout.leaves[i].path for i in s.leaves]
+            s = st.plan.stacks[si]
+            names = [st.plan.leaves[i].path for i in s.leaves]
             if gr.shape != wr.shape:
                 detail = f"{gr.shape[0]} saved rows vs {wr.shape[0]}"
             else:
                 r = int(np.flatnonzero(gr != wr)[0])
-                detail = (f"row {r} holds {_matrix_name(st.layout, int(gr[r]))} in the "
-                          f"checkpoint but {_matrix_name(st.layout, int(wr[r]))} here")
+                detail = (f"row {r} holds {_matrix_name(st.plan, int(gr[r]))} in the "
+                          f"checkpoint but {_matrix_name(st.plan, int(wr[r]))} here")
             raise ValueError(
                 f"check_state: Muon state {k}, stack {si} [{s.m}x{s.n}] of {names}: {detail} "
-                f"(saved on another mesh or layout); {fix}"
+                f"(saved on another mesh or owner plan); {fix}"
             )

@@ -185,11 +185,11 @@ for (path, p), on_muon in zip(params.flat_state(), jax.tree.leaves(mask), strict
 is_muon_state = lambda s: isinstance(s, muon_jax.ShardedMuonState)
 muon_state = next(s for s in jax.tree.leaves(optimizer.opt_state, is_leaf=is_muon_state)
                   if is_muon_state(s))
-layout = muon_state.layout
-for stack, mu in zip(layout.stacks, muon_state.mu, strict=True):
+plan = muon_state.plan  # the owner plan: which matrices share a stack, who owns which rows
+for stack, mu in zip(plan.stacks, muon_state.mu, strict=True):
     mu = mu[...]
     local = mu.addressable_shards[0].data  # device 0's part
-    names = [layout.leaves[i].path.removesuffix("/value") for i in stack.leaves]
+    names = [plan.leaves[i].path.removesuffix("/value") for i in stack.leaves]
     print(f"momentum stack {mu.dtype}{list(mu.shape)}, sharding {mu.sharding.spec}")
     print(f"  holds {names}")
     print(f"  device 0 stores {list(local.shape)}: {local.nbytes:,} of {mu.nbytes:,} bytes")

@@ -25,14 +25,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import muon_jax
-from muon_jax import _dims, portable
+from muon_jax import matrices, portable
 
 MESHES = [(8,), (2, 4), (4, 2)]
 CROSS = [((8,), (2, 4)), ((8,), (4, 2)), ((2, 4), (8,)), ((4, 2), (8,))]
 STEPS = 5
 TOL = dict(rtol=1e-5, atol=1e-6)
 
-# One jit each, shared by every mesh (the static layout keys the cache).
+# One jit each, shared by every mesh (the static owner plan keys the cache).
 to_portable = jax.jit(portable.portable_state)
 from_portable = jax.jit(portable.restore_state)
 
@@ -67,7 +67,7 @@ def runs(tmp_path_factory):
         path = tmp_path_factory.mktemp("ckpt") / name
         ckpt.save(path, {"params": p5, "bias": b5, "opt_state": port5})
         raw_path = tmp_path_factory.mktemp("raw") / name  # what check_state guards against
-        ckpt.save(raw_path, {"opt_state": o5, "rows": portable.layout_fingerprint(o5)})
+        ckpt.save(raw_path, {"opt_state": o5, "rows": portable.plan_fingerprint(o5)})
         ckpt.wait_until_finished()
         state10, losses10 = tm.run(mesh, STEPS, start=STEPS, state=state5, step_fn=step_fn)
         out[shape] = dict(mesh=mesh, step_fn=step_fn, state5=state5, port5=port5, path=path,
@@ -122,8 +122,8 @@ def test_state_holds_sharded_muon_momentum_and_trained_bias(runs):
         assert shard[0] * 8 == mu.shape[0], (mu.shape, mu.sharding)
     port = _muon(runs[(2, 4)]["port5"])
     assert isinstance(port, portable.PortableMuonState)
-    by_path = {_dims.path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
-    for mu, leaf in zip(port.mu, muon_state.layout.leaves, strict=True):
+    by_path = {matrices.path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    for mu, leaf in zip(port.mu, muon_state.plan.leaves, strict=True):
         x = by_path[leaf.path]
         assert mu.shape == x.shape, leaf.path
         assert mu.sharding.is_equivalent_to(x.sharding, x.ndim), (leaf.path, mu.sharding)
@@ -132,16 +132,16 @@ def test_state_holds_sharded_muon_momentum_and_trained_bias(runs):
 
 
 def test_portable_form_is_the_owner_stacks_reordered(runs):
-    """On every mesh (and with a chunked layout), owner row g of a stack is matrix
-    ``layout_fingerprint[g]`` of the portable momentum (zero for padding), the round trip
+    """On every mesh (and with a chunked plan), owner row g of a stack is matrix
+    ``plan_fingerprint[g]`` of the portable momentum (zero for padding), the round trip
     is bitwise, and the portable form is the same on every mesh up to f32 rounding."""
     for shape in MESHES:
         o5, port = runs[shape]["state5"][3], runs[shape]["port5"]
         state = _muon(o5)
-        mats = [mat for m, leaf in zip(_muon(port).mu, state.layout.leaves, strict=True)
-                for mat in np.asarray(_dims.to_matrices(jnp.asarray(np.asarray(m)),
-                                                        leaf.layout))]
-        (rows,) = portable.layout_fingerprint(o5)
+        mats = [mat for m, leaf in zip(_muon(port).mu, state.plan.leaves, strict=True)
+                for mat in np.asarray(matrices.to_matrices(jnp.asarray(np.asarray(m)),
+                                                        leaf.view))]
+        (rows,) = portable.plan_fingerprint(o5)
         for stack, r in zip(state.mu, rows, strict=True):
             stack = np.asarray(stack)
             np.testing.assert_array_equal(
@@ -149,13 +149,13 @@ def test_portable_form_is_the_owner_stacks_reordered(runs):
             assert not stack[r < 0].any()
         chex.assert_trees_all_equal(from_portable(port, o5), o5, custom_message=str(shape))
         chex.assert_trees_all_close(port, runs[(8,)]["port5"], **TOL, custom_message=str(shape))
-    # A layout with several chunks per stack (moved by chunk, stored by stack), where the
+    # A plan with several chunks per stack (moved by chunk, stored by stack), where the
     # installed muon_jax has chunked collectives.
     if "chunk_bytes" not in inspect.signature(muon_jax.muon).parameters:
         return
     run = runs[(2, 4)]
     chunked = muon_jax.muon(0.02, mesh=run["mesh"], chunk_bytes=1).init(run["state5"][1])
-    assert any(len(s.chunks) > 1 for s in _muon(chunked).layout.stacks)
+    assert any(len(s.chunks) > 1 for s in _muon(chunked).plan.stacks)
     back = jax.block_until_ready(from_portable(run["port5"], chunked))
     chex.assert_trees_all_equal(to_portable(back), run["port5"])
 
@@ -231,7 +231,7 @@ def test_raw_owner_stacks_on_another_mesh_are_caught(runs):
     the portable form fixes); check_state says so, naming the stack. Same mesh passes."""
     for src, dst in [((8,), (8,)), ((8,), (2, 4))]:
         o5 = runs[dst]["state5"][3]
-        target = {"opt_state": _abstract(o5), "rows": portable.layout_fingerprint(o5)}
+        target = {"opt_state": _abstract(o5), "rows": portable.plan_fingerprint(o5)}
         with ocp.StandardCheckpointer() as ckpt:
             raw = ckpt.restore(runs[src]["raw_path"], target)
         if src == dst:
@@ -289,7 +289,7 @@ def test_nnx_optimizer_state_moves_between_meshes():
     assert any(m.sharding.spec == P(("expert", "data")) for m in mus)
     with pytest.raises(ValueError, match="stack"):
         portable.check_state(nnx.as_pure(opt24.opt_state),
-                             portable.layout_fingerprint(nnx.as_pure(opt8.opt_state)))
+                             portable.plan_fingerprint(nnx.as_pure(opt8.opt_state)))
 
 
 def test_misuse_is_reported(runs):
@@ -302,13 +302,13 @@ def test_misuse_is_reported(runs):
     with pytest.raises(ValueError, match="portable momentum leaves"):
         portable.restore_state(port._replace(mu=port.mu[:-1]), state)
     bad = jax.ShapeDtypeStruct((3, 4), jnp.float32)
-    with pytest.raises(ValueError, match=f"{state.layout.leaves[0].path}.*shape"):
+    with pytest.raises(ValueError, match=f"{state.plan.leaves[0].path}.*shape"):
         portable.restore_state(port._replace(mu=(bad, *port.mu[1:])), state)
     with pytest.raises(ValueError, match="momentum stacks"):
         portable.portable_state(state._replace(mu=state.mu[:-1]))
     with pytest.raises(TypeError, match="one-array wrapper"):
         portable.portable_state(state._replace(mu=((state.mu[0], state.mu[1]),)))
-    (rows,) = portable.layout_fingerprint(o5)
+    (rows,) = portable.plan_fingerprint(o5)
     with pytest.raises(ValueError, match="sharded Muon states"):
         portable.check_state(o5, ())
     with pytest.raises(ValueError, match="stacks"):

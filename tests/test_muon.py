@@ -13,7 +13,8 @@ from flax import nnx
 
 import muon_jax
 from muon_jax import MuonDimensionNumbers as MDN
-from muon_jax._dims import path_str
+from muon_jax import newton_schulz
+from muon_jax.matrices import path_str
 
 # Leaves of odd shapes: wide, tall, square, tiny, a stack [L, m, n], a conv kernel, and a leaf
 # whose reduction axis comes after its output axis.
@@ -93,7 +94,7 @@ def _scaled(updates, factor):
     ids=["jordan-nesterov", "per_step-plain-spectral"],
 )
 def test_scale_by_muon_matches_optax(ns_coeffs, beta, eps, nesterov, shape_scaling):
-    coeffs = muon_jax.resolve_ns_coeffs(ns_coeffs, 5)
+    coeffs = newton_schulz.resolve_ns_coeffs(ns_coeffs, 5)
     ours = muon_jax.scale_by_muon(
         ns_coeffs, 5, beta, eps, nesterov=nesterov, ns_dtype=jnp.float32,
         shape_scaling=shape_scaling, dimension_numbers=_our_dims(),
@@ -192,6 +193,15 @@ def test_default_routing_on_dict_tree():
         {k: v for k, v in params.items() if k != "steps"}  # AdamW cannot take int leaves
     )
     assert _muon_leaves(state) == {"mlp/kernel", "layers/attn"}
+
+
+def test_muon_mu_dtype_sets_muon_momentum_only():
+    params = {k: v for k, v in _routing_tree().items() if k != "steps"}
+    state = muon_jax.muon(0.1, mu_dtype=jnp.bfloat16).init(params)
+    muon_mu = state.inner_states["muon"].inner_state[0].mu
+    adam_mu = state.inner_states["adamw"].inner_state[0].mu
+    assert {x.dtype for x in jax.tree.leaves(muon_mu)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(adam_mu)} == {jnp.dtype(jnp.float32)}
 
 
 def test_dimension_numbers_route_to_muon():

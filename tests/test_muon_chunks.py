@@ -8,7 +8,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import muon_jax
-from muon_jax import _layout
+from muon_jax import owner_plan
 from xla_comm import hlo
 
 F32_TX = dict(ns_dtype=jnp.float32, mu_dtype=jnp.float32)
@@ -48,11 +48,11 @@ def test_chunked_equals_unchunked_and_reference_with_same_bytes(axis_type):
             outs.append(u)
         runs[chunk_bytes] = (state, rep, outs)
     (s1, r1, o1), (sc, rc, oc) = runs[None], runs[1]
-    assert all(s.chunks == (s.k_owner,) for s in s1.layout.stacks)
-    assert any(len(s.chunks) > 1 for s in sc.layout.stacks)
-    assert all(sum(s.chunks) == s.k_owner for s in sc.layout.stacks)
+    assert all(s.chunks == (s.k_owner,) for s in s1.plan.stacks)
+    assert any(len(s.chunks) > 1 for s in sc.plan.stacks)
+    assert all(sum(s.chunks) == s.k_owner for s in sc.plan.stacks)
     assert len(rc) > len(r1) and rc.ring_bytes == r1.ring_bytes
-    for a, b in zip(s1.mu, sc.mu, strict=True):  # the state layout does not depend on chunks
+    for a, b in zip(s1.mu, sc.mu, strict=True):  # the state does not depend on chunks
         assert a.shape == b.shape and a.sharding.is_equivalent_to(b.sharding, a.ndim)
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     for got_c, got_1, ref in zip(oc, o1, refs, strict=True):
@@ -102,10 +102,10 @@ def test_chunked_data_parallel_step_reduce_scatters_same_bytes():
 
 
 def test_chunk_sizes_and_bad_chunk_bytes():
-    assert _layout._chunk_sizes(16, 64, 128) == (2,) * 8
-    assert _layout._chunk_sizes(10, 1, 3) == (2, 2, 3, 3)
-    assert _layout._chunk_sizes(5, 1, None) == (5,) == _layout._chunk_sizes(5, 1, 0)
-    assert _layout._chunk_sizes(5, 100, 1) == (1,) * 5  # at least one matrix per chunk
+    assert owner_plan.chunk_sizes(16, 64, 128) == (2,) * 8
+    assert owner_plan.chunk_sizes(10, 1, 3) == (2, 2, 3, 3)
+    assert owner_plan.chunk_sizes(5, 1, None) == (5,) == owner_plan.chunk_sizes(5, 1, 0)
+    assert owner_plan.chunk_sizes(5, 100, 1) == (1,) * 5  # at least one matrix per chunk
     for bad in (-1, 1.5, True, "1M"):
         with pytest.raises(ValueError, match="chunk_bytes"):
             muon_jax.scale_by_muon(chunk_bytes=bad)

@@ -13,7 +13,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import muon_jax
-from muon_jax import _sharded, loss_scale
+from muon_jax import loss_scale, newton_schulz, owner_plan, owners
 from xla_comm import hlo
 
 SHAPES = {  # >= 6 distinct matrix shapes, stack counts not divisible by the axis sizes
@@ -85,11 +85,11 @@ def test_sharded_equals_unsharded_shardings_and_memory(case, reference_updates):
                                strict=True):
             assert now.sharding.is_equivalent_to(before, now.ndim), (now.sharding, before)
     # Momentum memory per device: total / N + at most one padded matrix per stack.
-    n = state.layout.num_shards
+    n = state.plan.num_shards
     total = sum(math.prod(s) * 4 for s in SHAPES.values())
-    slack = sum(s.m * s.n * 4 for s in state.layout.stacks)
+    slack = sum(s.m * s.n * 4 for s in state.plan.stacks)
     per_device: dict = {}
-    for mu, stack in zip(state.mu, state.layout.stacks, strict=True):
+    for mu, stack in zip(state.mu, state.plan.stacks, strict=True):
         assert mu.dtype == jnp.float32
         for shard in mu.addressable_shards:
             assert shard.data.shape == (stack.k_owner, stack.m, stack.n)
@@ -99,24 +99,53 @@ def test_sharded_equals_unsharded_shardings_and_memory(case, reference_updates):
 
 
 @pytest.mark.parametrize("policy", ["slice", "scatter"])
-def test_layout_round_trip_both_replicated_grad_policies(policy):
+def test_owner_round_trip_both_replicated_grad_policies(policy):
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     specs = {"w1": P(None, "model"), "w8": P("data", None, "model")}
     params = {k: v for k, v in _make_params(mesh, specs).items() if k != "w9"}
     leaves = jax.tree.leaves(params)
-    entries = [(k, v.shape, v.dtype, _sharded.param_spec(v)) for k, v in params.items()]
-    layout = _sharded.plan_layout(entries, [None] * len(leaves), mesh=mesh,
+    entries = [(k, v.shape, v.dtype, owner_plan.param_spec(v)) for k, v in params.items()]
+    plan = owner_plan.plan_owners(entries, [None] * len(leaves), mesh=mesh,
                                   replicated_grads=policy)
 
     def f(xs):
-        owned = _sharded.to_owners(xs, layout)
-        doubled = _sharded.owner_map(lambda s, b, c: (2 * b[0],), layout, [(o,) for o in owned])
-        return _sharded.from_owners([d[0] for d in doubled], layout)
+        owned = owners.to_owners(xs, plan)
+        doubled = owners.owner_map(lambda s, b, c: (2 * b[0],), plan, [(o,) for o in owned])
+        return owners.from_owners([d[0] for d in doubled], plan)
 
     out = jax.jit(f)(leaves)
     for x, y in zip(leaves, out, strict=True):
         np.testing.assert_array_equal(np.asarray(y), 2 * np.asarray(x))
         assert y.sharding.is_equivalent_to(x.sharding, x.ndim)
+
+
+@pytest.mark.parametrize("policy", ["slice", "scatter"])
+def test_unreduced_round_trip_on_2d_mesh_both_policies(policy):
+    """Gradients unreduced over 'data' only, stacks split over ('data', 'model'): the owner
+    blocks hold the reduced sums (reduce-scatter over 'data', slice over 'model')."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    rng = np.random.default_rng(11)
+    params = jax.device_put({"a": rng.standard_normal((16, 32)).astype(np.float32),
+                             "b": rng.standard_normal((3, 8, 8)).astype(np.float32)},
+                            NamedSharding(mesh, P()))
+    x = jax.device_put(rng.standard_normal((4, 16)).astype(np.float32),
+                       NamedSharding(mesh, P("data")))
+    entries = [(k, v.shape, v.dtype, P()) for k, v in params.items()]
+    plan = owner_plan.plan_owners(entries, [None, None], mesh=mesh, replicated_grads=policy)
+
+    def loss(p, x):
+        return jnp.sum(jnp.tanh(x @ p["a"])) + jnp.sum(jnp.tanh(x[:, :8] @ p["b"]))
+
+    @jax.jit
+    def f(p, x):
+        g = jax.grad(loss)(muon_jax.reduced_view(p, "data"), x)
+        owned = owners.to_owners([g["a"], g["b"]], plan)
+        return owners.from_owners(owned, plan), [muon_jax.reduce_unreduced(g[k]) for k in "ab"]
+
+    (back_a, back_b), (want_a, want_b) = f(params, x)
+    assert "reduce-scatter" in f.lower(params, x).compile().as_text()
+    np.testing.assert_allclose(np.asarray(back_a), np.asarray(want_a), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(back_b), np.asarray(want_b), rtol=1e-5, atol=1e-6)
 
 
 def test_no_collective_in_newton_schulz_and_no_repeated_work():
@@ -130,9 +159,9 @@ def test_no_collective_in_newton_schulz_and_no_repeated_work():
     rep = hlo.analyze_collectives(compiled)
     print(rep.table())
     assert rep.in_while_loop == ()
-    assert rep.kinds == {"all-gather"} and len(rep) == len(state.layout.stacks)
+    assert rep.kinds == {"all-gather"} and len(rep) == len(state.plan.stacks)
     flops = compiled.cost_analysis()["flops"]
-    ns_total = sum(s[0] * muon_jax.ns_flops(s[1], s[2], 5) for s in shapes.values())
+    ns_total = sum(s[0] * newton_schulz.ns_flops(s[1], s[2], 5) for s in shapes.values())
     elementwise = 100 * sum(math.prod(s) for s in shapes.values()) / 8
     plain = muon_jax.scale_by_muon(ns_steps=5)
     dense = jax.jit(plain.update).lower(grads, plain.init(params)).compile()
@@ -298,8 +327,8 @@ def test_bad_axes_and_unservable_shardings_raise_naming_leaf_and_axis():
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     params = {"mlp": {"kernel": jax.device_put(np.ones((16, 32), np.float32),
                                                NamedSharding(mesh, P(None, "model")))}}
-    with pytest.raises(ValueError, match=r"mlp/kernel.*'bogus'|'bogus'.*mlp/kernel"):
-        muon_jax.muon(0.02, mesh=mesh, shard_axes=("data", "bogus")).init(params)
+    with pytest.raises(ValueError, match=r"shard axis 'bogus' is not an axis of the mesh"):
+        muon_jax.muon(0.02, mesh=mesh, shard_axes=("data", "bogus"))  # at construction
     with pytest.raises(ValueError, match=r"mlp/kernel.*'model'"):
         muon_jax.muon(0.02, mesh=mesh, shard_axes="data").init(params)
     conv = {"conv": jax.device_put(np.ones((3, 3, 8, 16), np.float32),
@@ -316,14 +345,18 @@ def test_bad_axes_and_unservable_shardings_raise_naming_leaf_and_axis():
         jax.jit(tx.update)(g, state)
 
 
-def test_ambient_mesh_is_used_when_mesh_is_none():
+def test_state_type_is_decided_at_construction():
+    """mesh=None is unsharded even under jax.set_mesh; mesh= shards, eager or jitted init."""
     mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
     params = {"w": jax.device_put(np.ones((4, 16, 32), np.float32), NamedSharding(mesh, P()))}
-    assert isinstance(muon_jax.scale_by_muon().init(jax.tree.map(np.asarray, params)),
-                      muon_jax.MuonState)
     with jax.set_mesh(mesh):
-        state = muon_jax.scale_by_muon().init(params)
-        jitted = jax.jit(muon_jax.scale_by_muon().init)(params)
+        plain = muon_jax.scale_by_muon().init(params)
+        state = muon_jax.scale_by_muon(mesh=mesh).init(params)
+        jitted = jax.jit(muon_jax.scale_by_muon(mesh=mesh).init)(params)
+        ambient = muon_jax.scale_by_muon(mesh=jax.sharding.get_abstract_mesh()).init(params)
+    assert isinstance(plain, muon_jax.MuonState)
     assert isinstance(state, muon_jax.ShardedMuonState)
-    assert state.layout.shard_axes == ("d",) and state.layout.stacks[0].k_owner == 1
+    assert state.plan.shard_axes == ("d",) and state.plan.stacks[0].k_owner == 1
     assert jax.tree.structure(jitted) == jax.tree.structure(state)
+    assert isinstance(ambient, muon_jax.ShardedMuonState)
+    assert ambient.plan.stacks == state.plan.stacks

@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 
 import muon_jax
-from muon_jax._newton_schulz import JORDAN_COEFFS, POLAR_EXPRESS_COEFFS
+from muon_jax.newton_schulz import (
+    JORDAN_COEFFS,
+    POLAR_EXPRESS_COEFFS,
+    ns_flops,
+    resolve_ns_coeffs,
+)
 
 M, N = 24, 40  # one wide shape for the band tests; tall inputs are covered by transposition
 
@@ -91,21 +96,21 @@ def test_zero_matrix_maps_to_zero_and_dtype_is_kept():
 
 
 def test_resolve_schedules():
-    assert muon_jax.resolve_ns_coeffs("jordan", 3) == (JORDAN_COEFFS,) * 3
-    pe = muon_jax.resolve_ns_coeffs("polar_express", 10)
+    assert resolve_ns_coeffs("jordan", 3) == (JORDAN_COEFFS,) * 3
+    pe = resolve_ns_coeffs("polar_express", 10)
     a0, b0, c0 = 8.28721201814563, -23.595886519098837, 17.300387312530933
     np.testing.assert_allclose(pe[0], (a0 / 1.01, b0 / 1.01**3, c0 / 1.01**5), rtol=1e-15)
     assert pe[7:] == ((1.875, -1.25, 0.375),) * 3  # last step unscaled, then repeated
     assert pe[:5] == POLAR_EXPRESS_COEFFS[:5]
     custom = ((3.0, -3.0, 1.0), (2.0, -1.5, 0.5))
-    assert muon_jax.resolve_ns_coeffs(custom, 3) == custom + (custom[-1],)
-    assert muon_jax.resolve_ns_coeffs(custom, 1) == custom[:1]
-    assert muon_jax.resolve_ns_coeffs((1, 2, 3), 2) == ((1.0, 2.0, 3.0),) * 2
+    assert resolve_ns_coeffs(custom, 3) == custom + (custom[-1],)
+    assert resolve_ns_coeffs(custom, 1) == custom[:1]
+    assert resolve_ns_coeffs((1, 2, 3), 2) == ((1.0, 2.0, 3.0),) * 2
 
 
 def test_ns_flops_matches_compiled_cost():
     m, n, steps = 32, 64, 5
-    flops = muon_jax.ns_flops(n, m, steps)  # tall input: the count uses the wide orientation
+    flops = ns_flops(n, m, steps)  # tall input: the count uses the wide orientation
     assert flops == steps * (4 * m * m * n + 2 * m**3)
     compiled = _orth("jordan", steps, jnp.float32).lower(jnp.zeros((n, m))).compile()
     cost = compiled.cost_analysis()

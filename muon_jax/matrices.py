@@ -1,4 +1,4 @@
-"""Leaves as batches of matrices: dimension numbers, the [B, m, n] view and shape scaling.
+"""Leaves as batches of matrices: dimension numbers, the ``[B, m, n]`` view and shape scaling.
 
 A leaf of any rank becomes a batch of independent matrices once its axes are split into
 reduction (fan-in, ``m``), output (fan-out, ``n``) and batch axes (everything else), as in
@@ -18,15 +18,15 @@ import optax
 
 MuonDimensionNumbers = optax.contrib.MuonDimensionNumbers
 
-ShapeScaling: TypeAlias = Literal["spectral", "rms_match"] | None
+ShapeScaling: TypeAlias = Literal["spectral", "spectral_unclamped", "rms_match"] | None
 DimNumsLike: TypeAlias = Any  # MuonDimensionNumbers | tree (prefix) of them | callable on params
 
 RMS_MATCH_FACTOR = 0.2
 """Moonlight's factor: ``0.2 * sqrt(max(m, n))`` gives updates the RMS of AdamW's."""
 
 
-class MatrixLayout(NamedTuple):
-    """How one leaf maps to a ``[B, m, n]`` batch (all axes non-negative, static)."""
+class MatrixView(NamedTuple):
+    """How one leaf is viewed as a ``[B, m, n]`` batch of matrices (axes non-negative, static)."""
 
     batch_axes: tuple[int, ...]
     reduction_axes: tuple[int, ...]
@@ -78,6 +78,7 @@ def path_str(path: Sequence[Any]) -> str:
 
 
 def _axes(value: Any, ndim: int, what: str, where: str) -> tuple[int, ...]:
+    """Normalized non-negative axes of one dimension-numbers entry; errors name the leaf."""
     axes = (value,) if isinstance(value, int) else tuple(value)
     out = []
     for ax in axes:
@@ -92,9 +93,9 @@ def _axes(value: Any, ndim: int, what: str, where: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def matrix_layout(
+def matrix_view(
     shape: Sequence[int], dim_nums: MuonDimensionNumbers | None = None, *, path: str = "leaf"
-) -> MatrixLayout:
+) -> MatrixView:
     """Split a leaf's axes into batch, reduction and output axes.
 
     Without dimension numbers, the last two axes are the matrix (reduction ``-2``, output
@@ -108,10 +109,11 @@ def matrix_layout(
       path: the leaf's path, used in error messages.
 
     Returns:
-      A :class:`MatrixLayout`.
+      A :class:`MatrixView`.
 
-    >>> matrix_layout((3, 4, 5)).batch, matrix_layout((3, 4, 5)).m
-    (3, 4)
+    >>> view = matrix_view((3, 4, 5))
+    >>> view.batch, view.m, view.n
+    (3, 4, 5)
     """
     shape = tuple(int(d) for d in shape)
     ndim = len(shape)
@@ -121,7 +123,7 @@ def matrix_layout(
                 f"{path}: Muon needs a matrix (rank >= 2), got shape {shape}; route it to AdamW "
                 "(muon_mask) or give MuonDimensionNumbers."
             )
-        return MatrixLayout(tuple(range(ndim - 2)), (ndim - 2,), (ndim - 1,), shape)
+        return MatrixView(tuple(range(ndim - 2)), (ndim - 2,), (ndim - 1,), shape)
     if not isinstance(dim_nums, MuonDimensionNumbers):
         raise TypeError(
             f"{path}: dimension numbers must be optax.contrib.MuonDimensionNumbers, got "
@@ -135,47 +137,47 @@ def matrix_layout(
             f"and disjoint for shape {shape}; every axis is reduction, output or batch."
         )
     batch = tuple(a for a in range(ndim) if a not in red and a not in out)
-    return MatrixLayout(batch, red, out, shape)
+    return MatrixView(batch, red, out, shape)
 
 
-def to_matrices(x: jax.Array, layout: MatrixLayout) -> jax.Array:
+def to_matrices(x: jax.Array, view: MatrixView) -> jax.Array:
     """Transpose and reshape a leaf to its ``[B, m, n]`` batch of matrices.
 
     ``x.transpose(batch + reduction + output).reshape(B, m, n)``, the same order as optax.
 
     Args:
-      x: the leaf, of shape ``layout.shape``.
-      layout: from :func:`matrix_layout`.
+      x: the leaf, of shape ``view.shape``.
+      view: from :func:`matrix_view`.
 
     Returns:
       Array of shape ``[B, m, n]``.
 
     >>> import jax.numpy as jnp
-    >>> to_matrices(jnp.zeros((2, 3, 4)), matrix_layout((2, 3, 4))).shape
+    >>> to_matrices(jnp.zeros((2, 3, 4)), matrix_view((2, 3, 4))).shape
     (2, 3, 4)
     """
-    perm = layout.batch_axes + layout.reduction_axes + layout.output_axes
-    return jnp.transpose(x, perm).reshape(layout.batch, layout.m, layout.n)
+    perm = view.batch_axes + view.reduction_axes + view.output_axes
+    return jnp.transpose(x, perm).reshape(view.batch, view.m, view.n)
 
 
-def from_matrices(y: jax.Array, layout: MatrixLayout) -> jax.Array:
+def from_matrices(y: jax.Array, view: MatrixView) -> jax.Array:
     """Inverse of :func:`to_matrices`: ``[B, m, n]`` back to the leaf's shape and axis order.
 
     Args:
       y: array of shape ``[B, m, n]``.
-      layout: the layout used to build ``y``.
+      view: the view used to build ``y``.
 
     Returns:
-      Array of shape ``layout.shape``.
+      Array of shape ``view.shape``.
 
     >>> import jax.numpy as jnp
-    >>> lay = matrix_layout((3, 4, 5), MuonDimensionNumbers(0, 2))
+    >>> view = matrix_view((3, 4, 5), MuonDimensionNumbers(0, 2))
     >>> x = jnp.arange(60.0).reshape(3, 4, 5)
-    >>> bool((from_matrices(to_matrices(x, lay), lay) == x).all())
+    >>> bool((from_matrices(to_matrices(x, view), view) == x).all())
     True
     """
-    perm = layout.batch_axes + layout.reduction_axes + layout.output_axes
-    permuted_shape = tuple(layout.shape[a] for a in perm)
+    perm = view.batch_axes + view.reduction_axes + view.output_axes
+    permuted_shape = tuple(view.shape[a] for a in perm)
     inverse = tuple(sorted(range(len(perm)), key=lambda i: perm[i]))
     return jnp.transpose(y.reshape(permuted_shape), inverse)
 
@@ -184,21 +186,31 @@ def shape_scale(m: int, n: int, mode: ShapeScaling) -> float:
     r"""Factor applied to an orthogonalized ``[m, n]`` update (``m`` fan-in, ``n`` fan-out).
 
     .. math::
-      \text{'spectral'}: \sqrt{\max(1, n / m)}, \qquad
-      \text{'rms\_match'}: 0.2 \sqrt{\max(m, n)}, \qquad \text{None}: 1.
+      \text{'spectral'}: \sqrt{\max(1, n / m)}, \quad
+      \text{'spectral\_unclamped'}: \sqrt{n / m}, \quad
+      \text{'rms\_match'}: 0.2 \sqrt{\max(m, n)}, \quad \text{None}: 1.
+
+    ``m`` is the product of the reduction axes and ``n`` of the output axes, so for a Flax kernel
+    ``[in, out]`` (default dimension numbers) ``m = in`` and ``n = out``. ``torch.optim.Muon``
+    reads ``A, B = weight.shape[:2]`` of a Linear weight ``[out, in]``: its ``'original'``
+    ``sqrt(max(1, A / B))`` is ``'spectral'``, its ``'match_rms_adamw'`` is ``'rms_match'`` and
+    its ``'spectral_unclamped'`` ``sqrt(A / B)`` is ``'spectral_unclamped'`` here.
 
     Args:
       m: fan-in (product of the reduction axes).
       n: fan-out (product of the output axes).
-      mode: ``'spectral'`` (Jordan's width scaling, optax's default), ``'rms_match'``
-        (Moonlight: update RMS ~0.2 like AdamW, so AdamW learning rates and weight decay carry
-        over) or ``None``.
+      mode: ``'spectral'`` (Jordan's width scaling, optax's default), ``'spectral_unclamped'``
+        (the same without the clamp at 1: matrices with ``n < m`` are scaled down),
+        ``'rms_match'`` (Moonlight: update RMS ~0.2 like AdamW, so AdamW learning rates and
+        weight decay carry over) or ``None``.
 
     Returns:
       The factor as a Python float.
 
-    >>> shape_scale(4, 16, 'spectral'), shape_scale(4, 16, 'rms_match'), shape_scale(4, 16, None)
-    (2.0, 0.8, 1.0)
+    >>> shape_scale(4, 16, 'spectral'), shape_scale(16, 4, 'spectral')
+    (2.0, 1.0)
+    >>> shape_scale(16, 4, 'spectral_unclamped'), shape_scale(4, 16, 'rms_match')
+    (0.5, 0.8)
 
     References:
       Liu et al., `Muon is Scalable for LLM Training <https://arxiv.org/abs/2502.16982>`_, 2025.
@@ -207,10 +219,13 @@ def shape_scale(m: int, n: int, mode: ShapeScaling) -> float:
         return 1.0
     if mode == "spectral":
         return math.sqrt(max(1.0, n / m))
+    if mode == "spectral_unclamped":
+        return math.sqrt(n / m)
     if mode == "rms_match":
         return RMS_MATCH_FACTOR * math.sqrt(max(m, n))
     raise ValueError(
-        f"shape_scaling must be 'spectral', 'rms_match' or None, got {mode!r}."
+        f"shape_scaling must be 'spectral', 'spectral_unclamped', 'rms_match' or None, got "
+        f"{mode!r}."
     )
 
 
@@ -239,11 +254,11 @@ def broadcast_prefix(
     """
     out: list[Any] = []
 
-    def _extend(p, sub):
+    def extend(p, sub):
         out.extend([p] * len(jax.tree.leaves(sub)))
 
     try:
-        jax.tree.map(_extend, prefix, tree, is_leaf=is_leaf)
+        jax.tree.map(extend, prefix, tree, is_leaf=is_leaf)
     except (ValueError, TypeError) as e:
         raise ValueError(
             f"{name} must be a tree with the structure of the params (or a prefix of it), or a "
@@ -255,7 +270,7 @@ def broadcast_prefix(
 def resolve_dim_nums(
     dimension_numbers: DimNumsLike, tree: Any
 ) -> list[MuonDimensionNumbers | None]:
-    """Per-leaf dimension numbers of ``tree`` (``None``: the default last-two-axes layout).
+    """Per-leaf dimension numbers of ``tree`` (``None``: the default last-two-axes view).
 
     Args:
       dimension_numbers: ``None``, one ``MuonDimensionNumbers`` for every leaf, a tree (prefix)

@@ -1,8 +1,8 @@
-"""The owner-compute plan for Muon: which whole matrices each device owns, and how they move.
+"""The owner plan of sharded Muon: which whole matrices each device owns, and how they move.
 
-Pure, static bookkeeping (no arrays): leaves of one ``(m, n)``, dtype and sharding pattern form
-a stack ``[K, m, n]``; its stack axis is split over ``shard_axes`` by a short list of
-collective steps (:class:`Op`) derived from the params' shardings. :mod:`muon_jax._sharded`
+Pure, static bookkeeping (no arrays): Muon leaves of one ``(m, n)``, dtype and sharding pattern
+form a stack ``[K, m, n]``; its stack axis is split over ``shard_axes`` by a short list of
+collective steps (:class:`Op`) derived from the params' shardings. :mod:`muon_jax.owners`
 executes the plan. Errors name the leaf path and the mesh axis.
 
 References:
@@ -22,34 +22,60 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from muon_jax import _dims
+from muon_jax import matrices
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "Chunk",
-    "Layout",
     "LeafPlan",
     "Op",
+    "OwnerPlan",
     "ReplicatedGrads",
+    "StackKey",
     "StackPlan",
     "check_chunk_bytes",
     "chunk_pieces",
+    "chunk_sizes",
+    "mesh_size",
     "param_spec",
-    "plan_layout",
-    "resolve_mesh",
+    "plan_owners",
     "resolve_shard_axes",
     "row_pieces",
+    "spec_axes",
+    "spec_dims",
 ]
 
 Axes = tuple[str, ...]
 MeshLike = Any  # jax.sharding.Mesh | jax.sharding.AbstractMesh
 ReplicatedGrads = Literal["slice", "scatter"]
+EntryOp = Literal["split", "a2a_m", "a2a_n"]
 
 DEFAULT_CHUNK_BYTES: int | None = None
 """Default ``chunk_bytes``: one collective per stack and direction. Measured on 2x H200
 (NVLink, jax 0.11.2, 1.6B params, 3 stacks): step 0.160 s unchunked; 0.160 / 0.160 / 0.163 /
 0.164 s with 1 GiB / 512 / 256 / 128 MiB chunks (same bytes). Only ~5 ms of communication per
 step was exposed, and more concurrent NCCL kernels slowed the Newton-Schulz matmuls."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StackKey:
+    """What Muon leaves must share to form one stack: matrix shape, dtype and collectives.
+
+    Attributes:
+      m, n: matrix shape; dtype: gradient dtype.
+      k_axes, m_axes, n_axes: mesh axes sharding the param's batch, ``m`` and ``n`` dims.
+      rest_entry: how the stack axis is split over the remaining shard axes: ``'split'``
+        (reduce-scatter or local slice) or ``'a2a_m'`` / ``'a2a_n'`` (the gradient arrives
+        sharded along ``m`` / ``n``, see ``replicated_grads='scatter'``).
+    """
+
+    m: int
+    n: int
+    dtype: np.dtype
+    k_axes: Axes
+    m_axes: Axes
+    n_axes: Axes
+    rest_entry: EntryOp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,26 +86,24 @@ class LeafPlan:
       path: leaf path for error messages.
       shape: global shape.
       dtype: the gradient (wire) dtype.
-      layout: global :class:`muon_jax._dims.MatrixLayout`.
+      view: global :class:`muon_jax.matrices.MatrixView`.
       spec: mesh axes per leaf dim of the param's sharding.
       entry_spec: mesh axes per leaf dim of the gradient as ``to_owners`` takes it.
-      k_axes, m_axes, n_axes: mesh axes sharding ``B``, ``m``, ``n`` of the param.
+      key: the :class:`StackKey` that groups it with other leaves.
     """
 
     path: str
     shape: tuple[int, ...]
     dtype: np.dtype
-    layout: _dims.MatrixLayout
+    view: matrices.MatrixView
     spec: tuple[Axes, ...]
     entry_spec: tuple[Axes, ...]
-    k_axes: Axes
-    m_axes: Axes
-    n_axes: Axes
+    key: StackKey
 
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-    """One collective step between gradient blocks and the owner layout over mesh ``axes``.
+    """One collective step between gradient blocks and the owner blocks over mesh ``axes``.
 
     ``entry``: ``'split'`` (a reduce-scatter of unreduced partial sums, else a local slice),
     ``'a2a_m'`` / ``'a2a_n'`` (all-to-all: split K, gather the m / n axis).
@@ -88,17 +112,17 @@ class Op:
     """
 
     axes: Axes
-    entry: Literal["split", "a2a_m", "a2a_n"]
+    entry: EntryOp
     exit: Literal["gather", "a2a_m", "a2a_n"]
 
 
 @dataclasses.dataclass(frozen=True)
 class StackPlan:
-    """Leaves of one shape, dtype and sharding pattern, owned as whole matrices.
+    """Leaves of one :class:`StackKey`, owned as whole matrices.
 
     Attributes:
       m, n: matrix shape; dtype: gradient dtype.
-      leaves: indices into ``Layout.leaves``.
+      leaves: indices into ``OwnerPlan.leaves``.
       k_axes: mesh axes already sharding the leaves' batch axis.
       ops: entry/exit steps, in entry order.
       k_local: matrices per device before the ops (sum of local batch sizes).
@@ -120,7 +144,7 @@ class StackPlan:
 
     @property
     def owner_axes(self) -> Axes:
-        """Mesh axes sharding the stack axis of the owner layout, major first."""
+        """Mesh axes sharding the stack axis of the owner blocks, major first."""
         return self.k_axes + tuple(a for op in self.ops for a in op.axes)
 
     @property
@@ -137,7 +161,7 @@ class StackPlan:
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-    """Rows ``[start, start + rows)`` of every device's owner block of ``layout.stacks[stack]``.
+    """Rows ``[start, start + rows)`` of every device's owner block of ``plan.stacks[stack]``.
 
     A chunk's owner array is ``[N * rows, m, n]``, sharded ``P(owner_axes)`` like its stack.
     """
@@ -148,7 +172,7 @@ class Chunk:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class OwnerPlan:
     """The static owner-compute plan for a tree of Muon leaves (hashable: lives in state).
 
     Attributes:
@@ -175,7 +199,7 @@ class Layout:
     @property
     def num_shards(self) -> int:
         """N: devices along ``shard_axes``."""
-        return math.prod(self.mesh.shape[a] for a in self.shard_axes)
+        return mesh_size(self.mesh, self.shard_axes)
 
     def owner_spec(self, stack: StackPlan) -> P:
         """PartitionSpec of an owner stack ``[N * k_owner, m, n]``."""
@@ -186,31 +210,27 @@ class Layout:
         return (stack.k_owner * self.num_shards, stack.m, stack.n)
 
 
-def _size(mesh: MeshLike, axes: Sequence[str]) -> int:
+jax.tree_util.register_static(OwnerPlan)
+
+
+def mesh_size(mesh: MeshLike, axes: Sequence[str]) -> int:
+    """Number of devices along ``axes`` of ``mesh``.
+
+    >>> mesh_size(jax.sharding.AbstractMesh((2, 4), ('data', 'model')), ('model',))
+    4
+    """
     return math.prod(mesh.shape[a] for a in axes)
 
 
-def resolve_mesh(mesh: MeshLike | None) -> MeshLike | None:
-    """The mesh passed, else the ambient one (``jax.set_mesh``), else None.
+def spec_axes(entry: Any) -> Axes:
+    """The mesh axes of one PartitionSpec entry (``None``, a name or a tuple of names).
 
-    Args:
-      mesh: a ``jax.sharding.Mesh`` / ``AbstractMesh`` or None.
-
-    Returns:
-      The mesh, or None when there is none.
-
-    Example:
-      >>> with jax.set_mesh(jax.make_mesh((8,), ('d',))):
-      ...     resolve_mesh(None).axis_names
-      ('d',)
-
-    References:
-      ZeRO (Rajbhandari et al., 2020).
+    >>> spec_axes(None), spec_axes('data'), spec_axes(('data', 'model'))
+    ((), ('data',), ('data', 'model'))
     """
-    if mesh is not None:
-        return mesh
-    ambient = jax.sharding.get_abstract_mesh()
-    return None if ambient is None or ambient.empty else ambient
+    if entry is None or entry is P.UNCONSTRAINED:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def resolve_shard_axes(
@@ -229,12 +249,9 @@ def resolve_shard_axes(
     Raises:
       ValueError: an axis is not in the mesh, or repeats.
 
-    Example:
-      >>> resolve_shard_axes(jax.make_mesh((2, 4), ('data', 'model')), 'data')
-      ('data',)
-
-    References:
-      ZeRO (Rajbhandari et al., 2020).
+    >>> mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
+    >>> resolve_shard_axes(mesh, 'data'), resolve_shard_axes(mesh, None)
+    (('data',), ('data', 'model'))
     """
     names = tuple(mesh.axis_names)
     if shard_axes is None:
@@ -251,21 +268,21 @@ def resolve_shard_axes(
     return tuple(a for a in names if a in axes)
 
 
-def _parts(spec: P | None) -> tuple[Any, ...]:
-    """A PartitionSpec's per-dim entries (without unreduced / reduced)."""
-    return () if spec is None else tuple(spec.partitions)
+def spec_dims(spec: P | None, ndim: int) -> tuple[Axes, ...]:
+    """Mesh axes per dim of a PartitionSpec, padded to ``ndim`` dims (None: replicated).
+
+    >>> spec_dims(P('data'), 3)
+    (('data',), (), ())
+    """
+    entries = () if spec is None else tuple(spec.partitions)
+    return tuple(spec_axes(e) for e in entries + (None,) * (ndim - len(entries)))
 
 
 def _normalize_spec(spec: Any, ndim: int, mesh: MeshLike, path: str) -> tuple[Axes, ...]:
-    entries = list(_parts(spec))
-    if len(entries) > ndim:
+    """Mesh axes per dim of a PartitionSpec (padded to ``ndim``), checked against the mesh."""
+    if spec is not None and len(spec.partitions) > ndim:
         raise ValueError(f"{path}: sharding {spec} has more entries than the leaf rank {ndim}.")
-    out: list[Axes] = []
-    for e in entries + [None] * (ndim - len(entries)):
-        if e is None or e is P.UNCONSTRAINED:
-            out.append(())
-        else:
-            out.append((e,) if isinstance(e, str) else tuple(e))
+    out = spec_dims(spec, ndim)
     for axes in out:
         for a in axes:
             if a not in mesh.axis_names:
@@ -273,7 +290,7 @@ def _normalize_spec(spec: Any, ndim: int, mesh: MeshLike, path: str) -> tuple[Ax
                     f"{path}: the param is sharded over mesh axis {a!r}, which is not in the "
                     f"optimizer's mesh {tuple(mesh.axis_names)}; use the params' mesh."
                 )
-    return tuple(out)
+    return out
 
 
 def param_spec(x: Any) -> P | None:
@@ -282,17 +299,14 @@ def param_spec(x: Any) -> P | None:
     Inside ``jit`` only Explicit mesh axes are visible; Auto axes read as replicated.
 
     Args:
-      x: an array or tracer.
+      x: an array, ``jax.ShapeDtypeStruct`` or tracer.
 
     Returns:
       A PartitionSpec, or None when unknown (treated as replicated).
 
-    Example:
-      >>> param_spec(jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P('d'))))
-      PartitionSpec('d',)
-
-    References:
-      JAX explicit sharding ("sharding in types").
+    >>> mesh = jax.make_mesh((jax.device_count(),), ('d',))
+    >>> param_spec(jax.device_put(np.ones((8, 4)), NamedSharding(mesh, P('d')))) == P('d')
+    True
     """
     if not isinstance(x, jax.core.Tracer):
         sharding = getattr(x, "sharding", None)
@@ -316,19 +330,68 @@ def _group_axes(
         if spec[d]:
             raise ValueError(
                 f"{path}: dim {d} is sharded over {spec[d]} but is not the leading dim of the "
-                f"{what} dims {group}; the owner layout can only split the leading dim of a "
+                f"{what} dims {group}; the owner plan can only split the leading dim of a "
                 "merged group. Shard the leading dim instead, or change dimension_numbers."
             )
     d0 = group[0]
-    if shape[d0] % _size(mesh, spec[d0]):
+    if shape[d0] % mesh_size(mesh, spec[d0]):
         raise ValueError(
             f"{path}: dim {d0} of size {shape[d0]} is sharded over {spec[d0]} "
-            f"({_size(mesh, spec[d0])} devices), which does not divide it; pad the param."
+            f"({mesh_size(mesh, spec[d0])} devices), which does not divide it; pad the param."
         )
     return spec[d0]
 
 
-def plan_layout(
+def _leaf_plan(
+    path: str, shape: tuple[int, ...], dtype: Any, spec: Any, dim_nums: Any, *,
+    mesh: MeshLike, shard: Axes, replicated_grads: ReplicatedGrads,
+) -> LeafPlan:
+    """Plan one leaf: its matrix view, the axes sharding it and how its gradient enters."""
+    where = f"leaf {path!r}"
+    view = matrices.matrix_view(shape, dim_nums, path=where)
+    nspec = _normalize_spec(spec, len(shape), mesh, where)
+    for a in [a for axes in nspec for a in axes if a not in shard][:1]:
+        raise ValueError(
+            f"{where}: the param is sharded over mesh axis {a!r}, which is not a shard axis "
+            f"(shard_axes={shard}); add {a!r} to shard_axes or replicate the param over it."
+        )
+    k_axes = _group_axes(nspec, view.batch_axes, shape, mesh, "batch", where)
+    m_axes = _group_axes(nspec, view.reduction_axes, shape, mesh, "reduction", where)
+    n_axes = _group_axes(nspec, view.output_axes, shape, mesh, "output", where)
+    rest = tuple(a for a in shard if a not in k_axes + m_axes + n_axes)
+    entry, rest_entry = list(nspec), "split"
+    if replicated_grads == "scatter" and rest:
+        for group, op in ((view.reduction_axes, "a2a_m"), (view.output_axes, "a2a_n")):
+            d0 = group[0]
+            if (shape[d0] // mesh_size(mesh, nspec[d0])) % mesh_size(mesh, rest) == 0:
+                entry[d0], rest_entry = nspec[d0] + rest, op
+                break
+    dtype = np.dtype(dtype)
+    key = StackKey(view.m, view.n, dtype, k_axes, m_axes, n_axes, rest_entry)
+    return LeafPlan(path, shape, dtype, view, nspec, tuple(entry), key)
+
+
+def _stack_plan(
+    key: StackKey, idx: list[int], leaves: list[LeafPlan], *, mesh: MeshLike, shard: Axes,
+    chunk_bytes: int | None,
+) -> StackPlan:
+    """Plan the stack of the leaves ``idx``: its collectives, owned matrices and chunks."""
+    rest = tuple(a for a in shard if a not in key.k_axes + key.m_axes + key.n_axes)
+    # Minor axes of a matrix dim go first: the replicated axes that 'scatter' appends to
+    # it, then the param's own axes; each group is one collective over an axis tuple.
+    ops = tuple(Op(axes, entry, exit_) for axes, entry, exit_ in (
+        (rest, key.rest_entry, "gather"),
+        (key.m_axes, "a2a_m", "a2a_m"),
+        (key.n_axes, "a2a_n", "a2a_n"),
+    ) if axes)
+    k_local = sum(leaves[i].view.batch // mesh_size(mesh, key.k_axes) for i in idx)
+    k_owner = -(-k_local // mesh_size(mesh, [a for op in ops for a in op.axes]))
+    row_bytes = mesh_size(mesh, shard) * key.m * key.n * key.dtype.itemsize
+    return StackPlan(key.m, key.n, key.dtype, tuple(idx), key.k_axes, ops, k_local, k_owner,
+                     chunk_sizes(k_owner, row_bytes, chunk_bytes))
+
+
+def plan_owners(
     leaves: Sequence[tuple[str, tuple[int, ...], Any, Any]],
     dim_nums: Sequence[Any],
     *,
@@ -336,11 +399,11 @@ def plan_layout(
     shard_axes: str | Sequence[str] | None = None,
     replicated_grads: ReplicatedGrads = "slice",
     chunk_bytes: int | None = DEFAULT_CHUNK_BYTES,
-) -> Layout:
-    """Plan the owner layout of Muon leaves: stacks, their sharding and the collectives.
+) -> OwnerPlan:
+    """Plan which device owns each Muon matrix: stacks, their sharding and the collectives.
 
-    Leaves of equal ``(m, n)``, dtype and sharding pattern form a stack; its ``K`` (padded to a
-    multiple of N / (devices already sharding the batch axis)) is split over ``shard_axes``.
+    Leaves of one :class:`StackKey` form a stack; its ``K`` (padded to a multiple of N /
+    (devices already sharding the batch axis)) is split over ``shard_axes``.
 
     Args:
       leaves: per Muon leaf ``(path, shape, dtype, spec)``; ``spec`` a PartitionSpec or None.
@@ -357,16 +420,21 @@ def plan_layout(
         ``None`` or 0: one chunk per stack.
 
     Returns:
-      A :class:`Layout`.
+      An :class:`OwnerPlan`.
 
     Raises:
       ValueError: naming the leaf path and mesh axis when a shard axis is missing from the
-        mesh, or a param is sharded in a way the owner layout cannot serve.
+        mesh, or a param is sharded in a way the owner plan cannot serve.
 
-    Example:
-      >>> lay = plan_layout([('w', (8, 16, 32), jnp.float32, P())], [None], mesh=mesh)
-      >>> lay.stacks[0].k_owner  # 8 matrices over 8 devices
-      1
+    >>> mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
+    >>> plan_owners([('v', (16, 32), np.float32, P(None, 'model'))], [None], mesh=mesh,
+    ...             shard_axes='data')  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: leaf 'v': the param is sharded over mesh axis 'model', which is not a shard ...
+    >>> plan = plan_owners([('w', (8, 16, 32), np.float32, P())], [None], mesh=mesh)
+    >>> plan.stacks[0].k_owner, plan.owner_shape(plan.stacks[0])  # 8 matrices, 8 devices
+    (1, (8, 16, 32))
 
     References:
       ZeRO (Rajbhandari et al., 2020); Keller Jordan's distributed Muon (2024).
@@ -378,55 +446,17 @@ def plan_layout(
             f"replicated_grads must be 'slice' or 'scatter', got {replicated_grads!r}."
         )
     check_chunk_bytes(chunk_bytes)
-    plans: list[LeafPlan] = []
-    groups: dict[tuple, list[int]] = {}
-    for (path, shape, dtype, spec), dn in zip(leaves, dim_nums, strict=True):
-        shape = tuple(int(s) for s in shape)
-        where = f"leaf {path!r}"
-        layout = _dims.matrix_layout(shape, dn, path=where)
-        nspec = _normalize_spec(spec, len(shape), mesh, where)
-        for axes in nspec:
-            for a in axes:
-                if a not in shard:
-                    raise ValueError(
-                        f"{where}: the param is sharded over mesh axis {a!r}, which is not a "
-                        f"shard axis (shard_axes={shard}); add {a!r} to shard_axes or replicate "
-                        "the param over it."
-                    )
-        k_axes = _group_axes(nspec, layout.batch_axes, shape, mesh, "batch", where)
-        m_axes = _group_axes(nspec, layout.reduction_axes, shape, mesh, "reduction", where)
-        n_axes = _group_axes(nspec, layout.output_axes, shape, mesh, "output", where)
-        rest = tuple(a for a in shard if a not in k_axes + m_axes + n_axes)
-        entry = list(nspec)
-        if replicated_grads == "scatter" and rest:
-            for group in (layout.reduction_axes, layout.output_axes):
-                d0 = group[0]
-                if (shape[d0] // _size(mesh, nspec[d0])) % _size(mesh, rest) == 0:
-                    entry[d0] = nspec[d0] + rest
-                    break
-        plan = LeafPlan(path, shape, np.dtype(dtype), layout, nspec, tuple(entry),
-                        k_axes, m_axes, n_axes)
-        key = (layout.m, layout.n, plan.dtype, k_axes, m_axes, n_axes, tuple(entry) != nspec,
-               entry[layout.reduction_axes[0]] != nspec[layout.reduction_axes[0]])
-        groups.setdefault(key, []).append(len(plans))
-        plans.append(plan)
-
-    stacks = []
-    for (m, n, dtype, k_axes, m_axes, n_axes, scattered, on_m), idx in groups.items():
-        rest = tuple(a for a in shard if a not in k_axes + m_axes + n_axes)
-        rest_op = "a2a_m" if (scattered and on_m) else ("a2a_n" if scattered else "split")
-        # Minor axes of a matrix dim go first: the replicated axes that 'scatter' appends to
-        # it, then the param's own axes; each group is one collective over an axis tuple.
-        ops = [Op(axes, e, x) for axes, e, x in ((rest, rest_op, "gather"),
-                                                  (m_axes, "a2a_m", "a2a_m"),
-                                                  (n_axes, "a2a_n", "a2a_n")) if axes]
-        k_local = sum(plans[i].layout.batch // _size(mesh, k_axes) for i in idx)
-        factor = _size(mesh, [a for op in ops for a in op.axes])
-        k_owner = -(-k_local // factor)
-        row_bytes = _size(mesh, shard) * m * n * dtype.itemsize
-        stacks.append(StackPlan(m, n, dtype, tuple(idx), k_axes, tuple(ops), k_local, k_owner,
-                                _chunk_sizes(k_owner, row_bytes, chunk_bytes)))
-    return Layout(mesh, shard, tuple(plans), tuple(stacks))
+    plans = [
+        _leaf_plan(path, tuple(int(s) for s in shape), dtype, spec, dn, mesh=mesh, shard=shard,
+                   replicated_grads=replicated_grads)
+        for (path, shape, dtype, spec), dn in zip(leaves, dim_nums, strict=True)
+    ]
+    groups: dict[StackKey, list[int]] = {}
+    for i, leaf in enumerate(plans):
+        groups.setdefault(leaf.key, []).append(i)
+    stacks = tuple(_stack_plan(key, idx, plans, mesh=mesh, shard=shard, chunk_bytes=chunk_bytes)
+                   for key, idx in groups.items())
+    return OwnerPlan(mesh, shard, tuple(plans), stacks)
 
 
 def row_pieces(
@@ -472,6 +502,10 @@ def chunk_pieces(stack: StackPlan, start: int, rows: int) -> list[tuple[int, int
     Row ``r`` is row ``w = r % k_owner`` of owner ``g = r // k_owner``'s block, so it sits in
     chunk ``j`` (``offsets[j] <= w``) at row ``g * rows_j + w - offsets[j]`` of that chunk's
     gathered ``[F * rows_j]`` array. Returns ``(chunk, lo, hi)`` pieces, adjacent ones merged.
+
+    >>> stack = StackPlan(2, 2, np.dtype('float32'), (0,), (), (), 4, 2, (1, 1))
+    >>> chunk_pieces(stack, 0, 4)  # owners 0 and 1, each with chunks of one row
+    [(0, 0, 1), (1, 0, 1), (0, 1, 2), (1, 1, 2)]
     """
     sizes = stack.chunks or (stack.k_owner,)
     pieces: list[tuple[int, int, int]] = []
@@ -487,7 +521,13 @@ def chunk_pieces(stack: StackPlan, start: int, rows: int) -> list[tuple[int, int
 
 
 def check_chunk_bytes(chunk_bytes: Any) -> None:
-    """Raise ValueError unless ``chunk_bytes`` is None or an int >= 0."""
+    """Raise ValueError unless ``chunk_bytes`` is None or an int >= 0.
+
+    >>> check_chunk_bytes(-1)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: chunk_bytes must be a byte count >= 0 or None, got -1; ...
+    """
     if chunk_bytes is not None and (
         isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int | np.integer)
         or chunk_bytes < 0
@@ -498,8 +538,20 @@ def check_chunk_bytes(chunk_bytes: Any) -> None:
         )
 
 
-def _chunk_sizes(k_owner: int, row_bytes: int, chunk_bytes: int | None) -> tuple[int, ...]:
-    """About equal chunk sizes summing to ``k_owner``, each at most ``chunk_bytes`` (>= 1 row)."""
+def chunk_sizes(k_owner: int, row_bytes: int, chunk_bytes: int | None) -> tuple[int, ...]:
+    """About equal chunk sizes summing to ``k_owner``, each at most ``chunk_bytes`` (>= 1 row).
+
+    Args:
+      k_owner: matrices owned per device.
+      row_bytes: bytes one owned matrix per device adds to a collective (``N * m * n * size``).
+      chunk_bytes: the target bytes of one collective (None or 0: one chunk).
+
+    Returns:
+      The rows per device of each chunk.
+
+    >>> chunk_sizes(10, 1, 3), chunk_sizes(5, 100, 1), chunk_sizes(5, 1, None)
+    ((2, 2, 3, 3), (1, 1, 1, 1, 1), (5,))
+    """
     if not chunk_bytes or k_owner <= 1:
         return (k_owner,)
     rows = max(1, int(chunk_bytes) // row_bytes)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from muon_jax import _dims
+from muon_jax import matrices
 
 MaskLike: TypeAlias = Any  # tree (or prefix) of bools, or callable on params returning one
 
@@ -34,10 +34,12 @@ ADAMW_NAME_PARTS: tuple[str, ...] = ("embed", "norm")
 
 
 def _names(path: Any) -> list[str]:
-    return [p.lower() for p in _dims.path_str(path).split("/")]
+    """Lower-case key names of a leaf path."""
+    return [p.lower() for p in matrices.path_str(path).split("/")]
 
 
 def _is_float(leaf: Any) -> bool:
+    """Whether ``leaf`` has a floating dtype."""
     dtype = getattr(leaf, "dtype", None)
     return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
@@ -72,7 +74,7 @@ def default_rule(path: Any, leaf: Any, has_dim_nums: bool = False) -> bool:
     return True
 
 
-def default_muon_mask(params: Any, *, dimension_numbers: _dims.DimNumsLike = None) -> Any:
+def default_muon_mask(params: Any, *, dimension_numbers: matrices.DimNumsLike = None) -> Any:
     """Tree of bools: ``True`` where Muon updates the leaf, ``False`` where AdamW does.
 
     A float leaf goes to Muon when it has explicit dimension numbers, or when it has rank >= 2
@@ -98,7 +100,7 @@ def default_muon_mask(params: Any, *, dimension_numbers: _dims.DimNumsLike = Non
       Jordan et al., `Muon: An optimizer for hidden layers in neural networks
       <https://kellerjordan.github.io/posts/muon/>`_, 2024.
     """
-    flat_dims = _dims.resolve_dim_nums(dimension_numbers, params)
+    flat_dims = matrices.resolve_dim_nums(dimension_numbers, params)
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
     flags = [
         default_rule(path, leaf, d is not None)
@@ -108,7 +110,7 @@ def default_muon_mask(params: Any, *, dimension_numbers: _dims.DimNumsLike = Non
 
 
 def resolve_muon_mask(
-    muon_mask: MaskLike | None, params: Any, *, dimension_numbers: _dims.DimNumsLike = None
+    muon_mask: MaskLike | None, params: Any, *, dimension_numbers: matrices.DimNumsLike = None
 ) -> list[bool]:
     """Per-leaf Muon flags of ``params``: the user mask if given, else the default rule.
 
@@ -131,7 +133,7 @@ def resolve_muon_mask(
     else:
         mask = muon_mask
     is_flag = lambda x: isinstance(x, bool | np.bool_)
-    flat = _dims.broadcast_prefix(mask, params, is_leaf=is_flag, name="muon_mask")
+    flat = matrices.broadcast_prefix(mask, params, is_leaf=is_flag, name="muon_mask")
     for f in flat:
         if not is_flag(f):
             raise TypeError(

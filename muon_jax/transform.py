@@ -1,0 +1,543 @@
+"""Muon as Optax transforms: ``scale_by_muon`` (the direction) and ``muon`` (the optimizer).
+
+Thin shells over pure functions: :func:`momentum_step` (momentum, bias correction, Nesterov),
+:func:`muon_jax.orthogonalize` on each leaf's ``[B, m, n]`` view, and
+:func:`muon_jax.matrices.shape_scale`. With ``mesh=`` the same per-matrix step runs on the
+owner blocks of :mod:`muon_jax.owners`. ``muon`` routes hidden-layer matrices to Muon and the
+rest to AdamW with :func:`optax.partition`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from muon_jax import dp, masking, matrices, owner_plan, owners
+from muon_jax.newton_schulz import NsCoeffsLike, orthogonalize, resolve_ns_coeffs
+
+MeshArg = jax.sharding.Mesh | jax.sharding.AbstractMesh | None
+SpecsLike = Any  # PartitionSpec | tree (prefix) of PartitionSpec / None | callable on params
+
+
+class MuonState(NamedTuple):
+    """State of :func:`scale_by_muon` without a mesh."""
+
+    count: jax.Array  # int32 scalar: number of updates so far
+    mu: optax.Updates  # momentum, same tree as the params
+
+
+class ShardedMuonState(NamedTuple):
+    """State of :func:`scale_by_muon` with ``mesh=``: momentum of whole matrices, 1/N per device."""
+
+    count: jax.Array  # int32 scalar: number of updates so far
+    mu: tuple[jax.Array, ...]  # per stack [N * k_owner, m, n], sharded P(owner_axes)
+    plan: owner_plan.OwnerPlan  # the static owner plan (a pytree node without leaves)
+
+
+def momentum_step(
+    g: jax.Array,
+    mu: jax.Array,
+    count_inc: jax.Array,
+    beta: jax.typing.ArrayLike,
+    *,
+    nesterov: bool = True,
+    bias_correction: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    r"""One momentum step: the EMA of gradients and the matrix Newton-Schulz orthogonalizes.
+
+    .. math::
+      \mu_t = \beta \mu_{t-1} + (1-\beta) g_t, \qquad
+      \hat\mu_t = \begin{cases}
+        \beta \frac{\mu_t}{1-\beta^{t+1}} + (1-\beta)\frac{g_t}{1-\beta^{t}} & \text{Nesterov}\\
+        \frac{\mu_t}{1-\beta^{t}} & \text{otherwise,}\end{cases}
+
+    as in :func:`optax.contrib.scale_by_muon`. Without bias correction the ``1 / (1 - beta^k)``
+    factors are dropped: ``beta mu_t + (1 - beta) g_t`` (Nesterov) or ``mu_t``, which is
+    ``torch.optim.Muon``'s ``grad.lerp(buf, momentum)`` or ``buf``.
+
+    Args:
+      g: the gradient.
+      mu: the previous momentum.
+      count_inc: the step number ``t >= 1`` (int32 scalar).
+      beta: momentum decay.
+      nesterov: use the Nesterov form.
+      bias_correction: divide by ``1 - beta^k`` (optax) or not (PyTorch, Keller Jordan's and
+        Moonlight's references).
+
+    Returns:
+      ``(mu_t, mu_hat_t)``.
+
+    >>> mu, mu_hat = momentum_step(jnp.ones(2), jnp.zeros(2), jnp.int32(1), 0.5, nesterov=False)
+    >>> mu.tolist(), mu_hat.tolist()
+    ([0.5, 0.5], [1.0, 1.0])
+    >>> momentum_step(jnp.ones(2), jnp.zeros(2), jnp.int32(1), 0.5,
+    ...               bias_correction=False)[1].tolist()
+    [0.75, 0.75]
+    """
+    mu = (1 - beta) * g + beta * mu
+
+    def corrected(t, count):
+        return t / (1 - beta**count).astype(t.dtype) if bias_correction else t
+
+    if nesterov:
+        mu_hat = beta * corrected(mu, optax.safe_increment(count_inc)) + (1 - beta) * corrected(
+            g, count_inc
+        )
+    else:
+        mu_hat = corrected(mu, count_inc)
+    return mu, mu_hat
+
+
+def _matrix_views(tree: Any, dimension_numbers: matrices.DimNumsLike, what: str):
+    """Validated matrix view per leaf; errors name the leaf and the fix."""
+    flat_dims = matrices.resolve_dim_nums(dimension_numbers, tree)
+    leaves_with_path = jax.tree_util.tree_flatten_with_path(tree)[0]
+    out = []
+    for (path, leaf), d in zip(leaves_with_path, flat_dims, strict=True):
+        name = matrices.path_str(path)
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(
+                f"{what} leaf {name!r} has dtype {dtype}; Muon updates float matrices only: route "
+                "it to AdamW (muon_mask) or keep it out of the optimized params."
+            )
+        out.append(matrices.matrix_view(leaf.shape, d, path=f"{what} leaf {name!r}"))
+    return out
+
+
+def scale_by_muon(
+    ns_coeffs: NsCoeffsLike = "jordan",
+    ns_steps: int = 5,
+    beta: jax.typing.ArrayLike = 0.95,
+    eps: float = 1e-8,
+    mu_dtype: jax.typing.DTypeLike | None = None,
+    *,
+    nesterov: bool = True,
+    bias_correction: bool = True,
+    ns_dtype: jax.typing.DTypeLike = jnp.bfloat16,
+    shape_scaling: matrices.ShapeScaling = "spectral",
+    dimension_numbers: matrices.DimNumsLike = None,
+    mesh: MeshArg = None,
+    shard_axes: str | tuple[str, ...] | None = None,
+    param_specs: SpecsLike = None,
+    chunk_bytes: int | None = owner_plan.DEFAULT_CHUNK_BYTES,
+) -> optax.GradientTransformation:
+    r"""Rescale updates to Muon's direction: orthogonalized (Nesterov) momentum.
+
+    Per leaf, viewed as a batch of ``[m, n]`` matrices (``m`` fan-in, ``n`` fan-out):
+
+    .. math::
+      \mu_t = \beta \mu_{t-1} + (1-\beta) G_t, \quad
+      O_t = s(m, n) \cdot \mathrm{NS}(\hat\mu_t),
+
+    with ``mu_hat`` the (bias-corrected) Nesterov or plain momentum of :func:`momentum_step`,
+    NS the Newton-Schulz iteration of :func:`muon_jax.orthogonalize`, and ``s`` the shape
+    scaling of :func:`muon_jax.matrices.shape_scale`. Every leaf must be a float array of rank
+    >= 2 (``None`` / ``optax.MaskedNode`` leaves pass through); route the rest elsewhere, as
+    :func:`muon` does.
+
+    The state type follows from the call: :class:`MuonState` without ``mesh``, and
+    :class:`ShardedMuonState` with one (an ambient ``jax.set_mesh`` mesh is not used; pass
+    ``mesh=jax.sharding.get_abstract_mesh()`` to shard over it).
+
+    Args:
+      ns_coeffs: Newton-Schulz schedule: ``'jordan'``, ``'polar_express'``, a triple or
+        per-step triples (see :func:`muon_jax.orthogonalize`).
+      ns_steps: Newton-Schulz iterations, ``>= 1``.
+      beta: momentum decay.
+      eps: added to the Frobenius norm before Newton-Schulz.
+      mu_dtype: dtype of the momentum (``None``: the params' dtype).
+      nesterov: use Nesterov momentum.
+      bias_correction: divide the momentum by ``1 - beta^t`` as optax does; ``False``
+        reproduces ``torch.optim.Muon`` (and Keller Jordan's and Moonlight's references).
+      ns_dtype: dtype of the Newton-Schulz matmul operands.
+      shape_scaling: ``'spectral'``, ``'spectral_unclamped'``, ``'rms_match'`` or ``None``.
+      dimension_numbers: ``optax.contrib.MuonDimensionNumbers`` for every leaf, a tree (or
+        prefix) of them, or a callable on params returning one. Entries that are ``None``
+        (or ``MaskedNode``) use the default: the last two axes are the matrix (reduction, output)
+        and leading axes are a batch, so ``[m, n]`` is one matrix and ``[L, m, n]`` a stack.
+        Conv kernels ``[kh, kw, c_in, c_out]`` need ``MuonDimensionNumbers((0, 1, 2), 3)``.
+      mesh: shard the optimizer over this mesh (ZeRO-1 owner compute, see
+        :mod:`muon_jax.owners`); ``None``: unsharded. Matrices of one shape form stacks whose
+        stack axis is split over ``shard_axes``: each device keeps the momentum of, and
+        orthogonalizes, only its own whole matrices; gradients arrive by reduce-scatter when
+        they are unreduced (see :func:`muon_jax.dp.reduced_view`), else by a local slice
+        (replicated) or an all-to-all (FSDP / tensor-parallel leaves); updates leave with the
+        params' shardings, in the gradient dtype.
+      shard_axes: mesh axes that split the stacks (``None``: all mesh axes). Every mesh axis
+        that shards a Muon param must be one of them.
+      param_specs: the params' ``PartitionSpec`` s (a spec for every leaf, a tree or prefix of
+        them with ``None`` for replicated, or a callable on params returning one). ``None``:
+        read at ``init`` from the params: concrete arrays and ``jax.ShapeDtypeStruct`` s carry
+        their sharding, traced ones only their Explicit axes. Needed when ``init`` is traced
+        (``jax.jit``, ``jax.eval_shape``, ``nnx.jit``) on a mesh whose shard axes are Auto.
+      chunk_bytes: with a mesh, split each stack's owned matrices into chunks whose
+        collectives move about this many bytes (full buffer ``N * rows * m * n`` in the
+        gradient dtype; at least one matrix per device per chunk), each moved and
+        orthogonalized on its own so XLA can overlap one chunk's collectives with another's
+        Newton-Schulz. ``None`` (default) or 0: one collective per stack and direction (see
+        :data:`muon_jax.owner_plan.DEFAULT_CHUNK_BYTES`).
+
+    Returns:
+      An ``optax.GradientTransformation`` with state :class:`MuonState` (``mesh=None``) or
+      :class:`ShardedMuonState`.
+
+    >>> import optax
+    >>> tx = scale_by_muon(ns_dtype=jnp.float32)
+    >>> params = {'w': jnp.ones((4, 8))}
+    >>> updates, state = tx.update({'w': jnp.eye(4, 8)}, tx.init(params))
+    >>> updates['w'].shape, int(state.count), type(state).__name__
+    ((4, 8), 1, 'MuonState')
+    >>> mesh = jax.make_mesh((jax.device_count(),), ('data',))
+    >>> type(scale_by_muon(mesh=mesh).init(params)).__name__
+    'ShardedMuonState'
+
+    References:
+      Jordan et al., `Muon: An optimizer for hidden layers in neural networks
+      <https://kellerjordan.github.io/posts/muon/>`_, 2024.
+
+      Liu et al., `Muon is Scalable for LLM Training <https://arxiv.org/abs/2502.16982>`_, 2025.
+
+      Rajbhandari et al., `ZeRO <https://arxiv.org/abs/1910.02054>`_, 2020 (owner compute).
+    """
+    resolve_ns_coeffs(ns_coeffs, ns_steps)  # fail at construction on a bad schedule
+    matrices.shape_scale(1, 1, shape_scaling)  # and on a bad scaling name
+    owner_plan.check_chunk_bytes(chunk_bytes)
+    if mesh is not None:
+        owner_plan.resolve_shard_axes(mesh, shard_axes, where="scale_by_muon")
+    mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
+    if mu_dtype is not None and not jnp.issubdtype(mu_dtype, jnp.floating):
+        raise ValueError(
+            f"mu_dtype={mu_dtype} is not a float dtype; pass jnp.float32, jnp.bfloat16 or None "
+            "(the params' dtype)."
+        )
+
+    def direction(mats, m, n):
+        """Orthogonalized, shape-scaled ``[B, m, n]`` matrices: one definition for both paths."""
+        o = orthogonalize(mats, ns_coeffs=ns_coeffs, ns_steps=ns_steps, eps=eps, dtype=ns_dtype)
+        scale = matrices.shape_scale(m, n, shape_scaling)
+        return o * jnp.asarray(scale, o.dtype) if scale != 1.0 else o
+
+    def step(g, mu, count_inc, m, n, *, out_dtype):
+        """Momentum and direction of one ``[B, m, n]`` batch."""
+        mu_new, mu_hat = momentum_step(g, mu, count_inc, beta, nesterov=nesterov,
+                                       bias_correction=bias_correction)
+        return mu_new, direction(mu_hat, m, n).astype(out_dtype)
+
+    def init_fn(params):
+        _matrix_views(params, dimension_numbers, "params")
+        if mesh is not None:
+            return _sharded_init(params, mesh, shard_axes, param_specs, dimension_numbers,
+                                 mu_dtype, chunk_bytes)
+        mu = optax.tree.zeros_like(params, dtype=mu_dtype)
+        return MuonState(count=jnp.zeros([], jnp.int32), mu=mu)
+
+    def update_fn(updates, state, params=None):
+        del params
+        if isinstance(state, ShardedMuonState):
+            return _sharded_update(updates, state, step)
+        if not isinstance(state, MuonState):
+            raise TypeError(
+                f"scale_by_muon: state must be the MuonState of this transform's init, got "
+                f"{type(state).__name__}."
+            )
+        views = _matrix_views(updates, dimension_numbers, "updates")
+        return _unsharded_update(updates, state, views, step, mu_dtype)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _unsharded_update(updates: Any, state: MuonState, views: list, step: Callable,
+                      mu_dtype: Any) -> tuple[Any, MuonState]:
+    """The per-leaf update of :func:`scale_by_muon` without a mesh."""
+    count_inc = optax.safe_increment(state.count)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    mus = treedef.flatten_up_to(state.mu)
+    new_mu, out = [], []
+    for (path, g), m in zip(flat, mus, strict=True):
+        if tuple(g.shape) != tuple(m.shape):
+            raise ValueError(
+                f"scale_by_muon: gradient leaf {matrices.path_str(path)!r} has shape {g.shape}, "
+                f"but its momentum (from the params at init) has {m.shape}; pass the "
+                "gradients of the params."
+            )
+    for (_, g), m, view in zip(flat, mus, views, strict=True):
+        m, o = step(matrices.to_matrices(g, view), matrices.to_matrices(m, view), count_inc,
+                    view.m, view.n, out_dtype=g.dtype)
+        m = matrices.from_matrices(m, view)
+        new_mu.append(m if mu_dtype is None else m.astype(mu_dtype))
+        out.append(matrices.from_matrices(o, view))
+    mu = jax.tree.unflatten(treedef, new_mu)
+    return jax.tree.unflatten(treedef, out), MuonState(count=count_inc, mu=mu)
+
+
+def _replicated_grads(mesh: Any) -> owner_plan.ReplicatedGrads:
+    """'scatter' where XLA forms reduce-scatter from all-reduce + slice (GPU/TPU), else 'slice'."""
+    abstract = mesh if isinstance(mesh, jax.sharding.AbstractMesh) else mesh.abstract_mesh
+    device = abstract.abstract_device
+    platform = device.platform if device is not None else jax.default_backend()
+    return "slice" if platform == "cpu" else "scatter"
+
+
+def _given_specs(params: Any, param_specs: SpecsLike) -> list[P]:
+    """``param_specs`` per leaf of ``params`` (``None`` entries: replicated)."""
+    if callable(param_specs) and not isinstance(param_specs, P):
+        param_specs = param_specs(params)
+    n = len(jax.tree.leaves(params))
+    if isinstance(param_specs, P):
+        return [param_specs] * n
+    flat = matrices.broadcast_prefix(param_specs, params, name="param_specs",
+                                     is_leaf=lambda x: x is None or isinstance(x, P))
+    for s in flat:
+        if s is not None and not isinstance(s, P):
+            raise TypeError(f"param_specs leaves must be PartitionSpecs or None, got {s!r}.")
+    return [P() if s is None else s for s in flat]
+
+
+def _leaf_specs(params: Any, mesh: Any, shard_axes: Any, param_specs: SpecsLike) -> list[Any]:
+    """Per leaf, the param's PartitionSpec: given, or read where it is visible."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    if param_specs is not None:
+        given = _given_specs(params, param_specs)
+        for (path, x), spec in zip(flat, given, strict=True):
+            placed = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
+            seen = placed.spec if isinstance(placed, NamedSharding) else None
+            if seen is not None and (owner_plan.spec_dims(seen, x.ndim)
+                                     != owner_plan.spec_dims(spec, x.ndim)):
+                raise ValueError(
+                    f"scale_by_muon: param leaf {matrices.path_str(path)!r} is sharded {seen}, "
+                    f"but param_specs gives {spec}; pass the params' own specs."
+                )
+        return given
+    shard = owner_plan.resolve_shard_axes(mesh, shard_axes)
+    auto = [a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+            if a in shard and t == AxisType.Auto]
+    for path, x in flat:
+        if auto and isinstance(x, jax.core.Tracer):
+            raise ValueError(
+                f"scale_by_muon: param leaf {matrices.path_str(path)!r} is traced (init under "
+                f"jax.jit, jax.eval_shape or nnx.jit) and the shard axes {tuple(auto)} are "
+                "Auto, so its sharding is not visible; pass param_specs= (e.g. "
+                "jax.tree.map(lambda x: x.sharding.spec, params), or P() for replicated "
+                "params), call init outside jit on params placed as in training, or make the "
+                "axes Explicit."
+            )
+    return [owner_plan.param_spec(x) for _, x in flat]
+
+
+def _sharded_init(
+    params: Any, mesh: Any, shard_axes: Any, param_specs: SpecsLike, dimension_numbers: Any,
+    mu_dtype: Any, chunk_bytes: int | None,
+) -> ShardedMuonState:
+    """Plan the owners of ``params`` and make zero momentum in the owner blocks."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    specs = _leaf_specs(params, mesh, shard_axes, param_specs)
+    entries = [(matrices.path_str(path), x.shape, x.dtype, spec)
+               for (path, x), spec in zip(flat, specs, strict=True)]
+    plan = owner_plan.plan_owners(
+        entries,
+        matrices.resolve_dim_nums(dimension_numbers, params),
+        mesh=mesh,
+        shard_axes=shard_axes,
+        replicated_grads=_replicated_grads(mesh),
+        chunk_bytes=chunk_bytes,
+    )
+    mu = owners.init_owner_stacks(plan, mu_dtype)
+    count = owners.replicated_zeros(plan, (), jnp.int32)
+    return ShardedMuonState(count=count, mu=mu, plan=plan)
+
+
+def _check_sharded_grads(flat: list, plan: owner_plan.OwnerPlan) -> None:
+    """Raise naming the leaf when gradients do not fit the plan the state was made with."""
+    if len(flat) != len(plan.leaves):
+        raise ValueError(
+            f"scale_by_muon: got {len(flat)} gradient leaves but the state was initialized for "
+            f"{len(plan.leaves)}; pass gradients with the structure of the params."
+        )
+    for (path, g), leaf in zip(flat, plan.leaves, strict=True):
+        if not jnp.issubdtype(g.dtype, jnp.floating):
+            raise ValueError(
+                f"scale_by_muon: gradient leaf {matrices.path_str(path)!r} has dtype {g.dtype}; "
+                "Muon updates float matrices only: route it to AdamW (muon_mask) or keep it "
+                "out of the optimized params."
+            )
+        if tuple(g.shape) != leaf.shape:
+            raise ValueError(
+                f"scale_by_muon: gradient leaf {matrices.path_str(path)!r} has shape {g.shape}, "
+                f"but its param {leaf.path!r} had {leaf.shape}; pass the gradients of the params."
+            )
+
+
+def _sharded_update(updates: Any, state: ShardedMuonState, step: Callable):
+    """The update of :func:`scale_by_muon` on the owner blocks of ``state.plan``."""
+    plan = state.plan
+    flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    _check_sharded_grads(flat, plan)
+    count_inc = optax.safe_increment(state.count)
+    owner_grads = owners.to_owners([g for _, g in flat], plan)  # one per chunk
+    mus = owners.split_chunks(state.mu, plan)
+
+    def owner_step(stack, blocks, scalars):
+        g, mu = blocks
+        mu_new, o = step(g, mu, scalars[0], stack.m, stack.n, out_dtype=stack.dtype)
+        return mu_new.astype(mu.dtype), o
+
+    with jax.named_scope("muon_owner_step"):
+        res = owners.owner_map(
+            owner_step, plan, list(zip(owner_grads, mus, strict=True)), (count_inc,)
+        )
+    out = owners.from_owners([r[1] for r in res], plan)
+    mu = owners.join_chunks([r[0] for r in res], plan)
+    return jax.tree.unflatten(treedef, out), ShardedMuonState(count=count_inc, mu=mu, plan=plan)
+
+
+def _reducing(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` after all-reducing gradients that arrive unreduced (same state as ``tx``)."""
+
+    def update_fn(updates, state, params=None):
+        return tx.update(jax.tree.map(dp.reduce_unreduced, updates), state, params)
+
+    return optax.GradientTransformation(tx.init, update_fn)
+
+
+def muon(
+    learning_rate: optax.ScalarOrSchedule,
+    ns_coeffs: NsCoeffsLike = "jordan",
+    ns_steps: int = 5,
+    beta: jax.typing.ArrayLike = 0.95,
+    eps: float = 1e-8,
+    weight_decay: jax.typing.ArrayLike = 0.0,
+    *,
+    mu_dtype: jax.typing.DTypeLike | None = None,
+    nesterov: bool = True,
+    bias_correction: bool = True,
+    ns_dtype: jax.typing.DTypeLike = jnp.bfloat16,
+    shape_scaling: matrices.ShapeScaling = "rms_match",
+    muon_mask: masking.MaskLike | None = None,
+    dimension_numbers: matrices.DimNumsLike = None,
+    adam_learning_rate: optax.ScalarOrSchedule | None = None,
+    adam_b1: jax.typing.ArrayLike = 0.9,
+    adam_b2: jax.typing.ArrayLike = 0.95,
+    adam_eps: jax.typing.ArrayLike = 1e-8,
+    adam_weight_decay: jax.typing.ArrayLike | None = None,
+    mesh: MeshArg = None,
+    shard_axes: str | tuple[str, ...] | None = None,
+    param_specs: SpecsLike = None,
+    chunk_bytes: int | None = owner_plan.DEFAULT_CHUNK_BYTES,
+) -> optax.GradientTransformation:
+    r"""Muon for hidden-layer matrices, AdamW for every other leaf.
+
+    Muon leaves (chosen by ``muon_mask``, default :func:`muon_jax.default_muon_mask`):
+
+    .. math::
+      W \leftarrow W - \eta_t \, (O_t + \lambda W), \qquad O_t = \text{scale\_by\_muon}(G_t),
+
+    with decoupled weight decay ``lambda = weight_decay``. Other leaves get
+    ``optax.adamw(adam_learning_rate, adam_b1, adam_b2, adam_eps, adam_weight_decay)``.
+    With the default ``shape_scaling='rms_match'`` Muon's updates have the RMS of AdamW's
+    (~0.2), so one learning rate and weight decay can serve both. ``torch.optim.Muon`` is
+    ``bias_correction=False, shape_scaling='spectral'`` (its default ``adjust_lr_fn``), see
+    the README's "Coming from PyTorch / optax.contrib".
+
+    Args:
+      learning_rate: Muon's learning rate, a float or an ``optax`` schedule.
+      ns_coeffs: Newton-Schulz schedule (see :func:`muon_jax.orthogonalize`).
+      ns_steps: Newton-Schulz iterations, ``>= 1``.
+      beta: Muon momentum decay.
+      eps: added to the Frobenius norm before Newton-Schulz.
+      weight_decay: decoupled weight decay of the Muon leaves (multiplied by the learning rate).
+      mu_dtype: dtype of Muon's momentum (``None``: the params' dtype).
+      nesterov: Nesterov momentum for Muon.
+      bias_correction: bias-corrected momentum (optax) or not (PyTorch); see
+        :func:`scale_by_muon`.
+      ns_dtype: dtype of the Newton-Schulz iteration.
+      shape_scaling: ``'rms_match'``, ``'spectral'``, ``'spectral_unclamped'`` or ``None``
+        (see :func:`muon_jax.matrices.shape_scale`).
+      muon_mask: ``None`` for the default rule, or a tree (prefix) of bools or a callable on
+        params returning one (``True``: Muon); it replaces the default rule entirely.
+      dimension_numbers: as in :func:`scale_by_muon`. Leaves with explicit (non-``None``)
+        dimension numbers go to Muon under the default rule. Unlike
+        ``optax.contrib.muon``, ``None`` here means "default view", not "AdamW"; routing is
+        ``muon_mask``'s job.
+      adam_learning_rate: AdamW's learning rate (``None``: ``learning_rate``).
+      adam_b1: AdamW's first-moment decay.
+      adam_b2: AdamW's second-moment decay.
+      adam_eps: AdamW's epsilon.
+      adam_weight_decay: AdamW's decoupled weight decay (``None``: ``weight_decay``).
+      mesh: shard Muon's state and work over this mesh (see :func:`scale_by_muon`);
+        ``None``: unsharded. AdamW leaves keep the params' shardings; their gradients are
+        all-reduced first if they arrive unreduced.
+      shard_axes: mesh axes that split Muon's stacks (``None``: all mesh axes).
+      param_specs: the params' PartitionSpecs, for an ``init`` traced on Auto mesh axes (see
+        :func:`scale_by_muon`).
+      chunk_bytes: target bytes of one collective of Muon's stacks (see
+        :func:`scale_by_muon`; ``None``: one per stack).
+
+    Returns:
+      An ``optax.GradientTransformation`` (an ``optax.partition`` with labels ``'muon'`` and
+      ``'adamw'``).
+
+    >>> import optax
+    >>> params = {'embed': jnp.ones((16, 8)), 'w': jnp.ones((8, 8)), 'b': jnp.zeros(8)}
+    >>> tx = muon(0.02, weight_decay=0.1)
+    >>> state = tx.init(params)
+    >>> grads = jax.tree.map(jnp.ones_like, params)
+    >>> updates, state = tx.update(grads, state, params)
+    >>> sorted(updates)
+    ['b', 'embed', 'w']
+
+    References:
+      Jordan et al., `Muon: An optimizer for hidden layers in neural networks
+      <https://kellerjordan.github.io/posts/muon/>`_, 2024.
+
+      Liu et al., `Muon is Scalable for LLM Training <https://arxiv.org/abs/2502.16982>`_, 2025.
+
+      Loshchilov and Hutter, `Decoupled Weight Decay Regularization
+      <https://arxiv.org/abs/1711.05101>`_, 2019.
+    """
+    if adam_learning_rate is None:
+        adam_learning_rate = learning_rate
+    if adam_weight_decay is None:
+        adam_weight_decay = weight_decay
+
+    def param_labels(params):
+        flags = masking.resolve_muon_mask(muon_mask, params, dimension_numbers=dimension_numbers)
+        treedef = jax.tree.structure(params)
+        return jax.tree.unflatten(treedef, ["muon" if f else "adamw" for f in flags])
+
+    muon_tx = optax.chain(
+        scale_by_muon(
+            ns_coeffs,
+            ns_steps,
+            beta,
+            eps,
+            mu_dtype,
+            nesterov=nesterov,
+            bias_correction=bias_correction,
+            ns_dtype=ns_dtype,
+            shape_scaling=shape_scaling,
+            dimension_numbers=dimension_numbers,
+            mesh=mesh,
+            shard_axes=shard_axes,
+            param_specs=param_specs,
+            chunk_bytes=chunk_bytes,
+        ),
+        optax.add_decayed_weights(weight_decay),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+    adamw_tx = _reducing(
+        optax.adamw(
+            adam_learning_rate,
+            b1=adam_b1,
+            b2=adam_b2,
+            eps=adam_eps,
+            weight_decay=adam_weight_decay,
+        )
+    )
+    return optax.partition({"muon": muon_tx, "adamw": adamw_tx}, param_labels)
