@@ -294,17 +294,20 @@ def decode_rows(
     return buf.astype(out_dtype)
 
 
-def dense_exchange(buf: jax.Array, axis_name: AxisName) -> jax.Array:
-    """Tiled all-to-all on axis 0: block ``p`` of ``buf`` goes to device ``p``.
+def dense_exchange(buf: jax.Array, axis_name: AxisName, *, axis: int = 0) -> jax.Array:
+    """Tiled all-to-all on ``axis``: block ``p`` of it goes to device ``p``, and the blocks
+    that arrive are concatenated along it in source order. No collective (``buf`` itself) when
+    ``axis_name`` has one device.
 
-    ``out[p] = buf_on_device_p[me]`` with ``buf`` viewed as ``[P, N/P, ...]``.
+    ``out[p] = buf_on_device_p[me]`` with ``buf`` viewed as ``[P, N/P, ...]`` along ``axis``.
 
     Args:
-      buf: ``[P * n, ...]``, destination-major (``P`` = size of ``axis_name``).
+      buf: ``P * n`` rows along ``axis``, destination-major (``P`` = size of ``axis_name``).
       axis_name: the mesh axis (or axes) to exchange over.
+      axis: the axis to split and concatenate.
 
     Returns:
-      ``[P * n, ...]``, source-major.
+      ``buf``'s shape, source-major along ``axis``.
 
     Example:
       >>> # inside jax.shard_map over 'expert': dense_exchange(buf, 'expert')
@@ -312,7 +315,9 @@ def dense_exchange(buf: jax.Array, axis_name: AxisName) -> jax.Array:
     References:
       GShard / Switch Transformer capacity-padded all-to-all dispatch.
     """
-    return jax.lax.all_to_all(buf, axis_name, 0, 0, tiled=True)
+    if jax.lax.axis_size(axis_name) == 1:
+        return buf
+    return jax.lax.all_to_all(buf, axis_name, axis, axis, tiled=True)
 
 
 def ragged_all_to_all_emulated(
