@@ -255,7 +255,8 @@ def gather_weighted_rows(
       DeepEP FP8 dispatch; combine's gradient travels in the dispatch direction.
     """
     s = weights.shape[0]
-    tok = slot // top_k
+    slot = slot.astype(jnp.int32)
+    tok = jax.lax.div(slot, jnp.int32(top_k))  # slots are >= 0: no floor-division fixups
     r = jnp.take(rows, tok, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
     w = jnp.take(weights.astype(jnp.float32), slot, mode="fill", fill_value=0)
     x = w[:, None] * r

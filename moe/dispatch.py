@@ -106,7 +106,10 @@ def _pair_to_row(v: jax.Array, plan: DispatchPlan, c: int) -> jax.Array:
     """Pair rows ``q * W + r`` -> rows ``q * c + r`` of a ``[P, c]`` buffer (``P * c`` where
     ``v`` is out of range)."""
     w, p = plan.pair_width, plan.axis_size
-    return jnp.where(v < p * w, (v // w) * c + v % w, p * c)
+    if c == w:
+        return v
+    q, r = jax.lax.div(v, jnp.int32(w)), jax.lax.rem(v, jnp.int32(w))  # v >= 0
+    return jnp.where(v < p * w, q * c + r, p * c)
 
 
 def _take_rows(rows: jax.Array, index: jax.Array) -> jax.Array:
@@ -220,8 +223,11 @@ def _return_trip(expert_rows: jax.Array, plan: DispatchPlan) -> jax.Array:
 def _back_row(plan: DispatchPlan, j: int) -> jax.Array:
     """int32 ``[T]``: the row of :func:`_return_trip`'s result holding slot ``(t, j)`` (out of
     range for a dropped slot). Ragged: ``plan.slot_row``. Dense: ``slot_row = e * C + r``
-    (global expert ``e = q * E_local + l``) becomes ``(l * P + q) * C + r``."""
+    (global expert ``e = q * E_local + l``) becomes ``(l * P + q) * C + r``. Dropless with
+    one bucket ``c``: pair row ``q * W + r`` becomes ``q * c + r``."""
     sr = plan.slot_row[:, j]
+    if plan.transport == "dropless":
+        return _pair_to_row(sr, plan, plan.buckets[0])
     if plan.transport != "dense":
         return sr
     p, el, c = plan.axis_size, plan.num_local_experts, plan.capacity
@@ -272,15 +278,21 @@ def _keep_return_buffer(plan: DispatchPlan) -> bool:
     returned buffer itself (``N`` rows, no copy) rather than from gathered ``[T, k]`` slot
     rows: yes unless the buffer is more than twice their size (dense with a large capacity,
     e.g. dropless ``C = T``), where keeping it would cost more memory than the copy, or its
-    shape depends on the exchange bucket (dropless)."""
-    return (plan.transport != "dropless"
-            and plan.send_slot.shape[0] <= 2 * plan.num_tokens * plan.top_k)
+    shape depends on the exchange bucket (dropless with more than one bucket). With one
+    device on the expert axis the buffer is ``expert_y`` itself."""
+    rows = plan.send_slot.shape[0]
+    if plan.transport == "dropless":
+        if len(plan.buckets) > 1:
+            return False
+        rows = plan.axis_size * plan.buckets[0]
+    return rows <= 2 * plan.num_tokens * plan.top_k
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _dispatch_rows(x: jax.Array, plan: DispatchPlan, w: _Wire) -> jax.Array:
     def encode(slots):
-        return _transport.gather_rows(x, slots // plan.top_k, wire=w.codec,
+        tok = jax.lax.div(slots, jnp.int32(plan.top_k))  # slots are >= 0
+        return _transport.gather_rows(x, tok, wire=w.codec,
                                       block_size=w.block_size, kernels=w.kernels)
 
     return _to_experts(encode, plan, w, x.shape[-1])
