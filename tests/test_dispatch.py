@@ -434,9 +434,11 @@ def test_plan_sorts_once_and_dropless_exchanges_one_bucket_per_site():
     want = {"sort": 1, "conditional": 4, "all-to-all": 4 * len(caps), "all-gather": 1}
     for hlo in _dispatch_combine_grad_hlo(shape, names, "dropless"):
         assert hlo_op_counts(hlo) == want, hlo_op_counts(hlo)
-    # dense: the four payload exchanges (its count exchange only feeds group_sizes, unused here)
-    for hlo in _dispatch_combine_grad_hlo(shape, names, "dense", capacity_factor=1.25):
-        assert hlo_op_counts(hlo) == {"sort": 1, "all-to-all": 4}, hlo_op_counts(hlo)
+    # dense: the count exchange and four payload exchanges (compiled: the count exchange only
+    # fed group_sizes, unused here, so XLA removed it)
+    emitted, compiled = _dispatch_combine_grad_hlo(shape, names, "dense", capacity_factor=1.25)
+    assert hlo_op_counts(emitted) == {"sort": 1, "all-to-all": 5}, hlo_op_counts(emitted)
+    assert hlo_op_counts(compiled) == {"sort": 1, "all-to-all": 4}, hlo_op_counts(compiled)
 
 
 # ----------------------------------------------------------------------------- 4. errors
