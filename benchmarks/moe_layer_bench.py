@@ -43,7 +43,9 @@ layer / dense einsum capacity-1.25 layer, balanced) and ``..._zipf``; the same f
 transport (``ragged_over_capacity_time_*``); ``dropless_dispatch_combine_over_dense_{n}gpu``
 (dispatch + combine fwd+bwd, dropless / dense, bf16, balanced; ``..._zipf``);
 ``dropless_layer_mfu_{n}gpu``; the capacity layer's dropped fractions. Issue 14's keys are
-those for 1 and 2 GPUs.
+those for 1 and 2 GPUs. The ratios come from the two sides timed interleaved (one call of
+each per round, so drift hits both alike; ``layer_ab``, ``dispatch_combine_ab``); the
+separately timed medians are kept as ``..._separate_runs_...``.
 
 Usage:
   python benchmarks/moe_layer_bench.py                   # GPU: 16384 tokens/GPU, 4096/2048, E16 k2
@@ -435,22 +437,27 @@ def build_dispatch(mesh, a, transport, wire):
 DISPATCH_CASES = (("dense", "bf16"), ("dense", "fp8"), ("dropless", "bf16"), ("ragged", "bf16"))
 
 
-def bench_dispatch(mesh, a, data, biases) -> list[dict]:
+def bench_dispatch(mesh, a, data, biases) -> tuple[list[dict], dict]:
+    """Rows per (transport, wire, routing), and the A/B of dense vs dropless (bf16) forward +
+    backward timed interleaved per routing (one call of each per round, so drift during the
+    run hits both alike)."""
     n = mesh.devices.size
     sh = NamedSharding(mesh, P(AXES))
     x = jax.device_put(data["x"].reshape(-1, a.d_model), sh)
     ct = jax.device_put(data["ct"].reshape(-1, a.d_model), sh)
     cfg = moe.RouterConfig(a.experts, a.top_k)
-    rows = []
+    route = jax.jit(lambda x, b: moe.route(x, data["router_kernel"], b, config=cfg))
+    routes = {}
+    for routing, bias in biases.items():
+        r = route(x, jnp.asarray(bias))
+        routes[routing] = (jax.device_put(r.expert_ids.astype(jnp.int32), sh),
+                           jax.device_put(r.weights, sh))
+    rows, grads = [], {}
     for transport, wire in DISPATCH_CASES:
         fwd, grad, bucket_rows = build_dispatch(mesh, a, transport, wire)
-        for routing, bias in biases.items():
+        for routing, (ids, w) in routes.items():
             if routing != "balanced" and wire != "bf16":
                 continue
-            r = jax.jit(lambda x, b: moe.route(x, data["router_kernel"], b, config=cfg))(
-                x, jnp.asarray(bias))
-            ids = jax.device_put(r.expert_ids.astype(jnp.int32), sh)
-            w = jax.device_put(r.weights, sh)
             if transport == "dropless":  # the bucket this routing took (one mesh group)
                 caps = bucket_rows(x, ids)
                 wire_row = 2 * a.d_model if wire == "bf16" else \
@@ -467,6 +474,7 @@ def bench_dispatch(mesh, a, data, biases) -> list[dict]:
                 sent = sum(c.ring_bytes for c in a2a)
             fwd_s, _ = median_seconds(fwd, (x, ids, w), a.warmup, a.iters)
             bwd_s, _ = median_seconds(grad, (x, ids, w, ct), a.warmup, a.iters)
+            grads[(transport, wire, routing)] = (grad, (x, ids, w, ct))
             rows.append(dict(transport=transport, wire=wire, routing=routing,
                              capacity_factor=a.capacity_factor if transport == "dense"
                              else None, dropless_bucket_rows=caps,
@@ -477,7 +485,60 @@ def bench_dispatch(mesh, a, data, biases) -> list[dict]:
                              GBps_per_gpu=sent / fwd_s / 1e9))
             print(f"dispatch+combine {transport:8s} {wire:4s} {routing:8s}: fwd "
                   f"{fwd_s * 1e3:8.3f} ms, fwd+bwd {bwd_s * 1e3:8.3f} ms", flush=True)
-    return rows
+    ab = {}
+    rounds = max(3, 2 * a.iters)
+    for routing in routes:
+        pair = {t: grads.get((t, "bf16", routing)) for t in ("dense", "dropless")}
+        if None in pair.values():
+            continue
+        times = {t: [] for t in pair}
+        for _ in range(rounds):
+            for t, (fn, args) in pair.items():
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(*args))
+                times[t].append(time.perf_counter() - t0)
+        med = {t: float(np.median(v)) for t, v in times.items()}
+        ab[routing] = dict(rounds=rounds, dense_ms=med["dense"] * 1e3,
+                           dropless_ms=med["dropless"] * 1e3,
+                           ratio_of_medians=med["dropless"] / med["dense"],
+                           median_round_ratio=float(np.median(
+                               [d / e for e, d in zip(times["dense"], times["dropless"],
+                                                      strict=True)])))
+        print(f"A/B dispatch+combine fwd+bwd {routing}: dense {ab[routing]['dense_ms']:.3f} ms, "
+              f"dropless {ab[routing]['dropless_ms']:.3f} ms, ratio "
+              f"{ab[routing]['ratio_of_medians']:.3f}", flush=True)
+    return rows, ab
+
+
+def interleaved_ms(fns: dict, rounds: int) -> dict:
+    """Median ms of each ``fn()`` in ``fns``, timed one call of each per round (blocked)."""
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[k].append(time.perf_counter() - t0)
+    return {k: float(np.median(v)) * 1e3 for k, v in times.items()}
+
+
+def layer_ab(steps: dict, biases: dict, data, a) -> dict:
+    """The capacity, dropless and ragged layer steps timed interleaved, per routing (the
+    summary's layer ratios come from these when present)."""
+    out = {}
+    if CAPACITY not in steps or len(steps) < 2:
+        return out
+    for routing, bias in biases.items():
+        args = layer_args(data, bias)
+        fns = {k: (lambda f=f, args=args: f(*args)) for k, f in steps.items()
+               if routing == "balanced" or k in a.zipf_variants}
+        if CAPACITY not in fns or len(fns) < 2:
+            continue
+        ms = interleaved_ms(fns, max(3, 2 * a.iters))
+        out[routing] = dict(rounds=max(3, 2 * a.iters), ms=ms,
+                            over_capacity={k: v / ms[CAPACITY] for k, v in ms.items()})
+        print(f"A/B layer {routing}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()),
+              flush=True)
+    return out
 
 
 # ----------------------------------------------------------------------------- summary
@@ -498,10 +559,13 @@ def dropless_summary(report) -> dict:
     for routing in ROUTINGS:
         sfx = "" if routing == "balanced" else f"_{routing}"
         cap = by.get(CAPACITY + sfx)
+        ab = report.get("layer_ab", {}).get(routing, {}).get("over_capacity", {})
         for key, name in (("dropless", DROPLESS), ("ragged", RAGGED)):
             row = by.get(name + sfx)
             if cap and row:
-                out[f"{key}_over_capacity_time_{tag}{sfx}"] = row["ms"] / cap["ms"]
+                # interleaved A/B when it ran, else the separately timed medians
+                out[f"{key}_over_capacity_time_{tag}{sfx}"] = ab.get(name, row["ms"] / cap["ms"])
+                out[f"{key}_over_capacity_time_separate_runs_{tag}{sfx}"] = row["ms"] / cap["ms"]
                 out[f"{key}_layer_ms_{tag}{sfx}"] = row["ms"]
                 out[f"{key}_layer_mfu_{tag}{sfx}"] = row["mfu"]
                 out[f"{key}_dropped_slots_{tag}{sfx}"] = row["dropped_slots"]
@@ -510,8 +574,14 @@ def dropless_summary(report) -> dict:
             out[f"capacity_layer_mfu_{tag}{sfx}"] = cap["mfu"]
             out[f"capacity_dropped_frac_{tag}{sfx}"] = cap["dropped_frac"]
         dense, drop = dc.get(("dense", "bf16", routing)), dc.get(("dropless", "bf16", routing))
-        if dense and drop:
+        ab = report.get("dispatch_combine_ab", {}).get(routing)
+        if ab:  # interleaved A/B: robust to drift between separately timed runs
+            out[f"dropless_dispatch_combine_over_dense_{tag}{sfx}"] = ab["ratio_of_medians"]
+        elif dense and drop:
             out[f"dropless_dispatch_combine_over_dense_{tag}{sfx}"] = (
+                drop["fwd_bwd_ms"] / dense["fwd_bwd_ms"])
+        if dense and drop:
+            out[f"dropless_dispatch_combine_separate_runs_over_dense_{tag}{sfx}"] = (
                 drop["fwd_bwd_ms"] / dense["fwd_bwd_ms"])
             out[f"dropless_dispatch_combine_fwd_over_dense_{tag}{sfx}"] = (
                 drop["fwd_ms"] / dense["fwd_ms"])
@@ -582,12 +652,14 @@ def main(a) -> dict:
                 "dispatch_combine" in report["errors"]:
             return
         try:
-            report["dispatch_combine"] = bench_dispatch(mesh, a, data, biases)
+            report["dispatch_combine"], report["dispatch_combine_ab"] = bench_dispatch(
+                mesh, a, data, biases)
         except Exception as err:
             report["errors"]["dispatch_combine"] = repr(err)[:2000]
             print(f"dispatch_combine: FAILED {err!r}"[:500], flush=True)
         write_json(a.out, report)
 
+    headline = {}  # the steps the summary compares, timed again interleaved at the end
     for name in a.variants:
         try:
             step, dropped_fn, compiler = build_layer(name, mesh, a, data)
@@ -621,8 +693,11 @@ def main(a) -> dict:
                       f"{row['overlap'].get('exposed_fraction')} "
                       f"{row['overlap'].get('reason', '')}", flush=True)
                 write_json(a.out, report)
+        if name in (CAPACITY, DROPLESS, RAGGED):
+            headline[name] = step
         del step, dropped_fn
         dispatch_once()
+    report["layer_ab"] = layer_ab(headline, biases, data, a)
     report["dropless"] = dropless_summary(report)
     print_table(report)
     write_json(a.out, report)

@@ -11,21 +11,41 @@ Layouts (``C`` = per-(source, expert) capacity, ``R`` = :func:`moe._plan.ragged_
 
 * ``'dense'``: ``expert_x[l, p * C + r]`` is the ``r``-th kept slot that source ``p`` routed to
   local expert ``l``; padding rows are zero. Feed a batched einsum ``'ecd,edf->ecf'``.
-* ``'ragged'``: ``expert_x [R, d]`` holds local expert 0's rows (source 0's, then source 1's,
-  ...), then expert 1's, ...; rows past ``sum(group_sizes)`` are zero. Feed
-  ``jax.lax.ragged_dot(expert_x, w, group_sizes)``.
+* ``'ragged'`` and ``'dropless'``: ``expert_x [R, d]`` holds local expert 0's rows (source
+  0's, then source 1's, ...), then expert 1's, ...; rows past ``sum(group_sizes)`` are zero.
+  Feed ``jax.lax.ragged_dot(expert_x, w, group_sizes)``. ``R = P * T * min(k, E_local)`` is
+  the worst case; with ``P > 1`` most of it is padding in a balanced step, which the expert
+  GEMMs pay for in zero stores (``P = 1``: ``R = T * k``, no padding).
 
-Data movement per call (``S = T * k`` slots, ``N`` send rows): the plan sorts ``S`` packed
-int32 keys once (no pass over token rows); FP8 quantizes the ``T`` tokens once and gathers
-their e4m3 + scale bytes into the send buffer (never quantizing the ``N``-row buffer); the
-receive side dequantizes and lays out the expert rows in one pass; combine's un-permute,
-weighting and sum over ``k`` are ``k`` row gathers feeding one elementwise f32 sum (no
-``[T, k, d]`` intermediate, no batched dot with a contraction of size ``k``), and its
-backward reads the router gradient's rows straight from the returned buffer (kept as the
-residual unless it is over twice the ``[T, k, d]`` slots, e.g. dense dropless). Combine's
-gradient builds its send rows ``weight * dy`` inside the gather; as FP8 its scales come from
-``dy``'s block maxima (``T`` rows) times ``|weight|`` (exact, :func:`moe.fp8.quantize_with_amax`),
-so weighting, quantizing and gathering are one pass with no ``[T * k, d]`` rows.
+Transports: ``'dense'`` exchanges ``[E, C]`` capacity-padded rows with ``all_to_all`` and drops
+the slots past ``C``. ``'ragged'`` sends exactly the routed rows with ``ragged_all_to_all``.
+``'dropless'`` sends, to every device, its slots in a ``[P, c]`` buffer with one
+``all_to_all``, ``c`` the smallest of a few static bucket sizes
+(:func:`moe._plan.dropless_buckets`: ``capacity_factor`` times the balanced share, growing
+1.5x up to the worst case) that holds the fullest (source, destination) pair of the step. The
+plan all-gathers the counts, so every device of the expert axis picks the same bucket and one
+``lax.switch`` branch per exchange runs: no slot is ever dropped, and no second exchange is
+needed when a pair overflows the first bucket (a larger bucket is taken instead). The
+received rows are laid out into the ragged layout in one gather (+ decode) pass; the same
+bytes as ``'ragged'``, bit for bit. With one device on the expert axis no transport exchanges
+anything (not even the counts): the send buffer is the expert layout.
+
+Data movement per call (``S = T * k`` slots, ``N`` send rows; ``P * c`` for dropless): the
+plan sorts ``S`` packed int32 keys once, for forward and backward (no pass over token rows);
+FP8 quantizes the ``T`` tokens once and gathers their e4m3 + scale bytes into the send buffer
+(never quantizing the ``N``-row buffer); the receive side dequantizes and lays out the expert
+rows in one pass; combine's un-permute, weighting and sum over ``k`` are ``k`` row gathers
+feeding one elementwise f32 sum (no ``[T, k, d]`` intermediate, no batched dot with a
+contraction of size ``k``), and its backward reads the router gradient's rows straight from
+the returned buffer (kept as the residual unless it is over twice the ``[T, k, d]`` slots,
+e.g. dense dropless, or its shape depends on the dropless bucket: then the ``[T, k, d]`` slot
+rows are kept). Combine's gradient builds its send rows ``weight * dy`` inside the gather; as
+FP8 its scales come from ``dy``'s block maxima (``T`` rows) times ``|weight|`` (exact,
+:func:`moe.fp8.quantize_with_amax`), so weighting, quantizing and gathering are one pass with
+no ``[T * k, d]`` rows. Dropless passes over rows, forward: send gather (``P * c``),
+exchange, layout gather (``R``); return gather from the layout (``P * c``), exchange, sum over
+``k`` (``T``) + residual slot rows (``S``). Backward: the mirror image. With ``P = 1``: one
+gather into the layout (``S``), and the sums over ``k`` straight from it.
 
 Transport choice: ``'auto'`` is ``'dense'`` on every backend. On 2x H200 (jax 0.11.2)
 ``all_to_all`` moved 153 GB/s per GPU but ``ragged_all_to_all`` 2.6 GB/s, and a capacity-padded
