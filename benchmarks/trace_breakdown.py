@@ -58,6 +58,7 @@ _KERNEL_NAME = re.compile(r'\\?"name\\?"\s*:\s*\\?"([\w.\-]+)')
 _GEMM_TARGET = re.compile(r"cublas|gemm|matmul|cudnn\$conv", re.IGNORECASE)
 _GEMM_KERNEL = re.compile(r"^(gmm|gmm_t|tgmm)$")
 _WIRE_KERNEL = re.compile(r"^wire_gather")
+_MEMCPY = re.compile(r"^\s*(memcpy|memset|cumemcpy|cumemset)", re.IGNORECASE)
 # Kernel-name fallbacks (no hlo_op stat and no matching instruction).
 _NAME_RULES = (
     ("exchange", re.compile(r"nccl|all_?to_?all|all_?gather|all_?reduce|collective|"
@@ -213,7 +214,9 @@ def op_breakdown(trace_dir, hlo_text: str, *, steps: int = 1, top: int = 12) -> 
                 str(mod).startswith(module) or module.startswith(str(mod))):
             continue  # another executable (e.g. the input setup)
         inst = op if op in cats else norm.get(re.sub(r"[.\-]", "_", name.split("(")[0]))
-        if inst is not None:
+        if _MEMCPY.match(name):  # e.g. a conditional's predicate read back: its own category
+            cat = "memcpy"
+        elif inst is not None:
             cat = cats[inst]
             if cat is None:
                 continue
