@@ -204,8 +204,10 @@ def pair_width(num_tokens: int, top_k: int, num_experts: int, axis_size: int) ->
 
 
 # Each bucket of the dropless exchange holds this many times the rows of the one below, so a
-# routing that needs n rows per pair sends fewer than GROWTH * n (and at least the first).
+# routing that needs n rows per pair sends fewer than GROWTH * n (and at least the first);
+# more when that would take more than _MAX_BUCKETS buckets (one lax.switch branch each).
 _BUCKET_GROWTH = 1.5
+_MAX_BUCKETS = 8
 
 
 def dropless_buckets(
@@ -219,11 +221,12 @@ def dropless_buckets(
 ) -> tuple[int, ...]:
     """Rows per (source, destination) pair that the dropless exchange can send, ascending.
 
-    ``c_i = min(round_up(ceil(capacity_factor * 1.5^i * T * k / P), multiple), W)`` for
+    ``c_i = min(round_up(ceil(capacity_factor * g^i * T * k / P), multiple), W)`` for
     ``i = 0, 1, ...`` until ``c_i = W = T * min(k, E_local)``, the worst case (duplicates
-    removed). The exchange uses the smallest ``c_i`` that holds the fullest pair of the step,
-    so it never drops a slot and sends less than 1.5x the rows it needs (or ``c_0``). One
-    device (``P = 1``): ``(W,)`` (nothing is exchanged).
+    removed), with growth ``g = 1.5``, or the ``g`` that reaches ``W`` in 8 buckets when 1.5
+    would take more. The exchange uses the smallest ``c_i`` that holds the fullest pair of the
+    step, so it never drops a slot and sends less than ``g`` times the rows it needs (or
+    ``c_0``). One device (``P = 1``): ``(W,)`` (nothing is exchanged).
 
     Args:
       num_tokens: local tokens ``T``.
@@ -247,12 +250,14 @@ def dropless_buckets(
     if axis_size == 1:
         return (w,)
     share = num_tokens * top_k / axis_size
-    caps, f = [], capacity_factor
+    first = max(capacity_factor * share, 1.0)
+    growth = max(_BUCKET_GROWTH, (w / first) ** (1.0 / (_MAX_BUCKETS - 1)))
+    caps, f = [], first
     while not caps or caps[-1] < w:
-        c = min(-(-max(math.ceil(f * share), 1) // multiple) * multiple, w)
+        c = min(-(-math.ceil(f) // multiple) * multiple, w)
         if not caps or c > caps[-1]:
             caps.append(c)
-        f *= _BUCKET_GROWTH
+        f *= growth
     return tuple(caps)
 
 

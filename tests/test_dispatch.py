@@ -273,6 +273,8 @@ def test_dropless_buckets_ladder():
     assert all(b <= 1.5 * a + 8 for a, b in zip(caps, caps[1:], strict=False))
     assert dropless_buckets(1024, 2, 16, 1, 1.25) == (2048,)  # one device: the whole buffer
     assert dropless_buckets(64, 2, 16, 8, 100.0) == (128,)  # past the worst case: just W
+    tiny = dropless_buckets(1024, 2, 16, 4, 0.01)  # a far too small first bucket: at most 8
+    assert len(tiny) == 8 and tiny[-1] == 2048, tiny
 
 
 def _numpy_keep_mask(ids, n_dev, capacity):
