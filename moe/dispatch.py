@@ -22,13 +22,13 @@ the slots past ``C``. ``'ragged'`` sends exactly the routed rows with ``ragged_a
 ``'dropless'`` sends, to every device, its slots in a ``[P, c]`` buffer with one
 ``all_to_all``, ``c`` the smallest of a few static bucket sizes
 (:func:`moe._plan.dropless_buckets`: ``capacity_factor`` times the balanced share, growing
-1.5x up to the worst case) that holds the fullest (source, destination) pair of the step. The
-plan all-gathers the counts, so every device of the expert axis picks the same bucket and one
-``lax.switch`` branch per exchange runs: no slot is ever dropped, and no second exchange is
-needed when a pair overflows the first bucket (a larger bucket is taken instead). The
-received rows are laid out into the ragged layout in one gather (+ decode) pass; the same
-bytes as ``'ragged'``, bit for bit. With one device on the expert axis no transport exchanges
-anything (not even the counts): the send buffer is the expert layout.
+1.5x, at most 8, up to the worst case) that holds the fullest (source, destination) pair of
+the step. The plan all-gathers the counts, so every device of the expert axis picks the
+same bucket and one ``lax.switch`` branch per exchange runs: no slot is ever dropped, and no
+second exchange is needed when a pair overflows the first bucket (a larger bucket is taken
+instead). The received rows are laid out into the ragged layout in one gather (+ decode)
+pass; the same bytes as ``'ragged'``, bit for bit. With one device on the expert axis no
+transport exchanges anything (not even the counts): the send buffer is the expert layout.
 
 Data movement per call (``S = T * k`` slots, ``N`` send rows; ``P * c`` for dropless): the
 plan sorts ``S`` packed int32 keys once, for forward and backward (no pass over token rows);
@@ -506,8 +506,8 @@ def dispatch(
         ``capacity_multiple`` (capped at ``T``), slots past ``C`` per (source, expert) are
         dropped; None means ``C = T``, dropless. Dropless: the first bucket's rows per
         (source, destination) pair over the balanced share ``T * k / P`` (None: 1.25);
-        larger buckets (1.5x each, up to the worst case ``T * min(k, E_local)``) are taken
-        when a pair needs them, so nothing is dropped. Not for ``'ragged'``.
+        larger buckets (1.5x each, at most 8, up to the worst case ``T * min(k, E_local)``)
+        are taken when a pair needs them, so nothing is dropped. Not for ``'ragged'``.
       capacity_multiple: rounding of the dense capacity and of the dropless buckets
         (default 8).
       dispatch_dtype: wire format: None (``x.dtype``), ``'bf16'``, or ``'fp8'`` (e4m3 +
