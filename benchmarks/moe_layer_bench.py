@@ -98,7 +98,7 @@ PRESETS = {
     "all": ["dense_einsum_bf16", "dense_einsum_fp8", "dense_einsum_bf16_overlap",
             "dense_einsum_fp8_overlap", "dense_einsum_bf16_xla_wire",
             "dense_einsum_fp8_xla_wire", "dense_pallas_bf16", "dense_ragged_dot_bf16",
-            "dropless_bf16", "dropless_fp8", "ragged_auto_bf16", "ragged_bf16", "ragged_fp8"],
+            "dropless_bf16", "dropless_fp8", "ragged_auto_bf16"],
     "dropless": [CAPACITY, DROPLESS, RAGGED, "dropless_fp8"],
 }
 ROUTINGS = ("balanced", "zipf")
