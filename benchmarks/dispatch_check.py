@@ -1,8 +1,11 @@
-"""Check and time moe.dispatch / moe.combine: dense vs ragged transport, bf16 vs FP8 wire.
+"""Check and time moe.dispatch / moe.combine: dense vs dropless vs ragged transport, bf16 vs FP8.
 
 1. Checks (dropless): the native ``jax.lax.ragged_all_to_all`` path (GPU/TPU only) equals the
-   CPU emulation, and both equal the dense ``all_to_all`` path: expert inputs, group sizes,
-   combined outputs and gradients, with per-expert scaling as the "experts".
+   CPU emulation, the ``'dropless'`` transport (bucketed ``all_to_all``) equals the emulation
+   bit for bit (expert inputs, group sizes, outputs, gradients), and all equal the dense
+   ``all_to_all`` path: expert inputs, group sizes, combined outputs and gradients, with
+   per-expert scaling as the "experts". Balanced routing and a skewed one (every token on
+   the first device's experts, the dropless exchange's worst case).
 2. Times, for every (transport, wire) pair, ``dispatch`` alone (forward, up to the expert
    layout: the time the FP8 <= 0.6x bf16 target is about, since combine returns bf16 either
    way) and ``dispatch -> combine`` (identity experts) forward and forward+backward: warmup,
@@ -31,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -38,16 +42,17 @@ import time
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--small", action="store_true", help="small sizes (CPU, 8 simulated devices)")
-    p.add_argument("--tokens", type=int, help="tokens per device (default 16384; small: 256)")
+    p.add_argument("--small", action="store_true", help="small sizes (CPU, simulated devices)")
+    p.add_argument("--cpu-devices", type=int, default=2, help="simulated devices with --small")
+    p.add_argument("--tokens", type=int, help="tokens per device (default 16384; small: 64)")
     p.add_argument("--d-model", type=int, help="d_model (default 4096; small: 512)")
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--capacity-factor", type=float, default=1.25,
                    help="dense capacity factor for the timings (checks are dropless)")
     p.add_argument("--check-tokens", type=int, help="tokens per device for the checks")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, help="timed runs (default 20; small: 5)")
+    p.add_argument("--warmup", type=int, help="untimed runs first (default 3; small: 1)")
+    p.add_argument("--iters", type=int, help="timed runs (default 20; small: 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ab-configs", default="auto,xla",
                    help="A/B configurations: auto (library default wire kernels), xla (XLA wire "
@@ -57,17 +62,19 @@ def parse_args():
     p.add_argument("--ab-only", action="store_true", help="skip the checks and other timings")
     p.add_argument("--out", default="benchmarks/results/dispatch_check.json")
     a = p.parse_args()
-    a.tokens = a.tokens or (256 if a.small else 16384)
+    a.tokens = a.tokens or (64 if a.small else 16384)
     a.d_model = a.d_model or (512 if a.small else 4096)
-    a.check_tokens = a.check_tokens or (64 if a.small else 2048)
-    a.iters = a.iters or (5 if a.small else 20)
+    a.check_tokens = a.check_tokens or (32 if a.small else 2048)
+    a.iters = a.iters or (3 if a.small else 20)
+    a.warmup = a.warmup if a.warmup is not None else (1 if a.small else 3)
     return a
 
 
 ARGS = parse_args()
 if ARGS.small and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
+                               + f" --xla_force_host_platform_device_count={ARGS.cpu_devices}"
+                               ).strip()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
@@ -92,11 +99,22 @@ def collective_bytes(rep: hlo.CollectiveReport) -> dict[str, int]:
     return out
 
 
-def payload_bytes(rep: hlo.CollectiveReport) -> int:
+def payload_bytes(lowered, branch: int | None = None) -> int:
     """Bytes of the payload exchanges (all-to-all / ragged-all-to-all arrays of 2-D or more
-    rows; the count exchange is 1-D and left out)."""
-    return sum(hlo.array_nbytes(dt, shape) for c in rep.of_kind(*_EXCHANGES)
-               for dt, shape in zip(c.dtypes, c.shapes, strict=True) if len(shape) >= 2)
+    rows; the count exchange is 1-D and left out) of a lowered program, as emitted.
+    ``branch``: of the exchanges inside ``lax.switch`` branches (the dropless buckets), count
+    only those of that branch (read from the ops' ``branch_<i>_fun`` metadata)."""
+    rep = hlo.analyze_collectives(lowered)
+    text = hlo.hlo_text(lowered)
+    total = 0
+    for c in rep.of_kind(*_EXCHANGES):
+        line = next((ln for ln in text.splitlines() if f"{c.name} =" in ln), "")
+        b = re.search(r"/branch_(\d+)_fun/", line)
+        if branch is not None and b and int(b.group(1)) != branch:
+            continue
+        total += sum(hlo.array_nbytes(dt, shape)
+                     for dt, shape in zip(c.dtypes, c.shapes, strict=True) if len(shape) >= 2)
+    return total
 
 
 def make_inputs(mesh, n_dev, tokens, d, experts, k, seed):
@@ -119,7 +137,7 @@ def expert_scale(ex, sizes, transport, num_experts):
     """'Experts' that scale rows by (1 + global expert id) / E, so misrouting shows."""
     el = sizes.shape[0]
     first = jax.lax.axis_index(AXIS) * el
-    if transport == "dense":
+    if ex.ndim == 3:  # dense layout
         s = (1.0 + first + jnp.arange(el)) / num_experts
         return ex * s[:, None, None].astype(ex.dtype)
     row_e = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(ex.shape[0]), side="right")
@@ -156,43 +174,69 @@ def build(mesh, *, transport, impl, wire, experts, capacity_factor, scale):
     return fwd, full, grad, disp
 
 
+def skew_ids(ids, experts, n_dev):
+    """Every token's k choices moved onto the first device's experts (distinct, same order):
+    every source sends all its slots to device 0, the dropless exchange's worst case."""
+    k = ids.shape[1]
+    el = experts // n_dev
+    if el < k:
+        return ids
+    return (ids % el).at[:, 1:].set((ids[:, :1] % el + jnp.arange(1, k)) % el)
+
+
 def run_checks(mesh, n_dev, native_ok):
     a = ARGS
     x, ids, w, ct = make_inputs(mesh, n_dev, a.check_tokens, a.d_model, a.experts, a.top_k,
                                 a.seed + 1)
-    results, ref = {}, None
+    results = {}
     impls = ["emulated"] + (["native"] if native_ok else [])
-    for wire in ("bf16", "fp8"):
-        outs = {}
-        for transport, impl in [("dense", "emulated")] + [("ragged", i) for i in impls]:
-            _, full, grad, _ = build(mesh, transport=transport, impl=impl, wire=wire,
-                                  experts=a.experts, capacity_factor=None, scale=True)
-            y, ex, sizes, dropped = jax.block_until_ready(full(x, ids, w))
-            dx, dw = jax.block_until_ready(grad(x, ids, w, ct))
-            assert int(dropped.sum()) == 0
-            outs[(transport, impl)] = dict(y=y, ex=ex, sizes=sizes, dx=dx, dw=dw)
-        ref = outs[("dense", "emulated")]
-        for key, o in outs.items():
-            if key == ("dense", "emulated"):
-                continue
-            err = {name: float(jnp.max(jnp.abs(o[name].astype(jnp.float32)
-                                               - ref[name].astype(jnp.float32))))
-                   for name in ("y", "dx", "dw")}
-            ok = bool(np.array_equal(o["sizes"], ref["sizes"])) and all(
-                v <= 1e-3 * float(jnp.max(jnp.abs(ref[n].astype(jnp.float32))))
-                for n, v in err.items())
-            if key == ("ragged", "native"):  # native vs emulated: the same data movement
-                emu = outs[("ragged", "emulated")]
-                ok &= bool(np.array_equal(np.asarray(o["ex"], np.float32),
-                                          np.asarray(emu["ex"], np.float32)))
-                ok &= bool(np.array_equal(np.asarray(o["y"], np.float32),
-                                          np.asarray(emu["y"], np.float32)))
-            name = f"{key[0]}[{key[1]}] vs dense, wire={wire}"
-            results[name] = dict(ok=ok, max_abs_err=err)
-            print(f"check {name:40s} {'OK' if ok else 'FAIL'}  max|err| {err}")
+    cases = [(t, i) for t in ("dense", "dropless") for i in ("emulated",)] + [
+        ("ragged", i) for i in impls]
+    built = {(wire, t, i): build(mesh, transport=t, impl=i, wire=wire, experts=a.experts,
+                                 capacity_factor=None, scale=True)
+             for wire in ("bf16", "fp8") for t, i in cases}
+    skewed = jax.jit(lambda ids: skew_ids(ids, a.experts, n_dev),
+                     out_shardings=ids.sharding)(ids)
+    for routing, route in (("balanced", ids), ("skewed", skewed)):
+        for wire in ("bf16", "fp8"):
+            results.update(check_case(built, wire, routing, cases, x, route, w, ct))
     if not native_ok:
         print(f"check native ragged_all_to_all: skipped (backend {jax.default_backend()} has "
               "no ragged-all-to-all; run on GPU/TPU)")
+    return results
+
+
+def check_case(built, wire, routing, cases, x, ids, w, ct):
+    results = {}
+    outs = {}
+    for transport, impl in cases:
+        _, full, grad, _ = built[(wire, transport, impl)]
+        y, ex, sizes, dropped = jax.block_until_ready(full(x, ids, w))
+        dx, dw = jax.block_until_ready(grad(x, ids, w, ct))
+        assert int(dropped.sum()) == 0
+        outs[(transport, impl)] = dict(y=y, ex=ex, sizes=sizes, dx=dx, dw=dw)
+    ref = outs[("dense", "emulated")]
+    for key, o in outs.items():
+        if key == ("dense", "emulated"):
+            continue
+        err = {name: float(jnp.max(jnp.abs(o[name].astype(jnp.float32)
+                                           - ref[name].astype(jnp.float32))))
+               for name in ("y", "dx", "dw")}
+        ok = bool(np.array_equal(o["sizes"], ref["sizes"])) and all(
+            v <= 1e-3 * float(jnp.max(jnp.abs(ref[n].astype(jnp.float32))))
+            for n, v in err.items())
+        bitwise = None
+        if key != ("ragged", "emulated"):  # the same data movement as the emulation
+            emu = outs[("ragged", "emulated")]
+            names = ("ex", "sizes", "y", "dx", "dw")
+            bitwise = all(np.array_equal(np.asarray(o[n], np.float32),
+                                         np.asarray(emu[n], np.float32)) for n in names)
+            ok &= bitwise
+        impl = key[1] if key[0] == "ragged" else "all_to_all"
+        name = f"{key[0]}[{impl}] vs dense, wire={wire}, {routing}"
+        results[name] = dict(ok=ok, max_abs_err=err, bitwise_equal_emulated_ragged=bitwise)
+        print(f"check {name:52s} {'OK' if ok else 'FAIL'}  max|err| {err}"
+              + ("" if bitwise is None else f"  bitwise = ragged[emulated]: {bitwise}"))
     return results
 
 
@@ -212,17 +256,26 @@ def run_timings(mesh, n_dev, native_ok):
     x, ids, w, ct = make_inputs(mesh, n_dev, a.tokens, a.d_model, a.experts, a.top_k, a.seed)
     rows = []
     impl = "native" if native_ok else "emulated"
-    for transport in ("dense", "ragged"):
+    bucket_of = jax.jit(jax.shard_map(  # the dropless exchange's bucket, per device
+        lambda x, ids: dispatch(x, ids, num_experts=a.experts, axis_name=AXIS,
+                                transport="dropless")[2].bucket[None],
+        mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=P(AXIS)))
+    for transport in ("dense", "dropless", "ragged"):
         for wire in ("bf16", "fp8"):
+            if a.small and wire == "fp8" and transport != "dense":
+                continue  # CPU plumbing check: the FP8 dropless/ragged paths are checked above
             cf = a.capacity_factor if transport == "dense" else None
             fwd, full, grad, disp = build(mesh, transport=transport, impl=impl, wire=wire,
                                           experts=a.experts, capacity_factor=cf, scale=False)
             dropped = int(jax.block_until_ready(full(x, ids, w))[3].sum())
-            fwd_rep = hlo.analyze_collectives(fwd.lower(x, ids, w))  # as emitted
-            disp_bytes = payload_bytes(hlo.analyze_collectives(disp.lower(x, ids)))
+            fwd_low = fwd.lower(x, ids, w)
+            fwd_rep = hlo.analyze_collectives(fwd_low)  # as emitted
+            # dropless: the emitted HLO holds one exchange per bucket: count the bucket taken
+            branch = int(np.max(bucket_of(x, ids))) if transport == "dropless" else None
+            disp_bytes = payload_bytes(disp.lower(x, ids), branch)
             disp_s = time_fn(disp, x, ids)
             fwd_s = time_fn(fwd, x, ids, w)
-            fwd_bytes = payload_bytes(fwd_rep)
+            fwd_bytes = payload_bytes(fwd_low, branch)
             remote = (n_dev - 1) / n_dev
             row = dict(
                 transport=transport, impl=impl if transport == "ragged" else "all_to_all",
@@ -247,7 +300,7 @@ def run_timings(mesh, n_dev, native_ok):
                   f"({row['fwd_GBps_buffer']:7.1f} buffer)  "
                   f"dropped {row['dropped_frac']:.4f}")
     by = {(r["transport"], r["wire"]): r for r in rows}
-    for transport in ("dense", "ragged"):
+    for transport in ("dense", "dropless", "ragged"):
         b, f = by.get((transport, "bf16")), by.get((transport, "fp8"))
         if b and f:
             print(f"{transport}: fp8/bf16 dispatch time "

@@ -24,6 +24,9 @@ pipeline and nothing else:
                as moe_layer_bench; and "materialized": expert_x forced into HBM by an
                optimization barrier, as with real experts, so the layout transposes run),
                dispatch + combine forward + backward.
+  dropless     the same for transport='dropless' (bucketed all_to_all, never drops; the
+               capacity factor is its first bucket): dispatch, dispatch + combine forward
+               (expert_x materialized) and forward + backward; bytes = the bucket taken.
 
 Bytes and GB/s (per GPU, per all_to_all / dispatch), printed and in the JSON:
 
@@ -63,24 +66,27 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--small", action="store_true", help="CPU sizes, simulated devices")
     p.add_argument("--cpu-devices", type=int, default=2, help="simulated devices with --small")
-    p.add_argument("--tokens", type=int, help="tokens per device (16384; small 2048)")
+    p.add_argument("--tokens", type=int, help="tokens per device (16384; small 256)")
     p.add_argument("--d-model", type=int, help="4096; small 512")
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--capacity-factor", type=float, default=1.25)
     p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, help="timed calls per phase (20; small 5)")
+    p.add_argument("--warmup", type=int, help="untimed calls first (3; small 1)")
+    p.add_argument("--iters", type=int, help="timed calls per phase (20; small 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-hlo", action="store_true", help="skip the per-phase HLO summary")
     p.add_argument("--no-experiment", action="store_true",
-                   help="skip the split-axis layout experiment (4 compiles)")
+                   help="skip the split-axis layout experiment (4 compiles; skipped with "
+                        "--small)")
     p.add_argument("--out", default=str(HERE / "results" / "dispatch_phases.json"),
                    help="JSON path ('' to skip)")
     a = p.parse_args(argv)
-    a.tokens = a.tokens or (2048 if a.small else 16384)
+    a.tokens = a.tokens or (256 if a.small else 16384)
     a.d_model = a.d_model or (512 if a.small else 4096)
-    a.iters = a.iters or (5 if a.small else 20)
+    a.iters = a.iters or (2 if a.small else 20)
+    a.warmup = a.warmup if a.warmup is not None else (1 if a.small else 3)
+    a.no_experiment = a.no_experiment or a.small
     return a
 
 
@@ -101,8 +107,13 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from moe import _transport, _wire_pallas, fp8  # noqa: E402
-from moe._plan import DispatchPlan, build_plan, dense_capacity  # noqa: E402
-from moe.dispatch import _sum_slots, combine, dispatch  # noqa: E402
+from moe._plan import (  # noqa: E402
+    DispatchPlan,
+    build_plan,
+    dense_capacity,
+    dropless_buckets,
+)
+from moe.dispatch import _back_row, _sum_slots, combine, dispatch  # noqa: E402
 from xla_comm import hlo  # noqa: E402
 
 AXIS = "expert"
@@ -424,7 +435,8 @@ def run(a) -> dict:
 
     def unpermute(back, send_slot, slot_row, w):
         plan = rebuild_plan(send_slot, slot_row, kw)
-        return _sum_slots(back, plan, w.astype(jnp.float32)).astype(jnp.bfloat16)
+        return _sum_slots(back, lambda j: _back_row(plan, j), plan.top_k,
+                          w.astype(jnp.float32)).astype(jnp.bfloat16)
 
     bench("un-permute + weight + sum_k (fused)", "combine", "bf16",
           smap(mesh, unpermute, 4), (back, send_slot, slot_row, w))
@@ -517,6 +529,35 @@ def run(a) -> dict:
                   buffer_bytes=2 * both, deepep_bytes=2 * (dp + dp_bf16),
                   note="4 all_to_alls: dispatch, return, grad dispatch (wire), grad return "
                        "(bf16)")
+
+    # ---- the dropless transport (bucketed all_to_all, never drops) on the same tokens: the
+    # exchange sends P * c rows per device for the bucket c this routing takes
+    for wire in ("bf16", "fp8"):
+        def ddisp(x, ids, wire=wire):
+            return dispatch(x, ids, num_experts=e, axis_name=AXIS, transport="dropless",
+                            capacity_factor=cf, dispatch_dtype=wire, block_size=bs)
+
+        bucket = smap(mesh, lambda x, ids: ddisp(x, ids)[2].bucket[None], 2)(x, ids)
+        rows_c = dropless_buckets(t, k, e, n_dev, cf)[int(np.max(np.asarray(bucket)))]
+        buf = n_dev * rows_c * (2 * d if wire == "bf16" else fp8_row)
+        report["derived"][f"dropless_bucket_rows_{wire}"] = rows_c
+        res[("dropless dispatch", wire)] = bench(
+            "dropless dispatch (public API -> expert_x)", "dropless", wire,
+            smap(mesh, lambda x, ids, f=ddisp: f(x, ids)[0], 2), (x, ids), buffer_bytes=buf,
+            deepep_bytes=dp_bf16 if wire == "bf16" else dp_fp8)
+
+        def ddc(x, ids, w, f=ddisp, wire=wire):
+            ex, _, plan = f(x, ids)
+            return combine(jax.lax.optimization_barrier(ex), w, plan, combine_grad_dtype=wire)
+
+        both = buf + n_dev * rows_c * 2 * d
+        bench("dropless dispatch+combine fwd (materialized)", "dropless", wire,
+              smap(mesh, ddc, 3), (x, ids, w), buffer_bytes=both)
+        fddc = jax.shard_map(ddc, mesh=mesh, in_specs=(P(AXIS),) * 3, out_specs=P(AXIS))
+        bench("dropless dispatch+combine fwd+bwd", "dropless", wire,
+              jax.jit(jax.grad(lambda x, ids, w, dy, f=fddc: jnp.sum(
+                  f(x, ids, w).astype(jnp.float32) * dy.astype(jnp.float32)), argnums=(0, 2))),
+              (x, ids, w, dy), buffer_bytes=2 * both)
 
     # ---- experiment: exchanges that split axis 1 of the expert layout [E_local, P*C, .]
     # (XLA:GPU lays an all-to-all out with its split axis major, so the send gather can write

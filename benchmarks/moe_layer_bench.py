@@ -4,10 +4,17 @@ Times ``jax.grad`` of ``sum(y * ct)`` (``ct`` a random cotangent) with respect t
 router kernel, w_gate_up and w_down, expert parallel over all devices (mesh ('data', 'expert')
 = (1, n_devices)), bf16 activations and expert weights (router kernel f32, as the router
 computes in f32), for the variants in VARIANTS: dense transport (capacity 1.25) with einsum,
-Pallas or ragged_dot experts, ragged (dropless) transport with ragged_dot or Pallas experts,
-each with a bf16 or FP8 wire (FP8 for the dispatch and for the combine gradient); the wire
-rows go through the Pallas wire kernels (``wire_kernels='auto'`` on GPUs) except in the
-``*_xla_wire`` variants.
+Pallas or ragged_dot experts; the dropless transports, ``'dropless'`` (bucketed all_to_all)
+and ``'ragged'`` (ragged_all_to_all), with ragged_dot, Pallas or ``'auto'`` experts (Pallas
+on NVIDIA GPUs, ragged_dot elsewhere); each with a bf16 or FP8 wire (FP8 for the dispatch and
+for the combine gradient); the wire rows go through the Pallas wire kernels
+(``wire_kernels='auto'`` on GPUs) except in the ``*_xla_wire`` variants.
+
+Routing: ``balanced`` (a random router: every expert gets about T*k/E slots) and ``zipf``
+(expert i gets a share ~ 1 / (i+1)^s of the slots, s = ``--zipf-s``): the balancing bias
+argument of ``moe_apply`` (it changes the selection only) is calibrated on the benchmark's
+tokens before timing so that the loads follow the target shares; the achieved shares are in
+the JSON (``routing``). One executable serves both routings (the bias is an input).
 
 MFU = useful FLOPs / (time x n_devices x dense rate), the dense rate being a bf16
 8192^3 matmul on one device timed in the same run. Useful FLOPs count the router
@@ -15,20 +22,35 @@ MFU = useful FLOPs / (time x n_devices x dense rate), the dense rate being a bf1
 *kept* token slot (6 * d_model * d_ff forward, 12 * d_model * d_ff backward); capacity padding
 and dropped slots are not useful work. Dropped fraction = dropped slots / (tokens * top_k).
 
-Also times dispatch -> combine alone (identity experts, dense transport, bf16 and FP8 wire):
-GB/s per GPU = bytes each device sends over the all-to-alls of the forward ((P-1)/P of each
-buffer, from the compiled HLO via xla_comm.hlo) / forward time. (benchmarks/dispatch_check.py
-times these too but reports no GB/s and parses argv at import, so it is not imported here.)
+Also times dispatch -> combine alone (identity experts; dense capacity 1.25 bf16 and FP8,
+dropless and ragged bf16; both routings), forward and forward + backward: GB/s per GPU =
+bytes each device sends over the payload exchanges of the forward ((P-1)/P of each buffer:
+from the compiled HLO via xla_comm.hlo for dense and ragged; for dropless, the buffers of the
+bucket the step took) / forward time.
 
-``--profile DIR`` captures a jax.profiler trace of a few steps of the variants in
-``--profile-variants`` and reports the fraction of NCCL kernel time hidden under compute
-(benchmarks/trace_overlap.py). Variants ending in ``_overlap`` are the same step compiled with
+Op breakdown: ``jax.profiler`` traces of ``--profile-steps`` steps of the variants in
+``--breakdown-variants`` (both routings), summed per op category by
+benchmarks/trace_breakdown.py (sort, gathers/scatters, exchange, GEMMs, combine, ...), printed
+as a table and stored under ``breakdown``; the same traces give the fraction of NCCL time
+hidden under compute (benchmarks/trace_overlap.py). ``--profile-variants`` are traced for the
+latter only. Variants ending in ``_overlap`` are the same step compiled with
 ``xla_comm.overlap.overlap_compiler_options()``, so exposed communication is compared with and
 without the overlap flags in one run.
 
+Summary (``dropless`` in the JSON, also written alone to ``--dropless-out``), with ``{n}gpu``
+the device count and kind (``{n}cpu`` on CPU): ``dropless_over_capacity_time_{n}gpu`` (dropless
+layer / dense einsum capacity-1.25 layer, balanced) and ``..._zipf``; the same for the ragged
+transport (``ragged_over_capacity_time_*``); ``dropless_dispatch_combine_over_dense_{n}gpu``
+(dispatch + combine fwd+bwd, dropless / dense, bf16, balanced; ``..._zipf``);
+``dropless_layer_mfu_{n}gpu``; the capacity layer's dropped fractions. Issue 14's keys are
+those for 1 and 2 GPUs. The ratios come from the two sides timed interleaved (one call of
+each per round, so drift hits both alike; ``layer_ab``, ``dispatch_combine_ab``); the
+separately timed medians are kept as ``..._separate_runs_...``.
+
 Usage:
   python benchmarks/moe_layer_bench.py                   # GPU: 16384 tokens/GPU, 4096/2048, E16 k2
-  python benchmarks/moe_layer_bench.py --small           # CPU, 8 simulated devices
+  python benchmarks/moe_layer_bench.py --preset dropless --dropless-out r1.json  # issue 14
+  python benchmarks/moe_layer_bench.py --small           # CPU, 2 simulated devices
   python benchmarks/moe_layer_bench.py --tokens 32768 --profile /tmp/moe_trace --out r.json
 """
 
@@ -37,6 +59,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,12 +73,18 @@ VARIANTS: dict[str, dict] = {
     "ragged_fp8": dict(transport="ragged", backend="ragged_dot", wire="fp8"),
     "ragged_pallas_bf16": dict(transport="ragged", backend="pallas", wire="bf16"),
     "ragged_pallas_fp8": dict(transport="ragged", backend="pallas", wire="fp8"),
+    # The dropless transport (bucketed all_to_all) and, for comparison, the ragged one with
+    # the same experts: backend 'auto' = Pallas on NVIDIA GPUs, ragged_dot elsewhere.
+    "dropless_bf16": dict(transport="dropless", backend="auto", wire="bf16"),
+    "dropless_fp8": dict(transport="dropless", backend="auto", wire="fp8"),
+    "ragged_auto_bf16": dict(transport="ragged", backend="auto", wire="bf16"),
+    "dropless_pallas_bf16": dict(transport="dropless", backend="pallas", wire="bf16"),
     # The same steps compiled with xla_comm.overlap.overlap_compiler_options() (latency-hiding
     # scheduler, combine thresholds, high-priority collective stream).
     "dense_einsum_bf16_overlap": dict(transport="dense", backend="einsum", wire="bf16",
-                                      overlap=True),
+                                      overlap_options=True),
     "dense_einsum_fp8_overlap": dict(transport="dense", backend="einsum", wire="fp8",
-                                     overlap=True),
+                                     overlap_options=True),
     # The XLA wire path instead of the Pallas wire kernels (wire_kernels='auto' on GPUs).
     "dense_einsum_bf16_xla_wire": dict(transport="dense", backend="einsum", wire="bf16",
                                        wire_kernels="xla"),
@@ -63,45 +92,74 @@ VARIANTS: dict[str, dict] = {
                                       wire_kernels="xla"),
     "dense_pallas_bf16": dict(transport="dense", backend="pallas", wire="bf16"),
 }
-DEFAULT_VARIANTS = ["dense_einsum_bf16", "dense_einsum_fp8", "dense_einsum_bf16_overlap",
-                    "dense_einsum_fp8_overlap", "dense_einsum_bf16_xla_wire",
-                    "dense_einsum_fp8_xla_wire", "dense_pallas_bf16", "dense_ragged_dot_bf16",
-                    "ragged_pallas_bf16", "ragged_bf16", "ragged_fp8"]
+# The capacity layer and the dropless one the summary compares (issue 14).
+CAPACITY, DROPLESS, RAGGED = "dense_einsum_bf16", "dropless_bf16", "ragged_auto_bf16"
+PRESETS = {
+    "all": ["dense_einsum_bf16", "dense_einsum_fp8", "dense_einsum_bf16_overlap",
+            "dense_einsum_fp8_overlap", "dense_einsum_bf16_xla_wire",
+            "dense_einsum_fp8_xla_wire", "dense_pallas_bf16", "dense_ragged_dot_bf16",
+            "dropless_bf16", "dropless_fp8", "ragged_auto_bf16"],
+    "dropless": [CAPACITY, DROPLESS, RAGGED, "dropless_fp8"],
+}
+ROUTINGS = ("balanced", "zipf")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--small", action="store_true", help="CPU sizes, 8 simulated devices")
-    p.add_argument("--tokens", type=int, help="tokens per device (16384; small 128)")
-    p.add_argument("--d-model", type=int, help="4096; small 256")
-    p.add_argument("--d-ff", type=int, help="2048; small 128")
+    p.add_argument("--small", action="store_true", help="CPU sizes, simulated devices")
+    p.add_argument("--cpu-devices", type=int, default=2, help="simulated devices with --small")
+    p.add_argument("--tokens", type=int, help="tokens per device (16384; small 64)")
+    p.add_argument("--d-model", type=int, help="4096; small 128")
+    p.add_argument("--d-ff", type=int, help="2048; small 64")
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--capacity-factor", type=float, default=1.25, help="dense transport")
+    p.add_argument("--dropless-capacity-factor", type=float, default=None,
+                   help="first exchange bucket of the dropless transport (None: the "
+                        "library default, 1.25)")
     p.add_argument("--fp8-block-size", type=int, help="FP8 channels per scale (128; small 32)")
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=DEFAULT_VARIANTS)
+    p.add_argument("--preset", choices=list(PRESETS), help="variant list (all; small: dropless)")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="overrides --preset")
+    p.add_argument("--routing", nargs="+", choices=ROUTINGS, default=list(ROUTINGS))
+    p.add_argument("--zipf-s", type=float, default=1.0, help="Zipf exponent of skewed routing")
+    p.add_argument("--zipf-variants", nargs="+", choices=list(VARIANTS),
+                   default=[CAPACITY, DROPLESS, RAGGED],
+                   help="variants also timed with Zipf routing (when selected)")
     p.add_argument("--no-dispatch-only", action="store_true",
                    help="skip the dispatch+combine-alone timings")
     p.add_argument("--ceiling-n", type=int, help="dense matmul size (8192; small 512)")
     p.add_argument("--warmup", type=int, help="3; small 1")
     p.add_argument("--iters", type=int, help="10; small 2")
     p.add_argument("--profile", default=None, metavar="DIR",
-                   help="capture jax.profiler traces under DIR/<variant> and report overlap")
+                   help="keep the jax.profiler traces under DIR/<variant> (default: a "
+                        "temporary directory, removed at the end)")
+    p.add_argument("--breakdown-variants", nargs="+", choices=list(VARIANTS),
+                   default=[CAPACITY, DROPLESS, RAGGED],
+                   help="variants traced for the op breakdown (when selected)")
     p.add_argument("--profile-variants", nargs="+", choices=list(VARIANTS),
                    default=["dense_einsum_bf16", "dense_einsum_fp8",
-                            "dense_einsum_bf16_overlap", "dense_einsum_fp8_overlap"])
-    p.add_argument("--profile-steps", type=int, default=3)
+                            "dense_einsum_bf16_overlap", "dense_einsum_fp8_overlap"],
+                   help="variants traced for the exposed-communication fraction (with "
+                        "--profile)")
+    p.add_argument("--profile-steps", type=int, help="traced steps (3; small 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(HERE / "results" / "moe_layer_bench.json"),
                    help="JSON path ('' to skip)")
+    p.add_argument("--dropless-out", default="",
+                   help="also write the dropless summary alone here (e.g. "
+                        "benchmarks/results/h200x1_dropless.json)")
     a = p.parse_args(argv)
-    small = dict(tokens=128, d_model=256, d_ff=128, ceiling_n=512, warmup=1, iters=2,
-                 fp8_block_size=32)
+    small = dict(tokens=64, d_model=128, d_ff=64, ceiling_n=512, warmup=1, iters=2,
+                 fp8_block_size=32, preset="dropless", profile_steps=1)
     full = dict(tokens=16384, d_model=4096, d_ff=2048, ceiling_n=8192, warmup=3, iters=10,
-                fp8_block_size=128)
+                fp8_block_size=128, preset="all", profile_steps=3)
     for k, v in (small if a.small else full).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
+    if a.variants is None:
+        a.variants = list(PRESETS[a.preset])
+        if a.small:  # a CPU plumbing check: the three layers the summary compares
+            a.variants = [v for v in a.variants if v in (CAPACITY, DROPLESS, RAGGED)]
     return a
 
 
@@ -109,12 +167,14 @@ ARGS = parse_args() if __name__ == "__main__" else None
 if ARGS is not None and ARGS.small:
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+        os.environ["XLA_FLAGS"] = (
+            f"{flags} --xla_force_host_platform_device_count={ARGS.cpu_devices}").strip()
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from bench_util import (  # noqa: E402
     compile_with,
     dense_ceiling,
@@ -124,10 +184,12 @@ from bench_util import (  # noqa: E402
 )
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from trace_breakdown import format_table, op_breakdown  # noqa: E402
 from trace_overlap import exposed_comm_fraction  # noqa: E402
 
 import moe  # noqa: E402
-from xla_comm import hlo, overlap  # noqa: E402
+from xla_comm import hlo as mhlo  # noqa: E402
+from xla_comm import overlap as moverlap  # noqa: E402
 
 AXES = ("data", "expert")
 
@@ -161,13 +223,76 @@ def make_data(mesh, a):
     }
 
 
+# ----------------------------------------------------------------------------- routing
+
+
+def zipf_shares(experts: int, s: float) -> np.ndarray:
+    """Target share of the slots per expert: ``p_i ~ 1 / (i + 1)^s``."""
+    p = 1.0 / np.arange(1, experts + 1) ** s
+    return p / p.sum()
+
+
+def calibrate_bias(data, a, target: np.ndarray, iters: int = 400) -> tuple[np.ndarray, dict]:
+    """A balancing bias (selection only) under which the benchmark's tokens load the experts
+    with the shares ``target``: ``bias += step * sign(target - share)``, ``step`` decaying
+    geometrically from 0.05 to 1e-4 (the aux-loss-free balancing rule, aimed at ``target``);
+    the bias with the smallest L1 error is kept. Returns ``(bias, achieved)``."""
+    cfg = moe.RouterConfig(a.experts, a.top_k)
+    x = data["x"].reshape(-1, a.d_model)
+
+    @jax.jit
+    def shares(bias):
+        r = moe.route(x, data["router_kernel"], bias, config=cfg)
+        return r.tokens_per_expert / (x.shape[0] * a.top_k)
+
+    bias = np.zeros(a.experts, np.float32)
+    best, best_err, step = bias.copy(), np.inf, 0.05
+    decay = (1e-4 / step) ** (1.0 / iters)
+    for _ in range(iters):
+        got = np.asarray(shares(jnp.asarray(bias)))
+        err = float(np.abs(got - target).sum())
+        if err < best_err:
+            best, best_err = bias.copy(), err
+        bias = bias + step * np.sign(target - got).astype(np.float32)
+        step *= decay
+    return best, routing_stats(np.asarray(shares(jnp.asarray(best))), target)
+
+
+def routing_stats(got: np.ndarray, target: np.ndarray | None = None) -> dict:
+    out = {"shares": [round(float(v), 5) for v in got],
+           "max_over_mean": float(got.max() * got.size)}
+    if target is not None:
+        out["target"] = [round(float(v), 5) for v in target]
+        out["l1_error"] = float(np.abs(got - target).sum())
+    return out
+
+
+def make_routings(data, a) -> tuple[dict, dict]:
+    """``({routing: bias [E]}, {routing: achieved shares})`` for the routings asked for."""
+    biases, stats = {}, {}
+    cfg = moe.RouterConfig(a.experts, a.top_k)
+    x = data["x"].reshape(-1, a.d_model)
+    for name in a.routing:
+        if name == "balanced":
+            biases[name] = np.zeros(a.experts, np.float32)
+            counts = moe.route(x, data["router_kernel"], config=cfg).tokens_per_expert
+            stats[name] = routing_stats(np.asarray(counts) / (x.shape[0] * a.top_k))
+        else:
+            biases[name], stats[name] = calibrate_bias(data, a, zipf_shares(a.experts, a.zipf_s))
+    return biases, stats
+
+
+# ----------------------------------------------------------------------------- the layer
+
+
 def options(name: str, a) -> moe.MoEOptions:
     v = VARIANTS[name]
+    cf = {"dense": a.capacity_factor, "dropless": a.dropless_capacity_factor}
     return moe.MoEOptions.create(
         a.experts, a.top_k,
         expert_axis="expert",
         transport=v["transport"],
-        capacity_factor=a.capacity_factor if v["transport"] == "dense" else None,
+        capacity_factor=cf.get(v["transport"]),
         dispatch_dtype=v["wire"],
         combine_grad_dtype=v["wire"],
         backend=v["backend"],
@@ -176,29 +301,35 @@ def options(name: str, a) -> moe.MoEOptions:
     )
 
 
-def layer_args(data):
-    return (data["x"], data["router_kernel"], data["w_gate_up"], data["w_down"], data["ct"])
+def layer_args(data, bias):
+    return (data["x"], data["router_kernel"], data["w_gate_up"], data["w_down"], data["ct"],
+            jnp.asarray(bias))
 
 
 def build_layer(name, mesh, a, data):
     """The jitted fwd+bwd step (compiled with the overlap options for ``*_overlap`` variants,
-    which records the options XLA applied) and the dropped-token count."""
+    which records the options XLA applied; the routing bias is an input) and the
+    dropped-token count."""
     opts = options(name, a)
 
-    def fwd(x, rk, wgu, wd):
-        return moe.moe_apply(x, rk, wgu, wd, opts=opts, mesh=mesh)
+    def fwd(x, rk, wgu, wd, bias):
+        return moe.moe_apply(x, rk, wgu, wd, bias, opts=opts, mesh=mesh)
 
-    def loss(x, rk, wgu, wd, ct):
-        y, _ = fwd(x, rk, wgu, wd)
+    def loss(x, rk, wgu, wd, ct, bias):
+        y, _ = fwd(x, rk, wgu, wd, bias)
         return jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32))
 
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    args = layer_args(data, np.zeros(a.experts, np.float32))
     compiler = None
-    if VARIANTS[name].get("overlap"):
-        want = overlap.overlap_compiler_options()
-        step, dropped_opts = compile_with(step.lower(*layer_args(data)), want)
+    if VARIANTS[name].get("overlap_options"):
+        want = moverlap.overlap_compiler_options()
+        step, dropped_opts = compile_with(step.lower(*args), want)
         compiler = {"options": want, "options_dropped": dropped_opts}
-    dropped = jax.jit(lambda x, rk, wgu, wd: fwd(x, rk, wgu, wd)[1]["dropped_tokens"])
+    else:
+        step = step.lower(*args).compile()
+    dropped = jax.jit(lambda x, rk, wgu, wd, bias: fwd(x, rk, wgu, wd, bias)[1][
+        "dropped_tokens"])
     return step, dropped, compiler
 
 
@@ -209,86 +340,259 @@ def useful_flops(a, n_dev: int, kept_slots: int) -> float:
     return router + experts
 
 
-def bench_layer(name, mesh, data, a, ceiling, step, dropped_fn) -> dict:
+def bench_layer(name, routing, mesh, a, ceiling, step, dropped_fn, args) -> dict:
     n_dev = mesh.devices.size
-    args = layer_args(data)
     t0 = time.perf_counter()
     jax.block_until_ready(step(*args))
     first = time.perf_counter() - t0
     sec, times = median_seconds(step, args, a.warmup, a.iters)
-    dropped = int(dropped_fn(*args[:4]))
+    dropped = int(dropped_fn(*args[:4], args[5]))
     slots = n_dev * a.tokens * a.top_k
     flops = useful_flops(a, n_dev, slots - dropped)
-    row = dict(variant=name, **VARIANTS[name],
-               capacity_factor=a.capacity_factor if VARIANTS[name]["transport"] == "dense"
-               else None,
-               seconds=sec, ms=sec * 1e3, times_s=times, first_call_s=first,
-               dropped_slots=dropped, dropped_frac=dropped / slots, useful_flops=flops,
-               useful_tflops_per_device=flops / sec / n_dev / 1e12,
-               mfu=flops / (sec * n_dev * ceiling["tflops"] * 1e12))
-    return row
+    v = VARIANTS[name]
+    return dict(variant=name if routing == "balanced" else f"{name}_{routing}",
+                base_variant=name, routing=routing, transport=v["transport"],
+                backend=v["backend"], wire=v["wire"],
+                overlap_options=bool(v.get("overlap_options")),
+                wire_kernels=v.get("wire_kernels", "auto"),
+                capacity_factor={"dense": a.capacity_factor,
+                                 "dropless": a.dropless_capacity_factor}.get(v["transport"]),
+                seconds=sec, ms=sec * 1e3, times_s=times, first_call_s=first,
+                dropped_slots=dropped, dropped_frac=dropped / slots, useful_flops=flops,
+                useful_tflops_per_device=flops / sec / n_dev / 1e12,
+                mfu=flops / (sec * n_dev * ceiling["tflops"] * 1e12))
 
 
-def profile_layer(name, data, a, step) -> dict:
-    args = layer_args(data)
+def trace_steps(step, args, trace_dir: str, steps: int) -> str | None:
+    """Run ``steps`` calls under ``jax.profiler.trace(trace_dir)``; None, or why it failed."""
     jax.block_until_ready(step(*args))
-    trace_dir = os.path.join(a.profile, name)
     try:
         with jax.profiler.trace(trace_dir):
-            for _ in range(a.profile_steps):
+            for _ in range(steps):
                 jax.block_until_ready(step(*args))
     except Exception as err:  # a profiler failure must not lose the timings
-        return {"exposed_fraction": None, "reason": f"profiler failed: {err!r}"}
-    r = exposed_comm_fraction(trace_dir)
-    r["trace_dir"] = trace_dir
-    r.pop("source", None)
-    return r
+        return f"profiler failed: {err!r}"
+    return None
 
 
-def build_dispatch(mesh, a, wire):
-    """jit(forward) and jit(forward + backward) of dispatch -> combine (dense, identity; the
-    library's default wire kernels)."""
-    cf = a.capacity_factor
+def profile_layer(name, routing, a, step, args, trace_root: str) -> dict:
+    """Op breakdown and exposed-collective fraction of a few traced steps."""
+    trace_dir = os.path.join(trace_root, f"{name}_{routing}")
+    err = trace_steps(step, args, trace_dir, a.profile_steps)
+    if err:
+        return {"breakdown": None, "overlap": {"exposed_fraction": None, "reason": err}}
+    try:
+        bd = op_breakdown(trace_dir, step.as_text(), steps=a.profile_steps)
+    except Exception as e:  # keep the timings whatever the trace holds
+        bd = {"error": repr(e)[:1000]}
+    ov = exposed_comm_fraction(trace_dir)
+    ov.pop("source", None)
+    ov["trace_dir"] = trace_dir if a.profile else None
+    return {"breakdown": bd, "overlap": ov}
+
+
+# ----------------------------------------------------------------------------- dispatch alone
+
+
+def build_dispatch(mesh, a, transport, wire):
+    """jit(forward) and jit(forward + backward) of dispatch -> combine (identity experts; the
+    library's default wire kernels), and jit of the dropless bucket index per device."""
+    cf = {"dense": a.capacity_factor, "dropless": a.dropless_capacity_factor}.get(transport)
+
+    def disp(x, ids):
+        return moe.dispatch(x, ids, num_experts=a.experts, axis_name="expert",
+                            transport=transport, capacity_factor=cf, dispatch_dtype=wire,
+                            block_size=a.fp8_block_size)
 
     def local(x, ids, w):
-        ex, _, plan = moe.dispatch(x, ids, num_experts=a.experts, axis_name="expert",
-                                   transport="dense", capacity_factor=cf, dispatch_dtype=wire,
-                                   block_size=a.fp8_block_size)
+        ex, _, plan = disp(x, ids)
         return moe.combine(ex, w, plan, combine_grad_dtype=wire)
+
+    def bucket(x, ids):
+        plan = disp(x, ids)[2]
+        return plan.bucket[None], plan.buckets
 
     spec = P(AXES)
     f = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
     fwd = jax.jit(f)
     grad = jax.jit(jax.grad(lambda x, ids, w, ct: jnp.sum(
         f(x, ids, w).astype(jnp.float32) * ct.astype(jnp.float32)), argnums=(0, 2)))
-    return fwd, grad
+
+    def bucket_rows(x, ids):
+        """Rows per (source, destination) pair the dropless exchange sent, per device."""
+        holder = {}
+
+        def body(x, ids):
+            b, caps = bucket(x, ids)
+            holder["caps"] = caps
+            return b
+
+        idx = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec),
+                                    out_specs=spec))(x, ids)
+        return [holder["caps"][int(i)] for i in np.asarray(idx)]
+
+    return fwd, grad, bucket_rows
 
 
-def bench_dispatch(mesh, a) -> list[dict]:
+DISPATCH_CASES = (("dense", "bf16"), ("dense", "fp8"), ("dropless", "bf16"), ("ragged", "bf16"))
+
+
+def bench_dispatch(mesh, a, data, biases) -> tuple[list[dict], dict]:
+    """Rows per (transport, wire, routing), and the A/B of dense vs dropless (bf16) forward +
+    backward timed interleaved per routing (one call of each per round, so drift during the
+    run hits both alike)."""
     n = mesh.devices.size
-    t = n * a.tokens
-    kx, kl, kc = jax.random.split(jax.random.key(a.seed + 7), 3)
     sh = NamedSharding(mesh, P(AXES))
-    x = jax.device_put(jax.random.normal(kx, (t, a.d_model), jnp.bfloat16), sh)
-    logits = jax.random.normal(kl, (t, a.experts), jnp.float32)
-    w, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), a.top_k)
-    ids, w = jax.device_put(ids.astype(jnp.int32), sh), jax.device_put(w, sh)
-    ct = jax.device_put(jax.random.normal(kc, (t, a.d_model), jnp.bfloat16), sh)
-    rows = []
-    for wire in ("bf16", "fp8"):
-        fwd, grad = build_dispatch(mesh, a, wire)
-        colls = hlo.analyze_collectives(fwd.lower(x, ids, w).compile()).collectives
-        a2a = [c for c in colls if c.kind in ("all-to-all", "ragged-all-to-all")]
-        sent = sum(c.ring_bytes for c in a2a)
-        fwd_s, _ = median_seconds(fwd, (x, ids, w), a.warmup, a.iters)
-        bwd_s, _ = median_seconds(grad, (x, ids, w, ct), a.warmup, a.iters)
-        rows.append(dict(transport="dense", wire=wire, capacity_factor=a.capacity_factor,
-                         fwd_ms=fwd_s * 1e3, fwd_bwd_ms=bwd_s * 1e3,
-                         n_all_to_all_fwd=len(a2a),
-                         buffer_mb_per_device=sum(c.buffer_bytes for c in a2a) / 2**20,
-                         sent_mb_per_device=sent / 2**20,
-                         GBps_per_gpu=sent / fwd_s / 1e9))
-    return rows
+    x = jax.device_put(data["x"].reshape(-1, a.d_model), sh)
+    ct = jax.device_put(data["ct"].reshape(-1, a.d_model), sh)
+    cfg = moe.RouterConfig(a.experts, a.top_k)
+    route = jax.jit(lambda x, b: moe.route(x, data["router_kernel"], b, config=cfg))
+    routes = {}
+    for routing, bias in biases.items():
+        r = route(x, jnp.asarray(bias))
+        routes[routing] = (jax.device_put(r.expert_ids.astype(jnp.int32), sh),
+                           jax.device_put(r.weights, sh))
+    rows, grads = [], {}
+    for transport, wire in DISPATCH_CASES:
+        fwd, grad, bucket_rows = build_dispatch(mesh, a, transport, wire)
+        for routing, (ids, w) in routes.items():
+            if routing != "balanced" and wire != "bf16":
+                continue
+            if transport == "dropless":  # the bucket this routing took (one mesh group)
+                caps = bucket_rows(x, ids)
+                wire_row = 2 * a.d_model if wire == "bf16" else \
+                    a.d_model * (1 + 1 / a.fp8_block_size)  # e4m3 bytes + E8M0 scales
+                # forward: P * c dispatched wire rows + P * c returned bf16 rows per device
+                n_a2a, buffer = 2, n * max(caps) * (wire_row + 2 * a.d_model)
+                sent = buffer * (n - 1) / n
+            else:
+                caps = None
+                colls = mhlo.analyze_collectives(fwd.lower(x, ids, w).compile()).collectives
+                a2a = [c for c in colls if c.kind in ("all-to-all", "ragged-all-to-all")
+                       and len(c.shapes[0]) > 1]
+                n_a2a, buffer = len(a2a), sum(c.buffer_bytes for c in a2a)
+                sent = sum(c.ring_bytes for c in a2a)
+            fwd_s, _ = median_seconds(fwd, (x, ids, w), a.warmup, a.iters)
+            bwd_s, _ = median_seconds(grad, (x, ids, w, ct), a.warmup, a.iters)
+            grads[(transport, wire, routing)] = (grad, (x, ids, w, ct))
+            rows.append(dict(transport=transport, wire=wire, routing=routing,
+                             capacity_factor=a.capacity_factor if transport == "dense"
+                             else None, dropless_bucket_rows=caps,
+                             fwd_ms=fwd_s * 1e3, fwd_bwd_ms=bwd_s * 1e3,
+                             n_all_to_all_fwd=n_a2a,
+                             buffer_mb_per_device=buffer / 2**20,
+                             sent_mb_per_device=sent / 2**20,
+                             GBps_per_gpu=sent / fwd_s / 1e9))
+            print(f"dispatch+combine {transport:8s} {wire:4s} {routing:8s}: fwd "
+                  f"{fwd_s * 1e3:8.3f} ms, fwd+bwd {bwd_s * 1e3:8.3f} ms", flush=True)
+    ab = {}
+    rounds = max(3, 2 * a.iters)
+    for routing in routes:
+        pair = {t: grads.get((t, "bf16", routing)) for t in ("dense", "dropless")}
+        if None in pair.values():
+            continue
+        times = {t: [] for t in pair}
+        for _ in range(rounds):
+            for t, (fn, args) in pair.items():
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(*args))
+                times[t].append(time.perf_counter() - t0)
+        med = {t: float(np.median(v)) for t, v in times.items()}
+        ab[routing] = dict(rounds=rounds, dense_ms=med["dense"] * 1e3,
+                           dropless_ms=med["dropless"] * 1e3,
+                           ratio_of_medians=med["dropless"] / med["dense"],
+                           median_round_ratio=float(np.median(
+                               [d / e for e, d in zip(times["dense"], times["dropless"],
+                                                      strict=True)])))
+        print(f"A/B dispatch+combine fwd+bwd {routing}: dense {ab[routing]['dense_ms']:.3f} ms, "
+              f"dropless {ab[routing]['dropless_ms']:.3f} ms, ratio "
+              f"{ab[routing]['ratio_of_medians']:.3f}", flush=True)
+    return rows, ab
+
+
+def interleaved_ms(fns: dict, rounds: int) -> dict:
+    """Median ms of each ``fn()`` in ``fns``, timed one call of each per round (blocked)."""
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[k].append(time.perf_counter() - t0)
+    return {k: float(np.median(v)) * 1e3 for k, v in times.items()}
+
+
+def layer_ab(steps: dict, biases: dict, data, a) -> dict:
+    """The capacity, dropless and ragged layer steps timed interleaved, per routing (the
+    summary's layer ratios come from these when present)."""
+    out = {}
+    if CAPACITY not in steps or len(steps) < 2:
+        return out
+    for routing, bias in biases.items():
+        args = layer_args(data, bias)
+        fns = {k: (lambda f=f, args=args: f(*args)) for k, f in steps.items()
+               if routing == "balanced" or k in a.zipf_variants}
+        if CAPACITY not in fns or len(fns) < 2:
+            continue
+        ms = interleaved_ms(fns, max(3, 2 * a.iters))
+        out[routing] = dict(rounds=max(3, 2 * a.iters), ms=ms,
+                            over_capacity={k: v / ms[CAPACITY] for k, v in ms.items()})
+        print(f"A/B layer {routing}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()),
+              flush=True)
+    return out
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+def dropless_summary(report) -> dict:
+    """Issue 14's ratios from this run (see the module docstring)."""
+    e = report["env"]
+    n = e["n_devices"]
+    tag = f"{n}gpu" if e["backend"] in ("gpu", "cuda", "rocm") else f"{n}{e['backend']}"
+    by = {r["variant"]: r for r in report["layer"]}
+    dc = {(r["transport"], r["wire"], r["routing"]): r
+          for r in report.get("dispatch_combine", [])}
+    out: dict = {"n_devices": n, "device_kind": e["device_kind"], "tag": tag,
+                 "capacity_variant": CAPACITY, "dropless_variant": DROPLESS,
+                 "ragged_variant": RAGGED, "capacity_factor": report["settings"][
+                     "capacity_factor"]}
+    for routing in ROUTINGS:
+        sfx = "" if routing == "balanced" else f"_{routing}"
+        cap = by.get(CAPACITY + sfx)
+        ab = report.get("layer_ab", {}).get(routing, {}).get("over_capacity", {})
+        for key, name in (("dropless", DROPLESS), ("ragged", RAGGED)):
+            row = by.get(name + sfx)
+            if cap and row:
+                # interleaved A/B when it ran, else the separately timed medians
+                out[f"{key}_over_capacity_time_{tag}{sfx}"] = ab.get(name, row["ms"] / cap["ms"])
+                out[f"{key}_over_capacity_time_separate_runs_{tag}{sfx}"] = row["ms"] / cap["ms"]
+                out[f"{key}_layer_ms_{tag}{sfx}"] = row["ms"]
+                out[f"{key}_layer_mfu_{tag}{sfx}"] = row["mfu"]
+                out[f"{key}_dropped_slots_{tag}{sfx}"] = row["dropped_slots"]
+        if cap:
+            out[f"capacity_layer_ms_{tag}{sfx}"] = cap["ms"]
+            out[f"capacity_layer_mfu_{tag}{sfx}"] = cap["mfu"]
+            out[f"capacity_dropped_frac_{tag}{sfx}"] = cap["dropped_frac"]
+        dense, drop = dc.get(("dense", "bf16", routing)), dc.get(("dropless", "bf16", routing))
+        ab = report.get("dispatch_combine_ab", {}).get(routing)
+        if ab:  # interleaved A/B: robust to drift between separately timed runs
+            out[f"dropless_dispatch_combine_over_dense_{tag}{sfx}"] = ab["ratio_of_medians"]
+        elif dense and drop:
+            out[f"dropless_dispatch_combine_over_dense_{tag}{sfx}"] = (
+                drop["fwd_bwd_ms"] / dense["fwd_bwd_ms"])
+        if dense and drop:
+            out[f"dropless_dispatch_combine_separate_runs_over_dense_{tag}{sfx}"] = (
+                drop["fwd_bwd_ms"] / dense["fwd_bwd_ms"])
+            out[f"dropless_dispatch_combine_fwd_over_dense_{tag}{sfx}"] = (
+                drop["fwd_ms"] / dense["fwd_ms"])
+    targets = {f"dropless_over_capacity_time_{tag}": ("<=", 1.15),
+               f"dropless_over_capacity_time_{tag}_zipf": ("<", 1.0),
+               f"dropless_dispatch_combine_over_dense_{tag}": ("<=", 1.3),
+               f"dropless_layer_mfu_{tag}": (">=", 0.50)}
+    out["targets"] = {k: f"{op} {v}" for k, (op, v) in targets.items()}
+    out["met"] = {k: (out[k] <= v if op == "<=" else out[k] < v if op == "<" else out[k] >= v)
+                  for k, (op, v) in targets.items() if k in out}
+    return out
 
 
 def print_table(report):
@@ -299,18 +603,27 @@ def print_table(report):
           f"{e['jax']}: tokens/device {s['tokens']}, d_model {s['d_model']}, d_ff {s['d_ff']}, "
           f"E {s['experts']}, top-{s['top_k']}")
     print(f"dense bf16 ceiling {c['tflops']:.2f} TFLOP/s per device ({c['name']})")
-    hdr = f"{'variant':26s} {'ms':>9s} {'TFLOP/s/dev':>11s} {'MFU':>7s} {'dropped':>8s} " \
+    hdr = f"{'variant':32s} {'ms':>9s} {'TFLOP/s/dev':>11s} {'MFU':>7s} {'dropped':>8s} " \
           f"{'exposed':>8s}"
     print(hdr + "\n" + "-" * len(hdr))
     for r in report["layer"]:
-        ov = r["overlap"].get("exposed_fraction") if isinstance(r.get("overlap"), dict) else None
-        print(f"{r['variant']:26s} {r['ms']:9.3f} {r['useful_tflops_per_device']:11.3f} "
+        ov = (r.get("overlap") or {}).get("exposed_fraction")
+        print(f"{r['variant']:32s} {r['ms']:9.3f} {r['useful_tflops_per_device']:11.3f} "
               f"{r['mfu']:7.3f} {r['dropped_frac']:8.4f} "
               f"{'-' if ov is None else f'{ov:.3f}':>8s}")
     for r in report.get("dispatch_combine", []):
-        print(f"dispatch+combine dense {r['wire']:4s}: fwd {r['fwd_ms']:8.3f} ms, fwd+bwd "
-              f"{r['fwd_bwd_ms']:8.3f} ms, {r['sent_mb_per_device']:8.2f} MB sent/dev, "
-              f"{r['GBps_per_gpu']:8.2f} GB/s per GPU")
+        print(f"dispatch+combine {r['transport']:8s} {r['wire']:4s} {r['routing']:8s}: fwd "
+              f"{r['fwd_ms']:8.3f} ms, fwd+bwd {r['fwd_bwd_ms']:8.3f} ms, "
+              f"{r['sent_mb_per_device']:8.2f} MB sent/dev, {r['GBps_per_gpu']:8.2f} GB/s/GPU")
+    bds = {r["variant"]: r["breakdown"] for r in report["layer"]
+           if isinstance(r.get("breakdown"), dict) and "us_per_step" in r["breakdown"]}
+    if bds:
+        print("\nop breakdown per step (summed over devices; jax.profiler trace, "
+              "benchmarks/trace_breakdown.py):")
+        print(format_table(bds))
+    print("\ndropless summary:")
+    for k, v in report.get("dropless", {}).items():
+        print(f"  {k}: {v}")
 
 
 def main(a) -> dict:
@@ -327,45 +640,81 @@ def main(a) -> dict:
     print(f"ceiling: {report['ceiling']['tflops']:.2f} TFLOP/s", flush=True)
     write_json(a.out, report)
     data = make_data(mesh, a)
+    biases, report["routing"] = make_routings(data, a)
+    for name, st in report["routing"].items():
+        print(f"routing {name}: expert shares max/mean {st['max_over_mean']:.2f}"
+              + (f", L1 error vs target {st['l1_error']:.3f}" if "l1_error" in st else ""),
+              flush=True)
+    trace_root = a.profile or tempfile.mkdtemp(prefix="moe_layer_trace_")
 
     def dispatch_once():  # after the first variant: a timeout later keeps these numbers
         if a.no_dispatch_only or "dispatch_combine" in report or \
                 "dispatch_combine" in report["errors"]:
             return
         try:
-            report["dispatch_combine"] = bench_dispatch(mesh, a)
+            report["dispatch_combine"], report["dispatch_combine_ab"] = bench_dispatch(
+                mesh, a, data, biases)
         except Exception as err:
             report["errors"]["dispatch_combine"] = repr(err)[:2000]
             print(f"dispatch_combine: FAILED {err!r}"[:500], flush=True)
         write_json(a.out, report)
 
+    headline = {}  # the steps the summary compares, timed again interleaved at the end
     for name in a.variants:
         try:
             step, dropped_fn, compiler = build_layer(name, mesh, a, data)
-            row = bench_layer(name, mesh, data, a, report["ceiling"], step, dropped_fn)
-            if compiler:
-                row["compiler"] = compiler
         except Exception as err:  # keep going: one variant failing must not lose the rest
             report["errors"][name] = repr(err)[:2000]
             print(f"{name}: FAILED {err!r}"[:500], flush=True)
             dispatch_once()
             continue
-        report["layer"].append(row)
-        print(f"{name:26s} {row['ms']:9.3f} ms  MFU {row['mfu']:.3f}  dropped "
-              f"{row['dropped_frac']:.4f}", flush=True)
-        write_json(a.out, report)
-        if a.profile and name in a.profile_variants:  # reuses the compiled step
-            row["overlap"] = profile_layer(name, data, a, step)
-            print(f"profile {name}: exposed collective fraction "
-                  f"{row['overlap'].get('exposed_fraction')} "
-                  f"{row['overlap'].get('reason', '')}", flush=True)
+        routings = [r for r in biases if r == "balanced" or name in a.zipf_variants]
+        for routing in routings:
+            args = layer_args(data, biases[routing])
+            try:
+                row = bench_layer(name, routing, mesh, a, report["ceiling"], step,
+                                  dropped_fn, args)
+                if compiler:
+                    row["compiler"] = compiler
+            except Exception as err:
+                report["errors"][f"{name}_{routing}"] = repr(err)[:2000]
+                print(f"{name} {routing}: FAILED {err!r}"[:500], flush=True)
+                continue
+            report["layer"].append(row)
+            print(f"{row['variant']:32s} {row['ms']:9.3f} ms  MFU {row['mfu']:.3f}  dropped "
+                  f"{row['dropped_frac']:.4f}", flush=True)
             write_json(a.out, report)
+            if name in a.breakdown_variants or (a.profile and name in a.profile_variants):
+                prof = profile_layer(name, routing, a, step, args, trace_root)
+                row["overlap"] = prof["overlap"]
+                if name in a.breakdown_variants:
+                    row["breakdown"] = prof["breakdown"]
+                print(f"profile {row['variant']}: exposed collective fraction "
+                      f"{row['overlap'].get('exposed_fraction')} "
+                      f"{row['overlap'].get('reason', '')}", flush=True)
+                write_json(a.out, report)
+        if name in (CAPACITY, DROPLESS, RAGGED):
+            headline[name] = step
         del step, dropped_fn
         dispatch_once()
+    report["layer_ab"] = layer_ab(headline, biases, data, a)
+    report["dropless"] = dropless_summary(report)
     print_table(report)
     write_json(a.out, report)
+    if a.dropless_out:
+        write_json(a.dropless_out, dict(report["dropless"], env=report["env"],
+                                        ceiling=report["ceiling"], routing=report["routing"],
+                                        settings=report["settings"],
+                                        breakdown={r["variant"]: r.get("breakdown")
+                                                   for r in report["layer"]
+                                                   if r.get("breakdown")}))
+        print(f"wrote {a.dropless_out}")
     if a.out:
         print(f"wrote {a.out}")
+    if not a.profile:
+        import shutil
+
+        shutil.rmtree(trace_root, ignore_errors=True)
     return report
 
 

@@ -255,7 +255,8 @@ def gather_weighted_rows(
       DeepEP FP8 dispatch; combine's gradient travels in the dispatch direction.
     """
     s = weights.shape[0]
-    tok = slot // top_k
+    slot = slot.astype(jnp.int32)
+    tok = jax.lax.div(slot, jnp.int32(top_k))  # slots are >= 0: no floor-division fixups
     r = jnp.take(rows, tok, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
     w = jnp.take(weights.astype(jnp.float32), slot, mode="fill", fill_value=0)
     x = w[:, None] * r
@@ -294,17 +295,20 @@ def decode_rows(
     return buf.astype(out_dtype)
 
 
-def dense_exchange(buf: jax.Array, axis_name: AxisName) -> jax.Array:
-    """Tiled all-to-all on axis 0: block ``p`` of ``buf`` goes to device ``p``.
+def dense_exchange(buf: jax.Array, axis_name: AxisName, *, axis: int = 0) -> jax.Array:
+    """Tiled all-to-all on ``axis``: block ``p`` of it goes to device ``p``, and the blocks
+    that arrive are concatenated along it in source order. No collective (``buf`` itself) when
+    ``axis_name`` has one device.
 
-    ``out[p] = buf_on_device_p[me]`` with ``buf`` viewed as ``[P, N/P, ...]``.
+    ``out[p] = buf_on_device_p[me]`` with ``buf`` viewed as ``[P, N/P, ...]`` along ``axis``.
 
     Args:
-      buf: ``[P * n, ...]``, destination-major (``P`` = size of ``axis_name``).
+      buf: ``P * n`` rows along ``axis``, destination-major (``P`` = size of ``axis_name``).
       axis_name: the mesh axis (or axes) to exchange over.
+      axis: the axis to split and concatenate.
 
     Returns:
-      ``[P * n, ...]``, source-major.
+      ``buf``'s shape, source-major along ``axis``.
 
     Example:
       >>> # inside jax.shard_map over 'expert': dense_exchange(buf, 'expert')
@@ -312,7 +316,9 @@ def dense_exchange(buf: jax.Array, axis_name: AxisName) -> jax.Array:
     References:
       GShard / Switch Transformer capacity-padded all-to-all dispatch.
     """
-    return jax.lax.all_to_all(buf, axis_name, 0, 0, tiled=True)
+    if jax.lax.axis_size(axis_name) == 1:
+        return buf
+    return jax.lax.all_to_all(buf, axis_name, axis, axis, tiled=True)
 
 
 def ragged_all_to_all_emulated(

@@ -11,21 +11,41 @@ Layouts (``C`` = per-(source, expert) capacity, ``R`` = :func:`moe._plan.ragged_
 
 * ``'dense'``: ``expert_x[l, p * C + r]`` is the ``r``-th kept slot that source ``p`` routed to
   local expert ``l``; padding rows are zero. Feed a batched einsum ``'ecd,edf->ecf'``.
-* ``'ragged'``: ``expert_x [R, d]`` holds local expert 0's rows (source 0's, then source 1's,
-  ...), then expert 1's, ...; rows past ``sum(group_sizes)`` are zero. Feed
-  ``jax.lax.ragged_dot(expert_x, w, group_sizes)``.
+* ``'ragged'`` and ``'dropless'``: ``expert_x [R, d]`` holds local expert 0's rows (source
+  0's, then source 1's, ...), then expert 1's, ...; rows past ``sum(group_sizes)`` are zero.
+  Feed ``jax.lax.ragged_dot(expert_x, w, group_sizes)``. ``R = P * T * min(k, E_local)`` is
+  the worst case; with ``P > 1`` most of it is padding in a balanced step, which the expert
+  GEMMs pay for in zero stores (``P = 1``: ``R = T * k``, no padding).
 
-Data movement per call (``S = T * k`` slots, ``N`` send rows): the plan sorts ``S`` packed
-int32 keys once (no pass over token rows); FP8 quantizes the ``T`` tokens once and gathers
-their e4m3 + scale bytes into the send buffer (never quantizing the ``N``-row buffer); the
-receive side dequantizes and lays out the expert rows in one pass; combine's un-permute,
-weighting and sum over ``k`` are ``k`` row gathers feeding one elementwise f32 sum (no
-``[T, k, d]`` intermediate, no batched dot with a contraction of size ``k``), and its
-backward reads the router gradient's rows straight from the returned buffer (kept as the
-residual unless it is over twice the ``[T, k, d]`` slots, e.g. dense dropless). Combine's
-gradient builds its send rows ``weight * dy`` inside the gather; as FP8 its scales come from
-``dy``'s block maxima (``T`` rows) times ``|weight|`` (exact, :func:`moe.fp8.quantize_with_amax`),
-so weighting, quantizing and gathering are one pass with no ``[T * k, d]`` rows.
+Transports: ``'dense'`` exchanges ``[E, C]`` capacity-padded rows with ``all_to_all`` and drops
+the slots past ``C``. ``'ragged'`` sends exactly the routed rows with ``ragged_all_to_all``.
+``'dropless'`` sends, to every device, its slots in a ``[P, c]`` buffer with one
+``all_to_all``, ``c`` the smallest of a few static bucket sizes
+(:func:`moe._plan.dropless_buckets`: ``capacity_factor`` times the balanced share, growing
+1.5x, at most 8, up to the worst case) that holds the fullest (source, destination) pair of
+the step. The plan all-gathers the counts, so every device of the expert axis picks the
+same bucket and one ``lax.switch`` branch per exchange runs: no slot is ever dropped, and no
+second exchange is needed when a pair overflows the first bucket (a larger bucket is taken
+instead). The received rows are laid out into the ragged layout in one gather (+ decode)
+pass; the same bytes as ``'ragged'``, bit for bit. With one device on the expert axis no
+transport exchanges anything (not even the counts): the send buffer is the expert layout.
+
+Data movement per call (``S = T * k`` slots, ``N`` send rows; ``P * c`` for dropless): the
+plan sorts ``S`` packed int32 keys once, for forward and backward (no pass over token rows);
+FP8 quantizes the ``T`` tokens once and gathers their e4m3 + scale bytes into the send buffer
+(never quantizing the ``N``-row buffer); the receive side dequantizes and lays out the expert
+rows in one pass; combine's un-permute, weighting and sum over ``k`` are ``k`` row gathers
+feeding one elementwise f32 sum (no ``[T, k, d]`` intermediate, no batched dot with a
+contraction of size ``k``), and its backward reads the router gradient's rows straight from
+the returned buffer (kept as the residual unless it is over twice the ``[T, k, d]`` slots,
+e.g. dense dropless, or its shape depends on the dropless bucket: then the ``[T, k, d]`` slot
+rows are kept). Combine's gradient builds its send rows ``weight * dy`` inside the gather; as
+FP8 its scales come from ``dy``'s block maxima (``T`` rows) times ``|weight|`` (exact,
+:func:`moe.fp8.quantize_with_amax`), so weighting, quantizing and gathering are one pass with
+no ``[T * k, d]`` rows. Dropless passes over rows, forward: send gather (``P * c``),
+exchange, layout gather (``R``); return gather from the layout (``P * c``), exchange, sum over
+``k`` (``T``) + residual slot rows (``S``). Backward: the mirror image. With ``P = 1``: one
+gather into the layout (``S``), and the sums over ``k`` straight from it.
 
 Transport choice: ``'auto'`` is ``'dense'`` on every backend. On 2x H200 (jax 0.11.2)
 ``all_to_all`` moved 153 GB/s per GPU but ``ragged_all_to_all`` 2.6 GB/s, and a capacity-padded
@@ -47,11 +67,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe import _transport, _wire_pallas
-from moe._plan import AxisName, DispatchPlan, build_plan, dense_capacity, ragged_rows
+from moe._plan import (
+    AxisName,
+    DispatchPlan,
+    build_plan,
+    dense_capacity,
+    dropless_buckets,
+    ragged_rows,
+)
 
 __all__ = ["DispatchPlan", "combine", "dense_capacity", "dispatch", "ragged_rows"]
 
-Transport = Literal["dense", "ragged", "auto"]
+Transport = Literal["dense", "ragged", "dropless", "auto"]
+_DROPLESS_CAPACITY_FACTOR = 1.25  # transport="dropless", capacity_factor=None: the first bucket
 WireDtype = Literal["bf16", "fp8"] | None
 
 
@@ -80,18 +108,40 @@ def _wire_for(name: WireDtype, dtype: jnp.dtype, block_size: int, kernels: str =
 # ----------------------------------------------------------------------------- data movement
 
 
-def _to_experts(rows: jax.Array, row_index: jax.Array, plan: DispatchPlan, w: _Wire):
-    """Dispatch direction: send-buffer row ``i`` is ``rows[row_index[i]]`` (zero if out of
-    range), encoded once per row of ``rows``; exchange; return the expert layout in ``w.out``."""
-    send = _transport.gather_rows(rows, row_index, wire=w.codec, block_size=w.block_size,
-                                  kernels=w.kernels)
-    return _exchange_to_experts(send, plan, w, rows.shape[-1])
+def _by_bucket(plan: DispatchPlan, fn, *args):
+    """``fn(c, *args)`` with ``c`` the dropless exchange capacity ``plan.buckets[plan.bucket]``:
+    a ``lax.switch`` over the static buckets (every device of the expert axis takes the same
+    branch: the index comes from the all-gathered counts), or a plain call for one bucket."""
+    if len(plan.buckets) == 1:
+        return fn(plan.buckets[0], *args)
+    return jax.lax.switch(plan.bucket, [functools.partial(fn, c) for c in plan.buckets], *args)
+
+
+def _pair_head(a: jax.Array, plan: DispatchPlan, c: int) -> jax.Array:
+    """The first ``c`` entries of every pair block of ``a [P * W]``: ``[P * c]``."""
+    return a.reshape(plan.axis_size, -1)[:, :c].reshape(-1)
+
+
+def _pair_to_row(v: jax.Array, plan: DispatchPlan, c: int) -> jax.Array:
+    """Pair rows ``q * W + r`` -> rows ``q * c + r`` of a ``[P, c]`` buffer (``P * c`` where
+    ``v`` is out of range)."""
+    w, p = plan.pair_width, plan.axis_size
+    if c == w:
+        return v
+    q, r = jax.lax.div(v, jnp.int32(w)), jax.lax.rem(v, jnp.int32(w))  # v >= 0
+    return jnp.where(v < p * w, q * c + r, p * c)
+
+
+def _take_rows(rows: jax.Array, index: jax.Array) -> jax.Array:
+    """``rows[index]``, a zero row where ``index`` is out of range."""
+    return jnp.take(rows, index, axis=0, mode="fill", fill_value=0)
 
 
 def _dense_to_layout(recv: jax.Array, plan: DispatchPlan, w: _Wire, width: int) -> jax.Array:
     """Received rows ``[P src * E_local * C, W]`` -> decoded expert layout ``[E_local, P * C,
     width]``: XLA decodes and transposes; the Pallas kernel reads each expert-layout row from
-    its source row (a permutation index) and decodes it in the same pass."""
+    its source row (a permutation index) and decodes it in the same pass. With ``P = 1`` the
+    rows already are the layout (decode only)."""
     p, el, c = plan.axis_size, plan.num_local_experts, plan.capacity
 
     def xla(recv):
@@ -109,28 +159,65 @@ def _dense_to_layout(recv: jax.Array, plan: DispatchPlan, w: _Wire, width: int) 
             block_size=w.block_size, out_dtype=w.out, interpret=interpret)
         return out.reshape(plan.expert_shape(width))
 
-    ok = _wire_pallas.supported(width, fp8_wire=w.wire == "fp8", block_size=w.block_size)
+    ok = p > 1 and _wire_pallas.supported(width, fp8_wire=w.wire == "fp8",
+                                          block_size=w.block_size)
     return _transport.by_platform((recv,), xla=xla, pallas=pallas if ok else None,
                                   kernels=w.kernels)
 
 
-def _exchange_to_experts(send: jax.Array, plan: DispatchPlan, w: _Wire, width: int):
-    """Exchange a send buffer (wire format ``w``) and decode it into the expert layout."""
+def _pairs_to_layout(recv: jax.Array, plan: DispatchPlan, c: int, w: _Wire, width: int):
+    """Dropless: received rows ``[P src * c, W]`` -> decoded expert layout ``[R, width]``
+    (row ``i`` <- received row ``plan.pair_row[i]``; padding rows zero), one gather + decode
+    pass (the Pallas kernel, or XLA's gather of the wire words then decode). With ``P = 1``
+    the received rows already are the layout."""
+    if plan.axis_size == 1:
+        return _transport.decode_rows(recv, wire=w.codec, width=width, out_dtype=w.out)
+    index = _pair_to_row(plan.pair_row, plan, c)
+
+    def xla(recv, index):
+        return _transport.decode_rows(_take_rows(recv, index), wire=w.codec, width=width,
+                                      out_dtype=w.out)
+
+    def pallas(interpret, recv, index):
+        return _wire_pallas.gather_decode(
+            recv, index, width=width, fp8_wire=w.wire == "fp8", block_size=w.block_size,
+            out_dtype=w.out, interpret=interpret)
+
+    ok = _wire_pallas.supported(width, fp8_wire=w.wire == "fp8", block_size=w.block_size)
+    return _transport.by_platform((recv, index), xla=xla, pallas=pallas if ok else None,
+                                  kernels=w.kernels)
+
+
+def _to_experts(encode, plan: DispatchPlan, w: _Wire, width: int) -> jax.Array:
+    """Dispatch direction: ``encode(slots)`` builds the wire rows (format ``w``) carrying the
+    slots ``slots`` (int32; ``T * k`` gives a zero row); exchange; return the expert layout
+    decoded to ``w.out``. No collective runs when the expert axis has one device."""
+    if plan.transport == "dropless":
+        def bucket(c):
+            send = encode(_pair_head(plan.send_slot, plan, c))  # [P dst * c, W]
+            recv = _transport.dense_exchange(send, plan.axis_name)
+            return _pairs_to_layout(recv, plan, c, w, width)
+
+        return _by_bucket(plan, bucket)
+    send = encode(plan.send_slot)
     if plan.transport == "dense":
         recv = _transport.dense_exchange(send, plan.axis_name)  # [P src, E_local, C, W]
         return _dense_to_layout(recv, plan, w, width)
-    recv = jnp.zeros_like(send, shape=(plan.capacity, send.shape[-1]))  # varies like send
-    recv = _transport.ragged_exchange(
-        send, recv, plan.send_offsets, plan.send_counts, plan.remote_offsets,
-        plan.recv_counts.reshape(-1), axis_name=plan.axis_name, impl=plan.ragged_impl,
-    )
+    if plan.axis_size == 1:
+        recv = send  # sorted by expert: already the layout (R = T * k rows)
+    else:
+        recv = jnp.zeros_like(send, shape=(plan.capacity, send.shape[-1]))  # varies like send
+        recv = _transport.ragged_exchange(
+            send, recv, plan.send_offsets, plan.send_counts, plan.remote_offsets,
+            plan.recv_counts.reshape(-1), axis_name=plan.axis_name, impl=plan.ragged_impl,
+        )
     return _transport.decode_rows(recv, wire=w.codec, width=width, out_dtype=w.out)
 
 
 def _return_trip(expert_rows: jax.Array, plan: DispatchPlan) -> jax.Array:
-    """Combine direction: expert layout -> the returned rows ``[N, width]`` on the source
-    (:func:`_back_row` gives the row of slot ``(t, j)``; rows of dropped slots are never
-    read).
+    """Combine direction, dense and ragged: expert layout -> the returned rows ``[N, width]``
+    on the source (:func:`_back_row` gives the row of slot ``(t, j)``; rows of dropped slots
+    are never read). No collective when the expert axis has one device.
 
     Dense: one all-to-all that splits the expert layout's second axis (``[E_local, P * C]``:
     block ``q`` of it goes to device ``q``) and concatenates what arrives along it, so no
@@ -141,8 +228,10 @@ def _return_trip(expert_rows: jax.Array, plan: DispatchPlan) -> jax.Array:
     if plan.transport == "dense":
         p, el, c = plan.axis_size, plan.num_local_experts, plan.capacity
         rows = expert_rows.reshape(el, p * c, width)
-        back = jax.lax.all_to_all(rows, plan.axis_name, 1, 1, tiled=True)
+        back = _transport.dense_exchange(rows, plan.axis_name, axis=1)
         return back.reshape(-1, width)
+    if plan.axis_size == 1:
+        return expert_rows  # R = T * k rows in sorted order: the send buffer's rows
     back = jnp.zeros_like(expert_rows, shape=(plan.send_slot.shape[0], width))
     return _transport.ragged_exchange(
         expert_rows, back, plan.recv_offsets, plan.recv_counts.reshape(-1),
@@ -154,8 +243,11 @@ def _return_trip(expert_rows: jax.Array, plan: DispatchPlan) -> jax.Array:
 def _back_row(plan: DispatchPlan, j: int) -> jax.Array:
     """int32 ``[T]``: the row of :func:`_return_trip`'s result holding slot ``(t, j)`` (out of
     range for a dropped slot). Ragged: ``plan.slot_row``. Dense: ``slot_row = e * C + r``
-    (global expert ``e = q * E_local + l``) becomes ``(l * P + q) * C + r``."""
+    (global expert ``e = q * E_local + l``) becomes ``(l * P + q) * C + r``. Dropless with
+    one bucket ``c``: pair row ``q * W + r`` becomes ``q * c + r``."""
     sr = plan.slot_row[:, j]
+    if plan.transport == "dropless":
+        return _pair_to_row(sr, plan, plan.buckets[0])
     if plan.transport != "dense":
         return sr
     p, el, c = plan.axis_size, plan.num_local_experts, plan.capacity
@@ -164,20 +256,37 @@ def _back_row(plan: DispatchPlan, j: int) -> jax.Array:
     return jnp.where(sr < n, ((e % el) * p + e // el) * c + r, n)
 
 
-def _slot_rows(back: jax.Array, plan: DispatchPlan, j: int) -> jax.Array:
-    """``[T, width]``: the returned row of slot ``(t, j)`` for every token (0 if dropped)."""
-    return jnp.take(back, _back_row(plan, j), axis=0, mode="fill", fill_value=0)
+def _from_experts(expert_rows: jax.Array, plan: DispatchPlan, reduce):
+    """Combine direction: send the expert layout back to the sources and return ``reduce(back,
+    row)``, ``back`` the returned rows and ``row(j)`` (int32 ``[T]``) the row of ``back``
+    holding slot ``(t, j)``. Dropless: the rows for each source are gathered from the layout
+    into a ``[P, c]`` buffer, exchanged, and reduced inside the bucket's branch (``back``'s
+    shape depends on the bucket, so ``reduce`` must return arrays of fixed shapes)."""
+    if plan.transport != "dropless":
+        return reduce(_return_trip(expert_rows, plan), functools.partial(_back_row, plan))
+
+    def bucket(c):
+        back = expert_rows  # P = 1: the layout is the source's sorted slots
+        if plan.axis_size > 1:
+            send = _transport.gather_rows(
+                expert_rows, _pair_head(plan.layout_row, plan, c),
+                wire=jnp.dtype(expert_rows.dtype), block_size=plan.block_size,
+                kernels=plan.wire_kernels)
+            back = _transport.dense_exchange(send, plan.axis_name)
+        return reduce(back, lambda j: _pair_to_row(plan.slot_row[:, j], plan, c))
+
+    return _by_bucket(plan, bucket)
 
 
-def _sum_slots(back: jax.Array, plan: DispatchPlan, weights: jax.Array | None) -> jax.Array:
-    """``sum_j weights[:, j] * back[slot_row[:, j]]`` in f32 (``weights`` None: plain sum).
+def _sum_slots(back: jax.Array, row, top_k: int, weights: jax.Array | None) -> jax.Array:
+    """``sum_j weights[:, j] * back[row(j)]`` in f32 (``weights`` None: plain sum).
 
     One gather per choice ``j`` feeding an elementwise f32 sum, so XLA fuses the gathers,
     the weighting and the sum into one pass that writes only ``[T, width]``: no ``[T, k,
     width]`` intermediate and no batched dot with a contraction of size ``k``."""
     total = None
-    for j in range(plan.top_k):
-        term = _slot_rows(back, plan, j).astype(jnp.float32)
+    for j in range(top_k):
+        term = _take_rows(back, row(j)).astype(jnp.float32)
         if weights is not None:
             term = weights[:, j, None] * term
         total = term if total is None else total + term
@@ -188,13 +297,25 @@ def _keep_return_buffer(plan: DispatchPlan) -> bool:
     """Whether combine's backward reads the router gradient's expert outputs from the
     returned buffer itself (``N`` rows, no copy) rather than from gathered ``[T, k]`` slot
     rows: yes unless the buffer is more than twice their size (dense with a large capacity,
-    e.g. dropless ``C = T``), where keeping it would cost more memory than the copy."""
-    return plan.send_slot.shape[0] <= 2 * plan.num_tokens * plan.top_k
+    e.g. dropless ``C = T``), where keeping it would cost more memory than the copy, or its
+    shape depends on the exchange bucket (dropless with more than one bucket). With one
+    device on the expert axis the buffer is ``expert_y`` itself."""
+    rows = plan.send_slot.shape[0]
+    if plan.transport == "dropless":
+        if len(plan.buckets) > 1:
+            return False
+        rows = plan.axis_size * plan.buckets[0]
+    return rows <= 2 * plan.num_tokens * plan.top_k
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _dispatch_rows(x: jax.Array, plan: DispatchPlan, w: _Wire) -> jax.Array:
-    return _to_experts(x, plan.send_slot // plan.top_k, plan, w)
+    def encode(slots):
+        tok = jax.lax.div(slots, jnp.int32(plan.top_k))  # slots are >= 0
+        return _transport.gather_rows(x, tok, wire=w.codec,
+                                      block_size=w.block_size, kernels=w.kernels)
+
+    return _to_experts(encode, plan, w, x.shape[-1])
 
 
 def _dispatch_rows_fwd(x, plan, w):
@@ -203,7 +324,7 @@ def _dispatch_rows_fwd(x, plan, w):
 
 def _dispatch_rows_bwd(w, plan, ct):
     # Combine-direction exchange of the cotangent, summed over the k slots of each token.
-    dx = _sum_slots(_return_trip(ct, plan), plan, None)
+    dx = _from_experts(ct, plan, lambda back, row: _sum_slots(back, row, plan.top_k, None))
     return dx.astype(plan.x_dtype), None
 
 
@@ -216,13 +337,16 @@ def _combine_rows(expert_y, weights, plan, grad_wire: WireDtype):
 
 
 def _combine_rows_fwd(expert_y, weights, plan, grad_wire):
+    w32 = weights.astype(jnp.float32)
+
+    def reduce(back, row):
+        y = _sum_slots(back, row, plan.top_k, w32)
+        if _keep_return_buffer(plan):
+            return y, back  # [N, width]: read again by the backward's gathers
+        return y, jnp.stack([_take_rows(back, row(j)) for j in range(plan.top_k)], axis=1)
+
     with jax.named_scope("combine_weighted_sum"):
-        back = _return_trip(expert_y, plan)
-        y = _sum_slots(back, plan, weights.astype(jnp.float32))
-    if _keep_return_buffer(plan):
-        rows = back  # [N, width]: read again by the backward's gathers
-    else:
-        rows = jnp.stack([_slot_rows(back, plan, j) for j in range(plan.top_k)], axis=1)
+        y, rows = _from_experts(expert_y, plan, reduce)
     return y.astype(plan.x_dtype), (rows, weights, plan)
 
 
@@ -233,16 +357,19 @@ def _combine_rows_bwd(grad_wire, res, dy):
     with jax.named_scope("combine_grad_weights"):
         # Exact router gradient: <dy[t], expert output of slot (t, j)>; 0 for dropped slots.
         dw = jnp.stack([
-            jnp.sum(dy32 * (_slot_rows(rows, plan, j) if rows.ndim == 2 else rows[:, j])
-                    .astype(jnp.float32), axis=-1)
+            jnp.sum(dy32 * (_take_rows(rows, _back_row(plan, j)) if rows.ndim == 2
+                            else rows[:, j]).astype(jnp.float32), axis=-1)
             for j in range(plan.top_k)], axis=1)
-    # Send row i carries weights[s] * dy[s // k] (s = send_slot[i]), encoded: for FP8 the
-    # scales come from dy's block maxima (T rows) times |weight|, so no [T * k, d] rows exist.
+    # Send row i carries weights[s] * dy[s // k] (s = its slot), encoded: for FP8 the scales
+    # come from dy's block maxima (T rows) times |weight|, so no [T * k, d] rows exist.
     w = _wire_for(grad_wire, y_dtype, plan.block_size, plan.wire_kernels)
-    send = _transport.gather_weighted_rows(
-        dy, weights.reshape(-1), plan.send_slot, top_k=plan.top_k, wire=w.codec,
-        block_size=w.block_size)
-    d_expert_y = _exchange_to_experts(send, plan, w, dy.shape[-1]).astype(y_dtype)
+
+    def encode(slots):
+        return _transport.gather_weighted_rows(
+            dy, weights.reshape(-1), slots, top_k=plan.top_k, wire=w.codec,
+            block_size=w.block_size)
+
+    d_expert_y = _to_experts(encode, plan, w, dy.shape[-1]).astype(y_dtype)
     return d_expert_y, dw.astype(weights.dtype), None
 
 
@@ -288,10 +415,10 @@ def _check_block(width: int, block_size: int, arg: str) -> None:
 
 def _check_dispatch_args(x, expert_ids, num_experts, transport, capacity_factor,
                          capacity_multiple, dispatch_dtype, block_size, p):
-    if transport not in ("dense", "ragged", "auto"):
+    if transport not in ("dense", "ragged", "dropless", "auto"):
         raise ValueError(
-            f"transport must be 'dense', 'ragged' or 'auto', got {transport!r}; 'auto' (dense) "
-            "is the measured default."
+            f"transport must be 'dense', 'dropless', 'ragged' or 'auto', got {transport!r}; "
+            "'auto' (dense) is the measured default."
         )
     if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(
@@ -321,9 +448,12 @@ def _check_dispatch_args(x, expert_ids, num_experts, transport, capacity_factor,
     if capacity_factor is not None:
         if transport == "ragged":
             raise ValueError(
-                "capacity_factor applies to transport='dense' only ('ragged' is dropless); "
-                "pass capacity_factor=None or transport='dense'."
+                "capacity_factor applies to transport='dense' (a drop limit) and 'dropless' "
+                "(the exchange buffer), not 'ragged' (worst-case buffers); pass "
+                "capacity_factor=None, or transport='dense' or 'dropless'."
             )
+        if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
+            raise TypeError(f"capacity_factor must be a float or None, got {capacity_factor!r}.")
         if not capacity_factor > 0:
             raise ValueError(f"capacity_factor must be > 0 or None, got {capacity_factor}.")
     if isinstance(capacity_multiple, bool) or not isinstance(capacity_multiple, int) \
@@ -365,26 +495,36 @@ def dispatch(
       expert_ids: int ``[T, k]`` global expert ids, distinct per token (as from ``top_k``).
       num_experts: global expert count ``E`` (a multiple of the ``axis_name`` size ``P``).
       axis_name: expert-parallel mesh axis name (or tuple of names).
-      transport: ``'dense'`` (capacity-padded ``all_to_all``), ``'ragged'`` (dropless
-        ``ragged_all_to_all``, emulated where XLA lacks it) or ``'auto'`` (= ``'dense'``,
-        per the measurements in DESIGN.md).
-      capacity_factor: dense only; ``C = ceil(capacity_factor * T * k / E)`` rounded up to
-        ``capacity_multiple`` (capped at ``T``); None means ``C = T``, dropless.
-      capacity_multiple: dense capacity rounding (default 8).
+      transport: ``'dense'`` (capacity-padded ``all_to_all``, drops over capacity),
+        ``'dropless'`` (``all_to_all`` of per-(source, destination) buffers sized per step
+        from a few static buckets, :func:`moe._plan.dropless_buckets`; never drops),
+        ``'ragged'`` (dropless ``ragged_all_to_all``, emulated where XLA lacks it) or
+        ``'auto'`` (= ``'dense'``, per the measurements in DESIGN.md). ``'dropless'`` and
+        ``'ragged'`` produce the same expert layout, bit for bit. With one device on
+        ``axis_name`` no transport exchanges anything.
+      capacity_factor: dense: ``C = ceil(capacity_factor * T * k / E)`` rounded up to
+        ``capacity_multiple`` (capped at ``T``), slots past ``C`` per (source, expert) are
+        dropped; None means ``C = T``, dropless. Dropless: the first bucket's rows per
+        (source, destination) pair over the balanced share ``T * k / P`` (None: 1.25);
+        larger buckets (1.5x each, at most 8, up to the worst case ``T * min(k, E_local)``)
+        are taken when a pair needs them, so nothing is dropped. Not for ``'ragged'``.
+      capacity_multiple: rounding of the dense capacity and of the dropless buckets
+        (default 8).
       dispatch_dtype: wire format: None (``x.dtype``), ``'bf16'``, or ``'fp8'`` (e4m3 +
         packed E8M0 scales, dequantized to bf16 on arrival; ``d_model`` must be a multiple of
         ``4 * block_size``).
       block_size: FP8 channels per scale.
-      ragged_impl: ``'auto'`` (native on GPU/TPU, emulated elsewhere), ``'native'``,
-        ``'emulated'``.
-      wire_kernels: who builds the send buffer (gather + encode) and, for the dense
-        transport, decodes the received rows into the expert layout: ``'auto'`` (the Pallas
+      ragged_impl: ``'ragged'`` only: ``'auto'`` (native on GPU/TPU, emulated elsewhere),
+        ``'native'``, ``'emulated'``.
+      wire_kernels: who builds the send buffer (gather + encode) and, for the dense and
+        dropless transports, decodes the received rows into the expert layout (and, for
+        dropless, gathers the return trip's rows): ``'auto'`` (the Pallas
         kernels of ``moe._wire_pallas`` when lowered for NVIDIA GPUs, XLA elsewhere),
         ``'xla'``, or ``'pallas'`` (interpreted, slowly, on CPU). Same bytes either way.
 
     Returns:
       ``(expert_x, group_sizes, plan)``: ``expert_x`` dense ``[E_local, P * C, d_model]`` or
-      ragged ``[R, d_model]`` (dtype: ``x.dtype``, or bf16 for ``'bf16'``/``'fp8'``);
+      ragged / dropless ``[R, d_model]`` (dtype: ``x.dtype``, or bf16 for ``'bf16'``/``'fp8'``);
       ``group_sizes`` int32 ``[E_local]`` valid rows per local expert; ``plan`` a
       :class:`DispatchPlan` for :func:`combine` (``plan.dropped``: slots dropped here).
 
@@ -403,19 +543,22 @@ def dispatch(
     _transport.check_wire_kernels(wire_kernels)
     transport = "dense" if transport == "auto" else transport
     t, k = expert_ids.shape
+    impl = _transport.resolve_ragged_impl(ragged_impl) if transport == "ragged" else "native"
+    buckets = ()
     if transport == "dense":
         capacity = dense_capacity(t, k, num_experts, capacity_factor,
                                   multiple=capacity_multiple)
-        impl = "native"
     else:
         capacity = ragged_rows(t, k, num_experts, p)
-        impl = _transport.resolve_ragged_impl(ragged_impl)
+    if transport == "dropless":
+        factor = _DROPLESS_CAPACITY_FACTOR if capacity_factor is None else capacity_factor
+        buckets = dropless_buckets(t, k, num_experts, p, factor, multiple=capacity_multiple)
     with jax.named_scope("dispatch_plan"):
         plan = build_plan(
             expert_ids, num_experts=num_experts, axis_name=axis_name, axis_size=p,
             transport=transport, capacity=capacity, ragged_impl=impl,
             x_dtype=jnp.dtype(x.dtype).name, block_size=block_size,
-            wire_kernels=wire_kernels,
+            wire_kernels=wire_kernels, buckets=buckets,
         )
     with jax.named_scope("dispatch_exchange"):
         x = _vary_like(x, plan)

@@ -23,7 +23,7 @@ from moe.routing import RouterConfig
 
 __all__ = ["DispatchOptions", "ExpertOptions", "MoEOptions"]
 
-Transport = Literal["auto", "dense", "ragged"]
+Transport = Literal["auto", "dense", "dropless", "ragged"]
 WireDtype = Literal["bf16", "fp8"] | None
 WireKernels = Literal["auto", "xla", "pallas"]
 Backend = Literal["auto", "einsum", "ragged_dot", "pallas", "mosaic"]
@@ -48,9 +48,11 @@ class DispatchOptions:
       expert_axis: mesh axis the experts are split over.
       batch_axes: mesh axes the tokens are split over besides ``expert_axis``; ``None``: every
         other axis of the mesh.
-      transport: ``'dense'`` (capacity-padded ``all_to_all``), ``'ragged'`` (dropless) or
+      transport: ``'dense'`` (capacity-padded ``all_to_all``, drops overflow), ``'dropless'``
+        (bucketed ``all_to_all``, never drops), ``'ragged'`` (``ragged_all_to_all``) or
         ``'auto'`` (see :func:`moe.dispatch`).
-      capacity_factor: dense transport capacity factor; ``None`` is dropless.
+      capacity_factor: dense: the capacity factor (``None``: dropless, ``C = T``);
+        dropless: the first exchange bucket's factor over the balanced share.
       dispatch_dtype: wire format of the tokens: ``None`` (activation dtype), ``'bf16'`` or
         ``'fp8'`` (e4m3 + packed E8M0 block scales).
       combine_grad_dtype: wire format of the combine gradient (same choices).
@@ -69,7 +71,7 @@ class DispatchOptions:
     def __post_init__(self):
         if self.batch_axes is not None and not isinstance(self.batch_axes, tuple):
             object.__setattr__(self, "batch_axes", tuple(self.batch_axes))
-        check_choice("transport", self.transport, ("auto", "dense", "ragged"))
+        check_choice("transport", self.transport, ("auto", "dense", "dropless", "ragged"))
         check_choice("dispatch_dtype", self.dispatch_dtype, _WIRES)
         check_choice("combine_grad_dtype", self.combine_grad_dtype, _WIRES)
         check_choice("wire_kernels", self.wire_kernels, ("auto", "xla", "pallas"))
@@ -79,8 +81,9 @@ class DispatchOptions:
             raise ValueError(f"capacity_factor must be > 0 or None, got {cf!r}.")
         if cf is not None and self.transport == "ragged":
             raise ValueError(
-                "capacity_factor applies to transport='dense' only ('ragged' is dropless); "
-                "pass capacity_factor=None or transport='dense'."
+                "capacity_factor applies to transport='dense' (a drop limit) and 'dropless' "
+                "(the first exchange bucket); 'ragged' has none: pass capacity_factor=None, "
+                "or transport='dense' or 'dropless'."
             )
 
 

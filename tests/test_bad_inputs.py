@@ -165,7 +165,7 @@ CASES = {
                   lambda: _call(transport="bogus")),
     "capacity_factor=0": (ValueError, "capacity_factor must be > 0", lambda: _call(
         capacity_factor=0.0)),
-    "capacity with ragged": (ValueError, "capacity_factor applies to transport='dense' only",
+    "capacity with ragged": (ValueError, "capacity_factor applies to transport='dense'",
                              lambda: _call(transport="ragged", capacity_factor=1.0)),
     "gemm_dtype": (ValueError, "gemm_dtype='fp4' is not supported", lambda: _call(
         gemm_dtype="fp4")),

@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from moe._plan import dropless_buckets
 from moe.dispatch import combine, dense_capacity, dispatch
 from xla_comm import hlo
 
@@ -28,10 +29,18 @@ def make_mesh(shape, names):
     return Mesh(devs, names)
 
 
-def route(x, wr):
-    """Top-k softmax router (f32)."""
-    scores = jax.nn.softmax(jnp.einsum("td,de->te", x.astype(jnp.float32), wr), axis=-1)
-    w, ids = jax.lax.top_k(scores, K)
+# Router logit offsets, an input of the jitted runs (one compile serves both): none (random
+# routing, balanced on average) or SKEWED: experts 0 and 1 (both on device 0 for EP >= 2) take
+# almost every slot, overflowing any per-pair bound short of the worst case, and the other
+# experts get a Zipf-like tail.
+BALANCED = np.zeros(E, np.float32)
+SKEWED = np.array([9.0, 9.0] + [-0.5 * e for e in range(E - 2)], np.float32)
+
+
+def route(x, wr, skew=BALANCED):
+    """Top-k softmax router (f32) with fixed logit offsets ``skew [E]``."""
+    logits = jnp.einsum("td,de->te", x.astype(jnp.float32), wr) + skew
+    w, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), K)
     return ids, w
 
 
@@ -69,12 +78,13 @@ def init(d, f, seed=0):
 
 
 def _loss_and_grads(fwd):
-    """jit(value_and_grad) of sum(y * ct) over all float inputs of fwd."""
+    """jit(value_and_grad) of sum(y * ct) over ``args``, the float inputs of fwd (whose
+    routing takes the logit offsets ``skew``)."""
 
     @jax.jit
-    def run(args, ct):
+    def run(args, ct, skew=BALANCED):
         def loss(args):
-            y, aux = fwd(*args)
+            y, aux = fwd(*args, skew)
             return jnp.sum(y.astype(jnp.float32) * ct), (y, aux)
 
         (_, (y, aux)), grads = jax.value_and_grad(loss, has_aux=True)(args)
@@ -85,33 +95,39 @@ def _loss_and_grads(fwd):
 
 @functools.cache
 def reference_run():
-    def fwd(x, wr, wgu, wd):
-        ids, w = route(x, wr)
+    def fwd(x, wr, wgu, wd, skew):
+        ids, w = route(x, wr, skew)
         return dense_moe(x, ids, w, wgu, wd), None
 
     return _loss_and_grads(fwd)
 
 
 @functools.cache
-def sharded_run(shape, names, transport, wire=None, grad_wire=None, cdt="float32"):
-    """jit(grad) of router + dispatch + SwiGLU experts + combine under jax.shard_map."""
+def sharded_run(shape, names, transport, wire=None, grad_wire=None, cdt="float32",
+                dispatch_kw=()):
+    """jit(grad) of router + dispatch + SwiGLU experts + combine under jax.shard_map. Returns
+    ``(y, aux, grads)``, aux per device: (dropped slots, expert_x, group_sizes, the dropless
+    exchange bucket or 0, the tokens' expert ids)."""
     mesh = make_mesh(shape, names)
     tok = names  # tokens sharded over every mesh axis; experts over 'expert' only
 
-    def local(x, wr, wgu, wd):
-        ids, w = route(x, wr)
+    def local(x, wr, wgu, wd, skew):
+        ids, w = route(x, wr, skew)
         ex, sizes, plan = dispatch(x.astype(cdt), ids, num_experts=E, axis_name="expert",
                                    transport=transport, dispatch_dtype=wire,
-                                   ragged_impl="emulated")
-        if transport == "ragged":
+                                   ragged_impl="emulated", **dict(dispatch_kw))
+        if transport in ("ragged", "dropless"):
             ey = swiglu_ragged(ex, sizes, wgu, wd)
         else:
             ey = swiglu_padded(ex, wgu, wd)
         y = combine(ey.astype(cdt), w, plan, combine_grad_dtype=grad_wire)
-        return y.astype(jnp.float32), plan.dropped[None]
+        bucket = jnp.zeros((), jnp.int32) if plan.bucket is None else plan.bucket
+        return y.astype(jnp.float32), (plan.dropped[None], ex[None], sizes[None],
+                                       bucket[None], ids)
 
-    fwd = jax.shard_map(local, mesh=mesh, in_specs=(P(tok), P(), P("expert"), P("expert")),
-                        out_specs=(P(tok), P(tok)))
+    fwd = jax.shard_map(local, mesh=mesh,
+                        in_specs=(P(tok), P(), P("expert"), P("expert"), P()),
+                        out_specs=(P(tok), (P(tok),) * 5))
     return _loss_and_grads(fwd)
 
 
@@ -148,7 +164,7 @@ MESHES = [
 )
 def test_f32_matches_dense_reference(shape, names, transport):
     args, ct = init(**SMALL)
-    y, dropped, grads = sharded_run(shape, names, transport)(args, ct)
+    y, (dropped, *_), grads = sharded_run(shape, names, transport)(args, ct)
     y_ref, _, grads_ref = reference_run()(args, ct)
     assert int(dropped.sum()) == 0
     assert_f32_close(y, y_ref)
@@ -186,6 +202,79 @@ def test_dense_equals_ragged():
         dense = sharded_run(shape, names, "dense")(args, ct)
         ragged = sharded_run(shape, names, "ragged")(args, ct)
         assert_f32_close((dense[0], dense[2]), (ragged[0], ragged[2]))
+
+
+# ----------------------------------------------------------------------------- 2b. dropless
+
+# First bucket = the balanced share, rounded to 4 rows: balanced routing then takes a middle
+# bucket and the skewed one the last (the worst case); few buckets keep the compiles short.
+DROPLESS_KW = (("capacity_factor", 1.0), ("capacity_multiple", 4))
+
+
+def _bucket_rule(ids, n_dev, ep, caps):
+    """numpy: per device (token shard), the index of the smallest capacity in ``caps`` that
+    holds the fullest (source, destination) pair of its expert-axis group."""
+    t = ids.shape[0] // n_dev
+    dest = ids.reshape(n_dev // ep, ep, t * K) // (E // ep)  # [group, source, slots]
+    pairs = (dest[..., None] == np.arange(ep)).sum(axis=2)  # [group, source, destination]
+    need = pairs.reshape(n_dev // ep, -1).max(axis=1)
+    return np.repeat([int(np.sum(np.asarray(caps) < n)) for n in need], ep)
+
+
+def _assert_same_bits(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+@pytest.mark.parametrize(
+    "shape,names,skewed",
+    [(*m, True) for m in MESHES] + [(*MESHES[0], False), (*MESHES[1], False)],
+    ids=["ep8-skewed", "ep4-skewed", "ep2-skewed", "ep1-skewed", "ep8", "ep4"],
+)
+def test_dropless_equals_reference_and_ragged_bit_for_bit(shape, names, skewed):
+    """Dropless never drops, equals the dense reference (f32), and gives the expert inputs,
+    group sizes, outputs and gradients of the ragged transport bit for bit; each device group
+    takes the exchange bucket of the documented rule (skewed: the worst case, which every
+    smaller bucket would overflow)."""
+    args, ct = init(**SMALL)
+    skew = SKEWED if skewed else BALANCED
+    y, (dropped, ex, sizes, bucket, ids), grads = sharded_run(
+        shape, names, "dropless", dispatch_kw=DROPLESS_KW)(args, ct, skew)
+    y_ref, _, grads_ref = reference_run()(args, ct, skew)
+    assert int(dropped.sum()) == 0
+    assert_f32_close((y, grads), (y_ref, grads_ref))
+    y_r, (_, ex_r, sizes_r, _, _), grads_r = sharded_run(shape, names, "ragged")(args, ct, skew)
+    _assert_same_bits((y, ex, sizes, grads), (y_r, ex_r, sizes_r, grads_r))
+    n_dev, ep = math.prod(shape), shape[names.index("expert")]
+    caps = dropless_buckets(T_ALL // n_dev, K, E, ep, 1.0, multiple=4)
+    want = _bucket_rule(np.asarray(ids), n_dev, ep, caps)
+    np.testing.assert_array_equal(np.asarray(bucket), want)
+    if skewed and ep > 1:
+        assert set(want) == {len(caps) - 1}, want
+    elif ep > 1:
+        assert 0 < want.min() and want.max() < len(caps) - 1, (want, caps)
+
+
+def test_dropless_fp8_wire_equals_ragged_bit_for_bit():
+    args, ct = init(**FP8)
+    shape, names = MESHES[2]
+    out = sharded_run(shape, names, "dropless", "fp8", "fp8", "bfloat16")(args, ct)
+    ref = sharded_run(shape, names, "ragged", "fp8", "fp8", "bfloat16")(args, ct)
+    _assert_same_bits((out[0], out[1][1], out[2]), (ref[0], ref[1][1], ref[2]))
+    cos, rms = cos_and_rel_rms(out[0], reference_run()(args, ct)[0])
+    assert cos >= 0.99 and rms < 0.1, (cos, rms)
+
+
+def test_dropless_buckets_ladder():
+    # T = 1024, k = 2, E = 16, P = 4: balanced share 512 rows per pair, worst case W = 2048.
+    caps = dropless_buckets(1024, 2, 16, 4, 1.25)
+    assert caps[0] == 640 and caps[-1] == 2048, caps
+    assert all(b > a for a, b in zip(caps, caps[1:], strict=False))
+    assert all(b <= 1.5 * a + 8 for a, b in zip(caps, caps[1:], strict=False))
+    assert dropless_buckets(1024, 2, 16, 1, 1.25) == (2048,)  # one device: the whole buffer
+    assert dropless_buckets(64, 2, 16, 8, 100.0) == (128,)  # past the worst case: just W
+    tiny = dropless_buckets(1024, 2, 16, 4, 0.01)  # a far too small first bucket: at most 8
+    assert len(tiny) == 8 and tiny[-1] == 2048, tiny
 
 
 def _numpy_keep_mask(ids, n_dev, capacity):
@@ -228,9 +317,9 @@ def test_capacity_drops_by_rule_and_nothing_else_changes():
     fwd = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, spec, spec),
                         out_specs=(spec, (spec, spec, spec)))
     y, (dropped, kept, rows), grads = _loss_and_grads(
-        lambda x, w, wgu, wd: fwd(x, w, wgu, wd, ids))((x, w, wgu, wd), ct)
+        lambda x, w, wgu, wd, _: fwd(x, w, wgu, wd, ids))((x, w, wgu, wd), ct)
     masked = _loss_and_grads(
-        lambda x, w, wgu, wd: (dense_moe(x, ids, w * keep, wgu, wd), None))
+        lambda x, w, wgu, wd, _: (dense_moe(x, ids, w * keep, wgu, wd), None))
     y_ref, _, grads_ref = masked((x, w, wgu, wd), ct)
 
     np.testing.assert_array_equal(np.asarray(kept), keep)
@@ -276,6 +365,70 @@ def test_fp8_dispatch_halves_wire_bytes():
         assert ratio <= 0.52, ratio
     emitted_ratio = fp8_bytes / sum(op[1] for op in bf16_emitted)
     assert emitted_ratio >= (1 + 1 / 128) / 2, emitted_ratio  # the scales really travel
+
+
+_COUNTED_OPS = ("sort", "conditional", "all-to-all", "ragged-all-to-all", "all-gather",
+                "all-reduce", "collective-permute", "reduce-scatter")
+
+
+def hlo_op_counts(text: str) -> dict[str, int]:
+    """Instructions per kind (sorts, conditionals, collectives; async ``-start`` halves counted
+    once) in HLO text, every computation (conditional branches included)."""
+    counts: dict[str, int] = {}
+    for ins in hlo.parse_hlo(text).instructions():
+        op = ins.opcode.removesuffix("-start")
+        if op in _COUNTED_OPS:
+            counts[op] = counts.get(op, 0) + 1
+    return counts
+
+
+def _dispatch_combine_grad_hlo(shape, names, transport, **kw):
+    """(lowered HLO, compiled HLO) of jit(grad) of dispatch -> sin -> combine (bf16 wire)."""
+    mesh = make_mesh(shape, names)
+    tok = P(names)
+    n = math.prod(shape) * 16
+    x = jax.ShapeDtypeStruct((n, 128), jnp.float32)
+    ids = jax.ShapeDtypeStruct((n, K), jnp.int32)
+
+    def local(x, ids):
+        ex, _, plan = dispatch(x, ids, num_experts=E, axis_name="expert", transport=transport,
+                               dispatch_dtype="bf16", **kw)
+        w = jnp.ones(ids.shape, jnp.float32)
+        return combine(jnp.sin(ex), w, plan, combine_grad_dtype="bf16")
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok), out_specs=tok)
+    lowered = jax.jit(jax.grad(lambda x, ids: jnp.sum(f(x, ids) ** 2))).lower(x, ids)
+    return lowered.as_text(dialect="hlo"), lowered.compile().as_text()
+
+
+@pytest.mark.parametrize("shape,names", [((1,), ("expert",)), ((8, 1), ("data", "expert"))])
+@pytest.mark.parametrize("transport,kw", [("dense", dict(capacity_factor=1.25)),
+                                          ("ragged", dict(ragged_impl="native")),
+                                          ("dropless", {})])
+def test_one_device_expert_axis_exchanges_nothing(shape, names, transport, kw):
+    """EP = 1: dispatch + combine, forward and backward, emit no collective at all (not even
+    the count exchange; the native ragged_all_to_all, which XLA:CPU cannot compile, is not
+    emitted either) and sort once."""
+    emitted, compiled = _dispatch_combine_grad_hlo(shape, names, transport, **kw)
+    for text in (emitted, compiled):
+        assert hlo_op_counts(text) == {"sort": 1}, hlo_op_counts(text)
+
+
+def test_plan_sorts_once_and_dropless_exchanges_one_bucket_per_site():
+    """EP = 4: one sort serves forward and backward; the dropless transport's four exchanges
+    (dispatch, combine, and their backward passes) are each one conditional over the buckets
+    holding one all-to-all per bucket, and the count exchange is the one all-gather."""
+    shape, names = (2, 4), ("data", "expert")
+    caps = dropless_buckets(16, K, E, 4, 1.25)
+    assert len(caps) == 3, caps
+    want = {"sort": 1, "conditional": 4, "all-to-all": 4 * len(caps), "all-gather": 1}
+    for text in _dispatch_combine_grad_hlo(shape, names, "dropless"):
+        assert hlo_op_counts(text) == want, hlo_op_counts(text)
+    # dense: the count exchange and four payload exchanges (compiled: the count exchange only
+    # fed group_sizes, unused here, so XLA removed it)
+    emitted, compiled = _dispatch_combine_grad_hlo(shape, names, "dense", capacity_factor=1.25)
+    assert hlo_op_counts(emitted) == {"sort": 1, "all-to-all": 5}, hlo_op_counts(emitted)
+    assert hlo_op_counts(compiled) == {"sort": 1, "all-to-all": 4}, hlo_op_counts(compiled)
 
 
 # ----------------------------------------------------------------------------- 4. errors

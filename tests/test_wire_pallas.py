@@ -90,7 +90,7 @@ def test_bad_wire_kernels_names_the_argument():
 T_LOCAL, E, K, N_EP = 16, 8, 2, 4
 
 
-def _dispatch_combine_grads(kernels: str, wire: str):
+def _dispatch_combine_grads(kernels: str, wire: str, transport: str = "dense"):
     mesh = make_mesh((2, N_EP), ("data", "expert"))
     tok = P(("data", "expert"))
     n = 2 * N_EP * T_LOCAL
@@ -103,7 +103,7 @@ def _dispatch_combine_grads(kernels: str, wire: str):
 
     def local(x, ids, w):
         ex, _, plan = dispatch(x, ids.astype(jnp.int32), num_experts=E, axis_name="expert",
-                               transport="dense", capacity_factor=1.0, dispatch_dtype=wire,
+                               transport=transport, capacity_factor=1.0, dispatch_dtype=wire,
                                wire_kernels=kernels)
         return combine(jnp.sin(ex.astype(jnp.float32)).astype(ex.dtype), w, plan,
                        combine_grad_dtype=wire)
@@ -117,10 +117,11 @@ def _dispatch_combine_grads(kernels: str, wire: str):
     return step(put(x), put(ids), put(w), put(ct))
 
 
-@pytest.mark.parametrize("wire", ["fp8", "bf16"])
-def test_dispatch_with_pallas_wire_kernels_equals_xla(wire):
-    ref = _dispatch_combine_grads("xla", wire)
-    got = _dispatch_combine_grads("pallas", wire)
+@pytest.mark.parametrize("wire,transport", [("fp8", "dense"), ("bf16", "dense"),
+                                            ("fp8", "dropless")])
+def test_dispatch_with_pallas_wire_kernels_equals_xla(wire, transport):
+    ref = _dispatch_combine_grads("xla", wire, transport)
+    got = _dispatch_combine_grads("pallas", wire, transport)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
         assert _same(a, b)
 
@@ -147,3 +148,38 @@ def test_wire_kernels_lower_to_triton_for_cuda():
     text = export_for_cuda(fn, *args)
     assert text.count("wire_gather_encode") >= 2 and text.count("wire_gather_decode") >= 2
     assert loops_outside_scans(text) == 0
+
+
+def test_dropless_lowers_for_cuda_with_wire_kernels():
+    """Dropless dispatch + combine, forward and backward, FP8 wire: lowers for CUDA with the
+    Triton wire kernels inside the bucket branches (one case per bucket) and no
+    ragged_all_to_all; with one device on the expert axis, no collective and no bucket case
+    (the module's other cases pick kernels by platform)."""
+    cases = {}
+    for n_ep in (1, N_EP):
+        mesh = cuda_mesh((n_ep,), ("expert",))
+        e = P("expert")
+
+        def local(x, ids, w):
+            ex, _, plan = dispatch(x, ids, num_experts=E, axis_name="expert",
+                                   transport="dropless", dispatch_dtype="fp8",
+                                   wire_kernels="auto")
+            return combine(jnp.sin(ex), w, plan, combine_grad_dtype="fp8")
+
+        fn = jax.shard_map(local, mesh=mesh, in_specs=(e, e, e), out_specs=e)
+        grad = jax.grad(lambda x, ids, w, fn=fn: jnp.sum(fn(x, ids, w).astype(jnp.float32)),
+                        argnums=(0, 2))
+        sds = lambda shape, dtype, mesh=mesh, e=e: jax.ShapeDtypeStruct(  # noqa: E731
+            shape, dtype, sharding=NamedSharding(mesh, e))
+        n = n_ep * T_LOCAL
+        text = export_for_cuda(grad, sds((n, D), jnp.bfloat16), sds((n, K), jnp.int32),
+                               sds((n, K), jnp.float32))
+        assert "ragged_all_to_all" not in text
+        cases[n_ep] = text.count("stablehlo.case")
+        if n_ep > 1:
+            assert "all_to_all" in text and cases[n_ep] >= cases[1] + 4, cases
+            assert text.count("wire_gather_encode") >= 2, text.count("wire_gather_encode")
+            assert text.count("wire_gather_decode") >= 2
+        else:
+            for op in ("all_to_all", "all_gather", "all_reduce", "collective_permute"):
+                assert op not in text, op

@@ -1,0 +1,79 @@
+"""benchmarks/moe_layer_bench.py --small end to end (CPU), and trace_breakdown on a real trace."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from trace_breakdown import CATEGORIES, categorize_hlo, op_breakdown  # noqa: E402
+
+import moe  # noqa: E402
+
+
+def test_op_breakdown_of_a_dropless_dispatch_combine(tmp_path):
+    """A traced CPU step of dispatch -> combine (EP 2, dropless, fwd+bwd): its time lands in
+    the sort, exchange, combine and gather/scatter categories, none in control flow."""
+    mesh = jax.make_mesh((2,), ("expert",), devices=jax.devices()[:2],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    spec = P("expert")
+
+    def local(x, ids, w):
+        ex, _, plan = moe.dispatch(x, ids, num_experts=8, axis_name="expert",
+                                   transport="dropless")
+        return moe.combine(ex * 2.0, w, plan)
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+    step = jax.jit(jax.grad(lambda x, ids, w: jnp.sum(f(x, ids, w) ** 2), argnums=(0, 2)))
+    x = jax.random.normal(jax.random.key(0), (64, 32))
+    ids = jnp.stack([jnp.arange(64) % 8, (jnp.arange(64) + 3) % 8], axis=1).astype(jnp.int32)
+    w = jnp.full((64, 2), 0.5)
+    compiled = step.lower(x, ids, w).compile()
+    cats = categorize_hlo(compiled.as_text())
+    assert {"sort", "exchange", "combine", "gather_scatter"} <= set(cats.values())
+    assert {n for n, c in cats.items() if c is None} and all(
+        c in CATEGORIES for c in cats.values() if c is not None)
+    jax.block_until_ready(compiled(x, ids, w))
+    with jax.profiler.trace(str(tmp_path)):
+        for _ in range(2):
+            jax.block_until_ready(compiled(x, ids, w))
+    bd = op_breakdown(tmp_path, compiled.as_text(), steps=2)
+    us = bd["us_per_step"]
+    assert bd["total_us_per_step"] > 0 and us["exchange"] > 0 and us["sort"] > 0, bd
+    assert abs(sum(bd["fraction"].values()) - 1.0) < 1e-6
+    assert all(c is not None for _, c, _ in bd["top_ops"])
+
+
+@pytest.mark.slow
+def test_moe_layer_bench_small_writes_the_dropless_keys(tmp_path):
+    """The --small run (2 CPU devices): dense capacity and dropless layers under balanced and
+    Zipf routing, dispatch+combine timings, the op breakdown, and the summary keys."""
+    out, summary = tmp_path / "r.json", tmp_path / "dropless.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "moe_layer_bench.py"), "--small",
+           "--variants", "dense_einsum_bf16", "dropless_bf16", "--out", str(out),
+           "--dropless-out", str(summary)]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report, s = json.loads(out.read_text()), json.loads(summary.read_text())
+    assert not report["errors"], report["errors"]
+    assert {r["variant"] for r in report["layer"]} == {
+        "dense_einsum_bf16", "dense_einsum_bf16_zipf", "dropless_bf16", "dropless_bf16_zipf"}
+    zipf = report["routing"]["zipf"]
+    assert zipf["l1_error"] < 0.15 and zipf["max_over_mean"] > 3.0, zipf
+    for key in ("dropless_over_capacity_time_2cpu", "dropless_over_capacity_time_2cpu_zipf",
+                "dropless_dispatch_combine_over_dense_2cpu", "dropless_layer_mfu_2cpu"):
+        assert s[key] > 0, key
+    assert s["dropless_dropped_slots_2cpu"] == s["dropless_dropped_slots_2cpu_zipf"] == 0
+    assert s["capacity_dropped_frac_2cpu_zipf"] > 0.05  # capacity 1.25 drops under Zipf
+    bd = s["breakdown"]["dropless_bf16"]
+    assert bd["us_per_step"]["exchange"] > 0 and bd["us_per_step"]["gemm"] > 0, bd
