@@ -376,10 +376,11 @@ def moe_apply(
     if t_pad != t:
         y = _unpad_rows(y, t, mesh)
         routing = {k: _unpad_rows(v, t, mesh) for k, v in routing.items()}
+    if out_spec is not None:  # Explicit mesh: give y (and routing) back the tokens' sharding
+        y = _reshard(y, mesh, out_spec)
+        routing = {k: _reshard(v, mesh, out_spec) for k, v in routing.items()}
     for name, value in routing.items():
         aux[name] = value.reshape(b, s, -1)
-    if out_spec is not None:  # Explicit mesh: give y back the tokens' sharding
-        y = _reshard(y, mesh, out_spec)
     return y.reshape(b, s, d).astype(x.dtype), aux
 
 
