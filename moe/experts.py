@@ -1,7 +1,8 @@
 """Gated (SwiGLU) expert GEMMs over tokens grouped by local expert, with a hand-written backward.
 
-`gated_experts` runs every local expert's ``y = (silu(x @ Wg) * (x @ Wu)) @ Wd`` on the expert
-inputs that `moe.dispatch` produces, in one of two layouts:
+`gated_experts` runs every local expert's ``y = (silu(x @ Wg) * (x @ Wu)) @ Wd`` (or another
+gated activation of `moe.activations`, optionally with biases) on the expert inputs that
+`moe.dispatch` produces, in one of two layouts:
 
 - ragged ``x [R, d_model]`` with ``group_sizes [E]`` (rows grouped by expert, rows past
   ``sum(group_sizes)`` are padding): backends 'mosaic' (Pallas Mosaic GPU wgmma kernels for
@@ -31,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from moe import _gmm_pallas, _grouped, fp8
+from moe.activations import GatedActivation
 from moe.options import Backend, GemmDtype, SaveZ, check_choice
 
 _GEMM_DTYPES = ("bf16", "fp8")
@@ -48,6 +50,7 @@ class _Opts:
     wgrad_dtype: str
     block_size: int
     mask_rows: bool  # False only for padded x without group_sizes (every row is real)
+    activation: GatedActivation = GatedActivation()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -102,25 +105,34 @@ def _wgrad(opts: _Opts, a, g, gs, out_dtype):
     return ops.wgrad(a, g, gs, out_dtype)
 
 
-def _gate_up(opts: _Opts, x: jax.Array, gs: jax.Array, w_gate_up: jax.Array) -> jax.Array:
-    """z = x @ W_gate_up per expert, rounded to the compute dtype (the saved/recomputed z)."""
+def _gate_up(opts: _Opts, x: jax.Array, gs: jax.Array, w_gate_up: jax.Array,
+             b_gate_up: jax.Array | None) -> jax.Array:
+    """z = x @ W_gate_up (+ b_gate_up) per expert, rounded to the compute dtype (the
+    saved/recomputed z)."""
     with jax.named_scope("experts_gate_up"):
-        return _matmul(opts, opts.gemm_dtype, x, w_gate_up, gs, x.dtype)
+        z = _matmul(opts, opts.gemm_dtype, x, w_gate_up, gs, x.dtype)
+    if b_gate_up is None:
+        return z
+    return (z.astype(jnp.float32) + _bias_rows(b_gate_up, gs, z.shape)).astype(z.dtype)
 
 
-def _swiglu(z: jax.Array) -> jax.Array:
-    """h = silu(z_gate) * z_up in f32, z = [z_gate | z_up] along the last axis."""
-    zg, zu = jnp.split(z.astype(jnp.float32), 2, axis=-1)
-    return jax.nn.silu(zg) * zu
+def _bias_rows(b: jax.Array, gs: jax.Array, shape) -> jax.Array:
+    """The per-expert bias ``b [E, N]`` of every row, f32: ragged rows get their group's row
+    (0 past ``sum(gs)``), padded ``[E, C, N]`` rows broadcast their expert's."""
+    b = b.astype(jnp.float32)
+    if len(shape) == 3:
+        return b[:, None, :]
+    rows = _grouped.group_of_rows(gs, shape[0])
+    return jnp.take(b, rows, axis=0, mode="fill", fill_value=0)
 
 
-def _swiglu_bwd(z: jax.Array, dh: jax.Array) -> jax.Array:
-    """dz from dh: dz_gate = dh * z_up * silu'(z_gate), dz_up = dh * silu(z_gate), in f32."""
-    zg, zu = jnp.split(z.astype(jnp.float32), 2, axis=-1)
-    sig = jax.nn.sigmoid(zg)
-    dzg = dh * zu * (sig * (1.0 + zg * (1.0 - sig)))
-    dzu = dh * (zg * sig)
-    return jnp.concatenate([dzg, dzu], axis=-1)
+def _bias_grad(dz: jax.Array, gs: jax.Array, out_dtype) -> jax.Array:
+    """Per-expert sums of ``dz`` over the rows (the bias gradient); padding rows carry 0."""
+    dz = dz.astype(jnp.float32)
+    if dz.ndim == 3:
+        return dz.sum(axis=1).astype(out_dtype)
+    rows = _grouped.group_of_rows(gs, dz.shape[0])
+    return jax.ops.segment_sum(dz, rows, num_segments=gs.shape[0]).astype(out_dtype)
 
 
 def _mask_rows(opts: _Opts, a: jax.Array, gs: jax.Array) -> jax.Array:
@@ -137,49 +149,51 @@ def _mask_rows(opts: _Opts, a: jax.Array, gs: jax.Array) -> jax.Array:
     return jnp.where(valid, a, jnp.zeros((), a.dtype))
 
 
-def _forward(opts: _Opts, x, gs, w_gate_up, w_down) -> tuple[jax.Array, jax.Array]:
-    """Returns (y, z). Padding rows of x are zeroed, so they give y = 0 on every backend."""
+def _forward(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up) -> tuple[jax.Array, jax.Array]:
+    """Returns (y, z). Padding rows of x are zeroed, so they give y = 0 on every backend
+    (without ``b_gate_up``; ``gated_experts`` zeroes them when there are biases)."""
     x = _mask_rows(opts, x, gs)
-    z = _gate_up(opts, x, gs, w_gate_up)
-    h = _swiglu(z).astype(x.dtype)
+    z = _gate_up(opts, x, gs, w_gate_up, b_gate_up)
+    h = opts.activation.apply(z).astype(x.dtype)
     with jax.named_scope("experts_down"):
         y = _matmul(opts, opts.gemm_dtype, h, w_down, gs, x.dtype)
     return y, z
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _experts(opts: _Opts, x, gs, w_gate_up, w_down) -> jax.Array:
-    return _forward(opts, x, gs, w_gate_up, w_down)[0]
+def _experts(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up) -> jax.Array:
+    return _forward(opts, x, gs, w_gate_up, w_down, b_gate_up)[0]
 
 
-def _experts_fwd(opts: _Opts, x, gs, w_gate_up, w_down):
-    y, z = _forward(opts, x, gs, w_gate_up, w_down)
+def _experts_fwd(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up):
+    y, z = _forward(opts, x, gs, w_gate_up, w_down, b_gate_up)
     if opts.save_z == "recompute":
         z_saved = None
     elif opts.save_z == "fp8":
         z_saved = fp8.quantize(z, block_size=opts.block_size)
     else:
         z_saved = z
-    return y, (x, gs, w_gate_up, w_down, z_saved)
+    return y, (x, gs, w_gate_up, w_down, b_gate_up, z_saved)
 
 
 def _experts_bwd(opts: _Opts, res, dy):
-    x, gs, w_gate_up, w_down, z_saved = res
+    x, gs, w_gate_up, w_down, b_gate_up, z_saved = res
     dtype = x.dtype
     x = _mask_rows(opts, x, gs)  # x is saved as passed in (no copy), masked again here
     if opts.save_z == "recompute":
-        z = _gate_up(opts, x, gs, w_gate_up)
+        z = _gate_up(opts, x, gs, w_gate_up, b_gate_up)
     elif opts.save_z == "fp8":
         z = fp8.dequantize(z_saved, dtype=dtype)
     else:
         z = z_saved
-    h = _swiglu(z).astype(dtype)
+    h = opts.activation.apply(z).astype(dtype)
     dy = _mask_rows(opts, dy.astype(dtype), gs)
     with jax.named_scope("experts_down_dgrad"):
         dh = _matmul_t(opts, dy, w_down, gs, jnp.float32)
     with jax.named_scope("experts_down_wgrad"):
         dw_down = _wgrad(opts, h, dy, gs, w_down.dtype)
-    dz = _swiglu_bwd(z, dh).astype(dtype)
+    dz32 = opts.activation.grad(z, dh)
+    dz = dz32.astype(dtype)
     with jax.named_scope("experts_gate_up_dgrad"):
         dx = _matmul_t(opts, dz, w_gate_up, gs, x.dtype)
     with jax.named_scope("experts_gate_up_wgrad"):
@@ -189,6 +203,7 @@ def _experts_bwd(opts: _Opts, res, dy):
         None,
         dw_gate_up,
         dw_down,
+        None if b_gate_up is None else _bias_grad(dz32, gs, b_gate_up.dtype),
     )
 
 
@@ -326,14 +341,50 @@ def _check_fp8_dims(opts: _Opts, d_model: int, d_ff: int) -> None:
         fp8.check_width(2 * d_ff, opts.block_size, what="2*d_ff (for save_z='fp8')")
 
 
-def _aligned_call(opts: _Opts, x, gs, w_gate_up, w_down, alignment: int) -> jax.Array:
+def _aligned_call(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up, alignment: int):
     """Runs a backend that needs tile-aligned groups on plain ragged x: rows are gathered into
     the aligned layout and the outputs gathered back (both differentiable gathers)."""
     src, dst, padded = _grouped.align_map(gs, x.shape[0], alignment)
     x = _mask_rows(opts, x, gs)
     x_al = jnp.take(x, src, axis=0, mode="fill", fill_value=0)
-    y_al = _experts(opts, x_al, padded, w_gate_up, w_down)
+    y_al = _experts(opts, x_al, padded, w_gate_up, w_down, b_gate_up)
     return jnp.take(y_al, dst, axis=0, mode="fill", fill_value=0)
+
+
+def _bias_epilogue(y, b_down, real_gs, layout_gs, *, masked: bool, aligned: bool):
+    """``y + b_down[expert of row]`` on real rows and 0 on padding rows (ragged: past the
+    groups or, in an aligned layout, between them; padded: ``c >= real_gs[e]``)."""
+    if y.ndim == 3:
+        valid = jnp.ones(y.shape[:2], bool)
+        if masked:
+            valid = jnp.arange(y.shape[1])[None, :] < real_gs[:, None]
+        rows = None if b_down is None else b_down.astype(jnp.float32)[:, None, :]
+    else:
+        group = _grouped.group_of_rows(layout_gs, y.shape[0])
+        index = jnp.arange(y.shape[0], dtype=jnp.int32)
+        if aligned:
+            start = jnp.cumsum(layout_gs) - layout_gs
+            first = jnp.take(start, group, mode="fill", fill_value=y.shape[0])
+            valid = index - first < jnp.take(real_gs, group, mode="fill", fill_value=0)
+        else:
+            valid = index < jnp.sum(real_gs)
+        rows = None if b_down is None else jnp.take(
+            b_down.astype(jnp.float32), group, axis=0, mode="fill", fill_value=0)
+    out = y if rows is None else (y.astype(jnp.float32) + rows).astype(y.dtype)
+    return jnp.where(valid[..., None], out, jnp.zeros((), y.dtype))
+
+
+def _check_biases(b_gate_up, b_down, w_gate_up, w_down) -> None:
+    n_exp, d_model, two_ff = w_gate_up.shape
+    for name, b, want in (("b_gate_up", b_gate_up, (n_exp, two_ff)),
+                          ("b_down", b_down, (n_exp, d_model))):
+        if b is None:
+            continue
+        if b.shape != want or not jnp.issubdtype(b.dtype, jnp.floating):
+            raise ValueError(
+                f"{name} has shape {b.shape} dtype {b.dtype}; it must be a float array "
+                f"{list(want)} (one bias row per expert of w_gate_up {w_gate_up.shape})."
+            )
 
 
 def gated_experts(
@@ -341,7 +392,10 @@ def gated_experts(
     group_sizes: jax.Array | None,
     w_gate_up: jax.Array,
     w_down: jax.Array,
+    b_gate_up: jax.Array | None = None,
+    b_down: jax.Array | None = None,
     *,
+    activation: GatedActivation | str = "silu",
     backend: Backend = "auto",
     gemm_dtype: GemmDtype = "bf16",
     dgrad_dtype: GemmDtype = "bf16",
@@ -350,11 +404,13 @@ def gated_experts(
     block_size: int = 128,
     group_alignment: int | None = None,
 ) -> jax.Array:
-    """SwiGLU experts over tokens grouped by local expert, with a hand-written backward.
+    """Gated (SwiGLU) experts over tokens grouped by local expert, with a hand-written backward.
 
-    For the rows of expert e:  z = x @ W_gu[e];  h = silu(z[:, :d_ff]) * z[:, d_ff:];
-    y = h @ W_d[e].  Padding rows (ragged: index >= sum(group_sizes); padded: c >=
-    group_sizes[e]) give y = 0 and receive zero gradient. GEMMs accumulate in f32; the compute
+    For the rows of expert e:  z = x @ W_gu[e] (+ b_gu[e]);  h = act(z[:, :d_ff], z[:, d_ff:])
+    (``silu(gate) * up`` by default, see :class:`moe.activations.GatedActivation`);
+    y = h @ W_d[e] (+ b_d[e]).  Padding rows (ragged: index >= sum(group_sizes), or between
+    the groups of an aligned layout; padded: c >= group_sizes[e]) give y = 0 and receive zero
+    gradient. GEMMs accumulate in f32; the compute
     dtype is ``x.dtype`` (weights are cast to it), gradients come back in each input's dtype.
     The backward is explicit: dgrad ``dz @ W^T`` and wgrad ``x_e^T @ dz_e`` GEMMs per expert;
     ``group_sizes`` gets no gradient.
@@ -372,6 +428,10 @@ def gated_experts(
         None for padded x (all C rows real).
       w_gate_up: ``[E, d_model, 2*d_ff]``; columns ``[:d_ff]`` gate, ``[d_ff:]`` up.
       w_down: ``[E, d_ff, d_model]``.
+      b_gate_up: optional bias ``[E, 2*d_ff]`` added to z (gate then up, like the columns).
+      b_down: optional bias ``[E, d_model]`` added to y.
+      activation: a :class:`moe.activations.GatedActivation` or its kind (``'silu'``,
+        ``'gelu'``, ``'gelu_tanh'``, ``'clamped_swiglu'`` with GPT-OSS's alpha and limit).
       backend: ragged x: 'mosaic' (Pallas Mosaic GPU wgmma kernels, Hopper; XLA-emulated on
         CPU), 'pallas' (Pallas Triton kernels, NVIDIA GPUs; interpreted on CPU) or
         'ragged_dot' (`jax.lax.ragged_dot_general`); padded x: 'einsum'. 'auto' picks by
@@ -423,15 +483,21 @@ def gated_experts(
                          f"{group_alignment!r}.")
     resolved = _resolve_backend(backend, x.ndim)
     _check_shapes(x, group_sizes, w_gate_up, w_down)
+    _check_biases(b_gate_up, b_down, w_gate_up, w_down)
     opts = _Opts(resolved, gemm_dtype, dgrad_dtype, save_z, wgrad_dtype, block_size,
-                 group_sizes is not None)
+                 group_sizes is not None, GatedActivation.of(activation))
     _check_fp8_dims(opts, w_gate_up.shape[1], w_down.shape[1])
     if group_sizes is None:
         group_sizes = jnp.full((x.shape[0],), x.shape[1], jnp.int32)
-    group_sizes = group_sizes.astype(jnp.int32)
+    group_sizes = real_gs = group_sizes.astype(jnp.int32)
     if x.ndim == 2 and group_alignment is not None:
         group_sizes = -(-jnp.maximum(group_sizes, 0) // group_alignment) * group_alignment
     need = _grouped.GROUP_ALIGNMENT
     if _grouped.BACKENDS[resolved].aligned and (group_alignment or 1) % need:
-        return _aligned_call(opts, x, group_sizes, w_gate_up, w_down, need)
-    return _experts(opts, x, group_sizes, w_gate_up, w_down)
+        y = _aligned_call(opts, x, group_sizes, w_gate_up, w_down, b_gate_up, need)
+    else:
+        y = _experts(opts, x, group_sizes, w_gate_up, w_down, b_gate_up)
+    if b_gate_up is None and b_down is None:
+        return y
+    return _bias_epilogue(y, b_down, real_gs, group_sizes, masked=opts.mask_rows,
+                          aligned=x.ndim == 2 and group_alignment is not None)

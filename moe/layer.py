@@ -1,4 +1,4 @@
-"""The Mixture-of-Experts layer: router, expert-parallel dispatch, SwiGLU experts, combine.
+"""The Mixture-of-Experts layer: router, expert-parallel dispatch, gated experts, combine.
 
 :func:`moe_apply` is the functional core (pure function of arrays and static options);
 :class:`MoE` is the Flax NNX shell that owns the parameters and the balancing bias, and
@@ -52,69 +52,117 @@ def _reshard(a: jax.Array, mesh, spec: P) -> jax.Array:
     return jax.lax.with_sharding_constraint(a, sharding)
 
 
-def _global_router_stats(r: _routing.Routing, opts: MoEOptions, all_axes, total_tokens: int):
-    """Load-balancing and z losses over *all* tokens, from per-device partial sums."""
+def _global_router_stats(r: _routing.Routing, opts: MoEOptions, all_axes, total_tokens: int,
+                         mask: jax.Array | None):
+    """Load-balancing and z losses over *all* (unmasked) tokens, from per-device partial sums."""
     e, k = opts.router.num_experts, opts.router.top_k
-    counts = jax.lax.psum(r.tokens_per_expert, all_axes)
+    counts = jax.lax.psum(r.tokens_per_expert, all_axes)  # route() counts unmasked tokens only
     probs = _routing.balance_probs(r.scores, opts.router.score_fn)
-    p_mean = jax.lax.psum(probs.sum(0), all_axes) / total_tokens
-    f = counts.astype(jnp.float32) / (total_tokens * k)
+    lse2 = jax.nn.logsumexp(r.logits, axis=-1) ** 2
+    if mask is None:
+        n = jnp.float32(total_tokens)
+    else:
+        n = jnp.maximum(jax.lax.psum(jnp.sum(mask, dtype=jnp.float32), all_axes), 1.0)
+        probs = jnp.where(mask[:, None], probs, 0.0)
+        lse2 = jnp.where(mask, lse2, 0.0)
+    p_mean = jax.lax.psum(probs.sum(0), all_axes) / n
+    f = counts.astype(jnp.float32) / (n * k)
     lb = e * jnp.sum(jax.lax.stop_gradient(f) * p_mean)
-    lse = jax.nn.logsumexp(r.logits, axis=-1)
-    z = jax.lax.psum(jnp.sum(lse**2), all_axes) / total_tokens
+    z = jax.lax.psum(jnp.sum(lse2), all_axes) / n
     return counts, lb, z
 
 
-def _local_experts(ex, group_sizes, w_gate_up, w_down, opts: MoEOptions) -> jax.Array:
+def _local_experts(ex, group_sizes, w_gate_up, w_down, biases, opts: MoEOptions) -> jax.Array:
     """The local experts on the layout ``dispatch`` produced (padded ``[E, C, d]`` or ragged)."""
     eo = opts.experts
-    kw = dict(gemm_dtype=eo.gemm_dtype, dgrad_dtype=eo.dgrad_dtype, save_z=eo.save_z,
-              wgrad_dtype=eo.wgrad_dtype, block_size=opts.fp8_block_size)
+    kw = dict(activation=eo.activation, gemm_dtype=eo.gemm_dtype, dgrad_dtype=eo.dgrad_dtype,
+              save_z=eo.save_z, wgrad_dtype=eo.wgrad_dtype, block_size=opts.fp8_block_size)
     wgu, wd = w_gate_up, w_down
+    bgu, bd = biases if biases is not None else (None, None)
     if ex.ndim == 3 and eo.backend in ("ragged_dot", "pallas", "mosaic"):  # 2-D GEMMs
         e_local, c, d = ex.shape
         full = jnp.full((e_local,), c, dtype=jnp.int32)
         return _experts.gated_experts(
-            ex.reshape(e_local * c, d), full, wgu, wd, backend=eo.backend, **kw
+            ex.reshape(e_local * c, d), full, wgu, wd, bgu, bd, backend=eo.backend, **kw
         ).reshape(e_local, c, -1)
     # The dense layout interleaves padding per source (row p * C + r), so its valid rows are
-    # not a prefix: run every row (padding rows are zero and give zero outputs).
+    # not a prefix: run every row (padding rows are zero and are never read back by combine).
     sizes = None if ex.ndim == 3 else group_sizes
-    return _experts.gated_experts(ex, sizes, wgu, wd, backend=eo.backend, **kw)
+    return _experts.gated_experts(ex, sizes, wgu, wd, bgu, bd, backend=eo.backend, **kw)
 
 
-def _local_moe(x, router_kernel, bias, w_gate_up, w_down, *, opts: MoEOptions, all_axes,
-               total_tokens: int):
-    """Per-device body: route, dispatch, local SwiGLU experts, combine."""
+def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra, *, opts: MoEOptions, all_axes,
+               total_tokens: int, num_slots: int):
+    """Per-device body: route, dispatch, local experts, combine.
+
+    ``extra`` holds the optional arrays: ``mask`` (bool ``[T]``), ``noise`` (router-only
+    jitter ``[T, d]``), ``router_bias`` and ``expert_bias``. ``num_slots`` is the padded expert
+    count the banks hold; masked slots are sent to expert ``num_slots``, which no device owns.
+    """
     # Router and expert banks are replicated over some axes; mark them varying there so that
     # autodiff sums their gradients over those axes (the transpose of pcast is a psum).
     do = opts.dispatch
     others = tuple(a for a in all_axes if a != do.expert_axis)
+    expert_bias = extra.get("expert_bias")
     if others:
         w_gate_up = jax.lax.pcast(w_gate_up, others, to="varying")
         w_down = jax.lax.pcast(w_down, others, to="varying")
+        if expert_bias is not None:
+            expert_bias = tuple(jax.lax.pcast(b, others, to="varying") for b in expert_bias)
     router_kernel = jax.lax.pcast(router_kernel, tuple(all_axes), to="varying")
+    router_bias = extra.get("router_bias")
+    if router_bias is not None:
+        router_bias = jax.lax.pcast(router_bias, tuple(all_axes), to="varying")
+    mask = extra.get("mask")
+    x_router = x if "noise" not in extra else (x * extra["noise"]).astype(x.dtype)
     with jax.named_scope("moe_router"):
-        r = _routing.route(x, router_kernel, bias, config=opts.router)
-        counts, lb, z = _global_router_stats(r, opts, all_axes, total_tokens)
+        r = _routing.route(x_router, router_kernel, bias, config=opts.router,
+                           router_bias=router_bias, token_mask=mask)
+        counts, lb, z = _global_router_stats(r, opts, all_axes, total_tokens, mask)
+    ids = r.expert_ids if mask is None else jnp.where(mask[:, None], r.expert_ids, num_slots)
+    cf = do.capacity_factor  # per real expert: the padded experts receive no slots
+    if cf is not None and num_slots != opts.router.num_experts:
+        cf = cf * num_slots / opts.router.num_experts
     ex, group_sizes, plan = dispatch(
         x,
-        r.expert_ids,
-        num_experts=opts.router.num_experts,
+        ids,
+        num_experts=num_slots,
         axis_name=do.expert_axis,
         transport=do.transport,
-        capacity_factor=do.capacity_factor,
+        capacity_factor=cf,
         dispatch_dtype=do.dispatch_dtype,
         block_size=opts.fp8_block_size,
         wire_kernels=do.wire_kernels,
     )
-    ey = _local_experts(ex, group_sizes, w_gate_up, w_down, opts)
+    ey = _local_experts(ex, group_sizes, w_gate_up, w_down, expert_bias, opts)
     y = combine(ey, r.weights, plan, combine_grad_dtype=do.combine_grad_dtype)
     dropped = jax.lax.psum(plan.dropped, all_axes)
-    return y.astype(x.dtype), (lb, z, counts, dropped)
+    routing = {}
+    if opts.router.return_routing:
+        keep = True if mask is None else mask[:, None]
+        routing = {"expert_ids": jnp.where(keep, r.expert_ids, -1),
+                   "expert_weights": jnp.where(keep, r.weights, 0.0)}
+    return y.astype(x.dtype), (lb, z, counts, dropped), routing
 
 
-def _check_call(x, router_kernel, w_down, opts: MoEOptions, mesh) -> None:
+def _padded_experts(num_experts: int, ep: int) -> int:
+    """``num_experts`` rounded up to a multiple of the expert-axis size ``ep``."""
+    return -(-num_experts // ep) * ep
+
+
+def _check_optional(name: str, value, want_shape, enabled: bool, option: str) -> None:
+    """ValueError unless ``value`` is given exactly when ``option`` is on, with its shape."""
+    if enabled and value is None:
+        raise ValueError(f"{option}=True needs {name}; pass {name}= (the MoE module does).")
+    if not enabled and value is not None:
+        raise ValueError(f"{name} was passed but {option}=False; set {option}=True in the "
+                         "options or drop the argument.")
+    if value is not None and tuple(jnp.shape(value)) != tuple(want_shape):
+        raise ValueError(f"{name} has shape {tuple(jnp.shape(value))}; expected "
+                         f"{tuple(want_shape)}.")
+
+
+def _check_call(x, router_kernel, w_down, opts: MoEOptions, mesh, optional) -> None:
     """The shape checks of one :func:`moe_apply` call (the options were checked already)."""
     if x.ndim != 3:
         raise ValueError(
@@ -123,7 +171,7 @@ def _check_call(x, router_kernel, w_down, opts: MoEOptions, mesh) -> None:
     b, s, d = x.shape
     if b * s == 0:
         raise ValueError(
-            f"x has shape {x.shape}: a batch with no tokens; pass at least one token per device "
+            f"x has shape {x.shape}: a batch with no tokens; pass at least one token "
             "(skip the layer for empty batches)."
         )
     num_experts = opts.router.num_experts
@@ -133,23 +181,54 @@ def _check_call(x, router_kernel, w_down, opts: MoEOptions, mesh) -> None:
             f"({d}, {num_experts}); x's last axis must equal the layer's d_model."
         )
     opts.check(d_model=d, d_ff=w_down.shape[1], mesh=mesh)
-    axes = opts.token_axes(mesh)
-    n_dev = math.prod(mesh.shape[a] for a in axes)
-    if (b * s) % n_dev:
-        raise ValueError(
-            f"x has batch * seq = {b * s} tokens, which must be divisible by the {n_dev} "
-            f"devices of the mesh axes {axes} they are split over; change the batch or "
-            f"sequence length (or pass batch_axes= fewer axes)."
-        )
+    eo = opts.experts
+    _check_optional("router_bias", optional["router_bias"], (num_experts,),
+                    opts.router.router_bias, "router_bias")
+    eb = optional["expert_bias"]
+    if eb is not None and (not isinstance(eb, (tuple, list)) or len(eb) != 2):
+        raise ValueError("expert_bias must be a pair (b_gate_up [E, 2 * d_ff], b_down [E, "
+                         "d_model]).")
+    _check_optional("expert_bias[0] (b_gate_up)", None if eb is None else eb[0],
+                    (num_experts, 2 * w_down.shape[1]), eo.expert_bias, "expert_bias")
+    _check_optional("expert_bias[1] (b_down)", None if eb is None else eb[1],
+                    (num_experts, d), eo.expert_bias, "expert_bias")
+    if optional["shared_gate"] is not None and optional["shared"] is None:
+        raise ValueError("shared_gate gates the shared experts; pass shared= too.")
+    _check_optional("shared_gate", optional["shared_gate"], (d, 1), eo.shared_expert_gate,
+                    "shared_expert_gate")
+    mask = optional["token_mask"]
+    if mask is not None and tuple(jnp.shape(mask)) != (b, s):
+        raise ValueError(f"token_mask has shape {tuple(jnp.shape(mask))}; it must be "
+                         f"[batch, seq] = {(b, s)} (False: a padding token).")
 
 
-def _shared_experts(tokens: jax.Array, shared, dtype) -> jax.Array:
-    """The always-on shared experts: one SwiGLU over every token."""
+def _shared_experts(tokens: jax.Array, shared, gate, opts: MoEOptions, dtype) -> jax.Array:
+    """The always-on shared experts: one gated MLP over every token (optionally scaled by
+    ``sigmoid(tokens @ gate)``)."""
     gu, dn = shared
     with jax.named_scope("moe_shared_experts"):
         zs = jnp.einsum("td,df->tf", tokens, gu.astype(dtype))
-        g, u = jnp.split(zs, 2, axis=-1)
-        return jnp.einsum("tf,fd->td", jax.nn.silu(g) * u, dn.astype(dtype))
+        h = opts.experts.activation.apply(zs).astype(dtype)
+        y = jnp.einsum("tf,fd->td", h, dn.astype(dtype))
+        if gate is not None:
+            g = jnp.einsum("td,do->to", tokens, gate.astype(dtype))
+            y = (jax.nn.sigmoid(g.astype(jnp.float32)) * y).astype(dtype)
+        return y
+
+
+def _pad_rows(a: jax.Array, rows: int, value=0) -> jax.Array:
+    """``a`` with ``rows`` rows of ``value`` appended along axis 0 (no-op for 0)."""
+    if not rows:
+        return a
+    return jnp.concatenate([a, jnp.full((rows, *a.shape[1:]), value, a.dtype)], axis=0)
+
+
+def _unpad_rows(a: jax.Array, rows: int, mesh) -> jax.Array:
+    """The first ``rows`` rows of ``a`` (on Explicit meshes gathered first: a slice that does
+    not split evenly over the devices is not defined there)."""
+    if _explicit(mesh):
+        a = _reshard(a, mesh, P())
+    return a[:rows]
 
 
 def moe_apply(
@@ -162,12 +241,26 @@ def moe_apply(
     *,
     opts: MoEOptions,
     mesh=None,
+    router_bias: jax.Array | None = None,
+    expert_bias: tuple[jax.Array, jax.Array] | None = None,
+    shared_gate: jax.Array | None = None,
+    token_mask: jax.Array | None = None,
+    jitter_key: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Applies an expert-parallel MoE layer: ``y = sum_k w_k * E_{e_k}(x) (+ shared(x))``.
 
-    ``E_e(x) = (silu(x Wg_e) * (x Wu_e)) Wd_e`` with ``[Wg_e | Wu_e] = w_gate_up[e]``; the
-    router is ``moe.routing.route``; dropped slots (dense transport over capacity) contribute 0
-    and are counted in ``aux['dropped_tokens']``.
+    ``E_e(x) = act(x Wgu_e + bgu_e) Wd_e + bd_e`` with ``act([g | u]) = silu(g) * u`` by
+    default (``opts.experts.activation``; biases only with ``expert_bias``); the router is
+    ``moe.routing.route``; the shared experts ``S(x) = act(x Wgu_s) Wd_s``, times
+    ``sigmoid(x w_g)`` with ``shared_gate``. Dropped slots (dense transport over capacity)
+    contribute 0 and are counted in ``aux['dropped_tokens']``.
+
+    Tokens masked out by ``token_mask`` are routed nowhere: they take no capacity, count in no
+    ``tokens_per_expert`` or loss, get ``y = 0`` and pass no gradient (their values, even
+    NaN, do not matter). Token counts that do not split evenly over the devices are padded
+    with such masked tokens internally, and an expert count that does not split over the
+    expert axis with experts that no token is routed to (zero weights, zero gradients, not in
+    ``tokens_per_expert``); the results are the same as on one device.
 
     Args:
       x: ``[batch, seq, d_model]`` activations (their dtype is the compute dtype).
@@ -180,10 +273,21 @@ def moe_apply(
       opts: :class:`moe.MoEOptions`.
       mesh: a ``jax.sharding.Mesh``; None uses the ambient mesh (``jax.set_mesh``) or, with
         none, one device.
+      router_bias: trained logit bias ``[E]`` (with ``opts.router.router_bias``).
+      expert_bias: ``(b_gate_up [E, 2 * d_ff], b_down [E, d_model])`` (with
+        ``opts.experts.expert_bias``).
+      shared_gate: ``[d_model, 1]`` (with ``opts.experts.shared_expert_gate``).
+      token_mask: bool ``[batch, seq]``, False for padding tokens; None: all tokens count.
+      jitter_key: a PRNG key: with ``opts.router.router_jitter_noise = eps > 0`` the tokens
+        are multiplied by ``jax.random.uniform(jitter_key, (batch * seq, d_model), float32,
+        1 - eps, 1 + eps)`` (reshaped like ``x``) for the router, or for the router and the
+        experts (``jitter_input='all'``). None: no jitter (eval).
 
     Returns:
       ``(y, aux)``: ``y`` like ``x``; ``aux`` with ``load_balance_loss``, ``router_z_loss``,
-      ``tokens_per_expert`` (int32 ``[E]``, all tokens) and ``dropped_tokens`` (int32).
+      ``tokens_per_expert`` (int32 ``[E]``, all tokens) and ``dropped_tokens`` (int32), and
+      with ``opts.router.return_routing`` ``expert_ids`` (int32 ``[batch, seq, k]``, -1 for
+      masked tokens) and ``expert_weights`` (f32 ``[batch, seq, k]``, 0 for masked tokens).
 
     Example:
       >>> opts = MoEOptions.create(4, 2)
@@ -200,48 +304,102 @@ def moe_apply(
     mesh = _resolve_mesh(mesh)
     if mesh is None:
         mesh = jax.make_mesh((1,), (opts.dispatch.expert_axis,), devices=jax.devices()[:1])
-    _check_call(x, router_kernel, w_down, opts, mesh)
+    _check_call(x, router_kernel, w_down, opts, mesh, dict(
+        router_bias=router_bias, expert_bias=expert_bias, shared=shared,
+        shared_gate=shared_gate, token_mask=token_mask))
     b, s, d = x.shape
+    t = b * s
+    ro, axis = opts.router, opts.dispatch.expert_axis
     axes = opts.token_axes(mesh)
-    tokens = x.reshape(b * s, d)
+    n_dev = math.prod(mesh.shape[a] for a in axes)
+    t_pad = -(-t // n_dev) * n_dev
+    e, e_pad = ro.num_experts, _padded_experts(ro.num_experts, mesh.shape[axis])
+    tokens = x.reshape(t, d)
     tok_spec = P(axes)
-    w_spec = P(opts.dispatch.expert_axis, None, None)
     out_spec = jax.typeof(tokens).sharding.spec if _explicit(mesh) else None
+    mask = None if token_mask is None else jnp.asarray(token_mask).reshape(t).astype(bool)
+    noise = None
+    if jitter_key is not None and ro.router_jitter_noise > 0:
+        eps = ro.router_jitter_noise
+        noise = jax.random.uniform(jitter_key, (t, d), jnp.float32, 1.0 - eps, 1.0 + eps)
+        if ro.jitter_input == "all":
+            tokens, noise = (tokens * noise).astype(x.dtype), None
+    if t_pad != t:  # pad with masked tokens
+        mask = _pad_rows(jnp.ones((t,), bool) if mask is None else mask, t_pad - t, False)
+        tokens = _pad_rows(tokens, t_pad - t)
+        noise = None if noise is None else _pad_rows(noise, t_pad - t, 1.0)
     tokens = _reshard(tokens, mesh, tok_spec)
-    w_gate_up, w_down = _reshard(w_gate_up, mesh, w_spec), _reshard(w_down, mesh, w_spec)
+    extra, extra_specs = {}, {}
+    if mask is not None:
+        mask = _reshard(mask, mesh, tok_spec)
+        tokens = jnp.where(mask[:, None], tokens, jnp.zeros((), tokens.dtype))
+        extra["mask"], extra_specs["mask"] = mask, tok_spec
+    if noise is not None:
+        extra["noise"], extra_specs["noise"] = _reshard(noise, mesh, tok_spec), tok_spec
+    if router_bias is not None:
+        extra["router_bias"], extra_specs["router_bias"] = router_bias, P()
+
+    def bank(a):  # pad to e_pad experts (zeros, never routed to), then split over the axis
+        if e_pad != e:
+            a = _pad_rows(a, e_pad - e)
+        return _reshard(a, mesh, P(axis, *(None,) * (a.ndim - 1)))
+
+    w_gate_up, w_down = bank(w_gate_up), bank(w_down)
+    if expert_bias is not None:
+        extra["expert_bias"] = tuple(bank(jnp.asarray(a)) for a in expert_bias)
+        extra_specs["expert_bias"] = (P(axis, None), P(axis, None))
     if bias is None:
-        bias = jnp.zeros((opts.router.num_experts,), jnp.float32)
+        bias = jnp.zeros((e,), jnp.float32)
     all_axes = tuple(mesh.axis_names)
+    w_spec = P(axis, None, None)
+    routing_specs = ({"expert_ids": tok_spec, "expert_weights": tok_spec}
+                     if ro.return_routing else {})
     body = jax.shard_map(
-        lambda xt, wr, bb, wgu, wd: _local_moe(
-            xt, wr, bb, wgu, wd, opts=opts, all_axes=all_axes, total_tokens=b * s
-        ),
+        lambda xt, wr, bb, wgu, wd, ex: _local_moe(
+            xt, wr, bb, wgu, wd, ex, opts=opts, all_axes=all_axes, total_tokens=t,
+            num_slots=e_pad),
         mesh=mesh,
-        in_specs=(tok_spec, P(), P(), w_spec, w_spec),
-        out_specs=(tok_spec, (P(), P(), P(), P())),
+        in_specs=(tok_spec, P(), P(), w_spec, w_spec, extra_specs),
+        out_specs=(tok_spec, (P(), P(), P(), P()), routing_specs),
     )
-    y, (lb, z, counts, dropped) = body(tokens, router_kernel, bias, w_gate_up, w_down)
+    y, (lb, z, counts, dropped), routing = body(tokens, router_kernel, bias, w_gate_up, w_down,
+                                                extra)
     if shared is not None:
-        y = y + _shared_experts(tokens, shared, x.dtype)
+        ys = _shared_experts(tokens, shared, shared_gate, opts, x.dtype)
+        y = y + (ys if mask is None else jnp.where(mask[:, None], ys, jnp.zeros((), ys.dtype)))
     aux = {
         "load_balance_loss": lb,
         "router_z_loss": z,
         "tokens_per_expert": counts,
         "dropped_tokens": dropped,
     }
-    if out_spec is not None:  # Explicit mesh: give y back the tokens' sharding
+    if t_pad != t:
+        y = _unpad_rows(y, t, mesh)
+        routing = {k: _unpad_rows(v, t, mesh) for k, v in routing.items()}
+    if out_spec is not None:  # Explicit mesh: give y (and routing) back the tokens' sharding
         y = _reshard(y, mesh, out_spec)
+        routing = {k: _reshard(v, mesh, out_spec) for k, v in routing.items()}
+    for name, value in routing.items():
+        aux[name] = value.reshape(b, s, -1)
     return y.reshape(b, s, d).astype(x.dtype), aux
 
 
 class MoE(nnx.Module):
-    """Expert-parallel Mixture-of-Experts feed-forward layer (SwiGLU experts, top-k router).
+    """Expert-parallel Mixture-of-Experts feed-forward layer (gated experts, top-k router).
 
     ``y = sum_{j<k} w_j(x) * E_{e_j}(x) + S(x)`` where the router picks ``e_j`` by
-    ``top_k(score(x W_r) + bias)``, ``E_e(x) = (silu(x Wg_e) * (x Wu_e)) Wd_e`` and ``S`` is the
-    optional always-on shared expert (DeepSeekMoE). Experts are split over the mesh's expert
-    axis and tokens over every mesh axis; tokens travel to their experts by ``all_to_all``
-    (optionally as FP8 e4m3 with E8M0 block scales). Every static choice lives in ``options``.
+    ``top_k(score(x W_r + b_r) + bias)``, ``E_e(x) = act(x Wgu_e + bgu_e) Wd_e + bd_e``
+    (``act([g | u]) = silu(g) * u`` by default) and ``S`` is the optional always-on shared
+    expert (DeepSeekMoE), optionally gated by ``sigmoid(x w_g)`` (Qwen2-MoE). Experts are split
+    over the mesh's expert axis and tokens over every mesh axis; tokens travel to their experts
+    by ``all_to_all`` (optionally as FP8 e4m3 with E8M0 block scales). Every static choice
+    lives in ``options``; the params the options ask for (``router_bias``, ``b_gate_up`` /
+    ``b_down``, ``shared_gate``) exist only when enabled.
+
+    Training and eval: like ``nnx.Dropout``, the layer has a ``deterministic`` attribute
+    (False: training) that ``.eval()`` / ``.train()`` and ``nnx.view`` set; only the router
+    jitter (``router_jitter_noise > 0``) depends on it, drawing its noise from the ``'jitter'``
+    stream of ``rngs`` (or its default stream).
 
     Args:
       d_model: model width.
@@ -282,7 +440,19 @@ class MoE(nnx.Module):
         self.mesh = mesh
         self.dtype = dtype
         self.opts = options
+        self.deterministic = False
         self._init_params(d_model, d_ff, param_dtype, rngs)
+        if options.router.router_jitter_noise > 0:
+            try:
+                self.jitter_rngs = rngs["jitter"].fork()
+            except KeyError:
+                raise ValueError(
+                    "router_jitter_noise > 0 draws noise from rngs['jitter'], which this Rngs "
+                    "lacks; pass nnx.Rngs(0) (a default stream) or nnx.Rngs(params=0, "
+                    "jitter=1)."
+                ) from None
+        else:
+            self.jitter_rngs = None
 
     def _init_params(self, d_model: int, d_ff: int, param_dtype, rngs: nnx.Rngs) -> None:
         """Router, expert banks (split over the expert axis), shared expert, balancing bias."""
@@ -292,6 +462,11 @@ class MoE(nnx.Module):
         # ``jax.set_mesh`` is refused under a trace, and ``moe_linen`` builds the module inside
         # ``apply``, often under ``jax.jit``. With only an ambient mesh, flax places them.
         eager = mesh is None and _resolve_mesh(mesh) is not None
+        # Banks whose expert count does not split over the expert axis stay whole on every
+        # device (moe_apply pads and splits them per call).
+        ambient = _resolve_mesh(mesh)
+        split = ambient is None or e % ambient.shape[axis] == 0
+        ax = axis if split else None
 
         def place(value, sharding):
             return value if mesh is None else _reshard(value, mesh, P(*sharding))
@@ -301,25 +476,58 @@ class MoE(nnx.Module):
             return nnx.Param(place(value, sharding), out_sharding=sharding,
                              eager_sharding=eager)
 
+        def zeros(shape, sharding):
+            return nnx.Param(place(jnp.zeros(shape, param_dtype), sharding),
+                             out_sharding=sharding, eager_sharding=eager)
+
+        eo = self.opts.experts
         self.router_kernel = param(rngs.params(), (d_model, e), d_model, (None, None))
-        self.w_gate_up = param(rngs.params(), (e, d_model, 2 * d_ff), d_model, (axis, None, None))
-        self.w_down = param(rngs.params(), (e, d_ff, d_model), d_ff, (axis, None, None))
-        if self.opts.experts.num_shared_experts:
-            f = self.opts.experts.num_shared_experts * d_ff
+        self.w_gate_up = param(rngs.params(), (e, d_model, 2 * d_ff), d_model, (ax, None, None))
+        self.w_down = param(rngs.params(), (e, d_ff, d_model), d_ff, (ax, None, None))
+        # Each attribute is assigned once: a None first would make it a static field.
+        if eo.num_shared_experts:
+            f = eo.num_shared_experts * d_ff
             self.shared_gate_up = param(rngs.params(), (d_model, 2 * f), d_model, (None, None))
             self.shared_down = param(rngs.params(), (f, d_model), f, (None, None))
         else:
             self.shared_gate_up = self.shared_down = None
+        if eo.shared_expert_gate:
+            self.shared_gate = param(rngs.params(), (d_model, 1), d_model, (None, None))
+        else:
+            self.shared_gate = None
+        self.router_bias = zeros((e,), (None,)) if self.opts.router.router_bias else None
+        if eo.expert_bias:
+            self.b_gate_up = zeros((e, 2 * d_ff), (ax, None))
+            self.b_down = zeros((e, d_model), (ax, None))
+        else:
+            self.b_gate_up = self.b_down = None
         self.balancing_bias = BalancingBias(
             place(jnp.zeros((e,), jnp.float32), (None,)), out_sharding=(None,),
             eager_sharding=eager,
         )
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """Returns ``(y, aux)`` for ``x [batch, seq, d_model]``; see :func:`moe_apply`."""
+    def __call__(
+        self, x: jax.Array, mask: jax.Array | None = None, *, deterministic: bool | None = None
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Returns ``(y, aux)`` for ``x [batch, seq, d_model]``; see :func:`moe_apply`.
+
+        Args:
+          x: ``[batch, seq, d_model]``.
+          mask: optional bool ``[batch, seq]``, False for padding tokens (excluded from
+            routing, capacity, counts and losses; their ``y`` is 0).
+          deterministic: overrides the ``deterministic`` attribute (True: no router jitter).
+        """
         shared = None
         if self.shared_gate_up is not None:
             shared = (self.shared_gate_up[...], self.shared_down[...])
+        value = lambda v: None if v is None else v[...]  # noqa: E731
+        expert_bias = None
+        if self.b_gate_up is not None:
+            expert_bias = (self.b_gate_up[...], self.b_down[...])
+        deterministic = self.deterministic if deterministic is None else deterministic
+        key = None
+        if self.jitter_rngs is not None and not deterministic:
+            key = self.jitter_rngs()
         return moe_apply(
             jnp.asarray(x).astype(self.dtype),
             self.router_kernel[...],
@@ -329,7 +537,21 @@ class MoE(nnx.Module):
             shared,
             opts=self.opts,
             mesh=self.mesh,
+            router_bias=value(self.router_bias),
+            expert_bias=expert_bias,
+            shared_gate=value(self.shared_gate),
+            token_mask=mask,
+            jitter_key=key,
         )
+
+    def set_view(self, deterministic: bool | None = None):
+        """Sets the view attributes of ``nnx.view`` (and ``.eval()`` / ``.train()``).
+
+        Args:
+          deterministic: True turns the router jitter off (eval), False on (training).
+        """
+        if deterministic is not None:
+            self.deterministic = deterministic
 
     def update_balancing_bias(self, tokens_per_expert: jax.Array, rate: float = 1e-3) -> None:
         """Aux-loss-free balancing step: ``bias += rate * sign(mean_load - load)``."""

@@ -19,6 +19,7 @@ import dataclasses
 from typing import Any, Literal
 
 from moe import fp8
+from moe.activations import GatedActivation
 from moe.routing import RouterConfig
 
 __all__ = ["DispatchOptions", "ExpertOptions", "MoEOptions"]
@@ -100,8 +101,17 @@ class ExpertOptions:
       save_z: what the backward keeps of ``z = x W_gu``: ``'bf16'``, ``'fp8'`` or
         ``'recompute'``.
       wgrad_dtype: precision of the two weight-gradient GEMMs.
-      num_shared_experts: always-on experts, fused into one SwiGLU of width
+      num_shared_experts: always-on experts, fused into one gated MLP of width
         ``num_shared_experts * d_ff`` (DeepSeekMoE).
+      activation: the gated activation of the routed and shared experts: a
+        :class:`moe.activations.GatedActivation` or its kind, ``'silu'`` (SwiGLU),
+        ``'gelu'``, ``'gelu_tanh'`` or ``'clamped_swiglu'`` (GPT-OSS, alpha 1.702, limit 7);
+        stored as a ``GatedActivation``.
+      expert_bias: the routed experts have biases, ``b_gate_up [E, 2 * d_ff]`` and
+        ``b_down [E, d_model]`` (GPT-OSS).
+      shared_expert_gate: scale the shared experts' output by ``sigmoid(x @ w_g)``, ``w_g``
+        a ``[d_model, 1]`` param (Qwen2-MoE's ``shared_expert_gate``); needs
+        ``num_shared_experts >= 1``.
     """
 
     backend: Backend = "auto"
@@ -110,6 +120,9 @@ class ExpertOptions:
     save_z: SaveZ = "bf16"
     wgrad_dtype: GemmDtype = "bf16"
     num_shared_experts: int = 0
+    activation: GatedActivation | str = "silu"
+    expert_bias: bool = False
+    shared_expert_gate: bool = False
 
     def __post_init__(self):
         check_choice("backend", self.backend,
@@ -121,6 +134,12 @@ class ExpertOptions:
         n = self.num_shared_experts
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"num_shared_experts must be an int >= 0, got {n!r}.")
+        object.__setattr__(self, "activation", GatedActivation.of(self.activation))
+        if self.shared_expert_gate and not n:
+            raise ValueError(
+                "shared_expert_gate=True gates the shared experts, but num_shared_experts=0; "
+                "pass num_shared_experts >= 1 too."
+            )
 
 
 _PARTS = ("router", "dispatch", "experts")
@@ -210,8 +229,9 @@ class MoEOptions:
         """The one validation pass of these options against a layer's widths and mesh.
 
         Raises:
-          ValueError: a width the FP8 options quantize is not block-aligned, the mesh lacks
-            ``expert_axis`` or a batch axis, or ``num_experts`` does not split over it.
+          ValueError: a width the FP8 options quantize is not block-aligned, or the mesh lacks
+            ``expert_axis`` or a batch axis. (``num_experts`` need not divide the expert axis:
+            the layer pads the banks with experts the router never selects.)
         """
         for name, value in (("d_model", d_model), ("d_ff", d_ff)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -224,13 +244,6 @@ class MoEOptions:
             experts.check_backend_available(self.experts.backend)
         if mesh is not None:
             self.token_axes(mesh)
-            ep = mesh.shape[self.dispatch.expert_axis]
-            if self.router.num_experts % ep:
-                raise ValueError(
-                    f"num_experts={self.router.num_experts} is not divisible by the size {ep} "
-                    f"of expert_axis {self.dispatch.expert_axis!r}; choose num_experts a "
-                    f"multiple of {ep} or a smaller expert axis."
-                )
 
     def token_axes(self, mesh: Any) -> tuple[str, ...]:
         """The mesh axes the tokens are split over: the batch axes, then ``expert_axis``."""

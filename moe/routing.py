@@ -1,14 +1,22 @@
 """Top-k MoE router: scores, (group-limited) expert selection, weights and auxiliary losses.
 
-Pure functions on arrays (DESIGN.md, "MoE semantics"):
+Pure functions on arrays:
 
-    logits  = x @ router_kernel                          (float32)
+    logits  = x @ router_kernel (+ router_bias)          (float32)
     scores  = softmax(logits) or sigmoid(logits)
     experts = top_k(scores + bias)                        (bias: selection only)
     weights = routed_scaling * scores[experts] (/ sum, if renormalize)
 
 The bias is DeepSeek-V3's auxiliary-loss-free balancing term: it is not trained by gradients
-but moved by :func:`update_balancing_bias` from the observed expert loads.
+but moved by :func:`update_balancing_bias` from the observed expert loads. The optional
+``router_bias`` (GPT-OSS) is an ordinary trained bias of the logits.
+
+Load-balancing loss convention: ``load_balance_loss = E * sum_e f_e * P_e`` with ``f_e`` the
+fraction of the ``T * k`` routing slots sent to expert ``e`` (so ``sum_e f_e = 1``) and ``P_e``
+the mean router probability of ``e``. transformers' ``load_balancing_loss_func`` (Mixtral,
+Qwen-MoE, ...) normalizes the one-hot selections per choice instead (each of the ``k`` rows
+sums to 1), so on the same routing its value is ``top_k`` times ours: multiply
+``router_aux_loss_coef`` by ``top_k`` to use a transformers coefficient here.
 """
 
 from __future__ import annotations
@@ -43,6 +51,16 @@ class RouterConfig:
       stop_score_gradient: treat the logits (hence scores, weights and both auxiliary losses)
         as constants: the router kernel gets an exact zero gradient and the backward pass
         holds no router matmul. The losses are then metrics only.
+      router_bias: the layer owns a trained bias ``[E]`` of the logits (GPT-OSS).
+      router_jitter_noise: ``eps > 0`` multiplies the layer's input by noise drawn uniformly
+        from ``[1 - eps, 1 + eps]`` per element in training (Mixtral's
+        ``router_jitter_noise``); never in eval mode (:class:`moe.MoE` ``.eval()``).
+      jitter_input: who sees the jittered input: ``'all'`` (router and experts, as
+        transformers' Mixtral block, which scales its input in place) or ``'router'`` (the
+        router only, as Switch Transformer).
+      return_routing: add each token's ``expert_ids`` (int32 ``[batch, seq, k]``, -1 for
+        masked tokens) and combine ``expert_weights`` (f32, 0 for masked tokens) to the
+        layer's ``aux``.
     """
 
     num_experts: int
@@ -54,6 +72,10 @@ class RouterConfig:
     score_fn: Literal["softmax", "sigmoid"] = "softmax"
     renormalize: bool = True
     stop_score_gradient: bool = False
+    router_bias: bool = False
+    router_jitter_noise: float = 0.0
+    jitter_input: Literal["all", "router"] = "all"
+    return_routing: bool = False
 
     def __post_init__(self):
         e, k, g = self.num_experts, self.top_k, self.num_groups
@@ -84,6 +106,13 @@ class RouterConfig:
         if not isinstance(self.routed_scaling, (int, float)) or not self.routed_scaling > 0:
             raise ValueError(
                 f"routed_scaling must be a positive number, got {self.routed_scaling!r}."
+            )
+        eps = self.router_jitter_noise
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
+            raise ValueError(f"router_jitter_noise must be a number in [0, 1), got {eps!r}.")
+        if self.jitter_input not in ("all", "router"):
+            raise ValueError(
+                f"jitter_input must be 'all' or 'router', got {self.jitter_input!r}."
             )
 
 
@@ -134,10 +163,12 @@ def route(
     bias: ArrayLike | None = None,
     *,
     config: RouterConfig,
+    router_bias: ArrayLike | None = None,
+    token_mask: ArrayLike | None = None,
 ) -> Routing:
     """Route tokens to their top-k experts and compute the auxiliary router losses.
 
-    ``logits = x @ W`` (float32, full precision); ``s = softmax(logits)`` or
+    ``logits = x @ W (+ router_bias)`` (float32, full precision); ``s = softmax(logits)`` or
     ``sigmoid(logits)``; with group-limited routing, only experts of the ``topk_groups`` groups
     with the largest sum of their top-2 biased scores ``s + b`` compete (as DeepSeek-V3);
     ``ids = top_k(s + b)``; ``w = routed_scaling * s[ids] / (sum s[ids] if renormalize)``.
@@ -145,13 +176,20 @@ def route(
     fraction of the ``T*k`` slots sent to ``e`` and ``P_e`` the mean of ``s`` normalized to sum
     1 over experts (``s`` itself for softmax); ``router_z_loss = mean(logsumexp(logits)^2)``.
     The bias only changes the selection; it gets no gradient. Under ``shard_map`` the counts
-    and losses cover the local tokens.
+    and losses cover the local tokens. transformers' load-balancing loss is ``top_k`` times
+    this one on the same routing (see the module docstring).
+
+    With ``token_mask``, masked tokens (False) get weights 0 and count nowhere: ``T`` is the
+    number of unmasked tokens in ``f``, ``P`` and the z-loss (both losses are 0 when no
+    token is unmasked); their ``expert_ids`` are still their top-k.
 
     Args:
       x: tokens ``[..., d_model]``.
       router_kernel: ``[d_model, num_experts]``.
       bias: balancing bias ``[num_experts]`` (default zeros), see :func:`update_balancing_bias`.
       config: a :class:`RouterConfig`.
+      router_bias: trained bias of the logits ``[num_experts]`` (GPT-OSS), or None.
+      token_mask: bool ``x.shape[:-1]``, False for padding tokens; None: every token counts.
 
     Returns:
       A :class:`Routing`.
@@ -193,6 +231,15 @@ def route(
             "no balancing bias."
         )
     bias = jax.lax.stop_gradient(bias.astype(jnp.float32))
+    if router_bias is not None and jnp.shape(router_bias) != (e,):
+        raise ValueError(
+            f"router_bias must have shape [num_experts] = ({e},), got {jnp.shape(router_bias)}."
+        )
+    if token_mask is not None and jnp.shape(token_mask) != x.shape[:-1]:
+        raise ValueError(
+            f"token_mask must have shape x.shape[:-1] = {x.shape[:-1]}, got "
+            f"{jnp.shape(token_mask)}; pass one bool per token (False: padding)."
+        )
 
     with jax.named_scope("router_logits"):
         logits = jnp.matmul(
@@ -200,6 +247,8 @@ def route(
             router_kernel.astype(jnp.float32),
             precision=jax.lax.Precision.HIGHEST,
         )
+        if router_bias is not None:
+            logits = logits + jnp.asarray(router_bias).astype(jnp.float32)
     if config.stop_score_gradient:
         logits = jax.lax.stop_gradient(logits)
     if config.score_fn == "softmax":
@@ -220,16 +269,21 @@ def route(
         denom = jnp.sum(weights, axis=-1, keepdims=True)
         weights = weights / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)
     weights = weights * jnp.float32(config.routed_scaling)
+    keep = jnp.ones(x.shape[:-1], bool) if token_mask is None else jnp.asarray(token_mask, bool)
+    if token_mask is not None:
+        weights = jnp.where(keep[..., None], weights, 0.0)
 
     # A one-hot sum rather than bincount: a reduction partitions under every mesh type
     # (bincount's scatter needs an ambient mesh when the ids are Explicit-sharded).
-    one_hot = expert_ids[..., None] == jnp.arange(e, dtype=expert_ids.dtype)
+    one_hot = (expert_ids[..., None] == jnp.arange(e, dtype=expert_ids.dtype)) \
+        & keep[..., None, None]
     tokens_per_expert = jnp.sum(one_hot.reshape(-1, e), axis=0, dtype=jnp.int32)
-    num_slots = expert_ids.size
-    f = tokens_per_expert.astype(jnp.float32) / max(num_slots, 1)
-    p = jnp.mean(probs.reshape(-1, e), axis=0)
+    num_tokens = jnp.maximum(jnp.sum(keep, dtype=jnp.float32), 1.0)
+    f = tokens_per_expert.astype(jnp.float32) / (num_tokens * k)
+    p = jnp.sum(jnp.where(keep[..., None], probs, 0.0).reshape(-1, e), axis=0) / num_tokens
     load_balance_loss = e * jnp.sum(f * p)
-    router_z_loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+    lse = jnp.where(keep, jax.nn.logsumexp(logits, axis=-1), 0.0)
+    router_z_loss = jnp.sum(lse**2) / num_tokens
     return Routing(
         expert_ids=expert_ids,
         weights=weights,

@@ -63,10 +63,10 @@ def _call(x_shape=(2, 8, 64), **kw):
         return nnx.jit(lambda m, x: m(x))(layer, jnp.ones(x_shape))
 
 
-def _moe_apply(w_down_shape=(8, 32, 64), bias_shape=(8,)):
-    opts = moe.MoEOptions.create(8, 2)
+def _moe_apply(w_down_shape=(8, 32, 64), bias_shape=(8,), expert_bias=False, **kw):
+    opts = moe.MoEOptions.create(8, 2, expert_bias=expert_bias)
     return jax.eval_shape(
-        lambda *a: moe.moe_apply(*a, opts=opts, mesh=_mesh()),
+        lambda *a: moe.moe_apply(*a, opts=opts, mesh=_mesh(), **kw),
         jnp.ones((2, 8, 64)), jnp.ones((64, 8)), jnp.ones((8, 64, 64)), jnp.ones(w_down_shape),
         jnp.zeros(bias_shape))
 
@@ -140,8 +140,6 @@ CASES = {
     "d_ff float": (ValueError, "d_ff must be a positive int, got 32.0", lambda: _moe(d_ff=32.0)),
     "top_k > experts": (ValueError, r"top_k must be an int in \[1, num_experts=4\]",
                         lambda: _moe(num_experts=4, top_k=5)),
-    "experts % expert axis": (ValueError, "num_experts=6 is not divisible by the size 4 of "
-                              "expert_axis 'expert'", lambda: _moe(num_experts=6)),
     "expert_axis missing": (ValueError, "expert_axis='ep' is not an axis of the mesh",
                             lambda: _moe(expert_axis="ep")),
     "batch_axes missing": (ValueError, "batch_axes names 'dp'", lambda: _moe(batch_axes=("dp",))),
@@ -153,6 +151,17 @@ CASES = {
                          lambda: _moe(dispatch_dtype="fp8", fp8_block_size=0, mesh=None)),
     "shared experts < 0": (ValueError, "num_shared_experts must be an int >= 0",
                            lambda: _moe(num_shared_experts=-1)),
+    "shared gate alone": (ValueError, "shared_expert_gate=True gates the shared experts, but "
+                          "num_shared_experts=0", lambda: _moe(shared_expert_gate=True)),
+    "activation": (ValueError, "activation kind='relu' is not supported",
+                   lambda: _moe(activation="relu")),
+    "clamp limit": (ValueError, "clamped_swiglu limit must be a positive number",
+                    lambda: _moe(activation=moe.GatedActivation("clamped_swiglu", limit=0.0))),
+    "jitter range": (ValueError, r"router_jitter_noise must be a number in \[0, 1\)",
+                     lambda: _moe(router_jitter_noise=1.5)),
+    "jitter stream": (ValueError, r"rngs\['jitter'\], which this Rngs lacks",
+                      lambda: moe.MoE(64, 32, options=moe.MoEOptions.create(
+                          8, 2, router_jitter_noise=0.1), rngs=nnx.Rngs(params=0))),
     "score_fn": (ValueError, "score_fn must be 'softmax' or 'sigmoid'",
                  lambda: _moe(score_fn="relu")),
     "routed_scaling NaN": (ValueError, "routed_scaling must be a positive number, got nan",
@@ -174,8 +183,12 @@ CASES = {
                  lambda: _call(x_shape=(16, 64))),
     "x d_model": (ValueError, r"router_kernel has shape \(64, 8\).*x's last axis",
                   lambda: _call(x_shape=(2, 8, 32))),
-    "tokens % devices": (ValueError, r"batch \* seq = 4 tokens.*divisible by the 8",
-                         lambda: _call(x_shape=(1, 4, 64))),
+    "token_mask shape": (ValueError, r"token_mask has shape \(2, 4\); it must be \[batch, seq\]",
+                         lambda: _moe()(jnp.ones((2, 8, 64)), jnp.ones((2, 4), bool))),
+    "router_bias off": (ValueError, "router_bias was passed but router_bias=False",
+                        lambda: _moe_apply(router_bias=jnp.zeros(8))),
+    "expert_bias missing": (ValueError, "expert_bias=True needs expert_bias",
+                            lambda: _moe_apply(expert_bias=True)),
     "moe_apply w_down": (ValueError, r"w_down has shape \(2, 16, 64\)",
                          lambda: _moe_apply(w_down_shape=(8, 16, 64))),
     "moe_apply bias": (ValueError, r"bias must have shape \[num_experts\] = \(8,\), got \(4,\)",

@@ -1,0 +1,126 @@
+"""Gated expert activations: ``h = act(z)`` for ``z = [z_gate | z_up]``, with exact derivatives.
+
+:class:`GatedActivation` is the static (hashable) choice of the experts' nonlinearity; its
+:meth:`~GatedActivation.apply` gives ``h`` and :meth:`~GatedActivation.grad` the hand-written
+``dz`` that :func:`moe.gated_experts`' custom backward uses. Kinds, with ``g = z_gate`` and
+``u = z_up``:
+
+* ``'silu'`` (SwiGLU; Mixtral, Qwen, DeepSeek): ``h = silu(g) * u``;
+* ``'gelu'`` (GeGLU, exact erf GELU; transformers' ``hidden_act='gelu'``):
+  ``h = g * Phi(g) * u``;
+* ``'gelu_tanh'`` (GeGLU, tanh approximation; ``'gelu_pytorch_tanh'`` / ``'gelu_new'``):
+  ``h = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) * u``;
+* ``'clamped_swiglu'`` (GPT-OSS): ``g' = min(g, limit)``, ``u' = clip(u, -limit, limit)``,
+  ``h = (u' + 1) * g' * sigmoid(alpha * g')`` (defaults ``alpha = 1.702``, ``limit = 7``). The
+  clamps pass no gradient outside their range (as ``torch.clamp``: the bounds are inside).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["GatedActivation"]
+
+Kind = Literal["silu", "gelu", "gelu_tanh", "clamped_swiglu"]
+_KINDS = ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
+_GELU_C = math.sqrt(2.0 / math.pi)
+_GELU_A = 0.044715
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedActivation:
+    """The gated nonlinearity of the experts (hashable, ``jit``-static).
+
+    Attributes:
+      kind: ``'silu'``, ``'gelu'``, ``'gelu_tanh'`` or ``'clamped_swiglu'`` (see the module
+        docstring for each formula).
+      alpha: ``'clamped_swiglu'`` only: the sigmoid's slope (GPT-OSS: 1.702).
+      limit: ``'clamped_swiglu'`` only: the clamp bound (GPT-OSS: ``swiglu_limit`` = 7.0).
+
+    Example:
+      >>> act = GatedActivation("clamped_swiglu", alpha=1.702, limit=7.0)
+      >>> z = jnp.array([[9.0, -1.0, 0.5, 8.0]])  # gate [9, -1], up [0.5, 8]
+      >>> [round(v, 3) for v in act.apply(z)[0].tolist()]  # gate 9 -> 7, up 8 -> 7
+      [10.5, -1.234]
+    """
+
+    kind: Kind = "silu"
+    alpha: float | None = None
+    limit: float | None = None
+
+    def __post_init__(self):
+        if self.kind not in _KINDS:
+            raise ValueError(f"activation kind={self.kind!r} is not supported; use one of "
+                             f"{_KINDS}.")
+        if self.kind == "clamped_swiglu":
+            alpha = 1.702 if self.alpha is None else self.alpha
+            limit = 7.0 if self.limit is None else self.limit
+            for name, v in (("alpha", alpha), ("limit", limit)):
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                    raise ValueError(f"clamped_swiglu {name} must be a positive number, got "
+                                     f"{v!r}.")
+            object.__setattr__(self, "alpha", float(alpha))
+            object.__setattr__(self, "limit", float(limit))
+        elif self.alpha is not None or self.limit is not None:
+            raise ValueError(f"alpha and limit apply to kind='clamped_swiglu' only, not "
+                             f"{self.kind!r}; leave them None.")
+
+    @classmethod
+    def of(cls, value: GatedActivation | str) -> GatedActivation:
+        """``value`` itself, or the activation of that kind with its default parameters."""
+        if isinstance(value, GatedActivation):
+            return value
+        if isinstance(value, str):
+            return cls(value)
+        raise TypeError(f"activation must be a GatedActivation or one of {_KINDS}, got "
+                        f"{type(value).__name__}.")
+
+    def apply(self, z: jax.Array) -> jax.Array:
+        """``h [..., f]`` in f32 from ``z [..., 2f] = [z_gate | z_up]``."""
+        g, u = jnp.split(z.astype(jnp.float32), 2, axis=-1)
+        if self.kind == "clamped_swiglu":
+            g = jnp.minimum(g, self.limit)
+            u = jnp.clip(u, -self.limit, self.limit)
+            return (u + 1.0) * (g * jax.nn.sigmoid(self.alpha * g))
+        return self._act(g) * u
+
+    def grad(self, z: jax.Array, dh: jax.Array) -> jax.Array:
+        """``dz [..., 2f]`` in f32: the exact vector-Jacobian product of :meth:`apply`."""
+        g, u = jnp.split(z.astype(jnp.float32), 2, axis=-1)
+        dh = dh.astype(jnp.float32)
+        if self.kind == "clamped_swiglu":
+            gc = jnp.minimum(g, self.limit)
+            uc = jnp.clip(u, -self.limit, self.limit)
+            sig = jax.nn.sigmoid(self.alpha * gc)
+            glu = gc * sig
+            dglu = sig * (1.0 + self.alpha * gc * (1.0 - sig))
+            dg = jnp.where(g <= self.limit, dh * (uc + 1.0) * dglu, 0.0)
+            du = jnp.where(jnp.abs(u) <= self.limit, dh * glu, 0.0)
+            return jnp.concatenate([dg, du], axis=-1)
+        return jnp.concatenate([dh * u * self._dact(g), dh * self._act(g)], axis=-1)
+
+    def _act(self, g: jax.Array) -> jax.Array:
+        """The gate nonlinearity ``a(g)`` of the product kinds."""
+        if self.kind == "silu":
+            return jax.nn.silu(g)
+        if self.kind == "gelu":
+            return 0.5 * g * (1.0 + jax.lax.erf(g * (1.0 / math.sqrt(2.0))))
+        return g * jax.nn.sigmoid(2.0 * _GELU_C * (g + _GELU_A * g**3))  # 0.5 (1 + tanh)
+
+    def _dact(self, g: jax.Array) -> jax.Array:
+        """``a'(g)``."""
+        if self.kind == "silu":
+            sig = jax.nn.sigmoid(g)
+            return sig * (1.0 + g * (1.0 - sig))
+        if self.kind == "gelu":
+            cdf = 0.5 * (1.0 + jax.lax.erf(g * (1.0 / math.sqrt(2.0))))
+            pdf = jnp.exp(-0.5 * g * g) * (1.0 / math.sqrt(2.0 * math.pi))
+            return cdf + g * pdf
+        # 0.5 (1 + tanh(v)) = sigmoid(2 v): accurate in the tails, where 1 + tanh cancels.
+        sig = jax.nn.sigmoid(2.0 * _GELU_C * (g + _GELU_A * g**3))
+        return sig + g * sig * (1.0 - sig) * 2.0 * _GELU_C * (1.0 + 3 * _GELU_A * g * g)
