@@ -341,14 +341,34 @@ def _check_fp8_dims(opts: _Opts, d_model: int, d_ff: int) -> None:
         fp8.check_width(2 * d_ff, opts.block_size, what="2*d_ff (for save_z='fp8')")
 
 
+@jax.custom_vjp
+def _permute_rows(x: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
+    """``x[index]`` (zero rows where ``index`` is out of range) whose cotangent is gathered
+    back by ``inverse``: a row gather both ways, no scatter-add (the maps are mutually
+    inverse on the rows they keep)."""
+    return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
+
+
+def _permute_rows_fwd(x, index, inverse):
+    return _permute_rows(x, index, inverse), (index, inverse)
+
+
+def _permute_rows_bwd(res, ct):
+    index, inverse = res
+    return jnp.take(ct, inverse, axis=0, mode="fill", fill_value=0), None, None
+
+
+_permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+
+
 def _aligned_call(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up, alignment: int):
     """Runs a backend that needs tile-aligned groups on plain ragged x: rows are gathered into
-    the aligned layout and the outputs gathered back (both differentiable gathers)."""
+    the aligned layout and the outputs gathered back (row gathers both ways)."""
     src, dst, padded = _grouped.align_map(gs, x.shape[0], alignment)
     x = _mask_rows(opts, x, gs)
-    x_al = jnp.take(x, src, axis=0, mode="fill", fill_value=0)
+    x_al = _permute_rows(x, src, dst)
     y_al = _experts(opts, x_al, padded, w_gate_up, w_down, b_gate_up)
-    return jnp.take(y_al, dst, axis=0, mode="fill", fill_value=0)
+    return _permute_rows(y_al, dst, src)
 
 
 def _bias_epilogue(y, b_down, real_gs, layout_gs, *, masked: bool, aligned: bool):

@@ -16,6 +16,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from moe import _gmm_pallas as gp
+from moe import _vma
 from moe import experts as experts_mod
 from moe.experts import gated_experts
 
@@ -230,7 +231,7 @@ def test_gated_experts_pallas_needs_ragged_x():
 # ----------------------------------------------------------------------------------------------
 # Inside jax.shard_map (check_vma=True): the pallas_call declares its outputs' varying mesh axes
 # (the union of its operands'), and interpret mode runs unchecked (moe._gmm_pallas, comment
-# above _varying_axes). Every device owns its own groups; tiny shapes (interpret mode is slow).
+# above varying_axes in moe._vma). Every device owns its own groups; tiny shapes (interpret mode is slow).
 # ----------------------------------------------------------------------------------------------
 
 N_DEV, SM, SG = 8, 32, 3  # devices, rows and groups per device
@@ -307,7 +308,7 @@ def test_gmm_inside_shard_map_with_replicated_operands():
     )
     def local(lhs, rhs, gs, dy):
         out = gp.gmm(lhs, rhs, gs, tiling=TILES)
-        assert gp._varying_axes(out) == {"data", "expert"}
+        assert _vma.varying_axes(out) == {"data", "expert"}
         return out, gp.tgmm(lhs, dy, gs, tiling=TILES)
 
     out, out_w = local(
