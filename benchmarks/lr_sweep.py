@@ -2,8 +2,9 @@
 
 Every run is one call of ``train_lm.train_one`` with the trainer's own flags, so a sweep point
 is exactly the run ``train_lm.py --optimizer muon|adamw --lr/--adam-lr X`` would make: same
-model, batches, schedule, steps and tokens. For Muon the grid is ``--lr`` (hidden matrices),
-with its AdamW parts at the trainer's ``--adam-lr``; for AdamW it is ``--adam-lr``. The
+model, batches, schedule, steps and tokens. For Muon the grid is ``--lr`` (shared by the
+hidden matrices and the AdamW part, unless ``--muon-adam-lr`` pins the latter); for AdamW it is
+``--adam-lr``. The
 trainer's default learning rates (its width rule) are added to each grid unless
 ``--no-defaults``, so the summary can compare default against default and best against best.
 
@@ -19,9 +20,11 @@ Outputs in ``--out``: ``lr_sweep.json`` (``runs``: one row per run with the fina
 loss, lr, optimizer, steps, tokens, preset and wall time; ``summary``: ``<preset>_muon_default_
 val_loss``, ``<preset>_muon_best_val_loss``, the AdamW pair and the learning rates behind
 them), ``lr_sweep.png`` (final validation loss against lr, log x, one line per optimizer) and
-``runs/<optimizer>_lr<lr>/metrics.jsonl``. The JSON is rewritten after every run; runs already
-in it with the same settings are not run again, so a sweep cut short (e.g. by a time limit)
-continues when the same command is run again with the same ``--out``.
+``runs/<optimizer>_lr<lr>/metrics.jsonl``. The JSON is rewritten after every run. Runs already
+in it with the same settings are not run again and are kept (also those outside this grid), so
+a sweep cut short (e.g. by a time limit) continues when the same command is run again with the
+same ``--out``, and a sweep may be split over several commands (``--optimizers muon``, then
+``--optimizers adamw``) into one table. Runs with other settings are dropped from it.
 """
 
 from __future__ import annotations
@@ -96,15 +99,26 @@ def grids(sweep, trainer) -> dict[str, list[float]]:
 
 def run_key(name: str, lr: float, args) -> dict:
     """What makes two runs the same run: the optimizer, its lr and every setting that counts."""
-    cfg = {k: v for k, v in sorted(vars(args).items()) if k not in _NOT_IN_KEY}
-    return {"optimizer": name, "lr": lr, "adam_lr": args.adam_lr, "config": cfg}
+    skip = _NOT_IN_KEY + (("router_optimizer", "muon_adam_lr") if name == "adamw" else ())
+    cfg = {k: v for k, v in sorted(vars(args).items()) if k not in skip}
+    return {"optimizer": name, "lr": lr, "config": cfg}
+
+
+def with_lr(trainer, name: str, lr: float):
+    """A copy of the trainer's settings with ``name``'s learning rate set to ``lr``."""
+    args = copy.copy(trainer)
+    if name == "muon":
+        args.lr = lr
+    else:
+        args.adam_lr = lr
+    return args
 
 
 def summarize(rows: list[dict], defaults: dict[str, float], preset: str) -> dict:
     """Default-vs-default and best-vs-best figures, keyed ``<preset>_<optimizer>_...``."""
     out: dict = {}
     for name in ("muon", "adamw"):
-        mine = [r for r in rows if r["optimizer"] == name]
+        mine = sorted((r for r in rows if r["optimizer"] == name), key=lambda r: r["lr"])
         if not mine:
             continue
         ok = [r for r in mine if r["final_val_loss"] is not None]
@@ -184,6 +198,7 @@ def sweep_runs(sweep, trainer, mesh, corpus, *, log=print) -> dict:
     path = out / "lr_sweep.json"
     old = json.loads(path.read_text())["runs"] if path.exists() else []
     defaults = {"muon": trainer.lr, "adamw": trainer.adam_lr}
+    grid_lrs = grids(sweep, trainer)
     rows: list[dict] = []
 
     def write() -> dict:
@@ -193,13 +208,18 @@ def sweep_runs(sweep, trainer, mesh, corpus, *, log=print) -> dict:
         path.write_text(json.dumps(doc, indent=2))
         return doc
 
-    for name, lrs in grids(sweep, trainer).items():
+    dropped = 0
+    for r in old:  # earlier points of this sweep (same settings) that this grid leaves out
+        same = run_key(r["optimizer"], r["lr"], with_lr(trainer, r["optimizer"], r["lr"]))
+        if {k: r.get(k) for k in same} != same:
+            dropped += 1
+        elif same["lr"] not in grid_lrs.get(r["optimizer"], ()):
+            rows.append(r)
+    if dropped:
+        log(f"{dropped} run(s) in {path} had other settings; they are left out of this table")
+    for name, lrs in grid_lrs.items():
         for lr in lrs:
-            args = copy.copy(trainer)
-            if name == "muon":
-                args.lr = lr
-            else:
-                args.adam_lr = lr
+            args = with_lr(trainer, name, lr)
             key = run_key(name, lr, args)
             prev = [r for r in old if {k: r.get(k) for k in key} == key]
             if prev:

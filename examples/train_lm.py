@@ -117,10 +117,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("float32", "bfloat16"),
                    help=_preset_help("dtype", "compute dtype (params stay float32)"))
     p.add_argument("--tie-embeddings", action="store_true", help="share the embedding and head")
-    p.add_argument("--lr", type=float, help="Muon's peak learning rate (hidden matrices); "
-                   "default: the width rule, see the module docstring")
-    p.add_argument("--adam-lr", type=float, help="AdamW's peak learning rate (the AdamW run, "
-                   "and the Muon run's embeddings, head, norms); default: the width rule")
+    p.add_argument("--lr", type=float, help="the Muon run's peak learning rate, shared by its "
+                   "hidden matrices and its AdamW part (embeddings, head, norms); default: "
+                   "the width rule in the module docstring")
+    p.add_argument("--adam-lr", type=float, help="the AdamW run's peak learning rate; default: "
+                   "the width rule in the module docstring")
+    p.add_argument("--muon-adam-lr", type=float, help="the Muon run's AdamW part, if not --lr")
     p.add_argument("--router-optimizer", choices=("muon", "adamw"), default="muon",
                    help="which optimizer trains the MoE router kernels in the Muon run")
     p.add_argument("--weight-decay", type=float, default=0.01, help="decoupled, both optimizers")
@@ -222,6 +224,11 @@ def router_on_adamw(params):
     return jax.tree_util.tree_map_with_path(lambda path, f: f and not is_router(path), mask)
 
 
+def muon_adam_lr(args) -> float:
+    """The learning rate of the Muon run's AdamW part: ``--muon-adam-lr``, else ``--lr``."""
+    return args.lr if args.muon_adam_lr is None else args.muon_adam_lr
+
+
 def make_tx(name: str, args, mesh) -> optax.GradientTransformation:
     """Muon (hidden matrices, ZeRO-1 sharded) + AdamW for the rest, or plain AdamW."""
 
@@ -237,7 +244,7 @@ def make_tx(name: str, args, mesh) -> optax.GradientTransformation:
         schedule(args.lr),
         weight_decay=args.weight_decay,
         muon_mask=router_on_adamw if args.router_optimizer == "adamw" else None,
-        adam_learning_rate=schedule(args.adam_lr),
+        adam_learning_rate=schedule(muon_adam_lr(args)),
         mesh=mesh,
     )
 
@@ -431,7 +438,7 @@ def train_one(name, args, mesh, corpus, out: pathlib.Path, metrics_file) -> dict
         "steps_run": len(step_times),
         "tokens": tokens_per_step * args.steps,
         "lr": args.lr if name == "muon" else args.adam_lr,
-        "adam_lr": args.adam_lr,
+        "adam_part_lr": muon_adam_lr(args) if name == "muon" else None,
         "tokens_per_s": tok_s,
         "flops_per_token": flops_per_step / tokens_per_step,
         "peak_tflops_per_device": peak,
@@ -449,28 +456,38 @@ def read_metrics(path: pathlib.Path) -> list[dict]:
 
 
 def plot(records: list[dict], path: pathlib.Path) -> None:
+    """Train (smoothed) and validation loss, zoomed past the first steps; load balance below."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax, ax_lb) = plt.subplots(2, 1, figsize=(7, 6), sharex=True,
+                                    gridspec_kw={"height_ratios": [3, 1]})
+    finals = []
     for i, name in enumerate(sorted({r["optimizer"] for r in records})):
         rs = [r for r in records if r["optimizer"] == name]
         steps = np.array([r["step"] for r in rs])
-        train = np.array([r["train_loss"] for r in rs])
-        k = max(1, len(train) // 30)
-        smooth = np.convolve(train, np.ones(k) / k, mode="valid")
+        k = max(1, len(rs) // 30)
+        smooth = lambda v, k=k: np.convolve(np.asarray(v), np.ones(k) / k, mode="valid")
         color = f"C{i}"
-        ax.plot(steps[k - 1:], smooth, color=color, alpha=0.6, label=f"{name} train")
+        train = [r["train_loss"] for r in rs]
+        ax.plot(steps[k - 1:], smooth(train), color=color, alpha=0.6, label=f"{name} train")
         vs = [(r["step"], r["val_loss"]) for r in rs if "val_loss" in r]
         if vs:
             ax.plot(*zip(*vs, strict=True), "o-", color=color, label=f"{name} validation")
-    ax.set_xlabel("step")
+            finals.append(vs[-1][1])
+        ax_lb.plot(steps[k - 1:], smooth([r["load_balance_loss"] for r in rs]), color=color,
+                   label=name)
+    if finals:  # the first steps (loss ~5.5) would flatten everything after them
+        ax.set_ylim(top=2.0 * max(finals))
     ax.set_ylabel("cross-entropy (nats / byte)")
     ax.set_title("Byte-level MoE LM on the Python standard library")
     ax.grid(alpha=0.3)
     ax.legend()
+    ax_lb.set_xlabel("step")
+    ax_lb.set_ylabel("load balance\n(1 = uniform)")
+    ax_lb.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -512,8 +529,9 @@ def describe(args, mesh, corpus) -> str:
         f"preset {args.preset}: d_model {args.d_model}, {args.layers} layers, {args.experts} "
         f"experts top-{args.top_k} ({counts['total'] / 1e6:.1f}M params, "
         f"{counts['active'] / 1e6:.1f}M active), batch {args.batch} x {args.seq_len}, "
-        f"{args.steps} steps, {args.dtype}; lr: Muon {args.lr:.3g} (router on "
-        f"{args.router_optimizer}), AdamW {args.adam_lr:.3g}; peak "
+        f"{args.steps} steps, {args.dtype}; peak lr: Muon run {args.lr:.3g} (AdamW part "
+        f"{muon_adam_lr(args):.3g}, router on {args.router_optimizer}), AdamW run "
+        f"{args.adam_lr:.3g}; peak "
         f"{f'{peak:g} TFLOP/s per device' if peak else 'unknown (MFU n/a)'}"
     )
 

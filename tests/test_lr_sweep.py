@@ -1,4 +1,4 @@
-"""The learning-rate sweep (benchmarks/lr_sweep.py): table, plot, summary and reuse, at a tiny size."""
+"""benchmarks/lr_sweep.py: table, plot, summary and reuse of runs, at a tiny size."""
 
 import json
 import math
@@ -57,6 +57,21 @@ def test_sweep_cpu_tiny(tmp_path, capsys):
     assert lr_sweep.main(argv) == 0
     assert capsys.readouterr().out.count("reused from") == 4
     assert json.loads((out / "lr_sweep.json").read_text())["runs"] == runs
+
+    # A sweep split over commands keeps one table: an AdamW-only grid keeps the Muon rows.
+    assert lr_sweep.main([*TINY, "--optimizers", "adamw", "--adam-lrs", f"{default_adam * 2}",
+                          "--no-defaults", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.count("reused from") == 1
+    kept = json.loads((out / "lr_sweep.json").read_text())
+    assert sorted(map(json.dumps, kept["runs"])) == sorted(map(json.dumps, runs))
+    assert kept["summary"] == s
+
+    # Other settings (here --seed) are other runs: none is reused, and none kept.
+    # (Checked on the grid alone, without training: every key differs.)
+    args = train_lm.parse_args([*TINY, "--seed", "1"])
+    assert all(lr_sweep.run_key(r["optimizer"], r["lr"], lr_sweep.with_lr(
+        args, r["optimizer"], r["lr"])) != {k: r[k] for k in ("optimizer", "lr", "config")}
+        for r in runs)
 
 
 def test_sweep_bad_grid_is_one_line(capsys):
