@@ -45,6 +45,30 @@ class LMConfig:
             raise ValueError("d_model // num_heads must be even for rotary embeddings.")
 
 
+def param_counts(cfg: LMConfig) -> dict[str, int]:
+    """Parameter counts: ``total``, and ``active`` (matrices a token multiplies by).
+
+    ``active`` counts attention, routers, ``top_k`` of the experts and the head (the tied
+    embedding when ``tie_embeddings``); the embedding lookup and norm scales are not matmuls.
+    """
+    d, f, e, v = cfg.d_model, cfg.d_ff, cfg.num_experts, cfg.vocab_size
+    attn, router, expert = 4 * d * d, d * e, 3 * d * f
+    head = v * d
+    total = cfg.num_layers * (attn + router + e * expert + 2 * d) + d + v * d
+    total += 0 if cfg.tie_embeddings else head
+    active = cfg.num_layers * (attn + router + cfg.top_k * expert) + head
+    return {"total": total, "active": active}
+
+
+def train_flops_per_token(cfg: LMConfig, seq_len: int) -> float:
+    """Training FLOPs per token: ``6 * active + 12 * layers * d_model * seq_len``.
+
+    The second term is attention's ``QK^T`` and ``PV`` (forward and backward, the full square
+    the einsum computes), as in PaLM's MFU; capacity padding and dropped slots are ignored.
+    """
+    return 6.0 * param_counts(cfg)["active"] + 12.0 * cfg.num_layers * cfg.d_model * seq_len
+
+
 def rotary(x: jax.Array, base: float) -> jax.Array:
     """Rotary position embedding on [batch, seq, heads, head_dim] (Su et al., 2021)."""
     seq, half = x.shape[1], x.shape[-1] // 2

@@ -50,6 +50,23 @@ import muon_jax  # noqa: E402
 MESH_AXES = ("data", "expert")
 OPTIMIZERS = ("muon", "adamw", "both")
 
+PRESETS: dict[str, dict] = {
+    # 2 CPU cores, 8 simulated devices.
+    "cpu": dict(steps=300, batch=32, seq_len=128, d_model=128, layers=2, heads=4, d_ff=128,
+                experts=8, top_k=2, fp8_block_size=32, dtype="float32"),
+    # One H200 (or any GPU with >= 40 GB): ~70M active of ~430M params, 64k tokens a step.
+    "gpu": dict(steps=300, batch=64, seq_len=1024, d_model=1024, layers=8, heads=8, d_ff=1024,
+                experts=16, top_k=2, fp8_block_size=128, dtype="bfloat16"),
+}
+"""Model, batch and step count per ``--preset``; an explicit flag overrides its entry."""
+
+PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H100", 989.0), ("H200", 989.0), ("H800", 989.0), ("B200", 2250.0), ("A100", 312.0),
+    ("L40S", 362.0), ("TPU v4", 275.0), ("TPU v5 lite", 197.0), ("TPU v5e", 197.0),
+    ("TPU v5", 459.0), ("TPU v6 lite", 918.0), ("TPU v6e", 918.0),
+)
+"""Dense bf16 peak TFLOP/s per device, matched as substrings of ``device_kind`` in order."""
+
 
 class UsageError(ValueError):
     """A bad flag: reported as one line, without a traceback."""
@@ -60,42 +77,78 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` except where the default is ``None`` (set by the preset/rule)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _preset_help(name: str, what: str = "") -> str:
+    vals = ", ".join(f"{p} {PRESETS[p][name]}" for p in PRESETS)
+    return f"{what}{'; ' if what else ''}default from --preset ({vals})"
+
+
+def default_lrs(d_model: int) -> tuple[float, float]:
+    """The default peak learning rates ``(muon_lr, adam_lr)`` for a model of width ``d_model``."""
+    return 0.02, 3e-3
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = _Parser(description=__doc__.splitlines()[0])
-    p.add_argument("--optimizer", default="both", help="muon | adamw | both (default both)")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--d-ff", type=int, default=128)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
+    p = _Parser(description=__doc__.splitlines()[0], formatter_class=_HelpFormatter)
+    p.add_argument("--preset", choices=tuple(PRESETS), default="cpu",
+                   help="model, batch and steps for a 2-core CPU or one GPU; flags override")
+    p.add_argument("--optimizer", default="both", help="muon | adamw | both")
+    p.add_argument("--steps", type=int, help=_preset_help("steps"))
+    p.add_argument("--batch", type=int, help=_preset_help("batch", "global batch (sequences)"))
+    p.add_argument("--seq-len", type=int, help=_preset_help("seq_len"))
+    p.add_argument("--d-model", type=int, help=_preset_help("d_model"))
+    p.add_argument("--layers", type=int, help=_preset_help("layers"))
+    p.add_argument("--heads", type=int, help=_preset_help("heads"))
+    p.add_argument("--d-ff", type=int, help=_preset_help("d_ff", "expert hidden width"))
+    p.add_argument("--experts", type=int, help=_preset_help("experts"))
+    p.add_argument("--top-k", type=int, help=_preset_help("top_k"))
     p.add_argument("--capacity-factor", type=float, default=2.0, help="<= 0 means dropless")
-    p.add_argument("--fp8-dispatch", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--fp8-block-size", type=int, default=32)
-    p.add_argument("--tie-embeddings", action="store_true")
-    p.add_argument("--lr", type=float, default=0.02, help="Muon learning rate (matrices)")
-    p.add_argument("--adam-lr", type=float, default=3e-3, help="AdamW learning rate")
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--fp8-dispatch", action=argparse.BooleanOptionalAction, default=True,
+                   help="FP8 e4m3 tokens on the expert all-to-all (default on)")
+    p.add_argument("--fp8-block-size", type=int, help=_preset_help("fp8_block_size"))
+    p.add_argument("--dtype", choices=("float32", "bfloat16"),
+                   help=_preset_help("dtype", "compute dtype (params stay float32)"))
+    p.add_argument("--tie-embeddings", action="store_true", help="share the embedding and head")
+    p.add_argument("--lr", type=float, help="the Muon run's peak learning rate, shared by its "
+                   "hidden matrices and its AdamW part (embeddings, head, norms); default: "
+                   "the width rule in the module docstring")
+    p.add_argument("--adam-lr", type=float, help="the AdamW run's peak learning rate; default: "
+                   "the width rule in the module docstring")
+    p.add_argument("--muon-adam-lr", type=float, help="the Muon run's AdamW part, if not --lr")
+    p.add_argument("--router-optimizer", choices=("muon", "adamw"), default="muon",
+                   help="which optimizer trains the MoE router kernels in the Muon run")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="decoupled, both optimizers")
+    p.add_argument("--warmup", type=int, default=20, help="linear warmup steps, then cosine")
     p.add_argument("--aux-loss", type=float, default=0.01, help="load-balancing loss weight")
     p.add_argument("--z-loss", type=float, default=1e-3, help="router z-loss weight")
     p.add_argument("--mesh", default=None, help="'data,expert' sizes, e.g. 2,4 (default: "
                    "2,4 on CPU; 1,<all devices> on GPU/TPU)")
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--eval-batches", type=int, default=4)
-    p.add_argument("--ckpt-every", type=int, default=100)
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="dense bf16 peak TFLOP/s per device for MFU (default: by device kind, "
+                   "e.g. 989 on H100/H200; none on CPU, where MFU is n/a)")
+    p.add_argument("--eval-every", type=int, default=50, help="validation every N steps")
+    p.add_argument("--eval-batches", type=int, default=4, help="validation batches")
+    p.add_argument("--ckpt-every", type=int, default=100, help="0: no checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.add_argument("--stop-after", type=int, default=None,
                    help="stop (with a checkpoint) after this step; the learning-rate schedule "
                    "still spans --steps, so --resume later continues the same run")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-corpus-mb", type=float, default=16.0)
-    p.add_argument("--out", default="runs/train_lm")
+    p.add_argument("--seed", type=int, default=0, help="init and batch order")
+    p.add_argument("--max-corpus-mb", type=float, default=16.0, help="<= 0: all")
+    p.add_argument("--out", default="runs/train_lm", help="output directory")
     p.add_argument("--no-progress", action="store_true", help="disable the progress bar")
     args = p.parse_args(argv)
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.optimizer not in OPTIMIZERS:
         raise UsageError(
             f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {args.optimizer!r}."
@@ -105,6 +158,11 @@ def parse_args(argv=None) -> argparse.Namespace:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
     if args.top_k > args.experts:
         raise UsageError(f"--top-k ({args.top_k}) cannot exceed --experts ({args.experts}).")
+    if args.ckpt_every < 0:
+        raise UsageError(f"--ckpt-every must be >= 0 (0: no checkpoints), got {args.ckpt_every}.")
+    muon_lr, adam_lr = default_lrs(args.d_model)
+    args.lr = muon_lr if args.lr is None else args.lr
+    args.adam_lr = adam_lr if args.adam_lr is None else args.adam_lr
     return args
 
 
@@ -118,7 +176,8 @@ def build_mesh(spec: str | None) -> jax.sharding.Mesh:
         try:
             shape = tuple(int(s) for s in spec.split(","))
         except ValueError:
-            raise UsageError(f"--mesh must look like 'data,expert' (e.g. 2,4), got {spec!r}.")
+            raise UsageError(
+                f"--mesh must look like 'data,expert' (e.g. 2,4), got {spec!r}.") from None
         if len(shape) != 2 or min(shape) < 1:
             raise UsageError(f"--mesh needs two positive sizes 'data,expert', got {spec!r}.")
     if math.prod(shape) != n:
@@ -144,7 +203,30 @@ def model_config(args) -> lm_model.LMConfig:
         dispatch_dtype="fp8" if args.fp8_dispatch else "bf16",
         fp8_block_size=args.fp8_block_size,
         tie_embeddings=args.tie_embeddings,
+        dtype=args.dtype,
     )
+
+
+def peak_tflops(args) -> float | None:
+    """``--peak-tflops``, else the device kind's dense bf16 peak; ``None`` when unknown (CPU)."""
+    if args.peak_tflops is not None:
+        return args.peak_tflops
+    if jax.default_backend() == "cpu":
+        return None
+    kind = jax.devices()[0].device_kind
+    return next((tf for name, tf in PEAK_TFLOPS if name.lower() in kind.lower()), None)
+
+
+def router_on_adamw(params):
+    """``default_muon_mask`` with every MoE router kernel moved to AdamW."""
+    mask = muon_jax.default_muon_mask(params)
+    is_router = lambda path: any("router" in str(getattr(k, "key", k)) for k in path)
+    return jax.tree_util.tree_map_with_path(lambda path, f: f and not is_router(path), mask)
+
+
+def muon_adam_lr(args) -> float:
+    """The learning rate of the Muon run's AdamW part: ``--muon-adam-lr``, else ``--lr``."""
+    return args.lr if args.muon_adam_lr is None else args.muon_adam_lr
 
 
 def make_tx(name: str, args, mesh) -> optax.GradientTransformation:
@@ -161,7 +243,8 @@ def make_tx(name: str, args, mesh) -> optax.GradientTransformation:
     return muon_jax.muon(
         schedule(args.lr),
         weight_decay=args.weight_decay,
-        adam_learning_rate=schedule(args.adam_lr),
+        muon_mask=router_on_adamw if args.router_optimizer == "adamw" else None,
+        adam_learning_rate=schedule(muon_adam_lr(args)),
         mesh=mesh,
     )
 
@@ -218,11 +301,12 @@ _to_portable = jax.jit(muon_jax.portable_state)
 _from_portable = jax.jit(muon_jax.restore_state)
 
 
-def _save(mngr, step, model, optimizer):
+def _save(mngr, step, model, optimizer, mesh):
     """Saves params, the MoE balancing biases and the optimizer state, each shard in place.
 
     Sharded Muon momentum is saved in its mesh-independent form (each matrix's momentum in its
-    param's layout), so ``--resume`` also works after ``--mesh`` changes.
+    param's layout), so ``--resume`` also works after ``--mesh`` changes. The mesh each step
+    was saved on goes to ``meshes.json`` next to the checkpoints (for the resume message).
     """
     import orbax.checkpoint as ocp
 
@@ -232,6 +316,11 @@ def _save(mngr, step, model, optimizer):
         "opt_state": _to_portable(nnx.as_pure(optimizer.opt_state)),
     }
     mngr.save(step, args=ocp.args.StandardSave(state))
+    if jax.process_index() == 0:
+        side = pathlib.Path(mngr.directory) / "meshes.json"
+        meshes = json.loads(side.read_text()) if side.exists() else {}
+        meshes[str(step)] = dict(mesh.shape)
+        side.write_text(json.dumps(meshes))
 
 
 def _restore(mngr, model, optimizer) -> int:
@@ -253,63 +342,111 @@ def _restore(mngr, model, optimizer) -> int:
     return int(step)
 
 
+def resume_message(name: str, mngr, step: int, mesh) -> str:
+    """Where ``--resume`` continues from: step, checkpoint path and any mesh change."""
+    directory = pathlib.Path(mngr.directory)
+    if step == 0:
+        return f"[{name}] --resume: no checkpoint under {directory}; starting at step 0."
+    side = directory / "meshes.json"
+    saved = json.loads(side.read_text()).get(str(step)) if side.exists() else None
+    now = dict(mesh.shape)
+    if saved is None:
+        where = f"mesh now {now}"
+    elif saved == now:
+        where = f"same mesh {now}"
+    else:
+        where = f"saved on mesh {saved}, now {now}: Muon state re-laid out"
+    return f"[{name}] resumed at step {step} from {directory / str(step)} ({where})."
+
+
 def train_one(name, args, mesh, corpus, out: pathlib.Path, metrics_file) -> dict:
-    """Trains one optimizer's run; returns its final figures."""
+    """Trains one optimizer's run; returns its final figures (losses, throughput, MFU)."""
+    t_start = time.perf_counter()
     model, optimizer = create(name, args, mesh)
     data_sharding = NamedSharding(mesh, P(MESH_AXES, None))
     put = lambda b: jax.device_put(jnp.asarray(b), data_sharding)
     val = lm_data.eval_batches(corpus.val, args.batch, args.seq_len, args.eval_batches)
-    mngr = _manager(out / "ckpt" / name)
-    start = _restore(mngr, model, optimizer) if args.resume else 0
+    mngr = _manager(out / "ckpt" / name) if args.ckpt_every or args.resume else None
+    start = 0
+    if args.resume:
+        start = _restore(mngr, model, optimizer)
+        print(resume_message(name, mngr, start, mesh))
     if start >= args.steps:
         print(f"[{name}] checkpoint at step {start} already reaches --steps {args.steps}.")
+    save = (lambda s: _save(mngr, s, model, optimizer, mesh)) if args.ckpt_every else None
     tokens_per_step = args.batch * args.seq_len
+    flops_per_step = lm_model.train_flops_per_token(model_config(args), args.seq_len) * (
+        tokens_per_step)
+    peak = peak_tflops(args)
+    peak_total = peak * 1e12 * mesh.devices.size if peak else None
     bar = None
     if not args.no_progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=args.steps, initial=start, desc=name, unit="step", dynamic_ncols=True)
-    last = {}
-    t_prev = time.perf_counter()
+    last, step_times = {}, []
     with jax.set_mesh(mesh):
         for step in range(start + 1, args.steps + 1):
+            t0 = time.perf_counter()
             batch = put(lm_data.sample_batch(
                 corpus.train, args.batch, args.seq_len, seed=args.seed, step=step))
             m = train_step(model, optimizer, batch, args.aux_loss, args.z_loss)
             rec = {"optimizer": name, "step": step, "train_loss": float(m["loss"]),
                    "load_balance_loss": float(m["load_balance_loss"]),
                    "dropped_tokens": int(m["dropped_tokens"])}
+            dt = time.perf_counter() - t0  # the step alone: no evaluation or checkpoint
+            step_times.append(dt)
             if not math.isfinite(rec["train_loss"]):
                 raise FloatingPointError(f"[{name}] loss became {rec['train_loss']} at step {step}")
-            now = time.perf_counter()
-            rec["tokens_per_s"] = tokens_per_step / max(now - t_prev, 1e-9)
-            t_prev = now
+            rec["step_s"] = dt
+            rec["tokens_per_s"] = tokens_per_step / max(dt, 1e-9)
             if step % args.eval_every == 0 or step == args.steps:
                 rec["val_loss"] = evaluate(model, val, put)
                 rec["val_bits_per_byte"] = rec["val_loss"] / math.log(2)
             metrics_file.write(json.dumps(rec) + "\n")
             metrics_file.flush()
-            if step % args.ckpt_every == 0 or step == args.steps:
-                _save(mngr, step, model, optimizer)
+            if save and (step % args.ckpt_every == 0 or step == args.steps):
+                save(step)
             last = rec
             if args.stop_after is not None and step >= args.stop_after:
-                if step % args.ckpt_every and step != args.steps:
-                    _save(mngr, step, model, optimizer)
+                if save and step % args.ckpt_every and step != args.steps:
+                    save(step)
                 break
             if bar is not None:
+                recent = step_times[1:][-20:] or step_times  # the first step compiles
+                tok_s = tokens_per_step * len(recent) / sum(recent)
+                mfu = f"{flops_per_step / tokens_per_step * tok_s / peak_total:.3f}" if (
+                    peak_total) else "n/a"
                 bar.update(1)
-                bar.set_postfix(loss=f"{rec['train_loss']:.3f}",
-                                tok_s=f"{rec['tokens_per_s']:.0f}")
-    mngr.wait_until_finished()
-    mngr.close()
+                bar.set_postfix(loss=f"{rec['train_loss']:.3f}", tok_s=f"{tok_s:.0f}", mfu=mfu)
+    if mngr is not None:
+        mngr.wait_until_finished()
+        mngr.close()
     if bar is not None:
         bar.close()
     if "val_loss" not in last:
         with jax.set_mesh(mesh):
             last["val_loss"] = evaluate(model, val, put)
         last["val_bits_per_byte"] = last["val_loss"] / math.log(2)
-    return {"final_val_loss": last["val_loss"], "final_val_bits_per_byte": last[
-        "val_bits_per_byte"], "final_train_loss": last.get("train_loss"), "steps": args.steps}
+    timed = step_times[1:]  # the first step of a process includes compilation
+    tok_s = tokens_per_step * len(timed) / sum(timed) if timed else None
+    return {
+        "final_val_loss": last["val_loss"],
+        "final_val_bits_per_byte": last["val_bits_per_byte"],
+        "final_train_loss": last.get("train_loss"),
+        "steps": args.steps,
+        "steps_run": len(step_times),
+        "tokens": tokens_per_step * args.steps,
+        "lr": args.lr if name == "muon" else args.adam_lr,
+        "adam_part_lr": muon_adam_lr(args) if name == "muon" else None,
+        "tokens_per_s": tok_s,
+        "flops_per_token": flops_per_step / tokens_per_step,
+        "peak_tflops_per_device": peak,
+        "mfu": flops_per_step / tokens_per_step * tok_s / peak_total if (
+            tok_s and peak_total) else None,
+        "first_step_s": step_times[0] if step_times else None,
+        "wall_s": time.perf_counter() - t_start,
+    }
 
 
 def read_metrics(path: pathlib.Path) -> list[dict]:
@@ -319,76 +456,107 @@ def read_metrics(path: pathlib.Path) -> list[dict]:
 
 
 def plot(records: list[dict], path: pathlib.Path) -> None:
+    """Train (smoothed) and validation loss, zoomed past the first steps; load balance below."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax, ax_lb) = plt.subplots(2, 1, figsize=(7, 6), sharex=True,
+                                    gridspec_kw={"height_ratios": [3, 1]})
+    finals = []
     for i, name in enumerate(sorted({r["optimizer"] for r in records})):
         rs = [r for r in records if r["optimizer"] == name]
         steps = np.array([r["step"] for r in rs])
-        train = np.array([r["train_loss"] for r in rs])
-        k = max(1, len(train) // 30)
-        smooth = np.convolve(train, np.ones(k) / k, mode="valid")
+        k = max(1, len(rs) // 30)
+        smooth = lambda v, k=k: np.convolve(np.asarray(v), np.ones(k) / k, mode="valid")
         color = f"C{i}"
-        ax.plot(steps[k - 1:], smooth, color=color, alpha=0.6, label=f"{name} train")
+        train = [r["train_loss"] for r in rs]
+        ax.plot(steps[k - 1:], smooth(train), color=color, alpha=0.6, label=f"{name} train")
         vs = [(r["step"], r["val_loss"]) for r in rs if "val_loss" in r]
         if vs:
-            ax.plot(*zip(*vs), "o-", color=color, label=f"{name} validation")
-    ax.set_xlabel("step")
+            ax.plot(*zip(*vs, strict=True), "o-", color=color, label=f"{name} validation")
+            finals.append(vs[-1][1])
+        ax_lb.plot(steps[k - 1:], smooth([r["load_balance_loss"] for r in rs]), color=color,
+                   label=name)
+    if finals:  # the first steps (loss ~5.5) would flatten everything after them
+        ax.set_ylim(top=2.0 * max(finals))
     ax.set_ylabel("cross-entropy (nats / byte)")
     ax.set_title("Byte-level MoE LM on the Python standard library")
     ax.grid(alpha=0.3)
     ax.legend()
+    ax_lb.set_xlabel("step")
+    ax_lb.set_ylabel("load balance\n(1 = uniform)")
+    ax_lb.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+def setup(args) -> tuple[jax.sharding.Mesh, lm_data.Corpus]:
+    """The mesh and the corpus for ``args``; raises :class:`UsageError` on flags that clash."""
+    mesh = build_mesh(args.mesh)
+    n_dev = mesh.devices.size
+    if args.batch % n_dev:
+        raise UsageError(
+            f"--batch {args.batch} must be divisible by the {n_dev} devices of the "
+            f"('data', 'expert') mesh {tuple(mesh.devices.shape)}: the batch is split over both."
+        )
+    if args.experts % mesh.shape["expert"]:
+        raise UsageError(
+            f"--experts {args.experts} must be divisible by the expert axis size "
+            f"{mesh.shape['expert']} (set --mesh or --experts)."
+        )
+    if args.fp8_dispatch and args.d_model % (4 * args.fp8_block_size):
+        raise UsageError(
+            f"--d-model {args.d_model} must be a multiple of 4 x --fp8-block-size "
+            f"({4 * args.fp8_block_size}) with FP8 dispatch; or pass --no-fp8-dispatch."
+        )
+    corpus = lm_data.load_stdlib_corpus(
+        max_bytes=int(args.max_corpus_mb * (1 << 20)) if args.max_corpus_mb > 0 else None
+    )
+    return mesh, corpus
+
+
+def describe(args, mesh, corpus) -> str:
+    """Two lines: mesh, corpus, model size and the resolved learning rates."""
+    counts = lm_model.param_counts(model_config(args))
+    peak = peak_tflops(args)
+    return (
+        f"mesh {dict(mesh.shape)} on {jax.default_backend()}; corpus "
+        f"{corpus.train.size / 1e6:.1f} MB train ({corpus.num_train_files} files), "
+        f"{corpus.val.size / 1e6:.2f} MB val ({corpus.num_val_files} files) from {corpus.root}\n"
+        f"preset {args.preset}: d_model {args.d_model}, {args.layers} layers, {args.experts} "
+        f"experts top-{args.top_k} ({counts['total'] / 1e6:.1f}M params, "
+        f"{counts['active'] / 1e6:.1f}M active), batch {args.batch} x {args.seq_len}, "
+        f"{args.steps} steps, {args.dtype}; peak lr: Muon run {args.lr:.3g} (AdamW part "
+        f"{muon_adam_lr(args):.3g}, router on {args.router_optimizer}), AdamW run "
+        f"{args.adam_lr:.3g}; peak "
+        f"{f'{peak:g} TFLOP/s per device' if peak else 'unknown (MFU n/a)'}"
+    )
+
+
 def main(argv=None) -> int:
     try:
         args = parse_args(argv)
-        mesh = build_mesh(args.mesh)
-        n_dev = mesh.devices.size
-        if args.batch % n_dev:
-            raise UsageError(
-                f"--batch {args.batch} must be divisible by the {n_dev} devices of the "
-                f"('data', 'expert') mesh {tuple(mesh.devices.shape)}: the batch is split over both."
-            )
-        if args.experts % mesh.shape["expert"]:
-            raise UsageError(
-                f"--experts {args.experts} must be divisible by the expert axis size "
-                f"{mesh.shape['expert']} (set --mesh or --experts)."
-            )
-        if args.fp8_dispatch and args.d_model % (4 * args.fp8_block_size):
-            raise UsageError(
-                f"--d-model {args.d_model} must be a multiple of 4 x --fp8-block-size "
-                f"({4 * args.fp8_block_size}) with FP8 dispatch; or pass --no-fp8-dispatch."
-            )
-        corpus = lm_data.load_stdlib_corpus(
-            max_bytes=int(args.max_corpus_mb * (1 << 20)) if args.max_corpus_mb > 0 else None
-        )
+        mesh, corpus = setup(args)
     except UsageError as e:
         print(f"train_lm.py: error: {e}", file=sys.stderr)
         return 2
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(
-        f"mesh {dict(mesh.shape)} on {jax.default_backend()}; corpus {corpus.train.size / 1e6:.1f} MB"
-        f" train ({corpus.num_train_files} files), {corpus.val.size / 1e6:.2f} MB val "
-        f"({corpus.num_val_files} files) from {corpus.root}"
-    )
+    print(describe(args, mesh, corpus), flush=True)
     names = ["muon", "adamw"] if args.optimizer == "both" else [args.optimizer]
     metrics_path = out / "metrics.jsonl"
     kept = read_metrics(metrics_path) if args.resume else []
     results = {}
+    t0 = time.perf_counter()
     with metrics_path.open("w") as f:
         for name in names:
             resume_step = 0
             if args.resume:
                 ck = out / "ckpt" / name
-                steps = [int(p.name) for p in ck.glob("*") if p.name.isdigit()] if ck.exists() else []
+                steps = [int(p.name) for p in ck.glob("*") if p.name.isdigit()]
                 resume_step = max(steps, default=0)
             for r in kept:  # keep the history up to the checkpoint we resume from
                 if r["optimizer"] == name and r["step"] <= resume_step:
@@ -396,11 +564,16 @@ def main(argv=None) -> int:
             results[name] = train_one(name, args, mesh, corpus, out, f)
     plot(read_metrics(metrics_path), out / "loss.png")
     summary = {"args": vars(args), "mesh": dict(mesh.shape), "backend": jax.default_backend(),
-               "results": results}
+               "device_kind": jax.devices()[0].device_kind,
+               "params": lm_model.param_counts(model_config(args)),
+               "wall_s": time.perf_counter() - t0, "results": results}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     for name, r in results.items():
+        mfu = f"MFU {r['mfu']:.3f}" if r["mfu"] is not None else "MFU n/a"
+        tok_s = f"{r['tokens_per_s']:.0f} tokens/s" if r["tokens_per_s"] else "tokens/s n/a"
         print(f"{name:>6}: final validation loss {r['final_val_loss']:.4f} nats/byte = "
-              f"{r['final_val_bits_per_byte']:.4f} bits/byte")
+              f"{r['final_val_bits_per_byte']:.4f} bits/byte ({tok_s}, {mfu}, "
+              f"{r['wall_s']:.0f} s)")
     if len(results) == 2:
         d = results["adamw"]["final_val_loss"] - results["muon"]["final_val_loss"]
         print(f"Muon {'beats' if d > 0 else 'trails'} AdamW by {abs(d):.4f} nats/byte at "

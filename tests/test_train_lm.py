@@ -1,15 +1,20 @@
-"""The trainer (examples/train_lm.py): outputs, exact resume, and one-line errors for bad flags."""
+"""The trainer (examples/train_lm.py): outputs, presets, exact resume, and one-line errors."""
 
 import json
+import math
 import pathlib
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
+from flax import nnx
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
+import lm_model  # noqa: E402
 import train_lm  # noqa: E402
 
 # A tiny configuration: seconds per run on 8 simulated CPU devices.
@@ -28,7 +33,7 @@ def _losses(out: pathlib.Path, name: str) -> list[tuple[int, float]]:
 def test_trainer_writes_metrics_plot_and_summary(tmp_path, capsys):
     out = tmp_path / "run"
     rc = train_lm.main([*TINY, "--optimizer", "both", "--steps", "4", "--eval-every", "2",
-                        "--ckpt-every", "2", "--out", str(out)])
+                        "--ckpt-every", "2", "--peak-tflops", "0.5", "--out", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
     assert "bits/byte" in text and ("beats" in text or "trails" in text)
@@ -42,9 +47,90 @@ def test_trainer_writes_metrics_plot_and_summary(tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["results"]) == {"muon", "adamw"}
     assert summary["mesh"] == {"data": 2, "expert": 4}
+    cfg = train_lm.model_config(train_lm.parse_args(TINY))
+    for name, r in summary["results"].items():
+        assert r["steps_run"] == 4 and r["tokens"] == 4 * 8 * 16
+        assert r["flops_per_token"] == lm_model.train_flops_per_token(cfg, 16)
+        # MFU = model FLOPs per second over the peak of the 8 devices (0.5 TFLOP/s each).
+        want = r["flops_per_token"] * r["tokens_per_s"] / (8 * 0.5e12)
+        assert math.isclose(r["mfu"], want, rel_tol=1e-9), (name, r)
+        assert r["lr"] == (summary["args"]["lr"] if name == "muon" else summary["args"]["adam_lr"])
 
 
-def test_resume_continues_exactly(tmp_path):
+def test_mfu_is_na_on_cpu_without_a_peak():
+    args = train_lm.parse_args(TINY)
+    assert train_lm.peak_tflops(args) is None
+    assert train_lm.peak_tflops(train_lm.parse_args([*TINY, "--peak-tflops", "989"])) == 989.0
+
+
+@pytest.mark.parametrize("kw", [{}, {"tie_embeddings": True}, {"num_experts": 4, "top_k": 1}])
+def test_param_counts_match_the_model(kw):
+    cfg = lm_model.LMConfig(d_model=32, num_heads=2, d_ff=16, **kw)
+    model = lm_model.TransformerLM(cfg, rngs=nnx.Rngs(0))
+    sizes = {jax.tree_util.keystr(p): int(np.prod(x.shape))
+             for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
+    counts = lm_model.param_counts(cfg)
+    assert counts["total"] == sum(sizes.values())
+    # Active: every matrix a token multiplies by, the expert banks at top_k / num_experts.
+    active = sum(n * (cfg.top_k / cfg.num_experts if "w_gate_up" in k or "w_down" in k else 1)
+                 for k, n in sizes.items()
+                 if "norm" not in k and ("embed" not in k or cfg.tie_embeddings))
+    assert counts["active"] == active
+    assert lm_model.train_flops_per_token(cfg, 64) == 6 * active + 12 * 2 * 32 * 64
+
+
+def test_presets_and_explicit_flags():
+    gpu = train_lm.parse_args(["--preset", "gpu"])
+    assert (gpu.d_model, gpu.layers, gpu.experts, gpu.batch, gpu.seq_len, gpu.dtype) == (
+        1024, 8, 16, 64, 1024, "bfloat16")
+    assert (gpu.lr, gpu.adam_lr) == train_lm.default_lrs(1024)
+    cpu = train_lm.parse_args([])
+    assert (cpu.d_model, cpu.layers, cpu.batch, cpu.seq_len, cpu.dtype) == (
+        128, 2, 32, 128, "float32")
+    assert (cpu.lr, cpu.adam_lr) == train_lm.default_lrs(128)
+    mixed = train_lm.parse_args(["--preset", "gpu", "--d-model", "256", "--steps", "7",
+                                 "--adam-lr", "1e-4"])
+    assert (mixed.d_model, mixed.steps, mixed.layers) == (256, 7, 8)
+    assert (mixed.lr, mixed.adam_lr) == (train_lm.default_lrs(256)[0], 1e-4)
+
+
+def test_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        train_lm.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 0.01)" in text  # --weight-decay
+    assert "(default: cpu)" in text  # --preset
+    assert "default from --preset (cpu 128, gpu 1024)" in text  # --d-model
+
+
+def test_router_on_adamw_mask():
+    cfg = lm_model.LMConfig(d_model=32, num_heads=2, d_ff=16, num_experts=4)
+    params = nnx.state(lm_model.TransformerLM(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    flags = {jax.tree_util.keystr(p): f for p, f in
+             jax.tree_util.tree_leaves_with_path(train_lm.router_on_adamw(params))}
+    default = {jax.tree_util.keystr(p): f for p, f in
+               jax.tree_util.tree_leaves_with_path(train_lm.muon_jax.default_muon_mask(params))}
+    routers = [k for k in flags if "router_kernel" in k]
+    assert routers and all(default[k] and not flags[k] for k in routers)
+    assert {k: f for k, f in flags.items() if k not in routers} == {
+        k: f for k, f in default.items() if k not in routers}
+
+
+def test_resume_message_names_step_path_and_mesh(tmp_path):
+    class Manager:
+        directory = tmp_path
+
+    mesh = train_lm.build_mesh("2,4")
+    (tmp_path / "meshes.json").write_text(json.dumps({"3": {"data": 4, "expert": 2},
+                                                      "6": {"data": 2, "expert": 4}}))
+    msg = train_lm.resume_message("muon", Manager, 3, mesh)
+    assert f"resumed at step 3 from {tmp_path / '3'}" in msg
+    assert "saved on mesh {'data': 4, 'expert': 2}, now {'data': 2, 'expert': 4}" in msg
+    assert "same mesh" in train_lm.resume_message("muon", Manager, 6, mesh)
+    assert "no checkpoint" in train_lm.resume_message("muon", Manager, 0, mesh)
+
+
+def test_resume_continues_exactly(tmp_path, capsys):
     """2 x N steps with a restart in between equal N + N uninterrupted (same losses)."""
     common = [*TINY, "--optimizer", "muon", "--fp8-dispatch", "--eval-every", "100",
               "--ckpt-every", "3"]
@@ -53,8 +139,12 @@ def test_resume_continues_exactly(tmp_path):
     # First half: a run whose schedule is the 6-step one, stopped at its step-3 checkpoint.
     assert train_lm.main([*common, "--steps", "6", "--stop-after", "3", "--out", str(split)]) == 0
     assert [s for s, _ in _losses(split, "muon")] == [1, 2, 3]
+    capsys.readouterr()
     assert train_lm.main([*common, "--steps", "6", "--resume", "--out", str(split)]) == 0
     assert _losses(split, "muon") == _losses(full, "muon")
+    text = capsys.readouterr().out
+    assert f"[muon] resumed at step 3 from {(split / 'ckpt' / 'muon' / '3').resolve()}" in text
+    assert "same mesh {'data': 2, 'expert': 4}" in text
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,80 @@
+"""benchmarks/lr_sweep.py: table, plot, summary and reuse of runs, at a tiny size."""
+
+import json
+import math
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import lr_sweep  # noqa: E402
+import train_lm  # noqa: E402  (put on the path by lr_sweep)
+
+TINY = [
+    "--d-model", "64", "--layers", "1", "--heads", "2", "--d-ff", "32", "--experts", "4",
+    "--batch", "8", "--seq-len", "16", "--eval-batches", "1", "--max-corpus-mb", "0.5",
+    "--fp8-block-size", "16", "--warmup", "1", "--steps", "3", "--no-progress",
+]
+
+
+def test_sweep_cpu_tiny(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    default_muon, default_adam = train_lm.default_lrs(64)
+    # Two learning rates per optimizer: the trainer's default and one more.
+    argv = [*TINY, "--muon-lrs", f"{default_muon / 4}", "--adam-lrs", f"{default_adam * 2}",
+            "--out", str(out)]
+    assert lr_sweep.main(argv) == 0
+    text = capsys.readouterr().out
+    doc = json.loads((out / "lr_sweep.json").read_text())
+    runs = doc["runs"]
+    assert sorted((r["optimizer"], r["lr"]) for r in runs) == sorted(
+        [("muon", default_muon / 4), ("muon", default_muon),
+         ("adamw", default_adam), ("adamw", default_adam * 2)])
+    for r in runs:
+        assert r["steps"] == 3 and r["tokens"] == 3 * 8 * 16 and r["preset"] == "cpu"
+        assert math.isfinite(r["final_val_loss"]) and r["wall_s"] > 0
+        # Each row's loss is the last validation record of its own run.
+        recs = train_lm.read_metrics(out / "runs" / f"{r['optimizer']}_lr{r['lr']:.3g}"
+                                     / "metrics.jsonl")
+        assert [x["step"] for x in recs] == [1, 2, 3]
+        assert recs[-1]["val_loss"] == r["final_val_loss"]
+    s = doc["summary"]
+    by = {(r["optimizer"], r["lr"]): r["final_val_loss"] for r in runs}
+    for name, default in (("muon", default_muon), ("adamw", default_adam)):
+        mine = {lr: v for (o, lr), v in by.items() if o == name}
+        assert s[f"cpu_{name}_default_lr"] == default
+        assert s[f"cpu_{name}_default_val_loss"] == by[(name, default)]
+        assert s[f"cpu_{name}_best_val_loss"] == min(mine.values())
+        assert by[(name, s[f"cpu_{name}_best_lr"])] == min(mine.values())
+    assert math.isclose(s["cpu_muon_default_minus_adamw_best"],
+                        s["cpu_muon_default_val_loss"] - s["cpu_adamw_best_val_loss"])
+    png = (out / "lr_sweep.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    assert "val loss" in text and "default" in text and "cpu_muon_best_val_loss" in text
+
+    # The same command again reuses every run (nothing is trained: the rows are unchanged).
+    assert lr_sweep.main(argv) == 0
+    assert capsys.readouterr().out.count("reused from") == 4
+    assert json.loads((out / "lr_sweep.json").read_text())["runs"] == runs
+
+    # A sweep split over commands keeps one table: an AdamW-only grid keeps the Muon rows.
+    assert lr_sweep.main([*TINY, "--optimizers", "adamw", "--adam-lrs", f"{default_adam * 2}",
+                          "--no-defaults", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.count("reused from") == 1
+    kept = json.loads((out / "lr_sweep.json").read_text())
+    assert sorted(map(json.dumps, kept["runs"])) == sorted(map(json.dumps, runs))
+    assert kept["summary"] == s
+
+    # Other settings (here --seed) are other runs: none is reused, and none kept.
+    # (Checked on the grid alone, without training: every key differs.)
+    args = train_lm.parse_args([*TINY, "--seed", "1"])
+    assert all(lr_sweep.run_key(r["optimizer"], r["lr"], lr_sweep.with_lr(
+        args, r["optimizer"], r["lr"])) != {k: r[k] for k in ("optimizer", "lr", "config")}
+        for r in runs)
+
+
+def test_sweep_bad_grid_is_one_line(capsys):
+    assert lr_sweep.main([*TINY, "--muon-lrs", "0.01,abc", "--out", "/nonexistent/x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--muon-lrs must be comma-separated" in err
