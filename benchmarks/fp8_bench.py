@@ -13,12 +13,14 @@ same run (dense bf16 and dense FP8 [8192]^3 matmuls). Rows:
    ``+wgrad``, ``+save_z``). Keys ``experts_fp8_speedup_padded`` / ``_ragged`` /
    ``_ragged_zipf``: bf16 time / best FP8 time, same backend and layout.
 3. ``layer``: `moe.moe_apply` forward + backward on one device, dense transport capacity 1.25
-   (16k tokens, d 4096, d_ff 2048, 16 experts, top-2), bf16 vs FP8 (dispatch + all GEMMs).
+   (16k tokens, d 4096, d_ff 2048, 16 experts, top-2), bf16 vs FP8 (dispatch + the GEMMs of
+   ``--layer-recipe``). Each FP8 row also carries its worst cosine / relative RMS error over
+   the output gradients against the bf16 row of the same case.
    MFU counts useful bf16-equivalent FLOPs (router + 3 GEMMs per kept slot, x3 for fwd+bwd)
    over the dense bf16 rate: key ``moe_layer_fp8_mfu_1gpu``.
 
 Usage:
-  python benchmarks/fp8_bench.py --out fp8.json          # one H200, ~3-4 minutes
+  python benchmarks/fp8_bench.py --out fp8.json          # one H200 (the FP8 layer compiles slowly)
   python benchmarks/fp8_bench.py --small                 # CPU plumbing check (numbers mean nothing)
 """
 
@@ -62,6 +64,16 @@ def timed(fn, args, a, inner=3):
         return [fn(*xs) for _ in range(inner)]
     sec, _ = bench_util.median_seconds(calls, args, a.warmup, a.iters)
     return sec / inner
+
+
+def accuracy(got, want) -> dict:
+    """Worst cosine and relative RMS error over the leaves of ``got`` against ``want``."""
+    cos, rel = [], []
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        g, w = np.asarray(g, np.float64).ravel(), np.asarray(w, np.float64).ravel()
+        cos.append(float(g @ w / max(np.linalg.norm(g) * np.linalg.norm(w), 1e-30)))
+        rel.append(float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30)))
+    return {"worst_cos_vs_bf16": min(cos), "worst_rel_rms_vs_bf16": max(rel)}
 
 
 def record(report, section, entry):
@@ -142,8 +154,9 @@ def experts_rows(report, a, data):
             x, gs = aligned_ragged(data["x"], sizes)
             align = ALIGN
         ct = jax.random.normal(jax.random.key(7), x.shape, jnp.bfloat16)
-        times = {}
-        for recipe, opts in RECIPES.items():
+        times, ref = {}, None
+        for recipe in a.recipes:
+            opts = RECIPES[recipe]
             def loss(x, wgu, wd, ct, opts=opts, gs=gs, backend=backend, align=align):
                 y = gated_experts(x, gs, wgu, wd, backend=backend, group_alignment=align,
                                   **opts)
@@ -151,17 +164,21 @@ def experts_rows(report, a, data):
 
             step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
             try:
-                sec = timed(step, (x, data["w_gate_up"], data["w_down"], ct), a, inner=1)
+                args = (x, data["w_gate_up"], data["w_down"], ct)
+                grads = jax.block_until_ready(step(*args))
+                sec = timed(step, args, a, inner=1)
             except Exception as err:  # noqa: BLE001
                 traceback.print_exc(limit=4)
                 record(report, "experts", {"layout": layout, "routing": routing,
                                            "recipe": recipe, "error": repr(err)[:500]})
                 continue
             times[recipe] = sec
+            ref = grads if recipe == "bf16" else ref
             record(report, "experts", {
                 "layout": layout, "backend": backend, "routing": routing, "recipe": recipe,
                 "options": opts, "ms": sec * 1e3, "useful_tflops": useful / sec / 1e12,
-                "bf16_equiv_mfu": useful / sec / 1e12 / report["dense_bf16_tflops"]})
+                "bf16_equiv_mfu": useful / sec / 1e12 / report["dense_bf16_tflops"],
+                **({} if ref is None or recipe == "bf16" else accuracy(grads, ref))})
         fp8 = {k: v for k, v in times.items() if k != "bf16"}
         if "bf16" in times and fp8:
             best = min(fp8, key=fp8.get)
@@ -183,8 +200,9 @@ def layer_rows(report, a):
     variants = {
         "bf16": base.replace(dispatch_dtype="bf16", combine_grad_dtype="bf16"),
         "fp8": base.replace(dispatch_dtype="fp8", combine_grad_dtype="fp8",
-                            **RECIPES["fp8_all"]),
+                            **RECIPES[a.layer_recipe]),
     }
+    ref = None
     for name, opts in variants.items():
         def loss(x, rk, wgu, wd, ct, opts=opts):
             y, aux = moe.moe_apply(x, rk, wgu, wd, opts=opts)
@@ -193,8 +211,9 @@ def layer_rows(report, a):
 
         step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
         try:
-            _, dropped = jax.block_until_ready(step(x, rk, wgu, wd, ct))
+            grads, dropped = jax.block_until_ready(step(x, rk, wgu, wd, ct))
             sec = timed(step, (x, rk, wgu, wd, ct), a, inner=1)
+            ref = grads if name == "bf16" else ref
         except Exception as err:  # noqa: BLE001
             traceback.print_exc(limit=4)
             record(report, "layer", {"variant": name, "error": repr(err)[:500]})
@@ -203,7 +222,9 @@ def layer_rows(report, a):
         flops = 6.0 * t * d * e + 18.0 * d * f * kept  # router + 3 GEMMs, fwd + bwd
         mfu = flops / sec / 1e12 / report["dense_bf16_tflops"]
         record(report, "layer", {"variant": name, "ms": sec * 1e3, "mfu": mfu,
-                                 "dropped_frac": int(dropped) / (t * k)})
+                                 "dropped_frac": int(dropped) / (t * k),
+                                 **({} if ref is None or name == "bf16"
+                                    else accuracy(grads, ref))})
         report[f"moe_layer_{name}_mfu_1gpu"] = mfu
         report[f"moe_layer_{name}_ms_1gpu"] = sec * 1e3
     if "moe_layer_fp8_ms_1gpu" in report and "moe_layer_bf16_ms_1gpu" in report:
@@ -218,7 +239,15 @@ def parse_args(argv=None):
     p.add_argument("--only", default="ceilings,gmm,experts,layer")
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--capacity-factor", type=float, default=1.25)
+    p.add_argument("--recipes", default=",".join(RECIPES),
+                   help="expert recipes timed (bf16 first: the speedups and the accuracy "
+                        "check compare with it)")
+    p.add_argument("--layer-recipe", default="fp8_gemm_dgrad", choices=list(RECIPES)[1:],
+                   help="the FP8 GEMM recipe of the layer's 'fp8' variant (with FP8 dispatch)")
     a = p.parse_args(argv)
+    a.recipes = a.recipes.split(",")
+    if a.recipes[0] != "bf16" or not set(a.recipes) <= RECIPES.keys():
+        p.error(f"--recipes must start with bf16 and name only {list(RECIPES)}")
     full = dict(tokens=32768, d_model=4096, d_ff=2048, experts=8, layer_tokens=16384,
                 layer_experts=16, ceiling_n=8192, warmup=3, iters=10)
     small = dict(tokens=1024, d_model=512, d_ff=256, experts=4, layer_tokens=512,

@@ -14,7 +14,7 @@ T, D, E = 48, 16, 16
 
 
 def _ref_route(x, w, bias, cfg):
-    """Plain numpy (float64) router following DESIGN.md; group score = sum of top-2."""
+    """Plain numpy (float64) router from the formulas in moe.routing; group score = sum of top-2."""
     logits = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     if cfg.score_fn == "softmax":
         ex = np.exp(logits - logits.max(-1, keepdims=True))

@@ -1,0 +1,70 @@
+"""The FP8 expert GEMMs consume float8_e4m3fn operands on the GPU, with no bf16 copy of them.
+
+The MoE layer's forward + backward is exported for CUDA (an abstract H200, no GPU needed) and
+the StableHLO is read: every grouped GEMM of the ragged layout is a Mosaic GPU call whose two
+matrix operands are ``f8E4M3FN``, every GEMM of the padded layout a ``dot_general`` of two
+``f8E4M3FN`` operands, and no ``f8E4M3FN`` value is converted back to a wider type anywhere.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from _cuda_export import MOSAIC_GPU_CALLS, cuda_mesh, export_for_cuda
+
+import moe
+
+ALL_FP8 = dict(gemm_dtype="fp8", dgrad_dtype="fp8", wgrad_dtype="fp8")
+E, K, D, F, TOKENS = 8, 2, 256, 256, 512
+F8 = "f8E4M3FN"
+
+
+def _layer_grad_text(transport: str, backend: str) -> str:
+    mesh = cuda_mesh((1, 1), ("data", "expert"))
+    opts = moe.MoEOptions.create(E, K, transport=transport, backend=backend, **ALL_FP8)
+
+    def loss(x, router, w_gate_up, w_down):
+        y, _ = moe.moe_apply(x, router, w_gate_up, w_down, opts=opts, mesh=mesh)
+        return jnp.sum(y.astype(jnp.float32))
+
+    S = jax.ShapeDtypeStruct
+    return export_for_cuda(
+        jax.grad(loss, argnums=(0, 2, 3)), S((1, TOKENS, D), jnp.bfloat16),
+        S((D, E), jnp.float32), S((E, D, 2 * F), jnp.bfloat16), S((E, F, D), jnp.bfloat16))
+
+
+def _operand_types(line: str) -> list[str]:
+    """The operand tensor types of one StableHLO op line (``: (a, b) -> c``)."""
+    sig = re.search(r":\s*\(([^()]*)\)\s*->", line)
+    assert sig, line[-300:]
+    return re.findall(r"tensor<[^>]*>", sig.group(1))
+
+
+def _no_widening_of_fp8(text: str) -> None:
+    widened = re.findall(rf"stablehlo\.convert .*\(tensor<[^>]*x{F8}>\) -> tensor<[^>]*>", text)
+    assert not widened, f"FP8 values converted back to a wide type: {widened[:3]}"
+
+
+@pytest.mark.slow
+def test_ragged_layout_gemms_are_fp8_mosaic_calls():
+    text = _layer_grad_text("dropless", "mosaic")
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line
+             and any(f"@{name}(" in line for name in MOSAIC_GPU_CALLS)]
+    # forward gate_up and down, data gradients of both, weight gradients of both
+    assert len(calls) == 6, len(calls)
+    for line in calls:
+        matrices = [t for t in _operand_types(line) if not re.search(r"x(f32|i32)>$", t)]
+        assert len(matrices) == 2 and all(t.endswith(f"x{F8}>") for t in matrices), matrices
+    _no_widening_of_fp8(text)
+
+
+@pytest.mark.slow
+def test_padded_layout_gemms_are_fp8_dots():
+    text = _layer_grad_text("dense", "einsum")
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line
+            and f"x{F8}>" in line]
+    assert len(dots) == 6, len(dots)
+    for line in dots:
+        assert all(t.endswith(f"x{F8}>") for t in _operand_types(line)), line[-300:]
+    _no_widening_of_fp8(text)
