@@ -64,8 +64,10 @@ _NAME_RULES = (
     ("exchange", re.compile(r"nccl|all_?to_?all|all_?gather|all_?reduce|collective|"
                             r"ragged", re.IGNORECASE)),
     ("sort", re.compile(r"sort", re.IGNORECASE)),
-    ("gemm", re.compile(r"gemm|xmma|cutlass|nvjet|sm\d+_.*mma|^gmm|^tgmm|matmul|dot",
-                        re.IGNORECASE)),
+    # Mosaic GPU kernels carry no name of their own in traces; this library's are the grouped
+    # GEMMs (moe._gmm_mosaic).
+    ("gemm", re.compile(r"gemm|xmma|cutlass|nvjet|sm\d+_.*mma|^gmm|^tgmm|matmul|dot|"
+                        r"mosaic_gpu_kernel", re.IGNORECASE)),
     ("memcpy", re.compile(r"^\s*(memcpy|memset|cumem)", re.IGNORECASE)),
     ("gather_scatter", re.compile(r"gather|scatter|dynamic_slice|dynamic_update",
                                   re.IGNORECASE)),

@@ -48,7 +48,7 @@ def resolve_ragged_impl(impl: RaggedImpl) -> Literal["native", "emulated"]:
       'emulated'
 
     References:
-      XLA:CPU has no ragged-all-to-all; see DESIGN.md, "Runs everywhere".
+      XLA:CPU has no ragged-all-to-all (docs/architecture.md, transports).
     """
     if impl not in ("auto", "native", "emulated"):
         raise ValueError(

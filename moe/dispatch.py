@@ -47,9 +47,10 @@ exchange, layout gather (``R``); return gather from the layout (``P * c``), exch
 ``k`` (``T``) + residual slot rows (``S``). Backward: the mirror image. With ``P = 1``: one
 gather into the layout (``S``), and the sums over ``k`` straight from it.
 
-Transport choice: ``'auto'`` is ``'dense'`` on every backend. On 2x H200 (jax 0.11.2)
-``all_to_all`` moved 153 GB/s per GPU but ``ragged_all_to_all`` 2.6 GB/s, and a capacity-padded
-einsum ran at 548 useful TFLOP/s against 91 for ``ragged_dot`` (DESIGN.md).
+Transport choice: here ``'auto'`` is ``'dense'``; the layer's ``'auto'``
+(:func:`moe.auto_transport`) also picks ``'dropless'`` on one Hopper GPU. On 2x H200 (jax
+0.11.2) ``all_to_all`` moved 153 GB/s per GPU but ``ragged_all_to_all`` 2.6 GB/s
+(BENCHMARKS.md).
 
 References: DeepEP (FP8 dispatch, count exchange first); GShard / Switch Transformer
 (capacity, deterministic dropping); MaxText's ragged MoE (``ragged_all_to_all`` +
@@ -499,7 +500,7 @@ def dispatch(
         ``'dropless'`` (``all_to_all`` of per-(source, destination) buffers sized per step
         from a few static buckets, :func:`moe._plan.dropless_buckets`; never drops),
         ``'ragged'`` (dropless ``ragged_all_to_all``, emulated where XLA lacks it) or
-        ``'auto'`` (= ``'dense'``, per the measurements in DESIGN.md). ``'dropless'`` and
+        ``'auto'`` (= ``'dense'``, per the measurements in BENCHMARKS.md). ``'dropless'`` and
         ``'ragged'`` produce the same expert layout, bit for bit. With one device on
         ``axis_name`` no transport exchanges anything.
       capacity_factor: dense: ``C = ceil(capacity_factor * T * k / E)`` rounded up to

@@ -1,6 +1,6 @@
 """FP8 (e4m3) block quantization with E8M0 scales packed four to an int32 word.
 
-This is the wire format of expert-parallel dispatch (DESIGN.md, "FP8 wire format"): per row
+This is the wire format of expert-parallel dispatch (docs/architecture.md): per row
 (the last axis, H channels), blocks of ``block_size`` channels share one power-of-two scale
 ``2^e``; the data is ``e4m3(x / 2^e)`` and the scale travels as its E8M0 byte ``e + 127``.
 Four consecutive scale bytes are packed little-endian into one int32 word (block ``4w+j`` in

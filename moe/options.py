@@ -51,7 +51,7 @@ class DispatchOptions:
         other axis of the mesh.
       transport: ``'dense'`` (capacity-padded ``all_to_all``, drops overflow), ``'dropless'``
         (bucketed ``all_to_all``, never drops), ``'ragged'`` (``ragged_all_to_all``) or
-        ``'auto'`` (see :func:`moe.dispatch`).
+        ``'auto'`` (:func:`moe.auto_transport`: dropless on one Hopper GPU, dense otherwise).
       capacity_factor: dense: the capacity factor (``None``: dropless, ``C = T``);
         dropless: the first exchange bucket's factor over the balanced share.
       dispatch_dtype: wire format of the tokens: ``None`` (activation dtype), ``'bf16'`` or

@@ -383,6 +383,29 @@ def test_balancing_bias_moves_load_and_changes_selection_only():
     assert (counts0 != aux["tokens_per_expert"]).any()
 
 
+# ----------------------------------------------------------------------------- auto transport
+
+
+def test_auto_transport_is_dropless_only_on_one_hopper_expert_group(monkeypatch):
+    assert moe.auto_transport(1) == "dense" and moe.auto_transport(8) == "dense"  # CPU
+    monkeypatch.setattr(moe.experts, "auto_backend", lambda ndim: "mosaic" if ndim == 2
+                        else "einsum")
+    assert moe.auto_transport(1) == "dropless"
+    assert moe.auto_transport(2) == "dense"
+
+
+def test_auto_on_one_hopper_device_runs_dropless_mosaic_and_matches_reference(monkeypatch):
+    """What 'auto' runs on one H200 (dropless transport, Mosaic experts, here emulated by
+    XLA on CPU): every slot kept even at a capacity factor that would drop, f32 close."""
+    monkeypatch.setattr(moe.experts, "auto_backend", lambda ndim: "mosaic" if ndim == 2
+                        else "einsum")
+    model = layer(mesh_spec=MESHES[0], capacity_factor=0.5)
+    x, ct = inputs()
+    got, want, aux, raux = run_both(model, x, ct)
+    assert_close(got, want, rtol=1e-5)
+    assert_aux(aux, raux, dropped=0)
+
+
 # ----------------------------------------------------------------------------- capacity
 
 
