@@ -1,10 +1,12 @@
-"""Small helpers shared by moe_layer_bench.py and lm_step_bench.py (timing, ceiling, JSON).
+"""Plumbing shared by the benchmark scripts: command line, simulated devices, timing, JSON.
 
-Import after JAX's XLA_FLAGS are set (the scripts set them before importing this module).
+Importing this module imports JAX but does not start its backend, so a script may call
+`force_cpu_devices` after the import (before its first `jax.devices()`).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -14,6 +16,48 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+
+
+def cli(doc: str, *, cpu_devices: int = 2) -> argparse.ArgumentParser:
+    """A parser described by ``doc``'s first line, with ``--small`` and ``--cpu-devices``."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--small", action="store_true", help="CPU sizes, simulated devices")
+    p.add_argument("--cpu-devices", type=int, default=cpu_devices,
+                   help="simulated devices with --small")
+    return p
+
+
+def add_routing_args(p: argparse.ArgumentParser, *, tokens: str, d_model: str) -> None:
+    """``--tokens`` / ``--d-model`` (defaults filled later) and ``--experts`` / ``--top-k`` /
+    ``--capacity-factor``; ``tokens`` and ``d_model`` are the help texts (their defaults)."""
+    p.add_argument("--tokens", type=int, help=f"tokens per device ({tokens})")
+    p.add_argument("--d-model", type=int, help=f"d_model ({d_model})")
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--capacity-factor", type=float, default=1.25,
+                   help="dense transport's capacity factor")
+
+
+def fill_defaults(a: argparse.Namespace, *, small: dict, full: dict) -> argparse.Namespace:
+    """Set each option left at None to its ``small`` (with ``--small``) or ``full`` value."""
+    for k, v in (small if a.small else full).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    return a
+
+
+def force_cpu_devices(n: int = 8) -> None:
+    """Simulate ``n`` CPU devices (call before JAX initializes its backend)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def line_mesh(axes: tuple[str, str] = ("data", "expert")) -> jax.sharding.Mesh:
+    """Mesh (1, all devices) over ``axes``, Auto axis types."""
+    n = len(jax.devices())
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    return jax.make_mesh((1, n), axes, axis_types=auto, devices=jax.devices())
 
 
 def median_seconds(fn: Callable, args, warmup: int, iters: int) -> tuple[float, list[float]]:
@@ -71,6 +115,7 @@ def compile_with(lowered, opts: dict | None):
 
 
 def env_info() -> dict:
+    """Backend, device kind and count, JAX and Python versions."""
     devs = jax.devices()
     return {"backend": jax.default_backend(), "device_kind": devs[0].device_kind,
             "n_devices": len(devs), "jax": jax.__version__,
@@ -87,9 +132,3 @@ def write_json(path: str | None, report: dict) -> None:
         json.dump(report, fh, indent=2, default=str)
     os.replace(tmp, path)
 
-
-def force_cpu_devices(n: int = 8) -> None:
-    """Simulate ``n`` CPU devices (call before JAX initializes its backend)."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()

@@ -30,26 +30,40 @@ Prints a table and writes JSON to ``--out``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
 import re
 import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from bench_util import (  # noqa: E402
+    add_routing_args,
+    cli,
+    env_info,
+    fill_defaults,
+    force_cpu_devices,
+    median_seconds,
+    write_json,
+)
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from moe._transport import resolve_ragged_impl  # noqa: E402
+from moe.dispatch import combine, dispatch  # noqa: E402
+from xla_comm import hlo  # noqa: E402
+
+AXIS = "expert"
+_EXCHANGES = ("all-to-all", "ragged-all-to-all")
+
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--small", action="store_true", help="small sizes (CPU, simulated devices)")
-    p.add_argument("--cpu-devices", type=int, default=2, help="simulated devices with --small")
-    p.add_argument("--tokens", type=int, help="tokens per device (default 16384; small: 64)")
-    p.add_argument("--d-model", type=int, help="d_model (default 4096; small: 512)")
-    p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--capacity-factor", type=float, default=1.25,
-                   help="dense capacity factor for the timings (checks are dropless)")
+    p = cli(__doc__)
+    add_routing_args(p, tokens="16384; small 64", d_model="4096; small 512")
     p.add_argument("--check-tokens", type=int, help="tokens per device for the checks")
     p.add_argument("--warmup", type=int, help="untimed runs first (default 3; small: 1)")
     p.add_argument("--iters", type=int, help="timed runs (default 20; small: 3)")
@@ -61,34 +75,15 @@ def parse_args():
                         "of one process)")
     p.add_argument("--ab-only", action="store_true", help="skip the checks and other timings")
     p.add_argument("--out", default="benchmarks/results/dispatch_check.json")
-    a = p.parse_args()
-    a.tokens = a.tokens or (64 if a.small else 16384)
-    a.d_model = a.d_model or (512 if a.small else 4096)
-    a.check_tokens = a.check_tokens or (32 if a.small else 2048)
-    a.iters = a.iters or (3 if a.small else 20)
-    a.warmup = a.warmup if a.warmup is not None else (1 if a.small else 3)
-    return a
+    return fill_defaults(
+        p.parse_args(),
+        small=dict(tokens=64, d_model=512, check_tokens=32, iters=3, warmup=1),
+        full=dict(tokens=16384, d_model=4096, check_tokens=2048, iters=20, warmup=3))
 
 
 ARGS = parse_args()
-if ARGS.small and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + f" --xla_force_host_platform_device_count={ARGS.cpu_devices}"
-                               ).strip()
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-from moe._transport import resolve_ragged_impl  # noqa: E402
-from moe.dispatch import combine, dispatch  # noqa: E402
-from xla_comm import hlo  # noqa: E402
-
-AXIS = "expert"
-_EXCHANGES = ("all-to-all", "ragged-all-to-all")
+if ARGS.small:
+    force_cpu_devices(ARGS.cpu_devices)
 
 
 def collective_bytes(rep: hlo.CollectiveReport) -> dict[str, int]:
@@ -241,14 +236,7 @@ def check_case(built, wire, routing, cases, x, ids, w, ct):
 
 
 def time_fn(fn, *args):
-    for _ in range(ARGS.warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(ARGS.iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_seconds(fn, args, ARGS.warmup, ARGS.iters)[0]
 
 
 def run_timings(mesh, n_dev, native_ok):
@@ -383,13 +371,12 @@ def main():
     for r in rows:
         print(" | ".join(f"{r[h]:>17.3f}" if isinstance(r[h], float) else f"{str(r[h]):>17s}"
                          for h in head))
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as fh:
-        json.dump(dict(
-            config=vars(a), backend=jax.default_backend(), device_kind=devices[0].device_kind,
-            n_devices=n_dev, jax=jax.__version__, python=platform.python_version(),
-            native_ragged=native_ok, checks=checks, timings=rows, dispatch_ab=ab,
-        ), fh, indent=2)
+    env = env_info()
+    write_json(a.out, dict(
+        config=vars(a), backend=env["backend"], device_kind=env["device_kind"],
+        n_devices=n_dev, jax=env["jax"], python=env["python"],
+        native_ragged=native_ok, checks=checks, timings=rows, dispatch_ab=ab,
+    ))
     print(f"wrote {a.out}")
     if not all(c["ok"] for c in checks.values()):
         raise SystemExit("a check FAILED")

@@ -52,57 +52,26 @@ all-to-all / transpose / copy / dot ops (fused ones included).
 
 from __future__ import annotations
 
-import argparse
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--small", action="store_true", help="CPU sizes, simulated devices")
-    p.add_argument("--cpu-devices", type=int, default=2, help="simulated devices with --small")
-    p.add_argument("--tokens", type=int, help="tokens per device (16384; small 256)")
-    p.add_argument("--d-model", type=int, help="4096; small 512")
-    p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--capacity-factor", type=float, default=1.25)
-    p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--warmup", type=int, help="untimed calls first (3; small 1)")
-    p.add_argument("--iters", type=int, help="timed calls per phase (20; small 2)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-hlo", action="store_true", help="skip the per-phase HLO summary")
-    p.add_argument("--no-experiment", action="store_true",
-                   help="skip the split-axis layout experiment (4 compiles; skipped with "
-                        "--small)")
-    p.add_argument("--out", default=str(HERE / "results" / "dispatch_phases.json"),
-                   help="JSON path ('' to skip)")
-    a = p.parse_args(argv)
-    a.tokens = a.tokens or (256 if a.small else 16384)
-    a.d_model = a.d_model or (512 if a.small else 4096)
-    a.iters = a.iters or (2 if a.small else 20)
-    a.warmup = a.warmup if a.warmup is not None else (1 if a.small else 3)
-    a.no_experiment = a.no_experiment or a.small
-    return a
-
-
-ARGS = parse_args() if __name__ == "__main__" else None
-if ARGS is not None and ARGS.small:
-    _flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in _flags:
-        os.environ["XLA_FLAGS"] = (
-            f"{_flags} --xla_force_host_platform_device_count={ARGS.cpu_devices}").strip()
-sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_util import env_info, median_seconds, write_json  # noqa: E402
+from bench_util import (  # noqa: E402
+    add_routing_args,
+    cli,
+    env_info,
+    fill_defaults,
+    force_cpu_devices,
+    median_seconds,
+    write_json,
+)
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -117,6 +86,25 @@ from moe.dispatch import _back_row, _sum_slots, combine, dispatch  # noqa: E402
 from xla_comm import hlo  # noqa: E402
 
 AXIS = "expert"
+
+
+def parse_args(argv=None):
+    p = cli(__doc__)
+    add_routing_args(p, tokens="16384; small 256", d_model="4096; small 512")
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--warmup", type=int, help="untimed calls first (3; small 1)")
+    p.add_argument("--iters", type=int, help="timed calls per phase (20; small 2)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-hlo", action="store_true", help="skip the per-phase HLO summary")
+    p.add_argument("--no-experiment", action="store_true",
+                   help="skip the split-axis layout experiment (4 compiles; skipped with "
+                        "--small)")
+    p.add_argument("--out", default=str(HERE / "results" / "dispatch_phases.json"),
+                   help="JSON path ('' to skip)")
+    a = fill_defaults(p.parse_args(argv), small=dict(tokens=256, d_model=512, iters=2, warmup=1),
+                      full=dict(tokens=16384, d_model=4096, iters=20, warmup=3))
+    a.no_experiment = a.no_experiment or a.small
+    return a
 
 # ----------------------------------------------------------------------------- HLO summary
 
@@ -244,54 +232,52 @@ def deepep_rows_per_device(ids: np.ndarray, n_dev: int, experts: int) -> float:
 # ----------------------------------------------------------------------------- phases
 
 
-def run(a) -> dict:
-    mesh = make_mesh()
-    n_dev = mesh.devices.size
-    if a.experts % n_dev:
-        raise SystemExit(f"--experts {a.experts} must be a multiple of the {n_dev} devices")
-    if a.d_model % (4 * a.block_size):
-        raise SystemExit(f"--d-model must be a multiple of 4 * block_size = {4 * a.block_size}")
-    kw = plan_kwargs(a, n_dev)
-    t, k, d, e, c = a.tokens, a.top_k, a.d_model, a.experts, kw["capacity"]
-    el, bs = e // n_dev, a.block_size
-    n_rows = e * c
-    fp8_row = d + d // bs
-    x, ids, w, dy = make_data(mesh, a)
-    ids_np = np.asarray(ids)
-    deepep_rows = deepep_rows_per_device(ids_np, n_dev, e)
-    kept_slots = None
+class Phases:
+    """One run's mesh, sizes and report; `bench` compiles, times and records one phase."""
 
-    report = dict(
-        benchmark="dispatch_phases", env=env_info(),
-        settings={kk: v for kk, v in vars(a).items() if kk != "out"},
-        derived=dict(devices=n_dev, capacity=c, send_rows=n_rows, slots=t * k,
-                     fp8_row_bytes=fp8_row, bf16_row_bytes=2 * d,
-                     deepep_rows_per_device=deepep_rows),
-        bytes_definitions=dict(
-            buffer="all_to_all operand bytes per device: E*C rows x row bytes, capacity "
-                   "padding and the self chunk included",
-            remote="(P-1)/P x buffer: bytes leaving the GPU (moe_layer_bench's GB/s)",
-            deepep="DeepEP GB/s (NVL): rows received per rank, one per (token, destination "
-                   "rank), self included, no padding, x row bytes (bf16 2d; FP8 here d+d/128)",
-        ),
-        phases=[], errors={},
-    )
-    rows = report["phases"]
+    def __init__(self, a, mesh, ids):
+        self.a, self.mesh = a, mesh
+        n_dev = mesh.devices.size
+        self.kw = kw = plan_kwargs(a, n_dev)
+        t, k, d, e, c = a.tokens, a.top_k, a.d_model, a.experts, kw["capacity"]
+        n_rows, fp8_row = e * c, d + d // a.block_size
+        self.dims = (t, k, d, e, c, e // n_dev, a.block_size, n_rows, fp8_row, n_dev)
+        deepep_rows = deepep_rows_per_device(np.asarray(ids), n_dev, e)
+        self.buffers = (n_rows * 2 * d, n_rows * fp8_row, deepep_rows * 2 * d,
+                        deepep_rows * fp8_row)
+        self.report = dict(
+            benchmark="dispatch_phases", env=env_info(),
+            settings={kk: v for kk, v in vars(a).items() if kk != "out"},
+            derived=dict(devices=n_dev, capacity=c, send_rows=n_rows, slots=t * k,
+                         fp8_row_bytes=fp8_row, bf16_row_bytes=2 * d,
+                         deepep_rows_per_device=deepep_rows),
+            bytes_definitions=dict(
+                buffer="all_to_all operand bytes per device: E*C rows x row bytes, capacity "
+                       "padding and the self chunk included",
+                remote="(P-1)/P x buffer: bytes leaving the GPU (moe_layer_bench's GB/s)",
+                deepep="DeepEP GB/s (NVL): rows received per rank, one per (token, "
+                       "destination rank), self included, no padding, x row bytes (bf16 2d; "
+                       "FP8 here d+d/128)",
+            ),
+            phases=[], errors={},
+        )
+        self.exe = {}  # (name, wire) -> compiled executable, reused for the next phase's inputs
 
-    exe = {}  # (name, wire) -> compiled executable, reused for the next phase's inputs
-
-    def call(name, wire, fn, *args):
+    def call(self, name, wire, fn, *args):
         """Run a benchmarked phase again (its compiled executable; ``fn`` if it failed)."""
-        return exe.get((name, wire), fn)(*args)
+        return self.exe.get((name, wire), fn)(*args)
 
-    def bench(name, group, wire, fn, args, *, buffer_bytes=None, deepep_bytes=None, note=""):
+    def bench(self, name, group, wire, fn, args, *, buffer_bytes=None, deepep_bytes=None,
+              note=""):
+        """Compile and time ``fn(*args)``; append its row (None if it failed) and save."""
+        a, n_dev = self.a, self.dims[-1]
         try:
             t0 = time.perf_counter()
-            compiled = exe[(name, wire)] = fn.lower(*args).compile()
+            compiled = self.exe[(name, wire)] = fn.lower(*args).compile()
             compile_s = time.perf_counter() - t0
             sec, _ = median_seconds(compiled, args, a.warmup, a.iters)
         except Exception as err:  # one phase failing must not lose the others
-            report["errors"][name] = repr(err)[:1500]
+            self.report["errors"][name] = repr(err)[:1500]
             print(f"{name}: FAILED {err!r}"[:400], flush=True)
             return None
         row = dict(phase=name, group=group, wire=wire, ms=sec * 1e3, compile_s=compile_s,
@@ -305,17 +291,18 @@ def run(a) -> dict:
             row.update(deepep_mb=deepep_bytes / 2**20, GBps_deepep=deepep_bytes / sec / 1e9)
         if not a.no_hlo:
             row["hlo"] = hlo_summary(compiled)
-        rows.append(row)
+        self.report["phases"].append(row)
         gb = (f"  {row['GBps_buffer']:7.1f} GB/s buf {row['GBps_remote']:7.1f} remote"
               if buffer_bytes is not None else "")
         print(f"{group:9s} {name:44s} {wire:5s} {row['ms']:9.3f} ms{gb}", flush=True)
-        write_json(a.out, report)
+        write_json(a.out, self.report)
         return sec
 
-    bf16_buf, fp8_buf = n_rows * 2 * d, n_rows * fp8_row
-    dp_bf16, dp_fp8 = deepep_rows * 2 * d, deepep_rows * fp8_row
 
-    # ---- plan
+def plan_phases(ph: Phases, ids):
+    """The plan: the library's, the previous one and a sort-free one (checked equal)."""
+    t, k, d, e, c, el, bs, n_rows, fp8_row, n_dev = ph.dims
+    mesh, kw, bench, call = ph.mesh, ph.kw, ph.bench, ph.call
     plan_fn = smap(mesh, lambda ids: (lambda pl: (pl.send_slot, pl.slot_row))(
         build_plan(ids, **kw)), 1, (P(AXIS), P(AXIS)))
     bench("plan (packed-key sort)", "plan", "-", plan_fn, (ids,))
@@ -330,16 +317,21 @@ def run(a) -> dict:
                                   (P(AXIS), P(AXIS), P(AXIS))), ids)
         same = bool(np.array_equal(np.asarray(ref[0]), np.asarray(send_slot))
                     and np.array_equal(np.asarray(ref[1]), np.asarray(slot_row)))
-        report["derived"][f"plan_{name}_equals_library"] = same
+        ph.report["derived"][f"plan_{name}_equals_library"] = same
     kept_slots = int(np.sum(np.asarray(slot_row) < n_rows))
-    report["derived"]["kept_slots_per_device"] = kept_slots / n_dev
+    ph.report["derived"]["kept_slots_per_device"] = kept_slots / n_dev
+    return send_slot, slot_row
 
-    # ---- quantize the T tokens once
+
+def gather_phases(ph: Phases, x, send_slot):
+    """Quantize the T tokens once, then build the send buffer (bf16 rows, FP8 words)."""
+    t, k, d, e, c, el, bs, n_rows, fp8_row, n_dev = ph.dims
+    mesh, bench, call = ph.mesh, ph.bench, ph.call
     enc = smap(mesh, lambda x: _transport.encode_rows(x, wire="fp8", block_size=bs), 1)
     bench("quantize T tokens -> e4m3+scales", "quantize", "fp8", enc, (x,))
     xq = call("quantize T tokens -> e4m3+scales", "fp8", enc, x)
 
-    # ---- send-buffer gathers
+
     def gather(rows, send_slot):
         return jnp.take(rows, send_slot // k, axis=0, mode="fill", fill_value=0)
 
@@ -372,13 +364,19 @@ def run(a) -> dict:
         bench("gather+encode, one pass (pallas kernel)", "gather", wire, kern, (x, send_slot))
         lib = smap(mesh, lambda x, s, codec=codec: _transport.gather_rows(
             x, s // k, wire=codec, block_size=bs, kernels="xla"), 2)
-        report["derived"][f"pallas_gather_encode_equals_xla_{wire}"] = bool(jnp.all(
+        ph.report["derived"][f"pallas_gather_encode_equals_xla_{wire}"] = bool(jnp.all(
             call("gather+encode, one pass (pallas kernel)", wire, kern, x, send_slot)
             == lib(x, send_slot)))
     send_bf16 = call("gather send buffer (bf16 rows)", "bf16", g, x, send_slot)
     send_fp8 = call("gather send buffer (fp8 words)", "fp8", g, xq, send_slot)
+    return send_bf16, send_fp8
 
-    # ---- the all_to_all alone
+
+def exchange_phases(ph: Phases, send_bf16, send_fp8):
+    """The all_to_all alone, bf16 and FP8 payloads."""
+    t, k, d, e, c, el, bs, n_rows, fp8_row, n_dev = ph.dims
+    mesh, bench, call = ph.mesh, ph.bench, ph.call
+    bf16_buf, fp8_buf, dp_bf16, dp_fp8 = ph.buffers
     a2a = smap(mesh, lambda b: _transport.dense_exchange(b, AXIS), 1)
     bench("all_to_all alone", "all_to_all", "bf16", a2a, (send_bf16,),
           buffer_bytes=bf16_buf, deepep_bytes=dp_bf16)
@@ -391,8 +389,13 @@ def run(a) -> dict:
     del send_fp8_u8
     recv_bf16 = call("all_to_all alone", "bf16", a2a, send_bf16)
     recv_fp8 = call("all_to_all alone", "fp8", a2a, send_fp8)
+    return recv_bf16, recv_fp8
 
-    # ---- receive side -> expert layout
+
+def recv_phases(ph: Phases, recv_bf16, recv_fp8):
+    """Received buffer -> expert layout (transpose; FP8: dequantize too)."""
+    t, k, d, e, c, el, bs, n_rows, fp8_row, n_dev = ph.dims
+    mesh, bench, call = ph.mesh, ph.bench, ph.call
     def to_layout(r):
         return r.reshape(n_dev, el, c, -1).transpose(1, 0, 2, 3).reshape(el, n_dev * c, -1)
 
@@ -414,12 +417,18 @@ def run(a) -> dict:
         bench("decode -> expert layout, one pass (pallas kernel)", "recv", wire, kern, (recv,))
         ref = (smap(mesh, to_layout, 1) if wire == "bf16" else deq)(recv)
         got = call("decode -> expert layout, one pass (pallas kernel)", wire, kern, recv)
-        report["derived"][f"pallas_decode_equals_xla_{wire}"] = bool(jnp.all(
+        ph.report["derived"][f"pallas_decode_equals_xla_{wire}"] = bool(jnp.all(
             (got == ref) | (jnp.isnan(got) & jnp.isnan(ref))))
     expert_x = call("recv -> expert layout (transpose)", "bf16", smap(mesh, to_layout, 1),
                     recv_bf16)
+    return expert_x
 
-    # ---- combine pieces
+
+def combine_phases(ph: Phases, expert_x, back, send_slot, slot_row, w):
+    """The bf16 all_to_all back and the un-permute + weight + sum over k."""
+    t, k, d, e, c, el, bs, n_rows, fp8_row, n_dev = ph.dims
+    mesh, kw, bench = ph.mesh, ph.kw, ph.bench
+    bf16_buf, fp8_buf, dp_bf16, dp_fp8 = ph.buffers
     def send_layout(ey):
         return ey.reshape(el, n_dev, c, d).transpose(1, 0, 2, 3).reshape(-1, d)
 
@@ -431,7 +440,6 @@ def run(a) -> dict:
     bench("all_to_all back, split on the layout's axis 1 (library)", "combine", "bf16",
           smap(mesh, lambda ey: jax.lax.all_to_all(ey, AXIS, 1, 1, tiled=True), 1),
           (expert_x,), buffer_bytes=bf16_buf)
-    back = recv_bf16  # same shape/dtype as the combine all_to_all's result
 
     def unpermute(back, send_slot, slot_row, w):
         plan = rebuild_plan(send_slot, slot_row, kw)
@@ -450,7 +458,11 @@ def run(a) -> dict:
     bench("before: gather [T,k,d] + einsum", "combine", "bf16",
           smap(mesh, unpermute_old, 3), (back, slot_row, w))
 
-    # ---- backward pieces
+
+def backward_phases(ph: Phases, back, dy, w, send_slot, slot_row):
+    """Combine's gradient send buffer and the router gradient."""
+    t, k, d, e, c, el, bs, n_rows, fp8_row, n_dev = ph.dims
+    mesh, kw, bench, call = ph.mesh, ph.kw, ph.bench, ph.call
     for wire in ("bf16", "fp8"):
         codec = "fp8" if wire == "fp8" else jnp.dtype(jnp.bfloat16)
 
@@ -473,7 +485,7 @@ def run(a) -> dict:
                                 smap(mesh, grad_send, 3), dy, w, send_slot)),
                 np.asarray(call("before: w*dy [T*k,d], encode, gather", wire,
                                 smap(mesh, grad_send_before, 3), dy, w, send_slot)))
-            report["derived"]["fp8_grad_send_bytes_equal_before"] = bool(same)
+            ph.report["derived"]["fp8_grad_send_bytes_equal_before"] = bool(same)
 
     def router_grad(back, send_slot, slot_row, dy):
         plan = rebuild_plan(send_slot, slot_row, kw)
@@ -485,9 +497,13 @@ def run(a) -> dict:
     bench("router grad <dy, slot rows>", "backward", "bf16",
           smap(mesh, router_grad, 4), (back, send_slot, slot_row, dy))
 
-    # ---- whole pipeline: the library default (wire_kernels='auto': the Pallas wire kernels on
-    # NVIDIA GPUs) and the XLA wire path, same bytes
-    cf = a.capacity_factor
+
+def whole_phases(ph: Phases, x, ids, w, dy) -> dict:
+    """Public dispatch / combine, fwd and fwd+bwd, Pallas and XLA wire paths; seconds by key."""
+    t, k, d, e, c, el, bs, n_rows, fp8_row, n_dev = ph.dims
+    mesh, bench = ph.mesh, ph.bench
+    bf16_buf, fp8_buf, dp_bf16, dp_fp8 = ph.buffers
+    cf = ph.a.capacity_factor
     res = {}
     for kernels in ("auto", "xla"):
         tag = "" if kernels == "auto" else " [xla wire]"
@@ -529,9 +545,15 @@ def run(a) -> dict:
                   buffer_bytes=2 * both, deepep_bytes=2 * (dp + dp_bf16),
                   note="4 all_to_alls: dispatch, return, grad dispatch (wire), grad return "
                        "(bf16)")
+    return res
 
-    # ---- the dropless transport (bucketed all_to_all, never drops) on the same tokens: the
-    # exchange sends P * c rows per device for the bucket c this routing takes
+
+def dropless_phases(ph: Phases, x, ids, w, dy, res: dict) -> None:
+    """The same for transport='dropless' (bucketed all_to_all); adds to ``res``."""
+    t, k, d, e, c, el, bs, n_rows, fp8_row, n_dev = ph.dims
+    mesh, bench = ph.mesh, ph.bench
+    bf16_buf, fp8_buf, dp_bf16, dp_fp8 = ph.buffers
+    cf = ph.a.capacity_factor
     for wire in ("bf16", "fp8"):
         def ddisp(x, ids, wire=wire):
             return dispatch(x, ids, num_experts=e, axis_name=AXIS, transport="dropless",
@@ -540,7 +562,7 @@ def run(a) -> dict:
         bucket = smap(mesh, lambda x, ids: ddisp(x, ids)[2].bucket[None], 2)(x, ids)
         rows_c = dropless_buckets(t, k, e, n_dev, cf)[int(np.max(np.asarray(bucket)))]
         buf = n_dev * rows_c * (2 * d if wire == "bf16" else fp8_row)
-        report["derived"][f"dropless_bucket_rows_{wire}"] = rows_c
+        ph.report["derived"][f"dropless_bucket_rows_{wire}"] = rows_c
         res[("dropless dispatch", wire)] = bench(
             "dropless dispatch (public API -> expert_x)", "dropless", wire,
             smap(mesh, lambda x, ids, f=ddisp: f(x, ids)[0], 2), (x, ids), buffer_bytes=buf,
@@ -559,14 +581,16 @@ def run(a) -> dict:
                   f(x, ids, w).astype(jnp.float32) * dy.astype(jnp.float32)), argnums=(0, 2))),
               (x, ids, w, dy), buffer_bytes=2 * both)
 
-    # ---- experiment: exchanges that split axis 1 of the expert layout [E_local, P*C, .]
-    # (XLA:GPU lays an all-to-all out with its split axis major, so the send gather can write
-    # that layout and a consumer that accepts it, e.g. a dot, may skip the transpose copy).
-    # Same data movement as the library; compared on a pipeline with small dot "experts".
-    f_mid = 128
-    if a.no_experiment:
-        return finish(report, res)
-    kw1, kw2 = jax.random.split(jax.random.key(a.seed + 1))
+
+def layout_experiment(ph: Phases, x, ids, w) -> None:
+    """Split-axis-1 exchanges vs the library on a pipeline with small dot experts."""
+    t, k, d, e, c, el, bs, n_rows, fp8_row, n_dev = ph.dims
+    mesh, kw, bench, call = ph.mesh, ph.kw, ph.bench, ph.call
+    bf16_buf, fp8_buf, dp_bf16, dp_fp8 = ph.buffers
+    # XLA:GPU lays an all-to-all out with its split axis major, so the send gather can write
+    # that layout and a consumer that accepts it, e.g. a dot, may skip the transpose copy.
+    cf, f_mid = ph.a.capacity_factor, 128
+    kw1, kw2 = jax.random.split(jax.random.key(ph.a.seed + 1))
     w_in = jax.device_put(
         jax.random.normal(kw1, (e, d, f_mid), jnp.float32).astype(jnp.bfloat16) * d**-0.5,
         NamedSharding(mesh, P(AXIS)))
@@ -617,10 +641,31 @@ def run(a) -> dict:
                          smap(mesh, lib, 5), *args).astype(jnp.float32)
             y_alt = call("same, split-axis-1 exchanges (experiment)", wire,
                          smap(mesh, alt, 5), *args).astype(jnp.float32)
-            report["derived"]["split_axis_experiment_max_abs_diff"] = float(
+            ph.report["derived"]["split_axis_experiment_max_abs_diff"] = float(
                 jnp.max(jnp.abs(y_lib - y_alt)))
 
-    return finish(report, res)
+
+def run(a) -> dict:
+    mesh = make_mesh()
+    n_dev = mesh.devices.size
+    if a.experts % n_dev:
+        raise SystemExit(f"--experts {a.experts} must be a multiple of the {n_dev} devices")
+    if a.d_model % (4 * a.block_size):
+        raise SystemExit(f"--d-model must be a multiple of 4 * block_size = {4 * a.block_size}")
+    x, ids, w, dy = make_data(mesh, a)
+    ph = Phases(a, mesh, ids)
+    send_slot, slot_row = plan_phases(ph, ids)
+    send_bf16, send_fp8 = gather_phases(ph, x, send_slot)
+    recv_bf16, recv_fp8 = exchange_phases(ph, send_bf16, send_fp8)
+    expert_x = recv_phases(ph, recv_bf16, recv_fp8)
+    back = recv_bf16  # same shape/dtype as the combine all_to_all's result
+    combine_phases(ph, expert_x, back, send_slot, slot_row, w)
+    backward_phases(ph, back, dy, w, send_slot, slot_row)
+    res = whole_phases(ph, x, ids, w, dy)
+    dropless_phases(ph, x, ids, w, dy, res)
+    if not a.no_experiment:
+        layout_experiment(ph, x, ids, w)
+    return finish(ph.report, res)
 
 
 def finish(report, res):
@@ -677,4 +722,7 @@ def main(a):
 
 
 if __name__ == "__main__":
+    ARGS = parse_args()
+    if ARGS.small:
+        force_cpu_devices(ARGS.cpu_devices)
     main(ARGS)

@@ -29,14 +29,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
-import os
 import platform
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -50,6 +47,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from moe import _gmm_pallas
     from moe.experts import gated_experts
+from bench_util import median_seconds, write_json
 
 CONFIGS: dict[str, dict[str, str]] = {
     "bf16": {},
@@ -62,23 +60,11 @@ CONFIGS: dict[str, dict[str, str]] = {
 BACKENDS = ("ragged_dot", "einsum", "pallas")
 RAGGED_BACKENDS = ("ragged_dot", "pallas")  # x as [T, d]; 'einsum' takes [E, C, d]
 # --pallas-sweep candidates: (block_m, block_n, block_k, num_warps, num_stages).
-GMM_SWEEP = (
-    (128, 128, 64, 8, 4),
-    (128, 128, 64, 4, 4),
-    (128, 128, 64, 8, 3),
-    (128, 256, 64, 8, 3),
-    (64, 128, 64, 4, 4),
-    (128, 128, 32, 4, 5),
-)
+GMM_SWEEP = ((128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (128, 128, 64, 8, 3),
+             (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 32, 4, 5))
 # tgmm: output tile [block_k, block_n], rows stepped by block_m.
-TGMM_SWEEP = (
-    (64, 128, 128, 8, 4),
-    (64, 128, 128, 4, 3),
-    (32, 128, 128, 4, 4),
-    (64, 256, 128, 8, 3),
-    (128, 128, 128, 8, 3),
-    (64, 128, 64, 4, 4),
-)
+TGMM_SWEEP = ((64, 128, 128, 8, 4), (64, 128, 128, 4, 3), (32, 128, 128, 4, 4),
+              (64, 256, 128, 8, 3), (128, 128, 128, 8, 3), (64, 128, 64, 4, 4))
 ROUTINGS = ("balanced", "zipf")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "experts_bench.json"
 
@@ -95,18 +81,6 @@ def group_sizes_for(routing: str, tokens: int, experts: int, zipf_s: float) -> n
     sizes = np.floor(p * tokens).astype(np.int64)
     sizes[0] += tokens - sizes.sum()
     return sizes.astype(np.int32)
-
-
-def median_seconds(fn: Callable, args, warmup: int, iters: int) -> float:
-    """Median wall time of ``fn(*args)`` after ``warmup`` calls, each call blocked until ready."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
 
 
 def _layout(backend: str, x_real: jax.Array, sizes: np.ndarray, capacity: int):
@@ -135,7 +109,7 @@ def bench_dense(tokens: int, d_model: int, d_ff: int, warmup: int, iters: int, k
         with jax.named_scope("dense_ceiling"):
             return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
-    sec = median_seconds(dense, (a, b), warmup, iters)
+    sec = median_seconds(dense, (a, b), warmup, iters)[0]
     flops = 2.0 * tokens * d_model * 2 * d_ff
     return {"name": "dense_matmul", "seconds": sec, "tflops": flops / sec / 1e12}
 
@@ -169,7 +143,7 @@ def bench_experts(
     t_compile = time.perf_counter()
     jax.block_until_ready(step(x, w_gu, w_d, gs, ct))
     t_compile = time.perf_counter() - t_compile
-    sec = median_seconds(step, (x, w_gu, w_d, gs, ct), args.warmup, args.iters)
+    sec = median_seconds(step, (x, w_gu, w_d, gs, ct), args.warmup, args.iters)[0]
     real_tokens = int(kept.sum())
     useful = 6.0 * real_tokens * d * 3 * f
     rows = int(np.prod(x.shape[:-1]))
@@ -345,7 +319,7 @@ def pallas_sweep(sizes_by_routing: dict, data: dict, dense_tflops: float, args) 
                 row = {"routing": routing, "kernel": kname, "tiling": label}
                 try:
                     step = jax.jit(call)
-                    sec = median_seconds(step, (*operands, gs), args.warmup, args.iters)
+                    sec = median_seconds(step, (*operands, gs), args.warmup, args.iters)[0]
                     row.update(
                         seconds=sec,
                         tflops=flops / sec / 1e12,
@@ -360,16 +334,6 @@ def pallas_sweep(sizes_by_routing: dict, data: dict, dense_tflops: float, args) 
                     print(f"sweep {routing:9s} {kname:6s} {label:26s} FAILED {row['error'][:200]}")
                 rows.append(row)
     return rows
-
-
-def _write(path: str, report: dict) -> None:
-    if not path:
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump(report, fh, indent=2, default=str)
-    os.replace(tmp, path)
 
 
 def main(argv=None) -> dict:
@@ -430,12 +394,12 @@ def main(argv=None) -> dict:
                 print(f"skipping pallas: the correctness check failed to run: {err[:500]}")
                 report["pallas_check"] = {"ok": False, "error": err}
                 skipped.append({"backend": "pallas", "reason": "check failed", "error": err})
-                _write(args.out, report)
+                write_json(args.out, report)
                 continue
-            _write(args.out, report)
+            write_json(args.out, report)
             if args.pallas_sweep:
                 report["pallas_sweep"] = pallas_sweep(sizes_by_routing, data, dense["tflops"], args)
-                _write(args.out, report)
+                write_json(args.out, report)
         for routing, sizes in sizes_by_routing.items():
             for config in args.configs:
                 try:
@@ -448,7 +412,7 @@ def main(argv=None) -> dict:
                     skipped.append(
                         {"backend": backend, "routing": routing, "config": config, "error": err}
                     )
-                    _write(args.out, report)
+                    write_json(args.out, report)
                     continue
                 r["ratio_to_dense"] = r["useful_tflops"] / dense["tflops"]
                 results.append(r)
@@ -456,7 +420,7 @@ def main(argv=None) -> dict:
                     f"  {routing} {backend} {config}: {r['seconds'] * 1e3:.3f} ms, "
                     f"{r['useful_tflops']:.1f} TFLOP/s ({r['ratio_to_dense']:.3f} of dense)"
                 )
-                _write(args.out, report)
+                write_json(args.out, report)
 
     print(
         f"\ngated_experts fwd+bwd on {dev.device_kind} ({jax.default_backend()}), jax "
@@ -484,7 +448,7 @@ def main(argv=None) -> dict:
     for sk in skipped:
         print(f"skipped: {sk}"[:300])
     if args.out:
-        _write(args.out, report)
+        write_json(args.out, report)
         print(f"wrote {args.out}")
     return report
 

@@ -1,9 +1,9 @@
 """Benchmark one full training step of the MoE language model (examples/lm_model.py).
 
 Step = forward, backward (cross-entropy + 0.01 load-balancing + 1e-3 router z-loss, as in
-examples/train_lm.py) and the optimizer update (``muon_jax.muon`` with ``mesh=`` when it
-accepts one, Muon for hidden matrices and AdamW for the rest; or ``--optimizer adamw``), jitted
-over the split NNX state with the state donated. Mesh ('data', 'expert') = (1, n_devices);
+examples/train_lm.py) and the optimizer update (``muon_jax.muon(..., mesh=)``: Muon for hidden
+matrices and AdamW for the rest; or ``--optimizer adamw``), jitted over the split NNX state with
+the state donated. Mesh ('data', 'expert') = (1, n_devices);
 bf16 compute, f32 params. Variants (``--variants``): ``bf16`` (bf16 wire and expert GEMMs),
 ``fp8_dispatch`` (FP8 wire), ``fp8`` (FP8 wire and FP8 expert GEMMs: forward, dgrad, wgrad).
 
@@ -23,9 +23,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
-import inspect
 import os
 import sys
 import time
@@ -33,8 +31,30 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import lm_model  # noqa: E402  (examples/lm_model.py)
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from bench_util import (  # noqa: E402
+    cli,
+    dense_ceiling,
+    env_info,
+    fill_defaults,
+    force_cpu_devices,
+    line_mesh,
+    write_json,
+)
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+from trace_overlap import exposed_comm_fraction  # noqa: E402
 
+import muon_jax  # noqa: E402
+
+AXES = ("data", "expert")
 VARIANTS = {  # name: (dispatch wire, expert GEMM precision)
     "bf16": ("bf16", "bf16"),
     "fp8_dispatch": ("fp8", "bf16"),
@@ -43,8 +63,7 @@ VARIANTS = {  # name: (dispatch wire, expert GEMM precision)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--small", action="store_true", help="CPU sizes, 8 simulated devices")
+    p = cli(__doc__, cpu_devices=8)
     p.add_argument("--d-model", type=int, help="2048; small 128")
     p.add_argument("--layers", type=int, help="8; small 2")
     p.add_argument("--heads", type=int, help="16; small 4")
@@ -68,68 +87,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(HERE / "results" / "lm_step_bench.json"),
                    help="JSON path ('' to skip)")
-    a = p.parse_args(argv)
-    small = dict(d_model=128, layers=2, heads=4, d_ff=128, experts=8, fp8_block_size=32,
-                 batch=16, seq_len=64, ceiling_n=512, warmup=1, iters=2)
-    full = dict(d_model=2048, layers=8, heads=16, d_ff=1408, experts=16, fp8_block_size=128,
-                batch=64, seq_len=1024, ceiling_n=8192, warmup=3, iters=10)
-    for k, v in (small if a.small else full).items():
-        if getattr(a, k) is None:
-            setattr(a, k, v)
-    return a
-
-
-ARGS = parse_args() if __name__ == "__main__" else None
-if ARGS is not None and ARGS.small:
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT / "examples"))
-sys.path.insert(0, str(ROOT))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import lm_model  # noqa: E402  (examples/lm_model.py)
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from bench_util import dense_ceiling, env_info, write_json  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-from trace_overlap import exposed_comm_fraction  # noqa: E402
-
-import muon_jax  # noqa: E402
-
-AXES = ("data", "expert")
-MUON_SHARDED = "mesh" in inspect.signature(muon_jax.muon).parameters
-
-
-def make_mesh():
-    n = len(jax.devices())
-    auto = (jax.sharding.AxisType.Auto,) * 2
-    return jax.make_mesh((1, n), AXES, axis_types=auto, devices=jax.devices())
+    return fill_defaults(
+        p.parse_args(argv),
+        small=dict(d_model=128, layers=2, heads=4, d_ff=128, experts=8, fp8_block_size=32,
+                   batch=16, seq_len=64, ceiling_n=512, warmup=1, iters=2),
+        full=dict(d_model=2048, layers=8, heads=16, d_ff=1408, experts=16, fp8_block_size=128,
+                  batch=64, seq_len=1024, ceiling_n=8192, warmup=3, iters=10))
 
 
 def model_config(a, variant: str) -> lm_model.LMConfig:
     wire, gemm = VARIANTS[variant]
-    want = dict(vocab_size=a.vocab, d_model=a.d_model, num_layers=a.layers, num_heads=a.heads,
-                d_ff=a.d_ff, num_experts=a.experts, top_k=a.top_k,
-                capacity_factor=a.capacity_factor if a.capacity_factor > 0 else None,
-                dispatch_dtype=wire, expert_gemm_dtype=gemm, fp8_block_size=a.fp8_block_size,
-                dtype="bfloat16")
-    names = {f.name for f in dataclasses.fields(lm_model.LMConfig)}
-    missing = set(want) - names
-    if missing:
-        print(f"note: LMConfig has no fields {sorted(missing)}; they are not set", flush=True)
-    return lm_model.LMConfig(**{k: v for k, v in want.items() if k in names})
+    return lm_model.LMConfig(
+        vocab_size=a.vocab, d_model=a.d_model, num_layers=a.layers, num_heads=a.heads,
+        d_ff=a.d_ff, num_experts=a.experts, top_k=a.top_k,
+        capacity_factor=a.capacity_factor if a.capacity_factor > 0 else None,
+        dispatch_dtype=wire, expert_gemm_dtype=gemm, fp8_block_size=a.fp8_block_size,
+        dtype="bfloat16")
 
 
 def make_tx(a, mesh):
     if a.optimizer == "adamw":
         return optax.adamw(3e-4, b1=0.9, b2=0.95, weight_decay=0.01)
-    kw = {"mesh": mesh} if MUON_SHARDED else {}
-    return muon_jax.muon(0.02, weight_decay=0.01, adam_learning_rate=3e-4, **kw)
+    return muon_jax.muon(0.02, weight_decay=0.01, adam_learning_rate=3e-4, mesh=mesh)
 
 
 def active_params(model, cfg) -> dict:
@@ -153,18 +132,6 @@ def active_params(model, cfg) -> dict:
         by_role[role] = by_role.get(role, 0) + size
         active += act
     return {"total": total, "active": active, "by_role": by_role}
-
-
-def create(cfg, a, mesh):
-    with jax.set_mesh(mesh):
-        model = lm_model.TransformerLM(cfg, mesh=mesh, rngs=nnx.Rngs(a.seed))
-        state = nnx.state(model)
-        specs = nnx.get_partition_spec(state)
-        nnx.update(model, jax.device_put(state, jax.tree.map(
-            lambda s: NamedSharding(mesh, s if s is not None else P()), specs,
-            is_leaf=lambda x: isinstance(x, P) or x is None)))
-        optimizer = nnx.Optimizer(model, make_tx(a, mesh), wrt=nnx.Param)
-    return model, optimizer
 
 
 def loss_fn(model, batch):
@@ -199,7 +166,8 @@ def run_steps(step, state, batch, n):
 def bench_variant(variant: str, a, mesh, ceiling) -> dict:
     n_dev = mesh.devices.size
     cfg = model_config(a, variant)
-    model, optimizer = create(cfg, a, mesh)
+    model, optimizer = lm_model.create_sharded(cfg, make_tx(a, mesh), mesh=mesh,
+                                               seed=a.seed)
     counts = active_params(model, cfg)
     graphdef, state = nnx.split((model, optimizer))
     del model, optimizer
@@ -231,7 +199,7 @@ def bench_variant(variant: str, a, mesh, ceiling) -> dict:
     slots = ntok * a.top_k * a.layers
     row = dict(variant=variant, fp8_dispatch=VARIANTS[variant][0] == "fp8",
                expert_gemm_dtype=VARIANTS[variant][1],
-               optimizer=a.optimizer, muon_sharded=MUON_SHARDED and a.optimizer == "muon",
+               optimizer=a.optimizer, muon_sharded=a.optimizer == "muon",
                params_total=counts["total"], params_active=counts["active"],
                params_by_role=counts["by_role"], tokens_per_step=ntok,
                step_seconds=sec, step_ms=sec * 1e3, times_s=times, first_call_s=first,
@@ -245,14 +213,14 @@ def bench_variant(variant: str, a, mesh, ceiling) -> dict:
 
 
 def main(a) -> dict:
-    mesh = make_mesh()
+    mesh = line_mesh(AXES)
     n = mesh.devices.size
     if a.experts % n or a.batch % n:
         raise SystemExit(f"--experts {a.experts} and --batch {a.batch} must be multiples of the "
                          f"{n} devices")
     report = dict(benchmark="lm_train_step", env=env_info(),
                   settings={k: v for k, v in vars(a).items() if k != "out"},
-                  mesh={"data": 1, "expert": n}, muon_sharded_available=MUON_SHARDED,
+                  mesh={"data": 1, "expert": n}, muon_sharded_available=True,
                   flops_formula="6*active_params*tokens + 12*layers*d_model*seq*tokens",
                   steps=[], errors={})
     report["ceiling"] = dense_ceiling(a.ceiling_n, a.warmup, max(a.iters, 5))
@@ -276,7 +244,7 @@ def main(a) -> dict:
     print(f"\nLM train step on {n}x {e['device_kind']} ({e['backend']}), jax {e['jax']}: "
           f"d_model {a.d_model}, {a.layers} layers, {a.heads} heads, E {a.experts} top-{a.top_k}"
           f" d_ff {a.d_ff}, batch {a.batch}x{a.seq_len}, optimizer {a.optimizer}"
-          f"{' (sharded)' if MUON_SHARDED and a.optimizer == 'muon' else ''}")
+          f"{' (sharded)' if a.optimizer == 'muon' else ''}")
     if report["steps"]:
         r0 = report["steps"][0]
         print(f"params {r0['params_total'] / 1e6:.1f} M total, {r0['params_active'] / 1e6:.1f} M "
@@ -298,4 +266,7 @@ def main(a) -> dict:
 
 
 if __name__ == "__main__":
+    ARGS = parse_args()
+    if ARGS.small:
+        force_cpu_devices(ARGS.cpu_devices)
     main(ARGS)

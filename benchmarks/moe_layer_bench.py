@@ -64,34 +64,57 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-VARIANTS: dict[str, dict] = {
-    "dense_einsum_bf16": dict(transport="dense", backend="einsum", wire="bf16"),
-    "dense_einsum_fp8": dict(transport="dense", backend="einsum", wire="fp8"),
-    "dense_ragged_dot_bf16": dict(transport="dense", backend="ragged_dot", wire="bf16"),
-    "dense_ragged_dot_fp8": dict(transport="dense", backend="ragged_dot", wire="fp8"),
-    "ragged_bf16": dict(transport="ragged", backend="ragged_dot", wire="bf16"),
-    "ragged_fp8": dict(transport="ragged", backend="ragged_dot", wire="fp8"),
-    "ragged_pallas_bf16": dict(transport="ragged", backend="pallas", wire="bf16"),
-    "ragged_pallas_fp8": dict(transport="ragged", backend="pallas", wire="fp8"),
-    # The dropless transport (bucketed all_to_all) and, for comparison, the ragged one with
-    # the same experts: backend 'auto' = Pallas on NVIDIA GPUs, ragged_dot elsewhere.
-    "dropless_bf16": dict(transport="dropless", backend="auto", wire="bf16"),
-    "dropless_fp8": dict(transport="dropless", backend="auto", wire="fp8"),
-    "ragged_auto_bf16": dict(transport="ragged", backend="auto", wire="bf16"),
-    "dropless_pallas_bf16": dict(transport="dropless", backend="pallas", wire="bf16"),
-    # The same steps compiled with xla_comm.overlap.overlap_compiler_options() (latency-hiding
-    # scheduler, combine thresholds, high-priority collective stream).
-    "dense_einsum_bf16_overlap": dict(transport="dense", backend="einsum", wire="bf16",
-                                      overlap_options=True),
-    "dense_einsum_fp8_overlap": dict(transport="dense", backend="einsum", wire="fp8",
-                                     overlap_options=True),
-    # The XLA wire path instead of the Pallas wire kernels (wire_kernels='auto' on GPUs).
-    "dense_einsum_bf16_xla_wire": dict(transport="dense", backend="einsum", wire="bf16",
-                                       wire_kernels="xla"),
-    "dense_einsum_fp8_xla_wire": dict(transport="dense", backend="einsum", wire="fp8",
-                                      wire_kernels="xla"),
-    "dense_pallas_bf16": dict(transport="dense", backend="pallas", wire="bf16"),
+sys.path.insert(0, str(HERE.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from bench_util import (  # noqa: E402
+    add_routing_args,
+    cli,
+    compile_with,
+    dense_ceiling,
+    env_info,
+    fill_defaults,
+    force_cpu_devices,
+    line_mesh,
+    median_seconds,
+    write_json,
+)
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+from trace_breakdown import format_table, op_breakdown  # noqa: E402
+from trace_overlap import exposed_comm_fraction  # noqa: E402
+
+import moe  # noqa: E402
+from xla_comm import hlo as mhlo  # noqa: E402
+from xla_comm import overlap as moverlap  # noqa: E402
+
+BOTH = ("bf16", "fp8")
+# name stem: (transport, expert backend, wires). The dropless transport (bucketed all_to_all)
+# and, for comparison, the ragged one with the same experts: backend 'auto' = Pallas on NVIDIA
+# GPUs, ragged_dot elsewhere.
+STEMS = {
+    "dense_einsum": ("dense", "einsum", BOTH),
+    "dense_ragged_dot": ("dense", "ragged_dot", BOTH),
+    "dense_pallas": ("dense", "pallas", ("bf16",)),
+    "ragged": ("ragged", "ragged_dot", BOTH),
+    "ragged_pallas": ("ragged", "pallas", BOTH),
+    "ragged_auto": ("ragged", "auto", ("bf16",)),
+    "dropless": ("dropless", "auto", BOTH),
+    "dropless_pallas": ("dropless", "pallas", ("bf16",)),
 }
+VARIANTS: dict[str, dict] = {
+    f"{stem}_{wire}": dict(transport=t, backend=b, wire=wire)
+    for stem, (t, b, wires) in STEMS.items() for wire in wires}
+for _wire in BOTH:
+    # The same steps compiled with xla_comm.overlap.overlap_compiler_options() (latency-hiding
+    # scheduler, combine thresholds, high-priority collective stream), and the XLA wire path
+    # instead of the Pallas wire kernels (wire_kernels='auto' on GPUs).
+    VARIANTS[f"dense_einsum_{_wire}_overlap"] = dict(VARIANTS[f"dense_einsum_{_wire}"],
+                                                     overlap_options=True)
+    VARIANTS[f"dense_einsum_{_wire}_xla_wire"] = dict(VARIANTS[f"dense_einsum_{_wire}"],
+                                                      wire_kernels="xla")
 # The capacity layer and the dropless one the summary compares (issue 14).
 CAPACITY, DROPLESS, RAGGED = "dense_einsum_bf16", "dropless_bf16", "ragged_auto_bf16"
 PRESETS = {
@@ -105,15 +128,9 @@ ROUTINGS = ("balanced", "zipf")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--small", action="store_true", help="CPU sizes, simulated devices")
-    p.add_argument("--cpu-devices", type=int, default=2, help="simulated devices with --small")
-    p.add_argument("--tokens", type=int, help="tokens per device (16384; small 64)")
-    p.add_argument("--d-model", type=int, help="4096; small 128")
+    p = cli(__doc__)
+    add_routing_args(p, tokens="16384; small 64", d_model="4096; small 128")
     p.add_argument("--d-ff", type=int, help="2048; small 64")
-    p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--capacity-factor", type=float, default=1.25, help="dense transport")
     p.add_argument("--dropless-capacity-factor", type=float, default=None,
                    help="first exchange bucket of the dropless transport (None: the "
                         "library default, 1.25)")
@@ -148,14 +165,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dropless-out", default="",
                    help="also write the dropless summary alone here (e.g. "
                         "benchmarks/results/h200x1_dropless.json)")
-    a = p.parse_args(argv)
-    small = dict(tokens=64, d_model=128, d_ff=64, ceiling_n=512, warmup=1, iters=2,
-                 fp8_block_size=32, preset="dropless", profile_steps=1)
-    full = dict(tokens=16384, d_model=4096, d_ff=2048, ceiling_n=8192, warmup=3, iters=10,
-                fp8_block_size=128, preset="all", profile_steps=3)
-    for k, v in (small if a.small else full).items():
-        if getattr(a, k) is None:
-            setattr(a, k, v)
+    a = fill_defaults(
+        p.parse_args(argv),
+        small=dict(tokens=64, d_model=128, d_ff=64, ceiling_n=512, warmup=1, iters=2,
+                   fp8_block_size=32, preset="dropless", profile_steps=1),
+        full=dict(tokens=16384, d_model=4096, d_ff=2048, ceiling_n=8192, warmup=3, iters=10,
+                  fp8_block_size=128, preset="all", profile_steps=3))
     if a.variants is None:
         a.variants = list(PRESETS[a.preset])
         if a.small:  # a CPU plumbing check: the three layers the summary compares
@@ -163,41 +178,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-ARGS = parse_args() if __name__ == "__main__" else None
-if ARGS is not None and ARGS.small:
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = (
-            f"{flags} --xla_force_host_platform_device_count={ARGS.cpu_devices}").strip()
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from bench_util import (  # noqa: E402
-    compile_with,
-    dense_ceiling,
-    env_info,
-    median_seconds,
-    write_json,
-)
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-from trace_breakdown import format_table, op_breakdown  # noqa: E402
-from trace_overlap import exposed_comm_fraction  # noqa: E402
-
-import moe  # noqa: E402
-from xla_comm import hlo as mhlo  # noqa: E402
-from xla_comm import overlap as moverlap  # noqa: E402
-
 AXES = ("data", "expert")
-
-
-def make_mesh():
-    n = len(jax.devices())
-    auto = (jax.sharding.AxisType.Auto,) * 2
-    return jax.make_mesh((1, n), AXES, axis_types=auto, devices=jax.devices())
 
 
 def make_data(mesh, a):
@@ -627,7 +608,7 @@ def print_table(report):
 
 
 def main(a) -> dict:
-    mesh = make_mesh()
+    mesh = line_mesh(AXES)
     n = mesh.devices.size
     if a.experts % n:
         raise SystemExit(f"--experts {a.experts} must be a multiple of the {n} devices")
@@ -719,4 +700,7 @@ def main(a) -> dict:
 
 
 if __name__ == "__main__":
+    ARGS = parse_args()
+    if ARGS.small:
+        force_cpu_devices(ARGS.cpu_devices)
     main(ARGS)

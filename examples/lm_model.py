@@ -12,7 +12,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import moe
 
@@ -169,3 +172,17 @@ class TransformerLM(nnx.Module):
         else:
             logits = self.lm_head(x)
         return logits.astype(jnp.float32), aux_sum
+
+
+def create_sharded(cfg: LMConfig, tx: optax.GradientTransformation, *, mesh: jax.sharding.Mesh,
+                   seed: int = 0) -> tuple[TransformerLM, nnx.Optimizer]:
+    """A `TransformerLM` and its `nnx.Optimizer` (over ``nnx.Param``), placed on ``mesh``."""
+    with jax.set_mesh(mesh):
+        model = TransformerLM(cfg, mesh=mesh, rngs=nnx.Rngs(seed))
+        state = nnx.state(model)
+        specs = nnx.get_partition_spec(state)
+        nnx.update(model, jax.device_put(state, jax.tree.map(
+            lambda s: NamedSharding(mesh, s if s is not None else P()), specs,
+            is_leaf=lambda x: isinstance(x, P) or x is None)))
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    return model, optimizer

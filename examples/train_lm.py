@@ -263,16 +263,8 @@ def make_tx(name: str, args, mesh) -> optax.GradientTransformation:
 
 def create(name: str, args, mesh):
     """Model and optimizer with params and state placed on the mesh."""
-    cfg = model_config(args)
-    with jax.set_mesh(mesh):
-        model = lm_model.TransformerLM(cfg, mesh=mesh, rngs=nnx.Rngs(args.seed))
-        state = nnx.state(model)
-        specs = nnx.get_partition_spec(state)
-        nnx.update(model, jax.device_put(state, jax.tree.map(
-            lambda s: NamedSharding(mesh, s if s is not None else P()), specs,
-            is_leaf=lambda x: isinstance(x, P) or x is None)))
-        optimizer = nnx.Optimizer(model, make_tx(name, args, mesh), wrt=nnx.Param)
-    return model, optimizer
+    return lm_model.create_sharded(model_config(args), make_tx(name, args, mesh), mesh=mesh,
+                                   seed=args.seed)
 
 
 def loss_terms(model, batch, aux_w, z_w):
