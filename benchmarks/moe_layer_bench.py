@@ -92,8 +92,8 @@ from xla_comm import overlap as moverlap  # noqa: E402
 
 BOTH = ("bf16", "fp8")
 # name stem: (transport, expert backend, wires). The dropless transport (bucketed all_to_all)
-# and, for comparison, the ragged one with the same experts: backend 'auto' = Pallas on NVIDIA
-# GPUs, ragged_dot elsewhere.
+# and, for comparison, the ragged one with the same experts: backend 'auto' = Mosaic GPU on
+# Hopper, Pallas Triton on other NVIDIA GPUs, ragged_dot elsewhere.
 STEMS = {
     "dense_einsum": ("dense", "einsum", BOTH),
     "dense_ragged_dot": ("dense", "ragged_dot", BOTH),
