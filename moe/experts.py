@@ -232,9 +232,13 @@ def _cuda_capability() -> tuple[int, int] | None:
 def auto_backend(x_ndim: int) -> str:
     """The backend ``'auto'`` picks for x of rank ``x_ndim`` on the default platform.
 
-    Padded x: 'einsum'. Ragged x: 'mosaic' on Hopper GPUs (compute capability 9.x; measured on
-    H200 at 0.95-1.0 of the dense matmul rate in bf16 and at 1,150-1,280 TFLOP/s in FP8,
+    Padded x: 'einsum'. Ragged x: 'mosaic' on Hopper GPUs (compute capability 9.x; timings in
     BENCHMARKS.md), 'pallas' (Triton) on other NVIDIA GPUs, 'ragged_dot' elsewhere (CPU, TPU).
+
+    Example:
+      >>> from moe.experts import auto_backend
+      >>> auto_backend(3), auto_backend(2)  # on the CPU
+      ('einsum', 'ragged_dot')
     """
     if x_ndim == 3:
         return "einsum"
@@ -271,6 +275,10 @@ def check_backend_available(backend: Backend) -> None:
     ``'pallas'`` runs compiled on NVIDIA GPUs and interpreted (slowly) on CPU; ``'mosaic'``
     runs its kernels on Hopper GPUs and their XLA emulation on CPU (for tests); the other
     backends run everywhere.
+
+    Example:
+      >>> from moe.experts import check_backend_available
+      >>> check_backend_available("mosaic")  # passes on the CPU (XLA emulation)
     """
     if backend == "pallas":
         try:
@@ -475,13 +483,17 @@ def gated_experts(
       y with the shape and dtype of x.
 
     Example:
-      >>> E, d, f = 4, 512, 512
-      >>> x = jnp.ones((64, d), jnp.bfloat16)
-      >>> gs = jnp.array([16, 0, 40, 8], jnp.int32)
-      >>> w_gu = jnp.full((E, d, 2 * f), 0.01, jnp.bfloat16)
-      >>> w_d = jnp.full((E, f, d), 0.01, jnp.bfloat16)
-      >>> gated_experts(x, gs, w_gu, w_d, gemm_dtype="fp8", save_z="recompute").shape
-      (64, 512)
+      >>> import jax, jax.numpy as jnp
+      >>> from moe import gated_experts
+      >>> E, d, f = 4, 16, 8
+      >>> x = jnp.ones((24, d), jnp.bfloat16)  # rows grouped by expert: 8, 0, 12, 4
+      >>> gs = jnp.array([8, 0, 12, 4], jnp.int32)
+      >>> w_gu = jnp.full((E, d, 2 * f), 0.1, jnp.bfloat16)
+      >>> w_d = jnp.full((E, f, d), 0.1, jnp.bfloat16)
+      >>> experts = jax.jit(lambda *a: gated_experts(*a, gemm_dtype="fp8", save_z="recompute"))
+      >>> y = experts(x, gs, w_gu, w_d)
+      >>> y.shape, y.dtype
+      ((24, 16), dtype(bfloat16))
 
     References:
       SonicMoE (Guo et al., 2025), "SonicMoE: Accelerating MoE with IO and Tile-aware

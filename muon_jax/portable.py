@@ -50,7 +50,16 @@ __all__ = [
 
 
 class PortableMuonState(NamedTuple):
-    """Sharded Muon state in the params' shapes and shardings: the same on every mesh."""
+    """Sharded Muon state in the params' shapes and shardings: the same on every mesh.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from muon_jax import portable_state, scale_by_muon
+      >>> mesh = jax.make_mesh((jax.device_count(),), ('data',))
+      >>> state = portable_state(scale_by_muon(mesh=mesh).init({'w': jnp.ones((8, 4, 8))}))
+      >>> type(state).__name__, [m.shape for m in state.mu]
+      ('PortableMuonState', [(8, 4, 8)])
+    """
 
     count: jax.Array  # int32 scalar: number of updates so far
     mu: tuple[jax.Array, ...]  # per Muon leaf (plan.leaves order), its param's shape/sharding
