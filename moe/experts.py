@@ -65,11 +65,7 @@ def _rowwise(a: jax.Array) -> fp8.Fp8Array:
 
 
 def _fp8_matmul(ops: _grouped.GroupedGemms, a, w_kmajor, gs, out_dtype):
-    """``a @ w_kmajor[e]^T`` for the rows of each group, on FP8 operands.
-
-    ``a [..., K]`` per row, ``w_kmajor [E, N, K]`` per output channel ``n``; result
-    ``raw * s_a[row] * s_w[e, n]`` in ``out_dtype`` (raw accumulated in f32 on the GEMM).
-    """
+    """``(a_q @ w_q[e]^T) * s_a[row] * s_w[e, n]`` per group: FP8 operands, f32 accumulation."""
     aq, wq = _rowwise(a), _rowwise(w_kmajor)
     s_a, s_w = fp8.block_scales(aq)[..., 0], fp8.block_scales(wq)[..., 0]
     return ops.mm8(aq.data, wq.data, gs, out_dtype, s_a, s_w)
@@ -136,10 +132,7 @@ def _bias_grad(dz: jax.Array, gs: jax.Array, out_dtype) -> jax.Array:
 
 
 def _mask_rows(opts: _Opts, a: jax.Array, gs: jax.Array) -> jax.Array:
-    """Zero the padding rows of a token operand (ragged: index >= sum(gs); padded: c >= gs[e]).
-
-    The mask is rebuilt from ``gs`` wherever it is needed, so it is never a saved residual.
-    """
+    """Zero the padding rows of a token operand (ragged: index >= sum(gs); padded: c >= gs[e])."""
     if not opts.mask_rows:
         return a
     if a.ndim == 2:
@@ -351,9 +344,7 @@ def _check_fp8_dims(opts: _Opts, d_model: int, d_ff: int) -> None:
 
 @jax.custom_vjp
 def _permute_rows(x: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
-    """``x[index]`` (zero rows where ``index`` is out of range) whose cotangent is gathered
-    back by ``inverse``: a row gather both ways, no scatter-add (the maps are mutually
-    inverse on the rows they keep)."""
+    """``x[index]`` (out-of-range: zero rows) with the cotangent gathered back by ``inverse``."""
     return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
 
 

@@ -102,12 +102,7 @@ def _local_experts(ex, group_sizes, w_gate_up, w_down, biases, opts: MoEOptions)
 
 def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra, *, opts: MoEOptions, all_axes,
                total_tokens: int, num_slots: int):
-    """Per-device body: route, dispatch, local experts, combine.
-
-    ``extra`` holds the optional arrays: ``mask`` (bool ``[T]``), ``noise`` (router-only
-    jitter ``[T, d]``), ``router_bias`` and ``expert_bias``. ``num_slots`` is the padded expert
-    count the banks hold; masked slots are sent to expert ``num_slots``, which no device owns.
-    """
+    """Per-device body: route, dispatch, local experts, combine (masked slots go to no expert)."""
     # Router and expert banks are replicated over some axes; mark them varying there so that
     # autodiff sums their gradients over those axes (the transpose of pcast is a psum).
     do = opts.dispatch

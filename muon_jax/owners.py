@@ -257,8 +257,8 @@ def _factor(s: StackPlan, plan: OwnerPlan) -> int:
     return mesh_size(plan.mesh, [a for op in s.ops for a in op.axes])
 
 
-# XLA:GPU's concatenate kernel slows down with many operands (H200, jax 0.11.2: 2.2 TB/s for 8
-# operands, 0.7 TB/s for 16-32); in-place dynamic_update_slice copies kept 1.4-1.5 TB/s.
+# Most operands per concatenate: XLA:GPU's concatenate slows down with many operands, in-place
+# dynamic_update_slice copies do not.
 _CONCAT_MAX = 8
 
 

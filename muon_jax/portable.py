@@ -250,12 +250,7 @@ def portable_target(template: Any) -> Any:
 
 
 def _owner_rows(plan: Any) -> tuple[np.ndarray, ...]:
-    """Per stack, the matrix each owner row holds (index over all Muon matrices; -1: padding).
-
-    Owner row ``g`` of a stack is local row ``g % (F * k_owner)`` of the devices with
-    stack-axis shard ``g // (F * k_owner)`` (``F``: devices its ops split it over); local rows
-    are the leaves' local batches, joined in leaf order, then padding.
-    """
+    """Per stack, the matrix each owner row holds (index over all Muon matrices; -1: padding)."""
     offsets = np.cumsum([0] + [leaf.view.batch for leaf in plan.leaves])
     out = []
     for s in plan.stacks:
