@@ -35,10 +35,12 @@ class BalancingBias(nnx.Variable):
     Example:
       >>> from flax import nnx
       >>> from moe import MoE, MoEOptions
-      >>> layer = MoE(16, 8, options=MoEOptions.create(4, 2), rngs=nnx.Rngs(0))
-      >>> bias = nnx.state(layer, BalancingBias)['balancing_bias']
-      >>> bias.shape, len(nnx.state(layer, nnx.Param)) > 0  # not among the trained Params
-      ((4,), True)
+      >>> layer = nnx.eval_shape(lambda: MoE(16, 8, options=MoEOptions.create(4, 2),
+      ...                                        rngs=nnx.Rngs(0)))
+      >>> nnx.state(layer, BalancingBias)['balancing_bias'].shape
+      (4,)
+      >>> 'balancing_bias' in nnx.state(layer, nnx.Param)  # not trained
+      False
     """
 
 

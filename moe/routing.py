@@ -136,9 +136,10 @@ class Routing(NamedTuple):
       router_z_loss: float32 scalar, ST-MoE z-loss.
 
     Example:
-      >>> import jax.numpy as jnp
+      >>> import jax, jax.numpy as jnp
       >>> from moe import RouterConfig, route
-      >>> r = route(jnp.ones((3, 8)), jnp.eye(8, 4), config=RouterConfig(4, 2))
+      >>> r = jax.jit(lambda x, w: route(x, w, config=RouterConfig(4, 2)))(jnp.ones((3, 8)),
+      ...                                                                jnp.eye(8, 4))
       >>> r.expert_ids.shape, r.scores.shape, r.tokens_per_expert.tolist()
       ((3, 2), (3, 4), [3, 3, 0, 0])
     """

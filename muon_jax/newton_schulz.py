@@ -162,9 +162,9 @@ def orthogonalize(
 
     >>> import jax, jax.numpy as jnp
     >>> g = jax.random.normal(jax.random.key(0), (4, 16, 8))
-    >>> o = orthogonalize(g, ns_coeffs='polar_express', ns_steps=8, dtype=jnp.float32)
-    >>> s = jnp.linalg.svd(o, compute_uv=False)
-    >>> bool(jnp.all(jnp.abs(s - 1) < 1e-2))
+    >>> o = jax.jit(lambda g: orthogonalize(g, ns_coeffs='polar_express', ns_steps=8,
+    ...                                     dtype=jnp.float32))(g)
+    >>> bool(jnp.allclose(o.mT @ o, jnp.eye(8), atol=2e-2))  # orthonormal columns
     True
 
     References:
