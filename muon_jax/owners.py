@@ -447,7 +447,7 @@ def from_owners(owner_chunks: Sequence[jax.Array], plan: OwnerPlan) -> list[jax.
     >>> plan = owner_plan.plan_owners([('a', (3, 4, 4), 'float32', None),
     ...                                ('b', (4, 4), 'float32', None)], [None, None], mesh=mesh)
     >>> grads = [jnp.ones((3, 4, 4)), jnp.zeros((4, 4))]
-    >>> [x.shape for x in from_owners(to_owners(grads, plan), plan)]
+    >>> [x.shape for x in jax.jit(lambda g: from_owners(to_owners(g, plan), plan))(grads)]
     [(3, 4, 4), (4, 4)]
 
     References:
