@@ -120,11 +120,7 @@ def _params():
 
 
 def _scaled(acc, row_scale, col_scale, smem, bars, wg):
-    """``acc * row_scale[:, None] * col_scale[None, :]`` on a WGMMA accumulator.
-
-    The f32 scale vectors (GMEM refs of ``[tile_m]`` and ``[tile_n]``) are copied into this
-    warpgroup's shared-memory slots by TMA and read in the accumulator's row / column layouts.
-    """
+    """``acc * row_scale[:, None] * col_scale[None, :]`` on a WGMMA accumulator (scales via TMA)."""
     rs_smem, cs_smem = smem
     plgpu.copy_gmem_to_smem(row_scale, rs_smem.at[wg], bars.at[2 * wg])
     plgpu.copy_gmem_to_smem(col_scale, cs_smem.at[wg], bars.at[2 * wg + 1])

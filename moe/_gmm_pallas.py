@@ -90,9 +90,9 @@ class Tiling:
                 raise ValueError(f"Tiling.{name}={v!r}; use a positive int.")
 
 
-# Defaults for H100/H200 bf16 (untuned guesses until benchmarks/experts_bench.py --pallas-sweep
-# has run on the GPU). A group boundary inside a 128-row tile costs one extra tile of work, so
-# at most G extra tiles per GEMM. Read at trace time: assigning these retunes later traces.
+# Defaults for H100/H200 bf16, chosen with benchmarks/experts_bench.py --pallas-sweep
+# (BENCHMARKS.md). A group boundary inside a 128-row tile costs one extra tile of work, so at
+# most G extra tiles per GEMM. Read at trace time: assigning these retunes later traces.
 GMM_TILING = Tiling(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
 TGMM_TILING = Tiling(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
 
@@ -233,9 +233,8 @@ def _gmm_kernel(
         b = b.astype(compute_dtype)
         return acc + lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
-    # A static trip count (lowered to scf.for with i32 constant bounds: with a traced bound,
-    # jax 0.11.2's Triton lowering emitted mismatched bound types, rejected on H200). Tiles of
-    # the padding group compute a throwaway product and store zeros.
+    # A static trip count (Triton rejects the mixed bound types of a traced one). Tiles of the
+    # padding group compute a throwaway product and store zeros.
     acc = lax.fori_loop(0, n_k, step, jnp.zeros((bm, bn), jnp.float32))
     acc = jnp.where(g < n_groups, acc, 0.0)
     plgpu.store(

@@ -177,10 +177,7 @@ def _pad_to(a: jax.Array, axis: int, multiple: int) -> jax.Array:
 
 
 def _on_gpu(kernel_fn, emulated_fn, *args):
-    """``kernel_fn(*args)`` when lowered for CUDA, ``emulated_fn(*args)`` elsewhere.
-
-    Inside a check_vma ``shard_map`` the kernel's output is typed varying like its operands.
-    """
+    """``kernel_fn(*args)`` when lowered for CUDA, ``emulated_fn(*args)`` elsewhere."""
     varying = _vma.varying_of(*args)
     return lax.platform_dependent(
         *args,

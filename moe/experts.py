@@ -65,11 +65,7 @@ def _rowwise(a: jax.Array) -> fp8.Fp8Array:
 
 
 def _fp8_matmul(ops: _grouped.GroupedGemms, a, w_kmajor, gs, out_dtype):
-    """``a @ w_kmajor[e]^T`` for the rows of each group, on FP8 operands.
-
-    ``a [..., K]`` per row, ``w_kmajor [E, N, K]`` per output channel ``n``; result
-    ``raw * s_a[row] * s_w[e, n]`` in ``out_dtype`` (raw accumulated in f32 on the GEMM).
-    """
+    """``(a_q @ w_q[e]^T) * s_a[row] * s_w[e, n]`` per group: FP8 operands, f32 accumulation."""
     aq, wq = _rowwise(a), _rowwise(w_kmajor)
     s_a, s_w = fp8.block_scales(aq)[..., 0], fp8.block_scales(wq)[..., 0]
     return ops.mm8(aq.data, wq.data, gs, out_dtype, s_a, s_w)
@@ -136,10 +132,7 @@ def _bias_grad(dz: jax.Array, gs: jax.Array, out_dtype) -> jax.Array:
 
 
 def _mask_rows(opts: _Opts, a: jax.Array, gs: jax.Array) -> jax.Array:
-    """Zero the padding rows of a token operand (ragged: index >= sum(gs); padded: c >= gs[e]).
-
-    The mask is rebuilt from ``gs`` wherever it is needed, so it is never a saved residual.
-    """
+    """Zero the padding rows of a token operand (ragged: index >= sum(gs); padded: c >= gs[e])."""
     if not opts.mask_rows:
         return a
     if a.ndim == 2:
@@ -232,9 +225,13 @@ def _cuda_capability() -> tuple[int, int] | None:
 def auto_backend(x_ndim: int) -> str:
     """The backend ``'auto'`` picks for x of rank ``x_ndim`` on the default platform.
 
-    Padded x: 'einsum'. Ragged x: 'mosaic' on Hopper GPUs (compute capability 9.x; measured on
-    H200 at 0.95-1.0 of the dense matmul rate in bf16 and at 1,150-1,280 TFLOP/s in FP8,
+    Padded x: 'einsum'. Ragged x: 'mosaic' on Hopper GPUs (compute capability 9.x; timings in
     BENCHMARKS.md), 'pallas' (Triton) on other NVIDIA GPUs, 'ragged_dot' elsewhere (CPU, TPU).
+
+    Example:
+      >>> from moe.experts import auto_backend
+      >>> auto_backend(3), auto_backend(2)  # on the CPU
+      ('einsum', 'ragged_dot')
     """
     if x_ndim == 3:
         return "einsum"
@@ -271,6 +268,10 @@ def check_backend_available(backend: Backend) -> None:
     ``'pallas'`` runs compiled on NVIDIA GPUs and interpreted (slowly) on CPU; ``'mosaic'``
     runs its kernels on Hopper GPUs and their XLA emulation on CPU (for tests); the other
     backends run everywhere.
+
+    Example:
+      >>> from moe.experts import check_backend_available
+      >>> check_backend_available("mosaic")  # passes on the CPU (XLA emulation)
     """
     if backend == "pallas":
         try:
@@ -343,9 +344,7 @@ def _check_fp8_dims(opts: _Opts, d_model: int, d_ff: int) -> None:
 
 @jax.custom_vjp
 def _permute_rows(x: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
-    """``x[index]`` (zero rows where ``index`` is out of range) whose cotangent is gathered
-    back by ``inverse``: a row gather both ways, no scatter-add (the maps are mutually
-    inverse on the rows they keep)."""
+    """``x[index]`` (out-of-range: zero rows) with the cotangent gathered back by ``inverse``."""
     return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
 
 
@@ -475,13 +474,17 @@ def gated_experts(
       y with the shape and dtype of x.
 
     Example:
-      >>> E, d, f = 4, 512, 512
-      >>> x = jnp.ones((64, d), jnp.bfloat16)
-      >>> gs = jnp.array([16, 0, 40, 8], jnp.int32)
-      >>> w_gu = jnp.full((E, d, 2 * f), 0.01, jnp.bfloat16)
-      >>> w_d = jnp.full((E, f, d), 0.01, jnp.bfloat16)
-      >>> gated_experts(x, gs, w_gu, w_d, gemm_dtype="fp8", save_z="recompute").shape
-      (64, 512)
+      >>> import jax, jax.numpy as jnp
+      >>> from moe import gated_experts
+      >>> E, d, f = 4, 16, 8
+      >>> x = jnp.ones((24, d), jnp.bfloat16)  # rows grouped by expert: 8, 0, 12, 4
+      >>> gs = jnp.array([8, 0, 12, 4], jnp.int32)
+      >>> w_gu = jnp.full((E, d, 2 * f), 0.1, jnp.bfloat16)
+      >>> w_d = jnp.full((E, f, d), 0.1, jnp.bfloat16)
+      >>> experts = jax.jit(lambda *a: gated_experts(*a, gemm_dtype="fp8", save_z="recompute"))
+      >>> y = experts(x, gs, w_gu, w_d)
+      >>> y.shape, y.dtype
+      ((24, 16), dtype(bfloat16))
 
     References:
       SonicMoE (Guo et al., 2025), "SonicMoE: Accelerating MoE with IO and Tile-aware

@@ -83,6 +83,13 @@ class Fp8Array:
         last block hold :data:`E8M0_PAD`.
       block_size: channels per scale (static). ``None`` (an array built from leaves alone):
         ``H // (4 * scales.shape[-1])``, exact when the blocks fill every word.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from moe import quantize
+      >>> q = quantize(jnp.ones((2, 512)))
+      >>> q.shape, q.block_size, [leaf.dtype.name for leaf in jax.tree.leaves(q)]
+      ((2, 512), 128, ['float8_e4m3fn', 'int32'])
     """
 
     data: jax.Array
@@ -120,7 +127,12 @@ def _check_quantize_args(x: jax.Array, block_size: int) -> None:
 
 
 def num_scale_words(width: int, block_size: int) -> int:
-    """int32 scale words per row of ``width`` channels: ``ceil(width / block_size / 4)``."""
+    """int32 scale words per row of ``width`` channels: ``ceil(width / block_size / 4)``.
+
+    Example:
+      >>> num_scale_words(512, 128), num_scale_words(640, 128)
+      (1, 2)
+    """
     return -(-(width // block_size) // 4)
 
 
@@ -129,6 +141,13 @@ def check_width(width: int, block_size: int, *, what: str) -> None:
 
     Every FP8 feature axis of the library (wire rows, GEMM operands, saved ``z``) obeys this
     one rule; the last int32 scale word is padded when the blocks do not fill it.
+
+    Example:
+      >>> check_width(384, 128, what="d_model")  # passes
+      >>> check_width(100, 128, what="d_model")  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      ValueError: d_model = 100 must be a positive multiple of the FP8 block size 128; ...
     """
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) \
             or block_size < 1:
@@ -154,6 +173,13 @@ def scales_from_amax_bits(amax_bits: jax.Array) -> tuple[jax.Array, jax.Array]:
 
     Integer arithmetic only (also used inside the Pallas wire kernels, so both produce the
     same bytes). A NaN/inf block gets byte 0xFF and ``1 / scale = 1``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> amax = jnp.array([448.0, 3.0, jnp.inf])
+      >>> byte, inv_scale = scales_from_amax_bits(jax.lax.bitcast_convert_type(amax, jnp.int32))
+      >>> byte.tolist(), inv_scale.tolist()  # 448 = e4m3 max: scale 1; 3 -> 2^-7
+      ([127, 120, 255], [1.0, 128.0, 1.0])
     """
     nonfinite = amax_bits >= _F32_EXP_MASK
     exp_field = amax_bits >> 23  # biased float32 exponent; 0 for zeros and denormals

@@ -30,7 +30,18 @@ __all__ = ["BalancingBias", "MoE", "auto_transport", "moe_apply", "moe_linen"]
 
 @nnx.register_variable_name("balancing_bias", overwrite=True)  # Linen collection name
 class BalancingBias(nnx.Variable):
-    """Aux-loss-free balancing bias (DeepSeek-V3): changes expert selection, never trained."""
+    """Aux-loss-free balancing bias (DeepSeek-V3): changes expert selection, never trained.
+
+    Example:
+      >>> from flax import nnx
+      >>> from moe import MoE, MoEOptions
+      >>> layer = nnx.eval_shape(lambda: MoE(16, 8, options=MoEOptions.create(4, 2),
+      ...                                        rngs=nnx.Rngs(0)))
+      >>> nnx.state(layer, BalancingBias)['balancing_bias'].shape
+      (4,)
+      >>> 'balancing_bias' in nnx.state(layer, nnx.Param)  # not trained
+      False
+    """
 
 
 def auto_transport(expert_axis_size: int) -> str:
@@ -122,12 +133,7 @@ def _local_experts(ex, group_sizes, w_gate_up, w_down, biases, opts: MoEOptions)
 
 def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra, *, opts: MoEOptions, all_axes,
                total_tokens: int, num_slots: int):
-    """Per-device body: route, dispatch, local experts, combine.
-
-    ``extra`` holds the optional arrays: ``mask`` (bool ``[T]``), ``noise`` (router-only
-    jitter ``[T, d]``), ``router_bias`` and ``expert_bias``. ``num_slots`` is the padded expert
-    count the banks hold; masked slots are sent to expert ``num_slots``, which no device owns.
-    """
+    """Per-device body: route, dispatch, local experts, combine (masked slots go to no expert)."""
     # Router and expert banks are replicated over some axes; mark them varying there so that
     # autodiff sums their gradients over those axes (the transpose of pcast is a psum).
     do = opts.dispatch
@@ -319,11 +325,14 @@ def moe_apply(
       masked tokens) and ``expert_weights`` (f32 ``[batch, seq, k]``, 0 for masked tokens).
 
     Example:
-      >>> opts = MoEOptions.create(4, 2)
+      >>> import jax, jax.numpy as jnp
+      >>> from moe import MoEOptions, moe_apply
       >>> k = jax.random.split(jax.random.key(0), 3)
-      >>> y, aux = moe_apply(jnp.ones((2, 4, 16)), jax.random.normal(k[0], (16, 4)),
-      ...                    jax.random.normal(k[1], (4, 16, 16)) * 0.1,
-      ...                    jax.random.normal(k[2], (4, 8, 16)) * 0.1, opts=opts)
+      >>> params = (jax.random.normal(k[0], (16, 4)),  # router [d_model, E]
+      ...           jax.random.normal(k[1], (4, 16, 16)) * 0.1,  # w_gate_up [E, d_model, 2 d_ff]
+      ...           jax.random.normal(k[2], (4, 8, 16)) * 0.1)  # w_down [E, d_ff, d_model]
+      >>> apply = jax.jit(lambda x, p: moe_apply(x, *p, opts=MoEOptions.create(4, 2)))
+      >>> y, aux = apply(jnp.ones((2, 4, 16)), params)
       >>> y.shape, int(aux["tokens_per_expert"].sum())
       ((2, 4, 16), 16)
 
@@ -441,10 +450,13 @@ class MoE(nnx.Module):
       rngs: ``nnx.Rngs`` (keyword-only).
 
     Example:
-      >>> layer = MoE(512, 256, options=MoEOptions.create(8, 2), rngs=nnx.Rngs(0))
-      >>> y, aux = layer(jnp.ones((2, 4, 512)))
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from moe import MoE, MoEOptions
+      >>> layer = MoE(16, 8, options=MoEOptions.create(4, 2), rngs=nnx.Rngs(0))
+      >>> y, aux = nnx.jit(lambda layer, x: layer(x))(layer, jnp.ones((2, 4, 16)))
       >>> y.shape, aux['tokens_per_expert'].shape
-      ((2, 4, 512), (8,))
+      ((2, 4, 16), (4,))
 
     References:
       Shazeer et al. 2017; GShard; Switch Transformer; DeepSeekMoE; DeepSeek-V3 (aux-free
@@ -601,9 +613,14 @@ def moe_linen(d_model: int, d_ff: int, *, options: MoEOptions, mesh=None, **kwar
     explicitly sharded values only under a mesh context.
 
     Example:
-      >>> layer = moe_linen(512, 256, options=MoEOptions.create(8, 2))
-      >>> variables = layer.init(jax.random.key(0), jnp.ones((2, 4, 512)))
-      >>> y, aux = layer.apply(variables, jnp.ones((2, 4, 512)))
+      >>> import jax, jax.numpy as jnp
+      >>> from moe import MoEOptions, moe_linen
+      >>> layer = moe_linen(16, 8, options=MoEOptions.create(4, 2))
+      >>> x = jnp.ones((2, 4, 16))
+      >>> variables = jax.jit(layer.init)(jax.random.key(0), x)
+      >>> y, aux = jax.jit(layer.apply)(variables, x)
+      >>> y.shape, sorted(variables)
+      ((2, 4, 16), ['balancing_bias', 'params'])
     """
     from flax.nnx import bridge
 

@@ -36,7 +36,14 @@ _GEMM_DTYPES = ("bf16", "fp8")
 
 
 def check_choice(name: str, value: Any, allowed: tuple) -> None:
-    """ValueError naming ``name`` unless ``value`` is one of ``allowed``."""
+    """ValueError naming ``name`` unless ``value`` is one of ``allowed``.
+
+    Example:
+      >>> check_choice("save_z", "fp16", ("bf16", "fp8"))
+      Traceback (most recent call last):
+      ...
+      ValueError: save_z='fp16' is not supported; use one of ('bf16', 'fp8').
+    """
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not supported; use one of {allowed}.")
 
@@ -59,6 +66,15 @@ class DispatchOptions:
       combine_grad_dtype: wire format of the combine gradient (same choices).
       wire_kernels: who encodes and lays out the dispatched rows: ``'auto'`` (Pallas kernels on
         NVIDIA GPUs, XLA elsewhere), ``'xla'`` or ``'pallas'``.
+
+    Example:
+      >>> from moe import DispatchOptions
+      >>> DispatchOptions(transport="dense", capacity_factor=1.25).dispatch_dtype is None
+      True
+      >>> DispatchOptions(transport="ragged", capacity_factor=1.25)  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      ValueError: capacity_factor applies to transport='dense' ...
     """
 
     expert_axis: str = "expert"
@@ -112,6 +128,12 @@ class ExpertOptions:
       shared_expert_gate: scale the shared experts' output by ``sigmoid(x @ w_g)``, ``w_g``
         a ``[d_model, 1]`` param (Qwen2-MoE's ``shared_expert_gate``); needs
         ``num_shared_experts >= 1``.
+
+    Example:
+      >>> from moe import ExpertOptions
+      >>> opts = ExpertOptions(gemm_dtype="fp8", save_z="recompute", activation="gelu")
+      >>> opts.backend, opts.activation.kind
+      ('auto', 'gelu')
     """
 
     backend: Backend = "auto"

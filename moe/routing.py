@@ -61,6 +61,13 @@ class RouterConfig:
       return_routing: add each token's ``expert_ids`` (int32 ``[batch, seq, k]``, -1 for
         masked tokens) and combine ``expert_weights`` (f32, 0 for masked tokens) to the
         layer's ``aux``.
+
+    Example:
+      >>> from moe import RouterConfig
+      >>> cfg = RouterConfig(8, 2, num_groups=4, topk_groups=2, score_fn="sigmoid")
+      >>> cfg.num_experts, cfg.top_k, hash(cfg) == hash(RouterConfig(8, 2, num_groups=4,
+      ...     topk_groups=2, score_fn="sigmoid"))
+      (8, 2, True)
     """
 
     num_experts: int
@@ -127,6 +134,14 @@ class Routing(NamedTuple):
       tokens_per_expert: int32 ``[E]``, token slots routed to each expert (over all tokens).
       load_balance_loss: float32 scalar, Switch-Transformer balancing loss.
       router_z_loss: float32 scalar, ST-MoE z-loss.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from moe import RouterConfig, route
+      >>> r = jax.jit(lambda x, w: route(x, w, config=RouterConfig(4, 2)))(jnp.ones((3, 8)),
+      ...                                                                jnp.eye(8, 4))
+      >>> r.expert_ids.shape, r.scores.shape, r.tokens_per_expert.tolist()
+      ((3, 2), (3, 4), [3, 3, 0, 0])
     """
 
     expert_ids: jax.Array
@@ -150,8 +165,15 @@ def _group_limited_mask(choice: jax.Array, num_groups: int, topk_groups: int) ->
 
 
 def balance_probs(scores: jax.Array, score_fn: str) -> jax.Array:
-    """The ``P`` of the load-balancing loss: ``scores`` normalized to sum 1 over experts
-    (softmax scores already do; sigmoid scores are divided by their sum)."""
+    """The ``P`` of the load-balancing loss: ``scores`` normalized to sum 1 over experts.
+
+    Softmax scores already sum to 1; sigmoid scores are divided by their sum.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> balance_probs(jnp.array([[0.5, 0.5, 1.0]]), "sigmoid").tolist()
+      [[0.25, 0.25, 0.5]]
+    """
     if score_fn == "softmax":
         return scores
     return scores / jnp.maximum(scores.sum(-1, keepdims=True), jnp.finfo(jnp.float32).tiny)

@@ -163,12 +163,7 @@ def scale(x: jax.Array, s: jax.typing.ArrayLike) -> jax.Array:
 
 
 def _unreduced_sq_norm(leaves: Sequence[jax.Array]) -> jax.Array:
-    """Squared norm of the sum of unreduced leaves of one mesh, dtype and unreduced axes.
-
-    Each device's partial sums are flattened into one vector, reduce-scattered over the
-    unreduced axes, squared and summed, and the scalar summed over the axes that reduce or
-    shard them: one reduce-scatter of the leaves' bytes and one scalar all-reduce.
-    """
+    """Squared norm of summed unreduced leaves: one reduce-scatter, then a scalar all-reduce."""
     sharding = jax.typeof(leaves[0]).sharding
     mesh, u = sharding.mesh, tuple(a for a in sharding.mesh.axis_names
                                    if a in sharding.spec.unreduced)

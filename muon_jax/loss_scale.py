@@ -30,7 +30,15 @@ __all__ = ["DynamicScaleState", "dynamic_loss_scale", "scale_loss"]
 
 
 class DynamicScaleState(NamedTuple):
-    """State of :func:`dynamic_loss_scale`."""
+    """State of :func:`dynamic_loss_scale`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from muon_jax.loss_scale import dynamic_loss_scale
+      >>> state = dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**10).init(jnp.ones(2))
+      >>> float(state.scale), int(state.good_steps), int(state.skipped)
+      (1024.0, 0, 0)
+    """
 
     scale: jax.Array  # f32 scalar: the loss is multiplied by it
     good_steps: jax.Array  # int32: finite steps since the last change of scale

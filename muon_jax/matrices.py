@@ -26,7 +26,15 @@ RMS_MATCH_FACTOR = 0.2
 
 
 class MatrixView(NamedTuple):
-    """How one leaf is viewed as a ``[B, m, n]`` batch of matrices (axes non-negative, static)."""
+    """How one leaf is viewed as a ``[B, m, n]`` batch of matrices (axes non-negative, static).
+
+    Example:
+      >>> from muon_jax.matrices import MatrixView
+      >>> view = MatrixView(batch_axes=(0,), reduction_axes=(1, 2), output_axes=(3,),
+      ...                   shape=(2, 3, 4, 5))
+      >>> view.batch, view.m, view.n
+      (2, 12, 5)
+    """
 
     batch_axes: tuple[int, ...]
     reduction_axes: tuple[int, ...]
@@ -230,7 +238,13 @@ def shape_scale(m: int, n: int, mode: ShapeScaling) -> float:
 
 
 def is_dim_nums_leaf(x: Any) -> bool:
-    """Leaves of a dimension-numbers tree: dimension numbers, ``None`` or ``MaskedNode``."""
+    """Leaves of a dimension-numbers tree: dimension numbers, ``None`` or ``MaskedNode``.
+
+    Example:
+      >>> from optax.contrib import MuonDimensionNumbers
+      >>> is_dim_nums_leaf(MuonDimensionNumbers()), is_dim_nums_leaf(None), is_dim_nums_leaf({})
+      (True, True, False)
+    """
     return x is None or isinstance(x, MuonDimensionNumbers | optax.MaskedNode)
 
 

@@ -51,10 +51,8 @@ ReplicatedGrads = Literal["slice", "scatter"]
 EntryOp = Literal["split", "a2a_m", "a2a_n"]
 
 DEFAULT_CHUNK_BYTES: int | None = None
-"""Default ``chunk_bytes``: one collective per stack and direction. Measured on 2x H200
-(NVLink, jax 0.11.2, 1.6B params, 3 stacks): step 0.160 s unchunked; 0.160 / 0.160 / 0.163 /
-0.164 s with 1 GiB / 512 / 256 / 128 MiB chunks (same bytes). Only ~5 ms of communication per
-step was exposed, and more concurrent NCCL kernels slowed the Newton-Schulz matmuls."""
+"""Default ``chunk_bytes``: one collective per stack and direction (chunking was no faster in
+BENCHMARKS.md's sharded Muon step)."""
 
 
 @dataclasses.dataclass(frozen=True)

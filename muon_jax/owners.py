@@ -257,8 +257,8 @@ def _factor(s: StackPlan, plan: OwnerPlan) -> int:
     return mesh_size(plan.mesh, [a for op in s.ops for a in op.axes])
 
 
-# XLA:GPU's concatenate kernel slows down with many operands (H200, jax 0.11.2: 2.2 TB/s for 8
-# operands, 0.7 TB/s for 16-32); in-place dynamic_update_slice copies kept 1.4-1.5 TB/s.
+# Most operands per concatenate: XLA:GPU's concatenate slows down with many operands, in-place
+# dynamic_update_slice copies do not.
 _CONCAT_MAX = 8
 
 
@@ -447,7 +447,7 @@ def from_owners(owner_chunks: Sequence[jax.Array], plan: OwnerPlan) -> list[jax.
     >>> plan = owner_plan.plan_owners([('a', (3, 4, 4), 'float32', None),
     ...                                ('b', (4, 4), 'float32', None)], [None, None], mesh=mesh)
     >>> grads = [jnp.ones((3, 4, 4)), jnp.zeros((4, 4))]
-    >>> [x.shape for x in from_owners(to_owners(grads, plan), plan)]
+    >>> [x.shape for x in jax.jit(lambda g: from_owners(to_owners(g, plan), plan))(grads)]
     [(3, 4, 4), (4, 4)]
 
     References:

@@ -50,7 +50,16 @@ __all__ = [
 
 
 class PortableMuonState(NamedTuple):
-    """Sharded Muon state in the params' shapes and shardings: the same on every mesh."""
+    """Sharded Muon state in the params' shapes and shardings: the same on every mesh.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from muon_jax import portable_state, scale_by_muon
+      >>> mesh = jax.make_mesh((jax.device_count(),), ('data',))
+      >>> state = portable_state(scale_by_muon(mesh=mesh).init({'w': jnp.ones((8, 4, 8))}))
+      >>> type(state).__name__, [m.shape for m in state.mu]
+      ('PortableMuonState', [(8, 4, 8)])
+    """
 
     count: jax.Array  # int32 scalar: number of updates so far
     mu: tuple[jax.Array, ...]  # per Muon leaf (plan.leaves order), its param's shape/sharding
@@ -158,7 +167,7 @@ def restore_state(portable: Any, template: Any) -> Any:
     >>> params = jax.device_put({'w': np.ones((4, 8, 8), np.float32)}, NamedSharding(mesh, jax.P()))
     >>> tx = scale_by_muon(mesh=mesh)
     >>> _, state = jax.jit(tx.update)(params, tx.init(params))
-    >>> back = restore_state(portable_state(state), tx.init(params))  # e.g. on another mesh
+    >>> back = jax.jit(restore_state)(portable_state(state), tx.init(params))  # any mesh
     >>> bool((back.mu[0] == state.mu[0]).all()), int(back.count)
     (True, 1)
     """
@@ -241,12 +250,7 @@ def portable_target(template: Any) -> Any:
 
 
 def _owner_rows(plan: Any) -> tuple[np.ndarray, ...]:
-    """Per stack, the matrix each owner row holds (index over all Muon matrices; -1: padding).
-
-    Owner row ``g`` of a stack is local row ``g % (F * k_owner)`` of the devices with
-    stack-axis shard ``g // (F * k_owner)`` (``F``: devices its ops split it over); local rows
-    are the leaves' local batches, joined in leaf order, then padding.
-    """
+    """Per stack, the matrix each owner row holds (index over all Muon matrices; -1: padding)."""
     offsets = np.cumsum([0] + [leaf.view.batch for leaf in plan.leaves])
     out = []
     for s in plan.stacks:

@@ -26,14 +26,31 @@ SpecsLike = Any  # PartitionSpec | tree (prefix) of PartitionSpec / None | calla
 
 
 class MuonState(NamedTuple):
-    """State of :func:`scale_by_muon` without a mesh."""
+    """State of :func:`scale_by_muon` without a mesh.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from muon_jax import scale_by_muon
+      >>> state = scale_by_muon().init({'w': jnp.ones((4, 8))})
+      >>> type(state).__name__, int(state.count), state.mu['w'].shape
+      ('MuonState', 0, (4, 8))
+    """
 
     count: jax.Array  # int32 scalar: number of updates so far
     mu: optax.Updates  # momentum, same tree as the params
 
 
 class ShardedMuonState(NamedTuple):
-    """State of :func:`scale_by_muon` with ``mesh=``: momentum of whole matrices, 1/N per device."""
+    """State of :func:`scale_by_muon` with ``mesh=``: momentum of whole matrices, 1/N per device.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from muon_jax import scale_by_muon
+      >>> mesh = jax.make_mesh((jax.device_count(),), ('data',))
+      >>> state = scale_by_muon(mesh=mesh).init({'w': jnp.ones((8, 4, 8))})
+      >>> type(state).__name__, state.mu[0].shape, state.mu[0].sharding.spec == jax.P('data')
+      ('ShardedMuonState', (8, 4, 8), True)
+    """
 
     count: jax.Array  # int32 scalar: number of updates so far
     mu: tuple[jax.Array, ...]  # per stack [N * k_owner, m, n], sharded P(owner_axes)

@@ -114,6 +114,17 @@ class Collective:
       overlapped: (opcode, name) of compute ops scheduled between start and done.
       executions: times it runs per call: the product of the enclosing loops' known trip
         counts (XLA's ``known_trip_count``; a loop without one counts once).
+
+    Example:
+      >>> from xla_comm.hlo import analyze_collectives
+      >>> text = '''HloModule m, num_partitions=4
+      ... ENTRY %main (p: f32[8]) -> f32[8] {
+      ...   %p = f32[8]{0} parameter(0)
+      ...   ROOT %ar = f32[8]{0} all-reduce(%p), replica_groups={{0,1,2,3}}, to_apply=%add
+      ... }'''
+      >>> (c,) = analyze_collectives(text)
+      >>> c.kind, c.shape_str(), c.buffer_bytes, c.group_size, c.ring_bytes  # 2 (N-1)/N * 32
+      ('all-reduce', 'f32[8]', 32, 4, 48.0)
     """
 
     name: str
@@ -151,6 +162,17 @@ class CollectiveReport:
     Attributes:
       collectives: the collectives in module text order.
       num_partitions: the module's `num_partitions` (1 when absent).
+
+    Example:
+      >>> from xla_comm.hlo import analyze_collectives
+      >>> text = '''HloModule m, num_partitions=4
+      ... ENTRY %main (p: f32[8]) -> f32[8] {
+      ...   %p = f32[8]{0} parameter(0)
+      ...   ROOT %ar = f32[8]{0} all-reduce(%p), replica_groups={{0,1,2,3}}, to_apply=%add
+      ... }'''
+      >>> rep = analyze_collectives(text)
+      >>> len(rep), rep.counts(), rep.ring_bytes, rep.exposed_fraction
+      (1, {'all-reduce': 1}, 48.0, 1.0)
     """
 
     collectives: tuple[Collective, ...]
@@ -248,6 +270,17 @@ class Instruction:
       attrs: the text after the operand list (`replica_groups=..., to_apply=...`).
       computation: name of the computation holding it.
       index: position in that computation (the schedule order in compiled text).
+
+    Example:
+      >>> from xla_comm.hlo import parse_hlo
+      >>> text = '''HloModule m, num_partitions=4
+      ... ENTRY %main (p: f32[8]) -> f32[8] {
+      ...   %p = f32[8]{0} parameter(0)
+      ...   ROOT %ar = f32[8]{0} all-reduce(%p), replica_groups={{0,1,2,3}}, to_apply=%add
+      ... }'''
+      >>> ins = parse_hlo(text).computations["main"][1]
+      >>> ins.name, ins.shape, ins.opcode, ins.operands, ins.index
+      ('ar', 'f32[8]{0}', 'all-reduce', ('p',), 1)
     """
 
     name: str
@@ -268,6 +301,17 @@ class HloModule:
       entry: name of the ENTRY computation (None when the text has none).
       num_partitions: the module's `num_partitions` (1 when absent).
       num_devices: `num_partitions * replica_count`.
+
+    Example:
+      >>> from xla_comm.hlo import parse_hlo
+      >>> text = '''HloModule m, num_partitions=4
+      ... ENTRY %main (p: f32[8]) -> f32[8] {
+      ...   %p = f32[8]{0} parameter(0)
+      ...   ROOT %ar = f32[8]{0} all-reduce(%p), replica_groups={{0,1,2,3}}, to_apply=%add
+      ... }'''
+      >>> mod = parse_hlo(text)
+      >>> mod.entry, mod.num_devices, [ins.opcode for ins in mod.instructions()]
+      ('main', 4, ['parameter', 'all-reduce'])
     """
 
     computations: dict[str, tuple[Instruction, ...]]

@@ -1,0 +1,30 @@
+"""Test-session setup for the whole repository: 8 simulated CPU devices, doctests from the packages.
+
+The device count is set here, before JAX initializes, so that the packages' doctests (which do
+not see ``tests/conftest.py``) run on the same 8 CPU devices as the tests.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+_DOCTESTED = ("muon_jax", "moe", "xla_comm")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collect_file(file_path, parent):
+    """``--doctest-modules`` reads the packages only: test files and scripts are not imported."""
+    collectors = yield
+    root = parent.config.rootpath
+    if file_path.is_relative_to(root) and file_path.relative_to(root).parts[0] in _DOCTESTED:
+        return collectors
+    doctest_module = parent.config.pluginmanager.get_plugin("doctest").DoctestModule
+    return [c for c in collectors if not isinstance(c, doctest_module)]
