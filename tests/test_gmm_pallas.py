@@ -230,8 +230,8 @@ def test_gated_experts_pallas_needs_ragged_x():
 
 # ----------------------------------------------------------------------------------------------
 # Inside jax.shard_map (check_vma=True): the pallas_call declares its outputs' varying mesh axes
-# (the union of its operands'), and interpret mode runs unchecked (moe._gmm_pallas, comment
-# above varying_axes in moe._vma). Every device owns its own groups; tiny shapes (interpret mode is slow).
+# (the union of its operands'), and interpret mode runs unchecked (moe._vma.varying_axes).
+# Every device owns its own groups; tiny shapes (interpret mode is slow).
 # ----------------------------------------------------------------------------------------------
 
 N_DEV, SM, SG = 8, 32, 3  # devices, rows and groups per device
