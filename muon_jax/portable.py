@@ -167,7 +167,7 @@ def restore_state(portable: Any, template: Any) -> Any:
     >>> params = jax.device_put({'w': np.ones((4, 8, 8), np.float32)}, NamedSharding(mesh, jax.P()))
     >>> tx = scale_by_muon(mesh=mesh)
     >>> _, state = jax.jit(tx.update)(params, tx.init(params))
-    >>> back = jax.jit(restore_state)(portable_state(state), tx.init(params))  # any mesh
+    >>> back = restore_state(portable_state(state), tx.init(params))  # any mesh
     >>> bool((back.mu[0] == state.mu[0]).all()), int(back.count)
     (True, 1)
     """
