@@ -176,7 +176,8 @@ def balance_probs(scores: jax.Array, score_fn: str) -> jax.Array:
     """
     if score_fn == "softmax":
         return scores
-    return scores / jnp.maximum(scores.sum(-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+    denom = scores.sum(-1, keepdims=True)
+    return scores / jnp.where(denom > 0, denom, 1.0)
 
 
 def route(
@@ -286,10 +287,16 @@ def route(
         choice = jnp.where(mask, choice, -jnp.inf)
     expert_ids = jax.lax.top_k(choice, k)[1].astype(jnp.int32)
 
-    weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
-    if config.renormalize:
+    if config.renormalize and config.score_fn == "softmax":
+        # softmax(l)[ids] / sum(softmax(l)[ids]) = softmax(l[ids]): the same weights, defined
+        # (with finite gradients) when every selected score underflows to 0, as happens when
+        # the balancing bias selects experts far below a token's top logit.
+        weights = jax.nn.softmax(jnp.take_along_axis(logits, expert_ids, axis=-1), axis=-1)
+    else:
+        weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
+    if config.renormalize and config.score_fn != "softmax":
         denom = jnp.sum(weights, axis=-1, keepdims=True)
-        weights = weights / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)
+        weights = weights / jnp.where(denom > 0, denom, 1.0)
     weights = weights * jnp.float32(config.routed_scaling)
     keep = jnp.ones(x.shape[:-1], bool) if token_mask is None else jnp.asarray(token_mask, bool)
     if token_mask is not None:

@@ -99,6 +99,28 @@ def test_bias_changes_selection_but_not_weights():
 
 
 @pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
+def test_bias_may_select_experts_whose_scores_underflow(score_fn):
+    """The balancing bias can pick experts scoring exactly 0 (logits ~100 below the token's
+    top): weights stay defined (softmax: over the selected logits) and gradients finite."""
+    cfg = RouterConfig(4, 2, score_fn=score_fn)
+    x = jnp.asarray([[1.0, 0.0], [0.0, 1.0]])
+    w = jnp.asarray([[120.0, 0.0, -150.0, -200.0], [0.0, 120.0, -150.0, -200.0]])
+    bias = jnp.asarray([0.0, 0.0, 2.0, 2.0])  # outweighs any score: experts 2, 3 are chosen
+    r = route(x, w, bias, config=cfg)
+    assert sorted(np.asarray(r.expert_ids[0]).tolist()) == [2, 3]
+    chex.assert_tree_all_finite(r.weights)
+    if score_fn == "softmax":  # softmax over the chosen logits (-150, -200): [1, 0]
+        chex.assert_trees_all_close(jnp.sort(r.weights, -1), jnp.asarray([[0.0, 1.0]] * 2),
+                                    atol=1e-6)
+
+    def loss(w):
+        rr = route(x, w, bias, config=cfg)
+        return jnp.sum(rr.weights * jnp.asarray([1.0, -2.0])) + rr.load_balance_loss
+
+    chex.assert_tree_all_finite(jax.jit(jax.grad(loss))(w))
+
+
+@pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
 def test_group_limited_routing(score_fn):
     cfg = RouterConfig(E, 4, 1.0, 4, 2, score_fn=score_fn)
     bias = np.random.default_rng(5).uniform(-0.02, 0.02, E).astype(np.float32)
