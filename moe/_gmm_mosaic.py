@@ -30,12 +30,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import DTypeLike
 
 from moe import _vma
+from moe._tiling import check_fields, count, tile_size
 
 try:  # Mosaic GPU ships with jax; keep CPU-only imports safe.
     from jax.experimental import pallas as pl
@@ -62,23 +65,18 @@ class MosaicTiling:
     store tile. ``snake_width``: output tiles per band of the space-filling tile order.
     """
 
-    tile_m: int = 128
-    tile_n: int = 128
-    tile_k: int = 64
-    stages: int = 4
-    epi_m: int = 64
-    epi_n: int = 64
-    snake_width: int = 8
+    tile_m: int = tile_size(128, 8)
+    tile_n: int = tile_size(128, 8)
+    tile_k: int = tile_size(64, 8)
+    stages: int = count(4, minimum=2)
+    epi_m: int = tile_size(64, 8)
+    epi_n: int = tile_size(64, 8)
+    snake_width: int = count(8)
 
     def __post_init__(self):
-        for name in ("tile_m", "tile_n", "tile_k", "epi_m", "epi_n"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 8 or v & (v - 1):
-                raise ValueError(f"MosaicTiling.{name}={v!r}; use a power of two >= 8.")
+        check_fields(self)
         if self.tile_m % self.epi_m or self.tile_n % self.epi_n:
             raise ValueError("MosaicTiling: epi_m / epi_n must divide tile_m / tile_n.")
-        if not isinstance(self.stages, int) or self.stages < 2:
-            raise ValueError(f"MosaicTiling.stages={self.stages!r}; use an int >= 2.")
 
 
 def default_tiling(dtype, out_dtype=jnp.bfloat16) -> MosaicTiling:
@@ -115,8 +113,17 @@ def _t(ref):
     return plgpu.transpose_ref(ref, (1, 0))  # pragma: no cover - older jax
 
 
-def _params():
-    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+def _kernel(body, out_shape: tuple[int, ...], out_dtype, varying: frozenset):
+    """``body`` as a persistent kernel: one CTA per SM, each of three warpgroups ("wg")."""
+    return plgpu.kernel(
+        body,
+        out_type=_vma.out_struct(out_shape, out_dtype, varying),
+        grid=(_num_sms(),),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
 
 
 def _scaled(acc, row_scale, col_scale, smem, bars, wg):
@@ -163,6 +170,81 @@ def _zero_tile(out_smem, out_tile, wg, cfg: MosaicTiling):
             _epilogue(acc_ref[...], out_smem, out_tile, wg, cfg)
 
 
+def _k_block(shape: tuple[int, int], k_axis: int, transforms) -> Any:
+    """A shared-memory block of ``shape`` that steps along its ``k_axis`` (the contraction)."""
+    index = (lambda kk: (0, kk)) if k_axis == 1 else (lambda kk: (kk, 0))
+    return plgpu.BlockSpec(shape, index, transforms=transforms, memory_space=plgpu.SMEM)
+
+
+def _pipeline(body, compute_context, steps, in_specs, cfg: MosaicTiling):
+    """The warp-specialized pipeline over ``steps`` contraction tiles: a memory warpgroup
+    streams ``in_specs`` blocks to two compute warpgroups."""
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(steps,),
+        memory_registers=40,
+        in_specs=in_specs,
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=cfg.stages,
+        compute_context=compute_context,
+    )
+
+
+class _Scope(NamedTuple):
+    """What every output tile of a kernel uses: its warpgroup's index and the shared memory."""
+
+    wg: jax.Array
+    allocs: Any
+    out_smem: Any
+    scale_smem: Any
+    scale_bars: Any
+
+
+def _for_each_tile(loop_shape, alloc_steps, in_specs, alloc_refs, out_dtype, cfg: MosaicTiling,
+                   scaled: bool, tile):
+    """``tile(index, scope)`` for every index of ``loop_shape``, persistently over the SMs,
+    with the pipeline's and the epilogue's shared memory allocated once; then wait for the
+    last stores."""
+
+    def ignore(*_, **__):
+        return None
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=_pipeline(ignore, ignore, alloc_steps, in_specs, cfg).get_allocations(*alloc_refs),
+        out_smem=_out_smem(out_dtype, cfg),
+        scale_smem=(plgpu.SMEM((2, cfg.tile_m), jnp.float32),
+                    plgpu.SMEM((2, cfg.tile_n), jnp.float32)) if scaled else None,
+        scale_bars=plgpu.Barrier(num_barriers=4) if scaled else None,
+        collective_axes="wg",
+    )
+    def _scope(allocs, out_smem, scale_smem, scale_bars):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop(loop_shape, collective_axes="sm")
+        def _tiles(info):
+            tile(info.index, _Scope(wg, allocs, out_smem, scale_smem, scale_bars))
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _compute_context(scope: _Scope, out_tile, scale_refs, cfg: MosaicTiling):
+    """The compute warpgroups' context: accumulate the pipeline in f32 registers, multiply by
+    ``scale_refs()`` (row and column scale refs; None: unscaled), store into ``out_tile``."""
+
+    def compute_context(eval_pipeline):
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((cfg.tile_m, cfg.tile_n)))
+        def _(acc_ref):
+            eval_pipeline(acc_ref)
+            acc = acc_ref[...]
+            if scale_refs is not None:
+                acc = _scaled(acc, *scale_refs(), scope.scale_smem, scope.scale_bars, scope.wg)
+            _epilogue(acc, scope.out_smem, out_tile, scope.wg, cfg)
+
+    return compute_context
+
+
 # ----------------------------------------------------------------------------------------------
 # gmm
 # ----------------------------------------------------------------------------------------------
@@ -178,83 +260,44 @@ def _gmm_body(tile_group, a_gmem, b_gmem, *rest, cfg: MosaicTiling, rhs_k_major:
     m_iters, n_iters, k_iters = m // tm, n // cta_n, k // tk
     in_t = _smem_transforms(tk, a_gmem.dtype)
     b_t = in_t if rhs_k_major else _smem_transforms(cta_n, b_gmem.dtype)
+    b_spec = _k_block((cta_n, tk), 1, b_t) if rhs_k_major else _k_block((tk, cta_n), 0, b_t)
+    in_specs = [_k_block((tm, tk), 1, in_t), b_spec]
 
-    def pipeline(body, compute_context):
-        b_spec = (plgpu.BlockSpec((cta_n, tk), lambda kk: (0, kk), transforms=b_t,
-                                  memory_space=plgpu.SMEM) if rhs_k_major else
-                  plgpu.BlockSpec((tk, cta_n), lambda kk: (kk, 0), transforms=b_t,
-                                  memory_space=plgpu.SMEM))
-        return plgpu.emit_pipeline_warp_specialized(
-            body,
-            grid=(k_iters,),
-            memory_registers=40,
-            in_specs=[
-                plgpu.BlockSpec((tm, tk), lambda kk: (0, kk), transforms=in_t,
-                                memory_space=plgpu.SMEM),
-                b_spec,
-            ],
-            wg_axis="wg",
-            num_compute_wgs=2,
-            max_concurrent_steps=cfg.stages,
-            compute_context=compute_context,
-        )
+    def tile(index, scope: _Scope):
+        (lin,) = index
+        mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 1, cfg.snake_width)
+        g = tile_group[mi]
+        m_sl = pl.ds(mi * tm, tm)
+        n_sl = pl.ds(ni * cta_n, cta_n)
+        wg_n = pl.ds(scope.wg * tn, tn)
+        out_tile = out_gmem.at[m_sl, n_sl].at[:, wg_n]
 
-    def ignore(*_, **__):
-        return None
+        def scale_refs():
+            gc = jnp.minimum(g, num_groups - 1)
+            return row_s.at[m_sl], col_s.at[gc, n_sl].at[wg_n]
 
-    b_block = b_gmem.at[0]
+        compute_context = _compute_context(scope, out_tile, scale_refs if scaled else None, cfg)
 
-    @functools.partial(
-        pl.run_scoped,
-        allocs=pipeline(ignore, ignore).get_allocations(a_gmem, b_block),
-        out_smem=_out_smem(out_gmem.dtype, cfg),
-        scale_smem=(plgpu.SMEM((2, tm), jnp.float32), plgpu.SMEM((2, tn), jnp.float32))
-        if scaled else None,
-        scale_bars=plgpu.Barrier(num_barriers=4) if scaled else None,
-        collective_axes="wg",
-    )
-    def _scope(allocs, out_smem, scale_smem, scale_bars):
-        wg = lax.axis_index("wg")
+        def mma(idxs, a_smem, b_smem, acc_ref):
+            del idxs
+            b = _t(b_smem.at[wg_n, :]) if rhs_k_major else b_smem.at[:, wg_n]
+            plgpu.wgmma(acc_ref, a_smem, b)
+            plgpu.wgmma_wait(0)
+            return acc_ref
 
-        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
-        def _tiles(info):
-            (lin,) = info.index
-            mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 1, cfg.snake_width)
-            g = tile_group[mi]
-            m_sl = pl.ds(mi * tm, tm)
-            n_sl = pl.ds(ni * cta_n, cta_n)
-            wg_n = pl.ds(wg * tn, tn)
-            out_tile = out_gmem.at[m_sl, n_sl].at[:, wg_n]
+        @pl.when(g < num_groups)
+        def _():
+            gc = jnp.minimum(g, num_groups - 1)
+            b_rows = b_gmem.at[gc, n_sl, :] if rhs_k_major else b_gmem.at[gc, :, n_sl]
+            pipeline = _pipeline(mma, compute_context, k_iters, in_specs, cfg)
+            pipeline(a_gmem.at[m_sl, :], b_rows, allocations=scope.allocs)
 
-            def compute_context(eval_pipeline):
-                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn)))
-                def _(acc_ref):
-                    eval_pipeline(acc_ref)
-                    acc = acc_ref[...]
-                    if scaled:
-                        gc = jnp.minimum(g, num_groups - 1)
-                        acc = _scaled(acc, row_s.at[m_sl], col_s.at[gc, n_sl].at[wg_n],
-                                      scale_smem, scale_bars, wg)
-                    _epilogue(acc, out_smem, out_tile, wg, cfg)
+        @pl.when(g >= num_groups)
+        def _():
+            _zero_tile(scope.out_smem, out_tile, scope.wg, cfg)
 
-            def mma(idxs, a_smem, b_smem, acc_ref):
-                del idxs
-                b = _t(b_smem.at[wg_n, :]) if rhs_k_major else b_smem.at[:, wg_n]
-                plgpu.wgmma(acc_ref, a_smem, b)
-                plgpu.wgmma_wait(0)
-                return acc_ref
-
-            @pl.when(g < num_groups)
-            def _():
-                gc = jnp.minimum(g, num_groups - 1)
-                b_rows = b_gmem.at[gc, n_sl, :] if rhs_k_major else b_gmem.at[gc, :, n_sl]
-                pipeline(mma, compute_context)(a_gmem.at[m_sl, :], b_rows, allocations=allocs)
-
-            @pl.when(g >= num_groups)
-            def _():
-                _zero_tile(out_smem, out_tile, wg, cfg)
-
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    _for_each_tile((m_iters * n_iters,), k_iters, in_specs, (a_gmem, b_gmem.at[0]),
+                   out_gmem.dtype, cfg, scaled, tile)
 
 
 def group_ends(group_sizes: jax.Array) -> jax.Array:
@@ -284,7 +327,7 @@ def gmm(
     group_sizes: jax.Array,
     *,
     rhs_k_major: bool = False,
-    out_dtype=None,
+    out_dtype: DTypeLike | None = None,
     tiling: MosaicTiling | None = None,
     varying: frozenset = frozenset(),
     row_scale: jax.Array | None = None,
@@ -324,15 +367,7 @@ def gmm(
                          f"{row_scale.shape}, {col_scale.shape}.")
     body = functools.partial(_gmm_body, cfg=cfg, rhs_k_major=rhs_k_major, num_groups=n_groups,
                              scaled=scaled)
-    kernel = plgpu.kernel(
-        body,
-        out_type=_vma.out_struct((m, n), out_dtype, varying),
-        grid=(_num_sms(),),
-        grid_names=("sm",),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=_params(),
-    )
+    kernel = _kernel(body, (m, n), out_dtype, varying)
     scales = (row_scale.astype(jnp.float32), col_scale.astype(jnp.float32)) if scaled else ()
     out = kernel(tile_groups(group_sizes, m, cfg.tile_m), lhs, rhs, *scales)
     return _vma.as_varying(out, varying)
@@ -353,88 +388,51 @@ def _tgmm_body(start_tile, num_tiles, a_gmem, b_gmem, *rest, cfg: MosaicTiling,
     m_iters, n_iters = n1 // tm, n2 // cta_n
     if k_major:
         a_t = b_t = _smem_transforms(tk, a_gmem.dtype)
-        a_spec = plgpu.BlockSpec((tm, tk), lambda kk: (0, kk), transforms=a_t,
-                                 memory_space=plgpu.SMEM)
-        b_spec = plgpu.BlockSpec((cta_n, tk), lambda kk: (0, kk), transforms=b_t,
-                                 memory_space=plgpu.SMEM)
+        in_specs = [_k_block((tm, tk), 1, a_t), _k_block((cta_n, tk), 1, b_t)]
     else:
         a_t = _smem_transforms(tm, a_gmem.dtype)
         b_t = _smem_transforms(cta_n, b_gmem.dtype)
-        a_spec = plgpu.BlockSpec((tk, tm), lambda kk: (kk, 0), transforms=a_t,
-                                 memory_space=plgpu.SMEM)
-        b_spec = plgpu.BlockSpec((tk, cta_n), lambda kk: (kk, 0), transforms=b_t,
-                                 memory_space=plgpu.SMEM)
+        in_specs = [_k_block((tk, tm), 0, a_t), _k_block((tk, cta_n), 0, b_t)]
 
-    def pipeline(body, compute_context, steps):
-        return plgpu.emit_pipeline_warp_specialized(
-            body,
-            grid=(steps,),
-            memory_registers=40,
-            in_specs=[a_spec, b_spec],
-            wg_axis="wg",
-            num_compute_wgs=2,
-            max_concurrent_steps=cfg.stages,
-            compute_context=compute_context,
-        )
+    def tile(index, scope: _Scope):
+        g, lin = index
+        mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 1, cfg.snake_width)
+        steps = num_tiles[g]
+        tok = pl.ds(pl.multiple_of(start_tile[g] * tk, tk), rows)
+        m_sl = pl.ds(mi * tm, tm)
+        n_sl = pl.ds(ni * cta_n, cta_n)
+        wg_n = pl.ds(scope.wg * tn, tn)
+        out_tile = out_gmem.at[g, m_sl, n_sl].at[:, wg_n]
 
-    def ignore(*_, **__):
-        return None
+        def scale_refs():
+            return row_s.at[m_sl], col_s.at[n_sl].at[wg_n]
 
-    @functools.partial(
-        pl.run_scoped,
-        allocs=pipeline(ignore, ignore, 2 * cfg.stages).get_allocations(a_gmem, b_gmem),
-        out_smem=_out_smem(out_gmem.dtype, cfg),
-        scale_smem=(plgpu.SMEM((2, tm), jnp.float32), plgpu.SMEM((2, tn), jnp.float32))
-        if scaled else None,
-        scale_bars=plgpu.Barrier(num_barriers=4) if scaled else None,
-        collective_axes="wg",
-    )
-    def _scope(allocs, out_smem, scale_smem, scale_bars):
-        wg = lax.axis_index("wg")
+        compute_context = _compute_context(scope, out_tile, scale_refs if scaled else None, cfg)
 
-        @plgpu.nd_loop((n_groups, m_iters * n_iters), collective_axes="sm")
-        def _tiles(info):
-            g, lin = info.index
-            mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 1, cfg.snake_width)
-            steps = num_tiles[g]
-            tok = pl.ds(pl.multiple_of(start_tile[g] * tk, tk), rows)
-            m_sl = pl.ds(mi * tm, tm)
-            n_sl = pl.ds(ni * cta_n, cta_n)
-            wg_n = pl.ds(wg * tn, tn)
-            out_tile = out_gmem.at[g, m_sl, n_sl].at[:, wg_n]
+        def mma(idxs, a_smem, b_smem, acc_ref):
+            del idxs
+            if k_major:
+                plgpu.wgmma(acc_ref, a_smem, _t(b_smem.at[wg_n, :]))
+            else:
+                plgpu.wgmma(acc_ref, _t(a_smem), b_smem.at[:, wg_n])
+            plgpu.wgmma_wait(0)
+            return acc_ref
 
-            def compute_context(eval_pipeline):
-                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn)))
-                def _(acc_ref):
-                    eval_pipeline(acc_ref)
-                    acc = acc_ref[...]
-                    if scaled:
-                        acc = _scaled(acc, row_s.at[m_sl], col_s.at[n_sl].at[wg_n],
-                                      scale_smem, scale_bars, wg)
-                    _epilogue(acc, out_smem, out_tile, wg, cfg)
+        @pl.when(steps > 0)
+        def _():
+            if k_major:
+                a_rows, b_rows = a_gmem.at[m_sl, tok], b_gmem.at[n_sl, tok]
+            else:
+                a_rows, b_rows = a_gmem.at[tok, m_sl], b_gmem.at[tok, n_sl]
+            pipeline = _pipeline(mma, compute_context, steps, in_specs, cfg)
+            pipeline(a_rows, b_rows, allocations=scope.allocs)
 
-            def mma(idxs, a_smem, b_smem, acc_ref):
-                del idxs
-                if k_major:
-                    plgpu.wgmma(acc_ref, a_smem, _t(b_smem.at[wg_n, :]))
-                else:
-                    plgpu.wgmma(acc_ref, _t(a_smem), b_smem.at[:, wg_n])
-                plgpu.wgmma_wait(0)
-                return acc_ref
+        @pl.when(steps == 0)
+        def _():
+            _zero_tile(scope.out_smem, out_tile, scope.wg, cfg)  # scales do not change a zero
 
-            @pl.when(steps > 0)
-            def _():
-                if k_major:
-                    a_rows, b_rows = a_gmem.at[m_sl, tok], b_gmem.at[n_sl, tok]
-                else:
-                    a_rows, b_rows = a_gmem.at[tok, m_sl], b_gmem.at[tok, n_sl]
-                pipeline(mma, compute_context, steps)(a_rows, b_rows, allocations=allocs)
-
-            @pl.when(steps == 0)
-            def _():
-                _zero_tile(out_smem, out_tile, wg, cfg)  # scales do not change a zero
-
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    _for_each_tile((n_groups, m_iters * n_iters), 2 * cfg.stages, in_specs, (a_gmem, b_gmem),
+                   out_gmem.dtype, cfg, scaled, tile)
 
 
 def tgmm(
@@ -443,7 +441,7 @@ def tgmm(
     group_sizes: jax.Array,
     *,
     k_major: bool = False,
-    out_dtype=jnp.float32,
+    out_dtype: DTypeLike = jnp.float32,
     tiling: MosaicTiling | None = None,
     varying: frozenset = frozenset(),
     row_scale: jax.Array | None = None,
@@ -481,14 +479,6 @@ def tgmm(
         raise ValueError(f"tgmm: row_scale must be [{n1}] and col_scale [{n2}]; got "
                          f"{row_scale.shape}, {col_scale.shape}.")
     body = functools.partial(_tgmm_body, cfg=cfg, k_major=k_major, scaled=scaled)
-    kernel = plgpu.kernel(
-        body,
-        out_type=_vma.out_struct((n_groups, n1, n2), out_dtype, varying),
-        grid=(_num_sms(),),
-        grid_names=("sm",),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=_params(),
-    )
+    kernel = _kernel(body, (n_groups, n1, n2), out_dtype, varying)
     scales = (row_scale.astype(jnp.float32), col_scale.astype(jnp.float32)) if scaled else ()
     return _vma.as_varying(kernel(start_tile, num_tiles, a, b, *scales), varying)

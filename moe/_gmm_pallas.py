@@ -49,6 +49,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from moe import _vma
+from moe._tiling import check_fields, count, pad_to, tile_size
 
 try:  # Pallas (and its Triton dialect) ships with jax, but keep CPU-only imports safe.
     from jax.experimental import pallas as pl
@@ -72,22 +73,15 @@ class Tiling:
     ``group_m``: work tiles (gmm) / K tiles (tgmm) per L2 swizzle band.
     """
 
-    block_m: int = 128
-    block_n: int = 128
-    block_k: int = 64
-    num_warps: int = 8
-    num_stages: int = 4
-    group_m: int = 8
+    block_m: int = tile_size(128, 16)
+    block_n: int = tile_size(128, 16)
+    block_k: int = tile_size(64, 16)
+    num_warps: int = count(8)
+    num_stages: int = count(4)
+    group_m: int = count(8)
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 16 or v & (v - 1):
-                raise ValueError(f"Tiling.{name}={v!r}; use a power of two >= 16.")
-        for name in ("num_warps", "num_stages", "group_m"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"Tiling.{name}={v!r}; use a positive int.")
+        check_fields(self)
 
 
 # Defaults for H100/H200 bf16, chosen with benchmarks/experts_bench.py --pallas-sweep
@@ -136,15 +130,6 @@ def _per_platform(call, interpret: bool | None, *args):
         # benchmarks/experts_bench.py runs it on GPUs against ragged_dot before timing it.
         default=functools.partial(run, False),
     )
-
-
-def _pad_to(a: jax.Array, axis: int, multiple: int) -> jax.Array:
-    pad = (-a.shape[axis]) % multiple
-    if not pad:
-        return a
-    widths = [(0, 0)] * a.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(a, widths)
 
 
 def _group_bounds(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
@@ -196,6 +181,17 @@ def _swizzle(pid, n_rows: int, n_cols: int, group_m: int):
     size = jnp.minimum(n_rows - first, group_m)
     local = lax.rem(pid, per_band)
     return first + lax.rem(local, size), lax.div(local, size)
+
+
+def _cost(flops: int, a: jax.Array, b: jax.Array, out_size: int, out_dtype):
+    """The cost of a GEMM that reads ``a`` and ``b`` once and writes ``out_size`` elements."""
+    return pl.CostEstimate(
+        flops=flops,
+        transcendentals=0,
+        bytes_accessed=int(
+            a.size * a.dtype.itemsize + b.size * b.dtype.itemsize + out_size * out_dtype.itemsize
+        ),
+    )
 
 
 def _compiler_params(tiling: Tiling):
@@ -290,8 +286,8 @@ def gmm(
     if k == 0 or n_groups == 0:
         return jnp.zeros((m, n), out_dtype)
     bm, bn, bk = tiling.block_m, tiling.block_n, tiling.block_k
-    lhs_p = _pad_to(_pad_to(lhs, 0, bm), 1, bk)
-    rhs_p = _pad_to(_pad_to(rhs, k_axis, bk), n_axis, bn)
+    lhs_p = pad_to(pad_to(lhs, 0, bm), 1, bk)
+    rhs_p = pad_to(pad_to(rhs, k_axis, bk), n_axis, bn)
     mp, kp = lhs_p.shape
     np_ = rhs_p.shape[n_axis]
     grp, tile, lo, hi = work_tiles(group_sizes, m, bm)
@@ -306,15 +302,7 @@ def gmm(
         transpose_rhs=transpose_rhs,
         compute_dtype=jnp.promote_types(lhs.dtype, rhs.dtype),
     )
-    cost = pl.CostEstimate(
-        flops=2 * m * k * n,
-        transcendentals=0,
-        bytes_accessed=int(
-            lhs.size * lhs.dtype.itemsize
-            + rhs.size * rhs.dtype.itemsize
-            + m * n * out_dtype.itemsize
-        ),
-    )
+    cost = _cost(2 * m * k * n, lhs, rhs, m * n, out_dtype)
 
     def call(interp, varying, *operands):
         return pl.pallas_call(
@@ -418,8 +406,8 @@ def tgmm(
     if m == 0 or k == 0 or n == 0 or n_groups == 0:
         return jnp.zeros((n_groups, k, n), out_dtype)
     bm, bn, bk = tiling.block_m, tiling.block_n, tiling.block_k
-    lhs_p = _pad_to(_pad_to(lhs, 0, bm), 1, bk)
-    dy_p = _pad_to(_pad_to(dy, 0, bm), 1, bn)
+    lhs_p = pad_to(pad_to(lhs, 0, bm), 1, bk)
+    dy_p = pad_to(pad_to(dy, 0, bm), 1, bn)
     kp, np_ = lhs_p.shape[1], dy_p.shape[1]
     starts, ends = _group_bounds(group_sizes, m)
     order = jnp.argsort(-(ends - starts), stable=True).astype(jnp.int32)  # largest first
@@ -431,15 +419,7 @@ def tgmm(
         tiling=tiling,
         compute_dtype=jnp.promote_types(lhs.dtype, dy.dtype),
     )
-    cost = pl.CostEstimate(
-        flops=2 * m * k * n,
-        transcendentals=0,
-        bytes_accessed=int(
-            lhs.size * lhs.dtype.itemsize
-            + dy.size * dy.dtype.itemsize
-            + n_groups * k * n * out_dtype.itemsize
-        ),
-    )
+    cost = _cost(2 * m * k * n, lhs, dy, n_groups * k * n, out_dtype)
 
     def call(interp, varying, *operands):
         return pl.pallas_call(

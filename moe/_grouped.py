@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from moe import _gmm_mosaic, _gmm_pallas, _vma
+from moe._tiling import pad_to
 
 F8 = jnp.float8_e4m3fn
 GROUP_ALIGNMENT = _gmm_mosaic.GROUP_ALIGNMENT
@@ -167,15 +168,6 @@ PALLAS = GroupedGemms(
 # ----------------------------------------------------------------------------------------------
 
 
-def _pad_to(a: jax.Array, axis: int, multiple: int) -> jax.Array:
-    pad = (-a.shape[axis]) % multiple
-    if not pad:
-        return a
-    widths = [(0, 0)] * a.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(a, widths)
-
-
 def _on_gpu(kernel_fn, emulated_fn, *args):
     """``kernel_fn(*args)`` when lowered for CUDA, ``emulated_fn(*args)`` elsewhere."""
     varying = _vma.varying_of(*args)
@@ -193,12 +185,12 @@ def _mosaic_gmm(a, b, gs, *scales, k_major: bool, out_dtype):
 
     def kernel(varying, a, b, gs, *scales):
         cfg = _gmm_mosaic.default_tiling(a.dtype, out_dtype)
-        a_p = _pad_to(a, 1, cfg.tile_k)
-        b_p = _pad_to(_pad_to(b, 2 if k_major else 1, cfg.tile_k), 1 if k_major else 2,
+        a_p = pad_to(a, 1, cfg.tile_k)
+        b_p = pad_to(pad_to(b, 2 if k_major else 1, cfg.tile_k), 1 if k_major else 2,
                       2 * cfg.tile_n)
         kw = {}
         if scales:
-            kw = dict(row_scale=scales[0], col_scale=_pad_to(scales[1], 1, 2 * cfg.tile_n))
+            kw = dict(row_scale=scales[0], col_scale=pad_to(scales[1], 1, 2 * cfg.tile_n))
         out = _gmm_mosaic.gmm(a_p, b_p, gs, rhs_k_major=k_major, out_dtype=out_dtype,
                               tiling=cfg, varying=varying, **kw)
         return out[:, :n] if out.shape[1] != n else out
@@ -222,11 +214,11 @@ def _mosaic_tgmm(a, b, gs, *scales, k_major: bool, out_dtype):
     def kernel(varying, a, b, gs, *scales):
         cfg = _gmm_mosaic.default_tiling(a.dtype, out_dtype)
         ax = 0 if k_major else 1
-        a_p, b_p = _pad_to(a, ax, cfg.tile_m), _pad_to(b, ax, 2 * cfg.tile_n)
+        a_p, b_p = pad_to(a, ax, cfg.tile_m), pad_to(b, ax, 2 * cfg.tile_n)
         kw = {}
         if scales:
-            kw = dict(row_scale=_pad_to(scales[0], 0, cfg.tile_m),
-                      col_scale=_pad_to(scales[1], 0, 2 * cfg.tile_n))
+            kw = dict(row_scale=pad_to(scales[0], 0, cfg.tile_m),
+                      col_scale=pad_to(scales[1], 0, 2 * cfg.tile_n))
         out = _gmm_mosaic.tgmm(a_p, b_p, gs, k_major=k_major, out_dtype=out_dtype,
                                tiling=cfg, varying=varying, **kw)
         return out[:, :n1, :n2] if out.shape[1:] != (n1, n2) else out

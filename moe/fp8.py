@@ -215,15 +215,22 @@ def _quantize(x: jax.Array, block_size: int) -> Fp8Array:
     return _quantize_impl(x, block_size)
 
 
-@_quantize.defjvp
-def _quantize_jvp(block_size, primals, tangents):
-    del block_size, primals, tangents
-    raise TypeError(
-        "moe.fp8.quantize is not differentiable (e4m3 rounding and scale choice have no "
-        "useful derivative). Wrap the FP8 path in jax.custom_vjp and define its backward "
-        "pass (e.g. send the cotangent back in bf16 or quantize it too), or apply "
-        "jax.lax.stop_gradient to x if no gradient is wanted."
-    )
+def _raising_jvp(message: str):
+    """A ``custom_jvp`` rule that raises ``TypeError(message)``: for a function with no useful
+    derivative."""
+
+    def jvp(*_):
+        raise TypeError(message)
+
+    return jvp
+
+
+_quantize.defjvp(_raising_jvp(
+    "moe.fp8.quantize is not differentiable (e4m3 rounding and scale choice have no "
+    "useful derivative). Wrap the FP8 path in jax.custom_vjp and define its backward "
+    "pass (e.g. send the cotangent back in bf16 or quantize it too), or apply "
+    "jax.lax.stop_gradient to x if no gradient is wanted."
+))
 
 
 def quantize(x: ArrayLike, block_size: int = 128) -> Fp8Array:
@@ -309,13 +316,10 @@ def _quantize_amax(x: jax.Array, amax: jax.Array, block_size: int) -> Fp8Array:
     return _quantize_from_amax_bits(x, bits, block_size)
 
 
-@_quantize_amax.defjvp
-def _quantize_amax_jvp(block_size, primals, tangents):
-    del block_size, primals, tangents
-    raise TypeError(
-        "moe.fp8.quantize_with_amax is not differentiable; define the backward pass with "
-        "jax.custom_vjp (see moe.fp8.quantize)."
-    )
+_quantize_amax.defjvp(_raising_jvp(
+    "moe.fp8.quantize_with_amax is not differentiable; define the backward pass with "
+    "jax.custom_vjp (see moe.fp8.quantize)."
+))
 
 
 def quantize_with_amax(x: ArrayLike, amax: ArrayLike, block_size: int = 128) -> Fp8Array:

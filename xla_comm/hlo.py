@@ -165,14 +165,15 @@ class CollectiveReport:
 
     Example:
       >>> from xla_comm.hlo import analyze_collectives
-      >>> text = '''HloModule m, num_partitions=4
-      ... ENTRY %main (p: f32[8]) -> f32[8] {
-      ...   %p = f32[8]{0} parameter(0)
-      ...   ROOT %ar = f32[8]{0} all-reduce(%p), replica_groups={{0,1,2,3}}, to_apply=%add
+      >>> text = '''HloModule m, num_partitions=2
+      ... ENTRY %main (p: bf16[4,8]) -> bf16[8,8] {
+      ...   %p = bf16[4,8]{1,0} parameter(0)
+      ...   %a2a = bf16[4,8]{1,0} all-to-all(%p), replica_groups={{0,1}}, dimensions={0}
+      ...   ROOT %ag = bf16[8,8]{1,0} all-gather(%a2a), replica_groups={{0,1}}, dimensions={0}
       ... }'''
       >>> rep = analyze_collectives(text)
-      >>> len(rep), rep.counts(), rep.ring_bytes, rep.exposed_fraction
-      (1, {'all-reduce': 1}, 48.0, 1.0)
+      >>> len(rep), rep.counts(), rep.ring_bytes, rep.exposed_fraction  # (N-1)/N * (64 + 128)
+      (2, {'all-to-all': 1, 'all-gather': 1}, 96.0, 1.0)
     """
 
     collectives: tuple[Collective, ...]
@@ -273,14 +274,15 @@ class Instruction:
 
     Example:
       >>> from xla_comm.hlo import parse_hlo
-      >>> text = '''HloModule m, num_partitions=4
-      ... ENTRY %main (p: f32[8]) -> f32[8] {
-      ...   %p = f32[8]{0} parameter(0)
-      ...   ROOT %ar = f32[8]{0} all-reduce(%p), replica_groups={{0,1,2,3}}, to_apply=%add
+      >>> text = '''HloModule m
+      ... ENTRY %main (x: f32[4,8], w: f32[8,2]) -> f32[4,2] {
+      ...   %x = f32[4,8]{1,0} parameter(0)
+      ...   %w = f32[8,2]{1,0} parameter(1)
+      ...   ROOT %y = f32[4,2]{1,0} dot(%x, %w), lhs_contracting_dims={1}
       ... }'''
-      >>> ins = parse_hlo(text).computations["main"][1]
-      >>> ins.name, ins.shape, ins.opcode, ins.operands, ins.index
-      ('ar', 'f32[8]{0}', 'all-reduce', ('p',), 1)
+      >>> ins = parse_hlo(text).computations["main"][2]
+      >>> ins.name, ins.shape, ins.opcode, ins.operands, ins.index, ins.attrs
+      ('y', 'f32[4,2]{1,0}', 'dot', ('x', 'w'), 2, ', lhs_contracting_dims={1}')
     """
 
     name: str
@@ -304,14 +306,19 @@ class HloModule:
 
     Example:
       >>> from xla_comm.hlo import parse_hlo
-      >>> text = '''HloModule m, num_partitions=4
+      >>> text = '''HloModule m, replica_count=2, num_partitions=4
+      ... %add (a: f32[], b: f32[]) -> f32[] {
+      ...   %a = f32[] parameter(0)
+      ...   %b = f32[] parameter(1)
+      ...   ROOT %s = f32[] add(%a, %b)
+      ... }
       ... ENTRY %main (p: f32[8]) -> f32[8] {
       ...   %p = f32[8]{0} parameter(0)
       ...   ROOT %ar = f32[8]{0} all-reduce(%p), replica_groups={{0,1,2,3}}, to_apply=%add
       ... }'''
       >>> mod = parse_hlo(text)
-      >>> mod.entry, mod.num_devices, [ins.opcode for ins in mod.instructions()]
-      ('main', 4, ['parameter', 'all-reduce'])
+      >>> mod.entry, list(mod.computations), mod.num_partitions, mod.num_devices
+      ('main', ['add', 'main'], 4, 8)
     """
 
     computations: dict[str, tuple[Instruction, ...]]
