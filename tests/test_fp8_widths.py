@@ -67,11 +67,20 @@ def _wire_reference(x: np.ndarray, block: int) -> np.ndarray:
     return row.view("<u4")
 
 
+def _metrics(a, r):
+    a, r = np.ravel(a).astype(np.float64), np.ravel(r).astype(np.float64)
+    cos = a @ r / (np.linalg.norm(a) * np.linalg.norm(r))
+    return cos, np.linalg.norm(a - r) / np.linalg.norm(r)
+
+
+def assert_fp8_close(got, want, label):
+    cos, rel = _metrics(got, want)
+    assert cos >= 0.99 and rel < 0.1, (label, cos, rel)
+
+
 # ----------------------------------------------------------------------------- 1. the wire row
 
 _encode = jax.jit(_transport.encode_rows, static_argnames=("wire", "block_size"))
-_decode = jax.jit(_transport.decode_rows,
-                  static_argnames=("wire", "width", "block_size", "out_dtype"))
 
 
 @pytest.mark.parametrize("d,block", [(256, BS), (768, BS), (896, BS), (384, 32), (512, BS)])
@@ -112,8 +121,10 @@ def test_unpack_is_exact_and_ignores_the_padding(d):
     np.testing.assert_array_equal(r["scales"], r["want_scales"])
     np.testing.assert_array_equal(r["out"], r["want_out"])
     np.testing.assert_array_equal(r["out_dirty"], r["out"])  # the padding is never read
-    fin = np.all(np.isfinite(x), axis=1)  # an FP8 round trip of the finite rows
-    assert np.all(np.abs(r["out"][fin] - x[fin]) <= 2.0**-3 * np.abs(x[fin]) + 1e-30)
+    for row in (0, 1, 5, 7):  # finite, nonzero rows: an FP8 round trip, block by block
+        for blk in range(d // BS):
+            sl = slice(blk * BS, (blk + 1) * BS)
+            assert_fp8_close(r["out"][row, sl], x[row, sl], f"row {row} block {blk}")
 
 
 def test_unpack_names_a_wrong_width():
@@ -203,17 +214,6 @@ def _dispatch_fn(transport: str):
 def _fp8_round_trip(a: jax.Array) -> np.ndarray:
     """What the FP8 wire delivers for rows ``a``: e4m3 + E8M0 blocks, decoded to bf16."""
     return np.asarray(fp8.dequantize(fp8.quantize(a, BS), jnp.bfloat16), np.float32)
-
-
-def _metrics(a, r):
-    a, r = np.ravel(a).astype(np.float64), np.ravel(r).astype(np.float64)
-    cos = a @ r / (np.linalg.norm(a) * np.linalg.norm(r))
-    return cos, np.linalg.norm(a - r) / np.linalg.norm(r)
-
-
-def assert_fp8_close(got, want, label):
-    cos, rel = _metrics(got, want)
-    assert cos >= 0.99 and rel < 0.1, (label, cos, rel)
 
 
 @pytest.mark.parametrize("d,transport", [(256, "dense"), (768, "ragged"), (896, "dropless")])
