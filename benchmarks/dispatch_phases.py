@@ -31,8 +31,8 @@ pipeline and nothing else:
 Bytes and GB/s (per GPU, per all_to_all / dispatch), printed and in the JSON:
 
   buffer  = bytes of the all_to_all operand on one device: E*C rows x row bytes (bf16:
-            2*d; FP8: d + d/block_size), capacity padding and the chunk a device sends to
-            itself included. GB/s(buffer) = buffer / time.
+            2*d; FP8: d + 4*ceil(d/(4*block_size))), capacity padding and the chunk a device
+            sends to itself included. GB/s(buffer) = buffer / time.
   remote  = (P-1)/P x buffer: the bytes that leave the GPU over NVLink. GB/s(remote) = remote /
             time. This is moe_layer_bench's "GB/s per GPU" (ring_bytes of the all-to-alls).
   deepep  = DeepEP's count (tests/test_intranode.py: recv_x.numel() * 2 / dispatch time, "GB/s
@@ -240,7 +240,7 @@ class Phases:
         n_dev = mesh.devices.size
         self.kw = kw = plan_kwargs(a, n_dev)
         t, k, d, e, c = a.tokens, a.top_k, a.d_model, a.experts, kw["capacity"]
-        n_rows, fp8_row = e * c, d + d // a.block_size
+        n_rows, fp8_row = e * c, d + 4 * fp8.num_scale_words(d, a.block_size)
         self.dims = (t, k, d, e, c, e // n_dev, a.block_size, n_rows, fp8_row, n_dev)
         deepep_rows = deepep_rows_per_device(np.asarray(ids), n_dev, e)
         self.buffers = (n_rows * 2 * d, n_rows * fp8_row, deepep_rows * 2 * d,
@@ -257,7 +257,7 @@ class Phases:
                 remote="(P-1)/P x buffer: bytes leaving the GPU (moe_layer_bench's GB/s)",
                 deepep="DeepEP GB/s (NVL): rows received per rank, one per (token, "
                        "destination rank), self included, no padding, x row bytes (bf16 2d; "
-                       "FP8 here d+d/128)",
+                       "FP8 here d + 4 ceil(d / (4 block_size)))",
             ),
             phases=[], errors={},
         )
@@ -402,10 +402,10 @@ def recv_phases(ph: Phases, recv_bf16, recv_fp8):
     bench("recv -> expert layout (transpose)", "recv", "bf16", smap(mesh, to_layout, 1),
           (recv_bf16,))
     deq = smap(mesh, lambda r: to_layout(_transport.decode_rows(
-        r, wire="fp8", width=d, out_dtype=jnp.bfloat16)), 1)
+        r, wire="fp8", width=d, block_size=bs, out_dtype=jnp.bfloat16)), 1)
     bench("dequantize -> expert layout", "recv", "fp8", deq, (recv_fp8,))
     bench("dequantize only (no layout)", "recv", "fp8", smap(mesh, lambda r: (
-        _transport.decode_rows(r, wire="fp8", width=d, out_dtype=jnp.bfloat16)), 1),
+        _transport.decode_rows(r, wire="fp8", width=d, block_size=bs, out_dtype=jnp.bfloat16)), 1),
         (recv_fp8,))
     # the Pallas kernel: expert-layout row (l, q, r) read from received row (q, l, r), decoded
     perm = (jnp.arange(n_dev)[None, :, None] * (el * c) + jnp.arange(el)[:, None, None] * c
@@ -617,7 +617,7 @@ def layout_experiment(ph: Phases, x, ids, w) -> None:
             send = jnp.take(rows, idx, axis=0, mode="fill", fill_value=0)  # [el, P*C, W]
             recv = jax.lax.all_to_all(send, AXIS, 1, 1, tiled=True)
             ex = recv if wire == "bf16" else _transport.decode_rows(
-                recv, wire="fp8", width=d, out_dtype=jnp.bfloat16)
+                recv, wire="fp8", width=d, block_size=bs, out_dtype=jnp.bfloat16)
             back = jax.lax.all_to_all(experts(ex, w_in, w_out), AXIS, 1, 1, tiled=True)
             sr = plan.slot_row  # e * C + r, or E * C if dropped
             ge, r = sr // c, sr % c
@@ -650,8 +650,8 @@ def run(a) -> dict:
     n_dev = mesh.devices.size
     if a.experts % n_dev:
         raise SystemExit(f"--experts {a.experts} must be a multiple of the {n_dev} devices")
-    if a.d_model % (4 * a.block_size):
-        raise SystemExit(f"--d-model must be a multiple of 4 * block_size = {4 * a.block_size}")
+    if a.d_model % a.block_size:
+        raise SystemExit(f"--d-model must be a multiple of --block-size = {a.block_size}")
     x, ids, w, dy = make_data(mesh, a)
     ph = Phases(a, mesh, ids)
     send_slot, slot_row = plan_phases(ph, ids)

@@ -511,10 +511,10 @@ def setup(args) -> tuple[jax.sharding.Mesh, lm_data.Corpus]:
             f"--experts {args.experts} must be divisible by the expert axis size "
             f"{mesh.shape['expert']} (set --mesh or --experts)."
         )
-    if args.fp8_dispatch and args.d_model % (4 * args.fp8_block_size):
+    if args.fp8_dispatch and args.d_model % args.fp8_block_size:
         raise UsageError(
-            f"--d-model {args.d_model} must be a multiple of 4 x --fp8-block-size "
-            f"({4 * args.fp8_block_size}) with FP8 dispatch; or pass --no-fp8-dispatch."
+            f"--d-model {args.d_model} must be a multiple of --fp8-block-size "
+            f"({args.fp8_block_size}) with FP8 dispatch; or pass --no-fp8-dispatch."
         )
     corpus = lm_data.load_stdlib_corpus(
         max_bytes=int(args.max_corpus_mb * (1 << 20)) if args.max_corpus_mb > 0 else None

@@ -64,9 +64,10 @@ def pack_fp8_words(q: fp8.Fp8Array) -> jax.Array:
     """The FP8 wire row of an :class:`moe.fp8.Fp8Array` ``[N, H]``: ``uint32[N, H/4 + W]``.
 
     Word ``j < H/4`` holds e4m3 bytes ``4j .. 4j+3`` (little-endian, byte ``4j`` lowest); the
-    last ``W = H / (4 * block_size)`` words are the packed E8M0 scale words. As bytes, the row
-    is ``bytes(e4m3 data) ++ bytes(int32 scales)``: the same bytes as a uint8 row, typed as
-    32-bit words so that XLA moves them 4 bytes per element.
+    last ``W = ceil(H / (4 * block_size))`` words (:func:`moe.fp8.num_scale_words`) are the
+    packed E8M0 scale words, whose slots past the last block hold :data:`moe.fp8.E8M0_PAD`.
+    As bytes, the row is ``bytes(e4m3 data) ++ bytes(int32 scales)``: the same bytes as a
+    uint8 row, typed as 32-bit words so that XLA moves them 4 bytes per element.
 
     Args:
       q: FP8 rows ``[N, H]`` (scales ``[N, W]``).
@@ -78,6 +79,8 @@ def pack_fp8_words(q: fp8.Fp8Array) -> jax.Array:
       >>> q = fp8.quantize(jnp.ones((2, 512)), 128)
       >>> pack_fp8_words(q).shape
       (2, 129)
+      >>> pack_fp8_words(fp8.quantize(jnp.ones((2, 768)), 128)).shape  # 6 blocks: 2 words
+      (2, 194)
 
     References:
       DeepEP UE8M0 scale layout (four scale bytes per int32 word).
@@ -88,29 +91,37 @@ def pack_fp8_words(q: fp8.Fp8Array) -> jax.Array:
     return jnp.concatenate([data, scales], axis=-1)
 
 
-def unpack_fp8_words(buf: jax.Array, width: int) -> fp8.Fp8Array:
+def unpack_fp8_words(buf: jax.Array, width: int, block_size: int) -> fp8.Fp8Array:
     """Invert :func:`pack_fp8_words` on ``buf [..., width / 4 + W]``: an ``Fp8Array
-    [..., width]``.
+    [..., width]`` (the padding slots of the last scale word are carried, never read).
 
     Args:
       buf: uint32 wire rows (possibly exchanged / reshaped on leading axes).
-      width: logical row width ``H``.
+      width: logical row width ``H`` (a multiple of ``block_size``).
+      block_size: FP8 channels per scale.
 
     Returns:
       The :class:`moe.fp8.Fp8Array`.
 
     Example:
       >>> q = fp8.quantize(jnp.ones((2, 512)), 128)
-      >>> unpack_fp8_words(pack_fp8_words(q), 512).data.shape
+      >>> unpack_fp8_words(pack_fp8_words(q), 512, 128).data.shape
       (2, 512)
 
     References:
       DeepEP UE8M0 scale layout.
     """
+    fp8.check_width(width, block_size, what="width")
     lead, nw = buf.shape[:-1], width // 4
+    if buf.shape[-1] != nw + fp8.num_scale_words(width, block_size):
+        raise ValueError(
+            f"buf.shape[-1] = {buf.shape[-1]} is not the FP8 wire width of {width} channels "
+            f"in blocks of {block_size} ({nw + fp8.num_scale_words(width, block_size)} words); "
+            "pass the width and block_size the rows were encoded with."
+        )
     data = jax.lax.bitcast_convert_type(buf[..., :nw], jnp.float8_e4m3fn)  # [..., H/4, 4]
     scales = jax.lax.bitcast_convert_type(buf[..., nw:], jnp.int32)
-    return fp8.Fp8Array(data=data.reshape(*lead, width), scales=scales)
+    return fp8.Fp8Array(data=data.reshape(*lead, width), scales=scales, block_size=block_size)
 
 
 def check_wire_kernels(kernels: WireKernels) -> None:
@@ -149,13 +160,13 @@ def encode_rows(
 ) -> jax.Array:
     """Encode rows ``[N, H]`` for the wire: a dtype cast, or fused FP8 bytes + E8M0 scales.
 
-    FP8: ``uint32[N, (H + H // block_size) / 4]`` holding ``bytes(e4m3(x / scale)) ++
-    bytes(int32 scales)`` (:func:`pack_fp8_words`).
+    FP8: ``uint32[N, H / 4 + ceil(H / (4 * block_size))]`` holding ``bytes(e4m3(x / scale))
+    ++ bytes(int32 scales)`` (:func:`pack_fp8_words`).
 
     Args:
       rows: float array ``[N, H]``.
       wire: ``'fp8'`` or a float dtype to cast to.
-      block_size: FP8 channels per scale (``H`` must be a multiple of ``4 * block_size``).
+      block_size: FP8 channels per scale (``H`` must be a multiple of ``block_size``).
 
     Returns:
       The wire buffer (zero rows decode to zero rows).
@@ -269,7 +280,12 @@ def gather_weighted_rows(
 
 
 def decode_rows(
-    buf: jax.Array, *, wire: Literal["fp8"] | jnp.dtype, width: int, out_dtype: jnp.dtype
+    buf: jax.Array,
+    *,
+    wire: Literal["fp8"] | jnp.dtype,
+    width: int,
+    block_size: int,
+    out_dtype: jnp.dtype,
 ) -> jax.Array:
     """Invert :func:`encode_rows` on ``buf [..., wire_width]``, returning ``[..., width]``.
 
@@ -277,6 +293,7 @@ def decode_rows(
       buf: wire buffer from :func:`encode_rows` (possibly exchanged / reshaped on leading axes).
       wire: the ``wire`` given to :func:`encode_rows`.
       width: logical row width ``H``.
+      block_size: the ``block_size`` given to :func:`encode_rows` (FP8 only).
       out_dtype: dtype of the decoded rows.
 
     Returns:
@@ -284,14 +301,15 @@ def decode_rows(
 
     Example:
       >>> b = encode_rows(jnp.ones((2, 512)), wire="fp8", block_size=128)
-      >>> float(decode_rows(b, wire="fp8", width=512, out_dtype=jnp.float32).sum())
+      >>> float(decode_rows(b, wire="fp8", width=512, block_size=128,
+      ...                   out_dtype=jnp.float32).sum())
       1024.0
 
     References:
       DeepEP UE8M0 scale layout (four scale bytes per int32 word).
     """
     if isinstance(wire, str):
-        return fp8.dequantize(unpack_fp8_words(buf, width), out_dtype)
+        return fp8.dequantize(unpack_fp8_words(buf, width, block_size), out_dtype)
     return buf.astype(out_dtype)
 
 
@@ -321,40 +339,11 @@ def dense_exchange(buf: jax.Array, axis_name: AxisName, *, axis: int = 0) -> jax
     return jax.lax.all_to_all(buf, axis_name, axis, axis, tiled=True)
 
 
-def ragged_all_to_all_emulated(
-    operand: jax.Array,
-    output: jax.Array,
-    input_offsets: jax.Array,
-    send_sizes: jax.Array,
-    output_offsets: jax.Array,
-    recv_sizes: jax.Array,
-    *,
-    axis_name: AxisName,
+def _ragged_all_to_all_emulated(
+    operand: jax.Array, output: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array,
+    output_offsets: jax.Array, *, axis_name: AxisName,
 ) -> jax.Array:
-    """``jax.lax.ragged_all_to_all`` semantics from ``all_gather`` + gathers (any backend).
-
-    Slice ``i`` of sender ``s`` (``operand[input_offsets[i] : +send_sizes[i]]``) lands on device
-    ``i // (K / P)`` at ``output[output_offsets[i] : +send_sizes[i]]``; rows nobody writes keep
-    ``output``'s value. Costs an all-gather of every operand, so it is for tests and CPU only.
-
-    Args:
-      operand: ``[N, ...]`` rows to send.
-      output: ``[M, ...]`` initial receive buffer.
-      input_offsets, send_sizes, output_offsets, recv_sizes: int ``[K]``, ``K`` a multiple of
-        the axis size, as for ``jax.lax.ragged_all_to_all`` (``recv_sizes`` is implied by the
-        senders' ``send_sizes`` and is unused here).
-      axis_name: the mesh axis (or axes).
-
-    Returns:
-      ``[M, ...]``, ``output`` with the received slices written.
-
-    Example:
-      >>> # inside shard_map: ragged_all_to_all_emulated(x, out, io, ss, oo, rs, axis_name='e')
-
-    References:
-      ``jax.lax.ragged_all_to_all`` docstring; MaxText ragged MoE.
-    """
-    del recv_sizes
+    """``jax.lax.ragged_all_to_all`` from ``all_gather`` + gathers (see :func:`ragged_exchange`)."""
     p = jax.lax.axis_size(axis_name)
     n, m, k = operand.shape[0], output.shape[0], input_offsets.shape[0]
     spd = k // p  # slices per destination
@@ -386,13 +375,19 @@ def ragged_exchange(
 ) -> jax.Array:
     """``jax.lax.ragged_all_to_all`` (``impl='native'``) or its emulation (``'emulated'``).
 
+    Slice ``i`` of sender ``s`` (``operand[input_offsets[i] : +send_sizes[i]]``) lands on device
+    ``i // (K / P)`` at ``output[output_offsets[i] : +send_sizes[i]]``; rows nobody writes keep
+    ``output``'s value. The emulation (any backend) all-gathers every operand, so it is for
+    tests and CPU only; it ignores ``recv_sizes`` (implied by the senders' ``send_sizes``).
     The native op types its result like ``output``, so under ``shard_map``'s varying-axes
     checks ``output`` must vary over the operand's mesh axes: build it with
     ``jnp.zeros_like(operand, shape=...)``, not ``jnp.zeros``.
 
     Args:
-      operand, output, input_offsets, send_sizes, output_offsets, recv_sizes: as for
-        ``jax.lax.ragged_all_to_all``.
+      operand: ``[N, ...]`` rows to send.
+      output: ``[M, ...]`` initial receive buffer.
+      input_offsets, send_sizes, output_offsets, recv_sizes: int ``[K]``, ``K`` a multiple of
+        the axis size ``P``, as for ``jax.lax.ragged_all_to_all``.
       axis_name: the mesh axis (or axes).
       impl: from :func:`resolve_ragged_impl`.
 
@@ -403,11 +398,12 @@ def ragged_exchange(
       >>> # inside shard_map: ragged_exchange(..., axis_name='expert', impl='native')
 
     References:
-      MaxText ragged MoE dispatch.
+      ``jax.lax.ragged_all_to_all`` docstring; MaxText ragged MoE dispatch.
     """
-    args = (operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
     if impl == "native":
         # GPU/TPU only (XLA:CPU lacks the op; CI lowers it, benchmarks/dispatch_check.py runs it
         # on GPUs and checks it equals the emulation bit for bit).
-        return jax.lax.ragged_all_to_all(*args, axis_name=axis_name)
-    return ragged_all_to_all_emulated(*args, axis_name=axis_name)
+        return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes,
+                                         output_offsets, recv_sizes, axis_name=axis_name)
+    return _ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes,
+                                       output_offsets, axis_name=axis_name)

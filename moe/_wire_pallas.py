@@ -17,7 +17,8 @@ These kernels do each direction in one pass, one program per output row:
 Compiled through Triton on NVIDIA GPUs; in Pallas interpret mode (``interpret=True``, slow)
 anywhere else, which is how the tests check them on CPU. They work inside ``jax.shard_map``
 (the outputs carry the operands' varying axes; see ``moe._gmm_pallas``). Row widths must be
-powers of two (Triton block shapes): :func:`supported` says whether a shape can use them.
+powers of two (Triton block shapes): :func:`supported` says whether a shape can use them. A row
+of fewer than four blocks has one scale word, its unused byte slots :data:`moe.fp8.E8M0_PAD`.
 """
 
 from __future__ import annotations
@@ -40,29 +41,39 @@ def _pow2(n: int) -> bool:
 def supported(width: int, *, fp8_wire: bool, block_size: int = 128) -> bool:
     """Whether rows of ``width`` channels can use these kernels (Triton needs power-of-two
     block shapes: ``width``, and for FP8 ``width / 4``, ``width / block_size`` and the scale
-    words per row)."""
+    words per row, all powers of two when ``width`` and ``block_size`` are)."""
     if PALLAS_IMPORT_ERROR is not None or not _pow2(width):
         return False
     if not fp8_wire:
         return True
-    return (_pow2(block_size) and width % (4 * block_size) == 0
-            and _pow2(width // (4 * block_size)))
+    return _pow2(block_size) and width % block_size == 0 and width % 4 == 0
 
 
-def _shifts(n: int) -> jax.Array:
-    """uint32 ``[n, 4]``: ``8 j`` in column j (byte j of a little-endian word); an iota, as
+def _scale_word_shape(width: int, block_size: int) -> tuple[int, int]:
+    """``(words, bytes used per word)`` of a row's scales: ``nb / 4`` full words, or one
+    word holding all ``nb < 4`` bytes (``supported`` widths have ``nb`` a power of two)."""
+    nb = width // block_size
+    per = min(4, nb)
+    return nb // per, per
+
+
+def _shifts(n: int, m: int = 4) -> jax.Array:
+    """uint32 ``[n, m]``: ``8 j`` in column j (byte j of a little-endian word); an iota, as
     kernels may not capture array constants."""
-    return (lax.broadcasted_iota(jnp.int32, (n, 4), 1) * 8).astype(jnp.uint32)
+    return (lax.broadcasted_iota(jnp.int32, (n, m), 1) * 8).astype(jnp.uint32)
 
 
 def _pack_words(b: jax.Array) -> jax.Array:
-    """uint32 ``[n, 4]`` byte values -> ``[n]`` words (byte j in bits 8j..8j+7)."""
-    return jnp.sum(b << _shifts(b.shape[0]), axis=1)
+    """uint32 ``[n, m]`` byte values (``m <= 4``) -> ``[n]`` words (byte j in bits 8j..8j+7;
+    slots ``m..3`` hold ``E8M0_PAD``)."""
+    pad = sum(fp8.E8M0_PAD << (8 * j) for j in range(b.shape[1], 4))
+    words = jnp.sum(b << _shifts(*b.shape), axis=1)
+    return words | jnp.uint32(pad) if pad else words
 
 
-def _unpack_words(w: jax.Array) -> jax.Array:
-    """uint32 ``[n]`` words -> ``[n, 4]`` byte values (uint32)."""
-    return (w[:, None] >> _shifts(w.shape[0])) & jnp.uint32(0xFF)
+def _unpack_words(w: jax.Array, m: int = 4) -> jax.Array:
+    """uint32 ``[n]`` words -> ``[n, m]`` byte values (uint32): the first ``m`` bytes."""
+    return (w[:, None] >> _shifts(w.shape[0], m)) & jnp.uint32(0xFF)
 
 
 def _encode_kernel(idx_ref, x_ref, out_ref, *, n_src, width, block_size, fp8_wire):
@@ -81,12 +92,13 @@ def _encode_kernel(idx_ref, x_ref, out_ref, *, n_src, width, block_size, fp8_wir
     y = jnp.clip(xb * inv_scale[:, None], -fp8.E4M3_MAX, fp8.E4M3_MAX)
     y = lax.bitcast_convert_type(y.astype(jnp.float8_e4m3fn), jnp.uint8).astype(jnp.uint32)
     words = _pack_words(y.reshape(width // 4, 4))
-    swords = _pack_words(byte.astype(jnp.uint32).reshape(nb // 4, 4))
+    nsw, per = _scale_word_shape(width, block_size)
+    swords = _pack_words(byte.astype(jnp.uint32).reshape(nsw, per))
     zero = jnp.zeros((), jnp.uint32)
     _plgpu.store(out_ref.at[pl.ds(i, 1), pl.ds(0, width // 4)],
                  jnp.where(ok, words, zero).reshape(1, width // 4))
-    _plgpu.store(out_ref.at[pl.ds(i, 1), pl.ds(width // 4, nb // 4)],
-                 jnp.where(ok, swords, zero).reshape(1, nb // 4))
+    _plgpu.store(out_ref.at[pl.ds(i, 1), pl.ds(width // 4, nsw)],
+                 jnp.where(ok, swords, zero).reshape(1, nsw))
 
 
 def _decode_kernel(idx_ref, buf_ref, out_ref, *, n_src, width, block_size, fp8_wire):
@@ -100,11 +112,12 @@ def _decode_kernel(idx_ref, buf_ref, out_ref, *, n_src, width, block_size, fp8_w
         _plgpu.store(out_ref.at[pl.ds(r, 1), pl.ds(0, width)], y)
         return
     nb = width // block_size
+    nsw, per = _scale_word_shape(width, block_size)
     words = _plgpu.load(buf_ref.at[pl.ds(s, 1), pl.ds(0, width // 4)]).reshape(width // 4)
-    swords = _plgpu.load(buf_ref.at[pl.ds(s, 1), pl.ds(width // 4, nb // 4)]).reshape(nb // 4)
+    swords = _plgpu.load(buf_ref.at[pl.ds(s, 1), pl.ds(width // 4, nsw)]).reshape(nsw)
     data = _unpack_words(words).astype(jnp.uint8)  # [H/4, 4]
     data = lax.bitcast_convert_type(data, jnp.float8_e4m3fn).astype(jnp.float32)
-    byte = _unpack_words(swords).reshape(nb).astype(jnp.int32)
+    byte = _unpack_words(swords, per).reshape(nb).astype(jnp.int32)  # padding never read
     scale = lax.bitcast_convert_type(byte << 23, jnp.float32)
     scale = jnp.where(byte == fp8.E8M0_NAN, jnp.float32(jnp.nan), scale)
     y = data.reshape(nb, block_size) * scale[:, None]
@@ -145,8 +158,8 @@ def gather_encode(
 ) -> jax.Array:
     """``out[i] = encode(rows[index[i]])``, zero where ``index[i]`` is outside ``[0, T)``.
 
-    FP8: ``uint32[M, H/4 + H/(4 block_size)]``, the bytes of ``moe.fp8.quantize`` packed as
-    :func:`moe._transport.pack_fp8_words`. Otherwise ``rows`` cast to ``out_dtype``.
+    FP8: ``uint32[M, H/4 + ceil(H/(4 block_size))]``, the bytes of ``moe.fp8.quantize``
+    packed as :func:`moe._transport.pack_fp8_words`. Otherwise ``rows`` cast to ``out_dtype``.
 
     Args:
       rows: float ``[T, H]``.
@@ -171,7 +184,7 @@ def gather_encode(
     t, h = rows.shape
     m = index.shape[0]
     if fp8_wire:
-        shape, dtype = (m, h // 4 + h // (4 * block_size)), jnp.uint32
+        shape, dtype = (m, h // 4 + fp8.num_scale_words(h, block_size)), jnp.uint32
     else:
         shape, dtype = (m, h), jnp.dtype(out_dtype or rows.dtype)
     return _launch(_encode_kernel, index.astype(jnp.int32), rows, shape, dtype,

@@ -67,7 +67,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe import _transport, _wire_pallas
+from moe import _transport, _wire_pallas, fp8
 from moe._plan import (
     AxisName,
     DispatchPlan,
@@ -97,6 +97,11 @@ class _Wire:
     @property
     def codec(self):
         return "fp8" if self.wire == "fp8" else jnp.dtype(self.wire)
+
+    def decode(self, buf: jax.Array, width: int) -> jax.Array:
+        """Wire rows ``[..., wire width]`` -> ``self.out[..., width]``."""
+        return _transport.decode_rows(buf, wire=self.codec, width=width,
+                                      block_size=self.block_size, out_dtype=self.out)
 
 
 def _wire_for(name: WireDtype, dtype: jnp.dtype, block_size: int, kernels: str = "xla") -> _Wire:
@@ -146,7 +151,7 @@ def _dense_to_layout(recv: jax.Array, plan: DispatchPlan, w: _Wire, width: int) 
     p, el, c = plan.axis_size, plan.num_local_experts, plan.capacity
 
     def xla(recv):
-        out = _transport.decode_rows(recv, wire=w.codec, width=width, out_dtype=w.out)
+        out = w.decode(recv, width)
         out = out.reshape(p, el, c, width)
         return out.transpose(1, 0, 2, 3).reshape(plan.expert_shape(width))
 
@@ -172,12 +177,11 @@ def _pairs_to_layout(recv: jax.Array, plan: DispatchPlan, c: int, w: _Wire, widt
     pass (the Pallas kernel, or XLA's gather of the wire words then decode). With ``P = 1``
     the received rows already are the layout."""
     if plan.axis_size == 1:
-        return _transport.decode_rows(recv, wire=w.codec, width=width, out_dtype=w.out)
+        return w.decode(recv, width)
     index = _pair_to_row(plan.pair_row, plan, c)
 
     def xla(recv, index):
-        return _transport.decode_rows(_take_rows(recv, index), wire=w.codec, width=width,
-                                      out_dtype=w.out)
+        return w.decode(_take_rows(recv, index), width)
 
     def pallas(interpret, recv, index):
         return _wire_pallas.gather_decode(
@@ -212,7 +216,7 @@ def _to_experts(encode, plan: DispatchPlan, w: _Wire, width: int) -> jax.Array:
             send, recv, plan.send_offsets, plan.send_counts, plan.remote_offsets,
             plan.recv_counts.reshape(-1), axis_name=plan.axis_name, impl=plan.ragged_impl,
         )
-    return _transport.decode_rows(recv, wire=w.codec, width=width, out_dtype=w.out)
+    return w.decode(recv, width)
 
 
 def _return_trip(expert_rows: jax.Array, plan: DispatchPlan) -> jax.Array:
@@ -405,12 +409,12 @@ def _check_wire(name, arg: str) -> None:
         raise ValueError(f"{arg} must be None, 'bf16' or 'fp8', got {name!r}.")
 
 
-def _check_block(width: int, block_size: int, arg: str) -> None:
-    if width % (4 * block_size) != 0:
+def _check_fp8_width(width: int, block_size: int, what: str) -> None:
+    fp8.check_width(width, block_size, what=what)
+    if width % 4:
         raise ValueError(
-            f"{arg} = {width} must be a multiple of 4 * block_size = {4 * block_size} for FP8 "
-            f"(four E8M0 scales per int32 word); pad d_model, pick a block_size with "
-            f"4 * block_size dividing {width}, or use the bf16 wire."
+            f"{what} = {width} must be a multiple of 4 for the FP8 wire (e4m3 bytes travel four "
+            "to a 32-bit word); pad it, or use the bf16 wire."
         )
 
 
@@ -464,7 +468,7 @@ def _check_dispatch_args(x, expert_ids, num_experts, transport, capacity_factor,
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}; use 128.")
     if dispatch_dtype == "fp8":
-        _check_block(x.shape[1], block_size, "d_model (x.shape[-1])")
+        _check_fp8_width(x.shape[1], block_size, "d_model (x.shape[-1])")
 
 
 # ----------------------------------------------------------------------------- public API
@@ -513,7 +517,7 @@ def dispatch(
         (default 8).
       dispatch_dtype: wire format: None (``x.dtype``), ``'bf16'``, or ``'fp8'`` (e4m3 +
         packed E8M0 scales, dequantized to bf16 on arrival; ``d_model`` must be a multiple of
-        ``4 * block_size``).
+        ``block_size``).
       block_size: FP8 channels per scale.
       ragged_impl: ``'ragged'`` only: ``'auto'`` (native on GPU/TPU, emulated elsewhere),
         ``'native'``, ``'emulated'``.
@@ -589,7 +593,7 @@ def combine(
       plan: the :class:`DispatchPlan` from the matching :func:`dispatch`.
       combine_grad_dtype: wire format of the backward exchange: None (``expert_y.dtype``),
         ``'bf16'`` or ``'fp8'`` (needs ``expert_y.shape[-1]`` a multiple of
-        ``4 * plan.block_size``).
+        ``plan.block_size``).
 
     Returns:
       ``y [T, expert_y.shape[-1]]`` in the dispatched ``x``'s dtype.
@@ -616,7 +620,7 @@ def combine(
             f"weights must be [T, k] = {(plan.num_tokens, plan.top_k)}, got {weights.shape}."
         )
     if combine_grad_dtype == "fp8":
-        _check_block(expert_y.shape[-1], plan.block_size, "expert_y.shape[-1]")
+        _check_fp8_width(expert_y.shape[-1], plan.block_size, "expert_y.shape[-1]")
     _axis_size(plan.axis_name, "combine")
     with jax.named_scope("combine"):
         expert_y, weights = _vary_like(expert_y, weights, plan), _vary_like(weights, expert_y, plan)

@@ -62,7 +62,7 @@ def test_gather_decode_matches_xla(fp8_wire):
     perm = jnp.array([23, 1, 4, 3, 2, 30, -5, 0], jnp.int32)
     ref = _transport.decode_rows(jnp.take(buf, jnp.where(perm < 0, 10**6, perm), axis=0,
                                           mode="fill", fill_value=0),
-                                 wire=wire, width=D, out_dtype=jnp.bfloat16)
+                                 wire=wire, width=D, block_size=BS, out_dtype=jnp.bfloat16)
     got = _wire_pallas.gather_decode(buf, perm, width=D, fp8_wire=fp8_wire, block_size=BS,
                                      out_dtype=jnp.bfloat16, interpret=True)
     assert got.dtype == ref.dtype and got.shape == ref.shape
