@@ -27,7 +27,7 @@ import muon_jax
 E, K = 8, 2  # experts, top-k
 B, S = 4, 16  # 64 tokens: 8 per device on 8 devices
 D, F = 32, 16  # f32 / bf16 shapes
-DQ, FQ, BLOCK = 128, 128, 32  # FP8 shapes: 4 * fp8_block_size = 128 divides d_model, d_ff
+DQ, FQ, BLOCK = 128, 128, 32  # FP8 shapes: multiples of fp8_block_size
 HI = jax.lax.Precision.HIGHEST
 LB_COEF, Z_COEF = 0.1, 0.01  # objective = sum(y * ct) + LB_COEF * lb + Z_COEF * z
 
