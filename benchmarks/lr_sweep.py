@@ -217,6 +217,7 @@ def sweep_runs(sweep, trainer, mesh, corpus, *, log=print) -> dict:
             rows.append(r)
     if dropped:
         log(f"{dropped} run(s) in {path} had other settings; they are left out of this table")
+    todo = []  # every reusable point first, so a sweep cut short keeps all of them
     for name, lrs in grid_lrs.items():
         for lr in lrs:
             args = with_lr(trainer, name, lr)
@@ -225,25 +226,27 @@ def sweep_runs(sweep, trainer, mesh, corpus, *, log=print) -> dict:
             if prev:
                 rows.append(prev[0])
                 log(f"[{name} lr {lr:.3g}] reused from {path}")
-                continue
-            run_dir = out / "runs" / f"{name}_lr{lr:.3g}"
-            run_dir.mkdir(parents=True, exist_ok=True)
-            t0 = time.perf_counter()
-            with (run_dir / "metrics.jsonl").open("w") as f:
-                try:
-                    res = train_lm.train_one(name, args, mesh, corpus, run_dir, f)
-                except FloatingPointError as err:
-                    log(f"[{name} lr {lr:.3g}] diverged: {err}")
-                    res = {"final_val_loss": None, "tokens_per_s": None, "mfu": None,
-                           "steps": args.steps, "tokens": args.steps * args.batch * args.seq_len}
-            rows.append({**key, "final_val_loss": res["final_val_loss"],
-                         "steps": res["steps"], "tokens": res["tokens"],
-                         "tokens_per_s": res["tokens_per_s"], "mfu": res["mfu"],
-                         "preset": trainer.preset, "wall_s": time.perf_counter() - t0})
-            v = res["final_val_loss"]
-            log(f"[{name} lr {lr:.3g}] final validation loss "
-                f"{'diverged' if v is None else f'{v:.4f}'} ({rows[-1]['wall_s']:.0f} s)")
-            write()
+            else:
+                todo.append((name, lr, args, key))
+    for name, lr, args, key in todo:
+        run_dir = out / "runs" / f"{name}_lr{lr:.3g}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        with (run_dir / "metrics.jsonl").open("w") as f:
+            try:
+                res = train_lm.train_one(name, args, mesh, corpus, run_dir, f)
+            except FloatingPointError as err:
+                log(f"[{name} lr {lr:.3g}] diverged: {err}")
+                res = {"final_val_loss": None, "tokens_per_s": None, "mfu": None,
+                       "steps": args.steps, "tokens": args.steps * args.batch * args.seq_len}
+        rows.append({**key, "final_val_loss": res["final_val_loss"],
+                     "steps": res["steps"], "tokens": res["tokens"],
+                     "tokens_per_s": res["tokens_per_s"], "mfu": res["mfu"],
+                     "preset": trainer.preset, "wall_s": time.perf_counter() - t0})
+        v = res["final_val_loss"]
+        log(f"[{name} lr {lr:.3g}] final validation loss "
+            f"{'diverged' if v is None else f'{v:.4f}'} ({rows[-1]['wall_s']:.0f} s)")
+        write()
     doc = write()
     title = (f"{trainer.preset} preset: d_model {trainer.d_model}, {trainer.layers} layers, "
              f"{trainer.experts} experts, {trainer.batch}x{trainer.seq_len}, {trainer.steps} steps")

@@ -7,7 +7,8 @@ optimizer is ``muon_jax.muon`` with its state sharded ZeRO-1 style over every me
 
 Run (CPU, 8 simulated devices as a ('data', 'expert') = (2, 4) mesh)::
 
-    python examples/train_lm.py                      # Muon vs AdamW, ~4 minutes on 2 cores
+    python examples/train_lm.py                      # Muon vs AdamW, ~5 minutes on 2 cores
+    python examples/train_lm.py --preset gpu         # one GPU: ~4.5 minutes on an H200
     python examples/train_lm.py --optimizer muon --steps 500 --out runs/long
     python examples/train_lm.py --out runs/x --resume  # continue from the last checkpoint
 

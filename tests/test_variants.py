@@ -380,7 +380,8 @@ def test_router_jitter_on_the_router_only():
 # ----------------------------------------------------------------------------- uneven sizes
 
 
-UNEVEN = [(1, "ragged"), (2, "ragged"), (4, "ragged"), (8, "ragged"), (4, "dense"), (8, "dense")]
+UNEVEN = [(1, "dropless"), (2, "dropless"), (4, "dropless"), (8, "dropless"), (8, "ragged"),
+          (4, "dense"), (8, "dense")]
 
 
 @pytest.mark.parametrize("ep,transport", UNEVEN, ids=[f"ep{e}-{t}" for e, t in UNEVEN])
