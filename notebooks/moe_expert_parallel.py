@@ -255,7 +255,8 @@ for wire in ["bf16", "fp8"]:
 #
 # What the `'auto'` options of `moe.MoE` pick on a TPU:
 #
-# - `transport='auto'` is `'dense'` on every backend: capacity-padded `all_to_all`.
+# - `transport='auto'` is `'dense'` on a TPU (capacity-padded `all_to_all`); it picks
+#   `'dropless'` only on one Hopper GPU.
 # - `backend='auto'` (expert GEMMs) is `'einsum'` for the dense layout and `'ragged_dot'` for
 #   the ragged one. The `'pallas'` grouped GEMM is written for NVIDIA GPUs (Triton) and
 #   refuses other accelerators.
