@@ -266,6 +266,34 @@ def _unpad_rows(a: jax.Array, rows: int, mesh) -> jax.Array:
     return a[:rows]
 
 
+def _token_inputs(x, token_mask, jitter_key, ro, mesh, tok_spec: P, t_pad: int):
+    """``(tokens [t_pad, d], mask, extra, extra_specs)``: x flattened, jittered, padded with
+    masked tokens to ``t_pad`` and placed on ``tok_spec``; ``extra`` holds the mask / noise."""
+    b, s, d = x.shape
+    t = b * s
+    tokens = x.reshape(t, d)
+    mask = None if token_mask is None else jnp.asarray(token_mask).reshape(t).astype(bool)
+    noise = None
+    if jitter_key is not None and ro.router_jitter_noise > 0:
+        eps = ro.router_jitter_noise
+        noise = jax.random.uniform(jitter_key, (t, d), jnp.float32, 1.0 - eps, 1.0 + eps)
+        if ro.jitter_input == "all":
+            tokens, noise = (tokens * noise).astype(x.dtype), None
+    if t_pad != t:  # pad with masked tokens
+        mask = _pad_rows(jnp.ones((t,), bool) if mask is None else mask, t_pad - t, False)
+        tokens = _pad_rows(tokens, t_pad - t)
+        noise = None if noise is None else _pad_rows(noise, t_pad - t, 1.0)
+    tokens = _reshard(tokens, mesh, tok_spec)
+    extra, extra_specs = {}, {}
+    if mask is not None:
+        mask = _reshard(mask, mesh, tok_spec)
+        tokens = jnp.where(mask[:, None], tokens, jnp.zeros((), tokens.dtype))
+        extra["mask"], extra_specs["mask"] = mask, tok_spec
+    if noise is not None:
+        extra["noise"], extra_specs["noise"] = _reshard(noise, mesh, tok_spec), tok_spec
+    return tokens, mask, extra, extra_specs
+
+
 def moe_apply(
     x: jax.Array,
     router_kernel: jax.Array,
@@ -354,28 +382,10 @@ def moe_apply(
     n_dev = math.prod(mesh.shape[a] for a in axes)
     t_pad = -(-t // n_dev) * n_dev
     e, e_pad = ro.num_experts, _padded_experts(ro.num_experts, mesh.shape[axis])
-    tokens = x.reshape(t, d)
     tok_spec = P(axes)
-    out_spec = jax.typeof(tokens).sharding.spec if _explicit(mesh) else None
-    mask = None if token_mask is None else jnp.asarray(token_mask).reshape(t).astype(bool)
-    noise = None
-    if jitter_key is not None and ro.router_jitter_noise > 0:
-        eps = ro.router_jitter_noise
-        noise = jax.random.uniform(jitter_key, (t, d), jnp.float32, 1.0 - eps, 1.0 + eps)
-        if ro.jitter_input == "all":
-            tokens, noise = (tokens * noise).astype(x.dtype), None
-    if t_pad != t:  # pad with masked tokens
-        mask = _pad_rows(jnp.ones((t,), bool) if mask is None else mask, t_pad - t, False)
-        tokens = _pad_rows(tokens, t_pad - t)
-        noise = None if noise is None else _pad_rows(noise, t_pad - t, 1.0)
-    tokens = _reshard(tokens, mesh, tok_spec)
-    extra, extra_specs = {}, {}
-    if mask is not None:
-        mask = _reshard(mask, mesh, tok_spec)
-        tokens = jnp.where(mask[:, None], tokens, jnp.zeros((), tokens.dtype))
-        extra["mask"], extra_specs["mask"] = mask, tok_spec
-    if noise is not None:
-        extra["noise"], extra_specs["noise"] = _reshard(noise, mesh, tok_spec), tok_spec
+    out_spec = jax.typeof(x.reshape(t, d)).sharding.spec if _explicit(mesh) else None
+    tokens, mask, extra, extra_specs = _token_inputs(x, token_mask, jitter_key, ro, mesh,
+                                                     tok_spec, t_pad)
     if router_bias is not None:
         extra["router_bias"], extra_specs["router_bias"] = router_bias, P()
 

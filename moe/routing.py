@@ -180,6 +180,78 @@ def balance_probs(scores: jax.Array, score_fn: str) -> jax.Array:
     return scores / jnp.where(denom > 0, denom, 1.0)
 
 
+def _check_route_args(x, router_kernel, bias, config, router_bias, token_mask) -> jax.Array:
+    """Validates :func:`route`'s arguments; returns the balancing bias as f32, no gradient."""
+    if not isinstance(config, RouterConfig):
+        raise TypeError(f"config must be a RouterConfig, got {type(config).__name__}.")
+    e = config.num_experts
+    if router_kernel.ndim != 2 or router_kernel.shape[1] != e:
+        raise ValueError(
+            f"router_kernel must have shape [d_model, num_experts={e}], got "
+            f"{router_kernel.shape}; match config.num_experts to the kernel."
+        )
+    if x.ndim < 1 or x.shape[-1] != router_kernel.shape[0]:
+        raise ValueError(
+            f"x must have shape [..., d_model={router_kernel.shape[0]}] to match "
+            f"router_kernel, got {x.shape}."
+        )
+    bias = jnp.zeros((e,), jnp.float32) if bias is None else jnp.asarray(bias)
+    if bias.shape != (e,):
+        raise ValueError(
+            f"bias must have shape [num_experts] = ({e},), got {bias.shape}; pass None for "
+            "no balancing bias."
+        )
+    if router_bias is not None and jnp.shape(router_bias) != (e,):
+        raise ValueError(
+            f"router_bias must have shape [num_experts] = ({e},), got {jnp.shape(router_bias)}."
+        )
+    if token_mask is not None and jnp.shape(token_mask) != x.shape[:-1]:
+        raise ValueError(
+            f"token_mask must have shape x.shape[:-1] = {x.shape[:-1]}, got "
+            f"{jnp.shape(token_mask)}; pass one bool per token (False: padding)."
+        )
+    return jax.lax.stop_gradient(bias.astype(jnp.float32))
+
+
+def _select(scores: jax.Array, bias: jax.Array, config: RouterConfig) -> jax.Array:
+    """int32 ``[..., k]``: top-k of the biased scores (within the kept groups)."""
+    choice = jax.lax.stop_gradient(scores) + bias
+    tg = config.topk_groups
+    if config.num_groups > 1 and tg is not None and tg < config.num_groups:
+        mask = _group_limited_mask(choice, config.num_groups, tg)
+        choice = jnp.where(mask, choice, -jnp.inf)
+    return jax.lax.top_k(choice, config.top_k)[1].astype(jnp.int32)
+
+
+def _weights(logits, scores, expert_ids, config: RouterConfig) -> jax.Array:
+    """The combine weights: the unbiased scores of the chosen experts (renormalized, scaled)."""
+    if config.renormalize and config.score_fn == "softmax":
+        # softmax(l)[ids] / sum(softmax(l)[ids]) = softmax(l[ids]): the same weights, defined
+        # (with finite gradients) when every selected score underflows to 0, as happens when
+        # the balancing bias selects experts far below a token's top logit.
+        weights = jax.nn.softmax(jnp.take_along_axis(logits, expert_ids, axis=-1), axis=-1)
+    else:
+        weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
+    if config.renormalize and config.score_fn != "softmax":
+        denom = jnp.sum(weights, axis=-1, keepdims=True)
+        weights = weights / jnp.where(denom > 0, denom, 1.0)
+    return weights * jnp.float32(config.routed_scaling)
+
+
+def _aux_losses(logits, probs, expert_ids, keep, e: int, k: int):
+    """``(tokens_per_expert, load_balance_loss, router_z_loss)`` over the kept tokens."""
+    # A one-hot sum rather than bincount: a reduction partitions under every mesh type
+    # (bincount's scatter needs an ambient mesh when the ids are Explicit-sharded).
+    one_hot = (expert_ids[..., None] == jnp.arange(e, dtype=expert_ids.dtype)) \
+        & keep[..., None, None]
+    tokens_per_expert = jnp.sum(one_hot.reshape(-1, e), axis=0, dtype=jnp.int32)
+    num_tokens = jnp.maximum(jnp.sum(keep, dtype=jnp.float32), 1.0)
+    f = tokens_per_expert.astype(jnp.float32) / (num_tokens * k)
+    p = jnp.sum(jnp.where(keep[..., None], probs, 0.0).reshape(-1, e), axis=0) / num_tokens
+    lse = jnp.where(keep, jax.nn.logsumexp(logits, axis=-1), 0.0)
+    return tokens_per_expert, e * jnp.sum(f * p), jnp.sum(lse**2) / num_tokens
+
+
 def route(
     x: ArrayLike,
     router_kernel: ArrayLike,
@@ -231,39 +303,9 @@ def route(
       DeepSeek-V3 technical report (sigmoid scores, group-limited routing, auxiliary-loss-free
       bias); Switch Transformer (load-balancing loss); ST-MoE (router z-loss).
     """
-    if not isinstance(config, RouterConfig):
-        raise TypeError(f"config must be a RouterConfig, got {type(config).__name__}.")
     x, router_kernel = jnp.asarray(x), jnp.asarray(router_kernel)
-    e, k = config.num_experts, config.top_k
-    if router_kernel.ndim != 2 or router_kernel.shape[1] != e:
-        raise ValueError(
-            f"router_kernel must have shape [d_model, num_experts={e}], got "
-            f"{router_kernel.shape}; match config.num_experts to the kernel."
-        )
-    if x.ndim < 1 or x.shape[-1] != router_kernel.shape[0]:
-        raise ValueError(
-            f"x must have shape [..., d_model={router_kernel.shape[0]}] to match "
-            f"router_kernel, got {x.shape}."
-        )
-    if bias is None:
-        bias = jnp.zeros((e,), jnp.float32)
-    bias = jnp.asarray(bias)
-    if bias.shape != (e,):
-        raise ValueError(
-            f"bias must have shape [num_experts] = ({e},), got {bias.shape}; pass None for "
-            "no balancing bias."
-        )
-    bias = jax.lax.stop_gradient(bias.astype(jnp.float32))
-    if router_bias is not None and jnp.shape(router_bias) != (e,):
-        raise ValueError(
-            f"router_bias must have shape [num_experts] = ({e},), got {jnp.shape(router_bias)}."
-        )
-    if token_mask is not None and jnp.shape(token_mask) != x.shape[:-1]:
-        raise ValueError(
-            f"token_mask must have shape x.shape[:-1] = {x.shape[:-1]}, got "
-            f"{jnp.shape(token_mask)}; pass one bool per token (False: padding)."
-        )
-
+    bias = _check_route_args(x, router_kernel, bias, config, router_bias, token_mask)
+    e = config.num_experts
     with jax.named_scope("router_logits"):
         logits = jnp.matmul(
             x.astype(jnp.float32),
@@ -278,41 +320,13 @@ def route(
         scores = jax.nn.softmax(logits, axis=-1)
     else:
         scores = jax.nn.sigmoid(logits)
-    probs = balance_probs(scores, config.score_fn)
-
-    choice = jax.lax.stop_gradient(scores) + bias
-    tg = config.topk_groups
-    if config.num_groups > 1 and tg is not None and tg < config.num_groups:
-        mask = _group_limited_mask(choice, config.num_groups, tg)
-        choice = jnp.where(mask, choice, -jnp.inf)
-    expert_ids = jax.lax.top_k(choice, k)[1].astype(jnp.int32)
-
-    if config.renormalize and config.score_fn == "softmax":
-        # softmax(l)[ids] / sum(softmax(l)[ids]) = softmax(l[ids]): the same weights, defined
-        # (with finite gradients) when every selected score underflows to 0, as happens when
-        # the balancing bias selects experts far below a token's top logit.
-        weights = jax.nn.softmax(jnp.take_along_axis(logits, expert_ids, axis=-1), axis=-1)
-    else:
-        weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
-    if config.renormalize and config.score_fn != "softmax":
-        denom = jnp.sum(weights, axis=-1, keepdims=True)
-        weights = weights / jnp.where(denom > 0, denom, 1.0)
-    weights = weights * jnp.float32(config.routed_scaling)
+    expert_ids = _select(scores, bias, config)
     keep = jnp.ones(x.shape[:-1], bool) if token_mask is None else jnp.asarray(token_mask, bool)
+    weights = _weights(logits, scores, expert_ids, config)
     if token_mask is not None:
         weights = jnp.where(keep[..., None], weights, 0.0)
-
-    # A one-hot sum rather than bincount: a reduction partitions under every mesh type
-    # (bincount's scatter needs an ambient mesh when the ids are Explicit-sharded).
-    one_hot = (expert_ids[..., None] == jnp.arange(e, dtype=expert_ids.dtype)) \
-        & keep[..., None, None]
-    tokens_per_expert = jnp.sum(one_hot.reshape(-1, e), axis=0, dtype=jnp.int32)
-    num_tokens = jnp.maximum(jnp.sum(keep, dtype=jnp.float32), 1.0)
-    f = tokens_per_expert.astype(jnp.float32) / (num_tokens * k)
-    p = jnp.sum(jnp.where(keep[..., None], probs, 0.0).reshape(-1, e), axis=0) / num_tokens
-    load_balance_loss = e * jnp.sum(f * p)
-    lse = jnp.where(keep, jax.nn.logsumexp(logits, axis=-1), 0.0)
-    router_z_loss = jnp.sum(lse**2) / num_tokens
+    tokens_per_expert, load_balance_loss, router_z_loss = _aux_losses(
+        logits, balance_probs(scores, config.score_fn), expert_ids, keep, e, config.top_k)
     return Routing(
         expert_ids=expert_ids,
         weights=weights,

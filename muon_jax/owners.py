@@ -101,11 +101,12 @@ def _constrain(x: jax.Array, spec: P, mesh: MeshLike) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-def _shard_map(f: Callable, plan: OwnerPlan, in_specs: Any, out_specs: Any, **kw: Any):
-    """``jax.jit(jax.shard_map(...))`` over the plan's mesh (compiled whole even when called
-    eagerly: op-by-op, XLA:CPU of jax 0.11.2 crashed compiling one of its zero-row pads)."""
-    return jax.jit(jax.shard_map(f, mesh=plan.mesh, in_specs=in_specs, out_specs=out_specs,
-                                 **kw))
+def _shard_map(f: Callable, plan: OwnerPlan, in_specs: Any, out_specs: Any, *,
+               whole: bool = False, **kw: Any):
+    """``jax.shard_map`` over the plan's mesh; ``whole``: under ``jax.jit``, so an eager call
+    compiles it in one piece (op by op, XLA:CPU of jax 0.11.2 crashed on a zero-row pad)."""
+    fn = jax.shard_map(f, mesh=plan.mesh, in_specs=in_specs, out_specs=out_specs, **kw)
+    return jax.jit(fn) if whole else fn
 
 
 def init_owner_stacks(plan: OwnerPlan, dtype: Any = None) -> tuple[jax.Array, ...]:
@@ -251,7 +252,7 @@ def to_owners(grads: Sequence[jax.Array], plan: OwnerPlan) -> tuple[jax.Array, .
         return tuple(out)
 
     out_specs = tuple(plan.owner_spec(plan.stacks[c.stack]) for c in plan.chunks)
-    return _shard_map(entry, plan, tuple(in_specs), out_specs)(*placed)
+    return _shard_map(entry, plan, tuple(in_specs), out_specs, whole=True)(*placed)
 
 
 def _factor(s: StackPlan, plan: OwnerPlan) -> int:
@@ -482,4 +483,5 @@ def from_owners(owner_chunks: Sequence[jax.Array], plan: OwnerPlan) -> list[jax.
 
     in_specs = tuple(plan.owner_spec(plan.stacks[c.stack]) for c in plan.chunks)
     out_specs = tuple(partition_spec(leaf.spec) for leaf in plan.leaves)
-    return list(_shard_map(exit_fn, plan, in_specs, out_specs, check_vma=False)(*owner_chunks))
+    return list(_shard_map(exit_fn, plan, in_specs, out_specs, whole=True,
+                           check_vma=False)(*owner_chunks))

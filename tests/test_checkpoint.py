@@ -30,7 +30,8 @@ from muon_jax import matrices, portable
 MESHES = [(8,), (2, 4), (4, 2)]
 CROSS = [((8,), (2, 4)), ((8,), (4, 2)), ((2, 4), (8,)), ((4, 2), (8,))]
 STEPS = 5
-TOL = dict(rtol=1e-5, atol=1e-6)
+# f32 across meshes: reduction orders differ, so values near 0 move by ulps (1e-6 seen).
+TOL = dict(rtol=1e-5, atol=1e-5)
 
 # One jit each, shared by every mesh (the static owner plan keys the cache).
 to_portable = jax.jit(portable.portable_state)

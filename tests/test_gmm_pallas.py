@@ -225,7 +225,7 @@ def test_gated_experts_pallas_needs_ragged_x():
     w_gu, w_d = jnp.ones((E, D, 2 * F)), jnp.ones((E, F, D))
     with pytest.raises(ValueError, match="backend='pallas' takes x as"):
         gated_experts(x, None, w_gu, w_d, backend="pallas")
-    assert experts_mod._resolve_backend("auto", 2) == "ragged_dot"  # auto is unchanged
+    assert experts_mod.auto_backend(2) == "ragged_dot"  # CPU: auto is unchanged
 
 
 # ----------------------------------------------------------------------------------------------
