@@ -1,13 +1,17 @@
 """Test-session setup for the whole repository: 8 simulated CPU devices, doctests from the packages.
 
-The device count is set here, before JAX initializes, so that the packages' doctests (which do
-not see ``tests/conftest.py``) run on the same 8 CPU devices as the tests.
+The device count is set here, before JAX initializes, for everything the test command runs:
+the tests, the packages' doctests and the notebooks (their kernels inherit the environment).
 """
 
 import os
 
+# The tests' programs are tiny and compile time dominates: XLA:CPU's backend optimization
+# level 0 compiles about 40% faster (the suite: 15.5 -> 11.3 minutes on 2 cores) and the
+# suite passes either way.
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
