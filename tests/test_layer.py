@@ -386,10 +386,15 @@ def test_balancing_bias_moves_load_and_changes_selection_only():
 # ----------------------------------------------------------------------------- auto transport
 
 
-def test_auto_transport_is_dropless_only_on_one_hopper_expert_group(monkeypatch):
-    assert moe.auto_transport(1) == "dense" and moe.auto_transport(8) == "dense"  # CPU
+def as_if_on_hopper(monkeypatch):
+    """backend='auto' answers as on a Hopper GPU: 'mosaic' for ragged x (emulated on CPU)."""
     monkeypatch.setattr(moe.experts, "auto_backend", lambda ndim: "mosaic" if ndim == 2
                         else "einsum")
+
+
+def test_auto_transport_is_dropless_only_on_one_hopper_expert_group(monkeypatch):
+    assert moe.auto_transport(1) == "dense" and moe.auto_transport(8) == "dense"  # CPU
+    as_if_on_hopper(monkeypatch)
     assert moe.auto_transport(1) == "dropless"
     assert moe.auto_transport(2) == "dense"
 
@@ -397,8 +402,7 @@ def test_auto_transport_is_dropless_only_on_one_hopper_expert_group(monkeypatch)
 def test_auto_on_one_hopper_device_runs_dropless_mosaic_and_matches_reference(monkeypatch):
     """What 'auto' runs on one H200 (dropless transport, Mosaic experts, here emulated by
     XLA on CPU): every slot kept even at a capacity factor that would drop, f32 close."""
-    monkeypatch.setattr(moe.experts, "auto_backend", lambda ndim: "mosaic" if ndim == 2
-                        else "einsum")
+    as_if_on_hopper(monkeypatch)
     model = layer(mesh_spec=MESHES[0], capacity_factor=0.5)
     x, ct = inputs()
     got, want, aux, raux = run_both(model, x, ct)
