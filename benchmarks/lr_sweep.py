@@ -25,15 +25,25 @@ in it with the same settings are not run again and are kept (also those outside 
 a sweep cut short (e.g. by a time limit) continues when the same command is run again with the
 same ``--out``, and a sweep may be split over several commands (``--optimizers muon``, then
 ``--optimizers adamw``) into one table. Runs with other settings are dropped from it.
+
+``--jobs N`` trains up to N grid points at once, each in its own process (``lr_sweep.py`` on one
+point, output in ``<out>/points/``), all on the same devices. For models too small to fill a GPU
+this overlaps one run's compilation and host work (the trainer syncs every step) with another's
+training; the losses are those of the serial runs, but each row's tokens/s and wall time are
+then shared-device figures (the row's ``jobs`` says so). Unless ``XLA_PYTHON_CLIENT_MEM_FRACTION``
+or ``XLA_PYTHON_CLIENT_PREALLOCATE`` is set, each process preallocates 0.9 / N of the GPU memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import copy
 import json
 import math
+import os
 import pathlib
+import subprocess
 import sys
 import time
 
@@ -72,8 +82,13 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:
     p.add_argument("--optimizers", default="muon,adamw", help="which grids to run")
     p.add_argument("--defaults", action=argparse.BooleanOptionalAction, default=True,
                    help="add the trainer's default learning rates to each grid")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="grid points trained at once, one process each, sharing the devices")
     p.add_argument("--out", default="runs/lr_sweep", help="output directory")
     sweep, rest = p.parse_known_args(argv)
+    sweep.trainer_argv = rest
+    if sweep.jobs < 1:
+        raise train_lm.UsageError(f"--jobs must be >= 1, got {sweep.jobs}.")
     trainer = train_lm.parse_args([*rest, "--out", sweep.out])
     trainer.ckpt_every = 0  # sweep points are not resumed
     sweep.optimizers = [s.strip() for s in sweep.optimizers.split(",") if s.strip()]
@@ -183,6 +198,8 @@ def table(rows: list[dict], defaults: dict[str, float]) -> str:
     for r in sorted(rows, key=lambda r: (r["optimizer"], r["lr"])):
         v = r["final_val_loss"]
         mark = "  default" if math.isclose(r["lr"], defaults[r["optimizer"]]) else ""
+        if r.get("jobs", 1) > 1:
+            mark += f"  (tok/s, wall: {r['jobs']} runs sharing the devices)"
         tok = f"{r['tokens_per_s']:9.0f}" if r.get("tokens_per_s") else f"{'-':>9}"
         lines.append(
             f"{r['optimizer']:>9} {r['lr']:9.2e} "
@@ -191,22 +208,67 @@ def table(rows: list[dict], defaults: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+def _point_env(jobs: int) -> dict[str, str]:
+    """A grid point's environment: its share of the GPU memory unless the user chose one."""
+    env = dict(os.environ)
+    if not {"XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE"} & env.keys():
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.9 / jobs:.3f}"
+    return env
+
+
+def run_point_process(sweep, name: str, lr: float, out: pathlib.Path) -> tuple[dict, dict]:
+    """Trains one grid point in a child ``lr_sweep.py``; returns its row and its JSON document."""
+    point = out / "points" / f"{name}_lr{lr:.3g}"
+    point.mkdir(parents=True, exist_ok=True)
+    grid = "--muon-lrs" if name == "muon" else "--adam-lrs"
+    cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), *sweep.trainer_argv,
+           "--optimizers", name, grid, repr(lr), "--no-defaults", "--jobs", "1",
+           "--out", str(point)]
+    with (point / "log.txt").open("w") as log_file:
+        code = subprocess.run(cmd, env=_point_env(sweep.jobs), stdout=log_file,
+                              stderr=subprocess.STDOUT, check=False).returncode
+    if code:
+        raise RuntimeError(f"exit status {code}; see {point / 'log.txt'}")
+    doc = json.loads((point / "lr_sweep.json").read_text())
+    row = next(r for r in doc["runs"] if r["optimizer"] == name and r["lr"] == lr)
+    return {**row, "jobs": sweep.jobs}, doc
+
+
 def sweep_runs(sweep, trainer, mesh, corpus, *, log=print) -> dict:
-    """Runs (or reuses) every grid point; writes and returns the ``lr_sweep.json`` content."""
+    """Runs (or reuses) every grid point; writes and returns the ``lr_sweep.json`` content.
+
+    With ``sweep.jobs > 1`` the points run in child processes and ``mesh``/``corpus`` (then
+    None) are not used: this process never touches the devices.
+    """
     out = pathlib.Path(sweep.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "lr_sweep.json"
-    old = json.loads(path.read_text())["runs"] if path.exists() else []
+    prev_doc = json.loads(path.read_text()) if path.exists() else {}
+    old = prev_doc.get("runs", [])
     defaults = {"muon": trainer.lr, "adamw": trainer.adam_lr}
     grid_lrs = grids(sweep, trainer)
     rows: list[dict] = []
+    failed: list[str] = []
+    if mesh is not None:
+        meta = {"backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
+                "mesh": dict(mesh.shape)}
+    else:
+        meta = {k: prev_doc.get(k) for k in ("backend", "device_kind", "mesh")}
 
     def write() -> dict:
-        doc = {"preset": trainer.preset, "defaults": defaults, "backend": jax.default_backend(),
-               "device_kind": jax.devices()[0].device_kind, "mesh": dict(mesh.shape),
+        doc = {"preset": trainer.preset, "defaults": defaults, **meta,
                "summary": summarize(rows, defaults, trainer.preset), "runs": rows}
+        if failed:
+            doc["failed"] = failed
         path.write_text(json.dumps(doc, indent=2))
         return doc
+
+    def done(row: dict) -> None:
+        rows.append(row)
+        v = row["final_val_loss"]
+        log(f"[{row['optimizer']} lr {row['lr']:.3g}] final validation loss "
+            f"{'diverged' if v is None else f'{v:.4f}'} ({row['wall_s']:.0f} s)")
+        write()
 
     dropped = 0
     for r in old:  # earlier points of this sweep (same settings) that this grid leaves out
@@ -228,6 +290,21 @@ def sweep_runs(sweep, trainer, mesh, corpus, *, log=print) -> dict:
                 log(f"[{name} lr {lr:.3g}] reused from {path}")
             else:
                 todo.append((name, lr, args, key))
+    if sweep.jobs > 1:
+        with concurrent.futures.ThreadPoolExecutor(sweep.jobs) as pool:
+            futures = {pool.submit(run_point_process, sweep, name, lr, out): (name, lr)
+                       for name, lr, _, _ in todo}
+            for fut in concurrent.futures.as_completed(futures):
+                name, lr = futures[fut]
+                try:
+                    row, child = fut.result()
+                except RuntimeError as err:
+                    failed.append(f"{name} lr {lr:g}")
+                    log(f"[{name} lr {lr:.3g}] failed: {err}")
+                    continue
+                meta.update({k: child[k] for k in meta})
+                done(row)
+        todo = []
     for name, lr, args, key in todo:
         run_dir = out / "runs" / f"{name}_lr{lr:.3g}"
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -239,14 +316,9 @@ def sweep_runs(sweep, trainer, mesh, corpus, *, log=print) -> dict:
                 log(f"[{name} lr {lr:.3g}] diverged: {err}")
                 res = {"final_val_loss": None, "tokens_per_s": None, "mfu": None,
                        "steps": args.steps, "tokens": args.steps * args.batch * args.seq_len}
-        rows.append({**key, "final_val_loss": res["final_val_loss"],
-                     "steps": res["steps"], "tokens": res["tokens"],
-                     "tokens_per_s": res["tokens_per_s"], "mfu": res["mfu"],
-                     "preset": trainer.preset, "wall_s": time.perf_counter() - t0})
-        v = res["final_val_loss"]
-        log(f"[{name} lr {lr:.3g}] final validation loss "
-            f"{'diverged' if v is None else f'{v:.4f}'} ({rows[-1]['wall_s']:.0f} s)")
-        write()
+        done({**key, "final_val_loss": res["final_val_loss"], "steps": res["steps"],
+              "tokens": res["tokens"], "tokens_per_s": res["tokens_per_s"], "mfu": res["mfu"],
+              "preset": trainer.preset, "wall_s": time.perf_counter() - t0})
     doc = write()
     title = (f"{trainer.preset} preset: d_model {trainer.d_model}, {trainer.layers} layers, "
              f"{trainer.experts} experts, {trainer.batch}x{trainer.seq_len}, {trainer.steps} steps")
@@ -258,16 +330,25 @@ def main(argv=None) -> int:
     try:
         sweep, trainer = parse_args(argv)
         grids(sweep, trainer)  # validate the lists before any work
-        mesh, corpus = train_lm.setup(trainer)
+        # With --jobs the children load the corpus and hold the devices; this process does not.
+        mesh, corpus = train_lm.setup(trainer) if sweep.jobs == 1 else (None, None)
     except train_lm.UsageError as e:
         print(f"lr_sweep.py: error: {e}", file=sys.stderr)
         return 2
-    print(train_lm.describe(trainer, mesh, corpus), flush=True)
+    if mesh is not None:
+        print(train_lm.describe(trainer, mesh, corpus), flush=True)
+    else:
+        print(f"{sweep.jobs} grid points at a time, one process each: logs in "
+              f"{pathlib.Path(sweep.out) / 'points'}", flush=True)
     doc = sweep_runs(sweep, trainer, mesh, corpus)
     print(table(doc["runs"], doc["defaults"]))
     print(json.dumps(doc["summary"], indent=2))
     out = pathlib.Path(sweep.out)
     print(f"wrote {out / 'lr_sweep.json'}, {out / 'lr_sweep.png'}")
+    if doc.get("failed"):
+        print(f"lr_sweep.py: {len(doc['failed'])} point(s) failed: {', '.join(doc['failed'])}",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -34,7 +34,9 @@ class LMConfig:
     capacity_factor: float | None = 2.0
     dispatch_dtype: str = "bf16"
     fp8_block_size: int = 32
-    expert_gemm_dtype: str = "bf16"  # 'fp8': forward, dgrad and wgrad expert GEMMs in FP8
+    expert_gemm_dtype: str = "bf16"  # forward expert GEMMs: 'bf16' (compute dtype) or 'fp8'
+    expert_dgrad_dtype: str | None = None  # data-gradient GEMMs; None: as expert_gemm_dtype
+    expert_wgrad_dtype: str | None = None  # weight-gradient GEMMs; None: as expert_gemm_dtype
     tie_embeddings: bool = False
     rope_base: float = 10000.0
     dtype: str = "float32"
@@ -125,8 +127,8 @@ class Block(nnx.Module):
             dispatch_dtype=cfg.dispatch_dtype,
             fp8_block_size=cfg.fp8_block_size,
             gemm_dtype=cfg.expert_gemm_dtype,
-            dgrad_dtype=cfg.expert_gemm_dtype,
-            wgrad_dtype=cfg.expert_gemm_dtype,
+            dgrad_dtype=cfg.expert_dgrad_dtype or cfg.expert_gemm_dtype,
+            wgrad_dtype=cfg.expert_wgrad_dtype or cfg.expert_gemm_dtype,
         )
         self.moe = moe.MoE(cfg.d_model, cfg.d_ff, options=options, mesh=mesh,
                            dtype=jnp.dtype(cfg.dtype), rngs=rngs)

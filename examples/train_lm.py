@@ -61,6 +61,14 @@ PRESETS: dict[str, dict] = {
 }
 """Model, batch and step count per ``--preset``; an explicit flag overrides its entry."""
 
+FP8_GEMMS: dict[str, tuple[str, str, str]] = {  # recipe: forward, dgrad, wgrad GEMM dtypes
+    "none": ("bf16", "bf16", "bf16"),
+    "forward": ("fp8", "bf16", "bf16"),
+    "forward_dgrad": ("fp8", "fp8", "bf16"),
+    "all": ("fp8", "fp8", "fp8"),
+}
+"""``--fp8-gemms`` recipes: which expert GEMMs take FP8 operands ('bf16': the compute dtype)."""
+
 PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
     ("H100", 989.0), ("H200", 989.0), ("H800", 989.0), ("B200", 2250.0), ("A100", 312.0),
     ("L40S", 362.0), ("TPU v4", 275.0), ("TPU v5 lite", 197.0), ("TPU v5e", 197.0),
@@ -126,6 +134,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "transport='auto' runs on one Hopper GPU); <= 0: C = all tokens")
     p.add_argument("--fp8-dispatch", action=argparse.BooleanOptionalAction, default=True,
                    help="FP8 e4m3 tokens on the expert all-to-all (default on)")
+    p.add_argument("--fp8-gemms", choices=tuple(FP8_GEMMS), default="none",
+                   help="expert GEMMs on FP8 operands (rowwise scales): none; forward; "
+                        "forward_dgrad (+ data gradients, the fastest measured on one H200); all "
+                        "(+ weight gradients)")
     p.add_argument("--fp8-block-size", type=int, help=_preset_help("fp8_block_size"))
     p.add_argument("--dtype", choices=("float32", "bfloat16"),
                    help=_preset_help("dtype", "compute dtype (params stay float32)"))
@@ -204,6 +216,12 @@ def build_mesh(spec: str | None) -> jax.sharding.Mesh:
     return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
 
 
+def fp8_gemm_config(recipe: str) -> dict[str, str]:
+    """``LMConfig`` expert GEMM fields for an ``--fp8-gemms`` recipe (see ``FP8_GEMMS``)."""
+    gemm, dgrad, wgrad = FP8_GEMMS[recipe]
+    return {"expert_gemm_dtype": gemm, "expert_dgrad_dtype": dgrad, "expert_wgrad_dtype": wgrad}
+
+
 def model_config(args) -> lm_model.LMConfig:
     return lm_model.LMConfig(
         d_model=args.d_model,
@@ -214,6 +232,7 @@ def model_config(args) -> lm_model.LMConfig:
         top_k=args.top_k,
         capacity_factor=args.capacity_factor if args.capacity_factor > 0 else None,
         dispatch_dtype="fp8" if args.fp8_dispatch else "bf16",
+        **fp8_gemm_config(args.fp8_gemms),
         fp8_block_size=args.fp8_block_size,
         tie_embeddings=args.tie_embeddings,
         dtype=args.dtype,
@@ -534,7 +553,8 @@ def describe(args, mesh, corpus) -> str:
         f"preset {args.preset}: d_model {args.d_model}, {args.layers} layers, {args.experts} "
         f"experts top-{args.top_k} ({counts['total'] / 1e6:.1f}M params, "
         f"{counts['active'] / 1e6:.1f}M active), batch {args.batch} x {args.seq_len}, "
-        f"{args.steps} steps, {args.dtype}; peak lr: Muon run {args.lr:.3g} (AdamW part "
+        f"{args.steps} steps, {args.dtype}, dispatch {'fp8' if args.fp8_dispatch else 'bf16'}, "
+        f"FP8 GEMMs {args.fp8_gemms}; peak lr: Muon run {args.lr:.3g} (AdamW part "
         f"{muon_adam_lr(args):.3g}, router on {args.router_optimizer}), AdamW run "
         f"{args.adam_lr:.3g}; peak "
         f"{f'{peak:g} TFLOP/s per device' if peak else 'unknown (MFU n/a)'}"

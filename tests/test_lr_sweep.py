@@ -65,6 +65,29 @@ def test_sweep_cpu_tiny(tmp_path, capsys):
     assert sorted(map(json.dumps, kept["runs"])) == sorted(map(json.dumps, runs))
     assert kept["summary"] == s
 
+    # --jobs 2: two new AdamW points train at once in child processes (logs and their own
+    # JSON under points/); the parent merges their rows with the kept ones into one table.
+    new_lrs = [default_adam / 2, default_adam * 2]
+    assert lr_sweep.main([*TINY, "--optimizers", "adamw", "--jobs", "2", "--no-defaults",
+                          "--adam-lrs", ",".join(map(repr, new_lrs)), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "2 grid points at a time" in text and "2 runs sharing the devices" in text
+    merged = json.loads((out / "lr_sweep.json").read_text())
+    assert merged["backend"] == "cpu" and merged["mesh"] == {"data": 2, "expert": 4}
+    fresh = [r for r in merged["runs"] if r.get("jobs") == 2]
+    assert sorted(r["lr"] for r in fresh) == sorted(new_lrs)
+    assert sorted(map(json.dumps, [r for r in merged["runs"] if "jobs" not in r])) == sorted(
+        map(json.dumps, runs))
+    for r in fresh:
+        point = out / "points" / f"adamw_lr{r['lr']:.3g}"
+        assert (point / "log.txt").exists() and math.isfinite(r["final_val_loss"])
+        recs = train_lm.read_metrics(point / "runs" / f"adamw_lr{r['lr']:.3g}" / "metrics.jsonl")
+        assert recs[-1]["val_loss"] == r["final_val_loss"]
+        assert {k: r[k] for k in ("optimizer", "lr", "config")} == lr_sweep.run_key(
+            "adamw", r["lr"], lr_sweep.with_lr(train_lm.parse_args(TINY), "adamw", r["lr"]))
+    assert merged["summary"]["cpu_adamw_best_val_loss"] == min(
+        r["final_val_loss"] for r in merged["runs"] if r["optimizer"] == "adamw")
+
     # Other settings (here --seed) are other runs: none is reused, and none kept.
     # (Checked on the grid alone, without training: every key differs.)
     args = train_lm.parse_args([*TINY, "--seed", "1"])
@@ -77,3 +100,5 @@ def test_sweep_bad_grid_is_one_line(capsys):
     assert lr_sweep.main([*TINY, "--muon-lrs", "0.01,abc", "--out", "/nonexistent/x"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--muon-lrs must be comma-separated" in err
+    assert lr_sweep.main([*TINY, "--jobs", "0", "--out", "/nonexistent/x"]) == 2
+    assert "--jobs must be >= 1, got 0" in capsys.readouterr().err

@@ -5,6 +5,7 @@ import math
 import pathlib
 import subprocess
 import sys
+import types
 
 import jax
 import numpy as np
@@ -23,6 +24,10 @@ TINY = [
     "--batch", "8", "--seq-len", "16", "--eval-batches", "1", "--max-corpus-mb", "0.5",
     "--fp8-block-size", "16", "--warmup", "2", "--no-progress",
 ]
+
+# What describe() reads of a corpus, without loading one.
+_Corpus = types.SimpleNamespace(train=np.zeros(1000, np.uint8), val=np.zeros(100, np.uint8),
+                                num_train_files=1, num_val_files=1, root="stdlib")
 
 
 def _losses(out: pathlib.Path, name: str) -> list[tuple[int, float]]:
@@ -94,6 +99,18 @@ def test_presets_and_explicit_flags():
     assert (mixed.lr, mixed.adam_lr) == (train_lm.default_lrs(256)[0], 1e-4)
 
 
+@pytest.mark.parametrize("recipe", ["none", "forward", "forward_dgrad", "all"])
+def test_fp8_gemms_flag_sets_each_expert_gemm(recipe):
+    args = train_lm.parse_args(["--d-model", "32", "--heads", "2", "--fp8-gemms", recipe])
+    expected = {"none": ("bf16",) * 3, "forward": ("fp8", "bf16", "bf16"),
+                "forward_dgrad": ("fp8", "fp8", "bf16"), "all": ("fp8",) * 3}[recipe]
+    cfg = train_lm.model_config(args)
+    model = lm_model.TransformerLM(cfg, rngs=nnx.Rngs(0))
+    eo = model.blocks[0].moe.opts.experts
+    assert (eo.gemm_dtype, eo.dgrad_dtype, eo.wgrad_dtype) == expected
+    assert f"FP8 GEMMs {recipe}" in train_lm.describe(args, train_lm.build_mesh(None), _Corpus)
+
+
 def test_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         train_lm.parse_args(["--help"])
@@ -132,7 +149,8 @@ def test_resume_message_names_step_path_and_mesh(tmp_path):
 
 def test_resume_continues_exactly(tmp_path, capsys):
     """2 x N steps with a restart in between equal N + N uninterrupted (same losses)."""
-    common = [*TINY, "--optimizer", "muon", "--fp8-dispatch", "--eval-every", "100",
+    common = [*TINY, "--optimizer", "muon", "--fp8-dispatch", "--fp8-gemms", "forward_dgrad",
+              "--eval-every", "100",
               "--ckpt-every", "3"]
     full, split = tmp_path / "full", tmp_path / "split"
     assert train_lm.main([*common, "--steps", "6", "--out", str(full)]) == 0
