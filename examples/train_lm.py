@@ -103,15 +103,16 @@ def _preset_help(name: str, what: str = "") -> str:
 def default_lrs(d_model: int) -> tuple[float, float]:
     """The default peak learning rates ``(muon_lr, adam_lr)`` for a model of width ``d_model``.
 
-    ``muon_lr = 0.02 * min(1, 128 / d_model)`` and ``adam_lr = 3e-3 * min(1, 128 / d_model)^(1/3)``:
-    the values tuned at the CPU default (d_model 128) scaled down with width. At d_model 1024
-    this gives 2.5e-3 and 1.5e-3; a 300-step sweep of the GPU preset's model on one H200 found
-    Muon best at 3e-3 (of 3e-3, 8e-3, 2e-2) and AdamW at 1.5e-3 (of 1.5e-3, 3e-3, 6e-3), where
-    the width-independent 0.02 stalled. Widths other than these two are interpolated, not
-    measured.
+    ``muon_lr = 0.02 * min(1, 128 / d_model)`` and ``adam_lr = 3e-3 * min(1, 128 / d_model)^(2/3)``,
+    anchored at the two presets: the CPU default (d_model 128, tuned there) and the GPU preset
+    (d_model 1024: 2.5e-3 and 7.5e-4). A 300-step sweep of the GPU preset on one H200 found AdamW
+    best at 7.5e-4 of {3.75e-4, 7.5e-4, 1.5e-3, 3e-3} and Muon's 2.5e-3 within 0.006 nats/byte of
+    its best, 5e-3, of {1.25e-3, 2.5e-3, 5e-3} (BENCHMARKS.md); a width-independent Muon 0.02
+    stalled there. The presets also differ in depth, batch and sequence length, so this is a rule
+    through two measured points, not a width-only law; other sizes are interpolated.
     """
     shrink = min(1.0, 128 / d_model)
-    return 0.02 * shrink, 3e-3 * shrink ** (1 / 3)
+    return 0.02 * shrink, 3e-3 * shrink ** (2 / 3)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -146,10 +147,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "hidden matrices and its AdamW part (embeddings, head, norms); default: "
                    "0.02 * min(1, 128 / d_model)")
     p.add_argument("--adam-lr", type=float, help="the AdamW run's peak learning rate; default: "
-                   "3e-3 * min(1, 128 / d_model) ** (1/3)")
+                   "3e-3 * min(1, 128 / d_model) ** (2/3)")
     p.add_argument("--muon-adam-lr", type=float, help="the Muon run's AdamW part, if not --lr")
     p.add_argument("--router-optimizer", choices=("muon", "adamw"), default="muon",
-                   help="which optimizer trains the MoE router kernels in the Muon run")
+                   help="which optimizer trains the MoE router kernels in the Muon run (muon ended "
+                        "lower on both presets: BENCHMARKS.md)")
     p.add_argument("--weight-decay", type=float, default=0.01, help="decoupled, both optimizers")
     p.add_argument("--warmup", type=int, default=20, help="linear warmup steps, then cosine")
     p.add_argument("--aux-loss", type=float, default=0.01, help="load-balancing loss weight")

@@ -82,6 +82,13 @@ def default_muon_mask(params: Any, *, dimension_numbers: matrices.DimNumsLike = 
     :data:`ADAMW_EXACT_NAMES` and :data:`ADAMW_NAME_PARTS`). Everything else (embeddings, the
     output head, biases, norm scales, 1-D and scalar leaves, non-float leaves) goes to AdamW.
 
+    MoE router kernels (``[d_model, E]``) are hidden matrices here and go to Muon, although
+    several recipes keep them on AdamW. Measured with this repository's trainer
+    (``examples/train_lm.py --router-optimizer muon|adamw``, 300 steps, final validation loss in
+    nats/byte): the router on Muon ended lower on the CPU preset (1.378 vs 1.399) and on the GPU
+    preset on one H200 (0.5306 vs 0.5321). To put routers on AdamW, pass a mask that is this one
+    with the router leaves set to ``False``.
+
     Args:
       params: a tree of arrays: a plain dict, an ``nnx.State`` (with or without ``Variable``
         nodes), or any pytree.
