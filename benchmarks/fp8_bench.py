@@ -11,7 +11,10 @@ same run (dense bf16 and dense FP8 [8192]^3 matmuls). Rows:
    padded ``[E, C, d]`` ('einsum', balanced) and ragged ``[R, d]`` in the 128-aligned layout
    ('mosaic', balanced and Zipf s=1), for bf16 and FP8 recipes (``gemm``, ``+dgrad``,
    ``+wgrad``, ``+save_z``). Keys ``experts_fp8_speedup_padded`` / ``_ragged`` /
-   ``_ragged_zipf``: bf16 time / best FP8 time, same backend and layout.
+   ``_ragged_zipf``: bf16 time / best FP8 time, same backend and layout. ``--cases`` picks the
+   (layout, routing) cases; ``--breakdown`` traces 3 steps of every row with ``jax.profiler``
+   and stores where the device time goes (benchmarks/trace_breakdown.py: categories and the
+   most expensive instructions, so the FP8 operands' quantization passes show by name).
 3. ``layer``: `moe.moe_apply` forward + backward on one device, dense transport capacity 1.25
    (16k tokens, d 4096, d_ff 2048, 16 experts, top-2), bf16 vs FP8 (dispatch + the GEMMs of
    ``--layer-recipe``). Each FP8 row also carries its worst cosine / relative RMS error over
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -42,12 +46,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_util  # noqa: E402
 from experts_bench import group_sizes_for  # noqa: E402
+from trace_breakdown import op_breakdown, trace_steps  # noqa: E402
 
 import moe  # noqa: E402
 from moe import _gmm_mosaic, _gmm_pallas, _grouped  # noqa: E402
 from moe.experts import gated_experts  # noqa: E402
 
 F8 = jnp.float8_e4m3fn
+EXPERT_CASES = (("padded", "einsum", "balanced"), ("ragged", "mosaic", "balanced"),
+                ("ragged", "mosaic", "zipf"))  # (layout, backend, routing)
 ALIGN = _gmm_mosaic.GROUP_ALIGNMENT
 RECIPES = {
     "bf16": {},
@@ -80,7 +87,7 @@ def record(report, section, entry):
     report.setdefault(section, []).append(entry)
     bench_util.write_json(report["out"], report)
     keys = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                    for k, v in entry.items() if k not in ("options", "group_sizes"))
+                    for k, v in entry.items() if k not in ("options", "group_sizes", "breakdown"))
     print(f"[{section}] {keys}", flush=True)
 
 
@@ -139,8 +146,7 @@ def gmm_rows(report, a, data):
 def experts_rows(report, a, data):
     t, d, f, e = a.tokens, a.d_model, a.d_ff, a.experts
     useful = 6.0 * t * d * 3 * f
-    cases = [("padded", "einsum", "balanced"), ("ragged", "mosaic", "balanced"),
-             ("ragged", "mosaic", "zipf")]
+    cases = [c for c in EXPERT_CASES if f"{c[0]}_{c[2]}" in a.cases]
     for layout, backend, routing in cases:
         sizes = group_sizes_for(routing, t, e, 1.0)
         if layout == "padded":
@@ -162,9 +168,9 @@ def experts_rows(report, a, data):
                                   **opts)
                 return jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32))
 
-            step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
             try:
                 args = (x, data["w_gate_up"], data["w_down"], ct)
+                step = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
                 grads = jax.block_until_ready(step(*args))
                 sec = timed(step, args, a, inner=1)
             except Exception as err:  # noqa: BLE001
@@ -178,13 +184,31 @@ def experts_rows(report, a, data):
                 "layout": layout, "backend": backend, "routing": routing, "recipe": recipe,
                 "options": opts, "ms": sec * 1e3, "useful_tflops": useful / sec / 1e12,
                 "bf16_equiv_mfu": useful / sec / 1e12 / report["dense_bf16_tflops"],
-                **({} if ref is None or recipe == "bf16" else accuracy(grads, ref))})
+                **({} if ref is None or recipe == "bf16" else accuracy(grads, ref)),
+                **({"breakdown": breakdown(step, args, f"experts_{layout}_{routing}_{recipe}")}
+                   if a.breakdown else {})})
         fp8 = {k: v for k, v in times.items() if k != "bf16"}
         if "bf16" in times and fp8:
             best = min(fp8, key=fp8.get)
             key = f"experts_fp8_speedup_{layout}" + ("_zipf" if routing == "zipf" else "")
             report[key] = times["bf16"] / fp8[best]
             report[key + "_recipe"] = best
+
+
+def breakdown(step, args, name: str, steps: int = 3) -> dict:
+    """Where a compiled step's device time goes: 3 traced calls, categories + top instructions."""
+    trace_dir = tempfile.mkdtemp(prefix=f"fp8_{name}_")
+    err = trace_steps(step, args, trace_dir, steps)
+    if err:
+        return {"error": err}
+    try:
+        bd = op_breakdown(trace_dir, step.as_text(), steps=steps, top=16)
+    except Exception as e:  # noqa: BLE001  (keep the timings whatever the trace holds)
+        return {"error": repr(e)[:1000]}
+    print(f"\n{name}: {bd['total_us_per_step'] / 1e3:.3f} ms traced per step; top instructions:")
+    for inst, cat, us in bd["top_ops"]:
+        print(f"  {us / 1e3:8.3f} ms  {cat or '-':14s} {inst}")
+    return bd
 
 
 def layer_rows(report, a):
@@ -242,10 +266,18 @@ def parse_args(argv=None):
     p.add_argument("--recipes", default=",".join(RECIPES),
                    help="expert recipes timed (bf16 first: the speedups and the accuracy "
                         "check compare with it)")
+    p.add_argument("--cases", default=",".join(f"{c[0]}_{c[2]}" for c in EXPERT_CASES),
+                   help="gated-experts cases timed (layout_routing)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="trace each gated-experts row and record its op breakdown")
     p.add_argument("--layer-recipe", default="fp8_gemm_dgrad", choices=list(RECIPES)[1:],
                    help="the FP8 GEMM recipe of the layer's 'fp8' variant (with FP8 dispatch)")
     a = p.parse_args(argv)
     a.recipes = a.recipes.split(",")
+    a.cases = a.cases.split(",")
+    known = {f"{c[0]}_{c[2]}" for c in EXPERT_CASES}
+    if not set(a.cases) <= known:
+        p.error(f"--cases must name only {sorted(known)}, got {a.cases}")
     if a.recipes[0] != "bf16" or not set(a.recipes) <= RECIPES.keys():
         p.error(f"--recipes must start with bf16 and name only {list(RECIPES)}")
     full = dict(tokens=32768, d_model=4096, d_ff=2048, experts=8, layer_tokens=16384,

@@ -188,6 +188,21 @@ def _events(trace_dir):
     return out
 
 
+def trace_steps(step, args, trace_dir: str, steps: int) -> str | None:
+    """Run ``step(*args)`` once, then ``steps`` times under ``jax.profiler.trace(trace_dir)``;
+    returns None, or why the profiler failed (the caller keeps its timings either way)."""
+    import jax
+
+    jax.block_until_ready(step(*args))
+    try:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(steps):
+                jax.block_until_ready(step(*args))
+    except Exception as err:  # noqa: BLE001
+        return f"profiler failed: {err!r}"
+    return None
+
+
 def op_breakdown(trace_dir, hlo_text: str, *, steps: int = 1, top: int = 12) -> dict:
     """Device time per category (and per scope, and the top instructions) of one executable.
 
