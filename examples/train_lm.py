@@ -103,16 +103,18 @@ def _preset_help(name: str, what: str = "") -> str:
 def default_lrs(d_model: int) -> tuple[float, float]:
     """The default peak learning rates ``(muon_lr, adam_lr)`` for a model of width ``d_model``.
 
-    ``muon_lr = 0.02 * min(1, 128 / d_model)`` and ``adam_lr = 3e-3 * min(1, 128 / d_model)^(2/3)``,
-    anchored at the two presets: the CPU default (d_model 128, tuned there) and the GPU preset
-    (d_model 1024: 2.5e-3 and 7.5e-4). A 300-step sweep of the GPU preset on one H200 found AdamW
-    best at 7.5e-4 of {3.75e-4, 7.5e-4, 1.5e-3, 3e-3} and Muon's 2.5e-3 within 0.006 nats/byte of
-    its best, 5e-3, of {1.25e-3, 2.5e-3, 5e-3} (BENCHMARKS.md); a width-independent Muon 0.02
-    stalled there. The presets also differ in depth, batch and sequence length, so this is a rule
-    through two measured points, not a width-only law; other sizes are interpolated.
+    ``muon_lr = 0.02 * min(1, 128 / d_model)`` and ``adam_lr = 6e-3 * min(1, 128 / d_model)``:
+    both scale as 1 / width from the CPU default (d_model 128), and both go through the
+    optima measured by 300-step sweeps of the two presets (BENCHMARKS.md). CPU preset: Muon
+    best at 0.02 of {0.01, 0.02, 0.04}, AdamW at 6e-3 of {1.5e-3, 3e-3, 6e-3, 1.2e-2}. GPU
+    preset (d_model 1024, one H200): AdamW best at 7.5e-4 of {3.75e-4, 7.5e-4, 1.5e-3, 3e-3},
+    Muon's 2.5e-3 within 0.006 nats/byte of its best, 5e-3, of {1.25e-3, 2.5e-3, 5e-3}; a
+    width-independent Muon 0.02 stalled there. The presets also differ in depth, batch and
+    sequence length, so this is a rule through two measured points, not a width-only law;
+    other sizes are interpolated.
     """
     shrink = min(1.0, 128 / d_model)
-    return 0.02 * shrink, 3e-3 * shrink ** (2 / 3)
+    return 0.02 * shrink, 6e-3 * shrink
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -147,7 +149,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "hidden matrices and its AdamW part (embeddings, head, norms); default: "
                    "0.02 * min(1, 128 / d_model)")
     p.add_argument("--adam-lr", type=float, help="the AdamW run's peak learning rate; default: "
-                   "3e-3 * min(1, 128 / d_model) ** (2/3)")
+                   "6e-3 * min(1, 128 / d_model)")
     p.add_argument("--muon-adam-lr", type=float, help="the Muon run's AdamW part, if not --lr")
     p.add_argument("--router-optimizer", choices=("muon", "adamw"), default="muon",
                    help="which optimizer trains the MoE router kernels in the Muon run (muon ended "

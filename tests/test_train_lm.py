@@ -90,9 +90,9 @@ def test_presets_and_explicit_flags():
         1024, 8, 16, 64, 1024, "bfloat16")
     assert (gpu.lr, gpu.adam_lr) == train_lm.default_lrs(1024)
     # The rule's two anchors: the CPU default and the GPU preset's measured sweep.
-    assert train_lm.default_lrs(128) == (0.02, 3e-3)
+    assert train_lm.default_lrs(128) == (0.02, 6e-3)
     assert train_lm.default_lrs(1024) == pytest.approx((2.5e-3, 7.5e-4), rel=1e-12)
-    assert train_lm.default_lrs(64) == (0.02, 3e-3)  # never above the small-model values
+    assert train_lm.default_lrs(64) == (0.02, 6e-3)  # never above the small-model values
     cpu = train_lm.parse_args([])
     assert (cpu.d_model, cpu.layers, cpu.batch, cpu.seq_len, cpu.dtype) == (
         128, 2, 32, 128, "float32")
