@@ -76,13 +76,14 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from moe import _transport, _wire_pallas, fp8  # noqa: E402
+from moe._movement import back_row, sum_slots  # noqa: E402
 from moe._plan import (  # noqa: E402
     DispatchPlan,
     build_plan,
     dense_capacity,
     dropless_buckets,
 )
-from moe.dispatch import _back_row, _sum_slots, combine, dispatch  # noqa: E402
+from moe.dispatch import combine, dispatch  # noqa: E402
 from xla_comm import hlo  # noqa: E402
 
 AXIS = "expert"
@@ -443,7 +444,7 @@ def combine_phases(ph: Phases, expert_x, back, send_slot, slot_row, w):
 
     def unpermute(back, send_slot, slot_row, w):
         plan = rebuild_plan(send_slot, slot_row, kw)
-        return _sum_slots(back, lambda j: _back_row(plan, j), plan.top_k,
+        return sum_slots(back, lambda j: back_row(plan, j), plan.top_k,
                           w.astype(jnp.float32)).astype(jnp.bfloat16)
 
     bench("un-permute + weight + sum_k (fused)", "combine", "bf16",
