@@ -83,11 +83,12 @@ from bench_util import (  # noqa: E402
 )
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from trace_breakdown import format_table, op_breakdown  # noqa: E402
+from moe_layer_dispatch import bench_dispatch  # noqa: E402
+from moe_layer_report import dropless_summary, print_table  # noqa: E402
+from trace_breakdown import op_breakdown  # noqa: E402
 from trace_overlap import exposed_comm_fraction  # noqa: E402
 
 import moe  # noqa: E402
-from xla_comm import hlo as mhlo  # noqa: E402
 from xla_comm import overlap as moverlap  # noqa: E402
 
 BOTH = ("bf16", "fp8")
@@ -372,125 +373,6 @@ def profile_layer(name, routing, a, step, args, trace_root: str) -> dict:
     return {"breakdown": bd, "overlap": ov}
 
 
-# ----------------------------------------------------------------------------- dispatch alone
-
-
-def build_dispatch(mesh, a, transport, wire):
-    """jit(forward) and jit(forward + backward) of dispatch -> combine (identity experts; the
-    library's default wire kernels), and jit of the dropless bucket index per device."""
-    cf = {"dense": a.capacity_factor, "dropless": a.dropless_capacity_factor}.get(transport)
-
-    def disp(x, ids):
-        return moe.dispatch(x, ids, num_experts=a.experts, axis_name="expert",
-                            transport=transport, capacity_factor=cf, dispatch_dtype=wire,
-                            block_size=a.fp8_block_size)
-
-    def local(x, ids, w):
-        ex, _, plan = disp(x, ids)
-        return moe.combine(ex, w, plan, combine_grad_dtype=wire)
-
-    def bucket(x, ids):
-        plan = disp(x, ids)[2]
-        return plan.bucket[None], plan.buckets
-
-    spec = P(AXES)
-    f = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
-    fwd = jax.jit(f)
-    grad = jax.jit(jax.grad(lambda x, ids, w, ct: jnp.sum(
-        f(x, ids, w).astype(jnp.float32) * ct.astype(jnp.float32)), argnums=(0, 2)))
-
-    def bucket_rows(x, ids):
-        """Rows per (source, destination) pair the dropless exchange sent, per device."""
-        holder = {}
-
-        def body(x, ids):
-            b, caps = bucket(x, ids)
-            holder["caps"] = caps
-            return b
-
-        idx = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec),
-                                    out_specs=spec))(x, ids)
-        return [holder["caps"][int(i)] for i in np.asarray(idx)]
-
-    return fwd, grad, bucket_rows
-
-
-DISPATCH_CASES = (("dense", "bf16"), ("dense", "fp8"), ("dropless", "bf16"), ("ragged", "bf16"))
-
-
-def bench_dispatch(mesh, a, data, biases) -> tuple[list[dict], dict]:
-    """Rows per (transport, wire, routing), and the A/B of dense vs dropless (bf16) forward +
-    backward timed interleaved per routing (one call of each per round, so drift during the
-    run hits both alike)."""
-    n = mesh.devices.size
-    sh = NamedSharding(mesh, P(AXES))
-    x = jax.device_put(data["x"].reshape(-1, a.d_model), sh)
-    ct = jax.device_put(data["ct"].reshape(-1, a.d_model), sh)
-    cfg = moe.RouterConfig(a.experts, a.top_k)
-    route = jax.jit(lambda x, b: moe.route(x, data["router_kernel"], b, config=cfg))
-    routes = {}
-    for routing, bias in biases.items():
-        r = route(x, jnp.asarray(bias))
-        routes[routing] = (jax.device_put(r.expert_ids.astype(jnp.int32), sh),
-                           jax.device_put(r.weights, sh))
-    rows, grads = [], {}
-    for transport, wire in DISPATCH_CASES:
-        fwd, grad, bucket_rows = build_dispatch(mesh, a, transport, wire)
-        for routing, (ids, w) in routes.items():
-            if routing != "balanced" and wire != "bf16":
-                continue
-            if transport == "dropless":  # the bucket this routing took (one mesh group)
-                caps = bucket_rows(x, ids)
-                wire_row = 2 * a.d_model if wire == "bf16" else \
-                    a.d_model * (1 + 1 / a.fp8_block_size)  # e4m3 bytes + E8M0 scales
-                # forward: P * c dispatched wire rows + P * c returned bf16 rows per device
-                n_a2a, buffer = 2, n * max(caps) * (wire_row + 2 * a.d_model)
-                sent = buffer * (n - 1) / n
-            else:
-                caps = None
-                colls = mhlo.analyze_collectives(fwd.lower(x, ids, w).compile()).collectives
-                a2a = [c for c in colls if c.kind in ("all-to-all", "ragged-all-to-all")
-                       and len(c.shapes[0]) > 1]
-                n_a2a, buffer = len(a2a), sum(c.buffer_bytes for c in a2a)
-                sent = sum(c.ring_bytes for c in a2a)
-            fwd_s, _ = median_seconds(fwd, (x, ids, w), a.warmup, a.iters)
-            bwd_s, _ = median_seconds(grad, (x, ids, w, ct), a.warmup, a.iters)
-            grads[(transport, wire, routing)] = (grad, (x, ids, w, ct))
-            rows.append(dict(transport=transport, wire=wire, routing=routing,
-                             capacity_factor=a.capacity_factor if transport == "dense"
-                             else None, dropless_bucket_rows=caps,
-                             fwd_ms=fwd_s * 1e3, fwd_bwd_ms=bwd_s * 1e3,
-                             n_all_to_all_fwd=n_a2a,
-                             buffer_mb_per_device=buffer / 2**20,
-                             sent_mb_per_device=sent / 2**20,
-                             GBps_per_gpu=sent / fwd_s / 1e9))
-            print(f"dispatch+combine {transport:8s} {wire:4s} {routing:8s}: fwd "
-                  f"{fwd_s * 1e3:8.3f} ms, fwd+bwd {bwd_s * 1e3:8.3f} ms", flush=True)
-    ab = {}
-    rounds = max(3, 2 * a.iters)
-    for routing in routes:
-        pair = {t: grads.get((t, "bf16", routing)) for t in ("dense", "dropless")}
-        if None in pair.values():
-            continue
-        times = {t: [] for t in pair}
-        for _ in range(rounds):
-            for t, (fn, args) in pair.items():
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(*args))
-                times[t].append(time.perf_counter() - t0)
-        med = {t: float(np.median(v)) for t, v in times.items()}
-        ab[routing] = dict(rounds=rounds, dense_ms=med["dense"] * 1e3,
-                           dropless_ms=med["dropless"] * 1e3,
-                           ratio_of_medians=med["dropless"] / med["dense"],
-                           median_round_ratio=float(np.median(
-                               [d / e for e, d in zip(times["dense"], times["dropless"],
-                                                      strict=True)])))
-        print(f"A/B dispatch+combine fwd+bwd {routing}: dense {ab[routing]['dense_ms']:.3f} ms, "
-              f"dropless {ab[routing]['dropless_ms']:.3f} ms, ratio "
-              f"{ab[routing]['ratio_of_medians']:.3f}", flush=True)
-    return rows, ab
-
-
 def interleaved_ms(fns: dict, rounds: int) -> dict:
     """Median ms of each ``fn()`` in ``fns``, timed one call of each per round (blocked)."""
     times = {k: [] for k in fns}
@@ -520,91 +402,6 @@ def layer_ab(steps: dict, biases: dict, data, a) -> dict:
         print(f"A/B layer {routing}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()),
               flush=True)
     return out
-
-
-# ----------------------------------------------------------------------------- summary
-
-
-def dropless_summary(report) -> dict:
-    """Issue 14's ratios from this run (see the module docstring)."""
-    e = report["env"]
-    n = e["n_devices"]
-    tag = f"{n}gpu" if e["backend"] in ("gpu", "cuda", "rocm") else f"{n}{e['backend']}"
-    by = {r["variant"]: r for r in report["layer"]}
-    dc = {(r["transport"], r["wire"], r["routing"]): r
-          for r in report.get("dispatch_combine", [])}
-    out: dict = {"n_devices": n, "device_kind": e["device_kind"], "tag": tag,
-                 "capacity_variant": CAPACITY, "dropless_variant": DROPLESS,
-                 "ragged_variant": RAGGED, "capacity_factor": report["settings"][
-                     "capacity_factor"]}
-    for routing in ROUTINGS:
-        sfx = "" if routing == "balanced" else f"_{routing}"
-        cap = by.get(CAPACITY + sfx)
-        ab = report.get("layer_ab", {}).get(routing, {}).get("over_capacity", {})
-        for key, name in (("dropless", DROPLESS), ("ragged", RAGGED)):
-            row = by.get(name + sfx)
-            if cap and row:
-                # interleaved A/B when it ran, else the separately timed medians
-                out[f"{key}_over_capacity_time_{tag}{sfx}"] = ab.get(name, row["ms"] / cap["ms"])
-                out[f"{key}_over_capacity_time_separate_runs_{tag}{sfx}"] = row["ms"] / cap["ms"]
-                out[f"{key}_layer_ms_{tag}{sfx}"] = row["ms"]
-                out[f"{key}_layer_mfu_{tag}{sfx}"] = row["mfu"]
-                out[f"{key}_dropped_slots_{tag}{sfx}"] = row["dropped_slots"]
-        if cap:
-            out[f"capacity_layer_ms_{tag}{sfx}"] = cap["ms"]
-            out[f"capacity_layer_mfu_{tag}{sfx}"] = cap["mfu"]
-            out[f"capacity_dropped_frac_{tag}{sfx}"] = cap["dropped_frac"]
-        dense, drop = dc.get(("dense", "bf16", routing)), dc.get(("dropless", "bf16", routing))
-        ab = report.get("dispatch_combine_ab", {}).get(routing)
-        if ab:  # interleaved A/B: robust to drift between separately timed runs
-            out[f"dropless_dispatch_combine_over_dense_{tag}{sfx}"] = ab["ratio_of_medians"]
-        elif dense and drop:
-            out[f"dropless_dispatch_combine_over_dense_{tag}{sfx}"] = (
-                drop["fwd_bwd_ms"] / dense["fwd_bwd_ms"])
-        if dense and drop:
-            out[f"dropless_dispatch_combine_separate_runs_over_dense_{tag}{sfx}"] = (
-                drop["fwd_bwd_ms"] / dense["fwd_bwd_ms"])
-            out[f"dropless_dispatch_combine_fwd_over_dense_{tag}{sfx}"] = (
-                drop["fwd_ms"] / dense["fwd_ms"])
-    targets = {f"dropless_over_capacity_time_{tag}": ("<=", 1.15),
-               f"dropless_over_capacity_time_{tag}_zipf": ("<", 1.0),
-               f"dropless_dispatch_combine_over_dense_{tag}": ("<=", 1.3),
-               f"dropless_layer_mfu_{tag}": (">=", 0.50)}
-    out["targets"] = {k: f"{op} {v}" for k, (op, v) in targets.items()}
-    out["met"] = {k: (out[k] <= v if op == "<=" else out[k] < v if op == "<" else out[k] >= v)
-                  for k, (op, v) in targets.items() if k in out}
-    return out
-
-
-def print_table(report):
-    c = report["ceiling"]
-    e = report["env"]
-    s = report["settings"]
-    print(f"\nMoE layer fwd+bwd on {e['n_devices']}x {e['device_kind']} ({e['backend']}), jax "
-          f"{e['jax']}: tokens/device {s['tokens']}, d_model {s['d_model']}, d_ff {s['d_ff']}, "
-          f"E {s['experts']}, top-{s['top_k']}")
-    print(f"dense bf16 ceiling {c['tflops']:.2f} TFLOP/s per device ({c['name']})")
-    hdr = f"{'variant':32s} {'ms':>9s} {'TFLOP/s/dev':>11s} {'MFU':>7s} {'dropped':>8s} " \
-          f"{'exposed':>8s}"
-    print(hdr + "\n" + "-" * len(hdr))
-    for r in report["layer"]:
-        ov = (r.get("overlap") or {}).get("exposed_fraction")
-        print(f"{r['variant']:32s} {r['ms']:9.3f} {r['useful_tflops_per_device']:11.3f} "
-              f"{r['mfu']:7.3f} {r['dropped_frac']:8.4f} "
-              f"{'-' if ov is None else f'{ov:.3f}':>8s}")
-    for r in report.get("dispatch_combine", []):
-        print(f"dispatch+combine {r['transport']:8s} {r['wire']:4s} {r['routing']:8s}: fwd "
-              f"{r['fwd_ms']:8.3f} ms, fwd+bwd {r['fwd_bwd_ms']:8.3f} ms, "
-              f"{r['sent_mb_per_device']:8.2f} MB sent/dev, {r['GBps_per_gpu']:8.2f} GB/s/GPU")
-    bds = {r["variant"]: r["breakdown"] for r in report["layer"]
-           if isinstance(r.get("breakdown"), dict) and "us_per_step" in r["breakdown"]}
-    if bds:
-        print("\nop breakdown per step (summed over devices; jax.profiler trace, "
-              "benchmarks/trace_breakdown.py):")
-        print(format_table(bds))
-    print("\ndropless summary:")
-    for k, v in report.get("dropless", {}).items():
-        print(f"  {k}: {v}")
 
 
 def main(a) -> dict:
@@ -679,7 +476,8 @@ def main(a) -> dict:
         del step, dropped_fn
         dispatch_once()
     report["layer_ab"] = layer_ab(headline, biases, data, a)
-    report["dropless"] = dropless_summary(report)
+    report["dropless"] = dropless_summary(report, capacity=CAPACITY, dropless=DROPLESS,
+                                          ragged=RAGGED, routings=ROUTINGS)
     print_table(report)
     write_json(a.out, report)
     if a.dropless_out:

@@ -13,7 +13,9 @@ from moe.activations import GatedActivation
 from moe.dispatch import DispatchPlan, combine, dispatch
 from moe.experts import gated_experts
 from moe.fp8 import Fp8Array, dequantize, quantize
-from moe.layer import BalancingBias, MoE, auto_transport, moe_apply, moe_linen
+from moe.layer import auto_transport, moe_apply
+from moe.linen import moe_linen
+from moe.module import BalancingBias, MoE
 from moe.options import DispatchOptions, ExpertOptions, MoEOptions
 from moe.routing import RouterConfig, Routing, route, update_balancing_bias
 

@@ -42,7 +42,7 @@ STEPS = 3
 def main() -> None:
     assert jax.process_count() == NUM_PROCESSES and jax.device_count() == 8, jax.devices()
     assert jax.local_device_count() == LOCAL_DEVICES
-    mesh = tm.make_mesh((2, 4), devices=jax.devices())
+    mesh = tm.make_mesh((2, 4))
     (_, params, bias, opt_state, _), losses = tm.run(mesh, STEPS)
     mu = opt_state.inner_states["muon"].inner_state[0].mu
     # Every process holds only its devices' shards of the sharded leaves.

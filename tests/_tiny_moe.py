@@ -7,8 +7,9 @@ optimizer state are plain trees, so runs can be saved, restored and compared lea
 
 from __future__ import annotations
 
-import math
+import functools
 
+import _meshes as meshes
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,12 +26,9 @@ BATCH, SEQ = 8, 8  # 64 tokens: the batch splits over 8 devices
 BIAS_RATE = 1e-2
 
 
-def make_mesh(shape, devices=None):
-    """(8,) -> ('expert',); (a, b) -> ('data', 'expert'); Auto axes (as examples/train_lm.py)."""
-    names = ("expert",) if len(shape) == 1 else ("data", "expert")
-    devices = jax.devices()[: math.prod(shape)] if devices is None else devices
-    auto = (jax.sharding.AxisType.Auto,) * len(shape)
-    return jax.make_mesh(shape, names, axis_types=auto, devices=devices)
+# The model's meshes: (8,) -> ('expert',); (a, b) -> ('data', 'expert'); Auto axes (as
+# examples/train_lm.py).
+make_mesh = functools.partial(meshes.make_mesh, axis_type="auto")
 
 
 class Block(nnx.Module):

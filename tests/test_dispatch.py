@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
+from _meshes import make_mesh
 from jax.sharding import PartitionSpec as P
 
 from moe._plan import dropless_buckets
@@ -22,11 +22,6 @@ FP8 = dict(d=512, f=64)  # FP8 needs d_model % (4 * 128) == 0
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def make_mesh(shape, names):
-    devs = np.array(jax.devices()[: math.prod(shape)]).reshape(shape)
-    return Mesh(devs, names)
 
 
 # Router logit offsets, an input of the jitted runs (one compile serves both): none (random
@@ -108,7 +103,7 @@ def sharded_run(shape, names, transport, wire=None, grad_wire=None, cdt="float32
     """jit(grad) of router + dispatch + SwiGLU experts + combine under jax.shard_map. Returns
     ``(y, aux, grads)``, aux per device: (dropped slots, expert_x, group_sizes, the dropless
     exchange bucket or 0, the tokens' expert ids)."""
-    mesh = make_mesh(shape, names)
+    mesh = make_mesh(shape, names, axis_type="auto")
     tok = names  # tokens sharded over every mesh axis; experts over 'expert' only
 
     def local(x, wr, wgu, wd, skew):
@@ -304,7 +299,7 @@ def test_capacity_drops_by_rule_and_nothing_else_changes():
     keep = _numpy_keep_mask(ids, n_dev, c)
     assert 0 < (~keep).sum() < keep.size // 2
 
-    mesh = make_mesh((n_dev,), ("expert",))
+    mesh = make_mesh((n_dev,), ("expert",), axis_type="auto")
 
     def local(x, w, wgu, wd, ids):
         ex, sizes, plan = dispatch(x, ids, num_experts=E, axis_name="expert", transport="dense",
@@ -339,7 +334,7 @@ def all_to_all_ops(stage):
 
 def test_fp8_dispatch_halves_wire_bytes():
     d, t_local = 1024, 16
-    mesh = make_mesh((8,), ("expert",))
+    mesh = make_mesh((8,), ("expert",), axis_type="auto")
     x = jax.ShapeDtypeStruct((8 * t_local, d), jnp.bfloat16)
     ids = jax.ShapeDtypeStruct((8 * t_local, K), jnp.int32)
 
@@ -384,7 +379,7 @@ def hlo_op_counts(text: str) -> dict[str, int]:
 
 def _dispatch_combine_grad_hlo(shape, names, transport, **kw):
     """(lowered HLO, compiled HLO) of jit(grad) of dispatch -> sin -> combine (bf16 wire)."""
-    mesh = make_mesh(shape, names)
+    mesh = make_mesh(shape, names, axis_type="auto")
     tok = P(names)
     n = math.prod(shape) * 16
     x = jax.ShapeDtypeStruct((n, 128), jnp.float32)
@@ -449,7 +444,7 @@ def test_plan_sorts_once_and_dropless_exchanges_one_bucket_per_site():
 def test_bad_input_raises(kwargs, shape, match):
     kwargs = {"axis_name": "expert", **kwargs}
     k = kwargs.pop("top_k", K)
-    mesh = make_mesh((8,), ("expert",))
+    mesh = make_mesh((8,), ("expert",), axis_type="auto")
     x = jnp.zeros((8 * shape[0], shape[1]), jnp.float32)
     ids = jnp.zeros((8 * shape[0], k), jnp.int32)
     f = jax.shard_map(lambda x, ids: dispatch(x, ids, **kwargs)[0], mesh=mesh,
@@ -467,7 +462,7 @@ def test_unbound_axis_outside_shard_map_raises():
 def test_native_ragged_path_lowers_with_fp8_wire():
     """XLA:CPU cannot run ragged_all_to_all, but the native program must trace and lower
     (shard_map's varying-axes checks included), with FP8 bytes on the dispatch-direction wire."""
-    mesh = make_mesh((2, 4), ("data", "expert"))
+    mesh = make_mesh((2, 4), ("data", "expert"), axis_type="auto")
     tok = P(("data", "expert"))
     x = jax.ShapeDtypeStruct((T_ALL, FP8["d"]), jnp.float32)
     ids = jax.ShapeDtypeStruct((T_ALL, K), jnp.int32)

@@ -22,8 +22,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 from _cuda_export import export_for_cuda
+from _meshes import make_mesh
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe
@@ -32,10 +33,6 @@ from moe import _transport, _wire_pallas, fp8
 BS = 128
 WIDTHS = (256, 768, 896)  # 2, 6, 7 blocks: one or two scale words, the last one padded
 HI = jax.lax.Precision.HIGHEST
-
-
-def make_mesh(shape, names):
-    return jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(shape))
 
 
 def _rows(t: int, d: int, seed: int = 0) -> np.ndarray:

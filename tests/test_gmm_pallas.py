@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _cuda_export import TRITON_CALL, cuda_mesh, export_for_cuda, loops_outside_scans
-from jax.sharding import AxisType
+from _meshes import make_mesh
 from jax.sharding import PartitionSpec as P
 
 from moe import _gmm_pallas as gp
@@ -237,11 +237,6 @@ def test_gated_experts_pallas_needs_ragged_x():
 N_DEV, SM, SG = 8, 32, 3  # devices, rows and groups per device
 
 
-@functools.cache
-def _mesh(shape=(N_DEV,), names=("expert",)):
-    return jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(shape))
-
-
 def _sharded(mesh, spec, *arrays):
     return tuple(jax.device_put(a, jax.NamedSharding(mesh, spec)) for a in arrays)
 
@@ -267,7 +262,7 @@ def _per_shard(ref, *arrays, gs):
 
 
 def test_gmm_and_tgmm_inside_shard_map():
-    mesh = _mesh()
+    mesh = make_mesh((N_DEV,))
     lhs, rhs, dy, gs = _shard_data()
     e = P("expert")
 
@@ -294,7 +289,7 @@ def test_gmm_and_tgmm_inside_shard_map():
 def test_gmm_inside_shard_map_with_replicated_operands():
     """Operands of different varying axes (rows sharded, weights and sizes replicated), on a
     2-D mesh; the results must be typed varying over the rows' axes."""
-    mesh = _mesh((2, 4), ("data", "expert"))
+    mesh = make_mesh((2, 4))
     lhs, rhs, dy, gs = _shard_data(seed=6)
     rhs, gs = rhs[:SG], gs[:SG]
     rows = P(("data", "expert"))
@@ -323,7 +318,7 @@ def _sharded_experts_fn(backend):
     """jit(value_and_grad) of gated_experts on a ('data', 'expert') mesh, as the MoE layer
     runs it: tokens (and their group sizes) split over both axes, experts over 'expert' and
     pcast to varying over 'data' (so their gradients are summed over 'data')."""
-    mesh = _mesh((2, 4), ("data", "expert"))
+    mesh = make_mesh((2, 4))
     rows, experts = P(("data", "expert")), P("expert")
 
     def local(x, gs, w_gu, w_d, ct):

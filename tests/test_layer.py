@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _meshes import make_mesh
 from flax import nnx
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import moe
@@ -32,24 +32,15 @@ HI = jax.lax.Precision.HIGHEST
 LB_COEF, Z_COEF = 0.1, 0.01  # objective = sum(y * ct) + LB_COEF * lb + Z_COEF * z
 
 # (mesh shape ('data', 'expert'), axis types): expert-parallel sizes 1, 2, 4, 8, Explicit
-# (jax.make_mesh's default) and Auto meshes.
+# and Auto meshes.
 MESHES = [((8, 1), "explicit"), ((4, 2), "auto"), ((2, 4), "explicit"), ((1, 8), "auto")]
 
 
 # ----------------------------------------------------------------------------- helpers
 
 
-@functools.cache
-def make_mesh(shape, kind="explicit"):
-    types = None if kind == "explicit" else (AxisType.Auto,) * len(shape)
-    mesh = jax.make_mesh(shape, ("data", "expert"), axis_types=types)
-    if kind == "explicit":
-        assert all(t == AxisType.Explicit for t in mesh.axis_types)
-    return mesh
-
-
 def layer(d=D, f=F, mesh_spec=((2, 4), "explicit"), seed=0, dtype=jnp.float32, **kw):
-    mesh = make_mesh(*mesh_spec) if mesh_spec is not None else None
+    mesh = make_mesh(mesh_spec[0], axis_type=mesh_spec[1]) if mesh_spec is not None else None
     return moe.MoE(d, f, options=moe.MoEOptions.create(E, K, **kw), mesh=mesh, dtype=dtype,
                    rngs=nnx.Rngs(seed))
 

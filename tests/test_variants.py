@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _meshes import make_mesh
 from flax import nnx
-from jax.sharding import AxisType
 
 import moe
 
@@ -25,12 +25,6 @@ D, F = 16, 8
 LB_COEF, Z_COEF = 0.1, 0.01
 TRAINED = ("router_kernel", "w_gate_up", "w_down", "router_bias", "b_gate_up", "b_down",
            "shared_gate_up", "shared_down", "shared_gate")
-
-
-@functools.cache
-def make_mesh(shape, kind="explicit"):
-    types = (AxisType.Explicit if kind == "explicit" else AxisType.Auto,) * len(shape)
-    return jax.make_mesh(shape, ("data", "expert"), axis_types=types)
 
 
 def act_ref(z, kind="silu", alpha=None, limit=None):
@@ -164,8 +158,8 @@ def check_layer(model, x, mask=None, noise=None, ct_seed=2):
 
 def build(num_experts=8, top_k=2, mesh=((2, 4), "explicit"), seed=0, **options):
     opts = moe.MoEOptions.create(num_experts, top_k, **options)
-    return moe.MoE(D, F, options=opts, mesh=make_mesh(*mesh) if mesh else None,
-                   rngs=nnx.Rngs(seed))
+    mesh = make_mesh(mesh[0], axis_type=mesh[1]) if mesh else None
+    return moe.MoE(D, F, options=opts, mesh=mesh, rngs=nnx.Rngs(seed))
 
 
 def randomize(model, scale=0.3, seed=5):

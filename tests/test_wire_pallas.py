@@ -12,16 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _cuda_export import cuda_mesh, export_for_cuda, loops_outside_scans
+from _meshes import make_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe import _transport, _wire_pallas, combine, dispatch
 
 D, BS = 512, 128
-
-
-def make_mesh(shape, names):
-    return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Explicit,) * len(shape))
 
 
 def _rows(t: int = 24, d: int = D, dtype=jnp.bfloat16) -> jax.Array:

@@ -1,0 +1,213 @@
+"""The Mixture-of-Experts layer as a Flax NNX module: :class:`MoE` owns the parameters and
+the balancing bias (:class:`BalancingBias`) and calls :func:`moe.moe_apply`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from moe import _mesh
+from moe import routing as _routing
+from moe.layer import moe_apply
+from moe.options import MoEOptions
+
+__all__ = ["BalancingBias", "MoE"]
+
+
+@nnx.register_variable_name("balancing_bias", overwrite=True)  # Linen collection name
+class BalancingBias(nnx.Variable):
+    """Aux-loss-free balancing bias (DeepSeek-V3): changes expert selection, never trained.
+
+    Example:
+      >>> from flax import nnx
+      >>> from moe import MoE, MoEOptions
+      >>> layer = nnx.eval_shape(lambda: MoE(16, 8, options=MoEOptions.create(4, 2),
+      ...                                        rngs=nnx.Rngs(0)))
+      >>> nnx.state(layer, BalancingBias)['balancing_bias'].shape
+      (4,)
+      >>> 'balancing_bias' in nnx.state(layer, nnx.Param)  # not trained
+      False
+    """
+
+
+class MoE(nnx.Module):
+    """Expert-parallel Mixture-of-Experts feed-forward layer (gated experts, top-k router).
+
+    ``y = sum_{j<k} w_j(x) * E_{e_j}(x) + S(x)`` where the router picks ``e_j`` by
+    ``top_k(score(x W_r + b_r) + bias)``, ``E_e(x) = act(x Wgu_e + bgu_e) Wd_e + bd_e``
+    (``act([g | u]) = silu(g) * u`` by default) and ``S`` is the optional always-on shared
+    expert (DeepSeekMoE), optionally gated by ``sigmoid(x w_g)`` (Qwen2-MoE). Experts are split
+    over the mesh's expert axis and tokens over every mesh axis; tokens travel to their experts
+    by ``all_to_all`` (optionally as FP8 e4m3 with E8M0 block scales). Every static choice
+    lives in ``options``; the params the options ask for (``router_bias``, ``b_gate_up`` /
+    ``b_down``, ``shared_gate``) exist only when enabled.
+
+    Training and eval: like ``nnx.Dropout``, the layer has a ``deterministic`` attribute
+    (False: training) that ``.eval()`` / ``.train()`` and ``nnx.view`` set; only the router
+    jitter (``router_jitter_noise > 0``) depends on it, drawing its noise from the ``'jitter'``
+    stream of ``rngs`` (or its default stream).
+
+    Args:
+      d_model: model width.
+      d_ff: hidden width of one expert.
+      options: a :class:`moe.MoEOptions` (``moe.MoEOptions.create(num_experts, top_k, ...)``).
+      mesh: mesh (default: the ambient ``jax.set_mesh`` mesh, else one device).
+      dtype: compute dtype; param_dtype: parameter dtype.
+      rngs: ``nnx.Rngs`` (keyword-only).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from moe import MoE, MoEOptions
+      >>> layer = MoE(16, 8, options=MoEOptions.create(4, 2), rngs=nnx.Rngs(0))
+      >>> y, aux = nnx.jit(lambda layer, x: layer(x))(layer, jnp.ones((2, 4, 16)))
+      >>> y.shape, aux['tokens_per_expert'].shape
+      ((2, 4, 16), (4,))
+
+    References:
+      Shazeer et al. 2017; GShard; Switch Transformer; DeepSeekMoE; DeepSeek-V3 (aux-free
+      balancing, group-limited routing); DeepEP (FP8 dispatch).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        *,
+        options: MoEOptions,
+        mesh=None,
+        dtype: Any = jnp.float32,
+        param_dtype: Any = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        if not isinstance(options, MoEOptions):
+            raise TypeError(
+                f"options must be a moe.MoEOptions, got {type(options).__name__}; build it "
+                "with moe.MoEOptions.create(num_experts, top_k, ...)."
+            )
+        options.check(d_model=d_model, d_ff=d_ff, mesh=_mesh.resolve(mesh))
+        self.mesh = mesh
+        self.dtype = dtype
+        self.opts = options
+        self.deterministic = False
+        self._init_params(d_model, d_ff, param_dtype, rngs)
+        if options.router.router_jitter_noise > 0:
+            try:
+                self.jitter_rngs = rngs["jitter"].fork()
+            except KeyError:
+                raise ValueError(
+                    "router_jitter_noise > 0 draws noise from rngs['jitter'], which this Rngs "
+                    "lacks; pass nnx.Rngs(0) (a default stream) or nnx.Rngs(params=0, "
+                    "jitter=1)."
+                ) from None
+        else:
+            self.jitter_rngs = None
+
+    def _init_params(self, d_model: int, d_ff: int, param_dtype, rngs: nnx.Rngs) -> None:
+        """Router, expert banks (split over the expert axis), shared expert, balancing bias."""
+        mesh, e = self.mesh, self.opts.router.num_experts
+        axis = self.opts.dispatch.expert_axis
+        # With an explicit mesh, place the values here (``reshard`` / a sharding constraint):
+        # ``jax.set_mesh`` is refused under a trace, and ``moe_linen`` builds the module inside
+        # ``apply``, often under ``jax.jit``. With only an ambient mesh, flax places them.
+        eager = mesh is None and _mesh.resolve(mesh) is not None
+        # Banks whose expert count does not split over the expert axis stay whole on every
+        # device (moe_apply pads and splits them per call).
+        ambient = _mesh.resolve(mesh)
+        split = ambient is None or e % ambient.shape[axis] == 0
+        ax = axis if split else None
+
+        def place(value, sharding):
+            return value if mesh is None else _mesh.reshard(value, mesh, P(*sharding))
+
+        def param(key, shape, fan_in, sharding):
+            value = jax.random.normal(key, shape, param_dtype) * fan_in**-0.5
+            return nnx.Param(place(value, sharding), out_sharding=sharding,
+                             eager_sharding=eager)
+
+        def zeros(shape, sharding):
+            return nnx.Param(place(jnp.zeros(shape, param_dtype), sharding),
+                             out_sharding=sharding, eager_sharding=eager)
+
+        eo = self.opts.experts
+        self.router_kernel = param(rngs.params(), (d_model, e), d_model, (None, None))
+        self.w_gate_up = param(rngs.params(), (e, d_model, 2 * d_ff), d_model, (ax, None, None))
+        self.w_down = param(rngs.params(), (e, d_ff, d_model), d_ff, (ax, None, None))
+        # Each attribute is assigned once: a None first would make it a static field.
+        if eo.num_shared_experts:
+            f = eo.num_shared_experts * d_ff
+            self.shared_gate_up = param(rngs.params(), (d_model, 2 * f), d_model, (None, None))
+            self.shared_down = param(rngs.params(), (f, d_model), f, (None, None))
+        else:
+            self.shared_gate_up = self.shared_down = None
+        if eo.shared_expert_gate:
+            self.shared_gate = param(rngs.params(), (d_model, 1), d_model, (None, None))
+        else:
+            self.shared_gate = None
+        self.router_bias = zeros((e,), (None,)) if self.opts.router.router_bias else None
+        if eo.expert_bias:
+            self.b_gate_up = zeros((e, 2 * d_ff), (ax, None))
+            self.b_down = zeros((e, d_model), (ax, None))
+        else:
+            self.b_gate_up = self.b_down = None
+        self.balancing_bias = BalancingBias(
+            place(jnp.zeros((e,), jnp.float32), (None,)), out_sharding=(None,),
+            eager_sharding=eager,
+        )
+
+    def __call__(
+        self, x: jax.Array, mask: jax.Array | None = None, *, deterministic: bool | None = None
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Returns ``(y, aux)`` for ``x [batch, seq, d_model]``; see :func:`moe_apply`.
+
+        Args:
+          x: ``[batch, seq, d_model]``.
+          mask: optional bool ``[batch, seq]``, False for padding tokens (excluded from
+            routing, capacity, counts and losses; their ``y`` is 0).
+          deterministic: overrides the ``deterministic`` attribute (True: no router jitter).
+        """
+        shared = None
+        if self.shared_gate_up is not None:
+            shared = (self.shared_gate_up[...], self.shared_down[...])
+        value = lambda v: None if v is None else v[...]  # noqa: E731
+        expert_bias = None
+        if self.b_gate_up is not None:
+            expert_bias = (self.b_gate_up[...], self.b_down[...])
+        deterministic = self.deterministic if deterministic is None else deterministic
+        key = None
+        if self.jitter_rngs is not None and not deterministic:
+            key = self.jitter_rngs()
+        return moe_apply(
+            jnp.asarray(x).astype(self.dtype),
+            self.router_kernel[...],
+            self.w_gate_up[...],
+            self.w_down[...],
+            self.balancing_bias[...],
+            shared,
+            opts=self.opts,
+            mesh=self.mesh,
+            router_bias=value(self.router_bias),
+            expert_bias=expert_bias,
+            shared_gate=value(self.shared_gate),
+            token_mask=mask,
+            jitter_key=key,
+        )
+
+    def set_view(self, deterministic: bool | None = None):
+        """Sets the view attributes of ``nnx.view`` (and ``.eval()`` / ``.train()``).
+
+        Args:
+          deterministic: True turns the router jitter off (eval), False on (training).
+        """
+        if deterministic is not None:
+            self.deterministic = deterministic
+
+    def update_balancing_bias(self, tokens_per_expert: jax.Array, rate: float = 1e-3) -> None:
+        """Aux-loss-free balancing step: ``bias += rate * sign(mean_load - load)``."""
+        self.balancing_bias[...] = _routing.update_balancing_bias(
+            self.balancing_bias[...], tokens_per_expert, rate
+        )
