@@ -85,7 +85,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from moe_layer_dispatch import bench_dispatch  # noqa: E402
 from moe_layer_report import dropless_summary, print_table  # noqa: E402
-from trace_breakdown import op_breakdown  # noqa: E402
+from trace_breakdown import op_breakdown, trace_steps  # noqa: E402
 from trace_overlap import exposed_comm_fraction  # noqa: E402
 
 import moe  # noqa: E402
@@ -343,18 +343,6 @@ def bench_layer(name, routing, mesh, a, ceiling, step, dropped_fn, args) -> dict
                 dropped_slots=dropped, dropped_frac=dropped / slots, useful_flops=flops,
                 useful_tflops_per_device=flops / sec / n_dev / 1e12,
                 mfu=flops / (sec * n_dev * ceiling["tflops"] * 1e12))
-
-
-def trace_steps(step, args, trace_dir: str, steps: int) -> str | None:
-    """Run ``steps`` calls under ``jax.profiler.trace(trace_dir)``; None, or why it failed."""
-    jax.block_until_ready(step(*args))
-    try:
-        with jax.profiler.trace(trace_dir):
-            for _ in range(steps):
-                jax.block_until_ready(step(*args))
-    except Exception as err:  # a profiler failure must not lose the timings
-        return f"profiler failed: {err!r}"
-    return None
 
 
 def profile_layer(name, routing, a, step, args, trace_root: str) -> dict:
