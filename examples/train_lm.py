@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+import lm_checkpoint  # noqa: E402
 import lm_data  # noqa: E402
 import lm_model  # noqa: E402
 
@@ -318,75 +319,6 @@ def evaluate(model, batches, put) -> float:
     return float(np.mean([float(eval_step(model, put(b))) for b in batches]))
 
 
-def _manager(path: pathlib.Path):
-    import orbax.checkpoint as ocp
-
-    opts = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
-    return ocp.CheckpointManager(path.resolve(), options=opts)
-
-
-_to_portable = jax.jit(muon_jax.portable_state)
-_from_portable = jax.jit(muon_jax.restore_state)
-
-
-def _save(mngr, step, model, optimizer, mesh):
-    """Saves params, the MoE balancing biases and the optimizer state, each shard in place.
-
-    Sharded Muon momentum is saved in its mesh-independent form (each matrix's momentum in its
-    param's layout), so ``--resume`` also works after ``--mesh`` changes. The mesh each step
-    was saved on goes to ``meshes.json`` next to the checkpoints (for the resume message).
-    """
-    import orbax.checkpoint as ocp
-
-    state = {
-        "model": nnx.state(model),
-        "step": optimizer.step[...],
-        "opt_state": _to_portable(nnx.as_pure(optimizer.opt_state)),
-    }
-    mngr.save(step, args=ocp.args.StandardSave(state))
-    if jax.process_index() == 0:
-        side = pathlib.Path(mngr.directory) / "meshes.json"
-        meshes = json.loads(side.read_text()) if side.exists() else {}
-        meshes[str(step)] = dict(mesh.shape)
-        side.write_text(json.dumps(meshes))
-
-
-def _restore(mngr, model, optimizer) -> int:
-    import orbax.checkpoint as ocp
-
-    step = mngr.latest_step()
-    if step is None:
-        return 0
-    template = nnx.as_pure(optimizer.opt_state)
-    abstract = {
-        "model": jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.state(model)),
-        "step": ocp.utils.to_shape_dtype_struct(optimizer.step[...]),
-        "opt_state": muon_jax.portable_target(template),
-    }
-    restored = mngr.restore(step, args=ocp.args.StandardRestore(abstract))
-    nnx.update(model, restored["model"])
-    optimizer.step[...] = restored["step"]
-    nnx.update(optimizer.opt_state, nnx.state(_from_portable(restored["opt_state"], template)))
-    return int(step)
-
-
-def resume_message(name: str, mngr, step: int, mesh) -> str:
-    """Where ``--resume`` continues from: step, checkpoint path and any mesh change."""
-    directory = pathlib.Path(mngr.directory)
-    if step == 0:
-        return f"[{name}] --resume: no checkpoint under {directory}; starting at step 0."
-    side = directory / "meshes.json"
-    saved = json.loads(side.read_text()).get(str(step)) if side.exists() else None
-    now = dict(mesh.shape)
-    if saved is None:
-        where = f"mesh now {now}"
-    elif saved == now:
-        where = f"same mesh {now}"
-    else:
-        where = f"saved on mesh {saved}, now {now}: Muon state re-laid out"
-    return f"[{name}] resumed at step {step} from {directory / str(step)} ({where})."
-
-
 def train_one(name, args, mesh, corpus, out: pathlib.Path, metrics_file) -> dict:
     """Trains one optimizer's run; returns its final figures (losses, throughput, MFU)."""
     t_start = time.perf_counter()
@@ -394,14 +326,16 @@ def train_one(name, args, mesh, corpus, out: pathlib.Path, metrics_file) -> dict
     data_sharding = NamedSharding(mesh, P(MESH_AXES, None))
     put = lambda b: jax.device_put(jnp.asarray(b), data_sharding)
     val = lm_data.eval_batches(corpus.val, args.batch, args.seq_len, args.eval_batches)
-    mngr = _manager(out / "ckpt" / name) if args.ckpt_every or args.resume else None
+    ckpt = out / "ckpt" / name
+    mngr = lm_checkpoint.manager(ckpt) if args.ckpt_every or args.resume else None
     start = 0
     if args.resume:
-        start = _restore(mngr, model, optimizer)
-        print(resume_message(name, mngr, start, mesh))
+        start = lm_checkpoint.restore(mngr, model, optimizer)
+        print(lm_checkpoint.resume_message(name, mngr, start, mesh))
     if start >= args.steps:
         print(f"[{name}] checkpoint at step {start} already reaches --steps {args.steps}.")
-    save = (lambda s: _save(mngr, s, model, optimizer, mesh)) if args.ckpt_every else None
+    save = ((lambda s: lm_checkpoint.save(mngr, s, model, optimizer, mesh))
+            if args.ckpt_every else None)
     tokens_per_step = args.batch * args.seq_len
     flops_per_step = lm_model.train_flops_per_token(model_config(args), args.seq_len) * (
         tokens_per_step)

@@ -15,6 +15,7 @@ from flax import nnx
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
+import lm_checkpoint  # noqa: E402
 import lm_model  # noqa: E402
 import train_lm  # noqa: E402
 
@@ -144,11 +145,11 @@ def test_resume_message_names_step_path_and_mesh(tmp_path):
     mesh = train_lm.build_mesh("2,4")
     (tmp_path / "meshes.json").write_text(json.dumps({"3": {"data": 4, "expert": 2},
                                                       "6": {"data": 2, "expert": 4}}))
-    msg = train_lm.resume_message("muon", Manager, 3, mesh)
+    msg = lm_checkpoint.resume_message("muon", Manager, 3, mesh)
     assert f"resumed at step 3 from {tmp_path / '3'}" in msg
     assert "saved on mesh {'data': 4, 'expert': 2}, now {'data': 2, 'expert': 4}" in msg
-    assert "same mesh" in train_lm.resume_message("muon", Manager, 6, mesh)
-    assert "no checkpoint" in train_lm.resume_message("muon", Manager, 0, mesh)
+    assert "same mesh" in lm_checkpoint.resume_message("muon", Manager, 6, mesh)
+    assert "no checkpoint" in lm_checkpoint.resume_message("muon", Manager, 0, mesh)
 
 
 def test_resume_continues_exactly(tmp_path, capsys):
