@@ -53,8 +53,11 @@ from moe import _gmm_mosaic, _gmm_pallas, _grouped  # noqa: E402
 from moe.experts import gated_experts  # noqa: E402
 
 F8 = jnp.float8_e4m3fn
-EXPERT_CASES = (("padded", "einsum", "balanced"), ("ragged", "mosaic", "balanced"),
-                ("ragged", "mosaic", "zipf"))  # (layout, backend, routing)
+EXPERT_CASES = {  # --cases name: (layout, backend, routing)
+    "padded_balanced": ("padded", "einsum", "balanced"),
+    "ragged_balanced": ("ragged", "mosaic", "balanced"),
+    "ragged_zipf": ("ragged", "mosaic", "zipf"),
+}
 ALIGN = _gmm_mosaic.GROUP_ALIGNMENT
 RECIPES = {
     "bf16": {},
@@ -146,8 +149,7 @@ def gmm_rows(report, a, data):
 def experts_rows(report, a, data):
     t, d, f, e = a.tokens, a.d_model, a.d_ff, a.experts
     useful = 6.0 * t * d * 3 * f
-    cases = [c for c in EXPERT_CASES if f"{c[0]}_{c[2]}" in a.cases]
-    for layout, backend, routing in cases:
+    for layout, backend, routing in (EXPERT_CASES[c] for c in a.cases):
         sizes = group_sizes_for(routing, t, e, 1.0)
         if layout == "padded":
             c = int(sizes.max())
@@ -266,7 +268,7 @@ def parse_args(argv=None):
     p.add_argument("--recipes", default=",".join(RECIPES),
                    help="expert recipes timed (bf16 first: the speedups and the accuracy "
                         "check compare with it)")
-    p.add_argument("--cases", default=",".join(f"{c[0]}_{c[2]}" for c in EXPERT_CASES),
+    p.add_argument("--cases", default=",".join(EXPERT_CASES),
                    help="gated-experts cases timed (layout_routing)")
     p.add_argument("--breakdown", action="store_true",
                    help="trace each gated-experts row and record its op breakdown")
@@ -275,9 +277,8 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     a.recipes = a.recipes.split(",")
     a.cases = a.cases.split(",")
-    known = {f"{c[0]}_{c[2]}" for c in EXPERT_CASES}
-    if not set(a.cases) <= known:
-        p.error(f"--cases must name only {sorted(known)}, got {a.cases}")
+    if not set(a.cases) <= EXPERT_CASES.keys():
+        p.error(f"--cases must name only {sorted(EXPERT_CASES)}, got {a.cases}")
     if a.recipes[0] != "bf16" or not set(a.recipes) <= RECIPES.keys():
         p.error(f"--recipes must start with bf16 and name only {list(RECIPES)}")
     full = dict(tokens=32768, d_model=4096, d_ff=2048, experts=8, layer_tokens=16384,

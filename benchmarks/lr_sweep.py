@@ -234,6 +234,23 @@ def run_point_process(sweep, name: str, lr: float, out: pathlib.Path) -> tuple[d
     return {**row, "jobs": sweep.jobs}, doc
 
 
+def train_point(name, lr, args, key, out: pathlib.Path, mesh, corpus, preset, log) -> dict:
+    """Trains one grid point in this process; returns its row (loss None if it diverged)."""
+    run_dir = out / "runs" / f"{name}_lr{lr:.3g}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with (run_dir / "metrics.jsonl").open("w") as f:
+        try:
+            res = train_lm.train_one(name, args, mesh, corpus, run_dir, f)
+        except FloatingPointError as err:
+            log(f"[{name} lr {lr:.3g}] diverged: {err}")
+            res = {"final_val_loss": None, "tokens_per_s": None, "mfu": None,
+                   "steps": args.steps, "tokens": args.steps * args.batch * args.seq_len}
+    return {**key, "final_val_loss": res["final_val_loss"], "steps": res["steps"],
+            "tokens": res["tokens"], "tokens_per_s": res["tokens_per_s"], "mfu": res["mfu"],
+            "preset": preset, "wall_s": time.perf_counter() - t0}
+
+
 def sweep_runs(sweep, trainer, mesh, corpus, *, log=print) -> dict:
     """Runs (or reuses) every grid point; writes and returns the ``lr_sweep.json`` content.
 
@@ -304,21 +321,9 @@ def sweep_runs(sweep, trainer, mesh, corpus, *, log=print) -> dict:
                     continue
                 meta.update({k: child[k] for k in meta})
                 done(row)
-        todo = []
-    for name, lr, args, key in todo:
-        run_dir = out / "runs" / f"{name}_lr{lr:.3g}"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        t0 = time.perf_counter()
-        with (run_dir / "metrics.jsonl").open("w") as f:
-            try:
-                res = train_lm.train_one(name, args, mesh, corpus, run_dir, f)
-            except FloatingPointError as err:
-                log(f"[{name} lr {lr:.3g}] diverged: {err}")
-                res = {"final_val_loss": None, "tokens_per_s": None, "mfu": None,
-                       "steps": args.steps, "tokens": args.steps * args.batch * args.seq_len}
-        done({**key, "final_val_loss": res["final_val_loss"], "steps": res["steps"],
-              "tokens": res["tokens"], "tokens_per_s": res["tokens_per_s"], "mfu": res["mfu"],
-              "preset": trainer.preset, "wall_s": time.perf_counter() - t0})
+    else:
+        for name, lr, args, key in todo:
+            done(train_point(name, lr, args, key, out, mesh, corpus, trainer.preset, log))
     doc = write()
     title = (f"{trainer.preset} preset: d_model {trainer.d_model}, {trainer.layers} layers, "
              f"{trainer.experts} experts, {trainer.batch}x{trainer.seq_len}, {trainer.steps} steps")
