@@ -1,11 +1,12 @@
 """Benchmark moe.experts.gated_experts forward + backward against a dense bf16 matmul ceiling.
 
-Times ``jax.grad`` of ``sum(y * ct)`` (ct a random cotangent) with respect to x, w_gate_up and
-w_down for each backend ('ragged_dot' and 'pallas' on [T, d], 'einsum' on capacity-padded
-[E, C, d]) and option set (z saving, FP8 GEMMs), under balanced and Zipf-skewed routing. Useful
-work counts real tokens only: 6 * tokens * d_model * 3 * d_ff FLOPs (three GEMMs, forward +
-two backward), so padding (einsum under skew) and dropped tokens (a capacity factor) count as
-waste. The ceiling is a dense bf16 matmul [T, d_model] @ [d_model, 2*d_ff] timed in the same run.
+Times ``y`` and ``jax.grad`` of ``sum(y * ct)`` (ct a random cotangent) with respect to x,
+w_gate_up and w_down (y is returned, so the forward down GEMM is not dead code) for each backend
+('ragged_dot' and 'pallas' on [T, d], 'einsum' on capacity-padded [E, C, d]) and option set (z
+saving, FP8 GEMMs), under balanced and Zipf-skewed routing. Useful work counts real tokens only:
+6 * tokens * d_model * 3 * d_ff FLOPs (three GEMMs, forward + two backward), so padding (einsum
+under skew) and dropped tokens (a capacity factor) count as waste. The ceiling is a dense bf16
+matmul [T, d_model] @ [d_model, 2*d_ff] timed in the same run.
 
 'pallas' (moe/_gmm_pallas.py, Pallas Triton kernels) runs on GPU only (on CPU Pallas would
 interpret it, which measures nothing; --allow-interpret forces it, for plumbing checks). Before
@@ -137,9 +138,11 @@ def bench_experts(
 
     def loss(x, w_gu, w_d, gs, ct):
         y = gated_experts(x, gs, w_gu, w_d, backend=backend, **opts)
-        return jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32))
+        return jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32)), y
 
-    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    # y is an output: with only the gradients of this linear loss, XLA would drop the forward
+    # down GEMM (the cotangent of y is ct, whatever y is).
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
     t_compile = time.perf_counter()
     jax.block_until_ready(step(x, w_gu, w_d, gs, ct))
     t_compile = time.perf_counter() - t_compile

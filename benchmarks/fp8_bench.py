@@ -7,7 +7,8 @@ same run (dense bf16 and dense FP8 [8192]^3 matmuls). Rows:
    balanced): bf16 Pallas Triton (`moe._gmm_pallas`, the previous kernel), bf16 and FP8
    Pallas Mosaic GPU (`moe._gmm_mosaic`). Key ``fp8_gmm_over_bf16_rate`` = FP8 Mosaic rate /
    bf16 Triton rate (and ``..._vs_mosaic_bf16``).
-2. ``experts``: `moe.gated_experts` forward + backward (grad of ``sum(y * ct)``), per layout:
+2. ``experts``: `moe.gated_experts` forward + backward (``y`` and the gradients of
+   ``sum(y * ct)``; ``y`` is returned, so the forward down GEMM runs), per layout:
    padded ``[E, C, d]`` ('einsum', balanced) and ragged ``[R, d]`` in the 128-aligned layout
    ('mosaic', balanced and Zipf s=1), for bf16 and FP8 recipes (``gemm``, ``+dgrad``,
    ``+wgrad``, ``+save_z``). Keys ``experts_fp8_speedup_padded`` / ``_ragged`` /
@@ -168,11 +169,14 @@ def experts_rows(report, a, data):
             def loss(x, wgu, wd, ct, opts=opts, gs=gs, backend=backend, align=align):
                 y = gated_experts(x, gs, wgu, wd, backend=backend, group_alignment=align,
                                   **opts)
-                return jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32))
+                return jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32)), y
 
             try:
                 args = (x, data["w_gate_up"], data["w_down"], ct)
-                step = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+                # y is an output: with only the gradients of this linear loss, XLA would drop
+                # the forward down GEMM (the cotangent of y is ct, whatever y is).
+                step = jax.jit(lambda *a, loss=loss: _y_and_grads(loss, *a))
+                step = step.lower(*args).compile()
                 grads = jax.block_until_ready(step(*args))
                 sec = timed(step, args, a, inner=1)
             except Exception as err:  # noqa: BLE001
@@ -195,6 +199,12 @@ def experts_rows(report, a, data):
             key = f"experts_fp8_speedup_{layout}" + ("_zipf" if routing == "zipf" else "")
             report[key] = times["bf16"] / fp8[best]
             report[key + "_recipe"] = best
+
+
+def _y_and_grads(loss, *args):
+    """``(y, d loss / d args[:3])`` of a ``loss`` returning ``(value, y)``."""
+    (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(*args)
+    return (y, *grads)
 
 
 def breakdown(step, args, name: str, steps: int = 3) -> dict:

@@ -82,16 +82,31 @@ class GatedActivation:
 
     def apply(self, z: jax.Array) -> jax.Array:
         """``h [..., f]`` in f32 from ``z [..., 2f] = [z_gate | z_up]``."""
-        g, u = jnp.split(z.astype(jnp.float32), 2, axis=-1)
+        g, u = jnp.split(z, 2, axis=-1)
+        return self.apply_parts(g, u)
+
+    def grad(self, z: jax.Array, dh: jax.Array) -> jax.Array:
+        """``dz [..., 2f]`` in f32: the exact vector-Jacobian product of :meth:`apply`."""
+        g, u = jnp.split(z, 2, axis=-1)
+        return jnp.concatenate(self.grad_parts(g, u, dh), axis=-1)
+
+    def apply_parts(self, g: jax.Array, u: jax.Array) -> jax.Array:
+        """:meth:`apply` on the two halves ``g = z_gate``, ``u = z_up`` (f32 result).
+
+        Elementwise only, so kernels that load the halves separately (the fused FP8
+        quantization of `moe._quant_pallas`) share this code.
+        """
+        g, u = g.astype(jnp.float32), u.astype(jnp.float32)
         if self.kind == "clamped_swiglu":
             g = jnp.minimum(g, self.limit)
             u = jnp.clip(u, -self.limit, self.limit)
             return (u + 1.0) * (g * jax.nn.sigmoid(self.alpha * g))
         return self._act(g) * u
 
-    def grad(self, z: jax.Array, dh: jax.Array) -> jax.Array:
-        """``dz [..., 2f]`` in f32: the exact vector-Jacobian product of :meth:`apply`."""
-        g, u = jnp.split(z.astype(jnp.float32), 2, axis=-1)
+    def grad_parts(self, g: jax.Array, u: jax.Array,
+                   dh: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """:meth:`grad` as its two halves ``(dz_gate, dz_up)`` (f32), elementwise only."""
+        g, u = g.astype(jnp.float32), u.astype(jnp.float32)
         dh = dh.astype(jnp.float32)
         if self.kind == "clamped_swiglu":
             gc = jnp.minimum(g, self.limit)
@@ -101,8 +116,8 @@ class GatedActivation:
             dglu = sig * (1.0 + self.alpha * gc * (1.0 - sig))
             dg = jnp.where(g <= self.limit, dh * (uc + 1.0) * dglu, 0.0)
             du = jnp.where(jnp.abs(u) <= self.limit, dh * glu, 0.0)
-            return jnp.concatenate([dg, du], axis=-1)
-        return jnp.concatenate([dh * u * self._dact(g), dh * self._act(g)], axis=-1)
+            return dg, du
+        return dh * u * self._dact(g), dh * self._act(g)
 
     def _act(self, g: jax.Array) -> jax.Array:
         """The gate nonlinearity ``a(g)`` of the product kinds."""

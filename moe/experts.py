@@ -31,7 +31,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moe import _gmm_pallas, _grouped, fp8
+from moe import _gmm_pallas, _grouped, _quant_pallas, fp8
 from moe.activations import GatedActivation
 from moe.options import Backend, GemmDtype, SaveZ, check_choice
 
@@ -60,15 +60,22 @@ class _Opts:
 
 
 def _rowwise(a: jax.Array) -> fp8.Fp8Array:
-    """``a`` as e4m3 with one power-of-two scale per row of its last axis."""
+    """``a`` as e4m3 with one power-of-two scale per row of its last axis (the weights)."""
     return fp8.quantize(a, block_size=a.shape[-1])
 
 
+def _token_rows(a) -> tuple[jax.Array, jax.Array]:
+    """A token operand as ``(e4m3 rows, f32 scale per row)``: quantized here in one pass
+    (`moe._quant_pallas`), or passed in already quantized as that pair."""
+    return a if isinstance(a, tuple) else _quant_pallas.rows(a)
+
+
 def _fp8_matmul(ops: _grouped.GroupedGemms, a, w_kmajor, gs, out_dtype):
-    """``(a_q @ w_q[e]^T) * s_a[row] * s_w[e, n]`` per group: FP8 operands, f32 accumulation."""
-    aq, wq = _rowwise(a), _rowwise(w_kmajor)
-    s_a, s_w = fp8.block_scales(aq)[..., 0], fp8.block_scales(wq)[..., 0]
-    return ops.mm8(aq.data, wq.data, gs, out_dtype, s_a, s_w)
+    """``(a_q @ w_q[e]^T) * s_a[row] * s_w[e, n]`` per group: FP8 operands, f32 accumulation.
+    ``a``: the token operand, or its ``(e4m3, scale)`` pair."""
+    aq, s_a = _token_rows(a)
+    wq = _rowwise(w_kmajor)
+    return ops.mm8(aq, wq.data, gs, out_dtype, s_a, fp8.block_scales(wq)[..., 0])
 
 
 def _fp8_wgrad(ops: _grouped.GroupedGemms, a, g, gs, out_dtype):
@@ -79,7 +86,8 @@ def _fp8_wgrad(ops: _grouped.GroupedGemms, a, g, gs, out_dtype):
 
 
 def _matmul(opts: _Opts, precision: str, a, w, gs, out_dtype):
-    """``a @ w[e]`` per group (``w [E, K, N]``), bf16 or FP8 (K-major weight copy)."""
+    """``a @ w[e]`` per group (``w [E, K, N]``), bf16 or FP8 (K-major weight copy; ``a`` may
+    be an ``(e4m3, scale)`` pair)."""
     ops = _grouped.BACKENDS[opts.backend]
     if precision == "fp8":
         return _fp8_matmul(ops, a, jnp.swapaxes(w, 1, 2), gs, out_dtype)
@@ -132,14 +140,25 @@ def _bias_grad(dz: jax.Array, gs: jax.Array, out_dtype) -> jax.Array:
 
 
 def _mask_rows(opts: _Opts, a: jax.Array, gs: jax.Array) -> jax.Array:
-    """Zero the padding rows of a token operand (ragged: index >= sum(gs); padded: c >= gs[e])."""
+    """Zero the padding rows of a token operand (ragged: index >= sum(gs); padded: c >= gs[e]).
+
+    The Mosaic kernels neither read those rows nor write anything but zeros for them (whole
+    padding tiles), so on CUDA the 'mosaic' backend skips the copy; its XLA emulation
+    (``ragged_dot``, elsewhere) masks.
+    """
     if not opts.mask_rows:
         return a
-    if a.ndim == 2:
-        valid = (jnp.arange(a.shape[0]) < jnp.sum(gs))[:, None]
-    else:
-        valid = (jnp.arange(a.shape[1])[None, :] < gs[:, None])[..., None]
-    return jnp.where(valid, a, jnp.zeros((), a.dtype))
+
+    def mask(a, gs):
+        if a.ndim == 2:
+            valid = (jnp.arange(a.shape[0]) < jnp.sum(gs))[:, None]
+        else:
+            valid = (jnp.arange(a.shape[1])[None, :] < gs[:, None])[..., None]
+        return jnp.where(valid, a, jnp.zeros((), a.dtype))
+
+    if opts.backend == "mosaic":
+        return jax.lax.platform_dependent(a, gs, cuda=lambda a, gs: a, default=mask)
+    return mask(a, gs)
 
 
 def _forward(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up) -> tuple[jax.Array, jax.Array]:
@@ -147,7 +166,10 @@ def _forward(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up) -> tuple[jax.Arra
     (without ``b_gate_up``; ``gated_experts`` zeroes them when there are biases)."""
     x = _mask_rows(opts, x, gs)
     z = _gate_up(opts, x, gs, w_gate_up, b_gate_up)
-    h = opts.activation.apply(z).astype(x.dtype)
+    if opts.gemm_dtype == "fp8":  # h quantized as it is computed (one read of z)
+        h = _quant_pallas.gated_rows(z, opts.activation)
+    else:
+        h = opts.activation.apply(z).astype(x.dtype)
     with jax.named_scope("experts_down"):
         y = _matmul(opts, opts.gemm_dtype, h, w_down, gs, x.dtype)
     return y, z
@@ -185,10 +207,15 @@ def _experts_bwd(opts: _Opts, res, dy):
         dh = _matmul_t(opts, dy, w_down, gs, jnp.float32)
     with jax.named_scope("experts_down_wgrad"):
         dw_down = _wgrad(opts, h, dy, gs, w_down.dtype)
-    dz32 = opts.activation.grad(z, dh)
-    dz = dz32.astype(dtype)
+    if opts.dgrad_dtype == "fp8" and b_gate_up is None:
+        # dz in the compute dtype (wgrad) and quantized (dgrad) from one read of z and dh.
+        dz, *dz_q = _quant_pallas.gated_grad_rows(z, dh, opts.activation, dtype)
+        dz_in = tuple(dz_q)
+    else:
+        dz32 = opts.activation.grad(z, dh)
+        dz_in = dz = dz32.astype(dtype)
     with jax.named_scope("experts_gate_up_dgrad"):
-        dx = _matmul_t(opts, dz, w_gate_up, gs, x.dtype)
+        dx = _matmul_t(opts, dz_in, w_gate_up, gs, x.dtype)
     with jax.named_scope("experts_gate_up_wgrad"):
         dw_gate_up = _wgrad(opts, x, dz, gs, w_gate_up.dtype)
     return (

@@ -3,15 +3,18 @@
 The MoE layer's forward + backward is exported for CUDA (an abstract H200, no GPU needed) and
 the StableHLO is read: every grouped GEMM of the ragged layout is a Mosaic GPU call whose two
 matrix operands are ``f8E4M3FN``, every GEMM of the padded layout a ``dot_general`` of two
-``f8E4M3FN`` operands, and no ``f8E4M3FN`` value is converted back to a wider type anywhere.
+``f8E4M3FN`` operands, and no ``f8E4M3FN`` value is converted back to a wider type anywhere. The
+token operands are quantized by the one-pass Pallas kernels of ``moe._quant_pallas`` (x, dy,
+``act(z)`` and ``dz`` with the activation's backward), not by XLA's reduce + convert passes.
 """
 
+import functools
 import re
 
 import jax
 import jax.numpy as jnp
 import pytest
-from _cuda_export import MOSAIC_GPU_CALLS, cuda_mesh, export_for_cuda
+from _cuda_export import MOSAIC_GPU_CALLS, TRITON_CALL, cuda_mesh, export_for_cuda
 
 import moe
 
@@ -20,9 +23,11 @@ E, K, D, F, TOKENS = 8, 2, 256, 256, 512
 F8 = "f8E4M3FN"
 
 
-def _layer_grad_text(transport: str, backend: str) -> str:
+@functools.cache
+def _layer_grad_text(transport: str, backend: str, recipe: str = "all") -> str:
     mesh = cuda_mesh((1, 1), ("data", "expert"))
-    opts = moe.MoEOptions.create(E, K, transport=transport, backend=backend, **ALL_FP8)
+    gemms = ALL_FP8 if recipe == "all" else dict(gemm_dtype="fp8", dgrad_dtype="fp8")
+    opts = moe.MoEOptions.create(E, K, transport=transport, backend=backend, **gemms)
 
     def loss(x, router, w_gate_up, w_down):
         y, _ = moe.moe_apply(x, router, w_gate_up, w_down, opts=opts, mesh=mesh)
@@ -67,4 +72,24 @@ def test_padded_layout_gemms_are_fp8_dots():
     assert len(dots) == 6, len(dots)
     for line in dots:
         assert all(t.endswith(f"x{F8}>") for t in _operand_types(line)), line[-300:]
+    _no_widening_of_fp8(text)
+
+
+def _quantize_kernels(text: str) -> list[str]:
+    """Names of the one-pass quantization kernels (Triton calls) in an exported module."""
+    return sorted(re.search(r"(fp8_\w*quantize_rows)", line).group(1)
+                  for line in text.splitlines()
+                  if TRITON_CALL in line and "quantize_rows" in line)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport,backend", [("dropless", "mosaic"), ("dense", "einsum")])
+def test_token_operands_are_quantized_in_one_pass(transport, backend):
+    """FP8 forward and data-gradient GEMMs: x and dy by ``quantize_rows``, h = act(z) by the
+    fused activation kernel, dz by the fused activation-backward kernel (which also gives the
+    bf16 dz of the bf16 weight gradient)."""
+    text = _layer_grad_text(transport, backend, "fwd_dgrad")
+    assert _quantize_kernels(text) == ["fp8_gated_grad_quantize_rows",
+                                       "fp8_gated_quantize_rows", "fp8_quantize_rows",
+                                       "fp8_quantize_rows"], _quantize_kernels(text)
     _no_widening_of_fp8(text)

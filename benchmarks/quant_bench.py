@@ -1,0 +1,123 @@
+"""FP8 quantization passes of the expert GEMMs' operands: XLA against the one-pass kernels.
+
+The FP8 expert GEMMs read e4m3 operands with one power-of-two scale per row. Each row is
+quantized (row maximum, scale, cast) before its GEMM: ``x`` and ``dy`` as given, ``h = act(z)``
+after the gate_up GEMM, ``dz = act'(z) dh`` in the backward. This script times each of those
+passes in XLA (the ``*_reference`` functions of `moe._quant_pallas`, what the layer ran before
+the kernels) and with the one-pass Pallas kernels of `moe._quant_pallas`, on random (never zero)
+inputs, medians after warm-up (each sample ten back-to-back calls). It checks that both give the
+same bytes, counts the kernels each compiled function launches, and reports the rate in GB/s of
+the bytes a single pass must move (read the inputs once, write the outputs once), next to the
+copy ceiling measured in the same run (``x -> x * 2`` in bf16).
+
+Usage:
+  python benchmarks/quant_bench.py --out quant.json     # one GPU
+  python benchmarks/quant_bench.py --small              # CPU plumbing check (interpret mode)
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_util  # noqa: E402
+
+from moe import _quant_pallas as qp  # noqa: E402
+from moe.activations import GatedActivation  # noqa: E402
+
+
+def kernels_launched(compiled) -> int:
+    """Fusions, custom calls and other kernels in a compiled module's entry computation."""
+    text = compiled.as_text()
+    entry = text[text.index("ENTRY"):]
+    body = entry[:entry.index("\n}")]
+    return len(re.findall(r"\s(?:fusion|custom-call|convert|reduce|copy)\(", body))
+
+
+def timed(fn, args, a, inner: int = 10) -> float:
+    """Median seconds per call, each sample ``inner`` back-to-back calls (no launch gaps)."""
+    def calls(*xs):
+        return [fn(*xs) for _ in range(inner)]
+    return bench_util.median_seconds(calls, args, a.warmup, a.iters)[0] / inner
+
+
+def same_bytes(a, b) -> bool:
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        u, v = np.asarray(u), np.asarray(v)
+        if u.dtype == jnp.float8_e4m3fn:
+            u, v = u.view(np.uint8), v.view(np.uint8)
+        if not np.array_equal(u, v, equal_nan=True):
+            return False
+    return True
+
+
+def nbytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--small", action="store_true")
+    p.add_argument("--out", default=None)
+    p.add_argument("--rows", type=int, default=None, help="token rows (32768; --small 256)")
+    p.add_argument("--d-model", type=int, default=None, help="4096 (--small 256)")
+    p.add_argument("--d-ff", type=int, default=None, help="2048 (--small 128)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=20)
+    a = p.parse_args(argv)
+    small = {"rows": 256, "d_model": 256, "d_ff": 128}
+    full = {"rows": 32768, "d_model": 4096, "d_ff": 2048}
+    bench_util.fill_defaults(a, small=small, full=full)
+    interpret = jax.default_backend() != "gpu"
+    act = GatedActivation("silu")
+    k = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(k[0], (a.rows, a.d_model), jnp.bfloat16)
+    z = (jax.random.normal(k[1], (a.rows, 2 * a.d_ff), jnp.float32) * 2).astype(jnp.bfloat16)
+    dh = jax.random.normal(k[2], (a.rows, a.d_ff), jnp.float32)
+    cases = {
+        "quantize_rows": ((x,), qp.quantize_rows_reference,
+                          lambda x: qp.quantize_rows(x, interpret=interpret)),
+        "gated_quantize_rows": ((z,), lambda z: qp.gated_quantize_rows_reference(z, act),
+                                lambda z: qp.gated_quantize_rows(z, act, interpret=interpret)),
+        "gated_grad_quantize_rows": (
+            (z, dh), lambda z, dh: qp.gated_grad_quantize_rows_reference(z, dh, act,
+                                                                         jnp.bfloat16),
+            lambda z, dh: qp.gated_grad_quantize_rows(z, dh, act, interpret=interpret)),
+    }
+    report = {"benchmark": "quant", "env": bench_util.env_info(), "out": a.out,
+              "settings": vars(a) | {"interpret": interpret}, "rows": []}
+    copy = jax.jit(lambda x: x * 2).lower(x).compile()
+    sec = timed(copy, (x,), a)
+    report["copy_GBps"] = 2 * nbytes(x) / sec / 1e9
+    print(f"copy ceiling: {report['copy_GBps']:.0f} GB/s", flush=True)
+    for name, (args, ref_fn, kern_fn) in cases.items():
+        outs = {}
+        for impl, fn in (("xla", ref_fn), ("pallas", kern_fn)):
+            compiled = jax.jit(fn).lower(*args).compile()
+            out = jax.block_until_ready(compiled(*args))
+            sec = timed(compiled, args, a)
+            outs[impl] = out
+            moved = nbytes(args) + nbytes(out)
+            row = {"case": name, "impl": impl, "ms": sec * 1e3, "one_pass_bytes": moved,
+                   "GBps": moved / sec / 1e9, "kernels": kernels_launched(compiled)}
+            report["rows"].append(row)
+            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                           for k, v in row.items()), flush=True)
+        same = same_bytes(outs["xla"][-2:], outs["pallas"][-2:])  # the FP8 payload and scales
+        report["rows"][-1]["same_fp8_bytes_as_xla"] = same
+        print(f"  {name}: same FP8 bytes as XLA: {same}", flush=True)
+        bench_util.write_json(a.out, report)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,304 @@
+"""One-pass row-wise FP8 quantization of the expert GEMMs' token operands (Pallas Triton).
+
+The FP8 expert GEMMs (`moe.experts`) read every token operand as e4m3 with one power-of-two
+scale per row (``moe.fp8.quantize`` with ``block_size`` = the row). XLA splits that into a
+row-maximum reduction and a second pass that scales and converts, and where the operand is
+itself computed (``h = act(z)``, ``dz = act'(z) dh``) each pass recomputes it from its
+inputs: on an H200 the quantization passes of one fused-expert step cost about a third of its
+FP8 GEMM time (BENCHMARKS.md, FP8 breakdown). These kernels do each in one pass, a block of
+rows per program, the whole row in registers:
+
+* :func:`quantize_rows`: ``x [M, K] -> (e4m3 [M, K], scale f32 [M])``;
+* :func:`gated_quantize_rows`: ``z [M, 2F] -> (e4m3(act(z)) [M, F], scale [M])``, the SwiGLU
+  (or other gated activation) and its quantization in one read of ``z``;
+* :func:`gated_grad_quantize_rows`: ``(z [M, 2F], dh [M, F]) -> (dz [M, 2F], e4m3(dz),
+  scale)``, the activation's backward giving ``dz`` in the compute dtype (for a bf16 weight
+  gradient) and quantized (for the FP8 data gradient) from one read of ``z`` and ``dh``.
+
+The bytes equal the XLA reference functions here (``*_reference``: the same integer scale
+arithmetic, :func:`moe.fp8.scales_from_amax_bits`, and round-to-nearest-even casts), which is
+what runs off NVIDIA GPUs and what the tests compare the kernels against in interpret mode.
+Row widths (``K``, ``F``) must be powers of two (Triton block shapes): :func:`supported`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from moe import _vma, fp8
+from moe._gmm_pallas import PALLAS_IMPORT_ERROR, TritonParams, pl
+from moe._gmm_pallas import plgpu as _plgpu
+from moe.activations import GatedActivation
+
+F8 = jnp.float8_e4m3fn
+_ABS = 0x7FFFFFFF
+_ELEMS_PER_PROGRAM = 8192  # row elements per program (x bf16: 16 KiB read)
+
+
+def supported(width: int) -> bool:
+    """Whether rows of ``width`` channels can use these kernels (a power of two >= 16)."""
+    return PALLAS_IMPORT_ERROR is None and width >= 16 and width & (width - 1) == 0
+
+
+def _abs_bits(x: jax.Array) -> jax.Array:
+    """int32 bits of ``|x|`` (f32): integer order is magnitude order, NaN above inf."""
+    return lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(_ABS)
+
+
+def _scale_and_cast(parts, amax_bits):
+    """Each f32 ``[bm, w]`` of ``parts`` as e4m3 with its row's power-of-two scale, and that
+    scale (f32 ``[bm]``; NaN for a row holding a NaN or an infinity)."""
+    byte, inv = fp8.scales_from_amax_bits(amax_bits)
+    qs = [jnp.clip(p * inv[:, None], -fp8.E4M3_MAX, fp8.E4M3_MAX).astype(F8) for p in parts]
+    scale = lax.bitcast_convert_type(byte << 23, jnp.float32)
+    return qs, jnp.where(byte == fp8.E8M0_NAN, jnp.float32(jnp.nan), scale)
+
+
+def _row_amax_bits(*parts) -> jax.Array:
+    amax = None
+    for p in parts:
+        m = jnp.max(_abs_bits(p), axis=-1)
+        amax = m if amax is None else jnp.maximum(amax, m)
+    return amax
+
+
+# ----------------------------------------------------------------------------------------------
+# XLA references (the fallback off GPU; the kernels give the same bytes).
+# ----------------------------------------------------------------------------------------------
+
+
+def quantize_rows_reference(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """:func:`quantize_rows` in XLA ops (any shape ``[..., K]``)."""
+    x = x.astype(jnp.float32)
+    (q,), s = _scale_and_cast_nd([x], _row_amax_bits(x))
+    return q, s
+
+
+def gated_quantize_rows_reference(z: jax.Array, act: GatedActivation):
+    """:func:`gated_quantize_rows` in XLA ops."""
+    g, u = jnp.split(z, 2, axis=-1)
+    return quantize_rows_reference(act.apply_parts(g, u))
+
+
+def gated_grad_quantize_rows_reference(z: jax.Array, dh: jax.Array, act: GatedActivation,
+                                       out_dtype):
+    """:func:`gated_grad_quantize_rows` in XLA ops."""
+    g, u = jnp.split(z, 2, axis=-1)
+    dg, du = act.grad_parts(g, u, dh)
+    (qg, qu), s = _scale_and_cast_nd([dg, du], _row_amax_bits(dg, du))
+    dz = jnp.concatenate([dg, du], axis=-1).astype(out_dtype)
+    return dz, jnp.concatenate([qg, qu], axis=-1), s
+
+
+def _scale_and_cast_nd(parts, amax_bits):
+    """:func:`_scale_and_cast` on ``[..., w]`` parts with ``[...]`` maxima."""
+    lead = amax_bits.shape
+    flat = [p.reshape(-1, p.shape[-1]) for p in parts]
+    qs, s = _scale_and_cast(flat, amax_bits.reshape(-1))
+    return [q.reshape(*lead, q.shape[-1]) for q in qs], s.reshape(lead)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels: grid over row blocks, the whole row of a block in registers.
+# ----------------------------------------------------------------------------------------------
+
+
+def _rows(i, bm):
+    return pl.ds(pl.multiple_of(i * bm, bm), bm)
+
+
+def _load(ref, rows, start, width):
+    return _plgpu.load(ref.at[rows, pl.ds(start, width)]).astype(jnp.float32)
+
+
+def _quantize_kernel(x_ref, q_ref, s_ref, *, bm, width):
+    rows = _rows(pl.program_id(0), bm)
+    x = _load(x_ref, rows, 0, width)
+    (q,), s = _scale_and_cast([x], _row_amax_bits(x))
+    _plgpu.store(q_ref.at[rows, pl.ds(0, width)], q)
+    _plgpu.store(s_ref.at[rows], s)
+
+
+def _gated_kernel(z_ref, q_ref, s_ref, *, bm, width, act):
+    rows = _rows(pl.program_id(0), bm)
+    h = act.apply_parts(_load(z_ref, rows, 0, width), _load(z_ref, rows, width, width))
+    (q,), s = _scale_and_cast([h], _row_amax_bits(h))
+    _plgpu.store(q_ref.at[rows, pl.ds(0, width)], q)
+    _plgpu.store(s_ref.at[rows], s)
+
+
+def _gated_grad_kernel(z_ref, dh_ref, dz_ref, q_ref, s_ref, *, bm, width, act):
+    rows = _rows(pl.program_id(0), bm)
+    dg, du = act.grad_parts(_load(z_ref, rows, 0, width), _load(z_ref, rows, width, width),
+                            _load(dh_ref, rows, 0, width))
+    (qg, qu), s = _scale_and_cast([dg, du], _row_amax_bits(dg, du))
+    for start, d, q in ((0, dg, qg), (width, du, qu)):
+        _plgpu.store(dz_ref.at[rows, pl.ds(start, width)], d.astype(dz_ref.dtype))
+        _plgpu.store(q_ref.at[rows, pl.ds(start, width)], q)
+    _plgpu.store(s_ref.at[rows], s)
+
+
+def block_rows(m: int, width: int) -> int:
+    """Rows per program: ``8192 / width`` (a power of two, at least 1), halved until it
+    divides ``m``."""
+    bm = max(1, _ELEMS_PER_PROGRAM // width)
+    while m % bm:
+        bm //= 2
+    return bm
+
+
+def _launch(kernel, operands, outs, *, m, width, interpret, name, **kw):
+    """``kernel`` over ``m // bm`` programs; ``outs``: ``(shape, dtype)`` of each output."""
+    varying = _vma.varying_of(*operands)
+    bm = block_rows(m, width)
+    body = functools.partial(kernel, bm=bm, width=width, **kw)
+    warps = 4 if bm * width <= 4096 else 8
+
+    def call(interp, *ops):
+        return pl.pallas_call(
+            body,
+            out_shape=tuple(_vma.out_struct(s, d, varying) for s, d in outs),
+            grid=(m // bm,),
+            interpret=interp,
+            compiler_params=None if interp else TritonParams(num_warps=warps, num_stages=1),
+            name=name,
+        )(*ops)
+
+    if interpret:
+        return _vma.unchecked(functools.partial(call, True), varying, *operands)
+    return call(False, *operands)
+
+
+def _check(x: jax.Array, width: int, what: str) -> None:
+    if x.ndim != 2 or not supported(width):
+        raise ValueError(f"{what} must be 2-D with a power-of-two row width >= 16 for the "
+                         f"Pallas quantization kernels, got shape {x.shape}; use the "
+                         "*_reference functions for other shapes.")
+
+
+def quantize_rows(x: jax.Array, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Row-wise e4m3 quantization in one pass: ``(q [M, K], scale f32 [M])``.
+
+    ``scale = 2^ceil(log2(amax / 448))`` per row (``moe.fp8.quantize`` with one block per
+    row), ``q = e4m3(clip(x / scale, -448, 448))``; ``x ~= q * scale[:, None]``.
+
+    Args:
+      x: float ``[M, K]``, ``K`` a power of two.
+      interpret: Pallas interpret mode (any backend, slow).
+
+    Returns:
+      ``(q float8_e4m3fn [M, K], scale float32 [M])``.
+
+    Example:
+      >>> q, s = quantize_rows(jnp.full((2, 256), 3.0), interpret=True)
+      >>> q.dtype, s.tolist()
+      (dtype(float8_e4m3fn), [0.0078125, 0.0078125])
+    """
+    m, k = x.shape
+    _check(x, k, "x")
+    return _launch(_quantize_kernel, (x,), (((m, k), F8), ((m,), jnp.float32)), m=m,
+                   width=k, interpret=interpret, name="fp8_quantize_rows")
+
+
+def gated_quantize_rows(z: jax.Array, act: GatedActivation, *,
+                        interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """``h = act(z)`` quantized row-wise, one read of ``z``: ``(q [M, F], scale [M])``.
+
+    Args:
+      z: float ``[M, 2F]`` (gate columns then up columns), ``F`` a power of two.
+      act: the gated activation.
+      interpret: Pallas interpret mode.
+
+    Returns:
+      As :func:`quantize_rows` for ``act.apply(z)`` (computed in f32, not rounded first).
+
+    Example:
+      >>> q, s = gated_quantize_rows(jnp.ones((2, 64)), GatedActivation("silu"),
+      ...                            interpret=True)
+      >>> q.shape, s.shape
+      ((2, 32), (2,))
+    """
+    m, two_f = z.shape
+    _check(z, two_f // 2, "z")
+    f = two_f // 2
+    return _launch(_gated_kernel, (z,), (((m, f), F8), ((m,), jnp.float32)), m=m, width=f,
+                   interpret=interpret, name="fp8_gated_quantize_rows", act=act)
+
+
+def gated_grad_quantize_rows(z: jax.Array, dh: jax.Array, act: GatedActivation, *,
+                             out_dtype=jnp.bfloat16, interpret: bool = False):
+    """The activation's backward ``dz = act'(z) dh`` in ``out_dtype`` and quantized row-wise.
+
+    One read of ``z`` and ``dh``; ``dz`` is computed in f32, then cast (the first output) and
+    quantized from f32 (the second and third), so the FP8 copy is not rounded twice.
+
+    Args:
+      z: float ``[M, 2F]``, ``F`` a power of two.
+      dh: float ``[M, F]``, the cotangent of ``h = act(z)``.
+      act: the gated activation.
+      out_dtype: dtype of the unquantized ``dz``.
+      interpret: Pallas interpret mode.
+
+    Returns:
+      ``(dz out_dtype [M, 2F], q float8_e4m3fn [M, 2F], scale float32 [M])``.
+
+    Example:
+      >>> dz, q, s = gated_grad_quantize_rows(jnp.ones((2, 64)), jnp.ones((2, 32)),
+      ...                                     GatedActivation("silu"), interpret=True)
+      >>> dz.shape, q.dtype, s.shape
+      ((2, 64), dtype(float8_e4m3fn), (2,))
+    """
+    m, two_f = z.shape
+    f = two_f // 2
+    _check(z, f, "z")
+    if dh.shape != (m, f):
+        raise ValueError(f"dh must be [M, F] = {(m, f)} for z {z.shape}, got {dh.shape}.")
+    outs = (((m, two_f), jnp.dtype(out_dtype)), ((m, two_f), F8), ((m,), jnp.float32))
+    return _launch(_gated_grad_kernel, (z, dh), outs, m=m, width=f, interpret=interpret,
+                   name="fp8_gated_grad_quantize_rows", act=act)
+
+
+# ----------------------------------------------------------------------------------------------
+# What the expert layer calls: the kernels when lowered for CUDA, the references elsewhere.
+# ----------------------------------------------------------------------------------------------
+
+
+def _on_cuda(kernel_fn, reference_fn, width: int, *args):
+    """``kernel_fn(*args)`` when lowered for CUDA and ``width`` is supported, else
+    ``reference_fn(*args)`` (the same bytes)."""
+    if not supported(width):
+        return reference_fn(*args)
+    return lax.platform_dependent(*args, cuda=kernel_fn, default=reference_fn)
+
+
+def _flat(fn, x, *rest):
+    """``fn`` on the rows of ``x [..., K]`` (and of ``rest``) as 2-D arrays, outputs reshaped
+    back to ``x``'s leading shape."""
+    lead = x.shape[:-1]
+    outs = fn(x.reshape(-1, x.shape[-1]), *(r.reshape(-1, r.shape[-1]) for r in rest))
+    return tuple(o.reshape(*lead, *o.shape[1:]) for o in outs)
+
+
+def rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``x [..., K]`` row-wise as ``(e4m3 [..., K], scale f32 [...])``: :func:`quantize_rows`
+    on NVIDIA GPUs, its reference elsewhere."""
+    return _on_cuda(lambda x: _flat(quantize_rows, x), quantize_rows_reference, x.shape[-1], x)
+
+
+def gated_rows(z: jax.Array, act: GatedActivation) -> tuple[jax.Array, jax.Array]:
+    """``act(z)`` row-wise quantized: :func:`gated_quantize_rows` on NVIDIA GPUs."""
+    return _on_cuda(lambda z: _flat(functools.partial(gated_quantize_rows, act=act), z),
+                    functools.partial(gated_quantize_rows_reference, act=act),
+                    z.shape[-1] // 2, z)
+
+
+def gated_grad_rows(z: jax.Array, dh: jax.Array, act: GatedActivation, out_dtype):
+    """``(dz, e4m3(dz), scale)``: :func:`gated_grad_quantize_rows` on NVIDIA GPUs."""
+    kern = functools.partial(gated_grad_quantize_rows, act=act, out_dtype=out_dtype)
+    return _on_cuda(lambda z, dh: _flat(kern, z, dh),
+                    lambda z, dh: gated_grad_quantize_rows_reference(z, dh, act, out_dtype),
+                    z.shape[-1] // 2, z, dh)

@@ -1,0 +1,83 @@
+"""The one-pass FP8 quantization kernels (moe._quant_pallas) give the bytes of their XLA
+references, run in Pallas interpret mode on CPU; the compiled GPU path is lowered in
+tests/test_fp8_lowering.py."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe import _quant_pallas as qp
+from moe import fp8
+from moe.activations import GatedActivation
+
+KINDS = ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
+
+
+def _bytes(a):
+    a = np.asarray(a)
+    return a.view(np.uint8) if a.dtype == jnp.float8_e4m3fn else a
+
+
+def _assert_same(got, want):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(_bytes(g), _bytes(w))
+
+
+def test_quantize_rows_matches_moe_fp8_quantize():
+    x = jax.random.normal(jax.random.key(0), (16, 256), jnp.bfloat16) * 5
+    x = x.at[3, 7].set(jnp.inf).at[5, 1].set(jnp.nan).at[6].set(0).at[8, 0].set(1e-30)
+    q, s = jax.jit(functools.partial(qp.quantize_rows, interpret=True))(x)
+    _assert_same((q, s), qp.quantize_rows_reference(x))
+    ref = fp8.quantize(x, block_size=256)
+    _assert_same((q, s), (ref.data, fp8.block_scales(ref)[:, 0]))
+    chex.assert_shape((q, s), [(16, 256), (16,)])
+    assert np.isnan(np.asarray(s)[[3, 5]]).all() and np.isfinite(np.asarray(s)[6])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gated_kernels_match_references(kind):
+    act = GatedActivation(kind)
+    k1, k2 = jax.random.split(jax.random.key(1))
+    z = (jax.random.normal(k1, (8, 128), jnp.float32) * 4).astype(jnp.bfloat16)
+    dh = jax.random.normal(k2, (8, 64), jnp.float32)
+    hq, hs = qp.gated_quantize_rows(z, act, interpret=True)
+    dz, dq, ds = qp.gated_grad_quantize_rows(z, dh, act, interpret=True)
+    want_h = qp.gated_quantize_rows_reference(z, act)
+    want_dz = qp.gated_grad_quantize_rows_reference(z, dh, act, jnp.bfloat16)
+    if kind == "silu":  # the same ops: the same bytes
+        _assert_same((hq, hs, dz, dq, ds), (*want_h, *want_dz))
+    # erf / sigmoid may differ by an ulp between the interpreter and XLA's fused kernels
+    h = hq.astype(jnp.float32) * hs[:, None]
+    chex.assert_trees_all_close(h, act.apply(z), rtol=0.07, atol=1e-3 * float(hs.max()))
+    chex.assert_trees_all_close(dz.astype(jnp.float32), act.grad(z, dh), rtol=1e-2, atol=1e-5)
+    dzq = dq.astype(jnp.float32) * ds[:, None]
+    chex.assert_trees_all_close(dzq, act.grad(z, dh), rtol=0.07, atol=1e-3 * float(ds.max()))
+
+
+def test_flat_rows_of_padded_operands():
+    """The dispatchers reshape ``[E, C, K]`` operands to rows and back."""
+    x = jax.random.normal(jax.random.key(2), (2, 8, 128), jnp.bfloat16)
+    got = qp._flat(functools.partial(qp.quantize_rows, interpret=True), x)
+    _assert_same(got, qp.quantize_rows_reference(x))
+    chex.assert_shape(got, [(2, 8, 128), (2, 8)])
+    _assert_same(qp.rows(x), got)  # on the CPU: the reference
+
+
+def test_unsupported_widths_use_the_reference_and_kernels_refuse_them():
+    x = jnp.ones((4, 384), jnp.bfloat16)  # 384 is not a power of two
+    assert not qp.supported(384) and qp.supported(256)
+    _assert_same(qp.rows(x), qp.quantize_rows_reference(x))
+    with pytest.raises(ValueError, match="power-of-two row width"):
+        qp.quantize_rows(x, interpret=True)
+    with pytest.raises(ValueError, match="dh must be"):
+        qp.gated_grad_quantize_rows(jnp.ones((4, 64)), jnp.ones((4, 16)),
+                                    GatedActivation("silu"), interpret=True)
+
+
+def test_block_rows_divide_the_rows():
+    assert qp.block_rows(32768, 4096) == 2 and qp.block_rows(6, 256) == 2
+    assert qp.block_rows(7, 4096) == 1
