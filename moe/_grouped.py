@@ -55,10 +55,6 @@ class GroupedGemms:
     tmm8: Callable[..., jax.Array]
     aligned: bool = False  # needs every group a multiple of GROUP_ALIGNMENT rows
 
-    def transpose_rows(self, a: jax.Array) -> jax.Array:
-        """The K-major copy of a token operand: ``[K, R]`` or ``[E, K, C]``."""
-        return a.T if a.ndim == 2 else jnp.swapaxes(a, 1, 2)
-
 
 def _dn(contract, ragged, group) -> lax.RaggedDotDimensionNumbers:
     return lax.RaggedDotDimensionNumbers(

@@ -59,46 +59,41 @@ class _Opts:
 # ----------------------------------------------------------------------------------------------
 
 
-def _rowwise(a: jax.Array) -> fp8.Fp8Array:
-    """``a`` as e4m3 with one power-of-two scale per row of its last axis (the weights)."""
-    return fp8.quantize(a, block_size=a.shape[-1])
-
-
 def _token_rows(a) -> tuple[jax.Array, jax.Array]:
     """A token operand as ``(e4m3 rows, f32 scale per row)``: quantized here in one pass
     (`moe._quant_pallas`), or passed in already quantized as that pair."""
     return a if isinstance(a, tuple) else _quant_pallas.rows(a)
 
 
-def _fp8_matmul(ops: _grouped.GroupedGemms, a, w_kmajor, gs, out_dtype):
+def _fp8_matmul(ops: _grouped.GroupedGemms, a, w_q, gs, out_dtype):
     """``(a_q @ w_q[e]^T) * s_a[row] * s_w[e, n]`` per group: FP8 operands, f32 accumulation.
-    ``a``: the token operand, or its ``(e4m3, scale)`` pair."""
+    ``a``: the token operand, or its ``(e4m3, scale)`` pair; ``w_q``: the K-major weight
+    ``(e4m3 [E, N, K], scale [E, N])``."""
     aq, s_a = _token_rows(a)
-    wq = _rowwise(w_kmajor)
-    return ops.mm8(aq, wq.data, gs, out_dtype, s_a, fp8.block_scales(wq)[..., 0])
+    return ops.mm8(aq, w_q[0], gs, out_dtype, s_a, w_q[1])
 
 
 def _fp8_wgrad(ops: _grouped.GroupedGemms, a, g, gs, out_dtype):
     """``a_e^T @ g_e`` on FP8 K-major copies, one scale per channel over the token rows."""
-    aq, gq = _rowwise(ops.transpose_rows(a)), _rowwise(ops.transpose_rows(g))
-    s_a, s_g = fp8.block_scales(aq)[..., 0], fp8.block_scales(gq)[..., 0]
-    return ops.tmm8(aq.data, gq.data, gs, out_dtype, s_a, s_g)
+    (aq, s_a), (gq, s_g) = _quant_pallas.cols_t(a), _quant_pallas.cols_t(g)
+    return ops.tmm8(aq, gq, gs, out_dtype, s_a, s_g)
 
 
 def _matmul(opts: _Opts, precision: str, a, w, gs, out_dtype):
-    """``a @ w[e]`` per group (``w [E, K, N]``), bf16 or FP8 (K-major weight copy; ``a`` may
-    be an ``(e4m3, scale)`` pair)."""
+    """``a @ w[e]`` per group (``w [E, K, N]``), bf16 or FP8 (``a`` may be an ``(e4m3,
+    scale)`` pair; the weight is quantized per output channel into its K-major copy)."""
     ops = _grouped.BACKENDS[opts.backend]
     if precision == "fp8":
-        return _fp8_matmul(ops, a, jnp.swapaxes(w, 1, 2), gs, out_dtype)
+        return _fp8_matmul(ops, a, _quant_pallas.cols_t(w), gs, out_dtype)
     return ops.fwd(a, w.astype(a.dtype), gs, out_dtype)
 
 
 def _matmul_t(opts: _Opts, a, w, gs, out_dtype):
-    """``a @ w[e]^T`` per group (the dgrad ``dz @ W^T``), bf16 or FP8 (``w`` is K-major)."""
+    """``a @ w[e]^T`` per group (the dgrad ``dz @ W^T``), bf16 or FP8 (``w [E, K, N]`` is
+    K-major for it: quantized per row)."""
     ops = _grouped.BACKENDS[opts.backend]
     if opts.dgrad_dtype == "fp8":
-        return _fp8_matmul(ops, a, w, gs, out_dtype)
+        return _fp8_matmul(ops, a, _quant_pallas.rows(w), gs, out_dtype)
     return ops.dgrad(a, w.astype(a.dtype), gs, out_dtype)
 
 

@@ -76,20 +76,27 @@ def test_padded_layout_gemms_are_fp8_dots():
 
 
 def _quantize_kernels(text: str) -> list[str]:
-    """Names of the one-pass quantization kernels (Triton calls) in an exported module."""
-    return sorted(re.search(r"(fp8_\w*quantize_rows)", line).group(1)
-                  for line in text.splitlines()
-                  if TRITON_CALL in line and "quantize_rows" in line)
+    """Names of the quantization kernels (Triton calls) in an exported module."""
+    return sorted(re.search(r"(fp8_\w+)", line).group(1) for line in text.splitlines()
+                  if TRITON_CALL in line and re.search(r"fp8_\w*(quantize|amax)", line))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("transport,backend", [("dropless", "mosaic"), ("dense", "einsum")])
-def test_token_operands_are_quantized_in_one_pass(transport, backend):
+def test_operands_are_quantized_by_the_pallas_kernels(transport, backend):
     """FP8 forward and data-gradient GEMMs: x and dy by ``quantize_rows``, h = act(z) by the
     fused activation kernel, dz by the fused activation-backward kernel (which also gives the
-    bf16 dz of the bf16 weight gradient)."""
+    bf16 dz of the bf16 weight gradient); the weights by ``quantize_rows`` (dgrad, per row)
+    and the two column kernels (forward: column maxima, then the transposed K-major copy)."""
     text = _layer_grad_text(transport, backend, "fwd_dgrad")
-    assert _quantize_kernels(text) == ["fp8_gated_grad_quantize_rows",
-                                       "fp8_gated_quantize_rows", "fp8_quantize_rows",
-                                       "fp8_quantize_rows"], _quantize_kernels(text)
+    tokens = ["fp8_gated_grad_quantize_rows", "fp8_gated_quantize_rows"] + 2 * ["fp8_quantize_rows"]
+    weights = 2 * ["fp8_col_amax", "fp8_quantize_cols_t", "fp8_quantize_rows"]
+    assert _quantize_kernels(text) == sorted(tokens + weights), _quantize_kernels(text)
     _no_widening_of_fp8(text)
+
+
+@pytest.mark.slow
+def test_fp8_weight_gradient_operands_are_transposed_by_the_column_kernels():
+    text = _layer_grad_text("dropless", "mosaic")
+    # the wgrad operands x, dz, h, dy: column maxima + transposed copy each
+    assert _quantize_kernels(text).count("fp8_quantize_cols_t") == 2 + 4

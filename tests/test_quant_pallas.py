@@ -81,3 +81,19 @@ def test_unsupported_widths_use_the_reference_and_kernels_refuse_them():
 def test_block_rows_divide_the_rows():
     assert qp.block_rows(32768, 4096) == 2 and qp.block_rows(6, 256) == 2
     assert qp.block_rows(7, 4096) == 1
+
+
+def test_quantize_cols_t_matches_transposed_row_quantization():
+    x = jax.random.normal(jax.random.key(3), (2, 128, 192), jnp.bfloat16) * 3
+    x = x.at[0, 5, 7].set(jnp.nan).at[1, :, 3].set(0)
+    q, s = qp.quantize_cols_t(x, interpret=True)
+    ref = fp8.quantize(jnp.swapaxes(x, 1, 2), block_size=128)
+    _assert_same((q, s), (ref.data, fp8.block_scales(ref)[..., 0]))
+    chex.assert_shape((q, s), [(2, 192, 128), (2, 192)])
+    # 2-D token operands [R, K] -> [K, R] (the weight gradient's K-major copies)
+    got = qp.cols_t(x[0])
+    _assert_same(got, (ref.data[0], fp8.block_scales(ref)[0, :, 0]))
+    with pytest.raises(ValueError, match="multiples of"):
+        qp.quantize_cols_t(x[:, :100], interpret=True)
+    assert not qp.cols_supported(100, 64)
+    _assert_same(qp.cols_t(x[:, :100]), qp.quantize_cols_t_reference(x[:, :100]))
