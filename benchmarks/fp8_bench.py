@@ -16,12 +16,19 @@ same run (dense bf16 and dense FP8 [8192]^3 matmuls). Rows:
    (layout, routing) cases; ``--breakdown`` traces 3 steps of every row with ``jax.profiler``
    and stores where the device time goes (benchmarks/trace_breakdown.py: categories and the
    most expensive instructions, so the FP8 operands' quantization passes show by name).
-3. ``layer``: `moe.moe_apply` forward + backward on one device, dense transport capacity 1.25
-   (16k tokens, d 4096, d_ff 2048, 16 experts, top-2), bf16 vs FP8 (dispatch + the GEMMs of
-   ``--layer-recipe``). Each FP8 row also carries its worst cosine / relative RMS error over
-   the output gradients against the bf16 row of the same case.
-   MFU counts useful bf16-equivalent FLOPs (router + 3 GEMMs per kept slot, x3 for fwd+bwd)
-   over the dense bf16 rate: key ``moe_layer_fp8_mfu_1gpu``.
+3. ``layer``: `moe.moe_apply` forward + backward on one device for each of
+   ``--layer-transports`` (dense: capacity factor 1.25; dropless) (16k tokens, d 4096, d_ff
+   2048, 16 experts, top-2), bf16 vs FP8 (dispatch + the GEMMs of ``--layer-recipe``). Each
+   FP8 row also carries its worst cosine / relative RMS error over the output gradients
+   against the bf16 row of the same case. MFU counts useful bf16-equivalent FLOPs (router + 3
+   GEMMs per kept slot, x3 for fwd+bwd) over the dense bf16 rate: keys
+   ``moe_layer_fp8_mfu_1gpu_{transport}``, and ``moe_layer_fp8_mfu_1gpu`` for the transport
+   the layer picks by default on one GPU (``moe.auto_transport(1)``).
+
+Keys of section 2: ``experts_fp8_speedup_{layout}`` is the largest, over the backends timed
+for that layout, of bf16 time / best FP8 time on the same backend (``_recipe`` names the
+recipe and backend; ``experts_fp8_speedup_by_backend`` has every backend's), and
+``..._vs_fastest_bf16`` the fastest FP8 time against the fastest bf16 time of any backend.
 
 Usage:
   python benchmarks/fp8_bench.py --out fp8.json          # one H200 (the FP8 layer compiles slowly)
@@ -56,6 +63,7 @@ from moe.experts import gated_experts  # noqa: E402
 F8 = jnp.float8_e4m3fn
 EXPERT_CASES = {  # --cases name: (layout, backend, routing)
     "padded_balanced": ("padded", "einsum", "balanced"),
+    "padded_mosaic_balanced": ("padded", "mosaic", "balanced"),
     "ragged_balanced": ("ragged", "mosaic", "balanced"),
     "ragged_zipf": ("ragged", "mosaic", "zipf"),
 }
@@ -178,7 +186,7 @@ def experts_rows(report, a, data):
                 step = jax.jit(lambda *a, loss=loss: _y_and_grads(loss, *a))
                 step = step.lower(*args).compile()
                 grads = jax.block_until_ready(step(*args))
-                sec = timed(step, args, a, inner=1)
+                sec = timed(step, args, a)
             except Exception as err:  # noqa: BLE001
                 traceback.print_exc(limit=4)
                 record(report, "experts", {"layout": layout, "routing": routing,
@@ -197,8 +205,18 @@ def experts_rows(report, a, data):
         if "bf16" in times and fp8:
             best = min(fp8, key=fp8.get)
             key = f"experts_fp8_speedup_{layout}" + ("_zipf" if routing == "zipf" else "")
-            report[key] = times["bf16"] / fp8[best]
-            report[key + "_recipe"] = best
+            speedups = report.setdefault("experts_fp8_speedup_by_backend", {})
+            speedups[f"{key}_{backend}"] = {"speedup": times["bf16"] / fp8[best], "recipe": best,
+                                            "bf16_ms": times["bf16"] * 1e3,
+                                            "fp8_ms": fp8[best] * 1e3}
+            # the key: the backend where FP8 gains most against bf16 on that same backend;
+            # ..._vs_fastest_bf16: the fastest FP8 against the fastest bf16 of any backend
+            mine = {k: v for k, v in speedups.items() if k.rsplit("_", 1)[0] == key}
+            top = max(mine, key=lambda k: mine[k]["speedup"])
+            report[key] = mine[top]["speedup"]
+            report[key + "_recipe"] = f"{mine[top]['recipe']} ({top.rsplit('_', 1)[1]})"
+            report[key + "_vs_fastest_bf16"] = (min(v["bf16_ms"] for v in mine.values())
+                                                / min(v["fp8_ms"] for v in mine.values()))
 
 
 def _y_and_grads(loss, *args):
@@ -231,13 +249,34 @@ def layer_rows(report, a):
     rk = jax.random.normal(keys[2], (d, e), jnp.float32) * d**-0.5
     wgu = (jax.random.normal(keys[3], (e, d, 2 * f)) * d**-0.5).astype(jnp.bfloat16)
     wd = (jax.random.normal(keys[4], (e, f, d)) * f**-0.5).astype(jnp.bfloat16)
-    base = moe.MoEOptions.create(e, k, transport="dense", capacity_factor=a.capacity_factor,
-                                 fp8_block_size=128)
-    variants = {
-        "bf16": base.replace(dispatch_dtype="bf16", combine_grad_dtype="bf16"),
-        "fp8": base.replace(dispatch_dtype="fp8", combine_grad_dtype="fp8",
-                            **RECIPES[a.layer_recipe]),
-    }
+    for case in a.layer_transports:  # "dense", "dropless", "dense_mosaic" (backend forced)
+        transport, _, backend = case.partition("_")
+        kw = {"capacity_factor": a.capacity_factor} if transport == "dense" else {}
+        base = moe.MoEOptions.create(e, k, transport=transport, fp8_block_size=128,
+                                     backend=backend or "auto", **kw)
+        variants = {
+            "bf16": base.replace(dispatch_dtype="bf16", combine_grad_dtype="bf16"),
+            "fp8": base.replace(dispatch_dtype="fp8", combine_grad_dtype="fp8",
+                                **RECIPES[a.layer_recipe]),
+        }
+        _layer_variants(report, a, variants, case, (x, rk, wgu, wd, ct))
+    default = moe.auto_transport(1)
+    for key in ("mfu", "ms"):
+        for name in ("bf16", "fp8"):
+            src = f"moe_layer_{name}_{key}_1gpu_{default}"
+            if src in report:
+                report[f"moe_layer_{name}_{key}_1gpu"] = report[src]
+    report["moe_layer_default_transport"] = default
+    if "moe_layer_fp8_ms_1gpu" in report and "moe_layer_bf16_ms_1gpu" in report:
+        report["moe_layer_fp8_speedup_1gpu"] = (report["moe_layer_bf16_ms_1gpu"]
+                                                / report["moe_layer_fp8_ms_1gpu"])
+
+
+def _layer_variants(report, a, variants, transport, args):
+    """Time the bf16 and FP8 layer of one transport; keys ``moe_layer_{name}_{mfu,ms}_1gpu_
+    {transport}``."""
+    t, d, f, e, k = a.layer_tokens, a.d_model, a.d_ff, a.layer_experts, a.top_k
+    x, rk, wgu, wd, ct = args
     ref = None
     for name, opts in variants.items():
         def loss(x, rk, wgu, wd, ct, opts=opts):
@@ -248,24 +287,22 @@ def layer_rows(report, a):
         step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
         try:
             grads, dropped = jax.block_until_ready(step(x, rk, wgu, wd, ct))
-            sec = timed(step, (x, rk, wgu, wd, ct), a, inner=1)
+            sec = timed(step, (x, rk, wgu, wd, ct), a)
             ref = grads if name == "bf16" else ref
         except Exception as err:  # noqa: BLE001
             traceback.print_exc(limit=4)
-            record(report, "layer", {"variant": name, "error": repr(err)[:500]})
+            record(report, "layer", {"variant": name, "transport": transport,
+                                     "error": repr(err)[:500]})
             continue
         kept = t * k - int(dropped)
         flops = 6.0 * t * d * e + 18.0 * d * f * kept  # router + 3 GEMMs, fwd + bwd
         mfu = flops / sec / 1e12 / report["dense_bf16_tflops"]
-        record(report, "layer", {"variant": name, "ms": sec * 1e3, "mfu": mfu,
-                                 "dropped_frac": int(dropped) / (t * k),
+        record(report, "layer", {"variant": name, "transport": transport, "ms": sec * 1e3,
+                                 "mfu": mfu, "dropped_frac": int(dropped) / (t * k),
                                  **({} if ref is None or name == "bf16"
                                     else accuracy(grads, ref))})
-        report[f"moe_layer_{name}_mfu_1gpu"] = mfu
-        report[f"moe_layer_{name}_ms_1gpu"] = sec * 1e3
-    if "moe_layer_fp8_ms_1gpu" in report and "moe_layer_bf16_ms_1gpu" in report:
-        report["moe_layer_fp8_speedup_1gpu"] = (report["moe_layer_bf16_ms_1gpu"]
-                                                / report["moe_layer_fp8_ms_1gpu"])
+        report[f"moe_layer_{name}_mfu_1gpu_{transport}"] = mfu
+        report[f"moe_layer_{name}_ms_1gpu_{transport}"] = sec * 1e3
 
 
 def parse_args(argv=None):
@@ -278,15 +315,20 @@ def parse_args(argv=None):
     p.add_argument("--recipes", default=",".join(RECIPES),
                    help="expert recipes timed (bf16 first: the speedups and the accuracy "
                         "check compare with it)")
+    p.add_argument("--layer-transports", default="dense,dropless",
+                   help="transports of the layer rows (TRANSPORT or TRANSPORT_BACKEND, e.g. "
+                        "dense_mosaic); the un-suffixed keys are those of "
+                        "moe.auto_transport(1)")
     p.add_argument("--cases", default=",".join(EXPERT_CASES),
                    help="gated-experts cases timed (layout_routing)")
     p.add_argument("--breakdown", action="store_true",
                    help="trace each gated-experts row and record its op breakdown")
-    p.add_argument("--layer-recipe", default="fp8_gemm_dgrad", choices=list(RECIPES)[1:],
+    p.add_argument("--layer-recipe", default="fp8_all", choices=list(RECIPES)[1:],
                    help="the FP8 GEMM recipe of the layer's 'fp8' variant (with FP8 dispatch)")
     a = p.parse_args(argv)
     a.recipes = a.recipes.split(",")
     a.cases = a.cases.split(",")
+    a.layer_transports = a.layer_transports.split(",")
     if not set(a.cases) <= EXPERT_CASES.keys():
         p.error(f"--cases must name only {sorted(EXPERT_CASES)}, got {a.cases}")
     if a.recipes[0] != "bf16" or not set(a.recipes) <= RECIPES.keys():

@@ -9,7 +9,8 @@ gated activation of `moe.activations`, optionally with biases) on the expert inp
   Hopper, `moe._gmm_mosaic`), 'pallas' (Pallas Triton kernels, `moe._gmm_pallas`) and
   'ragged_dot' (`jax.lax.ragged_dot_general`);
 - padded ``x [E, C, d_model]`` (rows ``c >= group_sizes[e]`` are padding): backend 'einsum',
-  batched einsums that XLA turns into one large batched GEMM.
+  batched einsums that XLA turns into one large batched GEMM, or 'mosaic', the ragged kernels
+  on the slots as rows (``C`` rounded up to 128 per expert, padding slots zeroed).
 
 FP8 GEMMs consume ``float8_e4m3fn`` operands on the tensor cores (no dequantized copy): each
 operand is quantized along its contraction axis with one power-of-two (E8M0) scale per row
@@ -17,6 +18,9 @@ operand is quantized along its contraction axis with one power-of-two (E8M0) sca
 exact powers of two, multiply its f32-accumulated result (torchao's float8 "rowwise" recipe;
 DeepSeek-V3's 1 x 128 blocks would need a per-block promotion inside the kernel). Weights are
 quantized on every call from the params passed in, in the K-major layout their GEMM reads.
+On NVIDIA GPUs the quantization passes are the one-pass Pallas kernels of `moe._quant_pallas`:
+``h = act(z)`` is quantized as it is computed, and ``dz`` comes out of the activation's
+backward both in the compute dtype and quantized; elsewhere the same bytes come from XLA.
 
 The backward is a `jax.custom_vjp` whose dgrad and wgrad GEMMs are written out, so what is
 kept for it (the SonicMoE options: ``z`` in bf16, ``z`` in FP8, or nothing and recompute) and
@@ -274,7 +278,7 @@ def _resolve_backend(backend: str, x_ndim: int) -> str:
     if backend == "auto":
         return auto_backend(x_ndim)
     want = _grouped.BACKENDS[backend].x_ndim
-    if want != x_ndim:
+    if want != x_ndim and not (backend == "mosaic" and x_ndim == 3):
         layout = "[R, d_model]" if want == 2 else "[E, C, d_model]"
         raise ValueError(
             f"backend={backend!r} takes x as {layout} but x has rank {x_ndim}; "
@@ -392,6 +396,27 @@ def _aligned_call(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up, alignment: i
     return _permute_rows(y_al, dst, src)
 
 
+def _padded_on_rows(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up):
+    """Padded ``x [E, C, d]`` on the ragged-layout 'mosaic' kernels: the slots as rows, ``C``
+    (rounded up to the 128-row tile) rows per expert, the padding slots zeroed going in and
+    coming out (so their cotangents are zero too)."""
+    n_exp, cap, d = x.shape
+    cap_al = -(-cap // _grouped.GROUP_ALIGNMENT) * _grouped.GROUP_ALIGNMENT
+    if cap_al != cap:
+        x = jnp.pad(x, ((0, 0), (0, cap_al - cap), (0, 0)))
+    valid = None
+    if opts.mask_rows:
+        valid = (jnp.arange(cap_al)[None, :] < jnp.minimum(gs, cap)[:, None])[..., None]
+        x = jnp.where(valid, x, jnp.zeros((), x.dtype))
+    rows_opts = dataclasses.replace(opts, mask_rows=False)
+    full = jnp.full((n_exp,), cap_al, jnp.int32)
+    y = _experts(rows_opts, x.reshape(n_exp * cap_al, d), full, w_gate_up, w_down, b_gate_up)
+    y = y.reshape(n_exp, cap_al, d)
+    if valid is not None:
+        y = jnp.where(valid, y, jnp.zeros((), y.dtype))
+    return y[:, :cap] if cap_al != cap else y
+
+
 def _bias_epilogue(y, b_down, real_gs, layout_gs, *, masked: bool, aligned: bool):
     """``y + b_down[expert of row]`` on real rows and 0 on padding rows (ragged: past the
     groups or, in an aligned layout, between them; padded: ``c >= real_gs[e]``)."""
@@ -475,8 +500,9 @@ def gated_experts(
         ``'gelu'``, ``'gelu_tanh'``, ``'clamped_swiglu'`` with GPT-OSS's alpha and limit).
       backend: ragged x: 'mosaic' (Pallas Mosaic GPU wgmma kernels, Hopper; XLA-emulated on
         CPU), 'pallas' (Pallas Triton kernels, NVIDIA GPUs; interpreted on CPU) or
-        'ragged_dot' (`jax.lax.ragged_dot_general`); padded x: 'einsum'. 'auto' picks by
-        layout and platform (:func:`auto_backend`). All work inside ``jax.shard_map``.
+        'ragged_dot' (`jax.lax.ragged_dot_general`); padded x: 'einsum' or 'mosaic' (the
+        slots as rows: ``C`` rounded up to 128 per expert). 'auto' picks by layout and
+        platform (:func:`auto_backend`). All work inside ``jax.shard_map``.
       gemm_dtype: precision of the two forward GEMMs, 'bf16' or 'fp8'.
       dgrad_dtype: precision of the two data-gradient GEMMs (``dy @ W_d^T``,
         ``dz @ W_gu^T``).
@@ -538,7 +564,9 @@ def gated_experts(
     if x.ndim == 2 and group_alignment is not None:
         group_sizes = -(-jnp.maximum(group_sizes, 0) // group_alignment) * group_alignment
     need = _grouped.GROUP_ALIGNMENT
-    if _grouped.BACKENDS[resolved].aligned and (group_alignment or 1) % need:
+    if x.ndim == 3 and resolved == "mosaic":
+        y = _padded_on_rows(opts, x, real_gs, w_gate_up, w_down, b_gate_up)
+    elif _grouped.BACKENDS[resolved].aligned and (group_alignment or 1) % need:
         y = _aligned_call(opts, x, group_sizes, w_gate_up, w_down, b_gate_up, need)
     else:
         y = _experts(opts, x, group_sizes, w_gate_up, w_down, b_gate_up)

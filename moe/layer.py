@@ -84,7 +84,7 @@ def _local_experts(ex, group_sizes, w_gate_up, w_down, biases, opts: MoEOptions)
               save_z=eo.save_z, wgrad_dtype=eo.wgrad_dtype, block_size=opts.fp8_block_size)
     wgu, wd = w_gate_up, w_down
     bgu, bd = biases if biases is not None else (None, None)
-    if ex.ndim == 3 and eo.backend in ("ragged_dot", "pallas", "mosaic"):  # 2-D GEMMs
+    if ex.ndim == 3 and eo.backend in ("ragged_dot", "pallas"):  # 2-D GEMMs
         e_local, c, d = ex.shape
         full = jnp.full((e_local,), c, dtype=jnp.int32)
         return _experts.gated_experts(
@@ -92,6 +92,7 @@ def _local_experts(ex, group_sizes, w_gate_up, w_down, biases, opts: MoEOptions)
         ).reshape(e_local, c, -1)
     # The dense layout interleaves padding per source (row p * C + r), so its valid rows are
     # not a prefix: run every row (padding rows are zero and are never read back by combine).
+    # ('mosaic' takes the padded layout itself: slots as rows, no gathers.)
     sizes = None if ex.ndim == 3 else group_sizes
     return _experts.gated_experts(ex, sizes, wgu, wd, bgu, bd, backend=eo.backend, **kw)
 
