@@ -18,7 +18,8 @@ rows per program, the whole row in registers:
 The bytes equal the XLA reference functions here (``*_reference``: the same integer scale
 arithmetic, :func:`moe.fp8.scales_from_amax_bits`, and round-to-nearest-even casts), which is
 what runs off NVIDIA GPUs and what the tests compare the kernels against in interpret mode.
-Row widths (``K``, ``F``) must be powers of two (Triton block shapes): :func:`supported`.
+Row widths (``K``, ``F``) must be multiples of 16 (:func:`supported`); a row is loaded as its
+power-of-two pieces (Triton block shapes: 1408 = 1024 + 256 + 128).
 """
 
 from __future__ import annotations
@@ -40,8 +41,19 @@ _ELEMS_PER_PROGRAM = 8192  # row elements per program (x bf16: 16 KiB read)
 
 
 def supported(width: int) -> bool:
-    """Whether rows of ``width`` channels can use these kernels (a power of two >= 16)."""
-    return PALLAS_IMPORT_ERROR is None and width >= 16 and width & (width - 1) == 0
+    """Whether rows of ``width`` channels can use these kernels (a multiple of 16)."""
+    return PALLAS_IMPORT_ERROR is None and width >= 16 and width % 16 == 0
+
+
+def _chunks(width: int) -> list[tuple[int, int]]:
+    """``(offset, size)`` of the power-of-two pieces of a row (Triton block shapes): its
+    binary decomposition, largest first (1408 = 1024 + 256 + 128)."""
+    out, off = [], 0
+    for bit in reversed(range(width.bit_length())):
+        if width >> bit & 1:
+            out.append((off, 1 << bit))
+            off += 1 << bit
+    return out
 
 
 def _abs_bits(x: jax.Array) -> jax.Array:
@@ -112,40 +124,51 @@ def _rows(i, bm):
 
 
 def _load(ref, rows, start, width):
-    return _plgpu.load(ref.at[rows, pl.ds(start, width)]).astype(jnp.float32)
+    """The row block's ``width`` channels from ``start``, as power-of-two f32 pieces."""
+    return [_plgpu.load(ref.at[rows, pl.ds(start + off, size)]).astype(jnp.float32)
+            for off, size in _chunks(width)]
+
+
+def _store(ref, rows, start, width, pieces):
+    for (off, size), piece in zip(_chunks(width), pieces, strict=True):
+        _plgpu.store(ref.at[rows, pl.ds(start + off, size)], piece.astype(ref.dtype))
 
 
 def _quantize_kernel(x_ref, q_ref, s_ref, *, bm, width):
     rows = _rows(pl.program_id(0), bm)
     x = _load(x_ref, rows, 0, width)
-    (q,), s = _scale_and_cast([x], _row_amax_bits(x))
-    _plgpu.store(q_ref.at[rows, pl.ds(0, width)], q)
+    q, s = _scale_and_cast(x, _row_amax_bits(*x))
+    _store(q_ref, rows, 0, width, q)
     _plgpu.store(s_ref.at[rows], s)
 
 
 def _gated_kernel(z_ref, q_ref, s_ref, *, bm, width, act):
     rows = _rows(pl.program_id(0), bm)
-    h = act.apply_parts(_load(z_ref, rows, 0, width), _load(z_ref, rows, width, width))
-    (q,), s = _scale_and_cast([h], _row_amax_bits(h))
-    _plgpu.store(q_ref.at[rows, pl.ds(0, width)], q)
+    h = [act.apply_parts(g, u) for g, u in zip(_load(z_ref, rows, 0, width),
+                                                _load(z_ref, rows, width, width), strict=True)]
+    q, s = _scale_and_cast(h, _row_amax_bits(*h))
+    _store(q_ref, rows, 0, width, q)
     _plgpu.store(s_ref.at[rows], s)
 
 
 def _gated_grad_kernel(z_ref, dh_ref, dz_ref, q_ref, s_ref, *, bm, width, act):
     rows = _rows(pl.program_id(0), bm)
-    dg, du = act.grad_parts(_load(z_ref, rows, 0, width), _load(z_ref, rows, width, width),
-                            _load(dh_ref, rows, 0, width))
-    (qg, qu), s = _scale_and_cast([dg, du], _row_amax_bits(dg, du))
-    for start, d, q in ((0, dg, qg), (width, du, qu)):
-        _plgpu.store(dz_ref.at[rows, pl.ds(start, width)], d.astype(dz_ref.dtype))
-        _plgpu.store(q_ref.at[rows, pl.ds(start, width)], q)
+    parts = [act.grad_parts(g, u, dh) for g, u, dh in zip(
+        _load(z_ref, rows, 0, width), _load(z_ref, rows, width, width),
+        _load(dh_ref, rows, 0, width), strict=True)]
+    dg, du = [p[0] for p in parts], [p[1] for p in parts]
+    q, s = _scale_and_cast(dg + du, _row_amax_bits(*dg, *du))
+    n = len(dg)
+    for start, d, qq in ((0, dg, q[:n]), (width, du, q[n:])):
+        _store(dz_ref, rows, start, width, d)
+        _store(q_ref, rows, start, width, qq)
     _plgpu.store(s_ref.at[rows], s)
 
 
 def block_rows(m: int, width: int) -> int:
-    """Rows per program: ``8192 / width`` (a power of two, at least 1), halved until it
-    divides ``m``."""
-    bm = max(1, _ELEMS_PER_PROGRAM // width)
+    """Rows per program: ``8192 / width`` rounded down to a power of two (at least 1), halved
+    until it divides ``m``."""
+    bm = 1 << max(0, (_ELEMS_PER_PROGRAM // width).bit_length() - 1)
     while m % bm:
         bm //= 2
     return bm
@@ -175,7 +198,7 @@ def _launch(kernel, operands, outs, *, m, width, interpret, name, **kw):
 
 def _check(x: jax.Array, width: int, what: str) -> None:
     if x.ndim != 2 or not supported(width):
-        raise ValueError(f"{what} must be 2-D with a power-of-two row width >= 16 for the "
+        raise ValueError(f"{what} must be 2-D with a row width that is a multiple of 16 for the "
                          f"Pallas quantization kernels, got shape {x.shape}; use the "
                          "*_reference functions for other shapes.")
 
@@ -187,7 +210,7 @@ def quantize_rows(x: jax.Array, *, interpret: bool = False) -> tuple[jax.Array, 
     row), ``q = e4m3(clip(x / scale, -448, 448))``; ``x ~= q * scale[:, None]``.
 
     Args:
-      x: float ``[M, K]``, ``K`` a power of two.
+      x: float ``[M, K]``, ``K`` a multiple of 16.
       interpret: Pallas interpret mode (any backend, slow).
 
     Returns:
@@ -209,7 +232,7 @@ def gated_quantize_rows(z: jax.Array, act: GatedActivation, *,
     """``h = act(z)`` quantized row-wise, one read of ``z``: ``(q [M, F], scale [M])``.
 
     Args:
-      z: float ``[M, 2F]`` (gate columns then up columns), ``F`` a power of two.
+      z: float ``[M, 2F]`` (gate columns then up columns), ``F`` a multiple of 16.
       act: the gated activation.
       interpret: Pallas interpret mode.
 
@@ -237,7 +260,7 @@ def gated_grad_quantize_rows(z: jax.Array, dh: jax.Array, act: GatedActivation, 
     quantized from f32 (the second and third), so the FP8 copy is not rounded twice.
 
     Args:
-      z: float ``[M, 2F]``, ``F`` a power of two.
+      z: float ``[M, 2F]``, ``F`` a multiple of 16.
       dh: float ``[M, F]``, the cotangent of ``h = act(z)``.
       act: the gated activation.
       out_dtype: dtype of the unquantized ``dz``.

@@ -251,20 +251,22 @@ def _cuda_capability() -> tuple[int, int] | None:
 def auto_backend(x_ndim: int) -> str:
     """The backend ``'auto'`` picks for x of rank ``x_ndim`` on the default platform.
 
-    Padded x: 'einsum'. Ragged x: 'mosaic' on Hopper GPUs (compute capability 9.x; timings in
-    BENCHMARKS.md), 'pallas' (Triton) on other NVIDIA GPUs, 'ragged_dot' elsewhere (CPU, TPU).
+    Hopper GPUs (compute capability 9.x): 'mosaic' for both layouts (padded x as rows; on an
+    H200 it beat the 'einsum' GEMMs in bf16 and FP8, BENCHMARKS.md). Other NVIDIA GPUs:
+    'einsum' for padded x, 'pallas' (Triton) for ragged x. Elsewhere (CPU, TPU): 'einsum' and
+    'ragged_dot'.
 
     Example:
       >>> from moe.experts import auto_backend
       >>> auto_backend(3), auto_backend(2)  # on the CPU
       ('einsum', 'ragged_dot')
     """
+    cc = _cuda_capability()
+    if cc is not None and cc[0] == 9:
+        return "mosaic"
     if x_ndim == 3:
         return "einsum"
-    cc = _cuda_capability()
-    if cc is None:
-        return "ragged_dot"
-    return "mosaic" if cc[0] == 9 else "pallas"
+    return "ragged_dot" if cc is None else "pallas"
 
 
 def _resolve_backend(backend: str, x_ndim: int) -> str:

@@ -68,19 +68,34 @@ def test_flat_rows_of_padded_operands():
 
 
 def test_unsupported_widths_use_the_reference_and_kernels_refuse_them():
-    x = jnp.ones((4, 384), jnp.bfloat16)  # 384 is not a power of two
-    assert not qp.supported(384) and qp.supported(256)
+    x = jnp.ones((4, 200), jnp.bfloat16)  # 200 is not a multiple of 16
+    assert not qp.supported(200) and qp.supported(1408)
     _assert_same(qp.rows(x), qp.quantize_rows_reference(x))
-    with pytest.raises(ValueError, match="power-of-two row width"):
+    with pytest.raises(ValueError, match="multiple of 16"):
         qp.quantize_rows(x, interpret=True)
     with pytest.raises(ValueError, match="dh must be"):
         qp.gated_grad_quantize_rows(jnp.ones((4, 64)), jnp.ones((4, 16)),
                                     GatedActivation("silu"), interpret=True)
 
 
+def test_rows_that_are_not_a_power_of_two_go_in_pieces():
+    """d_ff = 1408 (the LM benchmark's): rows of 1024 + 256 + 128 channels."""
+    assert qp._chunks(1408) == [(0, 1024), (1024, 256), (1280, 128)]
+    k1, k2, k3 = jax.random.split(jax.random.key(4), 3)
+    x = jax.random.normal(k1, (4, 1408), jnp.bfloat16) * 3
+    _assert_same(qp.quantize_rows(x, interpret=True), qp.quantize_rows_reference(x))
+    act = GatedActivation("silu")
+    z = jax.random.normal(k2, (4, 2 * 176), jnp.bfloat16)  # F = 176 = 128 + 32 + 16
+    dh = jax.random.normal(k3, (4, 176), jnp.float32)
+    _assert_same(qp.gated_quantize_rows(z, act, interpret=True),
+                 qp.gated_quantize_rows_reference(z, act))
+    _assert_same(qp.gated_grad_quantize_rows(z, dh, act, interpret=True),
+                 qp.gated_grad_quantize_rows_reference(z, dh, act, jnp.bfloat16))
+
+
 def test_block_rows_divide_the_rows():
     assert qp.block_rows(32768, 4096) == 2 and qp.block_rows(6, 256) == 2
-    assert qp.block_rows(7, 4096) == 1
+    assert qp.block_rows(7, 4096) == 1 and qp.block_rows(64, 1408) == 4
 
 
 def test_quantize_cols_t_matches_transposed_row_quantization():
