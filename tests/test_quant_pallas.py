@@ -112,3 +112,20 @@ def test_quantize_cols_t_matches_transposed_row_quantization():
         qp.quantize_cols_t(x[:, :100], interpret=True)
     assert not qp.cols_supported(100, 64)
     _assert_same(qp.cols_t(x[:, :100]), qp.quantize_cols_t_reference(x[:, :100]))
+
+
+def test_kernels_lower_for_cuda_with_rows_in_pieces():
+    """The compiled (not interpreted) kernels lower for CUDA at a width that is not a power of
+    two (``F = 176 = 128 + 32 + 16``) and at the column kernels' tile; no GPU needed."""
+    from _cuda_export import TRITON_CALL, export_for_cuda
+
+    act = GatedActivation("silu")
+    S = jax.ShapeDtypeStruct
+
+    def fn(x, z, dh, w):
+        return (qp.quantize_rows(x), qp.gated_quantize_rows(z, act),
+                qp.gated_grad_quantize_rows(z, dh, act), qp.quantize_cols_t(w))
+
+    text = export_for_cuda(fn, S((64, 176), jnp.bfloat16), S((64, 352), jnp.bfloat16),
+                           S((64, 176), jnp.float32), S((2, 128, 192), jnp.bfloat16))
+    assert text.count(TRITON_CALL) == 5  # rows, gated, gated grad, column maxima, columns
