@@ -24,10 +24,9 @@ F8 = "f8E4M3FN"
 
 
 @functools.cache
-def _layer_grad_text(transport: str, backend: str, recipe: str = "all") -> str:
+def _layer_grad_text(transport: str, backend: str) -> str:
     mesh = cuda_mesh((1, 1), ("data", "expert"))
-    gemms = ALL_FP8 if recipe == "all" else dict(gemm_dtype="fp8", dgrad_dtype="fp8")
-    opts = moe.MoEOptions.create(E, K, transport=transport, backend=backend, **gemms)
+    opts = moe.MoEOptions.create(E, K, transport=transport, backend=backend, **ALL_FP8)
 
     def loss(x, router, w_gate_up, w_down):
         y, _ = moe.moe_apply(x, router, w_gate_up, w_down, opts=opts, mesh=mesh)
@@ -84,19 +83,12 @@ def _quantize_kernels(text: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("transport,backend", [("dropless", "mosaic"), ("dense", "einsum")])
 def test_operands_are_quantized_by_the_pallas_kernels(transport, backend):
-    """FP8 forward and data-gradient GEMMs: x and dy by ``quantize_rows``, h = act(z) by the
-    fused activation kernel, dz by the fused activation-backward kernel (which also gives the
-    bf16 dz of the bf16 weight gradient); the weights by ``quantize_rows`` (dgrad, per row)
-    and the two column kernels (forward: column maxima, then the transposed K-major copy)."""
-    text = _layer_grad_text(transport, backend, "fwd_dgrad")
+    """All six GEMMs in FP8: x and dy by ``quantize_rows``, h = act(z) by the fused activation
+    kernel, dz by the fused activation-backward kernel; the weights by ``quantize_rows``
+    (dgrad, per row) and the column kernels (forward: column maxima, then the transposed
+    K-major copy); the weight gradients' token operands x, dz, h, dy by the column kernels."""
+    text = _layer_grad_text(transport, backend)
     tokens = ["fp8_gated_grad_quantize_rows", "fp8_gated_quantize_rows"] + 2 * ["fp8_quantize_rows"]
     weights = 2 * ["fp8_col_amax", "fp8_quantize_cols_t", "fp8_quantize_rows"]
-    assert _quantize_kernels(text) == sorted(tokens + weights), _quantize_kernels(text)
-    _no_widening_of_fp8(text)
-
-
-@pytest.mark.slow
-def test_fp8_weight_gradient_operands_are_transposed_by_the_column_kernels():
-    text = _layer_grad_text("dropless", "mosaic")
-    # the wgrad operands x, dz, h, dy: column maxima + transposed copy each
-    assert _quantize_kernels(text).count("fp8_quantize_cols_t") == 2 + 4
+    wgrad = 4 * ["fp8_col_amax", "fp8_quantize_cols_t"]
+    assert _quantize_kernels(text) == sorted(tokens + weights + wgrad), _quantize_kernels(text)
