@@ -14,7 +14,7 @@ from moe import _quant_pallas as qp
 from moe import fp8
 from moe.activations import GatedActivation
 
-KINDS = ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
+KINDS = ("silu", "gelu", "clamped_swiglu")  # gelu_tanh: silu's sigmoid on another argument
 
 
 def _bytes(a):
