@@ -66,8 +66,7 @@ def _scale_and_cast(parts, amax_bits):
     scale (f32 ``[bm]``; NaN for a row holding a NaN or an infinity)."""
     byte, inv = fp8.scales_from_amax_bits(amax_bits)
     qs = [jnp.clip(p * inv[:, None], -fp8.E4M3_MAX, fp8.E4M3_MAX).astype(F8) for p in parts]
-    scale = lax.bitcast_convert_type(byte << 23, jnp.float32)
-    return qs, jnp.where(byte == fp8.E8M0_NAN, jnp.float32(jnp.nan), scale)
+    return qs, fp8.scale_from_byte(byte)
 
 
 def _row_amax_bits(*parts) -> jax.Array:
@@ -83,10 +82,22 @@ def _row_amax_bits(*parts) -> jax.Array:
 # ----------------------------------------------------------------------------------------------
 
 
+def _on_rows(fn, x, *rest):
+    """``fn`` on ``x [..., K]`` (and ``rest``, sharing its leading axes) with the leading axes
+    flattened into one row axis; every output's leading axis is unflattened back."""
+    lead = x.shape[:-1]
+    flat = [a.reshape(-1, *a.shape[len(lead):]) for a in (x, *rest)]
+    return jax.tree.map(lambda o: o.reshape(*lead, *o.shape[1:]), fn(*flat))
+
+
+def _cast_rows(*parts):
+    """:func:`_scale_and_cast` of f32 row pieces ``[..., w]`` by their joint row maxima."""
+    return _on_rows(lambda *p: _scale_and_cast(list(p), _row_amax_bits(*p)), *parts)
+
+
 def quantize_rows_reference(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """:func:`quantize_rows` in XLA ops (any shape ``[..., K]``)."""
-    x = x.astype(jnp.float32)
-    (q,), s = _scale_and_cast_nd([x], _row_amax_bits(x))
+    (q,), s = _cast_rows(x.astype(jnp.float32))
     return q, s
 
 
@@ -101,17 +112,9 @@ def gated_grad_quantize_rows_reference(z: jax.Array, dh: jax.Array, act: GatedAc
     """:func:`gated_grad_quantize_rows` in XLA ops."""
     g, u = jnp.split(z, 2, axis=-1)
     dg, du = act.grad_parts(g, u, dh)
-    (qg, qu), s = _scale_and_cast_nd([dg, du], _row_amax_bits(dg, du))
+    (qg, qu), s = _cast_rows(dg, du)
     dz = jnp.concatenate([dg, du], axis=-1).astype(out_dtype)
     return dz, jnp.concatenate([qg, qu], axis=-1), s
-
-
-def _scale_and_cast_nd(parts, amax_bits):
-    """:func:`_scale_and_cast` on ``[..., w]`` parts with ``[...]`` maxima."""
-    lead = amax_bits.shape
-    flat = [p.reshape(-1, p.shape[-1]) for p in parts]
-    qs, s = _scale_and_cast(flat, amax_bits.reshape(-1))
-    return [q.reshape(*lead, q.shape[-1]) for q in qs], s.reshape(lead)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -364,9 +367,7 @@ def quantize_cols_t(a: jax.Array, *, interpret: bool = False) -> tuple[jax.Array
         part = call(interp, _col_amax_kernel, "fp8_col_amax", ((nb, m // bm, n), jnp.int32), a)
         bits = jnp.max(part, axis=1)
         q = call(interp, _cols_t_kernel, "fp8_quantize_cols_t", ((nb, n, m), F8), a, bits)
-        byte, _ = fp8.scales_from_amax_bits(bits)
-        scale = lax.bitcast_convert_type(byte << 23, jnp.float32)
-        return q, jnp.where(byte == fp8.E8M0_NAN, jnp.float32(jnp.nan), scale)
+        return q, fp8.scale_from_byte(fp8.scales_from_amax_bits(bits)[0])
 
     if interpret:
         return _vma.unchecked(functools.partial(both, True), varying, a)
@@ -386,23 +387,15 @@ def _on_cuda(kernel_fn, reference_fn, width: int, *args):
     return lax.platform_dependent(*args, cuda=kernel_fn, default=reference_fn)
 
 
-def _flat(fn, x, *rest):
-    """``fn`` on the rows of ``x [..., K]`` (and of ``rest``) as 2-D arrays, outputs reshaped
-    back to ``x``'s leading shape."""
-    lead = x.shape[:-1]
-    outs = fn(x.reshape(-1, x.shape[-1]), *(r.reshape(-1, r.shape[-1]) for r in rest))
-    return tuple(o.reshape(*lead, *o.shape[1:]) for o in outs)
-
-
 def rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``x [..., K]`` row-wise as ``(e4m3 [..., K], scale f32 [...])``: :func:`quantize_rows`
     on NVIDIA GPUs, its reference elsewhere."""
-    return _on_cuda(lambda x: _flat(quantize_rows, x), quantize_rows_reference, x.shape[-1], x)
+    return _on_cuda(lambda x: _on_rows(quantize_rows, x), quantize_rows_reference, x.shape[-1], x)
 
 
 def gated_rows(z: jax.Array, act: GatedActivation) -> tuple[jax.Array, jax.Array]:
     """``act(z)`` row-wise quantized: :func:`gated_quantize_rows` on NVIDIA GPUs."""
-    return _on_cuda(lambda z: _flat(functools.partial(gated_quantize_rows, act=act), z),
+    return _on_cuda(lambda z: _on_rows(functools.partial(gated_quantize_rows, act=act), z),
                     functools.partial(gated_quantize_rows_reference, act=act),
                     z.shape[-1] // 2, z)
 
@@ -410,7 +403,7 @@ def gated_rows(z: jax.Array, act: GatedActivation) -> tuple[jax.Array, jax.Array
 def gated_grad_rows(z: jax.Array, dh: jax.Array, act: GatedActivation, out_dtype):
     """``(dz, e4m3(dz), scale)``: :func:`gated_grad_quantize_rows` on NVIDIA GPUs."""
     kern = functools.partial(gated_grad_quantize_rows, act=act, out_dtype=out_dtype)
-    return _on_cuda(lambda z, dh: _flat(kern, z, dh),
+    return _on_cuda(lambda z, dh: _on_rows(kern, z, dh),
                     lambda z, dh: gated_grad_quantize_rows_reference(z, dh, act, out_dtype),
                     z.shape[-1] // 2, z, dh)
 

@@ -392,7 +392,8 @@ def _aligned_call(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up, alignment: i
     """Runs a backend that needs tile-aligned groups on plain ragged x: rows are gathered into
     the aligned layout and the outputs gathered back (row gathers both ways)."""
     src, dst, padded = _grouped.align_map(gs, x.shape[0], alignment)
-    x = _mask_rows(opts, x, gs)
+    # No mask: src gathers only real rows (padding rows of the aligned layout are filled with
+    # zeros) and the cotangent's gather by dst gives zero to x's padding rows.
     x_al = _permute_rows(x, src, dst)
     y_al = _experts(opts, x_al, padded, w_gate_up, w_down, b_gate_up)
     return _permute_rows(y_al, dst, src)

@@ -36,6 +36,7 @@ __all__ = [
     "quantize_with_amax",
     "block_amax",
     "block_scales",
+    "scale_from_byte",
     "dequantize",
     "pack_e8m0",
     "unpack_e8m0",
@@ -434,7 +435,25 @@ def block_scales(q: Fp8Array) -> jax.Array:
       OCP Microscaling Formats (MX) v1.0 specification (E8M0 scales).
     """
     nblocks = q.data.shape[-1] // q.block_size
-    byte = unpack_e8m0(q.scales).astype(jnp.int32)[..., :nblocks]
+    return scale_from_byte(unpack_e8m0(q.scales).astype(jnp.int32)[..., :nblocks])
+
+
+def scale_from_byte(byte: jax.Array) -> jax.Array:
+    """The f32 scale ``2^(byte - 127)`` of E8M0 bytes (int32), NaN for the NaN byte 0xFF.
+
+    Bit arithmetic only, so the Pallas kernels use it too.
+
+    Args:
+      byte: int32 E8M0 bytes (0..255), e.g. from :func:`scales_from_amax_bits`.
+
+    Returns:
+      float32 of ``byte``'s shape.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> scale_from_byte(jnp.array([127, 120, 255])).tolist()
+      [1.0, 0.0078125, nan]
+    """
     scale = jax.lax.bitcast_convert_type(byte << 23, jnp.float32)
     return jnp.where(byte == E8M0_NAN, jnp.float32(jnp.nan), scale)
 

@@ -14,7 +14,14 @@ from jax.sharding import PartitionSpec as P
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from trace_breakdown import CATEGORIES, categorize_hlo, op_breakdown  # noqa: E402
+from trace_breakdown import (  # noqa: E402
+    CATEGORIES,
+    LM_REGIONS,
+    REST,
+    categorize_hlo,
+    hlo_regions,
+    op_breakdown,
+)
 
 import moe  # noqa: E402
 
@@ -50,6 +57,64 @@ def test_op_breakdown_of_a_dropless_dispatch_combine(tmp_path):
     assert bd["total_us_per_step"] > 0 and us["exchange"] > 0 and us["sort"] > 0, bd
     assert abs(sum(bd["fraction"].values()) - 1.0) < 1e-6
     assert all(c is not None for _, c, _ in bd["top_ops"])
+    assert "us_per_region" not in bd
+    rb = op_breakdown(tmp_path, compiled.as_text(), steps=2, regions={
+        "dispatch": r"dispatch_\w+", "combine": r"combine"})
+    reg, total = rb["us_per_region"], rb["total_us_per_step"]
+    assert list(reg) == ["dispatch", "combine", REST] and reg["dispatch"] > 0, reg
+    assert reg["combine"] > 0 and abs(sum(reg.values()) - total) < 1e-6 * total, reg
+    assert abs(sum(sum(c.values()) for c in rb["us_per_region_category"].values()) - total) \
+        < 1e-6 * total
+    assert rb["us_per_region_category"]["dispatch"].get("sort", 0) > 0, rb
+    assert all(len(t) == 4 and t[3] in reg for t in rb["top_ops"])
+
+
+_HLO = """HloModule jit_step, is_scheduled=true
+
+%fused_a (p0: f32[8,8], p1: f32[8,8]) -> f32[8,8] {
+  %p0 = f32[8,8]{1,0} parameter(0)
+  %p1 = f32[8,8]{1,0} parameter(1)
+  %t = f32[8,8]{1,0} transpose(%p0), dimensions={1,0}, \
+metadata={op_name="jit(step)/transpose(jvp(attention))/bqhd,bkhd->bhqk/transpose"}
+  %c = f32[8,8]{1,0} add(%t, %p1), metadata={op_name="jit(step)/transpose(jvp())/concatenate"}
+  ROOT %r = f32[8,8]{1,0} convert(%c)
+}
+
+ENTRY %main (x: f32[8,8], w: f32[8,8]) -> f32[8,8] {
+  %x = f32[8,8]{1,0} parameter(0)
+  %w = f32[8,8]{1,0} parameter(1)
+  %wq = f32[8,8]{1,0} convert(%w), \
+metadata={op_name="jit(step)/jvp()/shard_map/experts_down/convert_element_type"}
+  %g = f32[8,8]{1,0} all-to-all(%x), dimensions={0}, \
+metadata={op_name="jit(step)/transpose(jvp())/shard_map/combine/all_to_all"}
+  %d = f32[8,8]{1,0} dot(%g, %wq), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %s = f32[8,8]{1,0} dot(%d, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}, \
+metadata={op_name="jit(step)/transpose(jvp(attention))/bhqk,bkhd->bqhd/dot_general"}
+  %f = f32[8,8]{1,0} fusion(%s, %x), kind=kLoop, calls=%fused_a
+  %m = f32[8,8]{1,0} multiply(%f, %f), metadata={op_name="jit(step)/muon_owner_step/shard_map/mul"}
+  %u = f32[8,8]{1,0} sqrt(%m), metadata={op_name="jit(step)/sqrt"}
+  %ar = f32[8,8]{1,0} all-reduce(%u), to_apply=%fused_a, metadata={op_name=\
+"jit(step)/(transpose(jvp())/dot_general:transpose(jvp())/shard_map/psum:transpose(jvp())/x)"}
+  %k = f32[8,8]{1,0} add(%ar, %ar), metadata={op_name="moe_router/reduce_sum"}
+  ROOT %o = f32[8,8]{1,0} add(%k, %u), metadata={op_name="jit(step)/jvp()/shard_map/mul"}
+}
+""".replace("\\\n", "")
+
+
+def test_hlo_regions_of_the_lm_scopes():
+    """LM_REGIONS on hand-written HLO: autodiff paths, a fusion's scope nearest its root, an
+    unscoped dot taking the first region of its operands' scopes, XLA's merged op_names."""
+    regions = hlo_regions(_HLO, LM_REGIONS)
+    assert regions["s"] == "attention"  # transpose(jvp(attention))
+    assert regions["f"] == REST  # the root's nearest scope, not the producer's (attention)
+    assert categorize_hlo(_HLO)["f"] == "other"
+    assert regions["d"] == "experts"  # no scope: operands combine/... and experts_down
+    assert regions["wq"] == "experts" and regions["g"] == "dispatch_combine"
+    assert regions["m"] == regions["u"] == "optimizer"  # outside jvp / transpose
+    assert regions["ar"] == REST  # 2 of 3 merged parts are no region's
+    assert regions["k"] == "dispatch_combine"  # a custom_vjp's path without the jit prefix
+    assert regions["o"] == "moe_other"
+    assert regions["x"] == REST  # a parameter: no scope, no scoped operands; users: dot, ...
 
 
 @pytest.mark.slow

@@ -61,7 +61,7 @@ def test_gated_kernels_match_references(kind):
 def test_flat_rows_of_padded_operands():
     """The dispatchers reshape ``[E, C, K]`` operands to rows and back."""
     x = jax.random.normal(jax.random.key(2), (2, 8, 128), jnp.bfloat16)
-    got = qp._flat(functools.partial(qp.quantize_rows, interpret=True), x)
+    got = qp._on_rows(functools.partial(qp.quantize_rows, interpret=True), x)
     _assert_same(got, qp.quantize_rows_reference(x))
     chex.assert_shape(got, [(2, 8, 128), (2, 8)])
     _assert_same(qp.rows(x), got)  # on the CPU: the reference
