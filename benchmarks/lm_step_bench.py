@@ -17,6 +17,18 @@ top_k / num_experts (router, attention, lm_head counted in full); attention FLOP
 12 * layers * d_model * seq per token (QK^T and PV, forward + backward, full square as the
 kernel computes it, PaLM's convention). Dropped slots and capacity padding are not subtracted.
 
+``--profile DIR`` traces ``--profile-steps`` steps of each variant into DIR/<variant> and
+stores, per variant, how much collective time the trace leaves exposed (``overlap``;
+benchmarks/trace_overlap.py) and where the device time goes (``breakdown``: the
+benchmarks/trace_breakdown.py ``op_breakdown`` of the trace with the step's compiled HLO,
+regions ``LM_REGIONS``: optimizer, attention (QK^T, softmax, PV), shared_experts, experts (the
+expert GEMMs forward / dgrad / wgrad and their quantization), dispatch_combine (router,
+dispatch plan and exchange, combine), moe_other (the rest of the MoE layer's shard_map: SwiGLU,
+masks, casts) and rest (dense projections, LM head, norms, embedding, loss, the all-reduce of
+the replicated weights' gradients), each split by op category, e.g. GEMM vs not). It prints a
+table of ms per step per region (summed over devices) and the experts' split by category. A
+profiler failure keeps the timings (``reason``).
+
 Usage:
   python benchmarks/lm_step_bench.py                  # GPU: d 2048, 8 layers, E16 k2, 64x1024
   python benchmarks/lm_step_bench.py --small          # CPU, 8 simulated devices
@@ -53,6 +65,7 @@ from bench_util import (  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from trace_breakdown import LM_REGIONS, format_regions, op_breakdown  # noqa: E402
 from trace_overlap import exposed_comm_fraction  # noqa: E402
 
 import muon_jax  # noqa: E402
@@ -88,7 +101,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, help="3; small 1")
     p.add_argument("--iters", type=int, help="10; small 2")
     p.add_argument("--profile", default=None, metavar="DIR",
-                   help="trace a few steps of each variant under DIR/<variant>; report overlap")
+                   help="trace a few steps of each variant under DIR/<variant>; report the "
+                        "exposed collective time and the time per region / op category")
     p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(HERE / "results" / "lm_step_bench.json"),
@@ -170,6 +184,19 @@ def run_steps(step, state, batch, n):
     return state, out, times
 
 
+def step_breakdown(step, state, batch, trace_dir: str, steps: int) -> dict:
+    """``op_breakdown`` (regions ``LM_REGIONS``) of the ``steps`` traced calls of ``step`` in
+    ``trace_dir``, or ``{"reason": ...}``. Call under the mesh the step ran under, with live
+    arguments of the traced types and shardings (lowering reads nothing else and consumes
+    nothing); JAX's compilation cache then returns the executable the trace ran (no second
+    compile), whose HLO names the traced instructions."""
+    try:
+        hlo = step.lower(state, batch).compile().as_text()
+        return op_breakdown(trace_dir, hlo, steps=steps, top=16, regions=LM_REGIONS)
+    except Exception as err:  # noqa: BLE001  (the timings are kept either way)
+        return {"reason": f"breakdown failed: {err!r}"[:2000]}
+
+
 def bench_variant(variant: str, a, mesh, ceiling) -> dict:
     n_dev = mesh.devices.size
     cfg = model_config(a, variant)
@@ -189,17 +216,21 @@ def bench_variant(variant: str, a, mesh, ceiling) -> dict:
         state, _, _ = run_steps(step, state, batch, a.warmup)
         state, (ce, dropped), times = run_steps(step, state, batch, a.iters)
         sec = float(np.median(times))
-        overlap = None
+        overlap = breakdown = None
         if a.profile:
             trace_dir = os.path.join(a.profile, variant)
+            traced = False
             try:
                 with jax.profiler.trace(trace_dir):
                     state, _, _ = run_steps(step, state, batch, a.profile_steps)
+                traced = True
                 overlap = exposed_comm_fraction(trace_dir)
                 overlap.pop("source", None)
                 overlap["trace_dir"] = trace_dir
             except Exception as err:
                 overlap = {"exposed_fraction": None, "reason": f"profiler failed: {err!r}"}
+            breakdown = (step_breakdown(step, state, batch, trace_dir, a.profile_steps)
+                         if traced else {"reason": overlap["reason"]})
     ntok = a.batch * a.seq_len
     attn = 12.0 * a.layers * a.d_model * a.seq_len * ntok
     flops = 6.0 * counts["active"] * ntok + attn
@@ -216,6 +247,8 @@ def bench_variant(variant: str, a, mesh, ceiling) -> dict:
                loss=float(ce), dropped_frac=int(dropped) / slots)
     if overlap is not None:
         row["overlap"] = overlap
+    if breakdown is not None:
+        row["breakdown"] = breakdown
     del state
     return row
 
@@ -247,6 +280,10 @@ def main(a) -> dict:
               f"tok/s  MFU {row['mfu']:.3f}  dropped {row['dropped_frac']:.4f}  loss "
               f"{row['loss']:.3f}  first call {row['first_call_s']:.1f} s"
               + (f"  exposed comm {ov:.3f}" if ov is not None else ""), flush=True)
+        bd = row.get("breakdown")
+        if bd is not None:
+            print(format_regions({v: bd}) if "us_per_region" in bd
+                  else f"{v}: no breakdown ({bd.get('reason')})", flush=True)
         write_json(a.out, report)
     e, c = report["env"], report["ceiling"]
     print(f"\nLM train step on {n}x {e['device_kind']} ({e['backend']}), jax {e['jax']}: "
@@ -270,6 +307,11 @@ def main(a) -> dict:
         report["lm_step_fp8_variant"] = best["variant"]
         print(f"lm_step_fp8_speedup (bf16 / {best['variant']}: FP8 wire + FP8 GEMMs): "
               f"{report['lm_step_fp8_speedup']:.3f}")
+    bds = {r["variant"]: r["breakdown"] for r in report["steps"]
+           if "us_per_region" in r.get("breakdown", {})}
+    if len(bds) > 1:
+        print("\ndevice time per region (summed over devices; benchmarks/trace_breakdown.py):")
+        print(format_regions(bds))
     write_json(a.out, report)
     if a.out:
         print(f"wrote {a.out}")

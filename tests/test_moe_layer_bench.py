@@ -98,12 +98,13 @@ metadata={op_name="jit(step)/transpose(jvp(attention))/bhqk,bkhd->bqhd/dot_gener
   %k = f32[8,8]{1,0} add(%ar, %ar), metadata={op_name="moe_router/reduce_sum"}
   ROOT %o = f32[8,8]{1,0} add(%k, %u), metadata={op_name="jit(step)/jvp()/shard_map/mul"}
 }
-""".replace("\\\n", "")
+"""
 
 
 def test_hlo_regions_of_the_lm_scopes():
     """LM_REGIONS on hand-written HLO: autodiff paths, a fusion's scope nearest its root, an
-    unscoped dot taking the first region of its operands' scopes, XLA's merged op_names."""
+    unscoped dot taking the first region of its operands' scopes (else its users'), XLA's
+    merged op_names (the region most parts match)."""
     regions = hlo_regions(_HLO, LM_REGIONS)
     assert regions["s"] == "attention"  # transpose(jvp(attention))
     assert regions["f"] == REST  # the root's nearest scope, not the producer's (attention)
@@ -114,7 +115,8 @@ def test_hlo_regions_of_the_lm_scopes():
     assert regions["ar"] == REST  # 2 of 3 merged parts are no region's
     assert regions["k"] == "dispatch_combine"  # a custom_vjp's path without the jit prefix
     assert regions["o"] == "moe_other"
-    assert regions["x"] == REST  # a parameter: no scope, no scoped operands; users: dot, ...
+    # No scope and no operands: the first region of its users' scopes (all-to-all, dot, fusion)
+    assert regions["x"] == "attention"
 
 
 @pytest.mark.slow
