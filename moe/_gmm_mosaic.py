@@ -309,16 +309,24 @@ def group_ends(group_sizes: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(tri, gs[None, :], 0), axis=1, dtype=jnp.int32)
 
 
-def tile_groups(group_sizes: jax.Array, m: int, tile_m: int) -> jax.Array:
+def tile_groups(group_sizes: jax.Array, m: int, tile_m: int,
+                live_rows: jax.Array | None = None) -> jax.Array:
     """int32 ``[m // tile_m]``: the group of each row tile (``G`` for padding tiles).
 
-    Assumes every group size is a multiple of ``tile_m`` (the aligned layout).
+    Assumes every group size is a multiple of ``tile_m`` (the aligned layout). With
+    ``live_rows [G]``, a tile of group ``g`` that starts at or past its first ``live_rows[g]``
+    rows is a padding tile too.
     """
     n_groups = group_sizes.shape[0]
     ends = group_ends(group_sizes)
     starts = jnp.arange(m // tile_m, dtype=jnp.int32) * tile_m
-    g = jnp.searchsorted(ends, starts, side="right", method="compare_all")
-    return jnp.minimum(g, n_groups).astype(jnp.int32)
+    g = jnp.minimum(jnp.searchsorted(ends, starts, side="right", method="compare_all"),
+                    n_groups).astype(jnp.int32)
+    if live_rows is None:
+        return g
+    gc = jnp.minimum(g, n_groups - 1)
+    offset = starts - (ends[gc] - jnp.maximum(group_sizes.astype(jnp.int32), 0)[gc])
+    return jnp.where(offset < live_rows.astype(jnp.int32)[gc], g, n_groups).astype(jnp.int32)
 
 
 def gmm(
@@ -332,6 +340,7 @@ def gmm(
     varying: frozenset = frozenset(),
     row_scale: jax.Array | None = None,
     col_scale: jax.Array | None = None,
+    live_rows: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped GEMM on the tile-aligned layout: ``out[rows of g] = lhs[rows of g] @ W_g``.
 
@@ -343,6 +352,9 @@ def gmm(
     ``row_scale [M]`` and ``col_scale [G, N]`` (f32, both or neither) multiply the f32
     accumulator in the epilogue: ``out[r, n] = acc[r, n] * row_scale[r] * col_scale[g, n]``
     (FP8 operands' dequantization scales, applied before the output cast).
+    ``live_rows [G]`` (optional): only the first ``live_rows[g]`` rows of group ``g`` may be
+    nonzero; its row tiles past them are not computed and come out zero (what the zero rows
+    would give), e.g. the empty slots of a capacity-padded layout.
     """
     if out_dtype is None:
         out_dtype = jnp.bfloat16 if jnp.dtype(lhs.dtype).itemsize == 1 else lhs.dtype
@@ -369,7 +381,7 @@ def gmm(
                              scaled=scaled)
     kernel = _kernel(body, (m, n), out_dtype, varying)
     scales = (row_scale.astype(jnp.float32), col_scale.astype(jnp.float32)) if scaled else ()
-    out = kernel(tile_groups(group_sizes, m, cfg.tile_m), lhs, rhs, *scales)
+    out = kernel(tile_groups(group_sizes, m, cfg.tile_m, live_rows), lhs, rhs, *scales)
     return _vma.as_varying(out, varying)
 
 
@@ -435,6 +447,21 @@ def _tgmm_body(start_tile, num_tiles, a_gmem, b_gmem, *rest, cfg: MosaicTiling,
                    out_gmem.dtype, cfg, scaled, tile)
 
 
+def contraction_tiles(group_sizes: jax.Array, rows: int, tile_k: int,
+                      live_rows: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """``(first tile, number of tiles)`` int32 ``[G]`` of each group's contraction in
+    :func:`tgmm`: its rows in ``tile_k`` tiles (the aligned layout), clipped to ``rows`` and,
+    with ``live_rows``, to the tiles holding the group's first ``live_rows[g]`` rows."""
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(group_ends(sizes), rows)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    num_tiles = (ends - starts) // tile_k
+    if live_rows is not None:
+        live = jnp.maximum(live_rows.astype(jnp.int32), 0)
+        num_tiles = jnp.minimum(num_tiles, -(-live // tile_k))
+    return (starts // tile_k).astype(jnp.int32), num_tiles.astype(jnp.int32)
+
+
 def tgmm(
     a: jax.Array,
     b: jax.Array,
@@ -446,6 +473,7 @@ def tgmm(
     varying: frozenset = frozenset(),
     row_scale: jax.Array | None = None,
     col_scale: jax.Array | None = None,
+    live_rows: jax.Array | None = None,
 ) -> jax.Array:
     """Per-group ``a_g^T @ b_g`` on the tile-aligned layout: ``[G, N1, N2]``.
 
@@ -455,6 +483,8 @@ def tgmm(
     group gives zeros. Accumulation is f32. ``varying``: as in :func:`gmm`. ``row_scale
     [N1]`` and ``col_scale [N2]`` (f32, both or neither) multiply the accumulator in the
     epilogue: ``out[g, i, j] = acc[g, i, j] * row_scale[i] * col_scale[j]``.
+    ``live_rows [G]`` (optional): as in :func:`gmm`; the contraction stops after the tiles
+    holding group ``g``'s first ``live_rows[g]`` rows (the rest are zero in ``a`` or ``b``).
     """
     cfg = tiling or default_tiling(a.dtype, out_dtype)
     n1, rows = (a.shape if k_major else a.shape[::-1])
@@ -467,11 +497,7 @@ def tgmm(
     if jnp.dtype(a.dtype).itemsize == 1 and not k_major:
         raise ValueError("FP8 tgmm needs K-major operands (k_major=True).")
     n_groups = group_sizes.shape[0]
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends = jnp.minimum(group_ends(sizes), rows)
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-    start_tile = (starts // cfg.tile_k).astype(jnp.int32)
-    num_tiles = ((ends - starts) // cfg.tile_k).astype(jnp.int32)
+    start_tile, num_tiles = contraction_tiles(group_sizes, rows, cfg.tile_k, live_rows)
     scaled = row_scale is not None
     if scaled != (col_scale is not None):
         raise ValueError("tgmm: pass row_scale and col_scale together (or neither).")

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +55,23 @@ class GroupedGemms:
     mm8: Callable[..., jax.Array]
     tmm8: Callable[..., jax.Array]
     aligned: bool = False  # needs every group a multiple of GROUP_ALIGNMENT rows
+
+
+class RowGroups(NamedTuple):
+    """Group sizes of a layout plus how many leading rows of each group may be nonzero.
+
+    Only 'mosaic' takes it (``gs`` of its GEMMs): it skips the row tiles past ``live``, whose
+    outputs are zero and whose rows add nothing to a weight gradient, e.g. the empty slots of
+    a capacity-padded layout run as rows.
+    """
+
+    sizes: jax.Array  # int32 [G]: rows of each group in the layout
+    live: jax.Array  # int32 [G]: leading rows of each group that may be nonzero (<= sizes)
+
+
+def sizes_of(gs) -> jax.Array:
+    """The group sizes of ``gs``: an int32 ``[G]`` array or a :class:`RowGroups`."""
+    return gs.sizes if isinstance(gs, RowGroups) else gs
 
 
 def _dn(contract, ragged, group) -> lax.RaggedDotDimensionNumbers:
@@ -174,12 +192,17 @@ def _on_gpu(kernel_fn, emulated_fn, *args):
     )
 
 
+def _live(gs) -> tuple[jax.Array, jax.Array]:
+    """``(sizes, live rows)`` of ``gs`` (plain sizes: every row live)."""
+    return (gs.sizes, gs.live) if isinstance(gs, RowGroups) else (gs, gs)
+
+
 def _mosaic_gmm(a, b, gs, *scales, k_major: bool, out_dtype):
     """``a @ b[g]`` (``b [G, K, N]``) or ``a @ b[g]^T`` (``b [G, N, K]``, ``k_major``), times
-    ``scales = (s_a [R], s_b [G, N])`` if given."""
+    ``scales = (s_a [R], s_b [G, N])`` if given. ``gs``: sizes or :class:`RowGroups`."""
     n = b.shape[1] if k_major else b.shape[2]
 
-    def kernel(varying, a, b, gs, *scales):
+    def kernel(varying, a, b, gs, live, *scales):
         cfg = _gmm_mosaic.default_tiling(a.dtype, out_dtype)
         a_p = pad_to(a, 1, cfg.tile_k)
         b_p = pad_to(pad_to(b, 2 if k_major else 1, cfg.tile_k), 1 if k_major else 2,
@@ -188,26 +211,28 @@ def _mosaic_gmm(a, b, gs, *scales, k_major: bool, out_dtype):
         if scales:
             kw = dict(row_scale=scales[0], col_scale=pad_to(scales[1], 1, 2 * cfg.tile_n))
         out = _gmm_mosaic.gmm(a_p, b_p, gs, rhs_k_major=k_major, out_dtype=out_dtype,
-                              tiling=cfg, varying=varying, **kw)
+                              tiling=cfg, varying=varying, live_rows=live, **kw)
         return out[:, :n] if out.shape[1] != n else out
 
-    def emulated(a, b, gs, *scales):
+    def emulated(a, b, gs, live, *scales):
+        del live  # the rows past it are zero: computing them gives the kernel's zeros
         dn = _RAGGED_KMAJOR if k_major else _RAGGED_FWD
         if not scales:
             return _rd(a, b, gs, dn, out_dtype)
         raw = _rd(_up(a), _up(b), gs, dn, jnp.float32)
         return _scale_rows(raw, *scales, gs, out_dtype)
 
-    return _on_gpu(kernel, emulated, a, b, gs, *scales)
+    return _on_gpu(kernel, emulated, a, b, *_live(gs), *scales)
 
 
 def _mosaic_tgmm(a, b, gs, *scales, k_major: bool, out_dtype):
     """Per-group ``a_g^T @ b_g``: ``a [R, N1]``, ``b [R, N2]`` or K-major ``[N1, R]``,
-    ``[N2, R]``, times ``scales = (s_a [N1], s_b [N2])`` if given."""
+    ``[N2, R]``, times ``scales = (s_a [N1], s_b [N2])`` if given. ``gs``: sizes or
+    :class:`RowGroups`."""
     n1 = a.shape[0] if k_major else a.shape[1]
     n2 = b.shape[0] if k_major else b.shape[1]
 
-    def kernel(varying, a, b, gs, *scales):
+    def kernel(varying, a, b, gs, live, *scales):
         cfg = _gmm_mosaic.default_tiling(a.dtype, out_dtype)
         ax = 0 if k_major else 1
         a_p, b_p = pad_to(a, ax, cfg.tile_m), pad_to(b, ax, 2 * cfg.tile_n)
@@ -216,10 +241,11 @@ def _mosaic_tgmm(a, b, gs, *scales, k_major: bool, out_dtype):
             kw = dict(row_scale=pad_to(scales[0], 0, cfg.tile_m),
                       col_scale=pad_to(scales[1], 0, 2 * cfg.tile_n))
         out = _gmm_mosaic.tgmm(a_p, b_p, gs, k_major=k_major, out_dtype=out_dtype,
-                               tiling=cfg, varying=varying, **kw)
+                               tiling=cfg, varying=varying, live_rows=live, **kw)
         return out[:, :n1, :n2] if out.shape[1:] != (n1, n2) else out
 
-    def emulated(a, b, gs, *scales):
+    def emulated(a, b, gs, live, *scales):
+        del live
         if k_major:
             a, b = a.T, b.T
         if not scales:
@@ -227,7 +253,7 @@ def _mosaic_tgmm(a, b, gs, *scales, k_major: bool, out_dtype):
         raw = _rd(_up(a), _up(b), gs, _RAGGED_WGRAD, jnp.float32)
         return _scale_wgrad(raw, *scales, out_dtype)
 
-    return _on_gpu(kernel, emulated, a, b, gs, *scales)
+    return _on_gpu(kernel, emulated, a, b, *_live(gs), *scales)
 
 
 MOSAIC = GroupedGemms(

@@ -125,7 +125,7 @@ def _bias_rows(b: jax.Array, gs: jax.Array, shape) -> jax.Array:
     b = b.astype(jnp.float32)
     if len(shape) == 3:
         return b[:, None, :]
-    rows = _grouped.group_of_rows(gs, shape[0])
+    rows = _grouped.group_of_rows(_grouped.sizes_of(gs), shape[0])
     return jnp.take(b, rows, axis=0, mode="fill", fill_value=0)
 
 
@@ -134,6 +134,7 @@ def _bias_grad(dz: jax.Array, gs: jax.Array, out_dtype) -> jax.Array:
     dz = dz.astype(jnp.float32)
     if dz.ndim == 3:
         return dz.sum(axis=1).astype(out_dtype)
+    gs = _grouped.sizes_of(gs)
     rows = _grouped.group_of_rows(gs, dz.shape[0])
     return jax.ops.segment_sum(dz, rows, num_segments=gs.shape[0]).astype(out_dtype)
 
@@ -402,18 +403,22 @@ def _aligned_call(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up, alignment: i
 def _padded_on_rows(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up):
     """Padded ``x [E, C, d]`` on the ragged-layout 'mosaic' kernels: the slots as rows, ``C``
     (rounded up to the 128-row tile) rows per expert, the padding slots zeroed going in and
-    coming out (so their cotangents are zero too)."""
+    coming out (so their cotangents are zero too). The kernels skip the row tiles past an
+    expert's filled slots (`moe._grouped.RowGroups`): an under-filled capacity costs only the
+    tiles its tokens occupy."""
     n_exp, cap, d = x.shape
     cap_al = -(-cap // _grouped.GROUP_ALIGNMENT) * _grouped.GROUP_ALIGNMENT
     if cap_al != cap:
         x = jnp.pad(x, ((0, 0), (0, cap_al - cap), (0, 0)))
-    valid = None
-    if opts.mask_rows:
-        valid = (jnp.arange(cap_al)[None, :] < jnp.minimum(gs, cap)[:, None])[..., None]
-        x = jnp.where(valid, x, jnp.zeros((), x.dtype))
-    rows_opts = dataclasses.replace(opts, mask_rows=False)
     full = jnp.full((n_exp,), cap_al, jnp.int32)
-    y = _experts(rows_opts, x.reshape(n_exp * cap_al, d), full, w_gate_up, w_down, b_gate_up)
+    valid, groups = None, full
+    if opts.mask_rows:
+        live = jnp.clip(gs, 0, cap).astype(jnp.int32)
+        valid = (jnp.arange(cap_al)[None, :] < live[:, None])[..., None]
+        x = jnp.where(valid, x, jnp.zeros((), x.dtype))
+        groups = _grouped.RowGroups(full, live)
+    rows_opts = dataclasses.replace(opts, mask_rows=False)
+    y = _experts(rows_opts, x.reshape(n_exp * cap_al, d), groups, w_gate_up, w_down, b_gate_up)
     y = y.reshape(n_exp, cap_al, d)
     if valid is not None:
         y = jnp.where(valid, y, jnp.zeros((), y.dtype))

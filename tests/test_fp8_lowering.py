@@ -51,8 +51,11 @@ def _no_widening_of_fp8(text: str) -> None:
 
 
 @pytest.mark.slow
-def test_ragged_layout_gemms_are_fp8_mosaic_calls():
-    text = _layer_grad_text("dropless", "mosaic")
+@pytest.mark.parametrize("transport", ["dropless", "dense"])
+def test_gemms_are_fp8_mosaic_calls(transport):
+    """Ragged rows (dropless) and padded slots as rows (dense, tiles past the filled slots
+    skipped) both run all six GEMMs as Mosaic GPU kernels on e4m3 operands."""
+    text = _layer_grad_text(transport, "mosaic")
     calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line
              and any(f"@{name}(" in line for name in MOSAIC_GPU_CALLS)]
     # forward gate_up and down, data gradients of both, weight gradients of both
