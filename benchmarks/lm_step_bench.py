@@ -25,7 +25,10 @@ regions ``LM_REGIONS``: optimizer, attention (QK^T, softmax, PV), shared_experts
 expert GEMMs forward / dgrad / wgrad and their quantization), dispatch_combine (router,
 dispatch plan and exchange, combine), moe_other (the rest of the MoE layer's shard_map: SwiGLU,
 masks, casts) and rest (dense projections, LM head, norms, embedding, loss, the all-reduce of
-the replicated weights' gradients), each split by op category, e.g. GEMM vs not). It prints a
+the replicated weights' gradients), each split by op category, e.g. GEMM vs not). Kernels
+the trace ties to no HLO instruction (on GPU, jax 0.11: Mosaic GPU and cuBLAS kernels) are
+placed by name (``LM_KERNEL_REGIONS``: the Mosaic GPU and ``fp8_*`` kernels are the experts';
+cuBLAS GEMMs stay in rest, named in ``unmatched_kernels``). It prints a
 table of ms per step per region (summed over devices) and the experts' split by category. A
 profiler failure keeps the timings (``reason``).
 
@@ -65,7 +68,12 @@ from bench_util import (  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from trace_breakdown import LM_REGIONS, format_regions, op_breakdown  # noqa: E402
+from trace_breakdown import (  # noqa: E402
+    LM_KERNEL_REGIONS,
+    LM_REGIONS,
+    format_regions,
+    op_breakdown,
+)
 from trace_overlap import exposed_comm_fraction  # noqa: E402
 
 import muon_jax  # noqa: E402
@@ -192,7 +200,8 @@ def step_breakdown(step, state, batch, trace_dir: str, steps: int) -> dict:
     compile), whose HLO names the traced instructions."""
     try:
         hlo = step.lower(state, batch).compile().as_text()
-        return op_breakdown(trace_dir, hlo, steps=steps, top=16, regions=LM_REGIONS)
+        return op_breakdown(trace_dir, hlo, steps=steps, top=16, regions=LM_REGIONS,
+                            kernel_regions=LM_KERNEL_REGIONS)
     except Exception as err:  # noqa: BLE001  (the timings are kept either way)
         return {"reason": f"breakdown failed: {err!r}"[:2000]}
 

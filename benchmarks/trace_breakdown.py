@@ -58,8 +58,8 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["CATEGORIES", "LM_REGIONS", "REST", "categorize_hlo", "format_regions",
-           "format_table", "hlo_regions", "op_breakdown"]
+__all__ = ["CATEGORIES", "LM_KERNEL_REGIONS", "LM_REGIONS", "REST", "categorize_hlo",
+           "format_regions", "format_table", "hlo_regions", "op_breakdown"]
 
 CATEGORIES = ("exchange", "sort", "gemm", "combine", "gather_scatter", "plan", "router",
               "experts_other", "memcpy", "other")
@@ -90,6 +90,14 @@ LM_REGIONS: dict[str, str] = {
     "experts": _scope(r"experts_\w+"),
     "dispatch_combine": _scope(r"dispatch_\w+", r"combine\w*", "moe_router", "router_logits"),
     "moe_other": _scope("shard_map"),
+}
+# Events that name no HLO instruction (on GPU: Mosaic GPU and cuBLAS kernels, seen with
+# jax 0.11) by kernel name. The LM step's only Mosaic GPU kernels are the expert GEMMs
+# (moe._gmm_mosaic) and its ``fp8_*`` Pallas kernels quantize their operands; cuBLAS kernels
+# (dense projections, attention dots, Newton-Schulz) stay in ``rest``.
+LM_KERNEL_REGIONS: dict[str, str] = {
+    "experts": r"mosaic_gpu_kernel|^fp8_|^gmm|^tgmm",
+    "dispatch_combine": r"^wire_",
 }
 _COLLECTIVES = {"all-to-all", "ragged-all-to-all", "all-gather", "all-reduce",
                 "collective-permute", "reduce-scatter", "send", "recv", "all-gather-start",
@@ -337,7 +345,8 @@ def trace_steps(step, args, trace_dir: str, steps: int) -> str | None:
 
 
 def op_breakdown(trace_dir, hlo_text: str, *, steps: int = 1, top: int = 12,
-                 regions: Mapping[str, str] | None = None) -> dict:
+                 regions: Mapping[str, str] | None = None,
+                 kernel_regions: Mapping[str, str] | None = None) -> dict:
     """Device time per category (and per scope, and the top instructions) of one executable.
 
     Args:
@@ -347,6 +356,9 @@ def op_breakdown(trace_dir, hlo_text: str, *, steps: int = 1, top: int = 12,
       top: how many of the most expensive instructions to list.
       regions: optional ordered ``{label: regex}`` over the named-scope paths (module
         docstring; e.g. ``LM_REGIONS``).
+      kernel_regions: optional ordered ``{label: regex}`` over the kernel names of events
+        that name no known instruction (e.g. ``LM_KERNEL_REGIONS``); unmatched ones go to
+        ``"rest"``.
 
     Returns:
       dict: ``us_per_step`` {category: microseconds per step, summed over devices},
@@ -388,7 +400,8 @@ def op_breakdown(trace_dir, hlo_text: str, *, steps: int = 1, top: int = 12,
             unmatched[name] += us
         per_cat[cat] += us
         if reg is not None:
-            region = reg[inst] if inst is not None else REST
+            region = reg[inst] if inst is not None else next(
+                (lb for lb, rx in (kernel_regions or {}).items() if re.search(rx, name)), REST)
             per_region[region] += us
             per_region_cat[region][cat] += us
         devices.add(dev)
