@@ -196,10 +196,11 @@ def test_activation_grad_is_the_exact_derivative(act):
         assert not np.allclose(act.apply(z), moe.GatedActivation("gelu").apply(z), atol=1e-5)
 
 
-@pytest.mark.parametrize("layout", ["ragged", "padded", "aligned"])
+@pytest.mark.parametrize("layout", ["ragged", "padded", "padded_mosaic", "aligned"])
 def test_gated_experts_with_biases_and_activation(layout):
     """gated_experts with b_gate_up, b_down and the clamped SwiGLU: y and every gradient equal
-    the per-row formula; padding rows give 0 and pass no gradient."""
+    the per-row formula; padding rows give 0 and pass no gradient. 'padded_mosaic': padded x
+    as rows of the Mosaic kernels (with the live-row groups that skip empty tiles on GPU)."""
     e, d, f = 4, 16, 8
     ks = jax.random.split(jax.random.key(3), 6)
     w_gu = jax.random.normal(ks[0], (e, d, 2 * f)) * 0.5
@@ -207,11 +208,11 @@ def test_gated_experts_with_biases_and_activation(layout):
     b_gu, b_d = jax.random.normal(ks[2], (e, 2 * f)), jax.random.normal(ks[3], (e, d))
     act = moe.GatedActivation("clamped_swiglu", alpha=1.702, limit=1.0)
     sizes = np.array([5, 0, 7, 3])
-    if layout == "padded":  # [E, C, d], rows c >= sizes[e] are padding
+    if layout.startswith("padded"):  # [E, C, d], rows c >= sizes[e] are padding
         x = jax.random.normal(ks[4], (e, 8, d))
         expert = np.repeat(np.arange(e)[:, None], 8, axis=1)
         valid = np.arange(8)[None, :] < sizes[:, None]
-        kw = {}
+        kw = {"backend": "mosaic"} if layout == "padded_mosaic" else {}
     else:
         align = 8 if layout == "aligned" else 1
         starts = np.concatenate([[0], np.cumsum(-(-sizes // align) * align)])[:-1]
