@@ -89,13 +89,19 @@ def timed(fn, args, a, inner=3):
     return sec / inner
 
 
-def accuracy(got, want) -> dict:
-    """Worst cosine and relative RMS error over the leaves of ``got`` against ``want``."""
-    cos, rel = [], []
+def leaf_errors(got, want) -> list[tuple[float, float]]:
+    """``(cosine, relative RMS error)`` of every leaf of ``got`` against ``want``."""
+    out = []
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         g, w = np.asarray(g, np.float64).ravel(), np.asarray(w, np.float64).ravel()
-        cos.append(float(g @ w / max(np.linalg.norm(g) * np.linalg.norm(w), 1e-30)))
-        rel.append(float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30)))
+        out.append((float(g @ w / max(np.linalg.norm(g) * np.linalg.norm(w), 1e-30)),
+                    float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30))))
+    return out
+
+
+def accuracy(got, want) -> dict:
+    """Worst cosine and relative RMS error over the leaves of ``got`` against ``want``."""
+    cos, rel = zip(*leaf_errors(got, want), strict=True)
     return {"worst_cos_vs_bf16": min(cos), "worst_rel_rms_vs_bf16": max(rel)}
 
 
@@ -187,7 +193,7 @@ def experts_rows(report, a, data):
                 args = (x, data["w_gate_up"], data["w_down"], ct)
                 # y is an output: with only the gradients of this linear loss, XLA would drop
                 # the forward down GEMM (the cotangent of y is ct, whatever y is).
-                step = jax.jit(lambda *a, loss=loss: _y_and_grads(loss, *a))
+                step = jax.jit(lambda *a, loss=loss: y_and_grads(loss, *a))
                 step = step.lower(*args).compile()
                 grads = jax.block_until_ready(step(*args))
                 sec = timed(step, args, a)
@@ -223,7 +229,7 @@ def experts_rows(report, a, data):
                                                 / min(v["fp8_ms"] for v in mine.values()))
 
 
-def _y_and_grads(loss, *args):
+def y_and_grads(loss, *args):
     """``(y, d loss / d args[:3])`` of a ``loss`` returning ``(value, y)``."""
     (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(*args)
     return (y, *grads)

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_util import cli, env_info, write_json  # noqa: E402
+from fp8_bench import leaf_errors, y_and_grads  # noqa: E402
 
 from moe.experts import gated_experts  # noqa: E402
 
@@ -43,27 +44,17 @@ def _inputs(e, c, d, f):
     return x, wgu, wd, ct
 
 
-def _y_and_grads(backend, gs, opts):
+def _step(backend, gs, opts):
     def loss(x, wgu, wd, ct):
         y = gated_experts(x, gs, wgu, wd, backend=backend, **opts)
         return jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32)), y
 
-    def run(x, wgu, wd, ct):
-        (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, wgu, wd,
-                                                                                  ct)
-        return [y, *grads]
-
-    return jax.jit(run)
+    return jax.jit(lambda *args: y_and_grads(loss, *args))
 
 
 def _errors(got, ref) -> list[dict]:
-    out = []
-    for name, u, v in zip(("y", "dx", "dw_gate_up", "dw_down"), got, ref, strict=True):
-        u, v = u.astype(jnp.float32).ravel(), v.astype(jnp.float32).ravel()
-        cos = u @ v / (jnp.linalg.norm(u) * jnp.linalg.norm(v) + 1e-30)
-        rel = jnp.linalg.norm(u - v) / (jnp.linalg.norm(v) + 1e-30)
-        out.append({"tensor": name, "cos": float(cos), "rel_rms": float(rel)})
-    return out
+    return [{"tensor": name, "cos": cos, "rel_rms": rel} for name, (cos, rel) in
+            zip(("y", "dx", "dw_gate_up", "dw_down"), leaf_errors(got, ref), strict=True)]
 
 
 def main(argv=None) -> dict:
@@ -77,10 +68,10 @@ def main(argv=None) -> dict:
     empty = jnp.asarray(np.arange(c)[None, :] >= sizes[:, None])[..., None]
     report = {"benchmark": "padded_tiles_check", "env": env_info(), "shape": [e, c, d, f],
               "group_sizes": sizes.tolist(), "recipes": {}}
-    ref_bf16 = _y_and_grads("einsum", gs, {})(x, wgu, wd, ct)
+    ref_bf16 = _step("einsum", gs, {})(x, wgu, wd, ct)
     for recipe, opts in (("bf16", {}), ("fp8_all", ALL_FP8)):
-        got = _y_and_grads("mosaic", gs, opts)(x, wgu, wd, ct)
-        same = ref_bf16 if recipe == "bf16" else _y_and_grads("einsum", gs, opts)(x, wgu, wd, ct)
+        got = _step("mosaic", gs, opts)(x, wgu, wd, ct)
+        same = ref_bf16 if recipe == "bf16" else _step("einsum", gs, opts)(x, wgu, wd, ct)
         row = {"vs_einsum_same_recipe": _errors(got, same),
                "vs_einsum_bf16": _errors(got, ref_bf16),
                "empty_slots_y_absmax": float(jnp.max(jnp.abs(jnp.where(empty, got[0], 0)))),

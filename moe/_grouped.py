@@ -69,9 +69,15 @@ class RowGroups(NamedTuple):
     live: jax.Array  # int32 [G]: leading rows of each group that may be nonzero (<= sizes)
 
 
+def split_groups(gs) -> tuple[jax.Array, jax.Array]:
+    """``(sizes, live rows)`` of ``gs``: a :class:`RowGroups`, or plain int32 ``[G]`` sizes
+    (every row live)."""
+    return (gs.sizes, gs.live) if isinstance(gs, RowGroups) else (gs, gs)
+
+
 def sizes_of(gs) -> jax.Array:
     """The group sizes of ``gs``: an int32 ``[G]`` array or a :class:`RowGroups`."""
-    return gs.sizes if isinstance(gs, RowGroups) else gs
+    return split_groups(gs)[0]
 
 
 def _dn(contract, ragged, group) -> lax.RaggedDotDimensionNumbers:
@@ -192,11 +198,6 @@ def _on_gpu(kernel_fn, emulated_fn, *args):
     )
 
 
-def _live(gs) -> tuple[jax.Array, jax.Array]:
-    """``(sizes, live rows)`` of ``gs`` (plain sizes: every row live)."""
-    return (gs.sizes, gs.live) if isinstance(gs, RowGroups) else (gs, gs)
-
-
 def _mosaic_gmm(a, b, gs, *scales, k_major: bool, out_dtype):
     """``a @ b[g]`` (``b [G, K, N]``) or ``a @ b[g]^T`` (``b [G, N, K]``, ``k_major``), times
     ``scales = (s_a [R], s_b [G, N])`` if given. ``gs``: sizes or :class:`RowGroups`."""
@@ -222,7 +223,7 @@ def _mosaic_gmm(a, b, gs, *scales, k_major: bool, out_dtype):
         raw = _rd(_up(a), _up(b), gs, dn, jnp.float32)
         return _scale_rows(raw, *scales, gs, out_dtype)
 
-    return _on_gpu(kernel, emulated, a, b, *_live(gs), *scales)
+    return _on_gpu(kernel, emulated, a, b, *split_groups(gs), *scales)
 
 
 def _mosaic_tgmm(a, b, gs, *scales, k_major: bool, out_dtype):
@@ -253,7 +254,7 @@ def _mosaic_tgmm(a, b, gs, *scales, k_major: bool, out_dtype):
         raw = _rd(_up(a), _up(b), gs, _RAGGED_WGRAD, jnp.float32)
         return _scale_wgrad(raw, *scales, out_dtype)
 
-    return _on_gpu(kernel, emulated, a, b, *_live(gs), *scales)
+    return _on_gpu(kernel, emulated, a, b, *split_groups(gs), *scales)
 
 
 MOSAIC = GroupedGemms(
