@@ -4,18 +4,24 @@ Step = forward, backward (cross-entropy + 0.01 load-balancing + 1e-3 router z-lo
 examples/train_lm.py) and the optimizer update (``muon_jax.muon(..., mesh=)``: Muon for hidden
 matrices and AdamW for the rest; or ``--optimizer adamw``), jitted over the split NNX state with
 the state donated. Mesh ('data', 'expert') = (1, n_devices);
-bf16 compute, f32 params. Variants (``--variants``): ``bf16`` (bf16 wire and expert GEMMs),
-``fp8_dispatch`` (FP8 wire), ``fp8_gemm`` (FP8 wire, FP8 forward and data-gradient expert GEMMs,
-bf16 weight gradients: the trainer's ``--fp8-gemms forward_dgrad``), ``fp8`` (FP8 wire and all
-expert GEMMs in FP8). ``lm_step_fp8_speedup`` = bf16 step time / the faster of ``fp8_gemm`` and
-``fp8`` (named in ``lm_step_fp8_variant``).
+bf16 compute, f32 params; attention ``--attention`` (auto: cuDNN's fused flash attention on
+NVIDIA GPUs, XLA's einsums elsewhere). Variants (``--variants``): ``bf16`` (bf16 wire and
+GEMMs), ``fp8_dispatch`` (FP8 wire), ``fp8_gemm`` (FP8 wire, FP8 forward and data-gradient
+expert GEMMs, bf16 weight gradients: the trainer's ``--fp8-gemms forward_dgrad``), ``fp8`` (FP8
+wire and all expert GEMMs in FP8), ``fp8_proj_fd`` / ``fp8_proj`` (``fp8`` plus attention's QKV
+and output projections through ``moe.fp8_dense``: forward and data gradient in FP8 / all three
+GEMMs in FP8; the trainer's ``--fp8-projections forward_dgrad`` / ``all``).
+``lm_step_fp8_speedup`` = bf16 step time / the fastest FP8-GEMM variant (named in
+``lm_step_fp8_variant``); ``lm_step_fp8_experts_speedup`` the same over the variants with FP8
+expert GEMMs only (``fp8_gemm``, ``fp8``).
 
 MFU = (6 * active_params * tokens + attention FLOPs) / (step time x n_devices x dense rate),
 the dense rate being a bf16 8192^3 matmul on one device timed in the same run.
 active_params: every matrix except the embedding lookup, with the expert banks scaled by
 top_k / num_experts (router, attention, lm_head counted in full); attention FLOPs
-12 * layers * d_model * seq per token (QK^T and PV, forward + backward, full square as the
-kernel computes it, PaLM's convention). Dropped slots and capacity padding are not subtracted.
+12 * layers * d_model * seq per token (QK^T and PV, forward + backward, the full square,
+PaLM's convention, though the cuDNN kernel skips the masked half). Dropped slots and
+capacity padding are not subtracted.
 
 ``--profile DIR`` traces ``--profile-steps`` steps of each variant into DIR/<variant> and
 stores, per variant, how much collective time the trace leaves exposed (``overlap``;
@@ -79,13 +85,17 @@ from trace_overlap import exposed_comm_fraction  # noqa: E402
 import muon_jax  # noqa: E402
 
 AXES = ("data", "expert")
-VARIANTS = {  # name: (dispatch wire, forward, dgrad and wgrad expert GEMM precision)
-    "bf16": ("bf16", "bf16", "bf16", "bf16"),
-    "fp8_dispatch": ("fp8", "bf16", "bf16", "bf16"),
-    "fp8_gemm": ("fp8", "fp8", "fp8", "bf16"),
-    "fp8": ("fp8", "fp8", "fp8", "fp8"),
+_BF16, _FWD_DGRAD, _ALL = ("bf16",) * 3, ("fp8", "fp8", "bf16"), ("fp8",) * 3
+VARIANTS = {  # name: (dispatch wire, expert GEMMs, attention projection GEMMs), the GEMM
+    # precisions as (forward, dgrad, wgrad)
+    "bf16": ("bf16", _BF16, _BF16),
+    "fp8_dispatch": ("fp8", _BF16, _BF16),
+    "fp8_gemm": ("fp8", _FWD_DGRAD, _BF16),
+    "fp8": ("fp8", _ALL, _BF16),
+    "fp8_proj_fd": ("fp8", _ALL, _FWD_DGRAD),
+    "fp8_proj": ("fp8", _ALL, _ALL),
 }
-FP8_GEMM_VARIANTS = ("fp8_gemm", "fp8")
+FP8_GEMM_VARIANTS = ("fp8_gemm", "fp8", "fp8_proj_fd", "fp8_proj")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -105,6 +115,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    default=["bf16", "fp8_dispatch", "fp8_gemm", "fp8"],
                    help="what to run (see above)")
     p.add_argument("--optimizer", choices=("muon", "adamw"), default="muon")
+    p.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto",
+                   help="attention kernel (lm_model.LMConfig.attention; auto: cudnn on GPUs)")
     p.add_argument("--ceiling-n", type=int, help="dense matmul size (8192; small 512)")
     p.add_argument("--warmup", type=int, help="3; small 1")
     p.add_argument("--iters", type=int, help="10; small 2")
@@ -124,13 +136,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def model_config(a, variant: str) -> lm_model.LMConfig:
-    wire, gemm, dgrad, wgrad = VARIANTS[variant]
+    wire, (gemm, dgrad, wgrad), (p_gemm, p_dgrad, p_wgrad) = VARIANTS[variant]
     return lm_model.LMConfig(
         vocab_size=a.vocab, d_model=a.d_model, num_layers=a.layers, num_heads=a.heads,
         d_ff=a.d_ff, num_experts=a.experts, top_k=a.top_k,
         capacity_factor=a.capacity_factor if a.capacity_factor > 0 else None,
         dispatch_dtype=wire, expert_gemm_dtype=gemm, expert_dgrad_dtype=dgrad,
-        expert_wgrad_dtype=wgrad, fp8_block_size=a.fp8_block_size,
+        expert_wgrad_dtype=wgrad, proj_gemm_dtype=p_gemm, proj_dgrad_dtype=p_dgrad,
+        proj_wgrad_dtype=p_wgrad, attention=a.attention, fp8_block_size=a.fp8_block_size,
         dtype="bfloat16")
 
 
@@ -244,9 +257,11 @@ def bench_variant(variant: str, a, mesh, ceiling) -> dict:
     attn = 12.0 * a.layers * a.d_model * a.seq_len * ntok
     flops = 6.0 * counts["active"] * ntok + attn
     slots = ntok * a.top_k * a.layers
+    gemm_names = ("forward", "dgrad", "wgrad")
     row = dict(variant=variant, fp8_dispatch=VARIANTS[variant][0] == "fp8",
-               expert_gemm_dtypes=dict(zip(("forward", "dgrad", "wgrad"), VARIANTS[variant][1:],
-                                           strict=True)),
+               expert_gemm_dtypes=dict(zip(gemm_names, VARIANTS[variant][1], strict=True)),
+               projection_gemm_dtypes=dict(zip(gemm_names, VARIANTS[variant][2], strict=True)),
+               attention=cfg.attention_impl(),
                optimizer=a.optimizer, muon_sharded=a.optimizer == "muon",
                params_total=counts["total"], params_active=counts["active"],
                params_by_role=counts["by_role"], tokens_per_step=ntok,
@@ -314,6 +329,10 @@ def main(a) -> dict:
         best = min(fp8, key=lambda r: r["step_seconds"])
         report["lm_step_fp8_speedup"] = by["bf16"]["step_seconds"] / best["step_seconds"]
         report["lm_step_fp8_variant"] = best["variant"]
+        experts = [r for r in fp8 if r["variant"] in ("fp8_gemm", "fp8")]
+        if experts:
+            report["lm_step_fp8_experts_speedup"] = by["bf16"]["step_seconds"] / min(
+                r["step_seconds"] for r in experts)
         print(f"lm_step_fp8_speedup (bf16 / {best['variant']}: FP8 wire + FP8 GEMMs): "
               f"{report['lm_step_fp8_speedup']:.3f}")
     bds = {r["variant"]: r["breakdown"] for r in report["steps"]

@@ -37,6 +37,11 @@ class LMConfig:
     expert_gemm_dtype: str = "bf16"  # forward expert GEMMs: 'bf16' (compute dtype) or 'fp8'
     expert_dgrad_dtype: str | None = None  # data-gradient GEMMs; None: as expert_gemm_dtype
     expert_wgrad_dtype: str | None = None  # weight-gradient GEMMs; None: as expert_gemm_dtype
+    # Attention's QKV and output projections (moe.fp8_dense when 'fp8'), same three fields:
+    proj_gemm_dtype: str = "bf16"
+    proj_dgrad_dtype: str | None = None
+    proj_wgrad_dtype: str | None = None
+    attention: str = "auto"  # 'xla' (einsums), 'cudnn' (fused flash attention) or 'auto'
     tie_embeddings: bool = False
     rope_base: float = 10000.0
     dtype: str = "float32"
@@ -48,6 +53,24 @@ class LMConfig:
             )
         if (self.d_model // self.num_heads) % 2:
             raise ValueError("d_model // num_heads must be even for rotary embeddings.")
+        for name in ("proj_gemm_dtype", "proj_dgrad_dtype", "proj_wgrad_dtype"):
+            if getattr(self, name) not in ("bf16", "fp8", None):
+                raise ValueError(f"{name} must be 'bf16' or 'fp8', got {getattr(self, name)!r}.")
+        if self.proj_gemm_dtype is None:
+            raise ValueError("proj_gemm_dtype must be 'bf16' or 'fp8', got None.")
+        if self.attention not in ("auto", "xla", "cudnn"):
+            raise ValueError(f"attention must be 'auto', 'xla' or 'cudnn', got "
+                             f"{self.attention!r}.")
+
+    def attention_impl(self) -> str:
+        """The attention kernel: 'cudnn' (fused flash attention) for ``attention='auto'`` on
+        NVIDIA GPUs with a 16-bit compute dtype and head dim <= 128, else 'xla'."""
+        if self.attention != "auto":
+            return self.attention
+        head_dim = self.d_model // self.num_heads
+        gpu = jax.default_backend() == "gpu"
+        half = jnp.dtype(self.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        return "cudnn" if gpu and half and head_dim <= 128 and head_dim % 8 == 0 else "xla"
 
 
 def param_counts(cfg: LMConfig) -> dict[str, int]:
@@ -88,8 +111,13 @@ def rotary(x: jax.Array, base: float) -> jax.Array:
 class Attention(nnx.Module):
     """Causal multi-head self-attention with rotary embeddings."""
 
-    def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs):
-        self.num_heads, self.rope_base = cfg.num_heads, cfg.rope_base
+    def __init__(self, cfg: LMConfig, *, mesh=None, rngs: nnx.Rngs):
+        self.num_heads, self.rope_base, self.mesh = cfg.num_heads, cfg.rope_base, mesh
+        self.impl = cfg.attention_impl()
+        self.fp8 = None
+        if cfg.proj_gemm_dtype == "fp8":  # moe.fp8_dense options of the two projections
+            self.fp8 = dict(dgrad_dtype=cfg.proj_dgrad_dtype or "fp8",
+                            wgrad_dtype=cfg.proj_wgrad_dtype or "fp8")
         dt = jnp.dtype(cfg.dtype)
         init = nnx.initializers.normal(cfg.d_model**-0.5)
         self.qkv = nnx.Linear(
@@ -99,17 +127,27 @@ class Attention(nnx.Module):
             cfg.d_model, cfg.d_model, use_bias=False, kernel_init=init, dtype=dt, rngs=rngs
         )
 
+    def _project(self, linear: nnx.Linear, x: jax.Array) -> jax.Array:
+        if self.fp8 is None:
+            return linear(x)
+        return moe.fp8_dense(x.astype(linear.dtype), linear.kernel[...], mesh=self.mesh,
+                             **self.fp8)
+
     def __call__(self, x: jax.Array) -> jax.Array:
         b, s, d = x.shape
         h = self.num_heads
-        q, k, v = jnp.split(self.qkv(x).reshape(b, s, 3 * h, d // h), 3, axis=2)
+        q, k, v = jnp.split(self._project(self.qkv, x).reshape(b, s, 3 * h, d // h), 3, axis=2)
         q, k = rotary(q, self.rope_base), rotary(k, self.rope_base)
         with jax.named_scope("attention"):
-            logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / (d // h) ** 0.5
-            mask = jnp.tril(jnp.ones((s, s), dtype=bool))
-            probs = jax.nn.softmax(jnp.where(mask, logits, -1e30), axis=-1).astype(v.dtype)
-            y = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, d)
-        return self.out(y)
+            if self.impl == "cudnn":
+                y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                 implementation="cudnn").reshape(b, s, d)
+            else:
+                logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / (d // h) ** 0.5
+                mask = jnp.tril(jnp.ones((s, s), dtype=bool))
+                probs = jax.nn.softmax(jnp.where(mask, logits, -1e30), axis=-1).astype(v.dtype)
+                y = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, d)
+        return self._project(self.out, y)
 
 
 class Block(nnx.Module):
@@ -117,7 +155,7 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: LMConfig, *, mesh, rngs: nnx.Rngs):
         self.attn_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = Attention(cfg, mesh=mesh, rngs=rngs)
         self.ffn_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
         options = moe.MoEOptions.create(
             cfg.num_experts,

@@ -68,7 +68,8 @@ FP8_GEMMS: dict[str, tuple[str, str, str]] = {  # recipe: forward, dgrad, wgrad 
     "forward_dgrad": ("fp8", "fp8", "bf16"),
     "all": ("fp8", "fp8", "fp8"),
 }
-"""``--fp8-gemms`` recipes: which expert GEMMs take FP8 operands ('bf16': the compute dtype)."""
+"""``--fp8-gemms`` / ``--fp8-projections`` recipes: which expert / attention-projection GEMMs
+take FP8 operands ('bf16': the compute dtype)."""
 
 PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
     ("H100", 989.0), ("H200", 989.0), ("H800", 989.0), ("B200", 2250.0), ("A100", 312.0),
@@ -142,6 +143,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="expert GEMMs on FP8 operands (rowwise scales): none; forward; "
                         "forward_dgrad (+ data gradients, the fastest measured on one H200); all "
                         "(+ weight gradients)")
+    p.add_argument("--fp8-projections", choices=tuple(FP8_GEMMS), default="none",
+                   help="attention's QKV and output projections on FP8 operands (moe.fp8_dense, "
+                        "rowwise scales), the same recipes as --fp8-gemms")
+    p.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto",
+                   help="attention kernel: cudnn (fused flash attention), xla (einsums) or auto "
+                        "(cudnn on NVIDIA GPUs in bf16)")
     p.add_argument("--fp8-block-size", type=int, help=_preset_help("fp8_block_size"))
     p.add_argument("--dtype", choices=("float32", "bfloat16"),
                    help=_preset_help("dtype", "compute dtype (params stay float32)"))
@@ -221,10 +228,15 @@ def build_mesh(spec: str | None) -> jax.sharding.Mesh:
     return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
 
 
-def fp8_gemm_config(recipe: str) -> dict[str, str]:
-    """``LMConfig`` expert GEMM fields for an ``--fp8-gemms`` recipe (see ``FP8_GEMMS``)."""
-    gemm, dgrad, wgrad = FP8_GEMMS[recipe]
-    return {"expert_gemm_dtype": gemm, "expert_dgrad_dtype": dgrad, "expert_wgrad_dtype": wgrad}
+def fp8_gemm_config(recipe: str, *, projections: str = "none") -> dict[str, str]:
+    """``LMConfig`` GEMM fields for an ``--fp8-gemms`` (experts) and ``--fp8-projections``
+    (attention) recipe (see ``FP8_GEMMS``)."""
+    fields = {}
+    for prefix, name in (("expert", recipe), ("proj", projections)):
+        gemm, dgrad, wgrad = FP8_GEMMS[name]
+        fields.update({f"{prefix}_gemm_dtype": gemm, f"{prefix}_dgrad_dtype": dgrad,
+                       f"{prefix}_wgrad_dtype": wgrad})
+    return fields
 
 
 def model_config(args) -> lm_model.LMConfig:
@@ -237,7 +249,8 @@ def model_config(args) -> lm_model.LMConfig:
         top_k=args.top_k,
         capacity_factor=args.capacity_factor if args.capacity_factor > 0 else None,
         dispatch_dtype="fp8" if args.fp8_dispatch else "bf16",
-        **fp8_gemm_config(args.fp8_gemms),
+        **fp8_gemm_config(args.fp8_gemms, projections=args.fp8_projections),
+        attention=args.attention,
         fp8_block_size=args.fp8_block_size,
         tie_embeddings=args.tie_embeddings,
         dtype=args.dtype,
@@ -492,9 +505,9 @@ def describe(args, mesh, corpus) -> str:
         f"experts top-{args.top_k} ({counts['total'] / 1e6:.1f}M params, "
         f"{counts['active'] / 1e6:.1f}M active), batch {args.batch} x {args.seq_len}, "
         f"{args.steps} steps, {args.dtype}, dispatch {'fp8' if args.fp8_dispatch else 'bf16'}, "
-        f"FP8 GEMMs {args.fp8_gemms}; peak lr: Muon run {args.lr:.3g} (AdamW part "
-        f"{muon_adam_lr(args):.3g}, router on {args.router_optimizer}), AdamW run "
-        f"{args.adam_lr:.3g}; peak "
+        f"FP8 GEMMs {args.fp8_gemms}, projections {args.fp8_projections}; peak lr: Muon run "
+        f"{args.lr:.3g} (AdamW part {muon_adam_lr(args):.3g}, router on "
+        f"{args.router_optimizer}), AdamW run {args.adam_lr:.3g}; peak "
         f"{f'{peak:g} TFLOP/s per device' if peak else 'unknown (MFU n/a)'}"
     )
 

@@ -35,7 +35,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moe import _gmm_pallas, _grouped, _quant_pallas, fp8
+from moe import _fp8_gemm, _gmm_pallas, _grouped, _quant_pallas, fp8
 from moe.activations import GatedActivation
 from moe.options import Backend, GemmDtype, SaveZ, check_choice
 
@@ -57,55 +57,18 @@ class _Opts:
     activation: GatedActivation = GatedActivation()
 
 
-# ----------------------------------------------------------------------------------------------
-# FP8 GEMMs: operands quantized along their contraction axis (power-of-two scale per row /
-# output channel), the GEMM on the e4m3 payloads, the exact scales applied to its result.
-# ----------------------------------------------------------------------------------------------
-
-
-def _token_rows(a) -> tuple[jax.Array, jax.Array]:
-    """A token operand as ``(e4m3 rows, f32 scale per row)``: quantized here in one pass
-    (`moe._quant_pallas`), or passed in already quantized as that pair."""
-    return a if isinstance(a, tuple) else _quant_pallas.rows(a)
-
-
-def _fp8_matmul(ops: _grouped.GroupedGemms, a, w_q, gs, out_dtype):
-    """``(a_q @ w_q[e]^T) * s_a[row] * s_w[e, n]`` per group: FP8 operands, f32 accumulation.
-    ``a``: the token operand, or its ``(e4m3, scale)`` pair; ``w_q``: the K-major weight
-    ``(e4m3 [E, N, K], scale [E, N])``."""
-    aq, s_a = _token_rows(a)
-    return ops.mm8(aq, w_q[0], gs, out_dtype, s_a, w_q[1])
-
-
-def _fp8_wgrad(ops: _grouped.GroupedGemms, a, g, gs, out_dtype):
-    """``a_e^T @ g_e`` on FP8 K-major copies, one scale per channel over the token rows."""
-    (aq, s_a), (gq, s_g) = _quant_pallas.cols_t(a), _quant_pallas.cols_t(g)
-    return ops.tmm8(aq, gq, gs, out_dtype, s_a, s_g)
-
-
 def _matmul(opts: _Opts, precision: str, a, w, gs, out_dtype):
-    """``a @ w[e]`` per group (``w [E, K, N]``), bf16 or FP8 (``a`` may be an ``(e4m3,
-    scale)`` pair; the weight is quantized per output channel into its K-major copy)."""
-    ops = _grouped.BACKENDS[opts.backend]
-    if precision == "fp8":
-        return _fp8_matmul(ops, a, _quant_pallas.cols_t(w), gs, out_dtype)
-    return ops.fwd(a, w.astype(a.dtype), gs, out_dtype)
+    return _fp8_gemm.forward(_grouped.BACKENDS[opts.backend], precision, a, w, gs, out_dtype)
 
 
 def _matmul_t(opts: _Opts, a, w, gs, out_dtype):
-    """``a @ w[e]^T`` per group (the dgrad ``dz @ W^T``), bf16 or FP8 (``w [E, K, N]`` is
-    K-major for it: quantized per row)."""
-    ops = _grouped.BACKENDS[opts.backend]
-    if opts.dgrad_dtype == "fp8":
-        return _fp8_matmul(ops, a, _quant_pallas.rows(w), gs, out_dtype)
-    return ops.dgrad(a, w.astype(a.dtype), gs, out_dtype)
+    return _fp8_gemm.dgrad(_grouped.BACKENDS[opts.backend], opts.dgrad_dtype, a, w, gs,
+                           out_dtype)
 
 
 def _wgrad(opts: _Opts, a, g, gs, out_dtype):
-    ops = _grouped.BACKENDS[opts.backend]
-    if opts.wgrad_dtype == "fp8":
-        return _fp8_wgrad(ops, a, g, gs, out_dtype)
-    return ops.wgrad(a, g, gs, out_dtype)
+    return _fp8_gemm.wgrad(_grouped.BACKENDS[opts.backend], opts.wgrad_dtype, a, g, gs,
+                           out_dtype)
 
 
 def _gate_up(opts: _Opts, x: jax.Array, gs: jax.Array, w_gate_up: jax.Array,

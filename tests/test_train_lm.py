@@ -106,14 +106,22 @@ def test_presets_and_explicit_flags():
 
 @pytest.mark.parametrize("recipe", ["none", "forward", "forward_dgrad", "all"])
 def test_fp8_gemms_flag_sets_each_expert_gemm(recipe):
-    args = train_lm.parse_args(["--d-model", "32", "--heads", "2", "--fp8-gemms", recipe])
-    expected = {"none": ("bf16",) * 3, "forward": ("fp8", "bf16", "bf16"),
-                "forward_dgrad": ("fp8", "fp8", "bf16"), "all": ("fp8",) * 3}[recipe]
+    proj = {"none": "all", "all": "none"}.get(recipe, recipe)
+    args = train_lm.parse_args(["--d-model", "32", "--heads", "2", "--fp8-gemms", recipe,
+                                "--fp8-projections", proj])
+    recipes = {"none": ("bf16",) * 3, "forward": ("fp8", "bf16", "bf16"),
+               "forward_dgrad": ("fp8", "fp8", "bf16"), "all": ("fp8",) * 3}
     cfg = train_lm.model_config(args)
     model = lm_model.TransformerLM(cfg, rngs=nnx.Rngs(0))
     eo = model.blocks[0].moe.opts.experts
-    assert (eo.gemm_dtype, eo.dgrad_dtype, eo.wgrad_dtype) == expected
-    assert f"FP8 GEMMs {recipe}" in train_lm.describe(args, train_lm.build_mesh(None), _Corpus)
+    assert (eo.gemm_dtype, eo.dgrad_dtype, eo.wgrad_dtype) == recipes[recipe]
+    attn = model.blocks[0].attn
+    if proj == "none":
+        assert attn.fp8 is None
+    else:
+        assert (attn.fp8["dgrad_dtype"], attn.fp8["wgrad_dtype"]) == recipes[proj][1:]
+    text = train_lm.describe(args, train_lm.build_mesh(None), _Corpus)
+    assert f"FP8 GEMMs {recipe}, projections {proj}" in text
 
 
 def test_help_shows_defaults(capsys):

@@ -1,0 +1,175 @@
+"""FP8 dense projections: ``y = x @ W`` with e4m3 operands on the tensor cores.
+
+The dense counterpart of the expert layer's FP8 GEMMs, for a model's other linear layers (an
+attention block's QKV and output projections, a dense MLP): the same recipe and kernels as
+`moe.gated_experts` (`moe._fp8_gemm`), on one group of rows. ``x`` is quantized per row (token)
+and ``W`` per output channel along the contraction axis, with power-of-two (E8M0) scales; the
+GEMM runs on the e4m3 payloads with f32 accumulation and applies the exact scales to its result
+(torchao's float8 "rowwise" recipe). ``W``'s FP8 copies are made from the param passed in, on
+every call, in the K-major layout each GEMM reads: never stale after an optimizer step.
+
+The backward is a `jax.custom_vjp`: the data gradient ``dx = dy @ W^T`` in FP8 or bf16
+(``dgrad_dtype``; ``dy`` per row, ``W`` per input channel) and the weight gradient
+``dW = x^T @ dy`` in bf16 or FP8 (``wgrad_dtype``; both per channel over the token rows).
+bf16 weight gradients are the default, as torchao's rowwise recipe keeps them in high precision.
+
+On Hopper GPUs the GEMMs are the Pallas Mosaic GPU wgmma kernels of `moe._gmm_mosaic` (scales
+in their epilogue) and the quantization passes `moe._quant_pallas`'s one-pass kernels; on CPU
+(tests) their XLA emulation computes the same products.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from moe import _fp8_gemm, _grouped, _mesh, _vma
+from moe._tiling import pad_to
+from moe.experts import _resolve_backend
+from moe.options import GemmDtype, check_choice
+
+__all__ = ["fp8_dense"]
+
+_GEMM_DTYPES = ("bf16", "fp8")
+DenseBackend = Literal["auto", "mosaic", "pallas", "ragged_dot"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _DenseOpts:
+    """Static options of one `fp8_dense` call (the custom_vjp's nondiff arg)."""
+
+    backend: str
+    dgrad_dtype: str
+    wgrad_dtype: str
+
+
+def _rows(m: int) -> jax.Array:
+    """One group of ``m`` rows: the dense GEMM as a grouped GEMM."""
+    return jnp.full((1,), m, jnp.int32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _dense(o: _DenseOpts, x: jax.Array, w: jax.Array) -> jax.Array:
+    ops = _grouped.BACKENDS[o.backend]
+    with jax.named_scope("fp8_dense"):
+        return _fp8_gemm.forward(ops, "fp8", x, w[None], _rows(x.shape[0]), x.dtype)
+
+
+def _dense_fwd(o: _DenseOpts, x, w):
+    return _dense(o, x, w), (x, w)
+
+
+def _dense_bwd(o: _DenseOpts, res, dy):
+    x, w = res
+    ops, gs = _grouped.BACKENDS[o.backend], _rows(x.shape[0])
+    dy = dy.astype(x.dtype)
+    with jax.named_scope("fp8_dense_dgrad"):
+        dx = _fp8_gemm.dgrad(ops, o.dgrad_dtype, dy, w[None], gs, x.dtype)
+    with jax.named_scope("fp8_dense_wgrad"):
+        dw = _fp8_gemm.wgrad(ops, o.wgrad_dtype, x, dy, gs, w.dtype)[0]
+    return dx, dw
+
+
+_dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+def _local(o: _DenseOpts, x: jax.Array, w: jax.Array) -> jax.Array:
+    """One device's rows (``x [M, K]``); rows padded to the kernels' row tiles if needed."""
+    w = _vma.as_varying(w, _vma.varying_of(x))  # its gradient is summed over the row shards
+    m = x.shape[0]
+    if _grouped.BACKENDS[o.backend].aligned and m % _grouped.GROUP_ALIGNMENT:
+        return _dense(o, pad_to(x, 0, _grouped.GROUP_ALIGNMENT), w)[:m]
+    return _dense(o, x, w)
+
+
+def fp8_dense(
+    x: jax.Array,
+    kernel: jax.Array,
+    *,
+    dgrad_dtype: GemmDtype = "fp8",
+    wgrad_dtype: GemmDtype = "bf16",
+    backend: DenseBackend = "auto",
+    mesh: jax.sharding.Mesh | None = None,
+    token_axes: str | tuple[str, ...] | None = None,
+) -> jax.Array:
+    """``x @ kernel`` with both operands in FP8 (e4m3) on the tensor cores.
+
+    ``y[t, n] = (sum_k q(x)[t, k] q(W)[n, k]) * s_x[t] * s_W[n]`` with ``q`` the e4m3 payloads
+    of ``x`` quantized per row and ``W = kernel`` per output channel (power-of-two scales
+    ``s``), accumulated in f32, returned in ``x.dtype``. Gradients: ``dx`` in FP8
+    (``dgrad_dtype='fp8'``) or the compute dtype, ``dkernel`` in ``kernel.dtype`` from a bf16
+    (default) or FP8 (``wgrad_dtype='fp8'``) GEMM.
+
+    Args:
+      x: ``[..., K]`` activations in the compute dtype (bf16 on GPUs).
+      kernel: ``[K, N]`` weight (e.g. ``nnx.Linear.kernel``; f32 params are quantized
+        directly, with no bf16 copy).
+      dgrad_dtype: precision of the data-gradient GEMM, 'fp8' or 'bf16' (the compute dtype).
+      wgrad_dtype: precision of the weight-gradient GEMM, 'bf16' or 'fp8'.
+      backend: the GEMM kernels: 'auto' ('mosaic' on Hopper GPUs, 'pallas' on other NVIDIA
+        GPUs, 'ragged_dot' elsewhere) or one of those.
+      mesh: the mesh ``x``'s rows are split over (None: the ambient ``jax.set_mesh`` mesh, or
+        none). With a mesh the GEMMs run per device in a ``jax.shard_map``, ``kernel``
+        replicated and its gradient summed over the row shards.
+      token_axes: the mesh axes ``x``'s rows (all axes but the last, flattened) are split
+        over; None: every axis of ``mesh``.
+
+    Returns:
+      ``[..., N]`` in ``x.dtype``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from moe import fp8_dense
+      >>> x = jax.random.normal(jax.random.key(0), (4, 64, 128), jnp.bfloat16)
+      >>> w = jax.random.normal(jax.random.key(1), (128, 256)) * 128**-0.5
+      >>> y = jax.jit(fp8_dense)(x, w)
+      >>> y.shape, y.dtype
+      ((4, 64, 256), dtype(bfloat16))
+      >>> ref = x.astype(jnp.float32) @ w
+      >>> bool(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref) < 0.1)
+      True
+
+    References:
+      Micikevicius et al. (2022), "FP8 Formats for Deep Learning"; torchao float8 training,
+      the "rowwise" and "rowwise_with_gw_hp" recipes.
+    """
+    check_choice("dgrad_dtype", dgrad_dtype, _GEMM_DTYPES)
+    check_choice("wgrad_dtype", wgrad_dtype, _GEMM_DTYPES)
+    check_choice("backend", backend, ("auto", "mosaic", "pallas", "ragged_dot"))
+    if kernel.ndim != 2 or x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
+        raise ValueError(
+            f"kernel must be [K, N] with K = x.shape[-1]; got x {x.shape} and kernel "
+            f"{kernel.shape}."
+        )
+    if not jnp.issubdtype(x.dtype, jnp.floating) or not jnp.issubdtype(kernel.dtype,
+                                                                        jnp.floating):
+        raise TypeError(f"x and kernel must be floating point, got {x.dtype} and "
+                        f"{kernel.dtype}.")
+    o = _DenseOpts(_resolve_backend(backend, 2), dgrad_dtype, wgrad_dtype)
+    lead, (k, n) = x.shape[:-1], kernel.shape
+    x2 = x.reshape(-1, k)
+    mesh = _mesh.resolve(mesh)
+    if mesh is None or math.prod(mesh.shape.values()) == 1:
+        y = _local(o, x2, kernel)
+    else:
+        axes = tuple(mesh.axis_names) if token_axes is None else (
+            (token_axes,) if isinstance(token_axes, str) else tuple(token_axes))
+        for a in axes:
+            if a not in mesh.axis_names:
+                raise ValueError(f"token_axes names {a!r}, not an axis of the mesh "
+                                 f"{tuple(mesh.axis_names)}.")
+        shards = math.prod(mesh.shape[a] for a in axes)
+        if x2.shape[0] % shards:
+            raise ValueError(
+                f"x has {x2.shape[0]} rows, not divisible by the {shards} shards of "
+                f"token_axes={axes}; pad the batch or pass token_axes= fewer axes."
+            )
+        y = jax.shard_map(functools.partial(_local, o), mesh=mesh,
+                          in_specs=(P(axes, None), P()), out_specs=P(axes, None))(x2, kernel)
+    return y.reshape(*lead, n)
