@@ -2,18 +2,18 @@
 
 Functional core: :mod:`moe.fp8` (e4m3 + packed E8M0 block scales), :mod:`moe.routing`
 (top-k router, balancing), :mod:`moe.dispatch` (expert-parallel all-to-all dispatch/combine),
-:mod:`moe.experts` (gated grouped GEMMs), :mod:`moe.fp8_dense` (FP8 dense projections), :mod:`moe.activations` (SiLU, GELU, GPT-OSS's
-clamped SwiGLU); options: :mod:`moe.options`; shell: :class:`moe.MoE` (NNX) and
-:func:`moe.moe_linen` (Linen via ``flax.nnx.bridge``); :mod:`moe.convert` loads transformers'
-MoE blocks (Mixtral, Qwen2/3-MoE, DeepSeek-V3, GPT-OSS).
+:mod:`moe.experts` (gated grouped GEMMs), :mod:`moe.fp8_dense` (FP8 dense projections),
+:mod:`moe.activations` (SiLU, GELU, GPT-OSS's clamped SwiGLU); options: :mod:`moe.options`;
+shell: :class:`moe.MoE` (NNX) and :func:`moe.moe_linen` (Linen via ``flax.nnx.bridge``);
+:mod:`moe.convert` loads transformers' MoE blocks (Mixtral, Qwen2/3-MoE, DeepSeek-V3, GPT-OSS).
 """
 
 from moe import activations, convert, fp8, options, routing
 from moe.activations import GatedActivation
 from moe.dispatch import DispatchPlan, combine, dispatch
 from moe.experts import gated_experts
-from moe.fp8_dense import fp8_dense
 from moe.fp8 import Fp8Array, dequantize, quantize
+from moe.fp8_dense import fp8_dense
 from moe.layer import auto_transport, moe_apply
 from moe.linen import moe_linen
 from moe.module import BalancingBias, MoE

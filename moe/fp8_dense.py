@@ -115,8 +115,10 @@ def fp8_dense(
       backend: the GEMM kernels: 'auto' ('mosaic' on Hopper GPUs, 'pallas' on other NVIDIA
         GPUs, 'ragged_dot' elsewhere) or one of those.
       mesh: the mesh ``x``'s rows are split over (None: the ambient ``jax.set_mesh`` mesh, or
-        none). With a mesh the GEMMs run per device in a ``jax.shard_map``, ``kernel``
-        replicated and its gradient summed over the row shards.
+        none). With a mesh the GEMMs run per device in a ``jax.shard_map``: ``x``'s rows
+        split over ``token_axes``, ``kernel`` replicated (both moved there if they are not)
+        and its gradient summed over the row shards. Inside a ``shard_map`` (mesh axes
+        manual already), ``x`` is the calling device's rows and the GEMMs run on them.
       token_axes: the mesh axes ``x``'s rows (all axes but the last, flattened) are split
         over; None: every axis of ``mesh``.
 
@@ -155,21 +157,26 @@ def fp8_dense(
     lead, (k, n) = x.shape[:-1], kernel.shape
     x2 = x.reshape(-1, k)
     mesh = _mesh.resolve(mesh)
-    if mesh is None or math.prod(mesh.shape.values()) == 1:
-        y = _local(o, x2, kernel)
-    else:
-        axes = tuple(mesh.axis_names) if token_axes is None else (
-            (token_axes,) if isinstance(token_axes, str) else tuple(token_axes))
-        for a in axes:
-            if a not in mesh.axis_names:
-                raise ValueError(f"token_axes names {a!r}, not an axis of the mesh "
-                                 f"{tuple(mesh.axis_names)}.")
-        shards = math.prod(mesh.shape[a] for a in axes)
-        if x2.shape[0] % shards:
-            raise ValueError(
-                f"x has {x2.shape[0]} rows, not divisible by the {shards} shards of "
-                f"token_axes={axes}; pad the batch or pass token_axes= fewer axes."
-            )
-        y = jax.shard_map(functools.partial(_local, o), mesh=mesh,
-                          in_specs=(P(axes, None), P()), out_specs=P(axes, None))(x2, kernel)
+    if (mesh is None or math.prod(mesh.shape.values()) == 1
+            or getattr(mesh, "manual_axes", ())):  # inside a shard_map: x is this device's
+        return _local(o, x2, kernel).reshape(*lead, n)
+    axes = tuple(mesh.axis_names) if token_axes is None else (
+        (token_axes,) if isinstance(token_axes, str) else tuple(token_axes))
+    for a in axes:
+        if a not in mesh.axis_names:
+            raise ValueError(f"token_axes names {a!r}, not an axis of the mesh "
+                             f"{tuple(mesh.axis_names)}.")
+    shards = math.prod(mesh.shape[a] for a in axes)
+    if x2.shape[0] % shards:
+        raise ValueError(
+            f"x has {x2.shape[0]} rows, not divisible by the {shards} shards of "
+            f"token_axes={axes}; pad the batch or pass token_axes= fewer axes."
+        )
+    out_spec = jax.typeof(x2).sharding.spec if _mesh.is_explicit(mesh) else None
+    rows = P(axes, None)
+    y = jax.shard_map(functools.partial(_local, o), mesh=mesh, in_specs=(rows, P()),
+                      out_specs=rows)(_mesh.reshard(x2, mesh, rows),
+                                      _mesh.reshard(kernel, mesh, P()))
+    if out_spec is not None:  # Explicit axes: y's rows sharded as x's were
+        y = _mesh.reshard(y, mesh, P(*out_spec[:1], None))
     return y.reshape(*lead, n)
