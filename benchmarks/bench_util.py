@@ -72,26 +72,33 @@ def median_seconds(fn: Callable, args, warmup: int, iters: int) -> tuple[float, 
     return statistics.median(times), times
 
 
-def dense_ceiling(n: int, warmup: int, iters: int, seed: int = 123, inner: int = 5) -> dict:
-    """Dense bf16 [n, n] @ [n, n] (f32 accumulation, bf16 out) on device 0: TFLOP/s per device.
+def dense_ceiling(n: int, warmup: int, iters: int, seed: int = 123, inner: int = 5, *,
+                  dtype: str = "bf16") -> dict:
+    """Dense [n, n] @ [n, n] on device 0, f32 accumulation, bf16 out: TFLOP/s per device.
 
-    Each timed sample is ``inner`` back-to-back calls, blocked once; the median sample / inner.
+    ``dtype='bf16'``: bf16 operands; ``'fp8'``: float8_e4m3fn operands, the second one K-major
+    (what FP8 tensor cores read; on Hopper XLA emits cuBLASLt's FP8 GEMM). Each timed sample
+    is ``inner`` back-to-back calls, blocked once; the median sample / inner.
     """
     dev = jax.devices()[0]
     ka, kb = jax.random.split(jax.random.key(seed))
     a = jax.device_put(jax.random.normal(ka, (n, n), jnp.bfloat16), dev)
     b = jax.device_put(jax.random.normal(kb, (n, n), jnp.bfloat16), dev)
+    contract = ((1,), (0,))
+    if dtype == "fp8":
+        a, b, contract = a.astype(jnp.float8_e4m3fn), b.T.astype(jnp.float8_e4m3fn), ((1,), (1,))
 
     @jax.jit
     def mm(a, b):
-        return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        out = jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
+        return out.astype(jnp.bfloat16)
 
     def calls(a, b):  # back-to-back calls per sample: launch latency is not counted
         return [mm(a, b) for _ in range(inner)]
 
     sec, _ = median_seconds(calls, (a, b), warmup, iters)
     sec /= inner
-    return {"name": f"dense_bf16_matmul_{n}^3", "n": n, "seconds": sec,
+    return {"name": f"dense_{dtype}_matmul_{n}^3", "n": n, "seconds": sec,
             "calls_per_sample": inner, "tflops": 2.0 * n**3 / sec / 1e12}
 
 

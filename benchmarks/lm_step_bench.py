@@ -16,7 +16,8 @@ GEMMs in FP8; the trainer's ``--fp8-projections forward_dgrad`` / ``all``).
 expert GEMMs only (``fp8_gemm``, ``fp8``).
 
 MFU = (6 * active_params * tokens + attention FLOPs) / (step time x n_devices x dense rate),
-the dense rate being a bf16 8192^3 matmul on one device timed in the same run.
+the dense rate being a bf16 8192^3 matmul on one device timed in the same run (the FP8 one,
+``ceiling_fp8``, is timed too).
 active_params: every matrix except the embedding lookup, with the expert banks scaled by
 top_k / num_experts (router, attention, lm_head counted in full); attention FLOPs
 12 * layers * d_model * seq per token (QK^T and PV, forward + backward, the full square,
@@ -289,7 +290,9 @@ def main(a) -> dict:
                   flops_formula="6*active_params*tokens + 12*layers*d_model*seq*tokens",
                   steps=[], errors={})
     report["ceiling"] = dense_ceiling(a.ceiling_n, a.warmup, max(a.iters, 5))
-    print(f"ceiling: {report['ceiling']['tflops']:.2f} TFLOP/s per device", flush=True)
+    report["ceiling_fp8"] = dense_ceiling(a.ceiling_n, a.warmup, max(a.iters, 5), dtype="fp8")
+    print(f"ceilings: {report['ceiling']['tflops']:.2f} TFLOP/s per device (bf16), "
+          f"{report['ceiling_fp8']['tflops']:.2f} (FP8)", flush=True)
     write_json(a.out, report)
     for v in a.variants:
         try:
