@@ -124,6 +124,16 @@ def test_fp8_gemms_flag_sets_each_expert_gemm(recipe):
     assert f"FP8 GEMMs {recipe}, projections {proj}" in text
 
 
+def test_attention_and_projection_options():
+    """'auto' attention is XLA's einsums off NVIDIA GPUs; bad choices name their field."""
+    assert lm_model.LMConfig(dtype="bfloat16").attention_impl() == "xla"  # on the CPU
+    assert lm_model.LMConfig(attention="cudnn").attention_impl() == "cudnn"
+    with pytest.raises(ValueError, match="attention must be"):
+        lm_model.LMConfig(attention="flash")
+    with pytest.raises(ValueError, match="proj_wgrad_dtype"):
+        lm_model.LMConfig(proj_gemm_dtype="fp8", proj_wgrad_dtype="fp16")
+
+
 def test_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         train_lm.parse_args(["--help"])
@@ -163,7 +173,7 @@ def test_resume_message_names_step_path_and_mesh(tmp_path):
 def test_resume_continues_exactly(tmp_path, capsys):
     """2 x N steps with a restart in between equal N + N uninterrupted (same losses)."""
     common = [*TINY, "--optimizer", "muon", "--fp8-dispatch", "--fp8-gemms", "forward_dgrad",
-              "--eval-every", "100",
+              "--fp8-projections", "all", "--eval-every", "100",
               "--ckpt-every", "3"]
     full, split = tmp_path / "full", tmp_path / "split"
     assert train_lm.main([*common, "--steps", "6", "--out", str(full)]) == 0
