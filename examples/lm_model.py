@@ -58,6 +58,10 @@ class LMConfig:
                 raise ValueError(f"{name} must be 'bf16' or 'fp8', got {getattr(self, name)!r}.")
         if self.proj_gemm_dtype is None:
             raise ValueError("proj_gemm_dtype must be 'bf16' or 'fp8', got None.")
+        if self.proj_gemm_dtype == "bf16" and "fp8" in (self.proj_dgrad_dtype,
+                                                        self.proj_wgrad_dtype):
+            raise ValueError("FP8 projection gradients need proj_gemm_dtype='fp8' (the "
+                             "projections run through moe.fp8_dense, whose forward is FP8).")
         if self.attention not in ("auto", "xla", "cudnn"):
             raise ValueError(f"attention must be 'auto', 'xla' or 'cudnn', got "
                              f"{self.attention!r}.")

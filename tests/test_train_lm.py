@@ -132,6 +132,8 @@ def test_attention_and_projection_options():
         lm_model.LMConfig(attention="flash")
     with pytest.raises(ValueError, match="proj_wgrad_dtype"):
         lm_model.LMConfig(proj_gemm_dtype="fp8", proj_wgrad_dtype="fp16")
+    with pytest.raises(ValueError, match="need proj_gemm_dtype='fp8'"):
+        lm_model.LMConfig(proj_dgrad_dtype="fp8")
 
 
 def test_help_shows_defaults(capsys):
