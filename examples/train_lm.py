@@ -141,8 +141,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="FP8 e4m3 tokens on the expert all-to-all (default on)")
     p.add_argument("--fp8-gemms", choices=tuple(FP8_GEMMS), default="none",
                    help="expert GEMMs on FP8 operands (rowwise scales): none; forward; "
-                        "forward_dgrad (+ data gradients, the fastest measured on one H200); all "
-                        "(+ weight gradients)")
+                        "forward_dgrad (+ data gradients); all (+ weight gradients, the fastest "
+                        "measured on one H200)")
     p.add_argument("--fp8-projections", choices=tuple(FP8_GEMMS), default="none",
                    help="attention's QKV and output projections on FP8 operands (moe.fp8_dense, "
                         "rowwise scales), the same recipes as --fp8-gemms")
