@@ -114,20 +114,14 @@ def record(report, section, entry):
 
 
 def ceilings(report, a):
-    n = a.ceiling_n
-    k = jax.random.split(jax.random.key(1), 2)
-    x = jax.random.normal(k[0], (n, n), jnp.bfloat16)
-    y = jax.random.normal(k[1], (n, n), jnp.bfloat16)
-    mm = jax.jit(lambda u, v: jnp.dot(u, v, preferred_element_type=jnp.float32)
-                 .astype(jnp.bfloat16))
-    mm8 = jax.jit(lambda u, v: jax.lax.dot_general(
-        u, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16))
-    for name, fn, args in (("dense_bf16", mm, (x, y)), ("dense_fp8", mm8, (x.astype(F8),
-                                                                          y.T.astype(F8)))):
-        sec = timed(fn, args, a)
-        report[name + "_tflops"] = 2 * n**3 / sec / 1e12
-        record(report, "ceilings", {"name": name, "n": n, "ms": sec * 1e3,
-                                    "tflops": report[name + "_tflops"]})
+    """The dense bf16 and FP8 matmul ceilings (`bench_util.dense_ceiling`), timed as the rows
+    are: ``inner`` back-to-back calls per sample."""
+    for dtype in ("bf16", "fp8"):
+        c = bench_util.dense_ceiling(a.ceiling_n, a.warmup, a.iters, seed=1,
+                                     inner=1 if a.small else 3, dtype=dtype)
+        report[f"dense_{dtype}_tflops"] = c["tflops"]
+        record(report, "ceilings", {"name": f"dense_{dtype}", "n": c["n"],
+                                    "ms": c["seconds"] * 1e3, "tflops": c["tflops"]})
 
 
 def aligned_ragged(x_real: jax.Array, sizes: np.ndarray):
@@ -229,9 +223,9 @@ def experts_rows(report, a, data):
                                                 / min(v["fp8_ms"] for v in mine.values()))
 
 
-def y_and_grads(loss, *args):
-    """``(y, d loss / d args[:3])`` of a ``loss`` returning ``(value, y)``."""
-    (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(*args)
+def y_and_grads(loss, *args, argnums=(0, 1, 2)):
+    """``(y, *d loss / d args[argnums])`` of a ``loss`` returning ``(value, y)``."""
+    (_, y), grads = jax.value_and_grad(loss, argnums=argnums, has_aux=True)(*args)
     return (y, *grads)
 
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_util import cli, env_info, fill_defaults  # noqa: E402
-from fp8_bench import accuracy, ceilings, record, timed  # noqa: E402
+from fp8_bench import accuracy, ceilings, record, timed, y_and_grads  # noqa: E402
 
 import moe  # noqa: E402
 
@@ -46,11 +46,7 @@ def _step(dense):
         y = dense(x, w)
         return jnp.sum(y.astype(jnp.float32) * ct), y
 
-    @jax.jit
-    def step(x, w, ct):
-        (_, y), (dx, dw) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w, ct)
-        return y, dx, dw
-    return step
+    return jax.jit(lambda *args: y_and_grads(loss, *args, argnums=(0, 1)))
 
 
 def dense_rows(report, a):

@@ -14,10 +14,10 @@ import jax
 
 from moe import _grouped, _quant_pallas
 
-__all__ = ["dgrad", "forward", "token_rows", "wgrad"]
+__all__ = ["dgrad", "forward", "wgrad"]
 
 
-def token_rows(a) -> tuple[jax.Array, jax.Array]:
+def _token_rows(a) -> tuple[jax.Array, jax.Array]:
     """A token operand as ``(e4m3 rows, f32 scale per row)``: quantized here in one pass
     (`moe._quant_pallas`), or passed in already quantized as that pair."""
     return a if isinstance(a, tuple) else _quant_pallas.rows(a)
@@ -26,7 +26,7 @@ def token_rows(a) -> tuple[jax.Array, jax.Array]:
 def _mm8(ops: _grouped.GroupedGemms, a, w_q, gs, out_dtype) -> jax.Array:
     """``(a_q @ w_q[e]^T) * s_a[row] * s_w[e, n]``; ``w_q``: K-major ``(e4m3 [E, N, K],
     scale [E, N])``."""
-    aq, s_a = token_rows(a)
+    aq, s_a = _token_rows(a)
     return ops.mm8(aq, w_q[0], gs, out_dtype, s_a, w_q[1])
 
 
