@@ -5,7 +5,10 @@ quantized (row maximum, scale, cast) before its GEMM: ``x`` and ``dy`` as given,
 after the gate_up GEMM, ``dz = act'(z) dh`` in the backward. This script times each of those
 passes in XLA (the ``*_reference`` functions of `moe._quant_pallas`, what the layer ran before
 the kernels) and with the one-pass Pallas kernels of `moe._quant_pallas`, on random (never zero)
-inputs, medians after warm-up (each sample ten back-to-back calls). It checks that both give the
+inputs, medians after warm-up (each sample ten back-to-back calls). It also times the two ways
+of making a weight-gradient operand's K-major FP8 copy: column-wise quantization of the bf16
+rows (``quantize_cols_t``, two passes) and the e4m3 rows written transposed with a power of two
+per row (``transpose_rows``, one pass over one byte per element). It checks that both give the
 same bytes, counts the kernels each compiled function launches, and reports the rate in GB/s of
 the bytes a single pass must move (read the inputs once, write the outputs once), next to the
 copy ceiling measured in the same run (``x -> x * 2`` in bf16).
@@ -83,6 +86,8 @@ def main(argv=None) -> dict:
     x = jax.random.normal(k[0], (a.rows, a.d_model), jnp.bfloat16)
     z = (jax.random.normal(k[1], (a.rows, 2 * a.d_ff), jnp.float32) * 2).astype(jnp.bfloat16)
     dh = jax.random.normal(k[2], (a.rows, a.d_ff), jnp.float32)
+    xq = qp.quantize_rows_reference(x)[0]
+    mult = jnp.exp2(-jax.random.randint(k[2], (a.rows,), 0, 12).astype(jnp.float32))
     cases = {
         "quantize_rows": ((x,), qp.quantize_rows_reference,
                           lambda x: qp.quantize_rows(x, interpret=interpret)),
@@ -92,6 +97,18 @@ def main(argv=None) -> dict:
             (z, dh), lambda z, dh: qp.gated_grad_quantize_rows_reference(z, dh, act,
                                                                          jnp.bfloat16),
             lambda z, dh: qp.gated_grad_quantize_rows(z, dh, act, interpret=interpret)),
+        "gated_grad_quantize_rows_fp8_only": (
+            (z, dh), lambda z, dh: qp.gated_grad_quantize_rows_reference(z, dh, act, None),
+            lambda z, dh: qp.gated_grad_quantize_rows(z, dh, act, out_dtype=None,
+                                                      interpret=interpret)),
+        # A weight-gradient operand, before: column-wise quantization of the bf16 rows into
+        # the K-major copy (two passes); now: the e4m3 rows written transposed, each row times
+        # a power of two (one pass over one byte per element).
+        "quantize_cols_t": ((x,), lambda x: qp.quantize_cols_t_reference(x[None]),
+                            lambda x: qp.quantize_cols_t(x[None], interpret=interpret)),
+        "transpose_rows": ((xq, mult), qp.transpose_rows_reference,
+                           lambda q, m: qp.transpose_rows(q[None], m[None],
+                                                          interpret=interpret)[0]),
     }
     report = {"benchmark": "quant", "env": bench_util.env_info(), "out": a.out,
               "settings": vars(a) | {"interpret": interpret}, "rows": []}
@@ -112,7 +129,8 @@ def main(argv=None) -> dict:
             report["rows"].append(row)
             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                            for k, v in row.items()), flush=True)
-        same = same_bytes(outs["xla"][-2:], outs["pallas"][-2:])  # the FP8 payload and scales
+        last = [o[-2:] if isinstance(o, tuple) else o for o in (outs["xla"], outs["pallas"])]
+        same = same_bytes(*last)  # the FP8 payload and scales
         report["rows"][-1]["same_fp8_bytes_as_xla"] = same
         print(f"  {name}: same FP8 bytes as XLA: {same}", flush=True)
         bench_util.write_json(a.out, report)

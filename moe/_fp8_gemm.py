@@ -6,27 +6,69 @@ GEMM quantizes each operand along its contraction axis with one power-of-two sca
 multiplies its result by the exact scales (torchao's float8 "rowwise" recipe). The quantization
 passes are `moe._quant_pallas`'s (one-pass kernels on NVIDIA GPUs, the same bytes from XLA
 elsewhere); the GEMMs are a `moe._grouped` backend's.
+
+The weight gradient ``dW = a^T g`` contracts the token rows, along which the row-wise scales
+vary. It reuses the row-quantized payloads that the forward and data-gradient GEMMs already
+made (:func:`rows`): with ``a = s_a q_a`` and ``g = s_g q_g`` per row,
+``dW = P * q_a^T (q_g * s_a s_g / P)`` where ``P = max_r s_a[r] s_g[r]``. The factor
+``s_a s_g / P`` is a power of two at most 1, folded exactly into ``q_g`` (up to rounding below
+e4m3's normal range, i.e. in the rows that contribute least) as both payloads are written
+transposed, and ``P`` scales the result. That is one byte read and written per element
+instead of a column-wise re-quantization from the compute dtype (two reads of two bytes and a
+write); the products keep the row-wise precision of the other GEMMs.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 
 from moe import _grouped, _quant_pallas
 
-__all__ = ["dgrad", "forward", "wgrad"]
+__all__ = ["dgrad", "forward", "rows", "wgrad"]
+
+_F32_BIAS = 127
 
 
-def _token_rows(a) -> tuple[jax.Array, jax.Array]:
+def rows(a) -> tuple[jax.Array, jax.Array]:
     """A token operand as ``(e4m3 rows, f32 scale per row)``: quantized here in one pass
     (`moe._quant_pallas`), or passed in already quantized as that pair."""
     return a if isinstance(a, tuple) else _quant_pallas.rows(a)
 
 
+def _exponent(s: jax.Array) -> jax.Array:
+    """Biased f32 exponent (int32) of power-of-two scales; 255 for NaN."""
+    return lax.bitcast_convert_type(s, jnp.int32) >> 23 & 0xFF
+
+
+def wgrad_operands(a, g):
+    """The K-major FP8 operands and epilogue scales of ``a^T @ g`` over the token rows, from
+    row-quantized ``a [..., M, K]`` and ``g [..., M, N]`` (pairs, or arrays quantized here).
+
+    Returns:
+      ``(a_t [..., K, M], g_t [..., N, M], s_a [..., K], s_g [..., N])`` for
+      ``tmm8``: ``a^T @ g = (a_t @ g_t^T) * s_a[:, None] * s_g[None, :]``, with the row scales'
+      product folded into ``g_t`` relative to its maximum ``P`` (per leading index) and
+      ``s_a = P``, ``s_g = 1``. A NaN scale (a row holding NaN or inf) makes ``P`` NaN.
+    """
+    (aq, s_a), (gq, s_g) = rows(a), rows(g)
+    e = _exponent(s_a) + _exponent(s_g)  # log2(s_a s_g) + 2 * bias, per row
+    top = jnp.max(e, axis=-1, keepdims=True)
+    mult = jnp.ldexp(jnp.float32(1), e - top)  # 2^(e - top) <= 1; 0 below f32's normals
+    scale = jnp.ldexp(jnp.float32(1), top - 2 * _F32_BIAS)
+    bad = jnp.any(jnp.isnan(s_a) | jnp.isnan(s_g), axis=-1, keepdims=True)
+    scale = jnp.where(bad, jnp.nan, scale)
+    lead = aq.shape[:-2]
+    return (_quant_pallas.rows_t(aq), _quant_pallas.rows_t(gq, mult),
+            jnp.broadcast_to(scale, (*lead, aq.shape[-1])),
+            jnp.ones((*lead, gq.shape[-1]), jnp.float32))
+
+
 def _mm8(ops: _grouped.GroupedGemms, a, w_q, gs, out_dtype) -> jax.Array:
     """``(a_q @ w_q[e]^T) * s_a[row] * s_w[e, n]``; ``w_q``: K-major ``(e4m3 [E, N, K],
     scale [E, N])``."""
-    aq, s_a = _token_rows(a)
+    aq, s_a = rows(a)
     return ops.mm8(aq, w_q[0], gs, out_dtype, s_a, w_q[1])
 
 
@@ -47,9 +89,10 @@ def dgrad(ops: _grouped.GroupedGemms, precision: str, g, w, gs, out_dtype) -> ja
 
 
 def wgrad(ops: _grouped.GroupedGemms, precision: str, a, g, gs, out_dtype) -> jax.Array:
-    """``a_e^T @ g_e`` per group (the weight gradient ``[E, K, N]``), bf16 or FP8 (K-major
-    copies, one scale per channel over the token rows)."""
+    """``a_e^T @ g_e`` per group (the weight gradient ``[E, K, N]``), bf16 or FP8 (``a`` and
+    ``g`` may be row-quantized pairs; their transposed payloads with the row scales folded in,
+    :func:`wgrad_operands`)."""
     if precision == "fp8":
-        (aq, s_a), (gq, s_g) = _quant_pallas.cols_t(a), _quant_pallas.cols_t(g)
-        return ops.tmm8(aq, gq, gs, out_dtype, s_a, s_g)
+        a_t, g_t, s_a, s_g = wgrad_operands(a, g)
+        return ops.tmm8(a_t, g_t, gs, out_dtype, s_a, s_g)
     return ops.wgrad(a, g, gs, out_dtype)

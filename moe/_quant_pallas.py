@@ -113,8 +113,10 @@ def gated_grad_quantize_rows_reference(z: jax.Array, dh: jax.Array, act: GatedAc
     g, u = jnp.split(z, 2, axis=-1)
     dg, du = act.grad_parts(g, u, dh)
     (qg, qu), s = _cast_rows(dg, du)
-    dz = jnp.concatenate([dg, du], axis=-1).astype(out_dtype)
-    return dz, jnp.concatenate([qg, qu], axis=-1), s
+    q = jnp.concatenate([qg, qu], axis=-1)
+    if out_dtype is None:
+        return q, s
+    return jnp.concatenate([dg, du], axis=-1).astype(out_dtype), q, s
 
 
 # ----------------------------------------------------------------------------------------------
@@ -154,7 +156,8 @@ def _gated_kernel(z_ref, q_ref, s_ref, *, bm, width, act):
     _plgpu.store(s_ref.at[rows], s)
 
 
-def _gated_grad_kernel(z_ref, dh_ref, dz_ref, q_ref, s_ref, *, bm, width, act):
+def _gated_grad_kernel(z_ref, dh_ref, *out_refs, bm, width, act):
+    *dz_ref, q_ref, s_ref = out_refs  # dz_ref: [] when only the FP8 copy is wanted
     rows = _rows(pl.program_id(0), bm)
     parts = [act.grad_parts(g, u, dh) for g, u, dh in zip(
         _load(z_ref, rows, 0, width), _load(z_ref, rows, width, width),
@@ -163,7 +166,8 @@ def _gated_grad_kernel(z_ref, dh_ref, dz_ref, q_ref, s_ref, *, bm, width, act):
     q, s = _scale_and_cast(dg + du, _row_amax_bits(*dg, *du))
     n = len(dg)
     for start, d, qq in ((0, dg, q[:n]), (width, du, q[n:])):
-        _store(dz_ref, rows, start, width, d)
+        if dz_ref:
+            _store(dz_ref[0], rows, start, width, d)
         _store(q_ref, rows, start, width, qq)
     _plgpu.store(s_ref.at[rows], s)
 
@@ -266,11 +270,13 @@ def gated_grad_quantize_rows(z: jax.Array, dh: jax.Array, act: GatedActivation, 
       z: float ``[M, 2F]``, ``F`` a multiple of 16.
       dh: float ``[M, F]``, the cotangent of ``h = act(z)``.
       act: the gated activation.
-      out_dtype: dtype of the unquantized ``dz``.
+      out_dtype: dtype of the unquantized ``dz``; None: only the quantized copy (when no
+        GEMM reads ``dz`` in a wide type).
       interpret: Pallas interpret mode.
 
     Returns:
-      ``(dz out_dtype [M, 2F], q float8_e4m3fn [M, 2F], scale float32 [M])``.
+      ``(dz out_dtype [M, 2F], q float8_e4m3fn [M, 2F], scale float32 [M])``; ``(q, scale)``
+      if ``out_dtype`` is None.
 
     Example:
       >>> dz, q, s = gated_grad_quantize_rows(jnp.ones((2, 64)), jnp.ones((2, 32)),
@@ -283,14 +289,16 @@ def gated_grad_quantize_rows(z: jax.Array, dh: jax.Array, act: GatedActivation, 
     _check(z, f, "z")
     if dh.shape != (m, f):
         raise ValueError(f"dh must be [M, F] = {(m, f)} for z {z.shape}, got {dh.shape}.")
-    outs = (((m, two_f), jnp.dtype(out_dtype)), ((m, two_f), F8), ((m,), jnp.float32))
+    outs = (((m, two_f), F8), ((m,), jnp.float32))
+    if out_dtype is not None:
+        outs = (((m, two_f), jnp.dtype(out_dtype)), *outs)
     return _launch(_gated_grad_kernel, (z, dh), outs, m=m, width=f, interpret=interpret,
                    name="fp8_gated_grad_quantize_rows", act=act)
 
 
 # ----------------------------------------------------------------------------------------------
-# Column-wise quantization into the transposed (K-major) layout: weights for the forward GEMM,
-# token operands for the FP8 weight gradient.
+# Column-wise quantization into the transposed (K-major) layout: the weights for the forward
+# GEMM.
 # ----------------------------------------------------------------------------------------------
 
 COL_TILE = (64, 64)  # (rows, columns) of a program's tile in both passes
@@ -375,6 +383,90 @@ def quantize_cols_t(a: jax.Array, *, interpret: bool = False) -> tuple[jax.Array
 
 
 # ----------------------------------------------------------------------------------------------
+# Row-quantized FP8 operands written transposed: the weight gradient's K-major copies.
+# ----------------------------------------------------------------------------------------------
+
+ROWS_T_TILE = 128  # a program's tile: up to [128, 128], each side the largest power of two
+_ROWS_T_MIN = 16  # dividing the operand's (a multiple of 16)
+
+
+def _rows_t_tile(m: int, n: int) -> tuple[int, int]:
+    return tuple(min(ROWS_T_TILE, d & -d) for d in (m, n))
+
+
+def rows_t_supported(m: int, n: int) -> bool:
+    """Whether ``[..., m, n]`` fits :func:`transpose_rows` (both multiples of 16)."""
+    return PALLAS_IMPORT_ERROR is None and m % _ROWS_T_MIN == 0 and n % _ROWS_T_MIN == 0
+
+
+def transpose_rows_reference(q: jax.Array, mult: jax.Array | None = None) -> jax.Array:
+    """:func:`transpose_rows` in XLA ops (any shape ``[..., M, N]``)."""
+    if mult is not None:
+        q = (q.astype(jnp.float32) * mult[..., None]).astype(F8)
+    return jnp.swapaxes(q, -1, -2)
+
+
+def _rows_t_kernel(q_ref, *refs, bm, bn):
+    *mult_ref, o_ref = refs
+    b, rows, cols = _tile(*(pl.program_id(i) for i in range(3)), bm, bn)
+    q = _plgpu.load(q_ref.at[b, rows, cols])
+    if mult_ref:
+        m = _plgpu.load(mult_ref[0].at[b, rows])
+        q = (q.astype(jnp.float32) * m[:, None]).astype(F8)
+    _plgpu.store(o_ref.at[b, cols, rows], q.T)
+
+
+def transpose_rows(q: jax.Array, mult: jax.Array | None = None, *,
+                   interpret: bool = False) -> jax.Array:
+    """An e4m3 ``[B, M, N]`` written transposed, each row first times a power of two.
+
+    ``out[b] = e4m3(q[b] * mult[b][:, None])^T``: the K-major copy of a row-quantized token
+    operand that a weight-gradient GEMM contracting the ``M`` rows reads, with the per-row
+    factor that moves the operands' row scales out of the contraction (``mult <= 1``, exact
+    unless a value falls below e4m3's normal range, where it rounds to nearest even). One
+    read of one byte and one write per element, tile-parallel.
+
+    Args:
+      q: float8_e4m3fn ``[B, M, N]``, ``M`` and ``N`` multiples of 16 (tiles of up to
+        128 x 128).
+      mult: optional float32 ``[B, M]`` powers of two at most 1.
+      interpret: Pallas interpret mode.
+
+    Returns:
+      float8_e4m3fn ``[B, N, M]``.
+
+    Example:
+      >>> q = jnp.ones((1, 128, 256), F8)
+      >>> t = transpose_rows(q, jnp.full((1, 128), 0.5), interpret=True)
+      >>> t.shape, float(t[0, 0, 0])
+      ((1, 256, 128), 0.5)
+    """
+    if q.ndim != 3 or q.dtype != F8 or not rows_t_supported(*q.shape[1:]):
+        raise ValueError(f"q must be float8_e4m3fn [B, M, N] with M and N multiples of "
+                         f"{_ROWS_T_MIN}, got {q.dtype} {q.shape}; use "
+                         "transpose_rows_reference for other shapes.")
+    nb, m, n = q.shape
+    if mult is not None and mult.shape != (nb, m):
+        raise ValueError(f"mult must be [B, M] = {(nb, m)} for q {q.shape}, got {mult.shape}.")
+    bm, bn = _rows_t_tile(m, n)
+    ops = (q,) if mult is None else (q, mult.astype(jnp.float32))
+    varying = _vma.varying_of(*ops)
+
+    def call(interp, *ops):
+        return pl.pallas_call(
+            functools.partial(_rows_t_kernel, bm=bm, bn=bn),
+            out_shape=_vma.out_struct((nb, n, m), F8, varying), grid=(nb, m // bm, n // bn),
+            interpret=interp,
+            compiler_params=None if interp else TritonParams(num_warps=4, num_stages=1),
+            name="fp8_transpose_rows",
+        )(*ops)
+
+    if interpret:
+        return _vma.unchecked(functools.partial(call, True), varying, *ops)
+    return call(False, *ops)
+
+
+# ----------------------------------------------------------------------------------------------
 # What the expert layer calls: the kernels when lowered for CUDA, the references elsewhere.
 # ----------------------------------------------------------------------------------------------
 
@@ -401,7 +493,8 @@ def gated_rows(z: jax.Array, act: GatedActivation) -> tuple[jax.Array, jax.Array
 
 
 def gated_grad_rows(z: jax.Array, dh: jax.Array, act: GatedActivation, out_dtype):
-    """``(dz, e4m3(dz), scale)``: :func:`gated_grad_quantize_rows` on NVIDIA GPUs."""
+    """``(dz, e4m3(dz), scale)``, or ``(e4m3(dz), scale)`` for ``out_dtype=None``:
+    :func:`gated_grad_quantize_rows` on NVIDIA GPUs."""
     kern = functools.partial(gated_grad_quantize_rows, act=act, out_dtype=out_dtype)
     return _on_cuda(lambda z, dh: _on_rows(kern, z, dh),
                     lambda z, dh: gated_grad_quantize_rows_reference(z, dh, act, out_dtype),
@@ -419,3 +512,18 @@ def cols_t(a: jax.Array) -> tuple[jax.Array, jax.Array]:
         return q.reshape(*a.shape[:-2], *q.shape[1:]), s.reshape(*a.shape[:-2], s.shape[-1])
 
     return lax.platform_dependent(a, cuda=kernel, default=quantize_cols_t_reference)
+
+
+def rows_t(q: jax.Array, mult: jax.Array | None = None) -> jax.Array:
+    """``q [..., M, N]`` (e4m3) times ``mult [..., M]`` per row, transposed to ``[..., N, M]``:
+    :func:`transpose_rows` on NVIDIA GPUs, its reference elsewhere."""
+    if not rows_t_supported(*q.shape[-2:]):
+        return transpose_rows_reference(q, mult)
+
+    def kernel(q, *mult):
+        flat = [q.reshape(-1, *q.shape[-2:]), *(m.reshape(-1, m.shape[-1]) for m in mult)]
+        t = transpose_rows(*flat)
+        return t.reshape(*q.shape[:-2], *t.shape[1:])
+
+    ops = (q,) if mult is None else (q, mult)
+    return lax.platform_dependent(*ops, cuda=kernel, default=transpose_rows_reference)

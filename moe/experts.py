@@ -71,12 +71,12 @@ def _wgrad(opts: _Opts, a, g, gs, out_dtype):
                            out_dtype)
 
 
-def _gate_up(opts: _Opts, x: jax.Array, gs: jax.Array, w_gate_up: jax.Array,
-             b_gate_up: jax.Array | None) -> jax.Array:
+def _gate_up(opts: _Opts, x, gs: jax.Array, w_gate_up: jax.Array,
+             b_gate_up: jax.Array | None, dtype) -> jax.Array:
     """z = x @ W_gate_up (+ b_gate_up) per expert, rounded to the compute dtype (the
-    saved/recomputed z)."""
+    saved/recomputed z); ``x`` may be its row-quantized pair for an FP8 GEMM."""
     with jax.named_scope("experts_gate_up"):
-        z = _matmul(opts, opts.gemm_dtype, x, w_gate_up, gs, x.dtype)
+        z = _matmul(opts, opts.gemm_dtype, x, w_gate_up, gs, dtype)
     if b_gate_up is None:
         return z
     return (z.astype(jnp.float32) + _bias_rows(b_gate_up, gs, z.shape)).astype(z.dtype)
@@ -124,18 +124,21 @@ def _mask_rows(opts: _Opts, a: jax.Array, gs: jax.Array) -> jax.Array:
     return mask(a, gs)
 
 
-def _forward(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up) -> tuple[jax.Array, jax.Array]:
-    """Returns (y, z). Padding rows of x are zeroed, so they give y = 0 on every backend
-    (without ``b_gate_up``; ``gated_experts`` zeroes them when there are biases)."""
+def _forward(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up):
+    """Returns (y, z, x_in, h): x_in and h as the two GEMMs took them (the masked x, and
+    ``act(z)``; their row-quantized pairs for FP8 GEMMs). Padding rows of x are zeroed, so
+    they give y = 0 on every backend (without ``b_gate_up``; ``gated_experts`` zeroes them
+    when there are biases)."""
     x = _mask_rows(opts, x, gs)
-    z = _gate_up(opts, x, gs, w_gate_up, b_gate_up)
+    x_in = _fp8_gemm.rows(x) if opts.gemm_dtype == "fp8" else x
+    z = _gate_up(opts, x_in, gs, w_gate_up, b_gate_up, x.dtype)
     if opts.gemm_dtype == "fp8":  # h quantized as it is computed (one read of z)
         h = _quant_pallas.gated_rows(z, opts.activation)
     else:
         h = opts.activation.apply(z).astype(x.dtype)
     with jax.named_scope("experts_down"):
         y = _matmul(opts, opts.gemm_dtype, h, w_down, gs, x.dtype)
-    return y, z
+    return y, z, x_in, h
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -144,43 +147,67 @@ def _experts(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up) -> jax.Array:
 
 
 def _experts_fwd(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up):
-    y, z = _forward(opts, x, gs, w_gate_up, w_down, b_gate_up)
+    y, z, x_in, h = _forward(opts, x, gs, w_gate_up, w_down, b_gate_up)
     if opts.save_z == "recompute":
         z_saved = None
     elif opts.save_z == "fp8":
         z_saved = fp8.quantize(z, block_size=opts.block_size)
     else:
         z_saved = z
-    return y, (x, gs, w_gate_up, w_down, b_gate_up, z_saved)
+    # With FP8 forward and weight-gradient GEMMs the backward reads x and h only as the e4m3
+    # rows the forward made: keep those (one byte per element) instead of x, and h's rather
+    # than recomputing them from z (unless nothing of z is kept either).
+    fp8_only = opts.gemm_dtype == opts.wgrad_dtype == "fp8"
+    x_saved = x_in if fp8_only else x
+    h_saved = h if fp8_only and opts.save_z != "recompute" else None
+    return y, (x_saved, gs, w_gate_up, w_down, b_gate_up, z_saved, h_saved)
+
+
+def _fp8_rows_if(wanted: bool, a):
+    """``a``'s row-quantized pair if an FP8 GEMM reads it, else None."""
+    return _fp8_gemm.rows(a) if wanted else None
 
 
 def _experts_bwd(opts: _Opts, res, dy):
-    x, gs, w_gate_up, w_down, b_gate_up, z_saved = res
-    dtype = x.dtype
-    x = _mask_rows(opts, x, gs)  # x is saved as passed in (no copy), masked again here
+    x, gs, w_gate_up, w_down, b_gate_up, z_saved, h = res
+    dtype = dy.dtype  # y's dtype: x's
+    if not isinstance(x, tuple):
+        x = _mask_rows(opts, x, gs)  # x is saved as passed in (no copy), masked again here
     if opts.save_z == "recompute":
-        z = _gate_up(opts, x, gs, w_gate_up, b_gate_up)
+        z = _gate_up(opts, x, gs, w_gate_up, b_gate_up, dtype)
     elif opts.save_z == "fp8":
         z = fp8.dequantize(z_saved, dtype=dtype)
     else:
         z = z_saved
-    h = opts.activation.apply(z).astype(dtype)
+    fp8_dgrad, fp8_wgrad = opts.dgrad_dtype == "fp8", opts.wgrad_dtype == "fp8"
     dy = _mask_rows(opts, dy.astype(dtype), gs)
+    dy_q = _fp8_rows_if(fp8_dgrad or fp8_wgrad, dy)
     with jax.named_scope("experts_down_dgrad"):
-        dh = _matmul_t(opts, dy, w_down, gs, jnp.float32)
+        dh = _matmul_t(opts, dy_q if fp8_dgrad else dy, w_down, gs, jnp.float32)
+    # h for the weight gradient: the forward's e4m3 rows, or recomputed from z (quantized in
+    # the same read for an FP8 GEMM).
+    if h is None and fp8_wgrad:
+        h = _quant_pallas.gated_rows(z, opts.activation)
+    elif h is None:
+        h = opts.activation.apply(z).astype(dtype)
     with jax.named_scope("experts_down_wgrad"):
-        dw_down = _wgrad(opts, h, dy, gs, w_down.dtype)
-    if opts.dgrad_dtype == "fp8" and b_gate_up is None:
-        # dz in the compute dtype (wgrad) and quantized (dgrad) from one read of z and dh.
-        dz, *dz_q = _quant_pallas.gated_grad_rows(z, dh, opts.activation, dtype)
-        dz_in = tuple(dz_q)
+        dw_down = _wgrad(opts, h, dy_q if fp8_wgrad else dy, gs, w_down.dtype)
+    if fp8_dgrad and b_gate_up is None:
+        # dz quantized (and in the compute dtype if a bf16 GEMM reads it) from one read of z
+        # and dh.
+        if fp8_wgrad:
+            dz, dz_q = None, _quant_pallas.gated_grad_rows(z, dh, opts.activation, None)
+        else:
+            dz, *dz_q = _quant_pallas.gated_grad_rows(z, dh, opts.activation, dtype)
+            dz_q = tuple(dz_q)
     else:
         dz32 = opts.activation.grad(z, dh)
-        dz_in = dz = dz32.astype(dtype)
+        dz = dz32.astype(dtype)
+        dz_q = _fp8_rows_if(fp8_dgrad or fp8_wgrad, dz)
     with jax.named_scope("experts_gate_up_dgrad"):
-        dx = _matmul_t(opts, dz_in, w_gate_up, gs, x.dtype)
+        dx = _matmul_t(opts, dz_q if fp8_dgrad else dz, w_gate_up, gs, dtype)
     with jax.named_scope("experts_gate_up_wgrad"):
-        dw_gate_up = _wgrad(opts, x, dz, gs, w_gate_up.dtype)
+        dw_gate_up = _wgrad(opts, x, dz_q if fp8_wgrad else dz, gs, w_gate_up.dtype)
     return (
         dx,  # zero on padding rows: dy is masked, so dz is zero there
         None,
@@ -456,7 +483,9 @@ def gated_experts(
     ``W`` (from the params passed in, every call: nothing is cached) with one per output
     channel, both K-major; ``out = (a_q @ W_q) * s_a[row] * s_W[channel]``, exact scaling of
     the f32-accumulated product. Weight-gradient GEMMs contract the token rows: their
-    operands are K-major copies ``x^T``, ``dz^T`` with one scale per channel.
+    operands are the e4m3 rows the other GEMMs read (``x``, ``h``, ``dy``, ``dz``) written
+    K-major, the product of the two row scales folded into one payload as an exact power of
+    two relative to its maximum, which scales the result (`moe._fp8_gemm.wgrad_operands`).
 
     Args:
       x: expert inputs, ragged ``[R, d_model]`` (rows grouped by expert, as the 'ragged'

@@ -10,7 +10,9 @@ every call, in the K-major layout each GEMM reads: never stale after an optimize
 
 The backward is a `jax.custom_vjp`: the data gradient ``dx = dy @ W^T`` in FP8 or bf16
 (``dgrad_dtype``; ``dy`` per row, ``W`` per input channel) and the weight gradient
-``dW = x^T @ dy`` in bf16 or FP8 (``wgrad_dtype``; both per channel over the token rows).
+``dW = x^T @ dy`` in bf16 or FP8 (``wgrad_dtype``; the e4m3 rows of ``x`` and ``dy`` that the
+other two GEMMs read, written transposed with their row scales folded into ``dy``'s,
+`moe._fp8_gemm`).
 bf16 weight gradients are the default, as torchao's rowwise recipe keeps them in high precision.
 
 On Hopper GPUs the GEMMs are the Pallas Mosaic GPU wgmma kernels of `moe._gmm_mosaic` (scales
@@ -54,25 +56,37 @@ def _rows(m: int) -> jax.Array:
     return jnp.full((1,), m, jnp.int32)
 
 
+def _forward(o: _DenseOpts, x: jax.Array, w: jax.Array):
+    """``(y, x's e4m3 rows)``."""
+    x_q = _fp8_gemm.rows(x)
+    with jax.named_scope("fp8_dense"):
+        y = _fp8_gemm.forward(_grouped.BACKENDS[o.backend], "fp8", x_q, w[None],
+                              _rows(x.shape[0]), x.dtype)
+    return y, x_q
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dense(o: _DenseOpts, x: jax.Array, w: jax.Array) -> jax.Array:
-    ops = _grouped.BACKENDS[o.backend]
-    with jax.named_scope("fp8_dense"):
-        return _fp8_gemm.forward(ops, "fp8", x, w[None], _rows(x.shape[0]), x.dtype)
+    return _forward(o, x, w)[0]
 
 
 def _dense_fwd(o: _DenseOpts, x, w):
-    return _dense(o, x, w), (x, w)
+    y, x_q = _forward(o, x, w)
+    # An FP8 weight gradient reads x's e4m3 rows (one byte per element): keep those, not x.
+    return y, (x_q if o.wgrad_dtype == "fp8" else x, w)
 
 
 def _dense_bwd(o: _DenseOpts, res, dy):
     x, w = res
-    ops, gs = _grouped.BACKENDS[o.backend], _rows(x.shape[0])
-    dy = dy.astype(x.dtype)
+    ops, gs = _grouped.BACKENDS[o.backend], _rows(dy.shape[0])
+    dtype = dy.dtype  # y's dtype: x's
+    dy_q = _fp8_gemm.rows(dy) if "fp8" in (o.dgrad_dtype, o.wgrad_dtype) else None
     with jax.named_scope("fp8_dense_dgrad"):
-        dx = _fp8_gemm.dgrad(ops, o.dgrad_dtype, dy, w[None], gs, x.dtype)
+        dx = _fp8_gemm.dgrad(ops, o.dgrad_dtype, dy_q if o.dgrad_dtype == "fp8" else dy,
+                             w[None], gs, dtype)
     with jax.named_scope("fp8_dense_wgrad"):
-        dw = _fp8_gemm.wgrad(ops, o.wgrad_dtype, x, dy, gs, w.dtype)[0]
+        dw = _fp8_gemm.wgrad(ops, o.wgrad_dtype, x, dy_q if o.wgrad_dtype == "fp8" else dy,
+                             gs, w.dtype)[0]
     return dx, dw
 
 

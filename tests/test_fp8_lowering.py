@@ -80,18 +80,20 @@ def test_padded_layout_gemms_are_fp8_dots():
 def _quantize_kernels(text: str) -> list[str]:
     """Names of the quantization kernels (Triton calls) in an exported module."""
     return sorted(re.search(r"(fp8_\w+)", line).group(1) for line in text.splitlines()
-                  if TRITON_CALL in line and re.search(r"fp8_\w*(quantize|amax)", line))
+                  if TRITON_CALL in line and re.search(r"fp8_\w*(quantize|amax|transpose)", line))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("transport,backend", [("dropless", "mosaic"), ("dense", "einsum")])
 def test_operands_are_quantized_by_the_pallas_kernels(transport, backend):
     """All six GEMMs in FP8: x and dy by ``quantize_rows``, h = act(z) by the fused activation
-    kernel, dz by the fused activation-backward kernel; the weights by ``quantize_rows``
-    (dgrad, per row) and the column kernels (forward: column maxima, then the transposed
-    K-major copy); the weight gradients' token operands x, dz, h, dy by the column kernels."""
+    kernel (once: the backward keeps its e4m3 rows), dz by the fused activation-backward
+    kernel (its FP8 copy only); the weights by ``quantize_rows`` (dgrad, per row) and the
+    column kernels (forward: column maxima, then the transposed K-major copy); the weight
+    gradients read the e4m3 rows of x, h, dy and dz written transposed, with no second
+    quantization."""
     text = _layer_grad_text(transport, backend)
     tokens = ["fp8_gated_grad_quantize_rows", "fp8_gated_quantize_rows"] + 2 * ["fp8_quantize_rows"]
     weights = 2 * ["fp8_col_amax", "fp8_quantize_cols_t", "fp8_quantize_rows"]
-    wgrad = 4 * ["fp8_col_amax", "fp8_quantize_cols_t"]
+    wgrad = 4 * ["fp8_transpose_rows"]
     assert _quantize_kernels(text) == sorted(tokens + weights + wgrad), _quantize_kernels(text)
