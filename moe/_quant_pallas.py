@@ -383,90 +383,6 @@ def quantize_cols_t(a: jax.Array, *, interpret: bool = False) -> tuple[jax.Array
 
 
 # ----------------------------------------------------------------------------------------------
-# Row-quantized FP8 operands written transposed: the weight gradient's K-major copies.
-# ----------------------------------------------------------------------------------------------
-
-ROWS_T_TILE = 128  # a program's tile: up to [128, 128], each side the largest power of two
-_ROWS_T_MIN = 16  # dividing the operand's (a multiple of 16)
-
-
-def _rows_t_tile(m: int, n: int) -> tuple[int, int]:
-    return tuple(min(ROWS_T_TILE, d & -d) for d in (m, n))
-
-
-def rows_t_supported(m: int, n: int) -> bool:
-    """Whether ``[..., m, n]`` fits :func:`transpose_rows` (both multiples of 16)."""
-    return PALLAS_IMPORT_ERROR is None and m % _ROWS_T_MIN == 0 and n % _ROWS_T_MIN == 0
-
-
-def transpose_rows_reference(q: jax.Array, mult: jax.Array | None = None) -> jax.Array:
-    """:func:`transpose_rows` in XLA ops (any shape ``[..., M, N]``)."""
-    if mult is not None:
-        q = (q.astype(jnp.float32) * mult[..., None]).astype(F8)
-    return jnp.swapaxes(q, -1, -2)
-
-
-def _rows_t_kernel(q_ref, *refs, bm, bn):
-    *mult_ref, o_ref = refs
-    b, rows, cols = _tile(*(pl.program_id(i) for i in range(3)), bm, bn)
-    q = _plgpu.load(q_ref.at[b, rows, cols])
-    if mult_ref:
-        m = _plgpu.load(mult_ref[0].at[b, rows])
-        q = (q.astype(jnp.float32) * m[:, None]).astype(F8)
-    _plgpu.store(o_ref.at[b, cols, rows], q.T)
-
-
-def transpose_rows(q: jax.Array, mult: jax.Array | None = None, *,
-                   interpret: bool = False) -> jax.Array:
-    """An e4m3 ``[B, M, N]`` written transposed, each row first times a power of two.
-
-    ``out[b] = e4m3(q[b] * mult[b][:, None])^T``: the K-major copy of a row-quantized token
-    operand that a weight-gradient GEMM contracting the ``M`` rows reads, with the per-row
-    factor that moves the operands' row scales out of the contraction (``mult <= 1``, exact
-    unless a value falls below e4m3's normal range, where it rounds to nearest even). One
-    read of one byte and one write per element, tile-parallel.
-
-    Args:
-      q: float8_e4m3fn ``[B, M, N]``, ``M`` and ``N`` multiples of 16 (tiles of up to
-        128 x 128).
-      mult: optional float32 ``[B, M]`` powers of two at most 1.
-      interpret: Pallas interpret mode.
-
-    Returns:
-      float8_e4m3fn ``[B, N, M]``.
-
-    Example:
-      >>> q = jnp.ones((1, 128, 256), F8)
-      >>> t = transpose_rows(q, jnp.full((1, 128), 0.5), interpret=True)
-      >>> t.shape, float(t[0, 0, 0])
-      ((1, 256, 128), 0.5)
-    """
-    if q.ndim != 3 or q.dtype != F8 or not rows_t_supported(*q.shape[1:]):
-        raise ValueError(f"q must be float8_e4m3fn [B, M, N] with M and N multiples of "
-                         f"{_ROWS_T_MIN}, got {q.dtype} {q.shape}; use "
-                         "transpose_rows_reference for other shapes.")
-    nb, m, n = q.shape
-    if mult is not None and mult.shape != (nb, m):
-        raise ValueError(f"mult must be [B, M] = {(nb, m)} for q {q.shape}, got {mult.shape}.")
-    bm, bn = _rows_t_tile(m, n)
-    ops = (q,) if mult is None else (q, mult.astype(jnp.float32))
-    varying = _vma.varying_of(*ops)
-
-    def call(interp, *ops):
-        return pl.pallas_call(
-            functools.partial(_rows_t_kernel, bm=bm, bn=bn),
-            out_shape=_vma.out_struct((nb, n, m), F8, varying), grid=(nb, m // bm, n // bn),
-            interpret=interp,
-            compiler_params=None if interp else TritonParams(num_warps=4, num_stages=1),
-            name="fp8_transpose_rows",
-        )(*ops)
-
-    if interpret:
-        return _vma.unchecked(functools.partial(call, True), varying, *ops)
-    return call(False, *ops)
-
-
-# ----------------------------------------------------------------------------------------------
 # What the expert layer calls: the kernels when lowered for CUDA, the references elsewhere.
 # ----------------------------------------------------------------------------------------------
 
@@ -513,17 +429,3 @@ def cols_t(a: jax.Array) -> tuple[jax.Array, jax.Array]:
 
     return lax.platform_dependent(a, cuda=kernel, default=quantize_cols_t_reference)
 
-
-def rows_t(q: jax.Array, mult: jax.Array | None = None) -> jax.Array:
-    """``q [..., M, N]`` (e4m3) times ``mult [..., M]`` per row, transposed to ``[..., N, M]``:
-    :func:`transpose_rows` on NVIDIA GPUs, its reference elsewhere."""
-    if not rows_t_supported(*q.shape[-2:]):
-        return transpose_rows_reference(q, mult)
-
-    def kernel(q, *mult):
-        flat = [q.reshape(-1, *q.shape[-2:]), *(m.reshape(-1, m.shape[-1]) for m in mult)]
-        t = transpose_rows(*flat)
-        return t.reshape(*q.shape[:-2], *t.shape[1:])
-
-    ops = (q,) if mult is None else (q, mult)
-    return lax.platform_dependent(*ops, cuda=kernel, default=transpose_rows_reference)

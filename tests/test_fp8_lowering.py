@@ -80,7 +80,7 @@ def test_padded_layout_gemms_are_fp8_dots():
 def _quantize_kernels(text: str) -> list[str]:
     """Names of the quantization kernels (Triton calls) in an exported module."""
     return sorted(re.search(r"(fp8_\w+)", line).group(1) for line in text.splitlines()
-                  if TRITON_CALL in line and re.search(r"fp8_\w*(quantize|amax|transpose)", line))
+                  if TRITON_CALL in line and re.search(r"fp8_\w*(quantize|amax)", line))
 
 
 @pytest.mark.slow
@@ -90,10 +90,9 @@ def test_operands_are_quantized_by_the_pallas_kernels(transport, backend):
     kernel (once: the backward keeps its e4m3 rows), dz by the fused activation-backward
     kernel (its FP8 copy only); the weights by ``quantize_rows`` (dgrad, per row) and the
     column kernels (forward: column maxima, then the transposed K-major copy); the weight
-    gradients read the e4m3 rows of x, h, dy and dz written transposed, with no second
-    quantization."""
+    gradients read the e4m3 rows of x, h, dy and dz, transposed by XLA (no kernel of these),
+    with no second quantization."""
     text = _layer_grad_text(transport, backend)
     tokens = ["fp8_gated_grad_quantize_rows", "fp8_gated_quantize_rows"] + 2 * ["fp8_quantize_rows"]
     weights = 2 * ["fp8_col_amax", "fp8_quantize_cols_t", "fp8_quantize_rows"]
-    wgrad = 4 * ["fp8_transpose_rows"]
-    assert _quantize_kernels(text) == sorted(tokens + weights + wgrad), _quantize_kernels(text)
+    assert _quantize_kernels(text) == sorted(tokens + weights), _quantize_kernels(text)

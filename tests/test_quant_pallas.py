@@ -129,3 +129,28 @@ def test_kernels_lower_for_cuda_with_rows_in_pieces():
     text = export_for_cuda(fn, S((64, 176), jnp.bfloat16), S((64, 352), jnp.bfloat16),
                            S((64, 176), jnp.float32), S((2, 128, 192), jnp.bfloat16))
     assert text.count(TRITON_CALL) == 5  # rows, gated, gated grad, column maxima, columns
+
+
+def test_gated_grad_quantize_rows_fp8_only():
+    """``out_dtype=None``: only ``(q, scale)``, the same bytes as the FP8 outputs of the call
+    that also writes ``dz`` and as the reference."""
+    act = GatedActivation("silu")
+    rng = np.random.default_rng(8)
+    z = jnp.asarray(rng.standard_normal((8, 128), np.float32) * 4, jnp.bfloat16)
+    dh = rng.standard_normal((8, 64), np.float32)
+    dh[2], dh[5, 1] = 0, np.nan
+    kern = functools.partial(qp.gated_grad_quantize_rows, act=act, interpret=True)
+    got = jax.jit(functools.partial(kern, out_dtype=None))(z, dh)
+    assert len(got) == 2
+    chex.assert_shape(got, [(8, 128), (8,)])
+    _, *with_dz = jax.jit(kern)(z, dh)
+    _assert_same(got, tuple(with_dz))
+    _assert_same(got, jax.jit(qp.gated_grad_quantize_rows_reference, static_argnums=(2, 3))(
+        z, dh, act, None))
+    s = np.asarray(got[1])
+    assert np.isnan(s[5]) and np.isfinite(np.delete(s, 5)).all() and s[2] == 2.0**-126
+    assert not np.asarray(got[0]).astype(np.float32)[2].any()
+    ok = np.arange(8) != 5
+    dzq = np.asarray(got[0]).astype(np.float32)[ok] * s[ok, None]
+    chex.assert_trees_all_close(dzq, np.asarray(act.grad(z, dh))[ok], rtol=0.07,
+                                atol=1e-3 * float(s[ok].max()))
