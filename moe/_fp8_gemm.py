@@ -11,12 +11,14 @@ The weight gradient ``dW = a^T g`` contracts the token rows, along which the row
 vary. It reuses the row-quantized payloads that the forward and data-gradient GEMMs already
 made (:func:`rows`): with ``a = s_a q_a`` and ``g = s_g q_g`` per row,
 ``dW = P * q_a^T (q_g * s_a s_g / P)`` where ``P = max_r s_a[r] s_g[r]``. The factor
-``s_a s_g / P = 2^-k`` is folded into ``q_g``'s e4m3 bits (:func:`times_pow2`: the exponent
-field lowered by ``k``, rounding to nearest even only where a value leaves e4m3's normal
-range, i.e. in the rows that contribute least) as both payloads are written transposed, and
-``P`` scales the result. That is one byte read and written per element, an XLA transpose
-fusion on integer bytes, instead of a column-wise re-quantization from the compute dtype (two
+``s_a s_g / P = 2^-k`` is folded into ``q_g`` (exact, except where a value leaves e4m3's
+normal range and rounds to nearest even, i.e. in the rows that contribute least) as both
+payloads are written transposed, and ``P`` scales the result. That is one XLA transpose
+fusion reading and writing one byte per element (the rescaling happens in registers; no
+wide copy is written) instead of a column-wise re-quantization from the compute dtype (two
 reads of two bytes and a write); the products keep the row-wise precision of the other GEMMs.
+On an H200 XLA's fusion moved these bytes faster than a Pallas kernel did (2.8 vs 2.6 TB/s)
+and faster than an integer-only version on the e4m3 bits (0.5 TB/s, three kernels).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from jax import lax
 
 from moe import _grouped, _quant_pallas
 
-__all__ = ["dgrad", "forward", "rows", "times_pow2", "wgrad", "wgrad_operands"]
+__all__ = ["dgrad", "forward", "rows", "wgrad", "wgrad_operands"]
 
 _F32_BIAS = 127
 
@@ -36,33 +38,6 @@ def rows(a) -> tuple[jax.Array, jax.Array]:
     """A token operand as ``(e4m3 rows, f32 scale per row)``: quantized here in one pass
     (`moe._quant_pallas`), or passed in already quantized as that pair."""
     return a if isinstance(a, tuple) else _quant_pallas.rows(a)
-
-
-def times_pow2(q: jax.Array, k: jax.Array) -> jax.Array:
-    """``e4m3(q * 2^-k)`` for e4m3 ``q`` and integer ``k >= 0`` (broadcast), on the bits.
-
-    A normal result keeps ``q``'s mantissa with the exponent field lowered by ``k``; a result
-    below e4m3's normal range is the significand shifted right, rounded to nearest even
-    (what ``(q.astype(f32) * 2.0**-k).astype(e4m3)`` gives, without a wide copy). NaN stays
-    NaN.
-
-    Example:
-      >>> q = jnp.array([448.0, 1.0, 0.0625, -0.0625], jnp.float8_e4m3fn)
-      >>> times_pow2(q, jnp.int32(3)).astype(jnp.float32).tolist()
-      [56.0, 0.125, 0.0078125, -0.0078125]
-    """
-    b = lax.bitcast_convert_type(q, jnp.uint8).astype(jnp.int32)
-    k = jnp.asarray(k, jnp.int32)
-    sign, e, m = b & 0x80, b >> 3 & 0xF, b & 0x7
-    sig = jnp.where(e > 0, m | 8, m)  # the significand in units of 2^-9 (subnormal scale)
-    s = jnp.clip(k + 1 - jnp.maximum(e, 1), 0, 15)  # right shift of a subnormal result
-    kept = sig >> s
-    rest, half = sig - (kept << s), (1 << s) >> 1
-    up = (rest > half) | ((rest == half) & (s > 0) & (kept & 1 == 1))
-    # kept + up == 8 is the bit pattern of the smallest normal, 2^-6: no special case.
-    out = jnp.where(e - k >= 1, sign | (e - k) << 3 | m, sign | (kept + up))
-    out = jnp.where(b & 0x7F == 0x7F, b, out)
-    return lax.bitcast_convert_type(out.astype(jnp.uint8), q.dtype)
 
 
 def _exponent(s: jax.Array) -> jax.Array:
@@ -94,7 +69,11 @@ def wgrad_operands(a, g):
     bad = jnp.any(jnp.isnan(s_a) | jnp.isnan(s_g), axis=-1, keepdims=True)
     p_a = jnp.where(bad, jnp.nan, p_a)
     lead = aq.shape[:-2]
-    return (jnp.swapaxes(aq, -1, -2), jnp.swapaxes(times_pow2(gq, (top - e)[..., None]), -1, -2),
+    # 2^(e - top) <= 1 (0 below f32's normal range, where e4m3 would round to 0 anyway): an
+    # exact rescaling in f32 and a round-to-nearest-even cast, fused with the transpose.
+    mult = jnp.ldexp(jnp.float32(1), e - top)[..., None]
+    g_scaled = (gq.astype(jnp.float32) * mult).astype(gq.dtype)
+    return (jnp.swapaxes(aq, -1, -2), jnp.swapaxes(g_scaled, -1, -2),
             jnp.broadcast_to(p_a, (*lead, aq.shape[-1])),
             jnp.broadcast_to(p_g, (*lead, gq.shape[-1])))
 

@@ -78,3 +78,43 @@ def loops_outside_scans(text: str) -> int:
     """
     funcs = re.split(r"^\s*func\.func ", text, flags=re.MULTILINE)
     return sum(f.count("stablehlo.while") for f in funcs if "@chlo.scan." not in f.split("(")[0])
+
+
+F8 = "f8E4M3FN"
+_DEF = re.compile(r"^\s*(%[\w.]+)(?::\d+)?\s*=\s*([\w.\"]+)")
+
+
+def _uses(lines: list[str], at: int) -> list[tuple[int, str]]:
+    """The lines after ``lines[at]`` that use the SSA value it defines, up to the next line
+    that defines that name again (MLIR restarts numbering in isolated regions: shard_map
+    bodies, private functions)."""
+    name = _DEF.match(lines[at]).group(1)
+    token = re.compile(re.escape(name) + r"(?![\w#:])")
+    out = []
+    for i in range(at + 1, len(lines)):
+        m = _DEF.match(lines[i])
+        if m and m.group(1) == name:
+            break
+        if token.search(lines[i].split("=", 1)[1] if m else lines[i]):
+            out.append((i, lines[i]))
+    return out
+
+
+def assert_no_widened_fp8(text: str) -> None:
+    """No e4m3 value of an exported module is converted to a wider type, except to be rescaled
+    and converted straight back to e4m3 (multiplies by a power of two: a chain XLA fuses, so
+    no wide copy is written).
+
+    Each widening ``stablehlo.convert`` must feed only ``stablehlo.multiply`` ops whose results
+    feed only converts back to e4m3.
+    """
+    widen = re.compile(rf"stablehlo\.convert .*\(tensor<[^>]*x{F8}>\) -> tensor<[^>]*>")
+    narrow = re.compile(rf"stablehlo\.convert .*-> tensor<[^>]*x{F8}>")
+    lines = text.splitlines()
+    for at, line in enumerate(lines):
+        if not widen.search(line):
+            continue
+        for i, use in _uses(lines, at):
+            ok = "stablehlo.multiply" in use and all(
+                narrow.search(u) for _, u in _uses(lines, i))
+            assert ok, f"an e4m3 value converted to a wide type and kept: {line.strip()}"

@@ -16,7 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _cuda_export import MOSAIC_GPU_CALLS, TRITON_CALL, cuda_mesh, export_for_cuda
+from _cuda_export import (
+    MOSAIC_GPU_CALLS,
+    TRITON_CALL,
+    assert_no_widened_fp8,
+    cuda_mesh,
+    export_for_cuda,
+)
 from _meshes import make_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -262,11 +268,6 @@ def _mosaic_gemm_operands(text: str) -> list[list[str]]:
             for line in calls]
 
 
-def _no_widening_of_fp8(text: str) -> None:
-    widened = re.findall(rf"stablehlo\.convert .*\(tensor<[^>]*x{F8}>\) -> tensor<[^>]*>", text)
-    assert not widened, f"FP8 values converted back to a wide type: {widened[:3]}"
-
-
 def _quantize_kernels(text: str) -> list[str]:
     """Names of the quantization kernels (Triton calls) in an exported module."""
     return sorted(re.search(r"(fp8_\w+)", line).group(1) for line in text.splitlines()
@@ -285,7 +286,7 @@ def test_all_fp8_gemms_are_mosaic_calls(sharded):
     assert len(operands) == 3, operands
     for matrices in operands:
         assert len(matrices) == 2 and all(t.endswith(f"x{F8}>") for t in matrices), matrices
-    _no_widening_of_fp8(text)
+    assert_no_widened_fp8(text)
     want = ["fp8_quantize_rows"] * 3 + ["fp8_col_amax", "fp8_quantize_cols_t"]
     assert _quantize_kernels(text) == sorted(want), _quantize_kernels(text)
 
@@ -298,7 +299,7 @@ def test_bf16_wgrad_is_a_bf16_mosaic_call():
     fp8 = [m for m in operands if len(m) == 2 and all(t.endswith(f"x{F8}>") for t in m)]
     bf16 = [m for m in operands if len(m) == 2 and all(t.endswith("xbf16>") for t in m)]
     assert (len(fp8), len(bf16)) == (2, 1), operands
-    _no_widening_of_fp8(text)
+    assert_no_widened_fp8(text)
 
 
 # ----------------------------------------------------------------------------------------------

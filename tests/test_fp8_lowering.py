@@ -14,7 +14,13 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from _cuda_export import MOSAIC_GPU_CALLS, TRITON_CALL, cuda_mesh, export_for_cuda
+from _cuda_export import (
+    MOSAIC_GPU_CALLS,
+    TRITON_CALL,
+    assert_no_widened_fp8,
+    cuda_mesh,
+    export_for_cuda,
+)
 
 import moe
 
@@ -45,11 +51,6 @@ def _operand_types(line: str) -> list[str]:
     return re.findall(r"tensor<[^>]*>", sig.group(1))
 
 
-def _no_widening_of_fp8(text: str) -> None:
-    widened = re.findall(rf"stablehlo\.convert .*\(tensor<[^>]*x{F8}>\) -> tensor<[^>]*>", text)
-    assert not widened, f"FP8 values converted back to a wide type: {widened[:3]}"
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["dropless", "dense"])
 def test_gemms_are_fp8_mosaic_calls(transport):
@@ -63,7 +64,7 @@ def test_gemms_are_fp8_mosaic_calls(transport):
     for line in calls:
         matrices = [t for t in _operand_types(line) if not re.search(r"x(f32|i32)>$", t)]
         assert len(matrices) == 2 and all(t.endswith(f"x{F8}>") for t in matrices), matrices
-    _no_widening_of_fp8(text)
+    assert_no_widened_fp8(text)
 
 
 @pytest.mark.slow
@@ -74,7 +75,7 @@ def test_padded_layout_gemms_are_fp8_dots():
     assert len(dots) == 6, len(dots)
     for line in dots:
         assert all(t.endswith(f"x{F8}>") for t in _operand_types(line)), line[-300:]
-    _no_widening_of_fp8(text)
+    assert_no_widened_fp8(text)
 
 
 def _quantize_kernels(text: str) -> list[str]:
@@ -90,9 +91,24 @@ def test_operands_are_quantized_by_the_pallas_kernels(transport, backend):
     kernel (once: the backward keeps its e4m3 rows), dz by the fused activation-backward
     kernel (its FP8 copy only); the weights by ``quantize_rows`` (dgrad, per row) and the
     column kernels (forward: column maxima, then the transposed K-major copy); the weight
-    gradients read the e4m3 rows of x, h, dy and dz, transposed by XLA (no kernel of these),
-    with no second quantization."""
+    gradients read the e4m3 rows of x, h, dy and dz, transposed by XLA (no kernel of these,
+    dy's and dz's rescaled by powers of two on the way), with no second quantization."""
     text = _layer_grad_text(transport, backend)
     tokens = ["fp8_gated_grad_quantize_rows", "fp8_gated_quantize_rows"] + 2 * ["fp8_quantize_rows"]
     weights = 2 * ["fp8_col_amax", "fp8_quantize_cols_t", "fp8_quantize_rows"]
     assert _quantize_kernels(text) == sorted(tokens + weights), _quantize_kernels(text)
+
+
+def test_widening_check_catches_a_wide_copy():
+    """The check passes a rescale back to e4m3 (what the weight gradient's fold does) and
+    fails a dequantized copy that is kept."""
+    S = jax.ShapeDtypeStruct
+    f8 = jnp.float8_e4m3fn
+    rescale = export_for_cuda(lambda q, m: (q.astype(jnp.float32) * m).astype(f8).T,
+                              S((32, 16), f8), S((32, 1), jnp.float32))
+    assert_no_widened_fp8(rescale)
+    for keep in (lambda q, m: q.astype(jnp.bfloat16) * 2,
+                 lambda q, m: ((q.astype(jnp.float32) * m).astype(f8), q.astype(jnp.float32))):
+        with pytest.raises(AssertionError, match="converted to a wide type"):
+            assert_no_widened_fp8(export_for_cuda(keep, S((32, 16), f8),
+                                                  S((32, 1), jnp.float32)))

@@ -233,22 +233,23 @@ def test_quantized_pairs_give_the_same_gradient(backend):
                                 atol=0.05 * np.abs(ref).max())
 
 
-@pytest.mark.skipif(not hasattr(_fp8_gemm, "times_pow2"), reason="no _fp8_gemm.times_pow2")
-def test_times_pow2_is_the_rounded_product_for_every_byte():
-    """The folding of ``2^-k`` into e4m3 bits: every byte (NaN, -0, subnormals, 448) and
-    shifts from none to past the subnormal range give the bytes of the f32 product cast back
-    (ml_dtypes: round to nearest even)."""
-    q = np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn)
-    k = np.array([*range(17), 20, 40, 127, 250], np.int32)[:, None]
-    got = np.asarray(jax.jit(_fp8_gemm.times_pow2)(q[None, :], k))
-    want = (q.astype(np.float32)[None, :] * np.ldexp(np.float32(1), -k)).astype(
-        jnp.float8_e4m3fn)
-    chex.assert_shape(got, (len(k), 256))
-    nan = np.isnan(q.astype(np.float32))
-    assert np.isnan(got.astype(np.float32)[:, nan]).all()
-    np.testing.assert_array_equal(got.view(np.uint8)[:, ~nan], want.view(np.uint8)[:, ~nan])
-    # ties on the subnormal grid (2^-9): 1.5 and 2.5 -> 2, 0.5 -> 0, 3.5 -> 4 (times 2^-9)
-    ties = np.array([1.5, 2.5, 0.5, -1.5, 3.5, 0.75], np.float32).astype(jnp.float8_e4m3fn)
-    np.testing.assert_array_equal(
-        np.asarray(jax.jit(_fp8_gemm.times_pow2)(ties, np.int32(9))).astype(np.float32),
-        np.array([2, 2, 0, -2, 4, 1], np.float32) * 2.0**-9)
+def test_folded_payload_rounds_to_nearest_even():
+    """``g_t`` is ``e4m3(q_g * s_a s_g / P)`` transposed: row ``r``'s payload times the power
+    of two its scales fall below the largest product, rounded to nearest even where that leaves
+    e4m3's normal range (numpy's f32 product cast by ml_dtypes), and ``a_t`` is ``q_a``
+    transposed untouched."""
+    rng = np.random.default_rng(9)
+    rows = 64
+    a = (rng.standard_normal((rows, K)) * np.ldexp(1.0, rng.integers(-6, 6, (rows, 1))))
+    g = (rng.standard_normal((rows, N)) * np.ldexp(1.0, rng.integers(-6, 6, (rows, 1))))
+    a, g = a.astype(np.float32).astype(BF16), g.astype(np.float32).astype(BF16)
+    (qa, sa), (qg, sg) = _rows(a), _rows(g)
+    a_t, g_t, s_a, s_g = _operands(a, g)
+    p = np.asarray(sa, np.float64) * np.asarray(sg)
+    mult = (p / p.max()).astype(np.float32)[:, None]
+    want = (np.asarray(qg).astype(np.float32) * mult).astype(jnp.float8_e4m3fn)
+    np.testing.assert_array_equal(np.asarray(g_t).view(np.uint8), want.T.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(a_t).view(np.uint8),
+                                  np.asarray(qa).T.view(np.uint8))
+    assert float(np.asarray(s_a)[0]) * float(np.asarray(s_g)[0]) == p.max()
+    assert mult.min() <= 2.0**-12  # some rows did leave the normal range
