@@ -428,4 +428,3 @@ def cols_t(a: jax.Array) -> tuple[jax.Array, jax.Array]:
         return q.reshape(*a.shape[:-2], *q.shape[1:]), s.reshape(*a.shape[:-2], s.shape[-1])
 
     return lax.platform_dependent(a, cuda=kernel, default=quantize_cols_t_reference)
-
