@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_util  # noqa: E402
 
 from moe import _quant_pallas as qp  # noqa: E402
+from moe._fp8_gemm import scaled_t  # noqa: E402
 from moe.activations import GatedActivation  # noqa: E402
 
 
@@ -62,13 +63,6 @@ def same_bytes(a, b) -> bool:
         if not np.array_equal(u, v, equal_nan=True):
             return False
     return True
-
-
-def rows_t(q, k):
-    """The weight gradient's K-major copy of e4m3 rows, row ``r`` times ``2^-k[r]``: the XLA
-    rescale-and-transpose fusion of `moe._fp8_gemm.wgrad_operands`."""
-    mult = jnp.ldexp(jnp.float32(1), -k)[:, None]
-    return jnp.swapaxes((q.astype(jnp.float32) * mult).astype(q.dtype), 0, 1)
 
 
 def nbytes(tree) -> int:
@@ -114,7 +108,7 @@ def main(argv=None) -> dict:
         # a power of two (one pass over one byte per element).
         "quantize_cols_t": ((x,), lambda x: qp.quantize_cols_t_reference(x[None]),
                             lambda x: qp.quantize_cols_t(x[None], interpret=interpret)),
-        "transpose_rows": ((xq, shift), rows_t, None),
+        "transpose_rows": ((xq, shift), scaled_t, None),
     }
     report = {"benchmark": "quant", "env": bench_util.env_info(), "out": a.out,
               "settings": vars(a) | {"interpret": interpret}, "rows": []}

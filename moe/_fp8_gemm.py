@@ -29,7 +29,7 @@ from jax import lax
 
 from moe import _grouped, _quant_pallas
 
-__all__ = ["dgrad", "forward", "rows", "wgrad", "wgrad_operands"]
+__all__ = ["dgrad", "forward", "rows", "rows_if", "scaled_t", "wgrad", "wgrad_operands"]
 
 _F32_BIAS = 127
 
@@ -38,6 +38,20 @@ def rows(a) -> tuple[jax.Array, jax.Array]:
     """A token operand as ``(e4m3 rows, f32 scale per row)``: quantized here in one pass
     (`moe._quant_pallas`), or passed in already quantized as that pair."""
     return a if isinstance(a, tuple) else _quant_pallas.rows(a)
+
+
+def rows_if(wanted: bool, a):
+    """``a``'s row-quantized pair (:func:`rows`) if an FP8 GEMM reads it, else None."""
+    return rows(a) if wanted else None
+
+
+def scaled_t(q: jax.Array, shift: jax.Array) -> jax.Array:
+    """``e4m3(q * 2^-shift[..., None])`` transposed to ``[..., N, M]``, for e4m3 ``q
+    [..., M, N]`` and integer ``shift >= 0`` per row: an exact rescaling in f32 (0 past f32's
+    normal range, where e4m3 would round to 0 anyway) and a round-to-nearest-even cast, which
+    XLA fuses with the transpose (one byte read and written per element)."""
+    mult = jnp.ldexp(jnp.float32(1), -shift)[..., None]
+    return jnp.swapaxes((q.astype(jnp.float32) * mult).astype(q.dtype), -1, -2)
 
 
 def _exponent(s: jax.Array) -> jax.Array:
@@ -69,11 +83,7 @@ def wgrad_operands(a, g):
     bad = jnp.any(jnp.isnan(s_a) | jnp.isnan(s_g), axis=-1, keepdims=True)
     p_a = jnp.where(bad, jnp.nan, p_a)
     lead = aq.shape[:-2]
-    # 2^(e - top) <= 1 (0 below f32's normal range, where e4m3 would round to 0 anyway): an
-    # exact rescaling in f32 and a round-to-nearest-even cast, fused with the transpose.
-    mult = jnp.ldexp(jnp.float32(1), e - top)[..., None]
-    g_scaled = (gq.astype(jnp.float32) * mult).astype(gq.dtype)
-    return (jnp.swapaxes(aq, -1, -2), jnp.swapaxes(g_scaled, -1, -2),
+    return (jnp.swapaxes(aq, -1, -2), scaled_t(gq, top - e),
             jnp.broadcast_to(p_a, (*lead, aq.shape[-1])),
             jnp.broadcast_to(p_g, (*lead, gq.shape[-1])))
 

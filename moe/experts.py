@@ -163,11 +163,6 @@ def _experts_fwd(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up):
     return y, (x_saved, gs, w_gate_up, w_down, b_gate_up, z_saved, h_saved)
 
 
-def _fp8_rows_if(wanted: bool, a):
-    """``a``'s row-quantized pair if an FP8 GEMM reads it, else None."""
-    return _fp8_gemm.rows(a) if wanted else None
-
-
 def _experts_bwd(opts: _Opts, res, dy):
     x, gs, w_gate_up, w_down, b_gate_up, z_saved, h = res
     dtype = dy.dtype  # y's dtype: x's
@@ -181,7 +176,7 @@ def _experts_bwd(opts: _Opts, res, dy):
         z = z_saved
     fp8_dgrad, fp8_wgrad = opts.dgrad_dtype == "fp8", opts.wgrad_dtype == "fp8"
     dy = _mask_rows(opts, dy.astype(dtype), gs)
-    dy_q = _fp8_rows_if(fp8_dgrad or fp8_wgrad, dy)
+    dy_q = _fp8_gemm.rows_if(fp8_dgrad or fp8_wgrad, dy)
     with jax.named_scope("experts_down_dgrad"):
         dh = _matmul_t(opts, dy_q if fp8_dgrad else dy, w_down, gs, jnp.float32)
     # h for the weight gradient: the forward's e4m3 rows, or recomputed from z (quantized in
@@ -203,7 +198,7 @@ def _experts_bwd(opts: _Opts, res, dy):
     else:
         dz32 = opts.activation.grad(z, dh)
         dz = dz32.astype(dtype)
-        dz_q = _fp8_rows_if(fp8_dgrad or fp8_wgrad, dz)
+        dz_q = _fp8_gemm.rows_if(fp8_dgrad or fp8_wgrad, dz)
     with jax.named_scope("experts_gate_up_dgrad"):
         dx = _matmul_t(opts, dz_q if fp8_dgrad else dz, w_gate_up, gs, dtype)
     with jax.named_scope("experts_gate_up_wgrad"):

@@ -80,7 +80,7 @@ def _dense_bwd(o: _DenseOpts, res, dy):
     x, w = res
     ops, gs = _grouped.BACKENDS[o.backend], _rows(dy.shape[0])
     dtype = dy.dtype  # y's dtype: x's
-    dy_q = _fp8_gemm.rows(dy) if "fp8" in (o.dgrad_dtype, o.wgrad_dtype) else None
+    dy_q = _fp8_gemm.rows_if("fp8" in (o.dgrad_dtype, o.wgrad_dtype), dy)
     with jax.named_scope("fp8_dense_dgrad"):
         dx = _fp8_gemm.dgrad(ops, o.dgrad_dtype, dy_q if o.dgrad_dtype == "fp8" else dy,
                              w[None], gs, dtype)
