@@ -8,8 +8,9 @@ the kernels) and with the one-pass Pallas kernels of `moe._quant_pallas`, on ran
 inputs, medians after warm-up (each sample ten back-to-back calls). It also times the two ways
 of making a weight-gradient operand's K-major FP8 copy: column-wise quantization of the bf16
 rows (``quantize_cols_t``, two passes) and, what the layer does now, the e4m3 rows written
-transposed with a power of two per row (``transpose_rows``: one XLA fusion reading and
-writing one byte per element). It checks that both give the
+transposed with a power of two per row (``transpose_rows``, `moe._fp8_gemm.scaled_t`: XLA's
+rescale-and-transpose fusion, one byte read and written per element; measured with the
+multipliers passed in, it was one kernel on an H200). It checks that both give the
 same bytes, counts the kernels each compiled function launches, and reports the rate in GB/s of
 the bytes a single pass must move (read the inputs once, write the outputs once), next to the
 copy ceiling measured in the same run (``x -> x * 2`` in bf16).
