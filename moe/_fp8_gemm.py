@@ -88,11 +88,11 @@ def wgrad_operands(a, g):
             jnp.broadcast_to(p_g, (*lead, gq.shape[-1])))
 
 
-def _mm8(ops: _grouped.GroupedGemms, a, w_q, gs, out_dtype) -> jax.Array:
+def _mm8(ops: _grouped.GroupedGemms, a, w_q, gs, out_dtype, trim: bool = True) -> jax.Array:
     """``(a_q @ w_q[e]^T) * s_a[row] * s_w[e, n]``; ``w_q``: K-major ``(e4m3 [E, N, K],
     scale [E, N])``."""
     aq, s_a = rows(a)
-    return ops.mm8(aq, w_q[0], gs, out_dtype, s_a, w_q[1])
+    return ops.mm8(aq, w_q[0], gs, out_dtype, s_a, w_q[1], trim=trim)
 
 
 def forward(ops: _grouped.GroupedGemms, precision: str, a, w, gs, out_dtype) -> jax.Array:
@@ -103,11 +103,13 @@ def forward(ops: _grouped.GroupedGemms, precision: str, a, w, gs, out_dtype) -> 
     return ops.fwd(a, w.astype(a.dtype), gs, out_dtype)
 
 
-def dgrad(ops: _grouped.GroupedGemms, precision: str, g, w, gs, out_dtype) -> jax.Array:
+def dgrad(ops: _grouped.GroupedGemms, precision: str, g, w, gs, out_dtype, *,
+          trim: bool = True) -> jax.Array:
     """``g @ w[e]^T`` per group (the data gradient), bf16 or FP8 (``w [E, K, N]`` is
-    K-major for it: quantized per row; ``g`` may be an ``(e4m3, scale)`` pair)."""
+    K-major for it: quantized per row; ``g`` may be an ``(e4m3, scale)`` pair).
+    ``trim=False``: an FP8 result may keep zero columns past ``K`` (``GroupedGemms.mm8``)."""
     if precision == "fp8":
-        return _mm8(ops, g, _quant_pallas.rows(w), gs, out_dtype)
+        return _mm8(ops, g, _quant_pallas.rows(w), gs, out_dtype, trim)
     return ops.dgrad(g, w.astype(g.dtype), gs, out_dtype)
 
 

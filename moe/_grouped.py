@@ -6,9 +6,12 @@ A backend gives the five GEMMs of a grouped linear layer ``out[rows of e] = a[ro
 * ``fwd(a [..., K], w [E, K, N], gs, out_dtype) -> [..., N]`` (forward);
 * ``dgrad(g [..., N], w [E, K, N], gs, out_dtype) -> [..., K]`` (``g @ w[e]^T``);
 * ``wgrad(a [..., K], g [..., N], gs, out_dtype) -> [E, K, N]`` (``a_e^T @ g_e``);
-* ``mm8(a [..., K], b [E, N, K], gs, out_dtype, s_a, s_b) -> [..., N]``: FP8
+* ``mm8(a [..., K], b [E, N, K], gs, out_dtype, s_a, s_b, trim=True) -> [..., N]``: FP8
   ``(a @ b[e]^T) * s_a[row] * s_b[e, n]`` with both payloads K-major (what FP8 tensor cores
   read) and the f32 dequantization scales ``s_a [...]`` (per row) and ``s_b [E, N]``;
+  ``trim=False`` may return ``[..., N']``, ``N' >= N``, whose columns past ``N`` are zero
+  (a kernel's padding, for a consumer that reads the first ``N`` columns: slicing them off
+  is a copy of the whole result when the consumer is not an XLA fusion);
 * ``tmm8(a_t, b_t, gs, out_dtype, s_a, s_b) -> [E, N1, N2]``: FP8 ``a_e^T @ b_e`` from
   K-major copies ``a_t [..., N1, rows]``, ``b_t [..., N2, rows]``, times ``s_a [..., N1]`` and
   ``s_b [..., N2]``.
@@ -133,7 +136,8 @@ def _raw_dtype(out_dtype):
 
 
 def _scaled_mm8(raw_fn):
-    def mm8(a, b, gs, out_dtype, s_a, s_b):
+    def mm8(a, b, gs, out_dtype, s_a, s_b, trim=True):
+        del trim  # the result is exactly N wide
         return _scale_rows(raw_fn(a, b, gs, _raw_dtype(out_dtype)), s_a, s_b, gs, out_dtype)
     return mm8
 
@@ -198,13 +202,15 @@ def _on_gpu(kernel_fn, emulated_fn, *args):
     )
 
 
-def _mosaic_gmm(a, b, gs, *scales, k_major: bool, out_dtype):
+def _mosaic_gmm(a, b, gs, *scales, k_major: bool, out_dtype, trim: bool = True):
     """``a @ b[g]`` (``b [G, K, N]``) or ``a @ b[g]^T`` (``b [G, N, K]``, ``k_major``), times
-    ``scales = (s_a [R], s_b [G, N])`` if given. ``gs``: sizes or :class:`RowGroups`."""
+    ``scales = (s_a [R], s_b [G, N])`` if given. ``gs``: sizes or :class:`RowGroups`.
+    ``trim=False``: ``N`` rounded up to the kernel's column tile, the extra columns zero."""
     n = b.shape[1] if k_major else b.shape[2]
+    cfg = _gmm_mosaic.default_tiling(a.dtype, out_dtype)
+    width = n if trim else -(-n // (2 * cfg.tile_n)) * (2 * cfg.tile_n)
 
     def kernel(varying, a, b, gs, live, *scales):
-        cfg = _gmm_mosaic.default_tiling(a.dtype, out_dtype)
         a_p = pad_to(a, 1, cfg.tile_k)
         b_p = pad_to(pad_to(b, 2 if k_major else 1, cfg.tile_k), 1 if k_major else 2,
                       2 * cfg.tile_n)
@@ -213,15 +219,15 @@ def _mosaic_gmm(a, b, gs, *scales, k_major: bool, out_dtype):
             kw = dict(row_scale=scales[0], col_scale=pad_to(scales[1], 1, 2 * cfg.tile_n))
         out = _gmm_mosaic.gmm(a_p, b_p, gs, rhs_k_major=k_major, out_dtype=out_dtype,
                               tiling=cfg, varying=varying, live_rows=live, **kw)
-        return out[:, :n] if out.shape[1] != n else out
+        return out[:, :width] if out.shape[1] != width else out
 
     def emulated(a, b, gs, live, *scales):
         del live  # the rows past it are zero: computing them gives the kernel's zeros
         dn = _RAGGED_KMAJOR if k_major else _RAGGED_FWD
         if not scales:
-            return _rd(a, b, gs, dn, out_dtype)
+            return pad_to(_rd(a, b, gs, dn, out_dtype), 1, width)
         raw = _rd(_up(a), _up(b), gs, dn, jnp.float32)
-        return _scale_rows(raw, *scales, gs, out_dtype)
+        return pad_to(_scale_rows(raw, *scales, gs, out_dtype), 1, width)
 
     return _on_gpu(kernel, emulated, a, b, *split_groups(gs), *scales)
 
@@ -262,8 +268,8 @@ MOSAIC = GroupedGemms(
     fwd=lambda a, w, gs, dt: _mosaic_gmm(a, w, gs, k_major=False, out_dtype=dt),
     dgrad=lambda g, w, gs, dt: _mosaic_gmm(g, w, gs, k_major=True, out_dtype=dt),
     wgrad=lambda a, g, gs, dt: _mosaic_tgmm(a, g, gs, k_major=False, out_dtype=dt),
-    mm8=lambda a, b, gs, dt, s_a, s_b: _mosaic_gmm(a, b, gs, s_a, s_b, k_major=True,
-                                                   out_dtype=dt),
+    mm8=lambda a, b, gs, dt, s_a, s_b, trim=True: _mosaic_gmm(a, b, gs, s_a, s_b, k_major=True,
+                                                              out_dtype=dt, trim=trim),
     tmm8=lambda at, bt, gs, dt, s_a, s_b: _mosaic_tgmm(at, bt, gs, s_a, s_b, k_major=True,
                                                        out_dtype=dt),
     aligned=True,

@@ -111,7 +111,7 @@ def gated_grad_quantize_rows_reference(z: jax.Array, dh: jax.Array, act: GatedAc
                                        out_dtype):
     """:func:`gated_grad_quantize_rows` in XLA ops."""
     g, u = jnp.split(z, 2, axis=-1)
-    dg, du = act.grad_parts(g, u, dh)
+    dg, du = act.grad_parts(g, u, dh[..., :g.shape[-1]])
     (qg, qu), s = _cast_rows(dg, du)
     q = jnp.concatenate([qg, qu], axis=-1)
     if out_dtype is None:
@@ -268,7 +268,8 @@ def gated_grad_quantize_rows(z: jax.Array, dh: jax.Array, act: GatedActivation, 
 
     Args:
       z: float ``[M, 2F]``, ``F`` a multiple of 16.
-      dh: float ``[M, F]``, the cotangent of ``h = act(z)``.
+      dh: float ``[M, F']``, ``F' >= F``: the cotangent of ``h = act(z)`` in its first ``F``
+        columns (the rest, e.g. a GEMM kernel's padding, is not read).
       act: the gated activation.
       out_dtype: dtype of the unquantized ``dz``; None: only the quantized copy (when no
         GEMM reads ``dz`` in a wide type).
@@ -287,8 +288,9 @@ def gated_grad_quantize_rows(z: jax.Array, dh: jax.Array, act: GatedActivation, 
     m, two_f = z.shape
     f = two_f // 2
     _check(z, f, "z")
-    if dh.shape != (m, f):
-        raise ValueError(f"dh must be [M, F] = {(m, f)} for z {z.shape}, got {dh.shape}.")
+    if dh.ndim != 2 or dh.shape[0] != m or dh.shape[1] < f:
+        raise ValueError(f"dh must be [M, F'] with M = {m} and F' >= F = {f} for z {z.shape}, "
+                         f"got {dh.shape}.")
     outs = (((m, two_f), F8), ((m,), jnp.float32))
     if out_dtype is not None:
         outs = (((m, two_f), jnp.dtype(out_dtype)), *outs)
@@ -410,7 +412,7 @@ def gated_rows(z: jax.Array, act: GatedActivation) -> tuple[jax.Array, jax.Array
 
 def gated_grad_rows(z: jax.Array, dh: jax.Array, act: GatedActivation, out_dtype):
     """``(dz, e4m3(dz), scale)``, or ``(e4m3(dz), scale)`` for ``out_dtype=None``:
-    :func:`gated_grad_quantize_rows` on NVIDIA GPUs."""
+    :func:`gated_grad_quantize_rows` on NVIDIA GPUs (``dh`` may be wider than ``F``)."""
     kern = functools.partial(gated_grad_quantize_rows, act=act, out_dtype=out_dtype)
     return _on_cuda(lambda z, dh: _on_rows(kern, z, dh),
                     lambda z, dh: gated_grad_quantize_rows_reference(z, dh, act, out_dtype),

@@ -61,9 +61,9 @@ def _matmul(opts: _Opts, precision: str, a, w, gs, out_dtype):
     return _fp8_gemm.forward(_grouped.BACKENDS[opts.backend], precision, a, w, gs, out_dtype)
 
 
-def _matmul_t(opts: _Opts, a, w, gs, out_dtype):
+def _matmul_t(opts: _Opts, a, w, gs, out_dtype, *, trim: bool = True):
     return _fp8_gemm.dgrad(_grouped.BACKENDS[opts.backend], opts.dgrad_dtype, a, w, gs,
-                           out_dtype)
+                           out_dtype, trim=trim)
 
 
 def _wgrad(opts: _Opts, a, g, gs, out_dtype):
@@ -175,10 +175,17 @@ def _experts_bwd(opts: _Opts, res, dy):
     else:
         z = z_saved
     fp8_dgrad, fp8_wgrad = opts.dgrad_dtype == "fp8", opts.wgrad_dtype == "fp8"
+    # The Pallas kernel makes dz from dh (gated_grad_rows): it reads the FP8 GEMM's result
+    # as the kernel wrote it, zero columns past d_ff included (slicing them off would be a
+    # copy of dh), and in the compute dtype when it writes only dz's e4m3 rows (rounding dh
+    # to bf16 is 2^-9 of a value that is then rounded to e4m3's 2^-4).
+    dz_kernel = fp8_dgrad and b_gate_up is None
+    dh_dtype = dtype if dz_kernel and fp8_wgrad else jnp.float32
     dy = _mask_rows(opts, dy.astype(dtype), gs)
     dy_q = _fp8_gemm.rows_if(fp8_dgrad or fp8_wgrad, dy)
     with jax.named_scope("experts_down_dgrad"):
-        dh = _matmul_t(opts, dy_q if fp8_dgrad else dy, w_down, gs, jnp.float32)
+        dh = _matmul_t(opts, dy_q if fp8_dgrad else dy, w_down, gs, dh_dtype,
+                       trim=not dz_kernel)
     # h for the weight gradient: the forward's e4m3 rows, or recomputed from z (quantized in
     # the same read for an FP8 GEMM).
     if h is None and fp8_wgrad:
@@ -187,7 +194,7 @@ def _experts_bwd(opts: _Opts, res, dy):
         h = opts.activation.apply(z).astype(dtype)
     with jax.named_scope("experts_down_wgrad"):
         dw_down = _wgrad(opts, h, dy_q if fp8_wgrad else dy, gs, w_down.dtype)
-    if fp8_dgrad and b_gate_up is None:
+    if dz_kernel:
         # dz quantized (and in the compute dtype if a bf16 GEMM reads it) from one read of z
         # and dh.
         if fp8_wgrad:

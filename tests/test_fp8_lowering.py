@@ -112,3 +112,29 @@ def test_widening_check_catches_a_wide_copy():
         with pytest.raises(AssertionError, match="converted to a wide type"):
             assert_no_widened_fp8(export_for_cuda(keep, S((32, 16), f8),
                                                   S((32, 1), jnp.float32)))
+
+
+def test_gated_grad_kernel_reads_the_padded_bf16_dh():
+    """With d_ff not a multiple of the FP8 GEMM's 256-column tile (384 -> 512), the
+    activation-backward kernel reads the data-gradient GEMM's result as written: 512 columns,
+    in bf16 (only dz's e4m3 rows are made from it), with no slice copy in between."""
+    from moe._grouped import aligned_rows
+    from moe.experts import gated_experts
+
+    rows, d, f = 256, 256, 384
+
+    def loss(x, w_gate_up, w_down):
+        y = gated_experts(x, jnp.array([128, 128], jnp.int32), w_gate_up, w_down,
+                          backend="mosaic", **ALL_FP8)
+        return jnp.sum(y.astype(jnp.float32))
+
+    S = jax.ShapeDtypeStruct
+    text = export_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), S((rows, d), jnp.bfloat16),
+                           S((2, d, 2 * f), jnp.bfloat16), S((2, f, d), jnp.bfloat16))
+    grad_calls = [line for line in text.splitlines()
+                  if TRITON_CALL in line and "fp8_gated_grad_quantize_rows" in line]
+    assert len(grad_calls) == 1
+    m = aligned_rows(rows, 2, 128)  # the rows as the kernels take them (tile-aligned groups)
+    assert _operand_types(grad_calls[0]) == [f"tensor<{m}x{2 * f}xbf16>",
+                                             f"tensor<{m}x512xbf16>"], grad_calls[0][-300:]
+    assert not re.search(rf"stablehlo.slice.*-> tensor<{m}x{f}x(bf16|f32)>", text)

@@ -154,3 +154,19 @@ def test_gated_grad_quantize_rows_fp8_only():
     dzq = np.asarray(got[0]).astype(np.float32)[ok] * s[ok, None]
     chex.assert_trees_all_close(dzq, np.asarray(act.grad(z, dh))[ok], rtol=0.07,
                                 atol=1e-3 * float(s[ok].max()))
+
+
+def test_gated_grad_reads_only_the_first_f_columns_of_a_wider_dh():
+    """The FP8 data-gradient GEMM hands over ``dh`` with its column padding (and in bf16):
+    the kernel and the reference read its first ``F`` columns only."""
+    act = GatedActivation("silu")
+    rng = np.random.default_rng(9)
+    z = jnp.asarray(rng.standard_normal((8, 2 * 48), np.float32) * 4, jnp.bfloat16)
+    dh = jnp.asarray(rng.standard_normal((8, 48), np.float32), jnp.bfloat16)
+    wide = jnp.concatenate([dh, jnp.full((8, 16), jnp.nan, dh.dtype)], axis=1)
+    want = qp.gated_grad_quantize_rows_reference(z, dh, act, None)
+    _assert_same(qp.gated_grad_quantize_rows(z, wide, act, out_dtype=None, interpret=True),
+                 want)
+    _assert_same(qp.gated_grad_quantize_rows_reference(z, wide, act, None), want)
+    _assert_same(qp.gated_grad_rows(z, wide, act, None), want)  # on the CPU: the reference
+    assert np.isfinite(np.asarray(want[1])).all()
