@@ -76,7 +76,6 @@ def _layer_grads(backend: str, transport: str, expert_devices: int, with_wire: b
 @pytest.mark.parametrize("backend,transport,devices", [
     ("mosaic", "dropless", 1),  # the aligned layout, one expert device (no exchange)
     ("ragged_dot", "dropless", 2),  # plain ragged rows after a dropless exchange
-    ("mosaic", "ragged", 2),
 ])
 def test_layer_through_the_wire_rows_gives_the_decoded_paths_bytes(backend, transport,
                                                                     devices):
