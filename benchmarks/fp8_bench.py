@@ -327,6 +327,10 @@ def parse_args(argv=None):
                    help="gated-experts cases timed (layout_routing)")
     p.add_argument("--breakdown", action="store_true",
                    help="trace each gated-experts row and record its op breakdown")
+    for name, what in (("tokens", "gmm and gated-experts rows (32768)"),
+                       ("experts", "gmm and gated-experts rows (8)"),
+                       ("d-model", "every row (4096)"), ("d-ff", "every row (2048)")):
+        p.add_argument(f"--{name}", type=int, default=None, help=what)
     p.add_argument("--layer-recipe", default="fp8_all", choices=list(RECIPES)[1:],
                    help="the FP8 GEMM recipe of the layer's 'fp8' variant (with FP8 dispatch)")
     a = p.parse_args(argv)
@@ -342,7 +346,8 @@ def parse_args(argv=None):
     small = dict(tokens=1024, d_model=512, d_ff=256, experts=4, layer_tokens=512,
                  layer_experts=8, ceiling_n=512, warmup=1, iters=2)
     for key, v in (small if a.small else full).items():
-        setattr(a, key, v)
+        if getattr(a, key, None) is None:
+            setattr(a, key, v)
     return a
 
 
