@@ -33,6 +33,8 @@ recipe and backend; ``experts_fp8_speedup_by_backend`` has every backend's), and
 Usage:
   python benchmarks/fp8_bench.py --out fp8.json          # one H200 (the FP8 layer compiles slowly)
   python benchmarks/fp8_bench.py --small                 # CPU plumbing check (numbers mean nothing)
+  python benchmarks/fp8_bench.py --only gmm,experts --tokens 131072 --d-model 2048 --d-ff 1408 \
+      --experts 16 --breakdown                           # one layer of lm_step_bench's model
 """
 
 from __future__ import annotations

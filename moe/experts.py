@@ -534,7 +534,7 @@ def gated_experts(
       block_size: FP8 block length of ``save_z='fp8'`` (a multiple of it must be 2 * d_ff).
       group_alignment: None for plain ragged x. An int ``A`` says x is already in the
         A-aligned layout: group g starts at row ``sum(ceil(gs[:g] / A) * A)`` and the rows
-        between groups are zero (what ``moe.dispatch`` gives with ``group_alignment``).
+        between groups are zero (e.g. gathered by ``moe._grouped.align_map``'s ``src``).
         'mosaic' needs 128-aligned groups and aligns plain ragged x itself (two extra row
         gathers each way).
 
