@@ -59,7 +59,11 @@ def _by_bucket(plan: DispatchPlan, fn, *args):
 
 
 def _pair_head(a: jax.Array, plan: DispatchPlan, c: int) -> jax.Array:
-    """The first ``c`` entries of every pair block of ``a [P * W]``: ``[P * c]``."""
+    """The first ``c`` entries of every pair block of ``a [P * W]``: ``[P * c]``. With one
+    device the one bucket is ``W`` and ``a`` is the send buffer's slots: all of it (the
+    aligned layout's, longer than ``W``, included)."""
+    if plan.axis_size == 1:
+        return a
     return a.reshape(plan.axis_size, -1)[:, :c].reshape(-1)
 
 

@@ -17,6 +17,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from moe import _grouped
+
 AxisName = str | tuple[str, ...]
 
 
@@ -76,6 +78,9 @@ class DispatchPlan:
         the same on every device of the expert axis (it comes from the all-gathered counts).
       buckets: dropless only: the rows per (source, destination) pair that the exchange can
         send, ascending (:func:`dropless_buckets`); the last is ``W``, the worst case.
+      alignment: dropless only: every local expert's rows start at a multiple of it in the
+        expert layout (``moe._grouped.align_map``; the rows in between are zero), which then
+        has ``moe._grouped.aligned_rows(R, E_local, alignment)`` rows. 1: plain ragged.
     """
 
     send_slot: jax.Array
@@ -103,6 +108,7 @@ class DispatchPlan:
     pair_row: jax.Array | None = None
     bucket: jax.Array | None = None
     buckets: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))
+    alignment: int = dataclasses.field(default=1, metadata=dict(static=True))
 
     @property
     def num_local_experts(self) -> int:
@@ -129,7 +135,14 @@ class DispatchPlan:
         ragged and dropless ``[R, width]``."""
         if self.transport == "dense":
             return (self.num_local_experts, self.axis_size * self.capacity, width)
-        return (self.capacity, width)
+        return (self.layout_rows, width)
+
+    @property
+    def layout_rows(self) -> int:
+        """Rows of the ragged / dropless expert layout: ``R``, or its aligned count."""
+        if self.alignment == 1:
+            return self.capacity
+        return _grouped.aligned_rows(self.capacity, self.num_local_experts, self.alignment)
 
 
 def dense_capacity(
@@ -321,6 +334,7 @@ def build_plan(
     block_size: int,
     wire_kernels: str = "xla",
     buckets: tuple[int, ...] = (),
+    alignment: int = 1,
 ) -> DispatchPlan:
     """Sort slots by expert, count them, exchange counts; return the :class:`DispatchPlan`.
 
@@ -338,8 +352,8 @@ def build_plan(
     Args:
       expert_ids: int ``[T, k]`` global expert ids in ``[0, num_experts)``.
       num_experts, axis_name, axis_size, transport, capacity, ragged_impl, x_dtype,
-        block_size, wire_kernels, buckets: see :class:`DispatchPlan` (already validated by
-        ``dispatch``).
+        block_size, wire_kernels, buckets, alignment: see :class:`DispatchPlan` (already
+        validated by ``dispatch``).
 
     Returns:
       The plan (its collectives: one tiny all-to-all (dense) or all-gather (ragged, dropless)
@@ -405,6 +419,9 @@ def build_plan(
             send_slot, slot_row, extra = _dropless_rows(
                 order, e_sorted, send_counts, counts, recv_counts, recv_offsets,
                 p=p, e_local=e_local, w=capacity // p, buckets=buckets)
+            if alignment > 1:
+                send_slot, slot_row, extra = _aligned_rows(
+                    send_slot, slot_row, extra, group_sizes, p=p, alignment=alignment)
             ragged = dict(send_offsets=None, remote_offsets=None,
                           recv_offsets=recv_offsets.reshape(e_total), return_offsets=None)
     kept = (slot_row < send_slot.shape[0]).reshape(t, k)
@@ -427,8 +444,31 @@ def build_plan(
         block_size=block_size,
         wire_kernels=wire_kernels,
         buckets=tuple(buckets),
+        alignment=alignment,
         **extra,
     )
+
+
+def _aligned_rows(send_slot, slot_row, extra, group_sizes, *, p, alignment):
+    """The dropless plan's row maps onto the ``alignment``-aligned expert layout: rows of
+    the plain layout move to ``dst`` (``moe._grouped.align_map``), the rows between groups
+    carry no slot (a zero row), and "no row" stays out of range."""
+    s = slot_row.shape[0]
+    n = send_slot.shape[0] if p == 1 else extra["pair_row"].shape[0]  # plain layout rows
+    src, dst, _ = _grouped.align_map(group_sizes, n, alignment)
+    n_al = src.shape[0]
+
+    def moved(rows):  # plain-layout row indices (out of range: none) -> aligned
+        return jnp.where(rows < n, jnp.take(dst, jnp.minimum(rows, n - 1)), n_al)
+
+    def pulled(vals, none):  # a value per plain-layout row -> per aligned row
+        return jnp.where(src < n, jnp.take(vals, jnp.minimum(src, n - 1)), none)
+
+    if p == 1:  # the send buffer is the layout: its slots move, slots' rows follow
+        return pulled(send_slot, s), moved(slot_row), extra
+    extra = dict(extra, layout_row=moved(extra["layout_row"]),
+                 pair_row=pulled(extra["pair_row"], n))
+    return send_slot, slot_row, extra
 
 
 def _dropless_rows(order, e_sorted, send_counts, counts, recv_counts, recv_offsets, *, p,

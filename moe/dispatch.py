@@ -178,6 +178,7 @@ def dispatch(
     block_size: int = 128,
     ragged_impl: _transport.RaggedImpl = "auto",
     wire_kernels: _transport.WireKernels = "auto",
+    group_alignment: int | None = None,
 ) -> tuple[jax.Array, jax.Array, DispatchPlan]:
     """Send each token slot to the device that owns its expert, grouped by local expert.
 
@@ -217,6 +218,11 @@ def dispatch(
         dropless, gathers the return trip's rows): ``'auto'`` (the Pallas
         kernels of ``moe._wire_pallas`` when lowered for NVIDIA GPUs, XLA elsewhere),
         ``'xla'``, or ``'pallas'`` (interpreted, slowly, on CPU). Same bytes either way.
+      group_alignment: ``'dropless'`` only: None, or ``A`` to start every local expert's
+        rows at a multiple of ``A`` in the layout (the rows in between are zero; ``R``
+        becomes ``moe._grouped.aligned_rows(R, E_local, A)``), the layout the Mosaic GPU
+        expert kernels read: pass the same ``group_alignment`` to :func:`moe.gated_experts`.
+        Same rows and gradients, no gathers into and out of an aligned copy.
 
     Returns:
       ``(expert_x, group_sizes, plan)``: ``expert_x`` dense ``[E_local, P * C, d_model]`` or
@@ -236,7 +242,7 @@ def dispatch(
         x, expert_ids, num_experts=num_experts, axis_name=axis_name, transport=transport,
         capacity_factor=capacity_factor, capacity_multiple=capacity_multiple,
         dispatch_dtype=dispatch_dtype, block_size=block_size, ragged_impl=ragged_impl,
-        wire_kernels=wire_kernels)
+        wire_kernels=wire_kernels, group_alignment=group_alignment)
     return expert_x, group_sizes, plan
 
 
@@ -253,6 +259,7 @@ def dispatch_with_wire(
     block_size: int = 128,
     ragged_impl: _transport.RaggedImpl = "auto",
     wire_kernels: _transport.WireKernels = "auto",
+    group_alignment: int | None = None,
     with_wire: bool = False,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array, DispatchPlan]:
     """:func:`dispatch`, plus the FP8 wire rows of the ragged layout for the expert layer.
@@ -270,6 +277,11 @@ def dispatch_with_wire(
                          capacity_multiple, dispatch_dtype, block_size, p)
     _transport.check_wire_kernels(wire_kernels)
     transport = "dense" if transport == "auto" else transport
+    if group_alignment is not None and (
+            isinstance(group_alignment, bool) or not isinstance(group_alignment, int)
+            or group_alignment < 1 or transport != "dropless"):
+        raise ValueError(f"group_alignment={group_alignment!r} with transport={transport!r}: "
+                         "it is a positive int, for transport='dropless' only (or None).")
     t, k = expert_ids.shape
     impl = _transport.resolve_ragged_impl(ragged_impl) if transport == "ragged" else "native"
     buckets = ()
@@ -286,7 +298,7 @@ def dispatch_with_wire(
             expert_ids, num_experts=num_experts, axis_name=axis_name, axis_size=p,
             transport=transport, capacity=capacity, ragged_impl=impl,
             x_dtype=jnp.dtype(x.dtype).name, block_size=block_size,
-            wire_kernels=wire_kernels, buckets=buckets,
+            wire_kernels=wire_kernels, buckets=buckets, alignment=group_alignment or 1,
         )
     if with_wire and (dispatch_dtype != "fp8" or transport == "dense"):
         raise ValueError(f"with_wire needs dispatch_dtype='fp8' and a ragged layout (transport "

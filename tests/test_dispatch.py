@@ -112,7 +112,9 @@ def sharded_run(shape, names, transport, wire=None, grad_wire=None, cdt="float32
                                    transport=transport, dispatch_dtype=wire,
                                    ragged_impl="emulated", **dict(dispatch_kw))
         if transport in ("ragged", "dropless"):
-            ey = swiglu_ragged(ex, sizes, wgu, wd)
+            align = dict(dispatch_kw).get("group_alignment")  # groups padded to A rows
+            ey = swiglu_ragged(ex, sizes if align is None else -(-sizes // align) * align,
+                               wgu, wd)
         else:
             ey = swiglu_padded(ex, wgu, wd)
         y = combine(ey.astype(cdt), w, plan, combine_grad_dtype=grad_wire)
@@ -248,6 +250,41 @@ def test_dropless_equals_reference_and_ragged_bit_for_bit(shape, names, skewed):
         assert set(want) == {len(caps) - 1}, want
     elif ep > 1:
         assert 0 < want.min() and want.max() < len(caps) - 1, (want, caps)
+
+
+@pytest.mark.parametrize("mesh", [MESHES[1], MESHES[3]], ids=["ep4", "ep1"])
+def test_dropless_aligned_layout_holds_the_same_rows(mesh):
+    """``group_alignment``: every local expert's rows start at a multiple of A with zero rows
+    in between; the rows, the outputs and the gradients are the plain layout's."""
+    from moe._grouped import align_map
+
+    args, ct = init(**SMALL)
+    shape, names = mesh
+    a = 8
+    kw = (*DROPLESS_KW, ("group_alignment", a))
+    y, (_, ex, sizes, _, _), grads = sharded_run(shape, names, "dropless",
+                                                  dispatch_kw=kw)(args, ct, SKEWED)
+    y0, (_, ex0, sizes0, _, _), grads0 = sharded_run(
+        shape, names, "dropless", dispatch_kw=DROPLESS_KW)(args, ct, SKEWED)
+    assert_f32_close((y, grads), (y0, grads0))
+    np.testing.assert_array_equal(sizes, sizes0)
+    assert ex.shape[1] > ex0.shape[1]
+    for d in range(ex.shape[0]):
+        src, _, _ = align_map(sizes[d], ex0.shape[1], a)
+        assert src.shape[0] == ex.shape[1]
+        np.testing.assert_array_equal(
+            ex[d], jnp.take(ex0[d], src, axis=0, mode="fill", fill_value=0))
+
+
+def test_group_alignment_is_for_dropless_only():
+    mesh = make_mesh((1,), axis_type="auto")
+    x, ids = jnp.ones((8, 32)), jnp.zeros((8, 2), jnp.int32).at[:, 1].set(1)
+    for transport, a in (("dense", 8), ("ragged", 8), ("dropless", 0), ("dropless", True)):
+        f = jax.shard_map(lambda x, ids, t=transport, a=a: dispatch(
+            x, ids, num_experts=4, axis_name="expert", transport=t, group_alignment=a)[0],
+            mesh=mesh, in_specs=(P(), P()), out_specs=P())
+        with pytest.raises(ValueError, match="group_alignment"):
+            jax.eval_shape(f, x, ids)
 
 
 def test_dropless_fp8_wire_equals_ragged_bit_for_bit():
