@@ -27,10 +27,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from moe import _grouped, _quant_pallas, _transport
+from moe import _grouped, _quant_pallas
 
-__all__ = ["dgrad", "forward", "rows", "rows_from_wire", "rows_if", "scaled_t", "wgrad",
-           "wgrad_operands"]
+__all__ = ["dgrad", "forward", "rows", "rows_if", "scaled_t", "wgrad", "wgrad_operands"]
 
 _F32_BIAS = 127
 
@@ -39,20 +38,6 @@ def rows(a) -> tuple[jax.Array, jax.Array]:
     """A token operand as ``(e4m3 rows, f32 scale per row)``: quantized here in one pass
     (`moe._quant_pallas`), or passed in already quantized as that pair."""
     return a if isinstance(a, tuple) else _quant_pallas.rows(a)
-
-
-def rows_from_wire(wire: jax.Array, width: int, block_size: int) -> tuple[jax.Array, jax.Array]:
-    """FP8 wire rows (e4m3 + E8M0 scales per ``block_size`` channels,
-    `moe._transport.encode_rows`) as the row-quantized pair of their decoded values: the bytes
-    of ``rows(decoded rows)``, in XLA passes that read the one-byte payload (fused with
-    whatever gathers ``wire``) instead of a decoded bf16 copy. Each block is rescaled by a
-    power of two to the row's scale (exact unless a value drops below e4m3's normal range,
-    where it rounds to nearest even as the re-quantization would)."""
-    decoded = _transport.decode_rows(wire, wire="fp8", width=width, block_size=block_size,
-                                     out_dtype=jnp.float32)
-    # Written once: left to itself, XLA fused the gather, decode and row maxima into the
-    # consumers' transposes (0.74 ms per LM-benchmark layer on an H200).
-    return lax.optimization_barrier(_quant_pallas.quantize_rows_reference(decoded))
 
 
 def rows_if(wanted: bool, a):

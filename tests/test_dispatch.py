@@ -515,3 +515,38 @@ def test_native_ragged_path_lowers_with_fp8_wire():
     ops = [c.dtypes for c in hlo.analyze_collectives(lowered).of_kind("ragged-all-to-all")]
     # dispatch fwd, combine fwd, combine bwd (dispatch direction, FP8), dispatch bwd.
     assert sorted(ops) == [("bf16",), ("bf16",), ("u32",), ("u32",)], ops
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_aligned_dropless_into_mosaic_experts_equals_their_own_alignment(ep):
+    """dispatch(group_alignment=128) + gated_experts(backend='mosaic', group_alignment=128):
+    outputs and gradients bit for bit those of the plain layout, which the experts gather
+    into the same aligned layout and back themselves."""
+    from moe import gated_experts
+
+    mesh = make_mesh((ep,), axis_type="auto")
+    t, d, f = 48, 64, 32
+    keys = jax.random.split(jax.random.key(7), 5)
+    x = jax.random.normal(keys[0], (ep * t, d), jnp.float32)
+    ids = jax.vmap(lambda kk: jax.random.choice(kk, E, (K,), replace=False))(
+        jax.random.split(keys[1], ep * t)).astype(jnp.int32)
+    w = jax.nn.softmax(jax.random.normal(keys[2], (ep * t, K)), axis=-1)
+    wgu = jax.random.normal(keys[3], (E, d, 2 * f)) * d**-0.5
+    wd = jax.random.normal(keys[4], (E, f, d)) * f**-0.5
+
+    def run(align):
+        def local(x, ids, w, wgu, wd):
+            ex, sizes, plan = dispatch(x, ids, num_experts=E, axis_name="expert",
+                                       transport="dropless", group_alignment=align)
+            ey = gated_experts(ex, sizes, wgu, wd, backend="mosaic", group_alignment=align)
+            return combine(ey, w, plan)
+
+        f_ = jax.shard_map(local, mesh=mesh, in_specs=(P("expert"),) * 5,
+                           out_specs=P("expert"))
+        return jax.jit(jax.value_and_grad(
+            lambda x, w, wgu, wd: jnp.sum(f_(x, ids, w, wgu, wd) ** 2),
+            argnums=(0, 1, 2, 3)))(x, w, wgu, wd)
+
+    got, want = run(128), run(None)
+    assert float(got[0]) > 0
+    _assert_same_bits(got, want)
