@@ -74,7 +74,7 @@ from moe._plan import (
     dropless_buckets,
     ragged_rows,
 )
-from moe.options import WireDtype
+from moe.options import WireDtype, check_group_alignment
 
 __all__ = ["DispatchPlan", "combine", "dense_capacity", "dispatch", "ragged_rows"]
 
@@ -246,11 +246,10 @@ def dispatch(
                          capacity_multiple, dispatch_dtype, block_size, p)
     _transport.check_wire_kernels(wire_kernels)
     transport = "dense" if transport == "auto" else transport
-    if group_alignment is not None and (
-            isinstance(group_alignment, bool) or not isinstance(group_alignment, int)
-            or group_alignment < 1 or transport != "dropless"):
-        raise ValueError(f"group_alignment={group_alignment!r} with transport={transport!r}: "
-                         "it is a positive int, for transport='dropless' only (or None).")
+    check_group_alignment(group_alignment)
+    if group_alignment is not None and transport != "dropless":
+        raise ValueError(f"group_alignment={group_alignment!r} is for transport='dropless' "
+                         f"only, got transport={transport!r}; drop it or use 'dropless'.")
     t, k = expert_ids.shape
     impl = _transport.resolve_ragged_impl(ragged_impl) if transport == "ragged" else "native"
     buckets = ()

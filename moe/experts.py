@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from moe import _fp8_gemm, _gmm_pallas, _grouped, _quant_pallas, fp8
 from moe.activations import GatedActivation
-from moe.options import Backend, GemmDtype, SaveZ, check_choice
+from moe.options import Backend, GemmDtype, SaveZ, check_choice, check_group_alignment
 
 _GEMM_DTYPES = ("bf16", "fp8")
 _SAVE_Z = ("bf16", "fp8", "recompute")
@@ -550,11 +550,7 @@ def gated_experts(
         ("save_z", save_z, _SAVE_Z),
     ):
         check_choice(name, value, allowed)
-    if group_alignment is not None and (isinstance(group_alignment, bool)
-                                        or not isinstance(group_alignment, int)
-                                        or group_alignment < 1):
-        raise ValueError(f"group_alignment must be None or a positive int, got "
-                         f"{group_alignment!r}.")
+    check_group_alignment(group_alignment)
     resolved = _resolve_backend(backend, x.ndim)
     _check_shapes(x, group_sizes, w_gate_up, w_down)
     _check_biases(b_gate_up, b_down, w_gate_up, w_down)

@@ -48,6 +48,20 @@ def check_choice(name: str, value: Any, allowed: tuple) -> None:
         raise ValueError(f"{name}={value!r} is not supported; use one of {allowed}.")
 
 
+def check_group_alignment(value: Any) -> None:
+    """ValueError unless ``value`` (a ``group_alignment``) is None or a positive int.
+
+    Example:
+      >>> check_group_alignment(0)
+      Traceback (most recent call last):
+      ...
+      ValueError: group_alignment must be None or a positive int, got 0.
+    """
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < 1):
+        raise ValueError(f"group_alignment must be None or a positive int, got {value!r}.")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DispatchOptions:
     """How tokens travel to their experts and back (:func:`moe.dispatch`, :func:`moe.combine`).
