@@ -110,14 +110,18 @@ def _dense_to_layout(recv: jax.Array, plan: DispatchPlan, w: Wire, width: int) -
                                   kernels=w.kernels)
 
 
-def _pairs_to_layout(recv: jax.Array, plan: DispatchPlan, c: int, w: Wire, width: int):
+def _pairs_to_layout(recv: jax.Array, plan: DispatchPlan, c: int, w: Wire, width: int,
+                     with_wire: bool = False):
     """Dropless: received rows ``[P src * c, W]`` -> decoded expert layout ``[R, width]``
     (row ``i`` <- received row ``plan.pair_row[i]``; padding rows zero), one gather + decode
     pass (the Pallas kernel, or XLA's gather of the wire words then decode). With ``P = 1``
-    the received rows already are the layout."""
+    the received rows already are the layout. ``with_wire``: also the wire rows in the
+    layout's order (``(decoded, wire)``; XLA drops whichever is not used)."""
     if plan.axis_size == 1:
-        return w.decode(recv, width)
+        return (w.decode(recv, width), recv) if with_wire else w.decode(recv, width)
     index = _pair_to_row(plan.pair_row, plan, c)
+    if with_wire:
+        return _pairs_to_layout(recv, plan, c, w, width), _take_rows(recv, index)
 
     def xla(recv, index):
         return w.decode(_take_rows(recv, index), width)
@@ -132,19 +136,23 @@ def _pairs_to_layout(recv: jax.Array, plan: DispatchPlan, c: int, w: Wire, width
                                   kernels=w.kernels)
 
 
-def _to_experts(encode, plan: DispatchPlan, w: Wire, width: int) -> jax.Array:
+def _to_experts(encode, plan: DispatchPlan, w: Wire, width: int, with_wire: bool = False):
     """Dispatch direction: ``encode(slots)`` builds the wire rows (format ``w``) carrying the
     slots ``slots`` (int32; ``T * k`` gives a zero row); exchange; return the expert layout
-    decoded to ``w.out``. No collective runs when the expert axis has one device."""
+    decoded to ``w.out``. No collective runs when the expert axis has one device.
+    ``with_wire`` (ragged layouts only): ``(decoded layout, its wire rows)``."""
     if plan.transport == "dropless":
         def bucket(c):
             send = encode(_pair_head(plan.send_slot, plan, c))  # [P dst * c, W]
             recv = _transport.dense_exchange(send, plan.axis_name)
-            return _pairs_to_layout(recv, plan, c, w, width)
+            return _pairs_to_layout(recv, plan, c, w, width, with_wire)
 
         return _by_bucket(plan, bucket)
     send = encode(plan.send_slot)
     if plan.transport == "dense":
+        if with_wire:
+            raise ValueError("the wire rows of the dense transport's padded layout are not "
+                             "offered; ask for them with a ragged layout (dropless, ragged).")
         recv = _transport.dense_exchange(send, plan.axis_name)  # [P src, E_local, C, W]
         return _dense_to_layout(recv, plan, w, width)
     if plan.axis_size == 1:
@@ -155,7 +163,7 @@ def _to_experts(encode, plan: DispatchPlan, w: Wire, width: int) -> jax.Array:
             send, recv, plan.send_offsets, plan.send_counts, plan.remote_offsets,
             plan.recv_counts.reshape(-1), axis_name=plan.axis_name, impl=plan.ragged_impl,
         )
-    return w.decode(recv, width)
+    return (w.decode(recv, width), recv) if with_wire else w.decode(recv, width)
 
 
 def _return_trip(expert_rows: jax.Array, plan: DispatchPlan) -> jax.Array:
@@ -252,23 +260,27 @@ def _keep_return_buffer(plan: DispatchPlan) -> bool:
     return rows <= 2 * plan.num_tokens * plan.top_k
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def dispatch_rows(x: jax.Array, plan: DispatchPlan, w: Wire) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def dispatch_rows(x: jax.Array, plan: DispatchPlan, w: Wire, with_wire: bool = False):
     """``x``'s slots sent on wire ``w`` into the expert layout (backward: the combine-direction
-    exchange, summed over each token's ``k`` slots)."""
+    exchange, summed over each token's ``k`` slots). ``with_wire`` (ragged layouts): also the
+    wire rows of the layout, integer words that take no gradient: an FP8 GEMM can read the
+    e4m3 payload from them without the decoded copy (`moe.experts`)."""
     def encode(slots):
         tok = jax.lax.div(slots, jnp.int32(plan.top_k))  # slots are >= 0
         return _transport.gather_rows(x, tok, wire=w.codec,
                                       block_size=w.block_size, kernels=w.kernels)
 
-    return _to_experts(encode, plan, w, x.shape[-1])
+    return _to_experts(encode, plan, w, x.shape[-1], with_wire)
 
 
-def _dispatch_rows_fwd(x, plan, w):
-    return dispatch_rows(x, plan, w), plan
+def _dispatch_rows_fwd(x, plan, w, with_wire):
+    return dispatch_rows(x, plan, w, with_wire), plan
 
 
-def _dispatch_rows_bwd(w, plan, ct):
+def _dispatch_rows_bwd(w, with_wire, plan, ct):
+    if with_wire:
+        ct = ct[0]  # the wire words' cotangent is float0
     # Combine-direction exchange of the cotangent, summed over the k slots of each token.
     dx = _from_experts(ct, plan, lambda back, row: sum_slots(back, row, plan.top_k, None))
     return dx.astype(plan.x_dtype), None

@@ -61,7 +61,7 @@ def _abs_bits(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(_ABS)
 
 
-def _scale_and_cast(parts, amax_bits):
+def scale_and_cast(parts, amax_bits):
     """Each f32 ``[bm, w]`` of ``parts`` as e4m3 with its row's power-of-two scale, and that
     scale (f32 ``[bm]``; NaN for a row holding a NaN or an infinity)."""
     byte, inv = fp8.scales_from_amax_bits(amax_bits)
@@ -69,7 +69,7 @@ def _scale_and_cast(parts, amax_bits):
     return qs, fp8.scale_from_byte(byte)
 
 
-def _row_amax_bits(*parts) -> jax.Array:
+def row_amax_bits(*parts) -> jax.Array:
     amax = None
     for p in parts:
         m = jnp.max(_abs_bits(p), axis=-1)
@@ -91,8 +91,8 @@ def _on_rows(fn, x, *rest):
 
 
 def _cast_rows(*parts):
-    """:func:`_scale_and_cast` of f32 row pieces ``[..., w]`` by their joint row maxima."""
-    return _on_rows(lambda *p: _scale_and_cast(list(p), _row_amax_bits(*p)), *parts)
+    """:func:`scale_and_cast` of f32 row pieces ``[..., w]`` by their joint row maxima."""
+    return _on_rows(lambda *p: scale_and_cast(list(p), row_amax_bits(*p)), *parts)
 
 
 def quantize_rows_reference(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -142,7 +142,7 @@ def _store(ref, rows, start, width, pieces):
 def _quantize_kernel(x_ref, q_ref, s_ref, *, bm, width):
     rows = _rows(pl.program_id(0), bm)
     x = _load(x_ref, rows, 0, width)
-    q, s = _scale_and_cast(x, _row_amax_bits(*x))
+    q, s = scale_and_cast(x, row_amax_bits(*x))
     _store(q_ref, rows, 0, width, q)
     _plgpu.store(s_ref.at[rows], s)
 
@@ -151,7 +151,7 @@ def _gated_kernel(z_ref, q_ref, s_ref, *, bm, width, act):
     rows = _rows(pl.program_id(0), bm)
     h = [act.apply_parts(g, u) for g, u in zip(_load(z_ref, rows, 0, width),
                                                 _load(z_ref, rows, width, width), strict=True)]
-    q, s = _scale_and_cast(h, _row_amax_bits(*h))
+    q, s = scale_and_cast(h, row_amax_bits(*h))
     _store(q_ref, rows, 0, width, q)
     _plgpu.store(s_ref.at[rows], s)
 
@@ -163,7 +163,7 @@ def _gated_grad_kernel(z_ref, dh_ref, *out_refs, bm, width, act):
         _load(z_ref, rows, 0, width), _load(z_ref, rows, width, width),
         _load(dh_ref, rows, 0, width), strict=True)]
     dg, du = [p[0] for p in parts], [p[1] for p in parts]
-    q, s = _scale_and_cast(dg + du, _row_amax_bits(*dg, *du))
+    q, s = scale_and_cast(dg + du, row_amax_bits(*dg, *du))
     n = len(dg)
     for start, d, qq in ((0, dg, q[:n]), (width, du, q[n:])):
         if dz_ref:

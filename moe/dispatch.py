@@ -222,9 +222,8 @@ def dispatch(
         rows at a multiple of ``A`` in the layout (the rows in between are zero; ``R``
         becomes ``moe._grouped.aligned_rows(R, E_local, A)``), the layout the Mosaic GPU
         expert kernels read: pass the same ``group_alignment`` to :func:`moe.gated_experts`,
-        which then gathers no aligned copy. Same rows, outputs and gradients. (The MoE layer
-        does not use it: on one H200 its bf16 dropless layer took 9.03 ms with it and 9.04
-        ms without, BENCHMARKS.md.)
+        which then gathers no aligned copy. Same rows, outputs and gradients. The MoE layer
+        does this for 'mosaic' experts.
 
     Returns:
       ``(expert_x, group_sizes, plan)``: ``expert_x`` dense ``[E_local, P * C, d_model]`` or
@@ -239,6 +238,39 @@ def dispatch(
 
     References:
       DeepEP; GShard / Switch Transformer capacity; MaxText ragged MoE.
+    """
+    expert_x, _, group_sizes, plan = dispatch_with_wire(
+        x, expert_ids, num_experts=num_experts, axis_name=axis_name, transport=transport,
+        capacity_factor=capacity_factor, capacity_multiple=capacity_multiple,
+        dispatch_dtype=dispatch_dtype, block_size=block_size, ragged_impl=ragged_impl,
+        wire_kernels=wire_kernels, group_alignment=group_alignment)
+    return expert_x, group_sizes, plan
+
+
+def dispatch_with_wire(
+    x: jax.Array,
+    expert_ids: jax.Array,
+    *,
+    num_experts: int,
+    axis_name: AxisName,
+    transport: Transport = "auto",
+    capacity_factor: float | None = None,
+    capacity_multiple: int = 8,
+    dispatch_dtype: WireDtype = None,
+    block_size: int = 128,
+    ragged_impl: _transport.RaggedImpl = "auto",
+    wire_kernels: _transport.WireKernels = "auto",
+    group_alignment: int | None = None,
+    with_wire: bool = False,
+) -> tuple[jax.Array, jax.Array | None, jax.Array, DispatchPlan]:
+    """:func:`dispatch`, plus the FP8 wire rows of the ragged layout for the expert layer.
+
+    Returns ``(expert_x, wire, group_sizes, plan)``: ``wire`` is None, or with ``with_wire``
+    (``dispatch_dtype='fp8'`` and the ragged or dropless transport) the received uint32 wire
+    rows ``[R, d_model / 4 + W]`` in the order of ``expert_x`` (e4m3 bytes and packed E8M0
+    block scales, :func:`moe._transport.unpack_fp8_words`), which take no gradient. An FP8
+    GEMM reads its e4m3 operand from them; XLA then drops the decoded rows unless something
+    else reads them (their gradient still flows to ``x``).
     """
     x, expert_ids = jnp.asarray(x), jnp.asarray(expert_ids)
     p = _axis_size(axis_name, "dispatch")
@@ -268,11 +300,15 @@ def dispatch(
             x_dtype=jnp.dtype(x.dtype).name, block_size=block_size,
             wire_kernels=wire_kernels, buckets=buckets, alignment=group_alignment or 1,
         )
+    if with_wire and (dispatch_dtype != "fp8" or transport == "dense"):
+        raise ValueError(f"with_wire needs dispatch_dtype='fp8' and a ragged layout (transport "
+                         f"'dropless' or 'ragged'), got {dispatch_dtype!r} / {transport!r}.")
     with jax.named_scope("dispatch_exchange"):
         x = _movement.vary_like(x, plan)
-        expert_x = _movement.dispatch_rows(
-            x, plan, _movement.wire_for(dispatch_dtype, x.dtype, block_size, plan.wire_kernels))
-    return expert_x, plan.group_sizes, plan
+        wire = _movement.wire_for(dispatch_dtype, x.dtype, block_size, plan.wire_kernels)
+        out = _movement.dispatch_rows(x, plan, wire, with_wire)
+    expert_x, wire_rows = out if with_wire else (out, None)
+    return expert_x, wire_rows, plan.group_sizes, plan
 
 
 def combine(

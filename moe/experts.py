@@ -124,13 +124,16 @@ def _mask_rows(opts: _Opts, a: jax.Array, gs: jax.Array) -> jax.Array:
     return mask(a, gs)
 
 
-def _forward(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up):
+def _forward(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up, x_q):
     """Returns (y, z, x_in, h): x_in and h as the two GEMMs took them (the masked x, and
-    ``act(z)``; their row-quantized pairs for FP8 GEMMs). Padding rows of x are zeroed, so
-    they give y = 0 on every backend (without ``b_gate_up``; ``gated_experts`` zeroes them
-    when there are biases)."""
+    ``act(z)``; their row-quantized pairs for FP8 GEMMs: ``x_q`` if given, which must equal
+    ``rows(masked x)``). Padding rows of x are zeroed, so they give y = 0 on every backend
+    (without ``b_gate_up``; ``gated_experts`` zeroes them when there are biases)."""
     x = _mask_rows(opts, x, gs)
-    x_in = _fp8_gemm.rows(x) if opts.gemm_dtype == "fp8" else x
+    if opts.gemm_dtype != "fp8":
+        x_in = x
+    else:
+        x_in = _fp8_gemm.rows(x) if x_q is None else x_q
     z = _gate_up(opts, x_in, gs, w_gate_up, b_gate_up, x.dtype)
     if opts.gemm_dtype == "fp8":  # h quantized as it is computed (one read of z)
         h = _quant_pallas.gated_rows(z, opts.activation)
@@ -142,12 +145,14 @@ def _forward(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _experts(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up) -> jax.Array:
-    return _forward(opts, x, gs, w_gate_up, w_down, b_gate_up)[0]
+def _experts(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up, x_q=None) -> jax.Array:
+    """``x_q``: x's row-quantized pair made elsewhere (from the FP8 wire), or None; it takes
+    no gradient (x does). When only FP8 GEMMs read x, XLA drops the computation of x."""
+    return _forward(opts, x, gs, w_gate_up, w_down, b_gate_up, x_q)[0]
 
 
-def _experts_fwd(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up):
-    y, z, x_in, h = _forward(opts, x, gs, w_gate_up, w_down, b_gate_up)
+def _experts_fwd(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up, x_q=None):
+    y, z, x_in, h = _forward(opts, x, gs, w_gate_up, w_down, b_gate_up, x_q)
     if opts.save_z == "recompute":
         z_saved = None
     elif opts.save_z == "fp8":
@@ -216,6 +221,7 @@ def _experts_bwd(opts: _Opts, res, dy):
         dw_gate_up,
         dw_down,
         None if b_gate_up is None else _bias_grad(dz32, gs, b_gate_up.dtype),
+        None,  # x_q: x's copy, whose gradient is dx
     )
 
 
@@ -381,14 +387,24 @@ def _permute_rows_bwd(res, ct):
 _permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
 
 
-def _aligned_call(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up, alignment: int):
+def _wire_rows(x_wire, index=None) -> tuple[jax.Array, jax.Array]:
+    """The row-quantized pair of x from its FP8 wire rows ``x_wire = (uint32 rows, width,
+    block_size)``, gathered by ``index`` first (zero rows out of range) if given."""
+    rows, width, block_size = x_wire
+    return _fp8_gemm.rows_from_wire(rows, width, block_size, index)
+
+
+def _aligned_call(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up, alignment: int,
+                  x_wire=None):
     """Runs a backend that needs tile-aligned groups on plain ragged x: rows are gathered into
-    the aligned layout and the outputs gathered back (row gathers both ways)."""
+    the aligned layout and the outputs gathered back (row gathers both ways). With ``x_wire``
+    the FP8 GEMMs read x's rows gathered from its one-byte wire rows instead."""
     src, dst, padded = _grouped.align_map(gs, x.shape[0], alignment)
     # No mask: src gathers only real rows (padding rows of the aligned layout are filled with
     # zeros) and the cotangent's gather by dst gives zero to x's padding rows.
     x_al = _permute_rows(x, src, dst)
-    y_al = _experts(opts, x_al, padded, w_gate_up, w_down, b_gate_up)
+    x_q = None if x_wire is None else _wire_rows(x_wire, src)
+    y_al = _experts(opts, x_al, padded, w_gate_up, w_down, b_gate_up, x_q)
     return _permute_rows(y_al, dst, src)
 
 
@@ -517,7 +533,7 @@ def gated_experts(
       group_alignment: None for plain ragged x. An int ``A`` says x is already in the
         A-aligned layout: group g starts at row ``sum(ceil(gs[:g] / A) * A)`` and the rows
         between groups are zero (what ``moe.dispatch`` gives the dropless transport with
-        ``group_alignment``).
+        ``group_alignment``; the MoE layer passes 128 to 'mosaic' experts).
         'mosaic' needs 128-aligned groups and aligns plain ragged x itself (two extra row
         gathers each way).
 
@@ -543,6 +559,19 @@ def gated_experts(
       DeepSeek-AI (2024), "DeepSeek-V3 Technical Report", Sec. 3.3 (FP8 training).
       torchao float8 training, "rowwise" scaling recipe (per-row / per-channel scales).
     """
+    return _gated_experts(
+        x, group_sizes, w_gate_up, w_down, b_gate_up, b_down, activation=activation,
+        backend=backend, gemm_dtype=gemm_dtype, dgrad_dtype=dgrad_dtype,
+        wgrad_dtype=wgrad_dtype, save_z=save_z, block_size=block_size,
+        group_alignment=group_alignment, x_wire=None)
+
+
+def _gated_experts(x, group_sizes, w_gate_up, w_down, b_gate_up, b_down, *, activation,
+                   backend, gemm_dtype, dgrad_dtype, wgrad_dtype, save_z, block_size,
+                   group_alignment, x_wire):
+    """:func:`gated_experts`; ``x_wire``: None, or ``(uint32 rows, block_size)``, ragged x's
+    FP8 wire rows (`moe.dispatch.dispatch_with_wire`) from which an FP8 forward GEMM reads
+    x's e4m3 rows instead of quantizing x (the same bytes)."""
     for name, value, allowed in (
         ("gemm_dtype", gemm_dtype, _GEMM_DTYPES),
         ("dgrad_dtype", dgrad_dtype, _GEMM_DTYPES),
@@ -557,6 +586,10 @@ def gated_experts(
     opts = _Opts(resolved, gemm_dtype, dgrad_dtype, save_z, wgrad_dtype, block_size,
                  group_sizes is not None, GatedActivation.of(activation))
     _check_fp8_dims(opts, w_gate_up.shape[1], w_down.shape[1])
+    if x_wire is not None and (x.ndim != 2 or gemm_dtype != "fp8"):
+        raise ValueError("x_wire: FP8 wire rows are read by an FP8 forward GEMM of ragged x.")
+    if x_wire is not None:
+        x_wire = (x_wire[0], x.shape[-1], x_wire[1])
     if group_sizes is None:
         group_sizes = jnp.full((x.shape[0],), x.shape[1], jnp.int32)
     group_sizes = real_gs = group_sizes.astype(jnp.int32)
@@ -566,9 +599,10 @@ def gated_experts(
     if x.ndim == 3 and resolved == "mosaic":
         y = _padded_on_rows(opts, x, real_gs, w_gate_up, w_down, b_gate_up)
     elif _grouped.BACKENDS[resolved].aligned and (group_alignment or 1) % need:
-        y = _aligned_call(opts, x, group_sizes, w_gate_up, w_down, b_gate_up, need)
+        y = _aligned_call(opts, x, group_sizes, w_gate_up, w_down, b_gate_up, need, x_wire)
     else:
-        y = _experts(opts, x, group_sizes, w_gate_up, w_down, b_gate_up)
+        x_q = None if x_wire is None else _wire_rows(x_wire)
+        y = _experts(opts, x, group_sizes, w_gate_up, w_down, b_gate_up, x_q)
     if b_gate_up is None and b_down is None:
         return y
     return _bias_epilogue(y, b_down, real_gs, group_sizes, masked=opts.mask_rows,

@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from moe import _mesh
+from moe import _grouped, _mesh
 from moe import experts as _experts
 from moe import routing as _routing
-from moe.dispatch import combine, dispatch
+from moe.dispatch import combine, dispatch_with_wire
 from moe.options import MoEOptions
 
 __all__ = ["auto_transport", "moe_apply"]
@@ -77,8 +77,23 @@ def _global_router_stats(r: _routing.Routing, opts: MoEOptions, all_axes, total_
     return counts, lb, z
 
 
-def _local_experts(ex, group_sizes, w_gate_up, w_down, biases, opts: MoEOptions) -> jax.Array:
-    """The local experts on the layout ``dispatch`` produced (padded ``[E, C, d]`` or ragged)."""
+def _group_alignment(opts: MoEOptions) -> int | None:
+    """The alignment of the expert layout that the dropless dispatch writes: the Mosaic GPU
+    kernels' 128-row groups when the experts run them (no gathers into and out of an
+    aligned copy), None (plain ragged) otherwise."""
+    if opts.dispatch.transport != "dropless":
+        return None
+    backend = opts.experts.backend
+    if backend == "auto":
+        backend = _experts.auto_backend(2)
+    return _grouped.GROUP_ALIGNMENT if _grouped.BACKENDS[backend].aligned else None
+
+
+def _local_experts(ex, group_sizes, w_gate_up, w_down, biases, opts: MoEOptions,
+                   ex_wire=None, group_alignment=None) -> jax.Array:
+    """The local experts on the layout ``dispatch`` produced (padded ``[E, C, d]`` or ragged,
+    aligned to ``group_alignment``; ``ex_wire``: ragged ``ex``'s FP8 wire rows, which the FP8
+    forward GEMM reads)."""
     eo = opts.experts
     kw = dict(activation=eo.activation, gemm_dtype=eo.gemm_dtype, dgrad_dtype=eo.dgrad_dtype,
               save_z=eo.save_z, wgrad_dtype=eo.wgrad_dtype, block_size=opts.fp8_block_size)
@@ -94,7 +109,9 @@ def _local_experts(ex, group_sizes, w_gate_up, w_down, biases, opts: MoEOptions)
     # not a prefix: run every row (padding rows are zero and are never read back by combine).
     # ('mosaic' takes the padded layout itself: slots as rows, no gathers.)
     sizes = None if ex.ndim == 3 else group_sizes
-    return _experts.gated_experts(ex, sizes, wgu, wd, bgu, bd, backend=eo.backend, **kw)
+    wire = None if ex_wire is None else (ex_wire, opts.fp8_block_size)
+    return _experts._gated_experts(ex, sizes, wgu, wd, bgu, bd, backend=eo.backend,
+                                   group_alignment=group_alignment, x_wire=wire, **kw)
 
 
 def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra, *, opts: MoEOptions, all_axes,
@@ -124,7 +141,12 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra, *, opts: MoEOpt
     cf = do.capacity_factor  # per real expert: the padded experts receive no slots
     if cf is not None and num_slots != opts.router.num_experts:
         cf = cf * num_slots / opts.router.num_experts
-    ex, group_sizes, plan = dispatch(
+    # FP8 tokens on a ragged layout go to FP8 expert GEMMs as their wire rows: no decoded
+    # bf16 copy is quantized again.
+    with_wire = (do.dispatch_dtype == "fp8" and opts.experts.gemm_dtype == "fp8"
+                 and do.transport in ("dropless", "ragged"))
+    align = _group_alignment(opts)
+    ex, ex_wire, group_sizes, plan = dispatch_with_wire(
         x,
         ids,
         num_experts=num_slots,
@@ -134,8 +156,10 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra, *, opts: MoEOpt
         dispatch_dtype=do.dispatch_dtype,
         block_size=opts.fp8_block_size,
         wire_kernels=do.wire_kernels,
+        group_alignment=align,
+        with_wire=with_wire,
     )
-    ey = _local_experts(ex, group_sizes, w_gate_up, w_down, expert_bias, opts)
+    ey = _local_experts(ex, group_sizes, w_gate_up, w_down, expert_bias, opts, ex_wire, align)
     y = combine(ey, r.weights, plan, combine_grad_dtype=do.combine_grad_dtype)
     dropped = jax.lax.psum(plan.dropped, all_axes)
     routing = {}

@@ -30,9 +30,10 @@ F8 = "f8E4M3FN"
 
 
 @functools.cache
-def _layer_grad_text(transport: str, backend: str) -> str:
+def _layer_grad_text(transport: str, backend: str, dispatch_dtype=None) -> str:
     mesh = cuda_mesh((1, 1), ("data", "expert"))
-    opts = moe.MoEOptions.create(E, K, transport=transport, backend=backend, **ALL_FP8)
+    opts = moe.MoEOptions.create(E, K, transport=transport, backend=backend,
+                                 dispatch_dtype=dispatch_dtype, **ALL_FP8)
 
     def loss(x, router, w_gate_up, w_down):
         y, _ = moe.moe_apply(x, router, w_gate_up, w_down, opts=opts, mesh=mesh)
@@ -138,3 +139,20 @@ def test_gated_grad_kernel_reads_the_padded_bf16_dh():
     assert _operand_types(grad_calls[0]) == [f"tensor<{m}x{2 * f}xbf16>",
                                              f"tensor<{m}x512xbf16>"], grad_calls[0][-300:]
     assert not re.search(rf"stablehlo.slice.*-> tensor<{m}x{f}x(bf16|f32)>", text)
+
+
+@pytest.mark.slow
+def test_fp8_wire_rows_feed_the_fp8_gemm_without_a_second_quantization():
+    """FP8 dispatch on the dropless layout: the forward gate_up GEMM reads x's e4m3 rows
+    converted from the wire rows by one Pallas pass (block scales to row scales), so the row
+    quantization kernel runs for dy only, and the six GEMMs stay FP8 Mosaic calls."""
+    text = _layer_grad_text("dropless", "mosaic", dispatch_dtype="fp8")
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line
+             and any(f"@{name}(" in line for name in MOSAIC_GPU_CALLS)]
+    assert len(calls) == 6, len(calls)
+    tokens = ["fp8_gated_grad_quantize_rows", "fp8_gated_quantize_rows", "fp8_quantize_rows"]
+    weights = 2 * ["fp8_col_amax", "fp8_quantize_cols_t", "fp8_quantize_rows"]
+    assert _quantize_kernels(text) == sorted(tokens + weights), _quantize_kernels(text)
+    wire_rows = [line for line in text.splitlines()
+                 if TRITON_CALL in line and "wire_gather_rows_fp8" in line]
+    assert len(wire_rows) == 1, len(wire_rows)

@@ -582,3 +582,49 @@ def test_pallas_backend_refused_on_tpu(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     with pytest.raises(ValueError, match="backend='pallas' is unavailable"):
         moe.MoE(64, 32, options=moe.MoEOptions.create(8, 2, backend="pallas"), rngs=nnx.Rngs(0))
+
+
+@functools.cache
+def _mosaic_dropless_grads(expert_devices: int, aligned_dispatch: bool, dispatch_dtype):
+    """Layer outputs and gradients on the 'mosaic' experts (XLA-emulated here) over the
+    dropless transport, the dispatch writing the 128-aligned layout or the experts gathering
+    plain ragged rows into it (`moe.experts._aligned_call`)."""
+    from moe import layer as moe_layer
+
+    e, k, d, f, t = 8, 2, 128, 64, 96
+    keys = jax.random.split(jax.random.key(3), 4)
+    x = jax.random.normal(keys[0], (expert_devices, t, d), jnp.bfloat16)
+    router = jax.random.normal(keys[1], (d, e), jnp.float32) * 0.5
+    wgu = (jax.random.normal(keys[2], (e, d, 2 * f)) * d**-0.5).astype(jnp.bfloat16)
+    wd = (jax.random.normal(keys[3], (e, f, d)) * f**-0.5).astype(jnp.bfloat16)
+    opts = moe.MoEOptions.create(e, k, transport="dropless", backend="mosaic",
+                                 dispatch_dtype=dispatch_dtype)
+    mesh = make_mesh((1, expert_devices))
+
+    def loss(x, router, wgu, wd):
+        y, _ = moe.moe_apply(x, router, wgu, wd, opts=opts, mesh=mesh)
+        return jnp.sum(y.astype(jnp.float32) ** 2), y
+
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+    real = moe_layer._group_alignment
+    try:
+        if not aligned_dispatch:
+            moe_layer._group_alignment = lambda opts: None
+        return fn(x, router, wgu, wd)
+    finally:
+        moe_layer._group_alignment = real
+
+
+@pytest.mark.parametrize("devices,wire", [(1, None), (2, "fp8")])
+def test_dropless_dispatch_writes_the_mosaic_layout(devices, wire):
+    """On 'mosaic' experts the dropless dispatch writes the 128-aligned layout itself: the
+    same outputs and gradients, bit for bit, as gathering the plain rows into it and back."""
+    got = _mosaic_dropless_grads(devices, True, wire)
+    want = _mosaic_dropless_grads(devices, False, wire)
+    assert moe.layer._group_alignment(moe.MoEOptions.create(
+        8, 2, transport="dropless", backend="mosaic")) == 128
+    assert moe.layer._group_alignment(moe.MoEOptions.create(
+        8, 2, transport="dropless", backend="ragged_dot")) is None
+    assert float(jnp.abs(got[0][1]).max()) > 0
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
