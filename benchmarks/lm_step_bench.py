@@ -125,6 +125,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="trace a few steps of each variant under DIR/<variant>; report the "
                         "exposed collective time and the time per region / op category")
     p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--top-ops", type=int, default=16,
+                   help="with --profile: how many of the costliest instructions to list")
+    p.add_argument("--hlo-dir", default=None, metavar="DIR",
+                   help="with --profile: write each variant's compiled HLO text here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(HERE / "results" / "lm_step_bench.json"),
                    help="JSON path ('' to skip)")
@@ -206,15 +210,20 @@ def run_steps(step, state, batch, n):
     return state, out, times
 
 
-def step_breakdown(step, state, batch, trace_dir: str, steps: int) -> dict:
+def step_breakdown(step, state, batch, trace_dir: str, steps: int, top: int = 16,
+                   hlo_out: str | None = None) -> dict:
     """``op_breakdown`` (regions ``LM_REGIONS``) of the ``steps`` traced calls of ``step`` in
     ``trace_dir``, or ``{"reason": ...}``. Call under the mesh the step ran under, with live
     arguments of the traced types and shardings (lowering reads nothing else and consumes
     nothing); JAX's compilation cache then returns the executable the trace ran (no second
-    compile), whose HLO names the traced instructions."""
+    compile), whose HLO names the traced instructions. ``top``: instructions listed;
+    ``hlo_out``: a path to write that HLO text to."""
     try:
         hlo = step.lower(state, batch).compile().as_text()
-        return op_breakdown(trace_dir, hlo, steps=steps, top=16, regions=LM_REGIONS,
+        if hlo_out:
+            Path(hlo_out).parent.mkdir(parents=True, exist_ok=True)
+            Path(hlo_out).write_text(hlo)
+        return op_breakdown(trace_dir, hlo, steps=steps, top=top, regions=LM_REGIONS,
                             kernel_regions=LM_KERNEL_REGIONS)
     except Exception as err:  # noqa: BLE001  (the timings are kept either way)
         return {"reason": f"breakdown failed: {err!r}"[:2000]}
@@ -252,7 +261,9 @@ def bench_variant(variant: str, a, mesh, ceiling) -> dict:
                 overlap["trace_dir"] = trace_dir
             except Exception as err:
                 overlap = {"exposed_fraction": None, "reason": f"profiler failed: {err!r}"}
-            breakdown = (step_breakdown(step, state, batch, trace_dir, a.profile_steps)
+            hlo_out = (os.path.join(a.hlo_dir, f"{variant}.hlo.txt") if a.hlo_dir else None)
+            breakdown = (step_breakdown(step, state, batch, trace_dir, a.profile_steps,
+                                        a.top_ops, hlo_out)
                          if traced else {"reason": overlap["reason"]})
     ntok = a.batch * a.seq_len
     attn = 12.0 * a.layers * a.d_model * a.seq_len * ntok
