@@ -22,210 +22,27 @@ On NVIDIA GPUs the quantization passes are the one-pass Pallas kernels of `moe._
 ``h = act(z)`` is quantized as it is computed, and ``dz`` comes out of the activation's
 backward both in the compute dtype and quantized; elsewhere the same bytes come from XLA.
 
-The backward is a `jax.custom_vjp` whose dgrad and wgrad GEMMs are written out, so what is
-kept for it (the SonicMoE options: ``z`` in bf16, ``z`` in FP8, or nothing and recompute) and
-the precision of each GEMM (``gemm_dtype``, ``dgrad_dtype``, ``wgrad_dtype``) are the caller's.
+The backward is a `jax.custom_vjp` (`moe._experts_vjp`) whose dgrad and wgrad GEMMs are
+written out, so what is kept for it (the SonicMoE options: ``z`` in bf16, ``z`` in FP8, or
+nothing and recompute) and the precision of each GEMM (``gemm_dtype``, ``dgrad_dtype``,
+``wgrad_dtype``) are the caller's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 
-from moe import _fp8_gemm, _gmm_pallas, _grouped, _quant_pallas, fp8
+from moe import _fp8_gemm, _gmm_pallas, _grouped, fp8
+from moe._experts_vjp import Opts as _Opts
+from moe._experts_vjp import experts as _experts
 from moe.activations import GatedActivation
 from moe.options import Backend, GemmDtype, SaveZ, check_choice, check_group_alignment
 
 _GEMM_DTYPES = ("bf16", "fp8")
 _SAVE_Z = ("bf16", "fp8", "recompute")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Opts:
-    """Static options of one `gated_experts` call (hashable: the custom_vjp's nondiff arg)."""
-
-    backend: str
-    gemm_dtype: str
-    dgrad_dtype: str
-    save_z: str
-    wgrad_dtype: str
-    block_size: int
-    mask_rows: bool  # False only for padded x without group_sizes (every row is real)
-    activation: GatedActivation = GatedActivation()
-
-
-def _matmul(opts: _Opts, precision: str, a, w, gs, out_dtype):
-    return _fp8_gemm.forward(_grouped.BACKENDS[opts.backend], precision, a, w, gs, out_dtype)
-
-
-def _matmul_t(opts: _Opts, a, w, gs, out_dtype, *, trim: bool = True):
-    return _fp8_gemm.dgrad(_grouped.BACKENDS[opts.backend], opts.dgrad_dtype, a, w, gs,
-                           out_dtype, trim=trim)
-
-
-def _wgrad(opts: _Opts, a, g, gs, out_dtype):
-    return _fp8_gemm.wgrad(_grouped.BACKENDS[opts.backend], opts.wgrad_dtype, a, g, gs,
-                           out_dtype)
-
-
-def _gate_up(opts: _Opts, x, gs: jax.Array, w_gate_up: jax.Array,
-             b_gate_up: jax.Array | None, dtype) -> jax.Array:
-    """z = x @ W_gate_up (+ b_gate_up) per expert, rounded to the compute dtype (the
-    saved/recomputed z); ``x`` may be its row-quantized pair for an FP8 GEMM."""
-    with jax.named_scope("experts_gate_up"):
-        z = _matmul(opts, opts.gemm_dtype, x, w_gate_up, gs, dtype)
-    if b_gate_up is None:
-        return z
-    return (z.astype(jnp.float32) + _bias_rows(b_gate_up, gs, z.shape)).astype(z.dtype)
-
-
-def _bias_rows(b: jax.Array, gs: jax.Array, shape) -> jax.Array:
-    """The per-expert bias ``b [E, N]`` of every row, f32: ragged rows get their group's row
-    (0 past ``sum(gs)``), padded ``[E, C, N]`` rows broadcast their expert's."""
-    b = b.astype(jnp.float32)
-    if len(shape) == 3:
-        return b[:, None, :]
-    rows = _grouped.group_of_rows(_grouped.sizes_of(gs), shape[0])
-    return jnp.take(b, rows, axis=0, mode="fill", fill_value=0)
-
-
-def _bias_grad(dz: jax.Array, gs: jax.Array, out_dtype) -> jax.Array:
-    """Per-expert sums of ``dz`` over the rows (the bias gradient); padding rows carry 0."""
-    dz = dz.astype(jnp.float32)
-    if dz.ndim == 3:
-        return dz.sum(axis=1).astype(out_dtype)
-    gs = _grouped.sizes_of(gs)
-    rows = _grouped.group_of_rows(gs, dz.shape[0])
-    return jax.ops.segment_sum(dz, rows, num_segments=gs.shape[0]).astype(out_dtype)
-
-
-def _mask_rows(opts: _Opts, a: jax.Array, gs: jax.Array) -> jax.Array:
-    """Zero the padding rows of a token operand (ragged: index >= sum(gs); padded: c >= gs[e]).
-
-    The Mosaic kernels neither read those rows nor write anything but zeros for them (whole
-    padding tiles), so on CUDA the 'mosaic' backend skips the copy; its XLA emulation
-    (``ragged_dot``, elsewhere) masks.
-    """
-    if not opts.mask_rows:
-        return a
-
-    def mask(a, gs):
-        if a.ndim == 2:
-            valid = (jnp.arange(a.shape[0]) < jnp.sum(gs))[:, None]
-        else:
-            valid = (jnp.arange(a.shape[1])[None, :] < gs[:, None])[..., None]
-        return jnp.where(valid, a, jnp.zeros((), a.dtype))
-
-    if opts.backend == "mosaic":
-        return jax.lax.platform_dependent(a, gs, cuda=lambda a, gs: a, default=mask)
-    return mask(a, gs)
-
-
-def _forward(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up, x_q):
-    """Returns (y, z, x_in, h): x_in and h as the two GEMMs took them (the masked x, and
-    ``act(z)``; their row-quantized pairs for FP8 GEMMs: ``x_q`` if given, which must equal
-    ``rows(masked x)``). Padding rows of x are zeroed, so they give y = 0 on every backend
-    (without ``b_gate_up``; ``gated_experts`` zeroes them when there are biases)."""
-    x = _mask_rows(opts, x, gs)
-    if opts.gemm_dtype != "fp8":
-        x_in = x
-    else:
-        x_in = _fp8_gemm.rows(x) if x_q is None else x_q
-    z = _gate_up(opts, x_in, gs, w_gate_up, b_gate_up, x.dtype)
-    if opts.gemm_dtype == "fp8":  # h quantized as it is computed (one read of z)
-        h = _quant_pallas.gated_rows(z, opts.activation)
-    else:
-        h = opts.activation.apply(z).astype(x.dtype)
-    with jax.named_scope("experts_down"):
-        y = _matmul(opts, opts.gemm_dtype, h, w_down, gs, x.dtype)
-    return y, z, x_in, h
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _experts(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up, x_q=None) -> jax.Array:
-    """``x_q``: x's row-quantized pair made elsewhere (from the FP8 wire), or None; it takes
-    no gradient (x does). When only FP8 GEMMs read x, XLA drops the computation of x."""
-    return _forward(opts, x, gs, w_gate_up, w_down, b_gate_up, x_q)[0]
-
-
-def _experts_fwd(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up, x_q=None):
-    y, z, x_in, h = _forward(opts, x, gs, w_gate_up, w_down, b_gate_up, x_q)
-    if opts.save_z == "recompute":
-        z_saved = None
-    elif opts.save_z == "fp8":
-        z_saved = fp8.quantize(z, block_size=opts.block_size)
-    else:
-        z_saved = z
-    # With FP8 forward and weight-gradient GEMMs the backward reads x and h only as the e4m3
-    # rows the forward made: keep those (one byte per element) instead of x, and h's rather
-    # than recomputing them from z (unless nothing of z is kept either).
-    fp8_only = opts.gemm_dtype == opts.wgrad_dtype == "fp8"
-    x_saved = x_in if fp8_only else x
-    h_saved = h if fp8_only and opts.save_z != "recompute" else None
-    return y, (x_saved, gs, w_gate_up, w_down, b_gate_up, z_saved, h_saved)
-
-
-def _experts_bwd(opts: _Opts, res, dy):
-    x, gs, w_gate_up, w_down, b_gate_up, z_saved, h = res
-    dtype = dy.dtype  # y's dtype: x's
-    if not isinstance(x, tuple):
-        x = _mask_rows(opts, x, gs)  # x is saved as passed in (no copy), masked again here
-    if opts.save_z == "recompute":
-        z = _gate_up(opts, x, gs, w_gate_up, b_gate_up, dtype)
-    elif opts.save_z == "fp8":
-        z = fp8.dequantize(z_saved, dtype=dtype)
-    else:
-        z = z_saved
-    fp8_dgrad, fp8_wgrad = opts.dgrad_dtype == "fp8", opts.wgrad_dtype == "fp8"
-    # The Pallas kernel makes dz from dh (gated_grad_rows): it reads the FP8 GEMM's result
-    # as the kernel wrote it, zero columns past d_ff included (slicing them off would be a
-    # copy of dh), and in the compute dtype when it writes only dz's e4m3 rows (rounding dh
-    # to bf16 is 2^-9 of a value that is then rounded to e4m3's 2^-4).
-    dz_kernel = fp8_dgrad and b_gate_up is None
-    dh_dtype = dtype if dz_kernel and fp8_wgrad else jnp.float32
-    dy = _mask_rows(opts, dy.astype(dtype), gs)
-    dy_q = _fp8_gemm.rows_if(fp8_dgrad or fp8_wgrad, dy)
-    with jax.named_scope("experts_down_dgrad"):
-        dh = _matmul_t(opts, dy_q if fp8_dgrad else dy, w_down, gs, dh_dtype,
-                       trim=not dz_kernel)
-    # h for the weight gradient: the forward's e4m3 rows, or recomputed from z (quantized in
-    # the same read for an FP8 GEMM).
-    if h is None and fp8_wgrad:
-        h = _quant_pallas.gated_rows(z, opts.activation)
-    elif h is None:
-        h = opts.activation.apply(z).astype(dtype)
-    with jax.named_scope("experts_down_wgrad"):
-        dw_down = _wgrad(opts, h, dy_q if fp8_wgrad else dy, gs, w_down.dtype)
-    if dz_kernel:
-        # dz quantized (and in the compute dtype if a bf16 GEMM reads it) from one read of z
-        # and dh.
-        if fp8_wgrad:
-            dz, dz_q = None, _quant_pallas.gated_grad_rows(z, dh, opts.activation, None)
-        else:
-            dz, *dz_q = _quant_pallas.gated_grad_rows(z, dh, opts.activation, dtype)
-            dz_q = tuple(dz_q)
-    else:
-        dz32 = opts.activation.grad(z, dh)
-        dz = dz32.astype(dtype)
-        dz_q = _fp8_gemm.rows_if(fp8_dgrad or fp8_wgrad, dz)
-    with jax.named_scope("experts_gate_up_dgrad"):
-        dx = _matmul_t(opts, dz_q if fp8_dgrad else dz, w_gate_up, gs, dtype)
-    with jax.named_scope("experts_gate_up_wgrad"):
-        dw_gate_up = _wgrad(opts, x, dz_q if fp8_wgrad else dz, gs, w_gate_up.dtype)
-    return (
-        dx,  # zero on padding rows: dy is masked, so dz is zero there
-        None,
-        dw_gate_up,
-        dw_down,
-        None if b_gate_up is None else _bias_grad(dz32, gs, b_gate_up.dtype),
-        None,  # x_q: x's copy, whose gradient is dx
-    )
-
-
-_experts.defvjp(_experts_fwd, _experts_bwd)
 
 
 # ----------------------------------------------------------------------------------------------
