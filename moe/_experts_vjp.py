@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from moe import _fp8_gemm, _grouped, _quant_pallas, fp8
 from moe.activations import GatedActivation
 
-__all__ = ["Opts", "experts"]
+__all__ = ["Opts", "backward", "experts", "forward"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,23 +103,25 @@ def _mask_rows(opts: Opts, a: jax.Array, gs: jax.Array) -> jax.Array:
     return mask(a, gs)
 
 
-def _forward(opts: Opts, x, gs, w_gate_up, w_down, b_gate_up, x_q):
+def _forward(opts: Opts, x, gs, w_gate_up, w_down, b_gate_up, x_q, w_q=None):
     """Returns (y, z, x_in, h): x_in and h as the two GEMMs took them (the masked x, and
     ``act(z)``; their row-quantized pairs for FP8 GEMMs: ``x_q`` if given, which must equal
-    ``rows(masked x)``). Padding rows of x are zeroed, so they give y = 0 on every backend
-    (without ``b_gate_up``; ``gated_experts`` zeroes them when there are biases)."""
+    ``rows(masked x)``). ``w_q``: the weights' forward FP8 copies if made elsewhere
+    (`moe._fp8_gemm.weights`). Padding rows of x are zeroed, so they give y = 0 on every
+    backend (without ``b_gate_up``; ``gated_experts`` zeroes them when there are biases)."""
     x = _mask_rows(opts, x, gs)
     if opts.gemm_dtype != "fp8":
         x_in = x
     else:
         x_in = _fp8_gemm.rows(x) if x_q is None else x_q
-    z = _gate_up(opts, x_in, gs, w_gate_up, b_gate_up, x.dtype)
+    w_gu, w_d = (w_gate_up, w_down) if w_q is None else w_q
+    z = _gate_up(opts, x_in, gs, w_gu, b_gate_up, x.dtype)
     if opts.gemm_dtype == "fp8":  # h quantized as it is computed (one read of z)
         h = _quant_pallas.gated_rows(z, opts.activation)
     else:
         h = opts.activation.apply(z).astype(x.dtype)
     with jax.named_scope("experts_down"):
-        y = _matmul(opts, opts.gemm_dtype, h, w_down, gs, x.dtype)
+        y = _matmul(opts, opts.gemm_dtype, h, w_d, gs, x.dtype)
     return y, z, x_in, h
 
 
@@ -130,8 +132,20 @@ def experts(opts: Opts, x, gs, w_gate_up, w_down, b_gate_up, x_q=None) -> jax.Ar
     return _forward(opts, x, gs, w_gate_up, w_down, b_gate_up, x_q)[0]
 
 
+def forward(opts: Opts, x, gs, w_gate_up, w_down, b_gate_up, x_q=None):
+    """``(y, residuals)``: ``experts``' forward and what :func:`backward` reads."""
+    return _experts_fwd(opts, x, gs, w_gate_up, w_down, b_gate_up, x_q)
+
+
 def _experts_fwd(opts: Opts, x, gs, w_gate_up, w_down, b_gate_up, x_q=None):
-    y, z, x_in, h = _forward(opts, x, gs, w_gate_up, w_down, b_gate_up, x_q)
+    # FP8 forward and data-gradient GEMMs: both FP8 copies of each weight from two passes
+    # over it, the data gradient's kept for the backward (one byte per weight, which a
+    # memory-saving save_z='recompute' does not spend: its backward quantizes again).
+    w_q = w_dgrad = None
+    if opts.gemm_dtype == opts.dgrad_dtype == "fp8" and opts.save_z != "recompute":
+        (gu_f, gu_d), (d_f, d_d) = _fp8_gemm.weights(w_gate_up), _fp8_gemm.weights(w_down)
+        w_q, w_dgrad = (gu_f, d_f), (gu_d, d_d)
+    y, z, x_in, h = _forward(opts, x, gs, w_gate_up, w_down, b_gate_up, x_q, w_q)
     if opts.save_z == "recompute":
         z_saved = None
     elif opts.save_z == "fp8":
@@ -144,12 +158,20 @@ def _experts_fwd(opts: Opts, x, gs, w_gate_up, w_down, b_gate_up, x_q=None):
     fp8_only = opts.gemm_dtype == opts.wgrad_dtype == "fp8"
     x_saved = x_in if fp8_only else x
     h_saved = h if fp8_only and opts.save_z != "recompute" else None
-    return y, (x_saved, gs, w_gate_up, w_down, b_gate_up, z_saved, h_saved)
+    return y, (x_saved, gs, w_gate_up, w_down, b_gate_up, z_saved, h_saved, w_dgrad)
 
 
 def _experts_bwd(opts: Opts, res, dy):
-    x, gs, w_gate_up, w_down, b_gate_up, z_saved, h = res
-    dtype = dy.dtype  # y's dtype: x's
+    return backward(opts, res, dy, dy.dtype)
+
+
+def backward(opts: Opts, res, dy, dtype, dy_q=None):
+    """The backward from :func:`forward`'s residuals ``res`` and y's cotangent ``dy`` (of
+    ``dtype``, y's), or with FP8 data- and weight-gradient GEMMs only its row-quantized pair
+    ``dy_q`` (``dy`` None; zero on padding rows), made where ``dy`` is gathered
+    (`moe._experts_combine`). Returns the cotangents of ``experts``' arguments."""
+    x, gs, w_gate_up, w_down, b_gate_up, z_saved, h, w_dgrad = res
+    w_gu_t, w_d_t = (w_gate_up, w_down) if w_dgrad is None else w_dgrad
     if not isinstance(x, tuple):
         x = _mask_rows(opts, x, gs)  # x is saved as passed in (no copy), masked again here
     if opts.save_z == "recompute":
@@ -165,10 +187,14 @@ def _experts_bwd(opts: Opts, res, dy):
     # to bf16 is 2^-9 of a value that is then rounded to e4m3's 2^-4).
     dz_kernel = fp8_dgrad and b_gate_up is None
     dh_dtype = dtype if dz_kernel and fp8_wgrad else jnp.float32
-    dy = _mask_rows(opts, dy.astype(dtype), gs)
-    dy_q = _fp8_gemm.rows_if(fp8_dgrad or fp8_wgrad, dy)
+    if dy_q is None:
+        dy = _mask_rows(opts, dy.astype(dtype), gs)
+        dy_q = _fp8_gemm.rows_if(fp8_dgrad or fp8_wgrad, dy)
+    elif not fp8_dgrad or not fp8_wgrad:
+        raise ValueError("dy_q: only FP8 data- and weight-gradient GEMMs read dy as e4m3 rows "
+                         "alone.")
     with jax.named_scope("experts_down_dgrad"):
-        dh = _matmul_t(opts, dy_q if fp8_dgrad else dy, w_down, gs, dh_dtype,
+        dh = _matmul_t(opts, dy_q if fp8_dgrad else dy, w_d_t, gs, dh_dtype,
                        trim=not dz_kernel)
     # h for the weight gradient: the forward's e4m3 rows, or recomputed from z (quantized in
     # the same read for an FP8 GEMM).
@@ -191,7 +217,7 @@ def _experts_bwd(opts: Opts, res, dy):
         dz = dz32.astype(dtype)
         dz_q = _fp8_gemm.rows_if(fp8_dgrad or fp8_wgrad, dz)
     with jax.named_scope("experts_gate_up_dgrad"):
-        dx = _matmul_t(opts, dz_q if fp8_dgrad else dz, w_gate_up, gs, dtype)
+        dx = _matmul_t(opts, dz_q if fp8_dgrad else dz, w_gu_t, gs, dtype)
     with jax.named_scope("experts_gate_up_wgrad"):
         dw_gate_up = _wgrad(opts, x, dz_q if fp8_wgrad else dz, gs, w_gate_up.dtype)
     return (

@@ -29,8 +29,8 @@ from jax import lax
 
 from moe import _grouped, _quant_pallas, _transport, _wire_pallas
 
-__all__ = ["dgrad", "forward", "rows", "rows_from_wire", "rows_if", "scaled_t", "wgrad",
-           "wgrad_operands"]
+__all__ = ["dgrad", "forward", "rows", "rows_from_tokens", "rows_from_weighted",
+           "rows_from_wire", "rows_if", "scaled_t", "weights", "wgrad", "wgrad_operands"]
 
 _F32_BIAS = 127
 
@@ -75,6 +75,58 @@ def rows_from_wire(wire: jax.Array, width: int, block_size: int,
                                   kernels="auto")
 
 
+def rows_from_tokens(tokens: jax.Array, index: jax.Array,
+                     block_size: int) -> tuple[jax.Array, jax.Array]:
+    """FP8 dispatch where nothing is sent (`moe._transport.TokenRows`): the row-quantized pair
+    of ``decode(encode(tokens[index]))``, the bytes :func:`rows_from_wire` gives for the wire
+    rows that the dispatch would have written (zero rows where ``index`` is out of range).
+
+    On NVIDIA GPUs one Pallas pass (`moe._wire_pallas.gather_local_rows_quantized`) reads
+    each token row and writes its e4m3 row; elsewhere XLA encodes, gathers, decodes and
+    quantizes (the same bytes)."""
+    tokens, index = lax.stop_gradient(tokens), lax.stop_gradient(index)
+    width = tokens.shape[-1]
+
+    def xla(tokens, index):
+        index = jnp.where(index < 0, tokens.shape[0], index)  # out of range, not from the end
+        wire = _transport.gather_rows(tokens, index, wire="fp8", block_size=block_size)
+        return rows_from_wire(wire, width, block_size)
+
+    def pallas(interpret, tokens, index):
+        return _wire_pallas.gather_local_rows_quantized(tokens, index, block_size=block_size,
+                                                        interpret=interpret)
+
+    ok = _wire_pallas.supported(width, fp8_wire=True, block_size=block_size)
+    return _transport.by_platform((tokens, index), xla=xla, pallas=pallas if ok else None,
+                                  kernels="auto")
+
+
+def rows_from_weighted(rows: jax.Array, weights: jax.Array, slot: jax.Array, *, top_k: int,
+                       wire_dtype) -> tuple[jax.Array, jax.Array]:
+    """The row-quantized pair of the combine gradient's rows in the expert layout when nothing
+    is sent: ``rows(wire_dtype(weights[s] * rows[s // top_k]))`` for each row's slot ``s``
+    (zero rows for slots out of range), the bytes ``rows()`` gives for what
+    `moe._transport.gather_weighted_rows` builds. On NVIDIA GPUs one Pallas pass
+    (`moe._wire_pallas.gather_weighted_rows_quantized`); elsewhere XLA's gather, then
+    :func:`rows`."""
+    rows, weights, slot = (lax.stop_gradient(a) for a in (rows, weights, slot))
+    wire_dtype = jnp.dtype(wire_dtype)
+
+    def xla(rows, weights, slot):
+        slot = jnp.where(slot < 0, weights.shape[0], slot)  # out of range, not from the end
+        g = _transport.gather_weighted_rows(rows, weights, slot, top_k=top_k, wire=wire_dtype,
+                                            block_size=rows.shape[-1])
+        return _quant_pallas.quantize_rows_reference(g)
+
+    def pallas(rows, weights, slot):
+        return _wire_pallas.gather_weighted_rows_quantized(rows, weights, slot, top_k=top_k,
+                                                           wire_dtype=wire_dtype)
+
+    if not _wire_pallas.supported(rows.shape[-1], fp8_wire=False):
+        return xla(rows, weights, slot)
+    return lax.platform_dependent(rows, weights, slot, cuda=pallas, default=xla)
+
+
 def rows_if(wanted: bool, a):
     """``a``'s row-quantized pair (:func:`rows`) if an FP8 GEMM reads it, else None."""
     return rows(a) if wanted else None
@@ -109,6 +161,12 @@ def wgrad_operands(a, g):
       the result NaN.
     """
     (aq, s_a), (gq, s_g) = rows(a), rows(g)
+    # a's transpose takes no rescaling, but written as one (by 2^-0, a shift XLA cannot see
+    # through) it is emitted as the same transpose fusion as g's, which moved e4m3 bytes
+    # faster on an H200 than XLA's plain transpose of them. The zeros pass the barrier with
+    # aq: a zero shift shared by every layer made XLA fuse all layers' transposes into one
+    # multi-output fusion, slower than the plain transposes. The bytes are a's.
+    no_shift, aq = lax.optimization_barrier((jnp.zeros(aq.shape[:-1], jnp.int32), aq))
     e = _exponent(s_a) + _exponent(s_g)  # log2(s_a s_g) + 2 * bias, per row
     top = jnp.max(e, axis=-1, keepdims=True)
     # P = 2^(top - 2 bias) as two factors, each within f32's normal range.
@@ -118,7 +176,7 @@ def wgrad_operands(a, g):
     bad = jnp.any(jnp.isnan(s_a) | jnp.isnan(s_g), axis=-1, keepdims=True)
     p_a = jnp.where(bad, jnp.nan, p_a)
     lead = aq.shape[:-2]
-    return (jnp.swapaxes(aq, -1, -2), scaled_t(gq, top - e),
+    return (scaled_t(aq, no_shift), scaled_t(gq, top - e),
             jnp.broadcast_to(p_a, (*lead, aq.shape[-1])),
             jnp.broadcast_to(p_g, (*lead, gq.shape[-1])))
 
@@ -130,21 +188,33 @@ def _mm8(ops: _grouped.GroupedGemms, a, w_q, gs, out_dtype, trim: bool = True) -
     return ops.mm8(aq, w_q[0], gs, out_dtype, s_a, w_q[1], trim=trim)
 
 
+def weights(w: jax.Array) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+    """Both FP8 copies of ``w [E, K, N]``, ``(forward's, dgrad's)``, from two passes over it
+    (`moe._quant_pallas.cols_t_and_rows`): the K-major copy with a scale per output channel
+    (``[E, N, K]``, ``[E, N]``) and the row copy with a scale per ``K`` row (``[E, K, N]``,
+    ``[E, K]``), the pairs :func:`forward` and :func:`dgrad` would make one at a time."""
+    return _quant_pallas.cols_t_and_rows(w)
+
+
 def forward(ops: _grouped.GroupedGemms, precision: str, a, w, gs, out_dtype) -> jax.Array:
     """``a @ w[e]`` per group (``w [E, K, N]``), bf16 or FP8 (``a`` may be an ``(e4m3,
-    scale)`` pair; the weight is quantized per output channel into its K-major copy)."""
+    scale)`` pair; the weight is quantized per output channel into its K-major copy, or
+    passed in as that pair, :func:`weights`)."""
     if precision == "fp8":
-        return _mm8(ops, a, _quant_pallas.cols_t(w), gs, out_dtype)
+        w_q = w if isinstance(w, tuple) else _quant_pallas.cols_t(w)
+        return _mm8(ops, a, w_q, gs, out_dtype)
     return ops.fwd(a, w.astype(a.dtype), gs, out_dtype)
 
 
 def dgrad(ops: _grouped.GroupedGemms, precision: str, g, w, gs, out_dtype, *,
           trim: bool = True) -> jax.Array:
     """``g @ w[e]^T`` per group (the data gradient), bf16 or FP8 (``w [E, K, N]`` is
-    K-major for it: quantized per row; ``g`` may be an ``(e4m3, scale)`` pair).
+    K-major for it: quantized per row, or passed in as that pair, :func:`weights`; ``g``
+    may be an ``(e4m3, scale)`` pair).
     ``trim=False``: an FP8 result may keep zero columns past ``K`` (``GroupedGemms.mm8``)."""
     if precision == "fp8":
-        return _mm8(ops, g, _quant_pallas.rows(w), gs, out_dtype, trim)
+        w_q = w if isinstance(w, tuple) else _quant_pallas.rows(w)
+        return _mm8(ops, g, w_q, gs, out_dtype, trim)
     return ops.dgrad(g, w.astype(g.dtype), gs, out_dtype)
 
 

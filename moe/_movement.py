@@ -17,8 +17,8 @@ from moe import _transport, _wire_pallas
 from moe._plan import DispatchPlan
 from moe.options import WireDtype
 
-__all__ = ["Wire", "back_row", "combine_rows", "dispatch_rows", "sum_slots", "vary_like",
-           "wire_for"]
+__all__ = ["Wire", "back_row", "combine_rows", "combine_rows_forward", "combine_weights_grad",
+           "dispatch_rows", "grad_wire_dtype", "sum_slots", "vary_like", "wire_for"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,16 +310,29 @@ def _combine_rows_fwd(expert_y, weights, plan, grad_wire):
     return y.astype(plan.x_dtype), (rows, weights, plan)
 
 
-def _combine_rows_bwd(grad_wire, res, dy):
+def combine_weights_grad(res, dy: jax.Array) -> jax.Array:
+    """The exact gradient of combine's weights, ``<dy[t], expert output of slot (t, j)>`` (0
+    for dropped slots), from :func:`combine_rows_forward`'s residuals."""
     rows, weights, plan = res
-    y_dtype = rows.dtype  # expert_y's dtype: the return trip keeps it
     dy32 = dy.astype(jnp.float32)
     with jax.named_scope("combine_grad_weights"):
-        # Exact router gradient: <dy[t], expert output of slot (t, j)>; 0 for dropped slots.
         dw = jnp.stack([
             jnp.sum(dy32 * (_take_rows(rows, back_row(plan, j)) if rows.ndim == 2
                             else rows[:, j]).astype(jnp.float32), axis=-1)
             for j in range(plan.top_k)], axis=1)
+    return dw.astype(weights.dtype)
+
+
+def grad_wire_dtype(grad_wire: WireDtype, res) -> jnp.dtype | str:
+    """The codec of combine's gradient rows (``'fp8'`` or a float dtype)."""
+    rows, _, plan = res
+    return wire_for(grad_wire, rows.dtype, plan.block_size, plan.wire_kernels).codec
+
+
+def _combine_rows_bwd(grad_wire, res, dy):
+    rows, weights, plan = res
+    y_dtype = rows.dtype  # expert_y's dtype: the return trip keeps it
+    dw = combine_weights_grad(res, dy)
     # Send row i carries weights[s] * dy[s // k] (s = its slot), encoded: for FP8 the scales
     # come from dy's block maxima (T rows) times |weight|, so no [T * k, d] rows exist.
     w = wire_for(grad_wire, y_dtype, plan.block_size, plan.wire_kernels)
@@ -330,10 +343,11 @@ def _combine_rows_bwd(grad_wire, res, dy):
             block_size=w.block_size)
 
     d_expert_y = _to_experts(encode, plan, w, dy.shape[-1]).astype(y_dtype)
-    return d_expert_y, dw.astype(weights.dtype), None
+    return d_expert_y, dw, None
 
 
 combine_rows.defvjp(_combine_rows_fwd, _combine_rows_bwd)
+combine_rows_forward = _combine_rows_fwd  # (y, residuals), for a VJP that holds the combine
 
 
 def vary_like(x: jax.Array, *others) -> jax.Array:

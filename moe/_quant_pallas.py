@@ -384,6 +384,88 @@ def quantize_cols_t(a: jax.Array, *, interpret: bool = False) -> tuple[jax.Array
     return both(False, a)
 
 
+def quantize_cols_t_and_rows_reference(a: jax.Array):
+    """:func:`quantize_cols_t_and_rows` in XLA ops."""
+    return quantize_cols_t_reference(a), quantize_rows_reference(a)
+
+
+def _both_amax_kernel(a_ref, col_ref, row_ref, *, bm, bn):
+    b, rows, cols = _tile(*(pl.program_id(i) for i in range(3)), bm, bn)
+    bits = _abs_bits(_plgpu.load(a_ref.at[b, rows, cols]).astype(jnp.float32))
+    _plgpu.store(col_ref.at[b, pl.program_id(1), cols], jnp.max(bits, axis=0))
+    _plgpu.store(row_ref.at[b, rows, pl.program_id(2)], jnp.max(bits, axis=1))
+
+
+def _both_kernel(a_ref, col_bits_ref, row_bits_ref, qt_ref, q_ref, *, bm, bn):
+    b, rows, cols = _tile(*(pl.program_id(i) for i in range(3)), bm, bn)
+    x = _plgpu.load(a_ref.at[b, rows, cols]).astype(jnp.float32)
+    _, inv_c = fp8.scales_from_amax_bits(_plgpu.load(col_bits_ref.at[b, cols]))
+    _, inv_r = fp8.scales_from_amax_bits(_plgpu.load(row_bits_ref.at[b, rows]))
+    qt = jnp.clip(x * inv_c[None, :], -fp8.E4M3_MAX, fp8.E4M3_MAX).astype(F8)
+    _plgpu.store(qt_ref.at[b, cols, rows], qt.T)
+    q = jnp.clip(x * inv_r[:, None], -fp8.E4M3_MAX, fp8.E4M3_MAX).astype(F8)
+    _plgpu.store(q_ref.at[b, rows, cols], q)
+
+
+def quantize_cols_t_and_rows(a: jax.Array, *, interpret: bool = False):
+    """Both FP8 copies of a weight from two passes over it: :func:`quantize_cols_t` (one
+    scale per column, written transposed) and :func:`quantize_rows` (one scale per row).
+
+    A weight ``W [E, K, N]`` is read by the forward GEMM contracting ``K`` (K-major copy, a
+    scale per output channel) and by the data-gradient GEMM contracting ``N`` (row copy, a
+    scale per ``K`` row). Made apart, they take three reads of ``W`` (the column maxima, the
+    column pass, the row pass); here the first pass takes every tile's column and row maxima
+    and the second writes both copies from one read of each tile. The bytes equal the two
+    functions'.
+
+    Args:
+      a: float ``[B, M, N]``, ``M`` and ``N`` multiples of 64.
+      interpret: Pallas interpret mode.
+
+    Returns:
+      ``((q_t float8_e4m3fn [B, N, M], scale f32 [B, N]), (q float8_e4m3fn [B, M, N],
+      scale f32 [B, M]))``.
+
+    Example:
+      >>> (qt, sc), (q, sr) = quantize_cols_t_and_rows(
+      ...     jnp.ones((1, 64, 128)).at[0, 3, 5].set(8.0), interpret=True)
+      >>> qt.shape, q.shape, float(sc[0, 5]), float(sr[0, 3]), float(sr[0, 0])
+      ((1, 128, 64), (1, 64, 128), 0.03125, 0.03125, 0.00390625)
+    """
+    if a.ndim != 3 or not cols_supported(*a.shape[1:]):
+        raise ValueError(f"a must be [B, M, N] with M and N multiples of {COL_TILE}, got "
+                         f"{a.shape}; use quantize_cols_t_and_rows_reference for other shapes.")
+    nb, m, n = a.shape
+    bm, bn = COL_TILE
+    varying = _vma.varying_of(a)
+    grid = (nb, m // bm, n // bn)
+
+    def call(interp, kernel, name, outs, *ops):
+        return pl.pallas_call(
+            functools.partial(kernel, bm=bm, bn=bn),
+            out_shape=tuple(_vma.out_struct(*o, varying) for o in outs), grid=grid,
+            interpret=interp,
+            compiler_params=None if interp else TritonParams(num_warps=4, num_stages=1),
+            name=name,
+        )(*ops)
+
+    def both(interp, a):
+        col, row = call(interp, _both_amax_kernel, "fp8_weight_amax",
+                        (((nb, m // bm, n), jnp.int32), ((nb, m, n // bn), jnp.int32)), a)
+        col_bits, row_bits = jnp.max(col, axis=1), jnp.max(row, axis=2)
+        qt, q = call(interp, _both_kernel, "fp8_weight_quantize",
+                     (((nb, n, m), F8), ((nb, m, n), F8)), a, col_bits, row_bits)
+
+        def scale(bits):
+            return fp8.scale_from_byte(fp8.scales_from_amax_bits(bits)[0])
+
+        return (qt, scale(col_bits)), (q, scale(row_bits))
+
+    if interpret:
+        return _vma.unchecked(functools.partial(both, True), varying, a)
+    return both(False, a)
+
+
 # ----------------------------------------------------------------------------------------------
 # What the expert layer calls: the kernels when lowered for CUDA, the references elsewhere.
 # ----------------------------------------------------------------------------------------------
@@ -430,3 +512,18 @@ def cols_t(a: jax.Array) -> tuple[jax.Array, jax.Array]:
         return q.reshape(*a.shape[:-2], *q.shape[1:]), s.reshape(*a.shape[:-2], s.shape[-1])
 
     return lax.platform_dependent(a, cuda=kernel, default=quantize_cols_t_reference)
+
+
+def cols_t_and_rows(a: jax.Array):
+    """``a [..., M, N]``'s two FP8 copies, ``(cols_t(a), rows(a))``, from two passes over it:
+    :func:`quantize_cols_t_and_rows` on NVIDIA GPUs, the references elsewhere."""
+    if not cols_supported(*a.shape[-2:]):
+        return quantize_cols_t_and_rows_reference(a)
+
+    def kernel(a):
+        lead = a.shape[:-2]
+        (qt, sc), (q, sr) = quantize_cols_t_and_rows(a.reshape(-1, *a.shape[-2:]))
+        return ((qt.reshape(*lead, *qt.shape[1:]), sc.reshape(*lead, sc.shape[-1])),
+                (q.reshape(*lead, *q.shape[1:]), sr.reshape(*lead, sr.shape[-1])))
+
+    return lax.platform_dependent(a, cuda=kernel, default=quantize_cols_t_and_rows_reference)

@@ -18,7 +18,7 @@ References: DeepEP (FP8 dispatch with UE8M0 scales); MaxText's ragged MoE
 from __future__ import annotations
 
 import functools
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -122,6 +122,17 @@ def unpack_fp8_words(buf: jax.Array, width: int, block_size: int) -> fp8.Fp8Arra
     data = jax.lax.bitcast_convert_type(buf[..., :nw], jnp.float8_e4m3fn)  # [..., H/4, 4]
     scales = jax.lax.bitcast_convert_type(buf[..., nw:], jnp.int32)
     return fp8.Fp8Array(data=data.reshape(*lead, width), scales=scales, block_size=block_size)
+
+
+class TokenRows(NamedTuple):
+    """The FP8 dispatch's rows when nothing is sent (one device on the expert axis): layout
+    row ``r`` carries token ``index[r]`` of ``tokens`` (a zero row where out of range). It
+    stands in for the wire rows that would be written and read back by the same device; an
+    FP8 GEMM quantizes its rows from it as from those wire rows (the same bytes,
+    :func:`moe._wire_pallas.gather_local_rows_quantized`)."""
+
+    tokens: jax.Array  # float [T, H]
+    index: jax.Array  # int32 [R]
 
 
 def check_wire_kernels(kernels: WireKernels) -> None:

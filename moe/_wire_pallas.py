@@ -17,6 +17,10 @@ These kernels do each direction in one pass, one program per output row:
   again with one power-of-two scale per row (`moe._quant_pallas.quantize_rows`' bytes): the
   e4m3 operand of an FP8 expert GEMM straight from the one-byte wire rows, with no decoded
   bf16 copy written and read back.
+* :func:`gather_local_rows_quantized`: the same bytes straight from the token rows when
+  nothing is sent (one device on the expert axis): no wire rows are written at all.
+* :func:`gather_weighted_rows_quantized`: the combine's gradient rows in the expert layout
+  (weighted token gradients), quantized per row for the FP8 GEMMs, when nothing is sent.
 
 Compiled through Triton on NVIDIA GPUs; in Pallas interpret mode (``interpret=True``, slow)
 anywhere else, which is how the tests check them on CPU. They work inside ``jax.shard_map``
@@ -151,10 +155,49 @@ def _rows_kernel(idx_ref, buf_ref, q_ref, s_ref, *, n_src, width, block_size):
     _plgpu.store(s_ref.at[pl.ds(r, 1)], scale)
 
 
-def _launch(kernel, index, operand, out_shape, out_dtype, *, name, interpret, **kw):
+def _local_rows_kernel(idx_ref, x_ref, q_ref, s_ref, *, n_src, width, block_size):
+    i = pl.program_id(0)
+    src = idx_ref[i]
+    ok = (src >= 0) & (src < n_src)
+    x = _plgpu.load(x_ref.at[pl.ds(jnp.where(ok, src, 0), 1), pl.ds(0, width)])  # [1, H]
+    # The wire's rounding (encode, then decode: e4m3 per block of block_size channels times
+    # its E8M0 scale, exact in f32), kept in registers instead of written as words.
+    nb = width // block_size
+    xb = x.astype(jnp.float32).reshape(nb, block_size)
+    bits = lax.bitcast_convert_type(xb, jnp.int32) & jnp.int32(0x7FFFFFFF)
+    byte, inv_scale = fp8.scales_from_amax_bits(jnp.max(bits, axis=1))
+    qb = jnp.clip(xb * inv_scale[:, None], -fp8.E4M3_MAX, fp8.E4M3_MAX)
+    qb = qb.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    y = (qb * fp8.scale_from_byte(byte)[:, None]).reshape(1, width)
+    y = jnp.where(ok, y, jnp.float32(0))
+    (q,), scale = _quant_pallas.scale_and_cast([y], _quant_pallas.row_amax_bits(y))
+    _plgpu.store(q_ref.at[pl.ds(i, 1), pl.ds(0, width)], q)
+    _plgpu.store(s_ref.at[pl.ds(i, 1)], scale)
+
+
+def _weighted_rows_kernel(slot_ref, w_ref, x_ref, q_ref, s_ref, *, n_slots, top_k, width,
+                          wire_dtype):
+    r = pl.program_id(0)
+    s = slot_ref[r]
+    ok = (s >= 0) & (s < n_slots)
+    s = jnp.where(ok, s, 0)
+    x = _plgpu.load(x_ref.at[pl.ds(s // top_k, 1), pl.ds(0, width)]).astype(jnp.float32)
+    # The bytes of the combine gradient's send row (f32 product rounded to the wire's dtype),
+    # then quantized per row as the expert GEMMs read it.
+    y = (w_ref[s].astype(jnp.float32) * x).astype(wire_dtype).astype(jnp.float32)
+    y = jnp.where(ok, y, jnp.float32(0))
+    (q,), scale = _quant_pallas.scale_and_cast([y], _quant_pallas.row_amax_bits(y))
+    _plgpu.store(q_ref.at[pl.ds(r, 1), pl.ds(0, width)], q)
+    _plgpu.store(s_ref.at[pl.ds(r, 1)], scale)
+
+
+def _launch(kernel, index, operand, out_shape, out_dtype, *, name, interpret, extra=(),
+            num_warps=4, **kw):
     """One program per output row; interpret mode where asked (the CPU tests). ``out_shape``
-    and ``out_dtype`` may be tuples (several outputs)."""
-    varying = _vma.varying_of(index, operand)
+    and ``out_dtype`` may be tuples (several outputs); ``extra`` operands come between
+    ``index`` and ``operand``."""
+    operands = (index, *extra, operand)
+    varying = _vma.varying_of(*operands)
     body = functools.partial(kernel, **kw)
     if isinstance(out_dtype, tuple):
         outs = tuple(_vma.out_struct(s, d, varying)
@@ -169,13 +212,14 @@ def _launch(kernel, index, operand, out_shape, out_dtype, *, name, interpret, **
             out_shape=outs,
             grid=(rows,),
             interpret=interp,
-            compiler_params=None if interp else TritonParams(num_warps=4, num_stages=1),
+            compiler_params=None if interp else TritonParams(num_warps=num_warps,
+                                                             num_stages=1),
             name=name,
         )(*ops)
 
     if interpret:
-        return _vma.unchecked(functools.partial(call, True), varying, index, operand)
-    return call(False, index, operand)
+        return _vma.unchecked(functools.partial(call, True), varying, *operands)
+    return call(False, *operands)
 
 
 def gather_encode(
@@ -304,3 +348,92 @@ def gather_rows_quantized(
                    (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float32)),
                    name="wire_gather_rows_fp8", interpret=interpret, n_src=buf.shape[0],
                    width=width, block_size=block_size)
+
+
+def gather_local_rows_quantized(
+    rows: jax.Array,
+    index: jax.Array,
+    *,
+    block_size: int = 128,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """``rows(decode(encode(rows[index[i]])))``: FP8 dispatch where nothing is sent.
+
+    With one device on the expert axis the FP8 wire rows would be written and read back by
+    the same device. This pass gives the expert GEMM's e4m3 rows that
+    :func:`gather_rows_quantized` would make from them (the same bytes: each gathered row is
+    rounded as the wire rounds it, e4m3 per ``block_size`` channels with an E8M0 scale, then
+    quantized with one power-of-two scale per row) without writing the wire: one read of the
+    token row, one write of the e4m3 row. Out-of-range ``index`` entries give zero rows.
+
+    Args:
+      rows: float tokens ``[T, H]``.
+      index: int32 ``[R]``, the token of each output row.
+      block_size: FP8 channels per wire scale.
+      interpret: run in Pallas interpret mode (any backend, slow).
+
+    Returns:
+      ``(e4m3 [R, H], f32 scale [R])``; a row holding NaN or inf gets a NaN scale.
+
+    Example:
+      >>> q, s = gather_local_rows_quantized(jnp.ones((4, 512)), jnp.array([1, 9], jnp.int32),
+      ...                                    interpret=True)
+      >>> q.dtype, s.tolist() == [2.0**-8, 2.0**-126]  # out of range: a zero row
+      (dtype(float8_e4m3fn), True)
+
+    References:
+      DeepEP FP8 dispatch (UE8M0 block scales); torchao float8 "rowwise" scaling.
+    """
+    t, h = rows.shape
+    r = index.shape[0]
+    return _launch(_local_rows_kernel, index.astype(jnp.int32), rows, ((r, h), (r,)),
+                   (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float32)),
+                   name="wire_local_rows_fp8", interpret=interpret, n_src=t, width=h,
+                   block_size=block_size, num_warps=1)
+
+
+def gather_weighted_rows_quantized(
+    rows: jax.Array,
+    weights: jax.Array,
+    slot: jax.Array,
+    *,
+    top_k: int,
+    wire_dtype=jnp.bfloat16,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """``rows(wire_dtype(weights[s] * rows[s // top_k]))`` per output row, ``s = slot[i]``.
+
+    The combine's gradient in the expert layout when nothing is sent (one device on the expert
+    axis), as the FP8 expert GEMMs read it: each row is the weighted token gradient the
+    combine's backward would send (`moe._transport.gather_weighted_rows`, a float wire of
+    ``wire_dtype``), quantized with one power-of-two scale per row, in one pass with no
+    ``[R, H]`` copy written. Slots outside ``[0, weights.size)`` give zero rows.
+
+    Args:
+      rows: float ``[T, H]``, the token gradients.
+      weights: float ``[S]`` (``S = T * top_k``), one per slot.
+      slot: int32 ``[R]``, the slot of each output row.
+      top_k: slots per token.
+      wire_dtype: the float dtype the gradient rows are rounded to.
+      interpret: run in Pallas interpret mode (any backend, slow).
+
+    Returns:
+      ``(e4m3 [R, H], f32 scale [R])``.
+
+    Example:
+      >>> q, s = gather_weighted_rows_quantized(
+      ...     jnp.ones((2, 256)), jnp.array([0.5, 0.25, 1.0, 2.0]),
+      ...     jnp.array([1, 3, 4], jnp.int32), top_k=2, interpret=True)
+      >>> s.tolist() == [2.0**-10, 2.0**-7, 2.0**-126]  # the last slot: out of range
+      True
+
+    References:
+      torchao float8 "rowwise" scaling.
+    """
+    t, h = rows.shape
+    r = slot.shape[0]
+    return _launch(_weighted_rows_kernel, slot.astype(jnp.int32), rows, ((r, h), (r,)),
+                   (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float32)),
+                   name="wire_weighted_rows_fp8", interpret=interpret, extra=(weights,),
+                   n_slots=weights.shape[0], top_k=top_k, width=h,
+                   wire_dtype=jnp.dtype(wire_dtype), num_warps=1)

@@ -270,7 +270,10 @@ def dispatch_with_wire(
     rows ``[R, d_model / 4 + W]`` in the order of ``expert_x`` (e4m3 bytes and packed E8M0
     block scales, :func:`moe._transport.unpack_fp8_words`), which take no gradient. An FP8
     GEMM reads its e4m3 operand from them; XLA then drops the decoded rows unless something
-    else reads them (their gradient still flows to ``x``).
+    else reads them (their gradient still flows to ``x``). With one device on the expert
+    axis nothing is sent, and ``wire`` is a :class:`moe._transport.TokenRows` (``x`` and the
+    token of each row) instead: the GEMM's rows are then made from the tokens in one pass,
+    the bytes the wire rows would have given, and the wire rows are never written.
     """
     x, expert_ids = jnp.asarray(x), jnp.asarray(expert_ids)
     p = _axis_size(axis_name, "dispatch")
@@ -303,10 +306,14 @@ def dispatch_with_wire(
     if with_wire and (dispatch_dtype != "fp8" or transport == "dense"):
         raise ValueError(f"with_wire needs dispatch_dtype='fp8' and a ragged layout (transport "
                          f"'dropless' or 'ragged'), got {dispatch_dtype!r} / {transport!r}.")
+    local = with_wire and p == 1  # nothing is sent: the GEMM's rows come from the tokens
     with jax.named_scope("dispatch_exchange"):
         x = _movement.vary_like(x, plan)
         wire = _movement.wire_for(dispatch_dtype, x.dtype, block_size, plan.wire_kernels)
-        out = _movement.dispatch_rows(x, plan, wire, with_wire)
+        out = _movement.dispatch_rows(x, plan, wire, with_wire and not local)
+    if local:
+        tokens = jax.lax.div(plan.send_slot, jnp.int32(k))  # slot T * k: token T, a zero row
+        return out, _transport.TokenRows(x, tokens), plan.group_sizes, plan
     expert_x, wire_rows = out if with_wire else (out, None)
     return expert_x, wire_rows, plan.group_sizes, plan
 

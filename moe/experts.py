@@ -35,10 +35,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from moe import _fp8_gemm, _gmm_pallas, _grouped, fp8
+from moe import _experts_combine, _fp8_gemm, _gmm_pallas, _grouped, _movement, _transport, fp8
 from moe._experts_vjp import Opts as _Opts
 from moe._experts_vjp import experts as _experts
 from moe.activations import GatedActivation
+from moe.dispatch import combine as _combine
 from moe.options import Backend, GemmDtype, SaveZ, check_choice, check_group_alignment
 
 _GEMM_DTYPES = ("bf16", "fp8")
@@ -206,8 +207,14 @@ _permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
 
 def _wire_rows(x_wire, index=None) -> tuple[jax.Array, jax.Array]:
     """The row-quantized pair of x from its FP8 wire rows ``x_wire = (uint32 rows, width,
-    block_size)``, gathered by ``index`` first (zero rows out of range) if given."""
+    block_size)``, gathered by ``index`` first (zero rows out of range) if given; the rows
+    may be `moe._transport.TokenRows` (nothing was sent: the same bytes from the tokens)."""
     rows, width, block_size = x_wire
+    if isinstance(rows, _transport.TokenRows):
+        tokens = rows.index
+        if index is not None:
+            tokens = jnp.take(tokens, index, axis=0, mode="fill", fill_value=-1)
+        return _fp8_gemm.rows_from_tokens(rows.tokens, tokens, block_size)
     return _fp8_gemm.rows_from_wire(rows, width, block_size, index)
 
 
@@ -385,10 +392,13 @@ def gated_experts(
 
 def _gated_experts(x, group_sizes, w_gate_up, w_down, b_gate_up, b_down, *, activation,
                    backend, gemm_dtype, dgrad_dtype, wgrad_dtype, save_z, block_size,
-                   group_alignment, x_wire):
+                   group_alignment, x_wire, combine=None):
     """:func:`gated_experts`; ``x_wire``: None, or ``(uint32 rows, block_size)``, ragged x's
-    FP8 wire rows (`moe.dispatch.dispatch_with_wire`) from which an FP8 forward GEMM reads
-    x's e4m3 rows instead of quantizing x (the same bytes)."""
+    FP8 wire rows (`moe.dispatch.dispatch_with_wire`; or its `moe._transport.TokenRows`)
+    from which an FP8 forward GEMM reads x's e4m3 rows instead of quantizing x (the same
+    bytes). ``combine``: None, or ``(weights, plan, combine_grad_dtype)``: then the outputs
+    are combined (`moe.dispatch.combine`) and the tokens' outputs returned; with one device
+    on the expert axis and FP8 gradient GEMMs, as one custom VJP (`moe._experts_combine`)."""
     for name, value, allowed in (
         ("gemm_dtype", gemm_dtype, _GEMM_DTYPES),
         ("dgrad_dtype", dgrad_dtype, _GEMM_DTYPES),
@@ -419,8 +429,16 @@ def _gated_experts(x, group_sizes, w_gate_up, w_down, b_gate_up, b_down, *, acti
         y = _aligned_call(opts, x, group_sizes, w_gate_up, w_down, b_gate_up, need, x_wire)
     else:
         x_q = None if x_wire is None else _wire_rows(x_wire)
+        if (combine is not None and b_gate_up is None and b_down is None
+                and _experts_combine.applies(opts, combine[1], combine[2])):
+            weights, plan, grad_wire = combine
+            weights = _movement.vary_like(weights, x, plan)
+            return _experts_combine.experts_combine(opts, grad_wire, x, group_sizes, w_gate_up,
+                                                    w_down, x_q, weights, plan)
         y = _experts(opts, x, group_sizes, w_gate_up, w_down, b_gate_up, x_q)
-    if b_gate_up is None and b_down is None:
+    if b_gate_up is not None or b_down is not None:
+        y = _bias_epilogue(y, b_down, real_gs, group_sizes, masked=opts.mask_rows,
+                           aligned=x.ndim == 2 and group_alignment is not None)
+    if combine is None:
         return y
-    return _bias_epilogue(y, b_down, real_gs, group_sizes, masked=opts.mask_rows,
-                          aligned=x.ndim == 2 and group_alignment is not None)
+    return _combine(y, combine[0], combine[1], combine_grad_dtype=combine[2])

@@ -56,12 +56,13 @@ def _rows(m: int) -> jax.Array:
     return jnp.full((1,), m, jnp.int32)
 
 
-def _forward(o: _DenseOpts, x: jax.Array, w: jax.Array):
-    """``(y, x's e4m3 rows)``."""
+def _forward(o: _DenseOpts, x: jax.Array, w):
+    """``(y, x's e4m3 rows)``; ``w``: ``[K, N]``, or its forward FP8 copy (for ``[1, K, N]``,
+    `moe._fp8_gemm.weights`)."""
     x_q = _fp8_gemm.rows(x)
     with jax.named_scope("fp8_dense"):
-        y = _fp8_gemm.forward(_grouped.BACKENDS[o.backend], "fp8", x_q, w[None],
-                              _rows(x.shape[0]), x.dtype)
+        y = _fp8_gemm.forward(_grouped.BACKENDS[o.backend], "fp8", x_q,
+                              w if isinstance(w, tuple) else w[None], _rows(x.shape[0]), x.dtype)
     return y, x_q
 
 
@@ -71,19 +72,24 @@ def _dense(o: _DenseOpts, x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _dense_fwd(o: _DenseOpts, x, w):
-    y, x_q = _forward(o, x, w)
+    # An FP8 data gradient: both FP8 copies of w from two passes over it, the data
+    # gradient's kept for the backward (one byte per weight).
+    w_fwd, w_dgrad = w, w[None]
+    if o.dgrad_dtype == "fp8":
+        w_fwd, w_dgrad = _fp8_gemm.weights(w[None])
+    y, x_q = _forward(o, x, w_fwd)
     # An FP8 weight gradient reads x's e4m3 rows (one byte per element): keep those, not x.
-    return y, (x_q if o.wgrad_dtype == "fp8" else x, w)
+    return y, (x_q if o.wgrad_dtype == "fp8" else x, w, w_dgrad)
 
 
 def _dense_bwd(o: _DenseOpts, res, dy):
-    x, w = res
+    x, w, w_dgrad = res
     ops, gs = _grouped.BACKENDS[o.backend], _rows(dy.shape[0])
     dtype = dy.dtype  # y's dtype: x's
     dy_q = _fp8_gemm.rows_if("fp8" in (o.dgrad_dtype, o.wgrad_dtype), dy)
     with jax.named_scope("fp8_dense_dgrad"):
         dx = _fp8_gemm.dgrad(ops, o.dgrad_dtype, dy_q if o.dgrad_dtype == "fp8" else dy,
-                             w[None], gs, dtype)
+                             w_dgrad, gs, dtype)
     with jax.named_scope("fp8_dense_wgrad"):
         dw = _fp8_gemm.wgrad(ops, o.wgrad_dtype, x, dy_q if o.wgrad_dtype == "fp8" else dy,
                              gs, w.dtype)[0]

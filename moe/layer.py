@@ -22,7 +22,8 @@ from jax.sharding import PartitionSpec as P
 from moe import _grouped, _mesh
 from moe import experts as _experts
 from moe import routing as _routing
-from moe.dispatch import combine, dispatch_with_wire
+from moe.dispatch import combine as combine_fn
+from moe.dispatch import dispatch_with_wire
 from moe.options import MoEOptions
 
 __all__ = ["auto_transport", "moe_apply"]
@@ -90,10 +91,11 @@ def _group_alignment(opts: MoEOptions) -> int | None:
 
 
 def _local_experts(ex, group_sizes, w_gate_up, w_down, biases, opts: MoEOptions,
-                   ex_wire=None, group_alignment=None) -> jax.Array:
+                   ex_wire, group_alignment, combine) -> jax.Array:
     """The local experts on the layout ``dispatch`` produced (padded ``[E, C, d]`` or ragged,
     aligned to ``group_alignment``; ``ex_wire``: ragged ``ex``'s FP8 wire rows, which the FP8
-    forward GEMM reads)."""
+    forward GEMM reads), combined back to the tokens (``combine = (weights, plan,
+    combine_grad_dtype)``)."""
     eo = opts.experts
     kw = dict(activation=eo.activation, gemm_dtype=eo.gemm_dtype, dgrad_dtype=eo.dgrad_dtype,
               save_z=eo.save_z, wgrad_dtype=eo.wgrad_dtype, block_size=opts.fp8_block_size)
@@ -102,16 +104,18 @@ def _local_experts(ex, group_sizes, w_gate_up, w_down, biases, opts: MoEOptions,
     if ex.ndim == 3 and eo.backend in ("ragged_dot", "pallas"):  # 2-D GEMMs
         e_local, c, d = ex.shape
         full = jnp.full((e_local,), c, dtype=jnp.int32)
-        return _experts.gated_experts(
+        ey = _experts.gated_experts(
             ex.reshape(e_local * c, d), full, wgu, wd, bgu, bd, backend=eo.backend, **kw
         ).reshape(e_local, c, -1)
+        return combine_fn(ey, combine[0], combine[1], combine_grad_dtype=combine[2])
     # The dense layout interleaves padding per source (row p * C + r), so its valid rows are
     # not a prefix: run every row (padding rows are zero and are never read back by combine).
     # ('mosaic' takes the padded layout itself: slots as rows, no gathers.)
     sizes = None if ex.ndim == 3 else group_sizes
     wire = None if ex_wire is None else (ex_wire, opts.fp8_block_size)
     return _experts._gated_experts(ex, sizes, wgu, wd, bgu, bd, backend=eo.backend,
-                                   group_alignment=group_alignment, x_wire=wire, **kw)
+                                   group_alignment=group_alignment, x_wire=wire,
+                                   combine=combine, **kw)
 
 
 def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra, *, opts: MoEOptions, all_axes,
@@ -159,8 +163,8 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra, *, opts: MoEOpt
         group_alignment=align,
         with_wire=with_wire,
     )
-    ey = _local_experts(ex, group_sizes, w_gate_up, w_down, expert_bias, opts, ex_wire, align)
-    y = combine(ey, r.weights, plan, combine_grad_dtype=do.combine_grad_dtype)
+    y = _local_experts(ex, group_sizes, w_gate_up, w_down, expert_bias, opts, ex_wire, align,
+                       (r.weights, plan, do.combine_grad_dtype))
     dropped = jax.lax.psum(plan.dropped, all_axes)
     routing = {}
     if opts.router.return_routing:

@@ -278,16 +278,16 @@ def _quantize_kernels(text: str) -> list[str]:
 @pytest.mark.parametrize("sharded", [False, True])
 def test_all_fp8_gemms_are_mosaic_calls(sharded):
     """Forward, dgrad and wgrad: three Mosaic GPU kernels on e4m3 operands, quantized by the
-    Pallas kernels (x and dy per row, the kernel per output and per input channel; the weight
-    gradient reads x's and dy's e4m3 rows, transposed by XLA with no second quantization), no
-    e4m3 value widened."""
+    Pallas kernels (x and dy per row; the kernel's two copies, per output and per input
+    channel, from two passes over it; the weight gradient reads x's and dy's e4m3 rows,
+    transposed by XLA with no second quantization), no e4m3 value widened."""
     text = _grad_text("fp8", sharded)
     operands = _mosaic_gemm_operands(text)
     assert len(operands) == 3, operands
     for matrices in operands:
         assert len(matrices) == 2 and all(t.endswith(f"x{F8}>") for t in matrices), matrices
     assert_no_widened_fp8(text)
-    want = ["fp8_quantize_rows"] * 3 + ["fp8_col_amax", "fp8_quantize_cols_t"]
+    want = ["fp8_quantize_rows"] * 2 + ["fp8_weight_amax", "fp8_weight_quantize"]
     assert _quantize_kernels(text) == sorted(want), _quantize_kernels(text)
 
 

@@ -90,14 +90,21 @@ def _quantize_kernels(text: str) -> list[str]:
 def test_operands_are_quantized_by_the_pallas_kernels(transport, backend):
     """All six GEMMs in FP8: x and dy by ``quantize_rows``, h = act(z) by the fused activation
     kernel (once: the backward keeps its e4m3 rows), dz by the fused activation-backward
-    kernel (its FP8 copy only); the weights by ``quantize_rows`` (dgrad, per row) and the
-    column kernels (forward: column maxima, then the transposed K-major copy); the weight
+    kernel (its FP8 copy only); each weight's two copies (forward: the transposed K-major
+    copy, per column; dgrad: per row) from two passes (the maxima, then both copies); the weight
     gradients read the e4m3 rows of x, h, dy and dz, transposed by XLA (no kernel of these,
-    dy's and dz's rescaled by powers of two on the way), with no second quantization."""
+    dy's and dz's rescaled by powers of two on the way), with no second quantization. With
+    one device and the dropless layout, dy's rows are made as the combine's backward gathers
+    them (``wire_weighted_rows_fp8``, `moe._experts_combine`), not written in bf16 first."""
     text = _layer_grad_text(transport, backend)
-    tokens = ["fp8_gated_grad_quantize_rows", "fp8_gated_quantize_rows"] + 2 * ["fp8_quantize_rows"]
-    weights = 2 * ["fp8_col_amax", "fp8_quantize_cols_t", "fp8_quantize_rows"]
+    fused = transport == "dropless"
+    tokens = (["fp8_gated_grad_quantize_rows", "fp8_gated_quantize_rows"]
+              + (1 if fused else 2) * ["fp8_quantize_rows"])
+    weights = 2 * ["fp8_weight_amax", "fp8_weight_quantize"]  # both copies, two passes
     assert _quantize_kernels(text) == sorted(tokens + weights), _quantize_kernels(text)
+    weighted = [line for line in text.splitlines()
+                if TRITON_CALL in line and "wire_weighted_rows_fp8" in line]
+    assert len(weighted) == (1 if fused else 0), len(weighted)
 
 
 def test_widening_check_catches_a_wide_copy():
@@ -143,16 +150,21 @@ def test_gated_grad_kernel_reads_the_padded_bf16_dh():
 
 @pytest.mark.slow
 def test_fp8_wire_rows_feed_the_fp8_gemm_without_a_second_quantization():
-    """FP8 dispatch on the dropless layout: the forward gate_up GEMM reads x's e4m3 rows
-    converted from the wire rows by one Pallas pass (block scales to row scales), so the row
-    quantization kernel runs for dy only, and the six GEMMs stay FP8 Mosaic calls."""
+    """FP8 dispatch on the dropless layout: the forward gate_up GEMM reads x's e4m3 rows made
+    by one Pallas pass (the wire's block rounding, then row scales), dy's are made as they
+    are gathered, so the plain row quantization kernel does not run, and the six GEMMs stay
+    FP8 Mosaic calls."""
     text = _layer_grad_text("dropless", "mosaic", dispatch_dtype="fp8")
     calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line
              and any(f"@{name}(" in line for name in MOSAIC_GPU_CALLS)]
     assert len(calls) == 6, len(calls)
-    tokens = ["fp8_gated_grad_quantize_rows", "fp8_gated_quantize_rows", "fp8_quantize_rows"]
-    weights = 2 * ["fp8_col_amax", "fp8_quantize_cols_t", "fp8_quantize_rows"]
+    tokens = ["fp8_gated_grad_quantize_rows", "fp8_gated_quantize_rows"]  # x's, dy's: fused
+    weights = 2 * ["fp8_weight_amax", "fp8_weight_quantize"]
     assert _quantize_kernels(text) == sorted(tokens + weights), _quantize_kernels(text)
-    wire_rows = [line for line in text.splitlines()
-                 if TRITON_CALL in line and "wire_gather_rows_fp8" in line]
-    assert len(wire_rows) == 1, len(wire_rows)
+    # One device sends nothing: one pass makes those rows from the tokens (with the wire's
+    # rounding) and no wire rows are written or read.
+    def triton(name):
+        return [line for line in text.splitlines() if TRITON_CALL in line and name in line]
+
+    assert len(triton("wire_local_rows_fp8")) == 1, len(triton("wire_local_rows_fp8"))
+    assert not triton("wire_gather_encode") and not triton("wire_gather_rows_fp8")

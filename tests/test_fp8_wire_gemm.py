@@ -102,7 +102,11 @@ def test_with_wire_needs_fp8_tokens_on_a_ragged_layout():
         return jax.eval_shape(f, jax.ShapeDtypeStruct((16, 128), jnp.bfloat16),
                               jax.ShapeDtypeStruct((16, 2), jnp.int32))
 
-    assert call("dropless", "fp8").dtype == jnp.uint32
+    # One device sends nothing: the tokens and the token of each layout row stand in for
+    # the wire rows (the GEMM's rows are made from them, test below).
+    local = call("dropless", "fp8")
+    assert isinstance(local, _transport.TokenRows)
+    assert local.tokens.shape == (16, 128) and local.index.dtype == jnp.int32
     for transport, dtype in (("dense", "fp8"), ("dropless", None)):
         with pytest.raises(ValueError, match="with_wire needs"):
             call(transport, dtype)
@@ -134,3 +138,32 @@ def test_wire_rows_kernel_gives_the_reference_bytes():
     xla = jax.jit(_fp8_gemm.rows_from_wire, static_argnums=(1, 2))(wire, d, block, index)
     for g, w in zip(xla, want, strict=True):  # the XLA path (what runs on CPU) agrees
         np.testing.assert_array_equal(_bytes(g), _bytes(w))
+
+
+def test_local_rows_kernel_gives_the_wire_paths_bytes():
+    """With nothing sent, one Pallas pass (interpreted here) makes the GEMM's e4m3 rows from
+    the tokens: the bytes of encoding, gathering, decoding and quantizing per row (XLA), out
+    of range rows as zeros, a NaN row as a NaN scale; the XLA path agrees."""
+    from moe import _wire_pallas
+
+    rng = np.random.default_rng(2)
+    d, block = 512, 128
+    x = rng.standard_normal((6, d)).astype(np.float32)
+    x[1] *= np.repeat(2.0 ** np.array([-30, -8, 0, 12]), block)
+    x[2] = 0
+    x[3, 7] = np.nan
+    x[4, 100] = np.inf
+    x[5] *= 1e-30
+    x = jnp.asarray(x, jnp.bfloat16)
+    index = jnp.array([5, 1, -1, 3, 0, 6, 2, 4, 1, 12], jnp.int32)  # -1, 6, 12: out of range
+    wire = _transport.encode_rows(x, wire="fp8", block_size=block)
+    want = jax.jit(_fp8_gemm.rows_from_wire, static_argnums=(1, 2))(wire, d, block, index)
+    got = jax.jit(functools.partial(_wire_pallas.gather_local_rows_quantized,
+                                    block_size=block, interpret=True))(x, index)
+    xla = jax.jit(_fp8_gemm.rows_from_tokens, static_argnums=2)(x, index, block)
+    for path in (got, xla):
+        for g, w in zip(path, want, strict=True):
+            np.testing.assert_array_equal(_bytes(g), _bytes(w))
+    s = np.asarray(got[1])
+    assert np.isnan(s[[3, 7]]).all() and s[2] == 2.0**-126
+    assert not np.asarray(got[0][2], np.float32).any()

@@ -114,6 +114,22 @@ def test_quantize_cols_t_matches_transposed_row_quantization():
     _assert_same(qp.cols_t(x[:, :, :100]), qp.quantize_cols_t_reference(x[:, :, :100]))
 
 
+def test_both_weight_copies_are_the_two_quantizations():
+    """Two passes make a weight's K-major column copy and its row copy: the bytes of
+    quantize_cols_t and quantize_rows (NaN columns and rows, a zero column)."""
+    w = jax.random.normal(jax.random.key(4), (2, 128, 192), jnp.float32)
+    w = w * jnp.exp(jax.random.normal(jax.random.key(5), (2, 128, 1)) * 4)  # rows apart
+    w = w.at[0, 5, 7].set(jnp.nan).at[1, :, 3].set(0)
+    got = jax.jit(functools.partial(qp.quantize_cols_t_and_rows, interpret=True))(w)
+    want = (qp.quantize_cols_t_reference(w), qp.quantize_rows_reference(w))
+    for g, r in zip(got, want, strict=True):
+        _assert_same(g, r)
+    chex.assert_shape([*got[0], *got[1]], [(2, 192, 128), (2, 192), (2, 128, 192), (2, 128)])
+    _assert_same(qp.cols_t_and_rows(w), want)  # what runs off GPU
+    with pytest.raises(ValueError, match="multiples of"):
+        qp.quantize_cols_t_and_rows(w[:, :, :100], interpret=True)
+
+
 def test_kernels_lower_for_cuda_with_rows_in_pieces():
     """The compiled (not interpreted) kernels lower for CUDA at a width that is not a power of
     two (``F = 176 = 128 + 32 + 16``) and at the column kernels' tile; no GPU needed."""
@@ -124,11 +140,13 @@ def test_kernels_lower_for_cuda_with_rows_in_pieces():
 
     def fn(x, z, dh, w):
         return (qp.quantize_rows(x), qp.gated_quantize_rows(z, act),
-                qp.gated_grad_quantize_rows(z, dh, act), qp.quantize_cols_t(w))
+                qp.gated_grad_quantize_rows(z, dh, act), qp.quantize_cols_t(w),
+                qp.quantize_cols_t_and_rows(w.astype(jnp.float32)))
 
     text = export_for_cuda(fn, S((64, 176), jnp.bfloat16), S((64, 352), jnp.bfloat16),
                            S((64, 176), jnp.float32), S((2, 128, 192), jnp.bfloat16))
-    assert text.count(TRITON_CALL) == 5  # rows, gated, gated grad, column maxima, columns
+    # rows, gated, gated grad, column maxima, columns, both weight copies' two passes
+    assert text.count(TRITON_CALL) == 7
 
 
 def test_gated_grad_quantize_rows_fp8_only():

@@ -1,0 +1,60 @@
+"""The gated experts and the combine as one custom VJP, where nothing is sent.
+
+With one device on the expert axis, the combine's backward builds the experts' output
+gradient in their layout, ``dy[r] = w[s] * g[s // k]`` for the slot ``s`` of row ``r`` (``g``
+the token gradients, ``w`` the routing weights), and the experts' backward reads it only as
+the e4m3 rows of its FP8 data- and weight-gradient GEMMs. As two custom VJPs, ``dy`` is written
+in the compute dtype, then read again to quantize it. Held in one custom VJP,
+:func:`experts_combine` makes the e4m3 rows from the token gradients in one pass
+(`moe._fp8_gemm.rows_from_weighted`; the same bytes), and ``dy`` is never written. The
+forward is the experts' (`moe._experts_vjp`), then the combine's (`moe._movement`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from moe import _experts_vjp, _fp8_gemm, _movement
+from moe._plan import DispatchPlan
+from moe.options import WireDtype
+
+__all__ = ["applies", "experts_combine"]
+
+
+def applies(opts: _experts_vjp.Opts, plan: DispatchPlan, grad_wire: WireDtype) -> bool:
+    """Whether :func:`experts_combine` can run this call: one device on the expert axis (the
+    layout's rows are the send buffer's, ragged), FP8 data- and weight-gradient GEMMs, and
+    combine's gradient on a float wire (an FP8 wire rounds it per block first)."""
+    return (plan.axis_size == 1 and plan.transport in ("dropless", "ragged")
+            and opts.dgrad_dtype == opts.wgrad_dtype == "fp8" and grad_wire != "fp8")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def experts_combine(opts: _experts_vjp.Opts, grad_wire: WireDtype, x, gs, w_gate_up, w_down,
+                    x_q, weights, plan: DispatchPlan):
+    """``combine(experts(x), weights, plan)`` (no biases): the tokens' outputs ``[T, d]``."""
+    return _fwd(opts, grad_wire, x, gs, w_gate_up, w_down, x_q, weights, plan)[0]
+
+
+def _fwd(opts, grad_wire, x, gs, w_gate_up, w_down, x_q, weights, plan):
+    ey, res_e = _experts_vjp.forward(opts, x, gs, w_gate_up, w_down, None, x_q)
+    y, res_c = _movement.combine_rows_forward(ey, weights, plan, grad_wire)
+    return y, (res_e, res_c)
+
+
+def _bwd(opts, grad_wire, res, g):
+    res_e, res_c = res
+    rows, weights, plan = res_c
+    d_weights = _movement.combine_weights_grad(res_c, g)
+    with jax.named_scope("combine_grad_rows_fp8"):
+        dy_q = _fp8_gemm.rows_from_weighted(
+            g, weights.reshape(-1), plan.send_slot, top_k=plan.top_k,
+            wire_dtype=_movement.grad_wire_dtype(grad_wire, res_c))
+    dx, _, dw_gate_up, dw_down, _, _ = _experts_vjp.backward(opts, res_e, None, rows.dtype,
+                                                             dy_q)
+    return dx, None, dw_gate_up, dw_down, None, d_weights, None
+
+
+experts_combine.defvjp(_fwd, _bwd)

@@ -1,0 +1,104 @@
+"""One device on the expert axis with FP8 gradient GEMMs: the experts and the combine run as
+one custom VJP (moe._experts_combine) whose backward quantizes the experts' output gradient
+as it gathers it from the token gradients. The rows must be the bytes of gathering then
+quantizing, so the layer's outputs and gradients are bit for bit those of the two VJPs."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _meshes import make_mesh
+
+import moe
+from moe import _experts_combine, _fp8_gemm, _quant_pallas, _transport, _wire_pallas
+
+
+def _bytes(a):
+    a = np.asarray(a)
+    return a.view(np.uint8) if a.dtype == jnp.float8_e4m3fn else a
+
+
+@pytest.mark.parametrize("wire_dtype", [jnp.bfloat16, jnp.float32])
+def test_weighted_rows_kernel_gives_the_gather_then_quantize_bytes(wire_dtype):
+    rng = np.random.default_rng(3)
+    t, k, d = 6, 2, 256
+    g = rng.standard_normal((t, d)).astype(np.float32)
+    g[1] *= 2.0 ** -40  # tiny rows: scales far below 1
+    g[2] = 0
+    g[3, 9] = np.nan
+    g = jnp.asarray(g, jnp.bfloat16)
+    w = jnp.asarray(rng.uniform(0.01, 1.0, t * k), jnp.float32).at[5].set(0.0)
+    slot = jnp.array([0, 3, 12, 5, 7, -1, 2, 11, 6, 40], jnp.int32)  # 12, -1, 40: out of range
+    sent = _transport.gather_weighted_rows(g, w, jnp.where(slot < 0, t * k, slot), top_k=k,
+                                           wire=jnp.dtype(wire_dtype), block_size=d)
+    want = _quant_pallas.quantize_rows_reference(sent)
+    got = jax.jit(functools.partial(_wire_pallas.gather_weighted_rows_quantized, top_k=k,
+                                    wire_dtype=wire_dtype, interpret=True))(g, w, slot)
+    xla = jax.jit(functools.partial(_fp8_gemm.rows_from_weighted, top_k=k,
+                                    wire_dtype=wire_dtype))(g, w, slot)
+    for path in (got, xla):
+        for a, b in zip(path, want, strict=True):
+            np.testing.assert_array_equal(_bytes(a), _bytes(b))
+    s = np.asarray(got[1])
+    assert np.isnan(s[[4, 8]]).all()  # slots 7 and 6: token 3, NaN
+    assert s[2] == s[3] == s[5] == s[9] == 2.0**-126  # out of range; weight 0 on a zero row
+
+
+E, K, D, F, T = 8, 2, 256, 128, 128
+
+
+@functools.cache
+def _layer_grads(backend: str, dispatch_dtype, fused: bool, dtype=jnp.bfloat16):
+    keys = jax.random.split(jax.random.key(5), 4)
+    x = jax.random.normal(keys[0], (1, T, D), dtype)
+    router = jax.random.normal(keys[1], (D, E), jnp.float32) * 0.1
+    wgu = (jax.random.normal(keys[2], (E, D, 2 * F)) * D**-0.5).astype(dtype)
+    wd = (jax.random.normal(keys[3], (E, F, D)) * F**-0.5).astype(dtype)
+    opts = moe.MoEOptions.create(E, K, transport="dropless", backend=backend,
+                                 dispatch_dtype=dispatch_dtype, gemm_dtype="fp8",
+                                 dgrad_dtype="fp8", wgrad_dtype="fp8")
+
+    def loss(x, router, wgu, wd):
+        y, _ = moe.moe_apply(x, router, wgu, wd, opts=opts, mesh=make_mesh((1, 1)))
+        return jnp.sum(y.astype(jnp.float32) * jnp.cos(y.astype(jnp.float32))), y
+
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+    if fused:
+        return fn(x, router, wgu, wd)
+    real = _experts_combine.applies
+    try:  # the experts and the combine as two custom VJPs
+        _experts_combine.applies = lambda *a: False
+        return fn(x, router, wgu, wd)
+    finally:
+        _experts_combine.applies = real
+
+
+@pytest.mark.parametrize("backend,dispatch_dtype,dtype", [
+    ("mosaic", "fp8", jnp.bfloat16),  # the aligned layout, FP8 tokens (what one GPU runs)
+    ("ragged_dot", None, jnp.bfloat16),
+    ("ragged_dot", None, jnp.float32),
+])
+def test_layer_through_the_fused_combine_gives_the_two_vjps_bytes(backend, dispatch_dtype,
+                                                                  dtype):
+    got = _layer_grads(backend, dispatch_dtype, True, dtype)
+    want = _layer_grads(backend, dispatch_dtype, False, dtype)
+    leaves = jax.tree.leaves(got)
+    assert all(np.isfinite(np.asarray(a, np.float32)).all() for a in leaves)
+    assert float(jnp.abs(got[1][1]).max()) > 0  # the router's gradient flows
+    for g, w in zip(leaves, jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+def test_applies_only_where_nothing_is_sent_and_dy_is_read_as_fp8():
+    from moe._experts_vjp import Opts
+
+    plan = type("Plan", (), {"axis_size": 1, "transport": "dropless"})()
+    fp8_all = Opts("mosaic", "fp8", "fp8", "bf16", "fp8", 128, True)
+    assert _experts_combine.applies(fp8_all, plan, None)
+    assert not _experts_combine.applies(fp8_all, plan, "fp8")  # FP8 gradient wire
+    bf16_wgrad = Opts("mosaic", "fp8", "fp8", "bf16", "bf16", 128, True)
+    assert not _experts_combine.applies(bf16_wgrad, plan, None)
+    plan.axis_size = 2
+    assert not _experts_combine.applies(fp8_all, plan, None)
