@@ -15,6 +15,15 @@ same bytes, counts the kernels each compiled function launches, and reports the 
 the bytes a single pass must move (read the inputs once, write the outputs once), next to the
 copy ceiling measured in the same run (``x -> x * 2`` in bf16).
 
+Three cases compare several ways to the same bytes: a weight's two FP8 copies (the column
+and row kernels apart, three reads of the weight, or `quantize_cols_t_and_rows`, two);
+the FP8 dispatch's e4m3 GEMM rows when nothing is sent (wire rows written by
+``gather_encode`` and read by ``gather_rows_quantized``, or one pass from the tokens,
+``gather_local_rows_quantized``); the combine gradient's rows in the expert layout (gathered
+and weighted in bf16, then ``quantize_rows``, or one pass, ``gather_weighted_rows_quantized``);
+and a weight-gradient operand's plain transpose (XLA's, or its rescaling transpose by
+``2^-0``).
+
 Usage:
   python benchmarks/quant_bench.py --out quant.json     # one GPU
   python benchmarks/quant_bench.py --small              # CPU plumbing check (interpret mode)
@@ -36,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_util  # noqa: E402
 
+from moe import _fp8_gemm, _transport, _wire_pallas  # noqa: E402
 from moe import _quant_pallas as qp  # noqa: E402
 from moe._fp8_gemm import scaled_t  # noqa: E402
 from moe.activations import GatedActivation  # noqa: E402
@@ -77,11 +87,13 @@ def main(argv=None) -> dict:
     p.add_argument("--rows", type=int, default=None, help="token rows (32768; --small 256)")
     p.add_argument("--d-model", type=int, default=None, help="4096 (--small 256)")
     p.add_argument("--d-ff", type=int, default=None, help="2048 (--small 128)")
+    p.add_argument("--experts", type=int, default=None,
+                   help="experts of the weight case (8; --small 2)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
     a = p.parse_args(argv)
-    small = {"rows": 256, "d_model": 256, "d_ff": 128}
-    full = {"rows": 32768, "d_model": 4096, "d_ff": 2048}
+    small = {"rows": 256, "d_model": 256, "d_ff": 128, "experts": 2}
+    full = {"rows": 32768, "d_model": 4096, "d_ff": 2048, "experts": 8}
     bench_util.fill_defaults(a, small=small, full=full)
     interpret = jax.default_backend() != "gpu"
     act = GatedActivation("silu")
@@ -111,6 +123,49 @@ def main(argv=None) -> dict:
                             lambda x: qp.quantize_cols_t(x[None], interpret=interpret)),
         "transpose_rows": ((xq, shift), scaled_t, None),
     }
+    # Several implementations each, the first the reference whose bytes the others must give
+    # ("same_bytes_as_first").
+    t = a.rows // 2
+    tokens = x[:t]
+    slots = jax.random.permutation(k[0], a.rows)  # k = 2 slots per token, shuffled
+    index = (slots // 2).astype(jnp.int32)
+    slots = slots.astype(jnp.int32)
+    wts = jax.random.uniform(k[2], (a.rows,), jnp.float32)
+    w = jax.random.normal(k[1], (a.experts, a.d_model, 2 * a.d_ff), jnp.float32) * 0.02
+    block = 128
+    multi = {
+        # A weight's two FP8 copies (forward: K-major per column; dgrad: per row).
+        "weight_copies": ((w,), {
+            "xla": qp.quantize_cols_t_and_rows_reference,
+            "pallas_separate": lambda w: (qp.quantize_cols_t(w, interpret=interpret), jax.tree.map(
+                lambda o: o.reshape(*w.shape[:-1], *o.shape[1:]),
+                qp.quantize_rows(w.reshape(-1, w.shape[-1]), interpret=interpret))),
+            "pallas": lambda w: qp.quantize_cols_t_and_rows(w, interpret=interpret)}),
+        # FP8 dispatch with nothing sent: the GEMM's e4m3 rows from the tokens.
+        "local_rows": ((tokens, index), {
+            "xla": lambda x, i: _fp8_gemm.rows_from_wire(_transport.gather_rows(
+                x, i, wire="fp8", block_size=block), x.shape[-1], block),
+            "pallas_wire": lambda x, i: _wire_pallas.gather_rows_quantized(
+                _wire_pallas.gather_encode(x, i, fp8_wire=True, block_size=block,
+                                           interpret=interpret),
+                jnp.arange(i.shape[0], dtype=jnp.int32), width=x.shape[-1],
+                block_size=block, interpret=interpret),
+            "pallas": lambda x, i: _wire_pallas.gather_local_rows_quantized(
+                x, i, block_size=block, interpret=interpret)}),
+        # The combine's gradient in the expert layout when nothing is sent, as the FP8
+        # GEMMs read it: gathered and weighted (bf16), then quantized, or in one pass.
+        "weighted_rows": ((tokens, wts, slots), {
+            "xla": lambda g, w, s: _fp8_gemm.rows(_transport.gather_weighted_rows(
+                g, w, s, top_k=2, wire=jnp.dtype(jnp.bfloat16), block_size=block)),
+            "pallas": lambda g, w, s: _wire_pallas.gather_weighted_rows_quantized(
+                g, w, s, top_k=2, interpret=interpret)}),
+        # A weight-gradient operand that takes no rescaling: XLA's plain transpose, or the
+        # rescaling transpose by 2^-0 (`moe._fp8_gemm.wgrad_operands`).
+        "transpose_plain": ((xq,), {
+            "xla": lambda q: jnp.swapaxes(q, 0, 1),
+            "xla_zero_shift": lambda q: scaled_t(q, jax.lax.optimization_barrier(
+                jnp.zeros(q.shape[:1], jnp.int32)))}),
+    }
     report = {"benchmark": "quant", "env": bench_util.env_info(), "out": a.out,
               "settings": vars(a) | {"interpret": interpret}, "rows": []}
     copy = jax.jit(lambda x: x * 2).lower(x).compile()
@@ -137,6 +192,23 @@ def main(argv=None) -> dict:
         same = same_bytes(outs["xla"][-2:], outs["pallas"][-2:])  # the FP8 payload and scales
         report["rows"][-1]["same_fp8_bytes_as_xla"] = same
         print(f"  {name}: same FP8 bytes as XLA: {same}", flush=True)
+        bench_util.write_json(a.out, report)
+    for name, (args, impls) in multi.items():
+        ref = None
+        for impl, fn in impls.items():
+            compiled = jax.jit(fn).lower(*args).compile()
+            out = jax.block_until_ready(compiled(*args))
+            sec = timed(compiled, args, a)
+            moved = nbytes(args) + nbytes(out)
+            row = {"case": name, "impl": impl, "ms": sec * 1e3, "one_pass_bytes": moved,
+                   "GBps": moved / sec / 1e9, "kernels": kernels_launched(compiled)}
+            if ref is None:
+                ref = out
+            else:
+                row["same_bytes_as_first"] = same_bytes(ref, out)
+            report["rows"].append(row)
+            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                           for k, v in row.items()), flush=True)
         bench_util.write_json(a.out, report)
     return report
 
