@@ -352,7 +352,10 @@ def gated_experts(
       save_z: what the backward keeps of z (SonicMoE): 'bf16' keeps z unquantized in the
         compute dtype; 'fp8' keeps z as `moe.fp8` blocks of ``block_size`` per row (about
         half the bytes); 'recompute' keeps no z and recomputes x @ W_gu (with the forward's
-        precision) in the backward.
+        precision) in the backward. With FP8 forward and data-gradient GEMMs the forward
+        makes both FP8 copies of each weight in two passes and keeps the data gradient's
+        (one byte per weight) for the backward, except with 'recompute', whose backward
+        quantizes the weights again.
       block_size: FP8 block length of ``save_z='fp8'`` (a multiple of it must be 2 * d_ff).
       group_alignment: None for plain ragged x. An int ``A`` says x is already in the
         A-aligned layout: group g starts at row ``sum(ceil(gs[:g] / A) * A)`` and the rows
