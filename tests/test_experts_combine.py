@@ -50,9 +50,9 @@ E, K, D, F, T = 8, 2, 256, 128, 128
 
 
 @functools.cache
-def _layer_grads(backend: str, dispatch_dtype, fused: bool, dtype=jnp.bfloat16):
+def _layer_grads(backend: str, dispatch_dtype, fused: bool, dtype=jnp.bfloat16, data=1):
     keys = jax.random.split(jax.random.key(5), 4)
-    x = jax.random.normal(keys[0], (1, T, D), dtype)
+    x = jax.random.normal(keys[0], (data, T, D), dtype)
     router = jax.random.normal(keys[1], (D, E), jnp.float32) * 0.1
     wgu = (jax.random.normal(keys[2], (E, D, 2 * F)) * D**-0.5).astype(dtype)
     wd = (jax.random.normal(keys[3], (E, F, D)) * F**-0.5).astype(dtype)
@@ -61,29 +61,35 @@ def _layer_grads(backend: str, dispatch_dtype, fused: bool, dtype=jnp.bfloat16):
                                  dgrad_dtype="fp8", wgrad_dtype="fp8")
 
     def loss(x, router, wgu, wd):
-        y, _ = moe.moe_apply(x, router, wgu, wd, opts=opts, mesh=make_mesh((1, 1)))
+        y, _ = moe.moe_apply(x, router, wgu, wd, opts=opts, mesh=make_mesh((data, 1)))
         return jnp.sum(y.astype(jnp.float32) * jnp.cos(y.astype(jnp.float32))), y
 
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
-    if fused:
-        return fn(x, router, wgu, wd)
-    real = _experts_combine.applies
-    try:  # the experts and the combine as two custom VJPs
-        _experts_combine.applies = lambda *a: False
-        return fn(x, router, wgu, wd)
+    real, seen = _experts_combine.applies, []
+
+    def spy(*a):  # fused: the layer must take the one-VJP path; else: two custom VJPs
+        seen.append(real(*a))
+        return fused and seen[-1]
+
+    try:
+        _experts_combine.applies = spy
+        out = fn(x, router, wgu, wd)
     finally:
         _experts_combine.applies = real
+    assert seen == [True], seen
+    return out
 
 
-@pytest.mark.parametrize("backend,dispatch_dtype,dtype", [
-    ("mosaic", "fp8", jnp.bfloat16),  # the aligned layout, FP8 tokens (what one GPU runs)
-    ("ragged_dot", None, jnp.bfloat16),
-    ("ragged_dot", None, jnp.float32),
+@pytest.mark.parametrize("backend,dispatch_dtype,dtype,data", [
+    ("mosaic", "fp8", jnp.bfloat16, 1),  # the aligned layout, FP8 tokens (what one GPU runs)
+    ("ragged_dot", None, jnp.bfloat16, 1),
+    ("ragged_dot", None, jnp.float32, 1),
+    ("mosaic", "fp8", jnp.bfloat16, 2),  # data parallel, one device per expert group
 ])
 def test_layer_through_the_fused_combine_gives_the_two_vjps_bytes(backend, dispatch_dtype,
-                                                                  dtype):
-    got = _layer_grads(backend, dispatch_dtype, True, dtype)
-    want = _layer_grads(backend, dispatch_dtype, False, dtype)
+                                                                  dtype, data):
+    got = _layer_grads(backend, dispatch_dtype, True, dtype, data)
+    want = _layer_grads(backend, dispatch_dtype, False, dtype, data)
     leaves = jax.tree.leaves(got)
     assert all(np.isfinite(np.asarray(a, np.float32)).all() for a in leaves)
     assert float(jnp.abs(got[1][1]).max()) > 0  # the router's gradient flows
