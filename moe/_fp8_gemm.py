@@ -118,13 +118,13 @@ def rows_from_weighted(rows: jax.Array, weights: jax.Array, slot: jax.Array, *, 
                                             block_size=rows.shape[-1])
         return _quant_pallas.quantize_rows_reference(g)
 
-    def pallas(rows, weights, slot):
-        return _wire_pallas.gather_weighted_rows_quantized(rows, weights, slot, top_k=top_k,
-                                                           wire_dtype=wire_dtype)
+    def pallas(interpret, rows, weights, slot):
+        return _wire_pallas.gather_weighted_rows_quantized(
+            rows, weights, slot, top_k=top_k, wire_dtype=wire_dtype, interpret=interpret)
 
-    if not _wire_pallas.supported(rows.shape[-1], fp8_wire=False):
-        return xla(rows, weights, slot)
-    return lax.platform_dependent(rows, weights, slot, cuda=pallas, default=xla)
+    ok = _wire_pallas.supported(rows.shape[-1], fp8_wire=False)
+    return _transport.by_platform((rows, weights, slot), xla=xla,
+                                  pallas=pallas if ok else None, kernels="auto")
 
 
 def rows_if(wanted: bool, a):

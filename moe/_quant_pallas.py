@@ -335,6 +335,40 @@ def _cols_t_kernel(a_ref, bits_ref, q_ref, *, bm, bn):
     _plgpu.store(q_ref.at[b, cols, rows], q.T)
 
 
+def _scale_of(bits: jax.Array) -> jax.Array:
+    """The f32 power-of-two scales of blocks whose ``|amax|`` has int32 bits ``bits``."""
+    return fp8.scale_from_byte(fp8.scales_from_amax_bits(bits)[0])
+
+
+def _tile_passes(a: jax.Array, passes, *, interpret: bool, reference: str):
+    """``passes(call, a)`` over ``a [B, M, N]``'s ``COL_TILE`` tiles: ``call(kernel, name,
+    out, *ops)`` launches ``kernel`` with one program per tile and output ``out``, a
+    ``(shape, dtype)`` or a tuple of them (interpreted where asked)."""
+    if a.ndim != 3 or not cols_supported(*a.shape[1:]):
+        raise ValueError(f"a must be [B, M, N] with M and N multiples of {COL_TILE}, got "
+                         f"{a.shape}; use {reference} for other shapes.")
+    nb, m, n = a.shape
+    bm, bn = COL_TILE
+    varying = _vma.varying_of(a)
+
+    def run(interp, a):
+        def call(kernel, name, out, *ops):
+            structs = (tuple(_vma.out_struct(*o, varying) for o in out)
+                       if isinstance(out[1], tuple) else _vma.out_struct(*out, varying))
+            return pl.pallas_call(
+                functools.partial(kernel, bm=bm, bn=bn), out_shape=structs,
+                grid=(nb, m // bm, n // bn), interpret=interp,
+                compiler_params=None if interp else TritonParams(num_warps=4, num_stages=1),
+                name=name,
+            )(*ops)
+
+        return passes(call, a)
+
+    if interpret:
+        return _vma.unchecked(functools.partial(run, True), varying, a)
+    return run(False, a)
+
+
 def quantize_cols_t(a: jax.Array, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """Column-wise e4m3 quantization written transposed: ``(q [B, N, M], scale f32 [B, N])``.
 
@@ -357,31 +391,14 @@ def quantize_cols_t(a: jax.Array, *, interpret: bool = False) -> tuple[jax.Array
       >>> q.shape, float(s[0, 5]), float(s[0, 0])
       ((1, 128, 64), 0.03125, 0.00390625)
     """
-    if a.ndim != 3 or not cols_supported(*a.shape[1:]):
-        raise ValueError(f"a must be [B, M, N] with M and N multiples of {COL_TILE}, got "
-                         f"{a.shape}; use quantize_cols_t_reference for other shapes.")
-    nb, m, n = a.shape
-    bm, bn = COL_TILE
-    varying = _vma.varying_of(a)
-    grid = (nb, m // bm, n // bn)
-
-    def call(interp, kernel, name, out, *ops):
-        return pl.pallas_call(
-            functools.partial(kernel, bm=bm, bn=bn),
-            out_shape=_vma.out_struct(*out, varying), grid=grid, interpret=interp,
-            compiler_params=None if interp else TritonParams(num_warps=4, num_stages=1),
-            name=name,
-        )(*ops)
-
-    def both(interp, a):
-        part = call(interp, _col_amax_kernel, "fp8_col_amax", ((nb, m // bm, n), jnp.int32), a)
+    def passes(call, a):
+        nb, m, n = a.shape
+        part = call(_col_amax_kernel, "fp8_col_amax", ((nb, m // COL_TILE[0], n), jnp.int32), a)
         bits = jnp.max(part, axis=1)
-        q = call(interp, _cols_t_kernel, "fp8_quantize_cols_t", ((nb, n, m), F8), a, bits)
-        return q, fp8.scale_from_byte(fp8.scales_from_amax_bits(bits)[0])
+        q = call(_cols_t_kernel, "fp8_quantize_cols_t", ((nb, n, m), F8), a, bits)
+        return q, _scale_of(bits)
 
-    if interpret:
-        return _vma.unchecked(functools.partial(both, True), varying, a)
-    return both(False, a)
+    return _tile_passes(a, passes, interpret=interpret, reference="quantize_cols_t_reference")
 
 
 def quantize_cols_t_and_rows_reference(a: jax.Array):
@@ -432,38 +449,18 @@ def quantize_cols_t_and_rows(a: jax.Array, *, interpret: bool = False):
       >>> qt.shape, q.shape, float(sc[0, 5]), float(sr[0, 3]), float(sr[0, 0])
       ((1, 128, 64), (1, 64, 128), 0.03125, 0.03125, 0.00390625)
     """
-    if a.ndim != 3 or not cols_supported(*a.shape[1:]):
-        raise ValueError(f"a must be [B, M, N] with M and N multiples of {COL_TILE}, got "
-                         f"{a.shape}; use quantize_cols_t_and_rows_reference for other shapes.")
-    nb, m, n = a.shape
-    bm, bn = COL_TILE
-    varying = _vma.varying_of(a)
-    grid = (nb, m // bm, n // bn)
-
-    def call(interp, kernel, name, outs, *ops):
-        return pl.pallas_call(
-            functools.partial(kernel, bm=bm, bn=bn),
-            out_shape=tuple(_vma.out_struct(*o, varying) for o in outs), grid=grid,
-            interpret=interp,
-            compiler_params=None if interp else TritonParams(num_warps=4, num_stages=1),
-            name=name,
-        )(*ops)
-
-    def both(interp, a):
-        col, row = call(interp, _both_amax_kernel, "fp8_weight_amax",
+    def passes(call, a):
+        nb, m, n = a.shape
+        bm, bn = COL_TILE
+        col, row = call(_both_amax_kernel, "fp8_weight_amax",
                         (((nb, m // bm, n), jnp.int32), ((nb, m, n // bn), jnp.int32)), a)
         col_bits, row_bits = jnp.max(col, axis=1), jnp.max(row, axis=2)
-        qt, q = call(interp, _both_kernel, "fp8_weight_quantize",
-                     (((nb, n, m), F8), ((nb, m, n), F8)), a, col_bits, row_bits)
+        qt, q = call(_both_kernel, "fp8_weight_quantize", (((nb, n, m), F8), ((nb, m, n), F8)),
+                     a, col_bits, row_bits)
+        return (qt, _scale_of(col_bits)), (q, _scale_of(row_bits))
 
-        def scale(bits):
-            return fp8.scale_from_byte(fp8.scales_from_amax_bits(bits)[0])
-
-        return (qt, scale(col_bits)), (q, scale(row_bits))
-
-    if interpret:
-        return _vma.unchecked(functools.partial(both, True), varying, a)
-    return both(False, a)
+    return _tile_passes(a, passes, interpret=interpret,
+                        reference="quantize_cols_t_and_rows_reference")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -504,26 +501,25 @@ def gated_grad_rows(z: jax.Array, dh: jax.Array, act: GatedActivation, out_dtype
 def cols_t(a: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``a [..., M, N]`` column-wise quantized and transposed, ``(e4m3 [..., N, M], scale
     [..., N])``: :func:`quantize_cols_t` on NVIDIA GPUs, its reference elsewhere."""
-    if not cols_supported(*a.shape[-2:]):
-        return quantize_cols_t_reference(a)
-
-    def kernel(a):
-        q, s = quantize_cols_t(a.reshape(-1, *a.shape[-2:]))
-        return q.reshape(*a.shape[:-2], *q.shape[1:]), s.reshape(*a.shape[:-2], s.shape[-1])
-
-    return lax.platform_dependent(a, cuda=kernel, default=quantize_cols_t_reference)
+    return _on_matrices(quantize_cols_t, quantize_cols_t_reference, a)
 
 
 def cols_t_and_rows(a: jax.Array):
     """``a [..., M, N]``'s two FP8 copies, ``(cols_t(a), rows(a))``, from two passes over it:
     :func:`quantize_cols_t_and_rows` on NVIDIA GPUs, the references elsewhere."""
+    return _on_matrices(quantize_cols_t_and_rows, quantize_cols_t_and_rows_reference, a)
+
+
+def _on_matrices(kernel_fn, reference_fn, a: jax.Array):
+    """``kernel_fn`` (taking ``[B, M, N]``) on ``a [..., M, N]`` with its leading axes
+    flattened, then unflattened in every output, when lowered for CUDA and the tiles fit;
+    ``reference_fn(a)`` elsewhere."""
     if not cols_supported(*a.shape[-2:]):
-        return quantize_cols_t_and_rows_reference(a)
+        return reference_fn(a)
+    lead = a.shape[:-2]
 
     def kernel(a):
-        lead = a.shape[:-2]
-        (qt, sc), (q, sr) = quantize_cols_t_and_rows(a.reshape(-1, *a.shape[-2:]))
-        return ((qt.reshape(*lead, *qt.shape[1:]), sc.reshape(*lead, sc.shape[-1])),
-                (q.reshape(*lead, *q.shape[1:]), sr.reshape(*lead, sr.shape[-1])))
+        out = kernel_fn(a.reshape(-1, *a.shape[-2:]))
+        return jax.tree.map(lambda o: o.reshape(*lead, *o.shape[1:]), out)
 
-    return lax.platform_dependent(a, cuda=kernel, default=quantize_cols_t_and_rows_reference)
+    return lax.platform_dependent(a, cuda=kernel, default=reference_fn)

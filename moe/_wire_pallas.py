@@ -84,6 +84,24 @@ def _unpack_words(w: jax.Array, m: int = 4) -> jax.Array:
     return (w[:, None] >> _shifts(w.shape[0], m)) & jnp.uint32(0xFF)
 
 
+def _block_quantize(x: jax.Array, width: int, block_size: int):
+    """A row ``[1, width]`` as the FP8 wire encodes it: ``(e4m3 [nb, block_size], E8M0 byte
+    int32 [nb])`` for its ``nb`` blocks (the bytes of ``moe.fp8.quantize``)."""
+    xb = x.astype(jnp.float32).reshape(width // block_size, block_size)
+    bits = lax.bitcast_convert_type(xb, jnp.int32) & jnp.int32(0x7FFFFFFF)
+    byte, inv_scale = fp8.scales_from_amax_bits(jnp.max(bits, axis=1))
+    q = jnp.clip(xb * inv_scale[:, None], -fp8.E4M3_MAX, fp8.E4M3_MAX)
+    return q.astype(jnp.float8_e4m3fn), byte
+
+
+def _store_row_quantized(q_ref, s_ref, r, y: jax.Array) -> None:
+    """Row ``r`` of ``(q_ref, s_ref)``: f32 ``y [1, width]`` as e4m3 with one power-of-two
+    scale (`moe._quant_pallas.quantize_rows`' bytes)."""
+    (q,), scale = _quant_pallas.scale_and_cast([y], _quant_pallas.row_amax_bits(y))
+    _plgpu.store(q_ref.at[pl.ds(r, 1), pl.ds(0, y.shape[1])], q)
+    _plgpu.store(s_ref.at[pl.ds(r, 1)], scale)
+
+
 def _encode_kernel(idx_ref, x_ref, out_ref, *, n_src, width, block_size, fp8_wire):
     i = pl.program_id(0)
     src = idx_ref[i]
@@ -93,12 +111,8 @@ def _encode_kernel(idx_ref, x_ref, out_ref, *, n_src, width, block_size, fp8_wir
         y = jnp.where(ok, x.astype(out_ref.dtype), jnp.zeros((), out_ref.dtype))
         _plgpu.store(out_ref.at[pl.ds(i, 1), pl.ds(0, width)], y)
         return
-    nb = width // block_size
-    xb = x.astype(jnp.float32).reshape(nb, block_size)
-    bits = lax.bitcast_convert_type(xb, jnp.int32) & jnp.int32(0x7FFFFFFF)
-    byte, inv_scale = fp8.scales_from_amax_bits(jnp.max(bits, axis=1))
-    y = jnp.clip(xb * inv_scale[:, None], -fp8.E4M3_MAX, fp8.E4M3_MAX)
-    y = lax.bitcast_convert_type(y.astype(jnp.float8_e4m3fn), jnp.uint8).astype(jnp.uint32)
+    y, byte = _block_quantize(x, width, block_size)
+    y = lax.bitcast_convert_type(y, jnp.uint8).astype(jnp.uint32)
     words = _pack_words(y.reshape(width // 4, 4))
     nsw, per = _scale_word_shape(width, block_size)
     swords = _pack_words(byte.astype(jnp.uint32).reshape(nsw, per))
@@ -119,9 +133,7 @@ def _decoded_row(buf_ref, s, *, width, block_size) -> jax.Array:
     data = _unpack_words(words).astype(jnp.uint8)  # [H/4, 4]
     data = lax.bitcast_convert_type(data, jnp.float8_e4m3fn).astype(jnp.float32)
     byte = _unpack_words(swords, per).reshape(nb).astype(jnp.int32)  # padding never read
-    scale = lax.bitcast_convert_type(byte << 23, jnp.float32)
-    scale = jnp.where(byte == fp8.E8M0_NAN, jnp.float32(jnp.nan), scale)
-    return (data.reshape(nb, block_size) * scale[:, None]).reshape(1, width)
+    return (data.reshape(nb, block_size) * fp8.scale_from_byte(byte)[:, None]).reshape(1, width)
 
 
 def _decode_kernel(idx_ref, buf_ref, out_ref, *, n_src, width, block_size, fp8_wire):
@@ -146,13 +158,10 @@ def _rows_kernel(idx_ref, buf_ref, q_ref, s_ref, *, n_src, width, block_size):
     src = idx_ref[r]
     ok = (src >= 0) & (src < n_src)
     y = _decoded_row(buf_ref, jnp.where(ok, src, 0), width=width, block_size=block_size)
-    y = jnp.where(ok, y, jnp.float32(0))
-    (q,), scale = _quant_pallas.scale_and_cast([y], _quant_pallas.row_amax_bits(y))
     # e4m3 bytes, not packed words: packed, this kernel ran 0.03 ms faster per LM-benchmark
     # layer on an H200, but XLA fused the words' bitcast to e4m3 into the weight gradient's
     # transpose of these rows, which then took 1.9 ms per layer instead of 0.25 ms.
-    _plgpu.store(q_ref.at[pl.ds(r, 1), pl.ds(0, width)], q)
-    _plgpu.store(s_ref.at[pl.ds(r, 1)], scale)
+    _store_row_quantized(q_ref, s_ref, r, jnp.where(ok, y, jnp.float32(0)))
 
 
 def _local_rows_kernel(idx_ref, x_ref, q_ref, s_ref, *, n_src, width, block_size):
@@ -162,17 +171,9 @@ def _local_rows_kernel(idx_ref, x_ref, q_ref, s_ref, *, n_src, width, block_size
     x = _plgpu.load(x_ref.at[pl.ds(jnp.where(ok, src, 0), 1), pl.ds(0, width)])  # [1, H]
     # The wire's rounding (encode, then decode: e4m3 per block of block_size channels times
     # its E8M0 scale, exact in f32), kept in registers instead of written as words.
-    nb = width // block_size
-    xb = x.astype(jnp.float32).reshape(nb, block_size)
-    bits = lax.bitcast_convert_type(xb, jnp.int32) & jnp.int32(0x7FFFFFFF)
-    byte, inv_scale = fp8.scales_from_amax_bits(jnp.max(bits, axis=1))
-    qb = jnp.clip(xb * inv_scale[:, None], -fp8.E4M3_MAX, fp8.E4M3_MAX)
-    qb = qb.astype(jnp.float8_e4m3fn).astype(jnp.float32)
-    y = (qb * fp8.scale_from_byte(byte)[:, None]).reshape(1, width)
-    y = jnp.where(ok, y, jnp.float32(0))
-    (q,), scale = _quant_pallas.scale_and_cast([y], _quant_pallas.row_amax_bits(y))
-    _plgpu.store(q_ref.at[pl.ds(i, 1), pl.ds(0, width)], q)
-    _plgpu.store(s_ref.at[pl.ds(i, 1)], scale)
+    qb, byte = _block_quantize(x, width, block_size)
+    y = (qb.astype(jnp.float32) * fp8.scale_from_byte(byte)[:, None]).reshape(1, width)
+    _store_row_quantized(q_ref, s_ref, i, jnp.where(ok, y, jnp.float32(0)))
 
 
 def _weighted_rows_kernel(slot_ref, w_ref, x_ref, q_ref, s_ref, *, n_slots, top_k, width,
@@ -185,10 +186,7 @@ def _weighted_rows_kernel(slot_ref, w_ref, x_ref, q_ref, s_ref, *, n_slots, top_
     # The bytes of the combine gradient's send row (f32 product rounded to the wire's dtype),
     # then quantized per row as the expert GEMMs read it.
     y = (w_ref[s].astype(jnp.float32) * x).astype(wire_dtype).astype(jnp.float32)
-    y = jnp.where(ok, y, jnp.float32(0))
-    (q,), scale = _quant_pallas.scale_and_cast([y], _quant_pallas.row_amax_bits(y))
-    _plgpu.store(q_ref.at[pl.ds(r, 1), pl.ds(0, width)], q)
-    _plgpu.store(s_ref.at[pl.ds(r, 1)], scale)
+    _store_row_quantized(q_ref, s_ref, r, jnp.where(ok, y, jnp.float32(0)))
 
 
 def _row_warps(width: int) -> int:

@@ -57,26 +57,26 @@ def _rows(m: int) -> jax.Array:
 
 
 def _forward(o: _DenseOpts, x: jax.Array, w):
-    """``(y, x's e4m3 rows)``; ``w``: ``[K, N]``, or its forward FP8 copy (for ``[1, K, N]``,
-    `moe._fp8_gemm.weights`)."""
+    """``(y, x's e4m3 rows)``; ``w``: the kernel as one group, ``[1, K, N]``, or its forward
+    FP8 copy (`moe._fp8_gemm.weights`)."""
     x_q = _fp8_gemm.rows(x)
     with jax.named_scope("fp8_dense"):
-        y = _fp8_gemm.forward(_grouped.BACKENDS[o.backend], "fp8", x_q,
-                              w if isinstance(w, tuple) else w[None], _rows(x.shape[0]), x.dtype)
+        y = _fp8_gemm.forward(_grouped.BACKENDS[o.backend], "fp8", x_q, w, _rows(x.shape[0]),
+                              x.dtype)
     return y, x_q
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dense(o: _DenseOpts, x: jax.Array, w: jax.Array) -> jax.Array:
-    return _forward(o, x, w)[0]
+    return _forward(o, x, w[None])[0]
 
 
 def _dense_fwd(o: _DenseOpts, x, w):
     # An FP8 data gradient: both FP8 copies of w from two passes over it, the data
     # gradient's kept for the backward (one byte per weight).
-    w_fwd, w_dgrad = w, w[None]
+    w_fwd = w_dgrad = w[None]
     if o.dgrad_dtype == "fp8":
-        w_fwd, w_dgrad = _fp8_gemm.weights(w[None])
+        w_fwd, w_dgrad = _fp8_gemm.weights(w_fwd)
     y, x_q = _forward(o, x, w_fwd)
     # An FP8 weight gradient reads x's e4m3 rows (one byte per element): keep those, not x.
     return y, (x_q if o.wgrad_dtype == "fp8" else x, w, w_dgrad)
