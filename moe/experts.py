@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from moe import _experts_combine, _fp8_gemm, _gmm_pallas, _grouped, _movement, _transport, fp8
 from moe._experts_vjp import Opts as _Opts
 from moe._experts_vjp import experts as _experts
+from moe._platform import cuda_capability
 from moe.activations import GatedActivation
 from moe.dispatch import combine as _combine
 from moe.options import Backend, GemmDtype, SaveZ, check_choice, check_group_alignment
@@ -49,20 +50,6 @@ _SAVE_Z = ("bf16", "fp8", "recompute")
 # ----------------------------------------------------------------------------------------------
 # Validation and the public entry point.
 # ----------------------------------------------------------------------------------------------
-
-
-def _cuda_capability() -> tuple[int, int] | None:
-    """The default device's CUDA compute capability, or None off NVIDIA GPUs."""
-    if jax.default_backend() != "gpu":
-        return None
-    try:  # pragma: no cover - GPU only
-        dev = jax.devices()[0]
-        if "cuda" not in dev.client.platform_version.lower():
-            return None
-        major, minor = str(dev.compute_capability).split(".")
-        return int(major), int(minor)
-    except Exception:  # pragma: no cover - GPU only
-        return None
 
 
 def auto_backend(x_ndim: int) -> str:
@@ -78,7 +65,7 @@ def auto_backend(x_ndim: int) -> str:
       >>> auto_backend(3), auto_backend(2)  # on the CPU
       ('einsum', 'ragged_dot')
     """
-    cc = _cuda_capability()
+    cc = cuda_capability()
     if cc is not None and cc[0] == 9:
         return "mosaic"
     if x_ndim == 3:
@@ -126,7 +113,7 @@ def check_backend_available(backend: Backend) -> None:
                 f"backend='pallas' is unavailable: {e} (or 'einsum' with capacity-padded x)."
             ) from None
     if backend == "mosaic":
-        cc = _cuda_capability()
+        cc = cuda_capability()
         if jax.default_backend() not in ("cpu", "gpu") or (cc is not None and cc[0] != 9):
             raise ValueError(
                 "backend='mosaic' needs an NVIDIA Hopper GPU (wgmma; compute capability 9.x) "
