@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import jax
@@ -90,52 +91,57 @@ class GatedActivation:
         g, u = jnp.split(z, 2, axis=-1)
         return jnp.concatenate(self.grad_parts(g, u, dh), axis=-1)
 
-    def apply_parts(self, g: jax.Array, u: jax.Array) -> jax.Array:
+    def apply_parts(self, g: jax.Array, u: jax.Array, *,
+                    sigmoid: Callable[[jax.Array], jax.Array] = jax.nn.sigmoid) -> jax.Array:
         """:meth:`apply` on the two halves ``g = z_gate``, ``u = z_up`` (f32 result).
 
         Elementwise only, so kernels that load the halves separately (the fused FP8
-        quantization of `moe._quant_pallas`) share this code.
+        quantization of `moe._quant_pallas` and `moe._quant_mosaic`) share this code.
+        ``sigmoid``: how the logistic function is computed (a kernel backend without a
+        ``logistic`` rule passes ``1 / (1 + exp(-x))``).
         """
         g, u = g.astype(jnp.float32), u.astype(jnp.float32)
         if self.kind == "clamped_swiglu":
             g = jnp.minimum(g, self.limit)
             u = jnp.clip(u, -self.limit, self.limit)
-            return (u + 1.0) * (g * jax.nn.sigmoid(self.alpha * g))
-        return self._act(g) * u
+            return (u + 1.0) * (g * sigmoid(self.alpha * g))
+        return self._act(g, sigmoid) * u
 
-    def grad_parts(self, g: jax.Array, u: jax.Array,
-                   dh: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """:meth:`grad` as its two halves ``(dz_gate, dz_up)`` (f32), elementwise only."""
+    def grad_parts(self, g: jax.Array, u: jax.Array, dh: jax.Array, *,
+                   sigmoid: Callable[[jax.Array], jax.Array] = jax.nn.sigmoid,
+                   ) -> tuple[jax.Array, jax.Array]:
+        """:meth:`grad` as its two halves ``(dz_gate, dz_up)`` (f32), elementwise only
+        (``sigmoid`` as in :meth:`apply_parts`)."""
         g, u = g.astype(jnp.float32), u.astype(jnp.float32)
         dh = dh.astype(jnp.float32)
         if self.kind == "clamped_swiglu":
             gc = jnp.minimum(g, self.limit)
             uc = jnp.clip(u, -self.limit, self.limit)
-            sig = jax.nn.sigmoid(self.alpha * gc)
+            sig = sigmoid(self.alpha * gc)
             glu = gc * sig
             dglu = sig * (1.0 + self.alpha * gc * (1.0 - sig))
             dg = jnp.where(g <= self.limit, dh * (uc + 1.0) * dglu, 0.0)
             du = jnp.where(jnp.abs(u) <= self.limit, dh * glu, 0.0)
             return dg, du
-        return dh * u * self._dact(g), dh * self._act(g)
+        return dh * u * self._dact(g, sigmoid), dh * self._act(g, sigmoid)
 
-    def _act(self, g: jax.Array) -> jax.Array:
+    def _act(self, g: jax.Array, sigmoid=jax.nn.sigmoid) -> jax.Array:
         """The gate nonlinearity ``a(g)`` of the product kinds."""
         if self.kind == "silu":
-            return jax.nn.silu(g)
+            return g * sigmoid(g)  # jax.nn.silu
         if self.kind == "gelu":
             return 0.5 * g * (1.0 + jax.lax.erf(g * (1.0 / math.sqrt(2.0))))
-        return g * jax.nn.sigmoid(2.0 * _GELU_C * (g + _GELU_A * g**3))  # 0.5 (1 + tanh)
+        return g * sigmoid(2.0 * _GELU_C * (g + _GELU_A * g**3))  # 0.5 (1 + tanh)
 
-    def _dact(self, g: jax.Array) -> jax.Array:
+    def _dact(self, g: jax.Array, sigmoid=jax.nn.sigmoid) -> jax.Array:
         """``a'(g)``."""
         if self.kind == "silu":
-            sig = jax.nn.sigmoid(g)
+            sig = sigmoid(g)
             return sig * (1.0 + g * (1.0 - sig))
         if self.kind == "gelu":
             cdf = 0.5 * (1.0 + jax.lax.erf(g * (1.0 / math.sqrt(2.0))))
             pdf = jnp.exp(-0.5 * g * g) * (1.0 / math.sqrt(2.0 * math.pi))
             return cdf + g * pdf
         # 0.5 (1 + tanh(v)) = sigmoid(2 v): accurate in the tails, where 1 + tanh cancels.
-        sig = jax.nn.sigmoid(2.0 * _GELU_C * (g + _GELU_A * g**3))
+        sig = sigmoid(2.0 * _GELU_C * (g + _GELU_A * g**3))
         return sig + g * sig * (1.0 - sig) * 2.0 * _GELU_C * (1.0 + 3 * _GELU_A * g * g)
