@@ -59,7 +59,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 __all__ = ["CATEGORIES", "LM_KERNEL_REGIONS", "LM_REGIONS", "REST", "categorize_hlo",
-           "format_regions", "format_table", "hlo_regions", "op_breakdown"]
+           "format_regions", "format_table", "hlo_regions", "kernel_category", "kernel_region",
+           "op_breakdown"]
 
 CATEGORIES = ("exchange", "sort", "gemm", "combine", "gather_scatter", "plan", "router",
               "experts_other", "memcpy", "other")
@@ -92,11 +93,14 @@ LM_REGIONS: dict[str, str] = {
     "moe_other": _scope("shard_map"),
 }
 # Events that name no HLO instruction (on GPU: Mosaic GPU and cuBLAS kernels, seen with
-# jax 0.11) by kernel name. The LM step's only Mosaic GPU kernels are the expert GEMMs
-# (moe._gmm_mosaic) and its ``fp8_*`` Pallas kernels quantize their operands; cuBLAS kernels
-# (dense projections, attention dots, Newton-Schulz) stay in ``rest``.
+# jax 0.11) by kernel name. Mosaic GPU kernels appear as ``<name>_mosaic_gpu_kernel``: the
+# expert GEMMs (moe._gmm_mosaic) as ``gmm_*`` / ``tgmm_*``, ``fp8_*`` quantize their operands
+# (Triton or Mosaic GPU, ``*_mgpu``; fp8_dense's row kernels carry the same names). The dense
+# FP8 projections' GEMMs (``dense_gmm_*``, moe.fp8_dense) and cuBLAS kernels (dense
+# projections, attention dots, Newton-Schulz) stay in ``rest``. ``anonymous_*``: the GEMMs of
+# trees before the kernels were named (then the projections' ones were counted here too).
 LM_KERNEL_REGIONS: dict[str, str] = {
-    "experts": r"mosaic_gpu_kernel|^fp8_|^gmm|^tgmm",
+    "experts": r"^anonymous_mosaic_gpu_kernel|^fp8_|^gmm|^tgmm",
     "dispatch_combine": r"^wire_",
 }
 _COLLECTIVES = {"all-to-all", "ragged-all-to-all", "all-gather", "all-reduce",
@@ -124,14 +128,25 @@ _NAME_RULES = (
     ("exchange", re.compile(r"nccl|all_?to_?all|all_?gather|all_?reduce|collective|"
                             r"ragged", re.IGNORECASE)),
     ("sort", re.compile(r"sort", re.IGNORECASE)),
-    # Mosaic GPU kernels carry no name of their own in traces; this library's are the grouped
-    # GEMMs (moe._gmm_mosaic).
-    ("gemm", re.compile(r"gemm|xmma|cutlass|nvjet|sm\d+_.*mma|^gmm|^tgmm|matmul|dot|"
-                        r"mosaic_gpu_kernel", re.IGNORECASE)),
+    # This library's Mosaic GPU GEMMs: ``(dense_)(t)gmm_<dtype>_mosaic_gpu_kernel`` (anonymous
+    # in trees before they were named); its Mosaic GPU row kernels (``fp8_*``) are not GEMMs.
+    ("gemm", re.compile(r"gemm|xmma|cutlass|nvjet|sm\d+_.*mma|^(dense_)?t?gmm|matmul|dot|"
+                        r"^anonymous_mosaic_gpu_kernel", re.IGNORECASE)),
     ("memcpy", re.compile(r"^\s*(memcpy|memset|cumem)", re.IGNORECASE)),
     ("gather_scatter", re.compile(r"gather|scatter|dynamic_slice|dynamic_update",
                                   re.IGNORECASE)),
 )
+
+
+def kernel_category(name: str) -> str:
+    """The category of a kernel that names no HLO instruction, from its name alone."""
+    return next((c for c, rx in _NAME_RULES if rx.search(name)), "other")
+
+
+def kernel_region(name: str, kernel_regions: Mapping[str, str] | None) -> str:
+    """The region of such a kernel: the first of ``kernel_regions`` (label -> regex, e.g.
+    :data:`LM_KERNEL_REGIONS`) whose regex matches ``name``, else :data:`REST`."""
+    return next((lb for lb, rx in (kernel_regions or {}).items() if re.search(rx, name)), REST)
 
 
 def _parse(hlo_text: str):
@@ -396,12 +411,11 @@ def op_breakdown(trace_dir, hlo_text: str, *, steps: int = 1, top: int = 12,
                 continue
             per_op[inst] += us
         else:
-            cat = next((c for c, rx in _NAME_RULES if rx.search(name)), "other")
+            cat = kernel_category(name)
             unmatched[name] += us
         per_cat[cat] += us
         if reg is not None:
-            region = reg[inst] if inst is not None else next(
-                (lb for lb, rx in (kernel_regions or {}).items() if re.search(rx, name)), REST)
+            region = reg[inst] if inst is not None else kernel_region(name, kernel_regions)
             per_region[region] += us
             per_region_cat[region][cat] += us
         devices.add(dev)

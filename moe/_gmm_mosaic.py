@@ -113,10 +113,24 @@ def _t(ref):
     return plgpu.transpose_ref(ref, (1, 0))  # pragma: no cover - older jax
 
 
-def _kernel(body, out_shape: tuple[int, ...], out_dtype, varying: frozenset):
-    """``body`` as a persistent kernel: one CTA per SM, each of three warpgroups ("wg")."""
+def kernel_name(kind: str, dtype, n_groups: int) -> str:
+    """The name a GEMM kernel carries in traces and lowered modules: ``gmm_fp8``,
+    ``tgmm_bf16``; with one group (a dense GEMM, as `moe.fp8_dense` runs) ``dense_gmm_fp8``."""
+    name = jnp.dtype(dtype).name
+    bits = "fp8" if jnp.dtype(dtype).itemsize == 1 else {"bfloat16": "bf16"}.get(name, name)
+    return f"{'dense_' if n_groups == 1 else ''}{kind}_{bits}"
+
+
+def _kernel(body, out_shape: tuple[int, ...], out_dtype, varying: frozenset, name: str):
+    """``body`` as a persistent kernel named ``name``: one CTA per SM, each of three
+    warpgroups ("wg")."""
+
+    def named(*refs):
+        body(*refs)
+
+    named.__name__ = name
     return plgpu.kernel(
-        body,
+        named,
         out_type=_vma.out_struct(out_shape, out_dtype, varying),
         grid=(_num_sms(),),
         grid_names=("sm",),
@@ -379,7 +393,7 @@ def gmm(
                          f"{row_scale.shape}, {col_scale.shape}.")
     body = functools.partial(_gmm_body, cfg=cfg, rhs_k_major=rhs_k_major, num_groups=n_groups,
                              scaled=scaled)
-    kernel = _kernel(body, (m, n), out_dtype, varying)
+    kernel = _kernel(body, (m, n), out_dtype, varying, kernel_name("gmm", lhs.dtype, n_groups))
     scales = (row_scale.astype(jnp.float32), col_scale.astype(jnp.float32)) if scaled else ()
     out = kernel(tile_groups(group_sizes, m, cfg.tile_m, live_rows), lhs, rhs, *scales)
     return _vma.as_varying(out, varying)
@@ -505,6 +519,7 @@ def tgmm(
         raise ValueError(f"tgmm: row_scale must be [{n1}] and col_scale [{n2}]; got "
                          f"{row_scale.shape}, {col_scale.shape}.")
     body = functools.partial(_tgmm_body, cfg=cfg, k_major=k_major, scaled=scaled)
-    kernel = _kernel(body, (n_groups, n1, n2), out_dtype, varying)
+    kernel = _kernel(body, (n_groups, n1, n2), out_dtype, varying,
+                     kernel_name("tgmm", a.dtype, n_groups))
     scales = (row_scale.astype(jnp.float32), col_scale.astype(jnp.float32)) if scaled else ()
     return _vma.as_varying(kernel(start_tile, num_tiles, a, b, *scales), varying)
