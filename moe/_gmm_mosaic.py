@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any, NamedTuple
 
 import jax
@@ -140,6 +141,25 @@ def _kernel(body, out_shape: tuple[int, ...], out_dtype, varying: frozenset, nam
     )
 
 
+def _idx_required() -> bool:
+    try:
+        idx = inspect.signature(plgpu.load).parameters.get("idx")
+    except (TypeError, ValueError, AttributeError):  # pragma: no cover
+        return True
+    return idx is not None and idx.default is inspect.Parameter.empty
+
+
+_LOAD_IDX_REQUIRED = plgpu is not None and _idx_required()
+
+
+def load(ref, *, layout, optimized: bool = True) -> jax.Array:
+    """``plgpu.load`` of a whole ref view in ``layout``: jax <= 0.10 takes the index as a
+    positional argument, jax 0.11 deprecates it (index the ref with ``.at`` instead)."""
+    if _LOAD_IDX_REQUIRED:
+        return plgpu.load(ref, (), layout=layout, optimized=optimized)
+    return plgpu.load(ref, layout=layout, optimized=optimized)
+
+
 def _scaled(acc, row_scale, col_scale, smem, bars, wg):
     """``acc * row_scale[:, None] * col_scale[None, :]`` on a WGMMA accumulator (scales via TMA)."""
     rs_smem, cs_smem = smem
@@ -147,8 +167,8 @@ def _scaled(acc, row_scale, col_scale, smem, bars, wg):
     plgpu.copy_gmem_to_smem(col_scale, cs_smem.at[wg], bars.at[2 * wg + 1])
     plgpu.barrier_wait(bars.at[2 * wg])
     plgpu.barrier_wait(bars.at[2 * wg + 1])
-    rs = plgpu.load(rs_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
-    cs = plgpu.load(cs_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(0))
+    rs = load(rs_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+    cs = load(cs_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0))
     return (acc * lax.broadcast_in_dim(rs, acc.shape, [0])
             * lax.broadcast_in_dim(cs, acc.shape, [1]))
 

@@ -25,14 +25,16 @@ power-of-two pieces (Triton block shapes: 1408 = 1024 + 256 + 128).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from moe import _vma, fp8
+from moe import _quant_mosaic, _vma, fp8
 from moe._gmm_pallas import PALLAS_IMPORT_ERROR, TritonParams, pl
 from moe._gmm_pallas import plgpu as _plgpu
+from moe._platform import prefer_mosaic_gpu
 from moe.activations import GatedActivation
 
 F8 = jnp.float8_e4m3fn
@@ -468,33 +470,51 @@ def quantize_cols_t_and_rows(a: jax.Array, *, interpret: bool = False):
 # ----------------------------------------------------------------------------------------------
 
 
-def _on_cuda(kernel_fn, reference_fn, width: int, *args):
-    """``kernel_fn(*args)`` when lowered for CUDA and ``width`` is supported, else
-    ``reference_fn(*args)`` (the same bytes)."""
-    if not supported(width):
+def use_mosaic(m: int, width: int) -> bool:
+    """Whether the row kernels run in Mosaic GPU (`moe._quant_mosaic`) rather than Triton:
+    the shape fits them and `moe._platform.prefer_mosaic_gpu`."""
+    return _quant_mosaic.supported(m, width) and prefer_mosaic_gpu()
+
+
+def _on_cuda(kernels, reference_fn, width: int, *args):
+    """On CUDA, ``kernels[0]`` (Mosaic GPU) or ``kernels[1]`` (Triton) on ``*args`` with the
+    leading axes flattened into rows (:func:`use_mosaic`; Triton needs ``width % 16 == 0``);
+    ``reference_fn(*args)`` elsewhere and for other widths (the same bytes)."""
+    m = math.prod(args[0].shape[:-1])
+    if use_mosaic(m, width):
+        kernel = kernels[0]
+    elif supported(width):
+        kernel = kernels[1]
+    else:
         return reference_fn(*args)
-    return lax.platform_dependent(*args, cuda=kernel_fn, default=reference_fn)
+    return lax.platform_dependent(*args, cuda=lambda *a: _on_rows(kernel, *a),
+                                  default=reference_fn)
 
 
 def rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``x [..., K]`` row-wise as ``(e4m3 [..., K], scale f32 [...])``: :func:`quantize_rows`
-    on NVIDIA GPUs, its reference elsewhere."""
-    return _on_cuda(lambda x: _on_rows(quantize_rows, x), quantize_rows_reference, x.shape[-1], x)
+    """``x [..., K]`` row-wise as ``(e4m3 [..., K], scale f32 [...])``: the row kernel on
+    NVIDIA GPUs (:func:`_on_cuda`), :func:`quantize_rows_reference` elsewhere."""
+    return _on_cuda((_quant_mosaic.quantize_rows, quantize_rows), quantize_rows_reference,
+                    x.shape[-1], x)
 
 
 def gated_rows(z: jax.Array, act: GatedActivation) -> tuple[jax.Array, jax.Array]:
-    """``act(z)`` row-wise quantized: :func:`gated_quantize_rows` on NVIDIA GPUs."""
-    return _on_cuda(lambda z: _on_rows(functools.partial(gated_quantize_rows, act=act), z),
-                    functools.partial(gated_quantize_rows_reference, act=act),
+    """``act(z)`` row-wise quantized: :func:`gated_quantize_rows` (or its Mosaic GPU twin) on
+    NVIDIA GPUs."""
+    kernels = (functools.partial(_quant_mosaic.gated_quantize_rows, act=act),
+               functools.partial(gated_quantize_rows, act=act))
+    return _on_cuda(kernels, functools.partial(gated_quantize_rows_reference, act=act),
                     z.shape[-1] // 2, z)
 
 
 def gated_grad_rows(z: jax.Array, dh: jax.Array, act: GatedActivation, out_dtype):
     """``(dz, e4m3(dz), scale)``, or ``(e4m3(dz), scale)`` for ``out_dtype=None``:
-    :func:`gated_grad_quantize_rows` on NVIDIA GPUs (``dh`` may be wider than ``F``)."""
-    kern = functools.partial(gated_grad_quantize_rows, act=act, out_dtype=out_dtype)
-    return _on_cuda(lambda z, dh: _on_rows(kern, z, dh),
-                    lambda z, dh: gated_grad_quantize_rows_reference(z, dh, act, out_dtype),
+    :func:`gated_grad_quantize_rows` (or its Mosaic GPU twin) on NVIDIA GPUs (``dh`` may be
+    wider than ``F``)."""
+    kernels = tuple(functools.partial(fn, act=act, out_dtype=out_dtype) for fn in
+                    (_quant_mosaic.gated_grad_quantize_rows, gated_grad_quantize_rows))
+    return _on_cuda(kernels, lambda z, dh: gated_grad_quantize_rows_reference(z, dh, act,
+                                                                              out_dtype),
                     z.shape[-1] // 2, z, dh)
 
 

@@ -36,6 +36,9 @@ __all__ = [
     "TRITON_CALL",
     "cuda_mesh",
     "export_for_cuda",
+    "gemm_calls",
+    "kernel_calls",
+    "kernel_names",
     "loops_outside_scans",
 ]
 
@@ -43,6 +46,47 @@ __all__ = [
 CUDA_DEVICE = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
 TRITON_CALL = "__gpu$xla.gpu.triton"
 MOSAIC_GPU_CALLS = ("mosaic_gpu", "mosaic_gpu_v2")
+# The suffix of a Triton kernel's Mosaic GPU twin (moe._quant_mosaic, moe._wire_mosaic); jax
+# 0.11 numbers a Mosaic GPU module's symbol (``fp8_quantize_rows_mgpu_17``).
+MOSAIC_TWIN = r"_mgpu(?:_\d+)?"
+
+
+def _kernel_lines(text: str) -> list[str]:
+    """The custom-call lines of Triton and Mosaic GPU kernels."""
+    return [line for line in text.splitlines() if "stablehlo.custom_call" in line
+            and (TRITON_CALL in line or any(f"@{c}(" in line for c in MOSAIC_GPU_CALLS))]
+
+
+def _named(name: str) -> re.Pattern:
+    # Triton: ``name = "..."`` in the backend config; Mosaic GPU: a NUL-delimited symbol of the
+    # serialized module.
+    return re.compile(rf'(?:"|\\00){name}(?:"|\\00)')
+
+
+def kernel_calls(text: str, name: str) -> list[str]:
+    """The custom-call lines of the kernel named ``name``, in Triton or Mosaic GPU (where the
+    row kernels are named ``name + "_mgpu"``, numbered since jax 0.11)."""
+    pat = _named(rf"{re.escape(name)}(?:{MOSAIC_TWIN})?")
+    return [line for line in _kernel_lines(text) if pat.search(line)]
+
+
+def gemm_calls(text: str) -> list[str]:
+    """The custom-call lines of the Mosaic GPU GEMM kernels (`moe._gmm_mosaic`: ``gmm_*``,
+    ``tgmm_*``, ``dense_*`` with one group)."""
+    pat = _named(r"(?:dense_)?t?gmm_\w+")
+    return [line for line in _kernel_lines(text) if TRITON_CALL not in line and pat.search(line)]
+
+
+def kernel_names(text: str, pattern: str) -> list[str]:
+    """Sorted names (``_mgpu`` dropped) of the kernels whose name matches ``pattern``
+    (a regex for the whole name), one per call."""
+    pat = _named(rf"({pattern})")
+    names = []
+    for line in _kernel_lines(text):
+        m = pat.search(line)
+        if m:
+            names.append(re.sub(MOSAIC_TWIN + "$", "", m.group(1)))
+    return sorted(names)
 
 
 def cuda_mesh(

@@ -17,11 +17,11 @@ import numpy as np
 import optax
 import pytest
 from _cuda_export import (
-    MOSAIC_GPU_CALLS,
-    TRITON_CALL,
     assert_no_widened_fp8,
     cuda_mesh,
     export_for_cuda,
+    gemm_calls,
+    kernel_names,
 )
 from _meshes import make_mesh
 from jax.sharding import NamedSharding
@@ -261,17 +261,14 @@ def _operand_types(line: str) -> list[str]:
 
 def _mosaic_gemm_operands(text: str) -> list[list[str]]:
     """The matrix operand types (not the f32 scales, nor the i32 group sizes) of each Mosaic
-    GPU call."""
-    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line
-             and any(f"@{name}(" in line for name in MOSAIC_GPU_CALLS)]
+    GPU GEMM call."""
     return [[t for t in _operand_types(line) if not re.search(r"x(f32|i32)>$", t)]
-            for line in calls]
+            for line in gemm_calls(text)]
 
 
 def _quantize_kernels(text: str) -> list[str]:
-    """Names of the quantization kernels (Triton calls) in an exported module."""
-    return sorted(re.search(r"(fp8_\w+)", line).group(1) for line in text.splitlines()
-                  if TRITON_CALL in line and re.search(r"fp8_\w*(quantize|amax)", line))
+    """Names of the quantization kernels (Triton or Mosaic GPU calls) in an exported module."""
+    return kernel_names(text, r"fp8_\w*(?:quantize|amax)\w*")
 
 
 @pytest.mark.slow

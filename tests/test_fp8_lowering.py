@@ -5,7 +5,8 @@ the StableHLO is read: every grouped GEMM of the ragged layout is a Mosaic GPU c
 matrix operands are ``f8E4M3FN``, every GEMM of the padded layout a ``dot_general`` of two
 ``f8E4M3FN`` operands, and no ``f8E4M3FN`` value is converted back to a wider type anywhere. The
 token operands are quantized by the one-pass Pallas kernels of ``moe._quant_pallas`` (x, dy,
-``act(z)`` and ``dz`` with the activation's backward), not by XLA's reduce + convert passes.
+``act(z)`` and ``dz`` with the activation's backward; their Mosaic GPU twins in
+``moe._quant_mosaic`` on Hopper), not by XLA's reduce + convert passes.
 """
 
 import functools
@@ -15,11 +16,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 from _cuda_export import (
-    MOSAIC_GPU_CALLS,
-    TRITON_CALL,
     assert_no_widened_fp8,
     cuda_mesh,
     export_for_cuda,
+    gemm_calls,
+    kernel_calls,
+    kernel_names,
 )
 
 import moe
@@ -58,8 +60,7 @@ def test_gemms_are_fp8_mosaic_calls(transport):
     """Ragged rows (dropless) and padded slots as rows (dense, tiles past the filled slots
     skipped) both run all six GEMMs as Mosaic GPU kernels on e4m3 operands."""
     text = _layer_grad_text(transport, "mosaic")
-    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line
-             and any(f"@{name}(" in line for name in MOSAIC_GPU_CALLS)]
+    calls = gemm_calls(text)
     # forward gate_up and down, data gradients of both, weight gradients of both
     assert len(calls) == 6, len(calls)
     for line in calls:
@@ -80,9 +81,8 @@ def test_padded_layout_gemms_are_fp8_dots():
 
 
 def _quantize_kernels(text: str) -> list[str]:
-    """Names of the quantization kernels (Triton calls) in an exported module."""
-    return sorted(re.search(r"(fp8_\w+)", line).group(1) for line in text.splitlines()
-                  if TRITON_CALL in line and re.search(r"fp8_\w*(quantize|amax)", line))
+    """Names of the quantization kernels (Triton or Mosaic GPU calls) in an exported module."""
+    return kernel_names(text, r"fp8_\w*(?:quantize|amax)\w*")
 
 
 @pytest.mark.slow
@@ -102,8 +102,7 @@ def test_operands_are_quantized_by_the_pallas_kernels(transport, backend):
               + (1 if fused else 2) * ["fp8_quantize_rows"])
     weights = 2 * ["fp8_weight_amax", "fp8_weight_quantize"]  # both copies, two passes
     assert _quantize_kernels(text) == sorted(tokens + weights), _quantize_kernels(text)
-    weighted = [line for line in text.splitlines()
-                if TRITON_CALL in line and "wire_weighted_rows_fp8" in line]
+    weighted = kernel_calls(text, "wire_weighted_rows_fp8")
     assert len(weighted) == (1 if fused else 0), len(weighted)
 
 
@@ -139,8 +138,7 @@ def test_gated_grad_kernel_reads_the_padded_bf16_dh():
     S = jax.ShapeDtypeStruct
     text = export_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), S((rows, d), jnp.bfloat16),
                            S((2, d, 2 * f), jnp.bfloat16), S((2, f, d), jnp.bfloat16))
-    grad_calls = [line for line in text.splitlines()
-                  if TRITON_CALL in line and "fp8_gated_grad_quantize_rows" in line]
+    grad_calls = kernel_calls(text, "fp8_gated_grad_quantize_rows")
     assert len(grad_calls) == 1
     m = aligned_rows(rows, 2, 128)  # the rows as the kernels take them (tile-aligned groups)
     assert _operand_types(grad_calls[0]) == [f"tensor<{m}x{2 * f}xbf16>",
@@ -155,16 +153,13 @@ def test_fp8_wire_rows_feed_the_fp8_gemm_without_a_second_quantization():
     are gathered, so the plain row quantization kernel does not run, and the six GEMMs stay
     FP8 Mosaic calls."""
     text = _layer_grad_text("dropless", "mosaic", dispatch_dtype="fp8")
-    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line
-             and any(f"@{name}(" in line for name in MOSAIC_GPU_CALLS)]
+    calls = gemm_calls(text)
     assert len(calls) == 6, len(calls)
     tokens = ["fp8_gated_grad_quantize_rows", "fp8_gated_quantize_rows"]  # x's, dy's: fused
     weights = 2 * ["fp8_weight_amax", "fp8_weight_quantize"]
     assert _quantize_kernels(text) == sorted(tokens + weights), _quantize_kernels(text)
     # One device sends nothing: one pass makes those rows from the tokens (with the wire's
     # rounding) and no wire rows are written or read.
-    def triton(name):
-        return [line for line in text.splitlines() if TRITON_CALL in line and name in line]
-
-    assert len(triton("wire_local_rows_fp8")) == 1, len(triton("wire_local_rows_fp8"))
-    assert not triton("wire_gather_encode") and not triton("wire_gather_rows_fp8")
+    assert len(kernel_calls(text, "wire_local_rows_fp8")) == 1
+    assert not kernel_calls(text, "wire_gather_encode")
+    assert not kernel_calls(text, "wire_gather_rows_fp8")

@@ -1,0 +1,243 @@
+"""The row-wise FP8 quantization kernels of `moe._quant_pallas` in Pallas Mosaic GPU.
+
+Same contract and bytes as the Triton kernels there (``quantize_rows``, ``gated_quantize_rows``
+and ``gated_grad_quantize_rows``: one read of the operand, e4m3 rows with one power-of-two
+scale per row, ``moe.fp8.scales_from_amax_bits``), written for the backend jax keeps: on jax
+0.11 every Pallas Triton call warns that Triton is deprecated.
+
+Each kernel is a grid of one-warpgroup CTAs over blocks of :data:`BLOCK_ROWS` rows. A block
+is loaded straight from global memory into registers in a layout where each warp owns one
+row and its 32 lanes hold ``vec``-element vectors across the row (:func:`row_layout`), so the
+row maximum is a reduction across the lanes of one warp (shuffles, no shared memory) and the
+stores are 16-byte vectors (8 bytes of e4m3).
+
+Rows must be a multiple of 32 channels (``vec`` >= 1; 8 when the width allows) and the row
+count a multiple of :data:`BLOCK_ROWS`: :func:`supported`. The activations' sigmoid is traced
+as ``1 / (1 + exp(-x))`` (Mosaic GPU has no ``logistic`` rule; that is also XLA's expansion).
+
+These kernels lower only for NVIDIA GPUs with Mosaic GPU (Hopper, ``sm_90a``); the tests
+lower them for CUDA on the CPU and compare the Triton and XLA paths they replace;
+``benchmarks/quant_bench.py`` compares their bytes and times on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from moe import _gmm_mosaic, _vma, fp8
+from moe.activations import GatedActivation
+
+try:  # Mosaic GPU ships with jax; keep CPU-only imports safe.
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    MOSAIC_IMPORT_ERROR: str | None = None
+except Exception as e:  # pragma: no cover - depends on the installed jax
+    pl = plgpu = None
+    MOSAIC_IMPORT_ERROR = f"{type(e).__name__}: {e}"
+
+F8 = jnp.float8_e4m3fn
+_ABS = 0x7FFFFFFF
+WARPS = 4
+BLOCK_ROWS = WARPS
+"""Rows per CTA: one per warp of its warpgroup."""
+
+
+def supported(m: int, width: int) -> bool:
+    """Whether ``m`` rows of ``width`` channels fit these kernels (``width % 32 == 0``,
+    ``m % BLOCK_ROWS == 0``)."""
+    return MOSAIC_IMPORT_ERROR is None and width >= 32 and width % 32 == 0 and m % BLOCK_ROWS == 0
+
+
+def vector_length(width: int, itemsize: int) -> int:
+    """Elements per lane vector: up to 16 bytes of the input, dividing ``width / 32``."""
+    vec = 16 // itemsize
+    while width % (32 * vec):
+        vec //= 2
+    return vec
+
+
+def row_layout(vec: int):
+    """``[rows, width]`` registers: warp ``w`` holds rows ``w mod 4``, lane ``l`` the ``vec``
+    columns at ``32 vec j + vec l`` for every ``j``."""
+    return plgpu.Layout.TILED(plgpu.Tiling(((WARPS, 32 * vec), (vec,))),
+                              warp_dims=(-3,), lane_dims=(-2,), vector_dim=-1)
+
+
+def load(ref, layout) -> jax.Array:
+    """Registers of a global-memory ``ref`` view in ``layout`` (f32)."""
+    return _gmm_mosaic.load(ref, layout=layout, optimized=False).astype(jnp.float32)
+
+
+def _sigmoid(x: jax.Array) -> jax.Array:
+    """The logistic function as XLA expands it (Mosaic GPU has no ``logistic`` rule)."""
+    return 1.0 / (1.0 + jnp.exp(-x))
+
+
+def abs_bits(x: jax.Array) -> jax.Array:
+    """int32 bits of ``|x|`` (f32): integer order is magnitude order, NaN above inf."""
+    return lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(_ABS)
+
+
+def broadcast(v: jax.Array, shape: tuple[int, ...], layout) -> jax.Array:
+    """``v`` (``[shape[0]]`` or a scalar) broadcast over ``shape`` in ``layout``."""
+    return plgpu.layout_cast(lax.broadcast_in_dim(v, shape, [0] if v.ndim else []), layout)
+
+
+def scaled_e4m3(parts, layout, *, axes: tuple[int, ...] = (1,)):
+    """``parts`` (f32, one shape) as e4m3 with one power-of-two scale per maximum over
+    ``axes`` (``(1,)``: per row of ``[rows, w]``; ``(0, 1)``: one for all), joint over the
+    parts, and those scales (f32)."""
+    amax = None
+    for p in parts:
+        m = abs_bits(p)
+        for ax in sorted(axes, reverse=True):
+            m = jnp.max(m, axis=ax)
+        amax = m if amax is None else jnp.maximum(amax, m)
+    byte, inv = fp8.scales_from_amax_bits(amax)
+    inv = broadcast(inv, parts[0].shape, layout)
+    qs = [jnp.clip(p * inv, -fp8.E4M3_MAX, fp8.E4M3_MAX).astype(F8) for p in parts]
+    return qs, fp8.scale_from_byte(byte)
+
+
+def _block(width: int, itemsize: int):
+    rows = pl_ds(lax.axis_index("rows") * BLOCK_ROWS, BLOCK_ROWS)
+    return rows, row_layout(vector_length(width, itemsize))
+
+
+def pl_ds(start, size):
+    """``pl.ds(start, size)``, a traced ``start`` marked a multiple of ``size``."""
+    if not isinstance(start, int):
+        start = pl.multiple_of(start, size)
+    return pl.ds(start, size)
+
+
+def _quantize_body(x_ref, q_ref, s_ref, *, width):
+    rows, layout = _block(width, x_ref.dtype.itemsize)
+    (q,), s = scaled_e4m3([load(x_ref.at[rows, :], layout)], layout)
+    q_ref[rows, :] = q
+    s_ref[rows] = s
+
+
+def _gated_body(z_ref, q_ref, s_ref, *, width, act):
+    rows, layout = _block(width, z_ref.dtype.itemsize)
+    g = load(z_ref.at[rows, pl_ds(0, width)], layout)
+    u = load(z_ref.at[rows, pl_ds(width, width)], layout)
+    (q,), s = scaled_e4m3([act.apply_parts(g, u, sigmoid=_sigmoid)], layout)
+    q_ref[rows, :] = q
+    s_ref[rows] = s
+
+
+def _gated_grad_body(z_ref, dh_ref, *out_refs, width, act):
+    *dz_ref, q_ref, s_ref = out_refs  # dz_ref: [] when only the FP8 copy is wanted
+    rows, layout = _block(width, z_ref.dtype.itemsize)
+    g = load(z_ref.at[rows, pl_ds(0, width)], layout)
+    u = load(z_ref.at[rows, pl_ds(width, width)], layout)
+    dh = load(dh_ref.at[rows, pl_ds(0, width)], layout)
+    dg, du = act.grad_parts(g, u, dh, sigmoid=_sigmoid)
+    (qg, qu), s = scaled_e4m3([dg, du], layout)
+    for start, d, q in ((0, dg, qg), (width, du, qu)):
+        cols = pl_ds(start, width)
+        if dz_ref:
+            dz_ref[0][rows, cols] = d.astype(dz_ref[0].dtype)
+        q_ref[rows, cols] = q
+    s_ref[rows] = s
+
+
+def launch(body, operands, outs, *, grid: int, name: str):
+    """``body`` over ``grid`` one-warpgroup CTAs (``lax.axis_index("rows")``), named ``name``;
+    ``outs``: ``(shape, dtype)`` of each output."""
+    varying = _vma.varying_of(*operands)
+
+    def named(*refs):
+        body(*refs)
+
+    named.__name__ = name
+    out = plgpu.kernel(
+        named,
+        out_type=tuple(_vma.out_struct(s, d, varying) for s, d in outs),
+        grid=(grid,),
+        grid_names=("rows",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+    )(*operands)
+    return tuple(_vma.as_varying(o, varying) for o in out)
+
+
+def _check(x: jax.Array, width: int, what: str) -> None:
+    if x.ndim != 2 or not supported(x.shape[0], width):
+        raise ValueError(
+            f"{what} must be 2-D with rows a multiple of {BLOCK_ROWS} and a row width that is "
+            f"a multiple of 32 for the Mosaic GPU quantization kernels, got shape {x.shape}; "
+            "use moe._quant_pallas (Triton or the XLA references) for other shapes.")
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Row-wise e4m3 quantization in one pass: ``(q [M, K], scale f32 [M])``.
+
+    ``scale = 2^ceil(log2(amax / 448))`` per row, ``q = e4m3(clip(x / scale, -448, 448))``:
+    the bytes of ``moe._quant_pallas.quantize_rows_reference``.
+
+    Args:
+      x: float ``[M, K]``, ``M`` a multiple of 4 and ``K`` of 32.
+
+    Returns:
+      ``(q float8_e4m3fn [M, K], scale float32 [M])``.
+
+    Example (lowered for CUDA; it runs on a Hopper GPU)::
+
+      q, s = quantize_rows(jnp.full((4, 256), 3.0))  # s == [2^-7] * 4
+    """
+    m, k = x.shape
+    _check(x, k, "x")
+    return launch(functools.partial(_quantize_body, width=k), (x,),
+                  (((m, k), F8), ((m,), jnp.float32)), grid=m // BLOCK_ROWS,
+                  name="fp8_quantize_rows_mgpu")
+
+
+def gated_quantize_rows(z: jax.Array, act: GatedActivation) -> tuple[jax.Array, jax.Array]:
+    """``h = act(z)`` quantized row-wise from one read of ``z``: ``(q [M, F], scale [M])``.
+
+    Args:
+      z: float ``[M, 2F]`` (gate columns, then up columns), ``F`` a multiple of 32.
+      act: the gated activation.
+
+    Returns:
+      As :func:`quantize_rows` for ``act.apply(z)`` (computed in f32, not rounded first).
+    """
+    m, two_f = z.shape
+    f = two_f // 2
+    _check(z, f, "z")
+    return launch(functools.partial(_gated_body, width=f, act=act), (z,),
+                  (((m, f), F8), ((m,), jnp.float32)), grid=m // BLOCK_ROWS,
+                  name="fp8_gated_quantize_rows_mgpu")
+
+
+def gated_grad_quantize_rows(z: jax.Array, dh: jax.Array, act: GatedActivation, *,
+                             out_dtype=jnp.bfloat16):
+    """The activation's backward ``dz = act'(z) dh`` in ``out_dtype`` and quantized row-wise.
+
+    Args:
+      z: float ``[M, 2F]``, ``F`` a multiple of 32.
+      dh: float ``[M, F']``, ``F' >= F``; only the first ``F`` columns are read.
+      act: the gated activation.
+      out_dtype: dtype of the unquantized ``dz``; None: only the quantized copy.
+
+    Returns:
+      ``(dz out_dtype [M, 2F], q float8_e4m3fn [M, 2F], scale float32 [M])``; ``(q, scale)``
+      if ``out_dtype`` is None.
+    """
+    m, two_f = z.shape
+    f = two_f // 2
+    _check(z, f, "z")
+    if dh.ndim != 2 or dh.shape[0] != m or dh.shape[1] < f:
+        raise ValueError(f"dh must be [M, F'] with M = {m} and F' >= F = {f} for z {z.shape}, "
+                         f"got {dh.shape}.")
+    outs = (((m, two_f), F8), ((m,), jnp.float32))
+    if out_dtype is not None:
+        outs = (((m, two_f), jnp.dtype(out_dtype)), *outs)
+    return launch(functools.partial(_gated_grad_body, width=f, act=act), (z, dh), outs,
+                  grid=m // BLOCK_ROWS, name="fp8_gated_grad_quantize_rows_mgpu")
