@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from moe import _grouped, _quant_pallas, _transport, _wire_pallas
+from moe import _grouped, _quant_pallas, _transport, _wire_mosaic, _wire_pallas
+from moe._platform import prefer_mosaic_gpu
 
 __all__ = ["dgrad", "forward", "rows", "rows_from_tokens", "rows_from_weighted",
            "rows_from_wire", "rows_if", "scaled_t", "weights", "wgrad", "wgrad_operands"]
@@ -81,9 +82,10 @@ def rows_from_tokens(tokens: jax.Array, index: jax.Array,
     of ``decode(encode(tokens[index]))``, the bytes :func:`rows_from_wire` gives for the wire
     rows that the dispatch would have written (zero rows where ``index`` is out of range).
 
-    On NVIDIA GPUs one Pallas pass (`moe._wire_pallas.gather_local_rows_quantized`) reads
-    each token row and writes its e4m3 row; elsewhere XLA encodes, gathers, decodes and
-    quantizes (the same bytes)."""
+    On NVIDIA GPUs one Pallas pass reads each token row and writes its e4m3 row: in Mosaic GPU
+    (`moe._wire_mosaic.gather_local_rows_quantized`, widths a multiple of ``4 * block_size``,
+    `moe._platform.prefer_mosaic_gpu`), else in Triton (`moe._wire_pallas`); elsewhere XLA
+    encodes, gathers, decodes and quantizes. All give the same bytes."""
     tokens, index = lax.stop_gradient(tokens), lax.stop_gradient(index)
     width = tokens.shape[-1]
 
@@ -92,11 +94,16 @@ def rows_from_tokens(tokens: jax.Array, index: jax.Array,
         wire = _transport.gather_rows(tokens, index, wire="fp8", block_size=block_size)
         return rows_from_wire(wire, width, block_size)
 
+    mosaic = prefer_mosaic_gpu() and _wire_mosaic.supported(width, block_size)
+
     def pallas(interpret, tokens, index):
+        if mosaic and not interpret:
+            return _wire_mosaic.gather_local_rows_quantized(tokens, index,
+                                                            block_size=block_size)
         return _wire_pallas.gather_local_rows_quantized(tokens, index, block_size=block_size,
                                                         interpret=interpret)
 
-    ok = _wire_pallas.supported(width, fp8_wire=True, block_size=block_size)
+    ok = mosaic or _wire_pallas.supported(width, fp8_wire=True, block_size=block_size)
     return _transport.by_platform((tokens, index), xla=xla, pallas=pallas if ok else None,
                                   kernels="auto")
 
@@ -106,9 +113,9 @@ def rows_from_weighted(rows: jax.Array, weights: jax.Array, slot: jax.Array, *, 
     """The row-quantized pair of the combine gradient's rows in the expert layout when nothing
     is sent: ``rows(wire_dtype(weights[s] * rows[s // top_k]))`` for each row's slot ``s``
     (zero rows for slots out of range), the bytes ``rows()`` gives for what
-    `moe._transport.gather_weighted_rows` builds. On NVIDIA GPUs one Pallas pass
-    (`moe._wire_pallas.gather_weighted_rows_quantized`); elsewhere XLA's gather, then
-    :func:`rows`."""
+    `moe._transport.gather_weighted_rows` builds. On NVIDIA GPUs one Pallas pass (Mosaic GPU,
+    `moe._wire_mosaic.gather_weighted_rows_quantized`, for widths a multiple of 512, else its
+    Triton twin in `moe._wire_pallas`); elsewhere XLA's gather, then :func:`rows`."""
     rows, weights, slot = (lax.stop_gradient(a) for a in (rows, weights, slot))
     wire_dtype = jnp.dtype(wire_dtype)
 
@@ -118,11 +125,16 @@ def rows_from_weighted(rows: jax.Array, weights: jax.Array, slot: jax.Array, *, 
                                             block_size=rows.shape[-1])
         return _quant_pallas.quantize_rows_reference(g)
 
+    mosaic = prefer_mosaic_gpu() and _wire_mosaic.supported(rows.shape[-1])
+
     def pallas(interpret, rows, weights, slot):
+        if mosaic and not interpret:
+            return _wire_mosaic.gather_weighted_rows_quantized(rows, weights, slot, top_k=top_k,
+                                                               wire_dtype=wire_dtype)
         return _wire_pallas.gather_weighted_rows_quantized(
             rows, weights, slot, top_k=top_k, wire_dtype=wire_dtype, interpret=interpret)
 
-    ok = _wire_pallas.supported(rows.shape[-1], fp8_wire=False)
+    ok = mosaic or _wire_pallas.supported(rows.shape[-1], fp8_wire=False)
     return _transport.by_platform((rows, weights, slot), xla=xla,
                                   pallas=pallas if ok else None, kernels="auto")
 
