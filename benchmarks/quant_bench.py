@@ -21,8 +21,11 @@ the FP8 dispatch's e4m3 GEMM rows when nothing is sent (wire rows written by
 ``gather_encode`` and read by ``gather_rows_quantized``, or one pass from the tokens,
 ``gather_local_rows_quantized``); the combine gradient's rows in the expert layout (gathered
 and weighted in bf16, then ``quantize_rows``, or one pass, ``gather_weighted_rows_quantized``);
-and a weight-gradient operand's plain transpose (XLA's, or its rescaling transpose by
-``2^-0``).
+a weight-gradient operand's plain transpose (XLA's, or its rescaling transpose by
+``2^-0``); and, on a GPU, each row kernel in XLA, Pallas Triton (`moe._quant_pallas`) and
+Pallas Mosaic GPU (`moe._quant_mosaic`), and the two gathers' Mosaic GPU twins
+(`moe._wire_mosaic`). Where bytes differ from the first implementation, a row says how much
+(``agreement``: the activations' ``exp`` may round differently per backend).
 
 Usage:
   python benchmarks/quant_bench.py --out quant.json     # one GPU
@@ -74,6 +77,28 @@ def same_bytes(a, b) -> bool:
         if not np.array_equal(u, v, equal_nan=True):
             return False
     return True
+
+
+def agreement(a, b) -> dict:
+    """How far ``b`` is from ``a`` where the bytes differ: the fraction of e4m3 bytes that
+    differ, the largest distance in e4m3 codes (adjacent values differ by 1), and the largest
+    relative difference of any wider leaf (``dz`` in bf16, the scales)."""
+    diff, codes, rel = 0.0, 0, 0.0
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        u, v = np.asarray(u), np.asarray(v)
+        if u.dtype == jnp.float8_e4m3fn:
+            bu, bv = u.view(np.uint8), v.view(np.uint8)
+            diff = max(diff, float(np.mean(bu != bv)))
+            sign = lambda c: np.where(c & 0x80, -(c & 0x7F).astype(np.int32),  # noqa: E731
+                                      (c & 0x7F).astype(np.int32))
+            codes = max(codes, int(np.max(np.abs(sign(bu) - sign(bv)), initial=0)))
+        else:
+            u, v = u.astype(np.float64), v.astype(np.float64)
+            ok = np.isfinite(u) & np.isfinite(v)
+            rel = max(rel, float(np.max(np.abs(u - v)[ok] / np.maximum(np.abs(u[ok]), 1e-30),
+                                        initial=0.0)))
+    return {"fp8_bytes_differing": diff, "max_e4m3_code_distance": codes,
+            "max_rel_diff_wide": rel}
 
 
 def nbytes(tree) -> int:
@@ -166,6 +191,29 @@ def main(argv=None) -> dict:
             "xla_zero_shift": lambda q: scaled_t(q, jax.lax.optimization_barrier(
                 jnp.zeros(q.shape[:1], jnp.int32)))}),
     }
+    if not interpret:  # the row kernels in Triton and in Mosaic GPU (moe._quant_mosaic)
+        from moe import _quant_mosaic as qm
+        from moe import _wire_mosaic as wm
+        multi["local_rows"][1]["mosaic"] = lambda x, i: wm.gather_local_rows_quantized(
+            x, i, block_size=block)
+        multi["weighted_rows"][1]["mosaic"] = lambda g, w, s: wm.gather_weighted_rows_quantized(
+            g, w, s, top_k=2)
+        for name, ref_fn, triton_fn, mosaic_fn, args in (
+                ("rows_x", qp.quantize_rows_reference, qp.quantize_rows, qm.quantize_rows,
+                 (x,)),
+                ("rows_gated", lambda z: qp.gated_quantize_rows_reference(z, act),
+                 lambda z: qp.gated_quantize_rows(z, act),
+                 lambda z: qm.gated_quantize_rows(z, act), (z,)),
+                ("rows_gated_grad",
+                 lambda z, dh: qp.gated_grad_quantize_rows_reference(z, dh, act, jnp.bfloat16),
+                 lambda z, dh: qp.gated_grad_quantize_rows(z, dh, act),
+                 lambda z, dh: qm.gated_grad_quantize_rows(z, dh, act), (z, dh)),
+                ("rows_gated_grad_fp8_only",
+                 lambda z, dh: qp.gated_grad_quantize_rows_reference(z, dh, act, None),
+                 lambda z, dh: qp.gated_grad_quantize_rows(z, dh, act, out_dtype=None),
+                 lambda z, dh: qm.gated_grad_quantize_rows(z, dh, act, out_dtype=None),
+                 (z, dh))):
+            multi[name] = (args, {"xla": ref_fn, "triton": triton_fn, "mosaic": mosaic_fn})
     report = {"benchmark": "quant", "env": bench_util.env_info(), "out": a.out,
               "settings": vars(a) | {"interpret": interpret}, "rows": []}
     copy = jax.jit(lambda x: x * 2).lower(x).compile()
@@ -196,8 +244,13 @@ def main(argv=None) -> dict:
     for name, (args, impls) in multi.items():
         ref = None
         for impl, fn in impls.items():
-            compiled = jax.jit(fn).lower(*args).compile()
-            out = jax.block_until_ready(compiled(*args))
+            try:
+                compiled = jax.jit(fn).lower(*args).compile()
+                out = jax.block_until_ready(compiled(*args))
+            except Exception as err:  # noqa: BLE001 - record and go on
+                report["rows"].append({"case": name, "impl": impl, "error": repr(err)[:2000]})
+                print(f"{name} {impl}: {err!r}"[:2000], flush=True)
+                continue
             sec = timed(compiled, args, a)
             moved = nbytes(args) + nbytes(out)
             row = {"case": name, "impl": impl, "ms": sec * 1e3, "one_pass_bytes": moved,
@@ -206,6 +259,8 @@ def main(argv=None) -> dict:
                 ref = out
             else:
                 row["same_bytes_as_first"] = same_bytes(ref, out)
+                if not row["same_bytes_as_first"]:
+                    row |= agreement(ref, out)
             report["rows"].append(row)
             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                            for k, v in row.items()), flush=True)

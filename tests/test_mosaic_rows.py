@@ -1,0 +1,147 @@
+"""The Mosaic GPU row kernels (`moe._quant_mosaic`, `moe._wire_mosaic`) on the CPU.
+
+They run only on a Hopper GPU (``benchmarks/quant_bench.py`` compares their bytes and speed
+with the Triton kernels and XLA there). Here: they lower for CUDA on both supported shapes and
+dtypes, the expert layer picks them (or Triton, or XLA) by shape and platform, off GPU the
+dispatch gives the reference bytes, the activations' traceable sigmoid matches
+``jax.nn.sigmoid``, and the benchmarks' trace breakdown tells the new kernels' names apart.
+"""
+
+import functools
+import sys
+from pathlib import Path
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _cuda_export import export_for_cuda, gemm_calls, kernel_calls
+
+from moe import _quant_mosaic as qm
+from moe import _quant_pallas as qp
+from moe import _wire_mosaic as wm
+from moe._platform import prefer_mosaic_gpu
+from moe.activations import GatedActivation
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from trace_breakdown import LM_KERNEL_REGIONS, REST, kernel_category, kernel_region  # noqa: E402
+
+S = jax.ShapeDtypeStruct
+F8 = jnp.float8_e4m3fn
+BF16 = jnp.bfloat16
+
+
+def _one_call(text: str, name: str) -> str:
+    calls = kernel_calls(text, name)
+    assert len(calls) == 1, (name, len(calls))
+    assert "_mgpu" in calls[0] and "@mosaic_gpu" in calls[0], calls[0][:200]
+    return calls[0]
+
+
+@pytest.mark.parametrize("width,dtype", [(1408, BF16), (96, jnp.float32), (6144, BF16)])
+def test_quantize_rows_lowers_with_its_shapes(width, dtype):
+    """Widths that take 4-, 1- and 8-element lane vectors; outputs as the Triton kernel's."""
+    x = S((64, width), dtype)
+    out = jax.eval_shape(qm.quantize_rows, x)
+    assert (out[0].shape, out[0].dtype, out[1].shape) == ((64, width), F8, (64,))
+    _one_call(export_for_cuda(qm.quantize_rows, x), "fp8_quantize_rows")
+
+
+@pytest.mark.parametrize("kind", ["silu", "gelu", "gelu_tanh", "clamped_swiglu"])
+def test_gated_kernels_lower_for_every_activation(kind):
+    """The forward and backward activation kernels (sigmoid, erf, tanh-form GELU, clamps), the
+    backward reading a padded ``dh`` and with or without the bf16 ``dz``."""
+    act = GatedActivation(kind)
+    z, dh = S((128, 2 * 1408), BF16), S((128, 1536), BF16)
+
+    def fn(z, dh):
+        return (qm.gated_quantize_rows(z, act), qm.gated_grad_quantize_rows(z, dh, act),
+                qm.gated_grad_quantize_rows(z, dh, act, out_dtype=None))
+
+    h, (dz, q, s), (q2, s2) = jax.eval_shape(fn, z, dh)
+    chex.assert_shape([h[0], dz, q, q2, s], [(128, 1408), (128, 2816), (128, 2816),
+                                             (128, 2816), (128,)])
+    assert dz.dtype == BF16 and q.dtype == q2.dtype == F8
+    text = export_for_cuda(fn, z, dh)
+    _one_call(text, "fp8_gated_quantize_rows")
+    assert len(kernel_calls(text, "fp8_gated_grad_quantize_rows")) == 2
+
+
+def test_wire_rows_lower_for_cuda():
+    local = functools.partial(wm.gather_local_rows_quantized, block_size=64)
+    weighted = functools.partial(wm.gather_weighted_rows_quantized, top_k=2)
+    x, idx = S((512, 2048), BF16), S((1024,), jnp.int32)
+    q, s = jax.eval_shape(local, x, idx)
+    assert (q.shape, q.dtype, s.shape) == ((1024, 2048), F8, (1024,))
+    text = export_for_cuda(lambda x, i, w: (local(x, i), weighted(x, w, i)), x, idx,
+                           S((1024,), jnp.float32))
+    call = _one_call(text, "wire_local_rows_fp8")
+    # 2-D rows in and out: no reshape between the kernel and what reads its rows.
+    assert "tensor<1024x2048xf8E4M3FN>" in call
+    _one_call(text, "wire_weighted_rows_fp8")
+
+
+def test_unsupported_shapes_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        qm.quantize_rows(jnp.zeros((8, 48)))
+    with pytest.raises(ValueError, match="rows a multiple of 4"):
+        qm.quantize_rows(jnp.zeros((6, 64)))
+    with pytest.raises(ValueError, match="_wire_pallas"):
+        wm.gather_local_rows_quantized(jnp.zeros((4, 384)), jnp.zeros((2,), jnp.int32))
+
+
+@pytest.mark.parametrize("shape,want", [((64, 256), "mosaic"), ((2, 8, 256), "mosaic"),
+                                        ((64, 48), "triton"), ((6, 64), "triton"),
+                                        ((64, 8), "xla")])
+def test_row_dispatch_by_shape(shape, want):
+    """Lowered for CUDA: Mosaic GPU where it fits (rows % 4, width % 32), else Triton (width %
+    16), else XLA; lowered for the CPU: the reference bytes, whatever the shape."""
+    assert prefer_mosaic_gpu()  # no GPU here: CUDA lowering picks Mosaic GPU
+    text = export_for_cuda(qp.rows, S(shape, BF16))
+    calls = kernel_calls(text, "fp8_quantize_rows")
+    if want == "xla":
+        assert not calls
+    else:
+        assert len(calls) == 1 and ("_mgpu" in calls[0]) == (want == "mosaic")
+    x = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(BF16) * 5
+    chex.assert_trees_all_equal(jax.jit(qp.rows)(x), qp.quantize_rows_reference(x))
+
+
+def test_gemm_kernels_carry_their_names():
+    """The Mosaic GPU GEMMs are named by kind, dtype and whether grouped, so traces and the
+    lowering tests tell them from the row kernels."""
+    from moe import _gmm_mosaic
+
+    assert _gmm_mosaic.kernel_name("gmm", F8, 16) == "gmm_fp8"
+    assert _gmm_mosaic.kernel_name("tgmm", BF16, 1) == "dense_tgmm_bf16"
+    text = export_for_cuda(lambda a, b, g: _gmm_mosaic.gmm(a, b, g), S((256, 256), BF16),
+                           S((2, 256, 256), BF16), S((2,), jnp.int32))
+    assert len(gemm_calls(text)) == 1 and "gmm_bf16" in gemm_calls(text)[0]
+
+
+@pytest.mark.parametrize("kind", ["silu", "gelu", "gelu_tanh", "clamped_swiglu"])
+def test_traceable_sigmoid_matches_jax_nn(kind):
+    """The kernels' ``1 / (1 + exp(-x))`` gives the activation and its gradient as
+    ``jax.nn.sigmoid`` does (f32, to rounding)."""
+    act = GatedActivation(kind)
+    k = jax.random.split(jax.random.key(1), 3)
+    g, u, dh = (jax.random.normal(key, (256,)) * 6 for key in k)
+    chex.assert_trees_all_close(act.apply_parts(g, u, sigmoid=qm._sigmoid),
+                                act.apply_parts(g, u), rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(act.grad_parts(g, u, dh, sigmoid=qm._sigmoid),
+                                act.grad_parts(g, u, dh), rtol=1e-5, atol=1e-5)
+    assert np.isfinite(np.asarray(act.apply_parts(g * 30, u, sigmoid=qm._sigmoid))).all()
+
+
+def test_trace_breakdown_names():
+    """Mosaic GPU kernels show in traces as ``<name>_mosaic_gpu_kernel``: the grouped GEMMs
+    are GEMMs in the experts region, the dense projections' GEMMs GEMMs elsewhere, the row
+    kernels not GEMMs."""
+    sfx = "_mosaic_gpu_kernel"
+    assert kernel_category("gmm_fp8" + sfx) == kernel_category("dense_tgmm_fp8" + sfx) == "gemm"
+    assert kernel_category("fp8_quantize_rows_mgpu" + sfx) == "other"
+    assert kernel_region("tgmm_bf16" + sfx, LM_KERNEL_REGIONS) == "experts"
+    assert kernel_region("fp8_gated_quantize_rows_mgpu" + sfx, LM_KERNEL_REGIONS) == "experts"
+    assert kernel_region("dense_gmm_fp8" + sfx, LM_KERNEL_REGIONS) == REST
+    assert kernel_region("wire_local_rows_fp8_mgpu" + sfx, LM_KERNEL_REGIONS) != REST
