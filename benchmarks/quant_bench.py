@@ -23,12 +23,14 @@ the FP8 dispatch's e4m3 GEMM rows when nothing is sent (wire rows written by
 and weighted in bf16, then ``quantize_rows``, or one pass, ``gather_weighted_rows_quantized``);
 a weight-gradient operand's plain transpose (XLA's, or its rescaling transpose by
 ``2^-0``); and, on a GPU, each row kernel in XLA, Pallas Triton (`moe._quant_pallas`) and
-Pallas Mosaic GPU (`moe._quant_mosaic`), and the two gathers' Mosaic GPU twins
-(`moe._wire_mosaic`). Where bytes differ from the first implementation, a row says how much
-(``agreement``: the activations' ``exp`` may round differently per backend).
+Pallas Mosaic GPU (`moe._quant_mosaic`), the two gathers' Mosaic GPU twins
+(`moe._wire_mosaic`), and the weights' column (and row) tile passes in all three. Where bytes
+differ from the first implementation, a row says how much (``agreement``: the activations'
+``exp`` may round differently per backend).
 
 Usage:
   python benchmarks/quant_bench.py --out quant.json     # one GPU
+  python benchmarks/quant_bench.py --only 'weight|rows_' # some cases (a regex on the name)
   python benchmarks/quant_bench.py --small              # CPU plumbing check (interpret mode)
 """
 
@@ -116,6 +118,8 @@ def main(argv=None) -> dict:
                    help="experts of the weight case (8; --small 2)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--only", default=None,
+                   help="regex: run only the cases whose name matches (default: all)")
     a = p.parse_args(argv)
     small = {"rows": 256, "d_model": 256, "d_ff": 128, "experts": 2}
     full = {"rows": 32768, "d_model": 4096, "d_ff": 2048, "experts": 8}
@@ -198,6 +202,10 @@ def main(argv=None) -> dict:
             x, i, block_size=block)
         multi["weighted_rows"][1]["mosaic"] = lambda g, w, s: wm.gather_weighted_rows_quantized(
             g, w, s, top_k=2)
+        multi["weight_copies"][1]["mosaic"] = qm.quantize_cols_t_and_rows
+        multi["weight_cols_t"] = ((w,), {"xla": qp.quantize_cols_t_reference,
+                                         "triton": qp.quantize_cols_t,
+                                         "mosaic": qm.quantize_cols_t})
         for name, ref_fn, triton_fn, mosaic_fn, args in (
                 ("rows_x", qp.quantize_rows_reference, qp.quantize_rows, qm.quantize_rows,
                  (x,)),
@@ -214,6 +222,9 @@ def main(argv=None) -> dict:
                  lambda z, dh: qm.gated_grad_quantize_rows(z, dh, act, out_dtype=None),
                  (z, dh))):
             multi[name] = (args, {"xla": ref_fn, "triton": triton_fn, "mosaic": mosaic_fn})
+    if a.only:
+        cases = {n: c for n, c in cases.items() if re.search(a.only, n)}
+        multi = {n: c for n, c in multi.items() if re.search(a.only, n)}
     report = {"benchmark": "quant", "env": bench_util.env_info(), "out": a.out,
               "settings": vars(a) | {"interpret": interpret}, "rows": []}
     copy = jax.jit(lambda x: x * 2).lower(x).compile()

@@ -520,21 +520,30 @@ def gated_grad_rows(z: jax.Array, dh: jax.Array, act: GatedActivation, out_dtype
 
 def cols_t(a: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``a [..., M, N]`` column-wise quantized and transposed, ``(e4m3 [..., N, M], scale
-    [..., N])``: :func:`quantize_cols_t` on NVIDIA GPUs, its reference elsewhere."""
-    return _on_matrices(quantize_cols_t, quantize_cols_t_reference, a)
+    [..., N])``: :func:`quantize_cols_t` (or its Mosaic GPU twin) on NVIDIA GPUs, its reference
+    elsewhere."""
+    return _on_matrices((_quant_mosaic.quantize_cols_t, quantize_cols_t),
+                        quantize_cols_t_reference, a)
 
 
 def cols_t_and_rows(a: jax.Array):
     """``a [..., M, N]``'s two FP8 copies, ``(cols_t(a), rows(a))``, from two passes over it:
-    :func:`quantize_cols_t_and_rows` on NVIDIA GPUs, the references elsewhere."""
-    return _on_matrices(quantize_cols_t_and_rows, quantize_cols_t_and_rows_reference, a)
+    :func:`quantize_cols_t_and_rows` (or its Mosaic GPU twin) on NVIDIA GPUs, the references
+    elsewhere."""
+    return _on_matrices((_quant_mosaic.quantize_cols_t_and_rows, quantize_cols_t_and_rows),
+                        quantize_cols_t_and_rows_reference, a)
 
 
-def _on_matrices(kernel_fn, reference_fn, a: jax.Array):
-    """``kernel_fn`` (taking ``[B, M, N]``) on ``a [..., M, N]`` with its leading axes
-    flattened, then unflattened in every output, when lowered for CUDA and the tiles fit;
-    ``reference_fn(a)`` elsewhere."""
-    if not cols_supported(*a.shape[-2:]):
+def _on_matrices(kernels, reference_fn, a: jax.Array):
+    """``kernels[0]`` (Mosaic GPU, `moe._platform.prefer_mosaic_gpu` and its tiles fit) or
+    ``kernels[1]`` (Triton), taking ``[B, M, N]``, on ``a [..., M, N]`` with its leading axes
+    flattened, then unflattened in every output, when lowered for CUDA; ``reference_fn(a)``
+    elsewhere and for shapes neither fits (the same bytes)."""
+    if _quant_mosaic.tiles_supported(*a.shape[-2:]) and prefer_mosaic_gpu():
+        kernel_fn = kernels[0]
+    elif cols_supported(*a.shape[-2:]):
+        kernel_fn = kernels[1]
+    else:
         return reference_fn(a)
     lead = a.shape[:-2]
 

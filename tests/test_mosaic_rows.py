@@ -145,3 +145,38 @@ def test_trace_breakdown_names():
     assert kernel_region("fp8_gated_quantize_rows_mgpu" + sfx, LM_KERNEL_REGIONS) == "experts"
     assert kernel_region("dense_gmm_fp8" + sfx, LM_KERNEL_REGIONS) == REST
     assert kernel_region("wire_local_rows_fp8_mgpu" + sfx, LM_KERNEL_REGIONS) != REST
+
+
+@pytest.mark.parametrize("shape", [(2, 1408, 2816), (1, 64, 128)])
+def test_weight_kernels_lower_with_their_shapes(shape):
+    """Both weight passes (the tiles' maxima, then the copies written through SMEM) lower for
+    CUDA, two Mosaic GPU calls each, with the Triton kernels' outputs."""
+    a = S(shape, jnp.float32)
+    (qt, sc), (q, sr) = jax.eval_shape(qm.quantize_cols_t_and_rows, a)
+    b, m, n = shape
+    chex.assert_shape([qt, sc, q, sr], [(b, n, m), (b, n), (b, m, n), (b, m)])
+    assert qt.dtype == q.dtype == F8
+    text = export_for_cuda(qm.quantize_cols_t_and_rows, a)
+    _one_call(text, "fp8_weight_amax")
+    _one_call(text, "fp8_weight_quantize")
+    text = export_for_cuda(qm.quantize_cols_t, a)
+    _one_call(text, "fp8_col_amax")
+    assert "tensor<" + f"{b}x{n}x{m}xf8E4M3FN>" in _one_call(text, "fp8_quantize_cols_t")
+    with pytest.raises(ValueError, match="multiples of"):
+        qm.quantize_cols_t(jnp.zeros((1, 64, 192)))
+
+
+@pytest.mark.parametrize("shape,want", [((3, 128, 256), "mosaic"), ((256, 384), "mosaic"),
+                                        ((2, 64, 192), "triton"), ((2, 48, 128), "xla")])
+def test_weight_dispatch_by_shape(shape, want):
+    """Lowered for CUDA: the weights' two passes in Mosaic GPU where the [64, 128] tiles fit,
+    else Triton's [64, 64] tiles, else XLA; lowered for the CPU: the reference bytes."""
+    text = export_for_cuda(qp.cols_t_and_rows, S(shape, jnp.float32))
+    calls = kernel_calls(text, "fp8_weight_quantize")
+    if want == "xla":
+        assert not calls
+    else:
+        assert len(calls) == 1 and ("_mgpu" in calls[0]) == (want == "mosaic")
+    a = jax.random.normal(jax.random.key(2), shape, jnp.float32) * 3
+    chex.assert_trees_all_equal(jax.jit(qp.cols_t_and_rows)(a),
+                                qp.quantize_cols_t_and_rows_reference(a))
