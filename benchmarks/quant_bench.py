@@ -24,7 +24,8 @@ and weighted in bf16, then ``quantize_rows``, or one pass, ``gather_weighted_row
 a weight-gradient operand's plain transpose (XLA's, or its rescaling transpose by
 ``2^-0``); and, on a GPU, each row kernel in XLA, Pallas Triton (`moe._quant_pallas`) and
 Pallas Mosaic GPU (`moe._quant_mosaic`), the two gathers' Mosaic GPU twins
-(`moe._wire_mosaic`), and the weights' column (and row) tile passes in all three. Where bytes
+(`moe._wire_mosaic`), the token wire's kernels (gather + encode, gather + decode, gather +
+re-quantize; ``wire_*``) and the weights' column (and row) tile passes in all three. Where bytes
 differ from the first implementation, a row says how much (``agreement``: the activations'
 ``exp`` may round differently per backend).
 
@@ -37,6 +38,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import sys
 from pathlib import Path
@@ -203,6 +205,33 @@ def main(argv=None) -> dict:
         multi["weighted_rows"][1]["mosaic"] = lambda g, w, s: wm.gather_weighted_rows_quantized(
             g, w, s, top_k=2)
         multi["weight_copies"][1]["mosaic"] = qm.quantize_cols_t_and_rows
+        # The token wire's kernels (moe._wire_mosaic): the send rows' gather + FP8 encode, and
+        # received FP8 rows gathered (two rows per token) and decoded, or re-quantized per row.
+        wire = _transport.encode_rows(tokens, wire="fp8", block_size=block)
+        h = tokens.shape[-1]
+
+        def decode_xla(b, i, dtype):
+            return _transport.decode_rows(jnp.take(b, i, axis=0, mode="fill", fill_value=0),
+                                          wire="fp8", width=h, block_size=block, out_dtype=dtype)
+
+        for name, args, xla_fn, kernel in (
+                ("wire_encode", (tokens, index),
+                 lambda x, i: _transport.gather_rows(x, i, wire="fp8", block_size=block),
+                 lambda m: functools.partial(m.gather_encode, fp8_wire=True, block_size=block)),
+                ("wire_encode_bf16", (tokens, index),
+                 lambda x, i: _transport.gather_rows(x, i, wire=jnp.dtype(jnp.bfloat16),
+                                                     block_size=block),
+                 lambda m: functools.partial(m.gather_encode, fp8_wire=False,
+                                             block_size=block, out_dtype=jnp.bfloat16)),
+                ("wire_decode", (wire, index), lambda b, i: decode_xla(b, i, jnp.bfloat16),
+                 lambda m: functools.partial(m.gather_decode, width=h, fp8_wire=True,
+                                             block_size=block)),
+                ("wire_rows", (wire, index),
+                 lambda b, i: qp.quantize_rows_reference(decode_xla(b, i, jnp.float32)),
+                 lambda m: functools.partial(m.gather_rows_quantized, width=h,
+                                             block_size=block))):
+            multi[name] = (args, {"xla": xla_fn, "triton": kernel(_wire_pallas),
+                                  "mosaic": kernel(wm)})
         multi["weight_cols_t"] = ((w,), {"xla": qp.quantize_cols_t_reference,
                                          "triton": qp.quantize_cols_t,
                                          "mosaic": qm.quantize_cols_t})

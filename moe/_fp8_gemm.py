@@ -50,9 +50,11 @@ def rows_from_wire(wire: jax.Array, width: int, block_size: int,
     block is rescaled by a power of two to the row's scale (exact unless a value drops below
     e4m3's normal range, where it rounds to nearest even as the re-quantization would).
 
-    On NVIDIA GPUs one Pallas pass (`moe._wire_pallas.gather_rows_quantized`) reads the
-    one-byte wire rows and writes the e4m3 rows; elsewhere XLA gathers, decodes and
-    quantizes (the same bytes)."""
+    On NVIDIA GPUs one Pallas pass reads the one-byte wire rows and writes the e4m3 rows: in
+    Mosaic GPU (`moe._wire_mosaic.gather_rows_quantized`, widths a multiple of ``4 *
+    block_size`` with ``block_size`` a multiple of 128, `moe._platform.prefer_mosaic_gpu`), else
+    in Triton (`moe._wire_pallas.gather_rows_quantized`); elsewhere XLA gathers, decodes and
+    quantizes. All give the same bytes."""
     if index is None:
         index = jnp.arange(wire.shape[0], dtype=jnp.int32)
     # Integer words take no gradient; say so, or autodiff would trace the Pallas call's JVP.
@@ -67,11 +69,17 @@ def rows_from_wire(wire: jax.Array, width: int, block_size: int,
         # consumers' transposes (0.74 ms per LM-benchmark layer on an H200).
         return lax.optimization_barrier(_quant_pallas.quantize_rows_reference(decoded))
 
+    mosaic = prefer_mosaic_gpu() and _wire_mosaic.wire_supported(width, fp8_wire=True,
+                                                                 block_size=block_size)
+
     def pallas(interpret, wire, index):
+        if mosaic and not interpret:
+            return _wire_mosaic.gather_rows_quantized(wire, index, width=width,
+                                                      block_size=block_size)
         return _wire_pallas.gather_rows_quantized(wire, index, width=width,
                                                   block_size=block_size, interpret=interpret)
 
-    ok = _wire_pallas.supported(width, fp8_wire=True, block_size=block_size)
+    ok = mosaic or _wire_pallas.supported(width, fp8_wire=True, block_size=block_size)
     return _transport.by_platform((wire, index), xla=xla, pallas=pallas if ok else None,
                                   kernels="auto")
 

@@ -13,8 +13,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moe import _transport, _wire_pallas
+from moe import _transport, _wire_mosaic, _wire_pallas
 from moe._plan import DispatchPlan
+from moe._platform import prefer_mosaic_gpu
 from moe.options import WireDtype
 
 __all__ = ["Wire", "back_row", "combine_rows", "combine_rows_forward", "combine_weights_grad",
@@ -82,11 +83,30 @@ def _take_rows(rows: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take(rows, index, axis=0, mode="fill", fill_value=0)
 
 
+def _gather_decode(w: Wire, width: int):
+    """``(pallas, ok)`` for `_transport.by_platform`: ``pallas(interpret, buf, index)`` decodes
+    wire rows ``buf[index]`` in one pass, in Mosaic GPU (`moe._wire_mosaic.gather_decode`,
+    `moe._platform.prefer_mosaic_gpu` and widths it takes) or else Triton
+    (`moe._wire_pallas.gather_decode`); ``ok``: whether either takes rows of ``width``."""
+    fp8_wire = w.wire == "fp8"
+    kw = dict(width=width, fp8_wire=fp8_wire, block_size=w.block_size, out_dtype=w.out)
+    mosaic = prefer_mosaic_gpu() and _wire_mosaic.wire_supported(
+        width, fp8_wire=fp8_wire, block_size=w.block_size)
+
+    def pallas(interpret, buf, index):
+        if mosaic and not interpret:
+            return _wire_mosaic.gather_decode(buf, index, **kw)
+        return _wire_pallas.gather_decode(buf, index, interpret=interpret, **kw)
+
+    return pallas, mosaic or _wire_pallas.supported(width, fp8_wire=fp8_wire,
+                                                    block_size=w.block_size)
+
+
 def _dense_to_layout(recv: jax.Array, plan: DispatchPlan, w: Wire, width: int) -> jax.Array:
     """Received rows ``[P src * E_local * C, W]`` -> decoded expert layout ``[E_local, P * C,
-    width]``: XLA decodes and transposes; the Pallas kernel reads each expert-layout row from
-    its source row (a permutation index) and decodes it in the same pass. With ``P = 1`` the
-    rows already are the layout (decode only)."""
+    width]``: XLA decodes and transposes; the Pallas kernel (:func:`_gather_decode`) reads each
+    expert-layout row from its source row (a permutation index) and decodes it in the same
+    pass. With ``P = 1`` the rows already are the layout (decode only)."""
     p, el, c = plan.axis_size, plan.num_local_experts, plan.capacity
 
     def xla(recv):
@@ -94,19 +114,16 @@ def _dense_to_layout(recv: jax.Array, plan: DispatchPlan, w: Wire, width: int) -
         out = out.reshape(p, el, c, width)
         return out.transpose(1, 0, 2, 3).reshape(plan.expert_shape(width))
 
+    decode, ok = _gather_decode(w, width)
+
     def pallas(interpret, recv):
         # expert-layout row (l, q, r) <- received row (q, l, r)
         src = jax.lax.broadcasted_iota(jnp.int32, (el, p, c), 1) * (el * c) \
             + jax.lax.broadcasted_iota(jnp.int32, (el, p, c), 0) * c \
             + jax.lax.broadcasted_iota(jnp.int32, (el, p, c), 2)
-        out = _wire_pallas.gather_decode(
-            recv, src.reshape(-1), width=width, fp8_wire=w.wire == "fp8",
-            block_size=w.block_size, out_dtype=w.out, interpret=interpret)
-        return out.reshape(plan.expert_shape(width))
+        return decode(interpret, recv, src.reshape(-1)).reshape(plan.expert_shape(width))
 
-    ok = p > 1 and _wire_pallas.supported(width, fp8_wire=w.wire == "fp8",
-                                          block_size=w.block_size)
-    return _transport.by_platform((recv,), xla=xla, pallas=pallas if ok else None,
+    return _transport.by_platform((recv,), xla=xla, pallas=pallas if ok and p > 1 else None,
                                   kernels=w.kernels)
 
 
@@ -114,9 +131,9 @@ def _pairs_to_layout(recv: jax.Array, plan: DispatchPlan, c: int, w: Wire, width
                      with_wire: bool = False):
     """Dropless: received rows ``[P src * c, W]`` -> decoded expert layout ``[R, width]``
     (row ``i`` <- received row ``plan.pair_row[i]``; padding rows zero), one gather + decode
-    pass (the Pallas kernel, or XLA's gather of the wire words then decode). With ``P = 1``
-    the received rows already are the layout. ``with_wire``: also the wire rows in the
-    layout's order (``(decoded, wire)``; XLA drops whichever is not used)."""
+    pass (the Pallas kernel, :func:`_gather_decode`, or XLA's gather of the wire words then
+    decode). With ``P = 1`` the received rows already are the layout. ``with_wire``: also the
+    wire rows in the layout's order (``(decoded, wire)``; XLA drops whichever is not used)."""
     if plan.axis_size == 1:
         return (w.decode(recv, width), recv) if with_wire else w.decode(recv, width)
     index = _pair_to_row(plan.pair_row, plan, c)
@@ -126,12 +143,7 @@ def _pairs_to_layout(recv: jax.Array, plan: DispatchPlan, c: int, w: Wire, width
     def xla(recv, index):
         return w.decode(_take_rows(recv, index), width)
 
-    def pallas(interpret, recv, index):
-        return _wire_pallas.gather_decode(
-            recv, index, width=width, fp8_wire=w.wire == "fp8", block_size=w.block_size,
-            out_dtype=w.out, interpret=interpret)
-
-    ok = _wire_pallas.supported(width, fp8_wire=w.wire == "fp8", block_size=w.block_size)
+    pallas, ok = _gather_decode(w, width)
     return _transport.by_platform((recv, index), xla=xla, pallas=pallas if ok else None,
                                   kernels=w.kernels)
 

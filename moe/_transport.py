@@ -23,7 +23,8 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe import _wire_pallas, fp8
+from moe import _wire_mosaic, _wire_pallas, fp8
+from moe._platform import prefer_mosaic_gpu
 
 AxisName = str | tuple[str, ...]
 RaggedImpl = Literal["auto", "native", "emulated"]
@@ -140,7 +141,7 @@ def check_wire_kernels(kernels: WireKernels) -> None:
     if kernels not in ("auto", "xla", "pallas"):
         raise ValueError(
             f"wire_kernels must be 'auto', 'xla' or 'pallas', got {kernels!r}; 'auto' uses the "
-            "Pallas (Triton) wire kernels on NVIDIA GPUs and XLA elsewhere."
+            "Pallas (Mosaic GPU or Triton) wire kernels on NVIDIA GPUs and XLA elsewhere."
         )
     if kernels == "pallas" and _wire_pallas.PALLAS_IMPORT_ERROR is not None:
         raise ValueError(
@@ -148,7 +149,8 @@ def check_wire_kernels(kernels: WireKernels) -> None:
             f"({_wire_pallas.PALLAS_IMPORT_ERROR}); use 'auto' or 'xla'."
         )
     if kernels == "pallas" and jax.default_backend() == "tpu":
-        raise ValueError("wire_kernels='pallas' are Triton (GPU) kernels; use 'auto' on TPU.")
+        raise ValueError("wire_kernels='pallas' are GPU kernels (Mosaic GPU, Triton); use "
+                         "'auto' on TPU.")
 
 
 def by_platform(args: tuple, *, xla, pallas, kernels: WireKernels):
@@ -205,8 +207,10 @@ def gather_rows(
     """Send buffer ``out[i] = encode(rows[index[i]])`` (a zero row where ``index[i]`` is out of
     range). XLA: the rows are encoded ONCE (``N`` rows of ``rows``, however often each is
     sent), then their wire words are gathered (for FP8: e4m3 + scale bytes, half the bytes of
-    bf16). Pallas (:func:`moe._wire_pallas.gather_encode`): one pass that reads each sent row
-    and writes its encoding, the same bytes.
+    bf16). Pallas: one pass that reads each sent row and writes its encoding, the same bytes,
+    in Mosaic GPU (:func:`moe._wire_mosaic.gather_encode`, `moe._platform.prefer_mosaic_gpu`
+    and :func:`moe._wire_mosaic.wire_supported` widths) or else Triton
+    (:func:`moe._wire_pallas.gather_encode`).
 
     Args:
       rows: float ``[N, H]``.
@@ -230,13 +234,17 @@ def gather_rows(
         return jnp.take(buf, index, axis=0, mode="fill", fill_value=0)
 
     is_fp8 = isinstance(wire, str)
+    width = rows.shape[-1]
+    mosaic = prefer_mosaic_gpu() and _wire_mosaic.wire_supported(
+        width, fp8_wire=is_fp8, block_size=block_size)
 
     def pallas(interpret, rows, index):
-        return _wire_pallas.gather_encode(
-            rows, index, fp8_wire=is_fp8, block_size=block_size,
-            out_dtype=None if is_fp8 else wire, interpret=interpret)
+        kw = dict(fp8_wire=is_fp8, block_size=block_size, out_dtype=None if is_fp8 else wire)
+        if mosaic and not interpret:
+            return _wire_mosaic.gather_encode(rows, index, **kw)
+        return _wire_pallas.gather_encode(rows, index, interpret=interpret, **kw)
 
-    ok = _wire_pallas.supported(rows.shape[-1], fp8_wire=is_fp8, block_size=block_size)
+    ok = mosaic or _wire_pallas.supported(width, fp8_wire=is_fp8, block_size=block_size)
     return by_platform((rows, index), xla=xla, pallas=pallas if ok else None, kernels=kernels)
 
 

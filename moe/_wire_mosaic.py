@@ -1,18 +1,29 @@
-"""The FP8 expert GEMMs' gathered rows when nothing is sent, in Pallas Mosaic GPU.
+"""The token wire's kernels and the FP8 expert GEMMs' gathered rows, in Pallas Mosaic GPU.
 
-Mosaic GPU twins of two kernels of `moe._wire_pallas` (Triton), with the same contract and
+Mosaic GPU twins of the kernels of `moe._wire_pallas` (Triton), with the same contract and
 bytes; the layer lowers these on Hopper (`moe._platform.prefer_mosaic_gpu`):
 
 * :func:`gather_local_rows_quantized`: ``rows(decode(encode(rows[index[i]])))``, the GEMM's
   e4m3 rows from the tokens with the FP8 wire's block rounding;
 * :func:`gather_weighted_rows_quantized`: ``rows(wire_dtype(weights[s] * rows[s // top_k]))``,
-  the combine gradient's rows in the expert layout.
+  the combine gradient's rows in the expert layout;
+* :func:`gather_encode`, :func:`gather_decode`: the send buffer's rows gathered and encoded
+  (FP8: e4m3 bytes and E8M0 block scales packed four to a uint32 word,
+  `moe._transport.pack_fp8_words`; or a float cast), and received rows gathered into a
+  layout and decoded;
+* :func:`gather_rows_quantized`: received FP8 wire rows gathered and re-quantized per row for
+  the FP8 GEMMs.
 
 One CTA (one warpgroup) per output row: it reads the row's index (a scalar load), then the
 token row as ``[H / 128, 128]`` registers, warps over 128-channel blocks and lanes across a
 block (:func:`block_layout`), so a block maximum is a reduction across one warp's lanes and the
 row maximum one more across the warps. Rows of ``H`` a multiple of ``4 * block`` channels:
-:func:`supported`.
+:func:`supported`. The wire kernels view an FP8 row as ``[G, 4, block / 4, 4]`` (groups of
+four blocks, one scale word each; :func:`word_layout`): a lane holds the four bytes of a wire
+word in one register, so words are packed and unpacked with shifts inside a thread, and a
+scale word's four bytes, one per warp, are summed across the warps (rows of ``H`` a multiple
+of ``4 * block``, ``block`` a multiple of 128; float rows of ``H`` a multiple of 128:
+:func:`wire_supported`).
 
 The kernels take and give 2-D ``[rows, H]`` arrays and view a row as blocks inside. With a
 ``[R, H / 128, 128]`` output reshaped by XLA, the MoE layer's FP8 step on an H200 took 7.98
@@ -29,9 +40,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from moe import _gmm_mosaic, fp8
 from moe import _quant_mosaic as qm
 
 F8 = jnp.float8_e4m3fn
+pl = qm.pl
 _BLOCK = 128  # channels per register block of the weighted rows (any multiple of 32 works)
 
 
@@ -65,11 +78,16 @@ def _store_rows(q_ref, s_ref, i, y, layout, block_size: int) -> None:
     s_ref[i] = scale
 
 
-def _blocks(ref, block_size: int):
-    """A row ``ref [H]`` viewed as ``[H / block_size, block_size]``. The kernels take and give
-    2-D ``[rows, H]`` arrays: an XLA reshape of a kernel's output in front of the weight
+def _view(ref, shape: tuple[int, ...]):
+    """A row ``ref [H]`` viewed as ``shape`` (row-major). The kernels take and give 2-D
+    ``[rows, H]`` arrays: an XLA reshape of a kernel's output in front of the weight
     gradient's transpose of these rows can make that transpose slow."""
-    return ref.reshape(ref.shape[0] // block_size, block_size)
+    return ref.reshape(*shape)
+
+
+def _blocks(ref, block_size: int):
+    """A row ``ref [H]`` viewed as ``[H / block_size, block_size]``."""
+    return _view(ref, (ref.shape[0] // block_size, block_size))
 
 
 def _local_rows_body(idx_ref, x_ref, q_ref, s_ref, *, n_src, block_size):
@@ -141,3 +159,238 @@ def gather_weighted_rows_quantized(rows: jax.Array, weights: jax.Array, slot: ja
                              wire_dtype=jnp.dtype(wire_dtype))
     return qm.launch(body, (slot.astype(jnp.int32), weights, rows), _rows_out(r, h), grid=r,
                      name="wire_weighted_rows_fp8_mgpu")
+
+
+# ----------------------------------------------------------------------------------------------
+# The token wire (`moe._wire_pallas.gather_encode`, `gather_decode`, `gather_rows_quantized`):
+# FP8 rows as uint32 words, four e4m3 bytes each, then the E8M0 scale words.
+# ----------------------------------------------------------------------------------------------
+
+WORD = 4
+"""e4m3 bytes (or E8M0 scale bytes) per uint32 word of the wire."""
+
+
+def wire_supported(width: int, *, fp8_wire: bool, block_size: int = 128) -> bool:
+    """Whether the wire kernels take rows of ``width`` channels: FP8, ``block_size`` a
+    multiple of 128 (a lane holds whole words of a block) and ``width`` a multiple of ``4 *
+    block_size`` (whole scale words, one block per warp); float rows, ``width`` a multiple of
+    128."""
+    if qm.MOSAIC_IMPORT_ERROR is not None:
+        return False
+    if not fp8_wire:
+        return width % (qm.WARPS * 32) == 0
+    return block_size % 128 == 0 and width % (WORD * block_size) == 0
+
+
+def word_layout():
+    """``[G, 4, block / 4, 4]`` registers of a row's ``G`` groups of four blocks (one scale
+    word each): warp ``w`` holds block ``w`` of each group, lane ``l`` the words ``l mod 32``
+    of a block, one register the four bytes of a word. A word is packed or unpacked inside
+    one thread; a scale word's bytes come from the four warps."""
+    return qm.plgpu.Layout.TILED(qm.plgpu.Tiling(((1, qm.WARPS, 32, WORD),)), warp_dims=(-3,),
+                                 lane_dims=(-2,), vector_dim=-1)
+
+
+def _bits(ref, layout) -> jax.Array:
+    """Registers of a global-memory ``ref`` view in ``layout``, in its own dtype."""
+    return _gmm_mosaic.load(ref, layout=layout, optimized=False)
+
+
+def _cast(x: jax.Array, layout) -> jax.Array:
+    return qm.plgpu.layout_cast(x, layout)
+
+
+def _shifts(shape: tuple[int, ...], dim: int, layout) -> jax.Array:
+    """uint32 ``8 j`` at index ``j`` of ``dim`` (byte ``j`` of a little-endian word)."""
+    return _cast(lax.broadcasted_iota(jnp.uint32, shape, dim), layout) * jnp.uint32(8)
+
+
+def _copy_vec(width: int, itemsize: int) -> int:
+    """Elements per lane vector of a float row copy: up to 16 bytes, ``width`` a multiple of
+    ``128 vec`` (`moe._quant_mosaic.row_layout` over ``[width / (32 vec), 32 vec]``)."""
+    vec = 16 // itemsize
+    while vec > 1 and width % (qm.WARPS * 32 * vec):
+        vec //= 2
+    return vec
+
+
+def _copy_row(src, dst, ok, width: int) -> None:
+    """``dst [width] = src [width]`` cast to ``dst``'s dtype (zeros unless ``ok``)."""
+    vec = _copy_vec(width, max(src.dtype.itemsize, dst.dtype.itemsize))
+    shape = (width // (32 * vec), 32 * vec)
+    y = _bits(_view(src, shape), qm.row_layout(vec)).astype(dst.dtype)
+    _view(dst, shape)[...] = jnp.where(ok, y, jnp.zeros((), dst.dtype))
+
+
+def _shape(width: int, block_size: int) -> tuple[int, int, int, int]:
+    return width // (WORD * block_size), WORD, block_size // WORD, WORD
+
+
+def _data_words(ref, row, width: int):
+    """Row ``row`` of wire ``ref``: its e4m3 words, as ``[G, 4, block / 4]`` or a row."""
+    return ref.at[row, pl.ds(0, width // WORD)]
+
+
+def _encode_body(idx_ref, x_ref, out_ref, *, n_src, width, block_size, fp8_wire):
+    i, src, ok = _source(idx_ref, n_src)
+    if not fp8_wire:
+        _copy_row(x_ref.at[src], out_ref.at[i], ok, width)
+        return
+    layout, shape = word_layout(), _shape(width, block_size)
+    x = qm.load(_view(x_ref.at[src], shape), layout)
+    # Per block (a warp's lanes): the E8M0 byte and e4m3 bytes of `moe.fp8.quantize`.
+    byte, inv = fp8.scales_from_amax_bits(jnp.max(jnp.max(qm.abs_bits(x), axis=3), axis=2))
+    inv = _cast(lax.broadcast_in_dim(inv, shape, [0, 1]), layout)
+    q = jnp.clip(x * inv, -fp8.E4M3_MAX, fp8.E4M3_MAX).astype(F8)
+    # Byte j of a word in bits 8j..8j+7 (`moe._transport.pack_fp8_words`).
+    q = lax.bitcast_convert_type(q, jnp.uint8).astype(jnp.uint32)
+    words = jnp.sum(q << _shifts(shape, 3, layout), axis=3)  # [G, 4, block / 4]
+    zero = jnp.uint32(0)
+    _view(_data_words(out_ref, i, width), shape[:3])[...] = jnp.where(ok, words, zero)
+    # Scale word g: byte j from block j of group g, i.e. warp j (a sum across the warps).
+    blocks = layout.reduce((2, 3))
+    part = byte.astype(jnp.uint32) << _shifts(shape[:2], 1, blocks)  # [G, 4]
+    if shape[0] == 1:  # one word: a scalar store
+        out_ref[i, width // WORD] = jnp.where(ok, jnp.sum(jnp.sum(part, axis=0)), zero)
+    else:  # every thread holds the G words
+        out_ref.at[i, pl.ds(width // WORD, shape[0])][...] = jnp.where(
+            ok, jnp.sum(part, axis=1), zero)
+
+
+def _decoded(buf_ref, s, *, width: int, block_size: int) -> jax.Array:
+    """f32 ``[G, 4, block / 4, 4]`` (:func:`word_layout`): FP8 wire row ``s`` decoded (NaN in
+    a block whose scale byte is ``E8M0_NAN``), as `moe.fp8.dequantize` before its clip."""
+    layout, shape = word_layout(), _shape(width, block_size)
+    words = _bits(_view(_data_words(buf_ref, s, width), shape[:3]), layout.reduce(3))
+    words = _cast(lax.broadcast_in_dim(words, shape, [0, 1, 2]), layout)
+    data = (words >> _shifts(shape, 3, layout)).astype(jnp.uint8)  # byte j of each word
+    data = lax.bitcast_convert_type(data, F8).astype(jnp.float32)
+    blocks = layout.reduce((2, 3))
+    if shape[0] == 1:  # one scale word: a scalar load
+        sw = buf_ref[s, width // WORD]
+    else:  # every thread loads the G words
+        sw = _bits(buf_ref.at[s, pl.ds(width // WORD, shape[0])], layout.reduce((1, 2, 3)))
+        sw = _cast(lax.broadcast_in_dim(sw, shape[:2], [0]), blocks)
+    byte = (sw >> _shifts(shape[:2], 1, blocks)) & jnp.uint32(0xFF)  # [G, 4]
+    scale = fp8.scale_from_byte(byte.astype(jnp.int32))
+    return data * _cast(lax.broadcast_in_dim(scale, shape, [0, 1]), layout)
+
+
+def _decode_body(idx_ref, buf_ref, out_ref, *, n_src, width, block_size, fp8_wire):
+    r, s, ok = _source(idx_ref, n_src)
+    if not fp8_wire:
+        _copy_row(buf_ref.at[s, pl.ds(0, width)], out_ref.at[r], ok, width)
+        return
+    y = _decoded(buf_ref, s, width=width, block_size=block_size)
+    fmax = float(jnp.finfo(out_ref.dtype).max)
+    y = jnp.clip(y, -fmax, fmax).astype(out_ref.dtype)  # keeps NaN; 2^128 does not round to inf
+    _view(out_ref.at[r], y.shape)[...] = jnp.where(ok, y, jnp.zeros((), out_ref.dtype))
+
+
+def _wire_rows_body(idx_ref, buf_ref, q_ref, s_ref, *, n_src, width, block_size):
+    r, s, ok = _source(idx_ref, n_src)
+    layout = word_layout()
+    y = jnp.where(ok, _decoded(buf_ref, s, width=width, block_size=block_size), jnp.float32(0))
+    # The row maximum: over the groups in registers first, then one reduction across warps.
+    amax = jnp.max(qm.abs_bits(y), axis=0)
+    for ax in (2, 1, 0):
+        amax = jnp.max(amax, axis=ax)
+    byte, inv = fp8.scales_from_amax_bits(amax)
+    q = jnp.clip(y * qm.broadcast(inv, y.shape, layout), -fp8.E4M3_MAX, fp8.E4M3_MAX)
+    _view(q_ref.at[r], y.shape)[...] = q.astype(F8)
+    s_ref[r] = fp8.scale_from_byte(byte)
+
+
+def _check_wire(width: int, fp8_wire: bool, block_size: int) -> None:
+    if not wire_supported(width, fp8_wire=fp8_wire, block_size=block_size):
+        raise ValueError(
+            f"rows of {width} channels ({'FP8' if fp8_wire else 'float'} wire, block_size="
+            f"{block_size}) do not fit the Mosaic GPU wire kernels (see wire_supported()); use "
+            "moe._wire_pallas.")
+
+
+def gather_encode(rows: jax.Array, index: jax.Array, *, fp8_wire: bool, block_size: int = 128,
+                  out_dtype=None) -> jax.Array:
+    """`moe._wire_pallas.gather_encode` in Mosaic GPU (the same bytes): ``out[i] =
+    encode(rows[index[i]])``, zero where ``index[i]`` is outside ``[0, T)``.
+
+    Args:
+      rows: float ``[T, H]`` (:func:`wire_supported` widths).
+      index: int32 ``[M]``.
+      fp8_wire: encode as FP8 (else copy, casting to ``out_dtype``).
+      block_size: FP8 channels per scale (a multiple of 128).
+      out_dtype: dtype of the copied rows (default ``rows.dtype``; ignored for FP8).
+
+    Returns:
+      FP8: ``uint32[M, H / 4 + H / (4 block_size)]`` (`moe._transport.pack_fp8_words`);
+      otherwise ``out_dtype[M, H]``.
+    """
+    t, h = rows.shape
+    _check_wire(h, fp8_wire, block_size)
+    m = index.shape[0]
+    if fp8_wire:
+        out = ((m, h // WORD + fp8.num_scale_words(h, block_size)), jnp.uint32)
+    else:
+        out = ((m, h), jnp.dtype(out_dtype or rows.dtype))
+    body = functools.partial(_encode_body, n_src=t, width=h, block_size=block_size,
+                             fp8_wire=fp8_wire)
+    return qm.launch(body, (index.astype(jnp.int32), rows), (out,), grid=m,
+                     name="wire_gather_encode_mgpu")[0]
+
+
+def gather_decode(buf: jax.Array, index: jax.Array, *, width: int, fp8_wire: bool,
+                  block_size: int = 128, out_dtype=jnp.bfloat16) -> jax.Array:
+    """`moe._wire_pallas.gather_decode` in Mosaic GPU (the same bytes): ``out[r] =
+    decode(buf[index[r]])``, zero where ``index[r]`` is outside ``[0, N)``.
+
+    Args:
+      buf: wire rows ``[N, wire width]`` (uint32 FP8 words, or float rows).
+      index: int32 ``[R]``.
+      width: logical row width ``H`` (:func:`wire_supported`).
+      fp8_wire: ``buf`` holds FP8 words (else float rows, cast to ``out_dtype``).
+      block_size: FP8 channels per scale (a multiple of 128).
+      out_dtype: output dtype.
+
+    Returns:
+      ``out_dtype[R, H]``.
+    """
+    _check_wire(width, fp8_wire, block_size)
+    _check_buf(buf, width, fp8_wire, block_size)
+    body = functools.partial(_decode_body, n_src=buf.shape[0], width=width,
+                             block_size=block_size, fp8_wire=fp8_wire)
+    return qm.launch(body, (index.astype(jnp.int32), buf),
+                     (((index.shape[0], width), jnp.dtype(out_dtype)),), grid=index.shape[0],
+                     name="wire_gather_decode_mgpu")[0]
+
+
+def gather_rows_quantized(buf: jax.Array, index: jax.Array, *, width: int,
+                          block_size: int = 128) -> tuple[jax.Array, jax.Array]:
+    """`moe._wire_pallas.gather_rows_quantized` in Mosaic GPU (the same bytes):
+    ``rows(decode(buf[index[r]]))``, FP8 wire rows gathered and re-quantized with one
+    power-of-two scale per row (zero rows where ``index`` is out of range).
+
+    Args:
+      buf: FP8 wire rows ``uint32[N, width / 4 + width / (4 block_size)]``.
+      index: int32 ``[R]``.
+      width: logical row width ``H``, a multiple of ``4 * block_size``.
+      block_size: FP8 channels per wire scale (a multiple of 128).
+
+    Returns:
+      ``(e4m3 [R, H], f32 scale [R])``; a row holding NaN or inf gets a NaN scale.
+    """
+    _check_wire(width, True, block_size)
+    _check_buf(buf, width, True, block_size)
+    r = index.shape[0]
+    body = functools.partial(_wire_rows_body, n_src=buf.shape[0], width=width,
+                             block_size=block_size)
+    return qm.launch(body, (index.astype(jnp.int32), buf), _rows_out(r, width), grid=r,
+                     name="wire_gather_rows_fp8_mgpu")
+
+
+def _check_buf(buf: jax.Array, width: int, fp8_wire: bool, block_size: int) -> None:
+    want = width // WORD + fp8.num_scale_words(width, block_size) if fp8_wire else width
+    if buf.ndim != 2 or buf.shape[1] != want or (fp8_wire and buf.dtype != jnp.uint32):
+        raise ValueError(f"buf must be wire rows [N, {want}] of {width} channels "
+                         f"({'uint32 FP8 words' if fp8_wire else 'float'}), got {buf.dtype}"
+                         f"{list(buf.shape)}; pass the width and block_size they were encoded "
+                         "with.")

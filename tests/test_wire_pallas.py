@@ -123,9 +123,10 @@ def test_dispatch_with_pallas_wire_kernels_equals_xla(wire, transport):
         assert _same(a, b)
 
 
-def test_wire_kernels_lower_to_triton_for_cuda():
+def test_wire_kernels_lower_for_cuda():
     """The compiled kernels (no interpreter) lower for CUDA inside shard_map(check_vma=True):
-    the send gather + encode and the decode into the expert layout, both wires."""
+    the send gather + encode and the decode into the expert layout, both wires (Mosaic GPU
+    at this width, `tests/test_mosaic_wire.py`; Triton where Mosaic GPU does not fit)."""
     mesh = cuda_mesh((N_EP,), ("expert",))
     e = P("expert")
 
@@ -149,7 +150,7 @@ def test_wire_kernels_lower_to_triton_for_cuda():
 
 def test_dropless_lowers_for_cuda_with_wire_kernels():
     """Dropless dispatch + combine, forward and backward, FP8 wire: lowers for CUDA with the
-    Triton wire kernels inside the bucket branches (one case per bucket) and no
+    wire kernels inside the bucket branches (one case per bucket) and no
     ragged_all_to_all; with one device on the expert axis, no collective and no bucket case
     (the module's other cases pick kernels by platform)."""
     cases = {}
