@@ -318,7 +318,7 @@ def _quantize_tile_body(a_ref, col_bits_ref, *refs):
     inv_c = _inv_scales(col_bits_ref.at[b, cols], layout.reduce(0))
     tile = smem.at[:, _ds(0, TILE[1])]
     tile[...] = _cast(x, inv_c, 1, layout)
-    qt = _gmm_mosaic.load(plgpu.transpose_ref(tile, (1, 0)), layout=_transposed_layout(),
+    qt = _gmm_mosaic.load(tile.transpose((1, 0)), layout=_transposed_layout(),
                           optimized=False)
     qt_ref[b, cols, rows] = qt
     if row:

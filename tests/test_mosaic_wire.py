@@ -183,7 +183,9 @@ def test_rows_from_wire_dispatch(width, want):
     assert _kernel(text, "wire_gather_rows_fp8") == want
     ref = qp.quantize_rows_reference(_transport.decode_rows(
         _take(buf, INDEX), wire="fp8", width=width, block_size=128, out_dtype=F32))
-    chex.assert_trees_all_equal(jax.jit(lambda b, i: fn(b, index=i))(buf, INDEX), ref)
+    # Bytes: the NaN row's e4m3 NaNs do not compare equal as values on every numpy.
+    chex.assert_trees_all_equal(_bytes(jax.jit(lambda b, i: fn(b, index=i))(buf, INDEX)),
+                                _bytes(ref))
 
 
 def test_dispatch_lowers_with_mosaic_wire_kernels():
