@@ -312,10 +312,15 @@ def hlo_regions(hlo_text: str, regions: Mapping[str, str]) -> dict[str, str]:
     return _assign_regions(*_classify(hlo_text), regions)
 
 
+def _has_stream_events(plane) -> bool:
+    return any(line.name.lower().startswith("stream") and next(iter(line.events), None)
+               is not None for line in plane.lines)
+
+
 def _events(trace_dir):
     """``[(device, line, name, hlo_op or None, hlo_module or None, duration_us)]`` of the
     newest XPlane under ``trace_dir``: GPU stream lines of ``/device:*`` planes, or (no
-    device planes: CPU) every host event that names an HLO op."""
+    device plane with stream events: CPU) every host event that names an HLO op."""
     from jax.profiler import ProfileData
     from trace_overlap import find_trace_files
 
@@ -326,7 +331,9 @@ def _events(trace_dir):
     for f in files:
         data = ProfileData.from_file(str(f))
         planes = list(data.planes)
-        devices = [p for p in planes if p.name.startswith("/device:")]
+        # A GPU's plane can be present and empty when the program ran on the CPU (a GPU
+        # machine with JAX_PLATFORMS=cpu): only planes with stream events count.
+        devices = [p for p in planes if p.name.startswith("/device:") and _has_stream_events(p)]
         for plane in devices or planes:
             for line in plane.lines:
                 if devices and not line.name.lower().startswith("stream"):
