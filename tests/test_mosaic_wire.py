@@ -273,3 +273,20 @@ def test_float_kernels_interpreted_give_the_xla_bytes(interpret):
     chex.assert_trees_all_equal(_bytes(interpret(enc, x, INDEX)), _bytes(ref))
     chex.assert_trees_all_equal(_bytes(interpret(dec, ref, INDEX[::-1])),
                                 _bytes(_take(ref, INDEX[::-1]).astype(F32)))
+
+
+@pytest.mark.parametrize("r", [10, 9])
+def test_local_gathers_interpreted_give_the_xla_bytes(interpret, r):
+    """The two gathers where nothing is sent (out-of-range indices and slots, repeats): the
+    bytes of `moe._fp8_gemm`'s XLA paths."""
+    x = _rows(12, 512, F32)
+    index = INDEX[:r]
+    got = interpret(functools.partial(wm.gather_local_rows_quantized, block_size=128), x,
+                    index)
+    want = _fp8_gemm.rows_from_tokens(x, index, 128)  # the XLA path on the CPU
+    chex.assert_trees_all_equal(_bytes(got), _bytes(want))
+    w = jax.random.uniform(jax.random.key(4), (24,), F32)
+    slot = jnp.array([23, 0, 5, -1, 24, 7, 7, 12, 1, 3], I32)[:r]
+    got = interpret(functools.partial(wm.gather_weighted_rows_quantized, top_k=2), x, w, slot)
+    want = _fp8_gemm.rows_from_weighted(x, w, slot, top_k=2, wire_dtype=BF16)
+    chex.assert_trees_all_equal(_bytes(got), _bytes(want))
