@@ -23,12 +23,13 @@ and faster than an integer-only version on the e4m3 bits (0.5 TB/s, three kernel
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from moe import _grouped, _quant_pallas, _transport, _wire_mosaic, _wire_pallas
-from moe._platform import prefer_mosaic_gpu
 
 __all__ = ["dgrad", "forward", "rows", "rows_from_tokens", "rows_from_weighted",
            "rows_from_wire", "rows_if", "scaled_t", "weights", "wgrad", "wgrad_operands"]
@@ -69,19 +70,13 @@ def rows_from_wire(wire: jax.Array, width: int, block_size: int,
         # consumers' transposes (0.74 ms per LM-benchmark layer on an H200).
         return lax.optimization_barrier(_quant_pallas.quantize_rows_reference(decoded))
 
-    mosaic = prefer_mosaic_gpu() and _wire_mosaic.wire_supported(width, fp8_wire=True,
-                                                                 block_size=block_size)
-
-    def pallas(interpret, wire, index):
-        if mosaic and not interpret:
-            return _wire_mosaic.gather_rows_quantized(wire, index, width=width,
-                                                      block_size=block_size)
-        return _wire_pallas.gather_rows_quantized(wire, index, width=width,
-                                                  block_size=block_size, interpret=interpret)
-
-    ok = mosaic or _wire_pallas.supported(width, fp8_wire=True, block_size=block_size)
-    return _transport.by_platform((wire, index), xla=xla, pallas=pallas if ok else None,
-                                  kernels="auto")
+    kw = dict(width=width, block_size=block_size)
+    pallas = _transport.twin_kernels(
+        functools.partial(_wire_mosaic.gather_rows_quantized, **kw),
+        lambda interpret, *a: _wire_pallas.gather_rows_quantized(*a, interpret=interpret, **kw),
+        mosaic_ok=_wire_mosaic.wire_supported(width, fp8_wire=True, block_size=block_size),
+        triton_ok=_wire_pallas.supported(width, fp8_wire=True, block_size=block_size))
+    return _transport.by_platform((wire, index), xla=xla, pallas=pallas, kernels="auto")
 
 
 def rows_from_tokens(tokens: jax.Array, index: jax.Array,
@@ -102,18 +97,13 @@ def rows_from_tokens(tokens: jax.Array, index: jax.Array,
         wire = _transport.gather_rows(tokens, index, wire="fp8", block_size=block_size)
         return rows_from_wire(wire, width, block_size)
 
-    mosaic = prefer_mosaic_gpu() and _wire_mosaic.supported(width, block_size)
-
-    def pallas(interpret, tokens, index):
-        if mosaic and not interpret:
-            return _wire_mosaic.gather_local_rows_quantized(tokens, index,
-                                                            block_size=block_size)
-        return _wire_pallas.gather_local_rows_quantized(tokens, index, block_size=block_size,
-                                                        interpret=interpret)
-
-    ok = mosaic or _wire_pallas.supported(width, fp8_wire=True, block_size=block_size)
-    return _transport.by_platform((tokens, index), xla=xla, pallas=pallas if ok else None,
-                                  kernels="auto")
+    pallas = _transport.twin_kernels(
+        functools.partial(_wire_mosaic.gather_local_rows_quantized, block_size=block_size),
+        lambda interpret, *a: _wire_pallas.gather_local_rows_quantized(
+            *a, block_size=block_size, interpret=interpret),
+        mosaic_ok=_wire_mosaic.supported(width, block_size),
+        triton_ok=_wire_pallas.supported(width, fp8_wire=True, block_size=block_size))
+    return _transport.by_platform((tokens, index), xla=xla, pallas=pallas, kernels="auto")
 
 
 def rows_from_weighted(rows: jax.Array, weights: jax.Array, slot: jax.Array, *, top_k: int,
@@ -133,18 +123,15 @@ def rows_from_weighted(rows: jax.Array, weights: jax.Array, slot: jax.Array, *, 
                                             block_size=rows.shape[-1])
         return _quant_pallas.quantize_rows_reference(g)
 
-    mosaic = prefer_mosaic_gpu() and _wire_mosaic.supported(rows.shape[-1])
-
-    def pallas(interpret, rows, weights, slot):
-        if mosaic and not interpret:
-            return _wire_mosaic.gather_weighted_rows_quantized(rows, weights, slot, top_k=top_k,
-                                                               wire_dtype=wire_dtype)
-        return _wire_pallas.gather_weighted_rows_quantized(
-            rows, weights, slot, top_k=top_k, wire_dtype=wire_dtype, interpret=interpret)
-
-    ok = mosaic or _wire_pallas.supported(rows.shape[-1], fp8_wire=False)
-    return _transport.by_platform((rows, weights, slot), xla=xla,
-                                  pallas=pallas if ok else None, kernels="auto")
+    kw = dict(top_k=top_k, wire_dtype=wire_dtype)
+    pallas = _transport.twin_kernels(
+        functools.partial(_wire_mosaic.gather_weighted_rows_quantized, **kw),
+        lambda interpret, *a: _wire_pallas.gather_weighted_rows_quantized(
+            *a, interpret=interpret, **kw),
+        mosaic_ok=_wire_mosaic.supported(rows.shape[-1]),
+        triton_ok=_wire_pallas.supported(rows.shape[-1], fp8_wire=False))
+    return _transport.by_platform((rows, weights, slot), xla=xla, pallas=pallas,
+                                  kernels="auto")
 
 
 def rows_if(wanted: bool, a):

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 
 from moe import _transport, _wire_mosaic, _wire_pallas
 from moe._plan import DispatchPlan
-from moe._platform import prefer_mosaic_gpu
 from moe.options import WireDtype
 
 __all__ = ["Wire", "back_row", "combine_rows", "combine_rows_forward", "combine_weights_grad",
@@ -84,22 +83,18 @@ def _take_rows(rows: jax.Array, index: jax.Array) -> jax.Array:
 
 
 def _gather_decode(w: Wire, width: int):
-    """``(pallas, ok)`` for `_transport.by_platform`: ``pallas(interpret, buf, index)`` decodes
-    wire rows ``buf[index]`` in one pass, in Mosaic GPU (`moe._wire_mosaic.gather_decode`,
-    `moe._platform.prefer_mosaic_gpu` and widths it takes) or else Triton
-    (`moe._wire_pallas.gather_decode`); ``ok``: whether either takes rows of ``width``."""
+    """``pallas(interpret, buf, index)`` for `_transport.by_platform` (None: no kernel takes
+    rows of ``width``): wire rows ``buf[index]`` decoded in one pass, in Mosaic GPU
+    (`moe._wire_mosaic.gather_decode`) or Triton (`moe._wire_pallas.gather_decode`),
+    `_transport.twin_kernels`."""
     fp8_wire = w.wire == "fp8"
     kw = dict(width=width, fp8_wire=fp8_wire, block_size=w.block_size, out_dtype=w.out)
-    mosaic = prefer_mosaic_gpu() and _wire_mosaic.wire_supported(
-        width, fp8_wire=fp8_wire, block_size=w.block_size)
-
-    def pallas(interpret, buf, index):
-        if mosaic and not interpret:
-            return _wire_mosaic.gather_decode(buf, index, **kw)
-        return _wire_pallas.gather_decode(buf, index, interpret=interpret, **kw)
-
-    return pallas, mosaic or _wire_pallas.supported(width, fp8_wire=fp8_wire,
-                                                    block_size=w.block_size)
+    return _transport.twin_kernels(
+        functools.partial(_wire_mosaic.gather_decode, **kw),
+        lambda interpret, *a: _wire_pallas.gather_decode(*a, interpret=interpret, **kw),
+        mosaic_ok=_wire_mosaic.wire_supported(width, fp8_wire=fp8_wire,
+                                              block_size=w.block_size),
+        triton_ok=_wire_pallas.supported(width, fp8_wire=fp8_wire, block_size=w.block_size))
 
 
 def _dense_to_layout(recv: jax.Array, plan: DispatchPlan, w: Wire, width: int) -> jax.Array:
@@ -114,7 +109,7 @@ def _dense_to_layout(recv: jax.Array, plan: DispatchPlan, w: Wire, width: int) -
         out = out.reshape(p, el, c, width)
         return out.transpose(1, 0, 2, 3).reshape(plan.expert_shape(width))
 
-    decode, ok = _gather_decode(w, width)
+    decode = _gather_decode(w, width)
 
     def pallas(interpret, recv):
         # expert-layout row (l, q, r) <- received row (q, l, r)
@@ -123,7 +118,8 @@ def _dense_to_layout(recv: jax.Array, plan: DispatchPlan, w: Wire, width: int) -
             + jax.lax.broadcasted_iota(jnp.int32, (el, p, c), 2)
         return decode(interpret, recv, src.reshape(-1)).reshape(plan.expert_shape(width))
 
-    return _transport.by_platform((recv,), xla=xla, pallas=pallas if ok and p > 1 else None,
+    ok = decode is not None and p > 1
+    return _transport.by_platform((recv,), xla=xla, pallas=pallas if ok else None,
                                   kernels=w.kernels)
 
 
@@ -143,8 +139,7 @@ def _pairs_to_layout(recv: jax.Array, plan: DispatchPlan, c: int, w: Wire, width
     def xla(recv, index):
         return w.decode(_take_rows(recv, index), width)
 
-    pallas, ok = _gather_decode(w, width)
-    return _transport.by_platform((recv, index), xla=xla, pallas=pallas if ok else None,
+    return _transport.by_platform((recv, index), xla=xla, pallas=_gather_decode(w, width),
                                   kernels=w.kernels)
 
 

@@ -76,7 +76,12 @@ def row_layout(vec: int):
 
 def load(ref, layout) -> jax.Array:
     """Registers of a global-memory ``ref`` view in ``layout`` (f32)."""
-    return _gmm_mosaic.load(ref, layout=layout, optimized=False).astype(jnp.float32)
+    return load_raw(ref, layout).astype(jnp.float32)
+
+
+def load_raw(ref, layout) -> jax.Array:
+    """Registers of a ``ref`` view in ``layout``, in its own dtype (integer bits stay bits)."""
+    return _gmm_mosaic.load(ref, layout=layout, optimized=False)
 
 
 def _sigmoid(x: jax.Array) -> jax.Array:
@@ -298,8 +303,7 @@ def _amax_body(a_ref, col_ref, *row_ref):
 
 
 def _inv_scales(bits_ref, layout) -> jax.Array:
-    bits = _gmm_mosaic.load(bits_ref, layout=layout, optimized=False)  # int32, not via f32
-    return fp8.scales_from_amax_bits(bits)[1]
+    return fp8.scales_from_amax_bits(load_raw(bits_ref, layout))[1]  # int32, not via f32
 
 
 def _cast(x: jax.Array, inv: jax.Array, axis: int, layout) -> jax.Array:
@@ -318,8 +322,7 @@ def _quantize_tile_body(a_ref, col_bits_ref, *refs):
     inv_c = _inv_scales(col_bits_ref.at[b, cols], layout.reduce(0))
     tile = smem.at[:, _ds(0, TILE[1])]
     tile[...] = _cast(x, inv_c, 1, layout)
-    qt = _gmm_mosaic.load(tile.transpose((1, 0)), layout=_transposed_layout(),
-                          optimized=False)
+    qt = load_raw(tile.transpose((1, 0)), _transposed_layout())
     qt_ref[b, cols, rows] = qt
     if row:
         row_bits_ref, q_ref = row

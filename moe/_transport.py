@@ -168,6 +168,23 @@ def by_platform(args: tuple, *, xla, pallas, kernels: WireKernels):
     return jax.lax.platform_dependent(*args, cuda=functools.partial(pallas, False), default=xla)
 
 
+def twin_kernels(mosaic, triton, *, mosaic_ok: bool, triton_ok: bool):
+    """The ``pallas`` argument of :func:`by_platform` for a Pallas kernel with a Mosaic GPU
+    twin: ``mosaic(*args)`` compiled, where `moe._platform.prefer_mosaic_gpu` and the twin
+    takes the shape (``mosaic_ok``), else ``triton(interpret, *args)``; None where neither
+    takes the shape (``triton_ok`` False too)."""
+    use_mosaic = mosaic_ok and prefer_mosaic_gpu()
+    if not (use_mosaic or triton_ok):
+        return None
+
+    def pallas(interpret, *args):
+        if use_mosaic and not interpret:
+            return mosaic(*args)
+        return triton(interpret, *args)
+
+    return pallas
+
+
 def encode_rows(
     rows: jax.Array, *, wire: Literal["fp8"] | jnp.dtype, block_size: int
 ) -> jax.Array:
@@ -235,17 +252,13 @@ def gather_rows(
 
     is_fp8 = isinstance(wire, str)
     width = rows.shape[-1]
-    mosaic = prefer_mosaic_gpu() and _wire_mosaic.wire_supported(
-        width, fp8_wire=is_fp8, block_size=block_size)
-
-    def pallas(interpret, rows, index):
-        kw = dict(fp8_wire=is_fp8, block_size=block_size, out_dtype=None if is_fp8 else wire)
-        if mosaic and not interpret:
-            return _wire_mosaic.gather_encode(rows, index, **kw)
-        return _wire_pallas.gather_encode(rows, index, interpret=interpret, **kw)
-
-    ok = mosaic or _wire_pallas.supported(width, fp8_wire=is_fp8, block_size=block_size)
-    return by_platform((rows, index), xla=xla, pallas=pallas if ok else None, kernels=kernels)
+    kw = dict(fp8_wire=is_fp8, block_size=block_size, out_dtype=None if is_fp8 else wire)
+    pallas = twin_kernels(
+        functools.partial(_wire_mosaic.gather_encode, **kw),
+        lambda interpret, *a: _wire_pallas.gather_encode(*a, interpret=interpret, **kw),
+        mosaic_ok=_wire_mosaic.wire_supported(width, fp8_wire=is_fp8, block_size=block_size),
+        triton_ok=_wire_pallas.supported(width, fp8_wire=is_fp8, block_size=block_size))
+    return by_platform((rows, index), xla=xla, pallas=pallas, kernels=kernels)
 
 
 def gather_weighted_rows(

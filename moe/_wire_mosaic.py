@@ -40,8 +40,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from moe import _gmm_mosaic, fp8
 from moe import _quant_mosaic as qm
+from moe import fp8
 
 F8 = jnp.float8_e4m3fn
 pl = qm.pl
@@ -191,11 +191,6 @@ def word_layout():
                                  lane_dims=(-2,), vector_dim=-1)
 
 
-def _bits(ref, layout) -> jax.Array:
-    """Registers of a global-memory ``ref`` view in ``layout``, in its own dtype."""
-    return _gmm_mosaic.load(ref, layout=layout, optimized=False)
-
-
 def _cast(x: jax.Array, layout) -> jax.Array:
     return qm.plgpu.layout_cast(x, layout)
 
@@ -205,20 +200,12 @@ def _shifts(shape: tuple[int, ...], dim: int, layout) -> jax.Array:
     return _cast(lax.broadcasted_iota(jnp.uint32, shape, dim), layout) * jnp.uint32(8)
 
 
-def _copy_vec(width: int, itemsize: int) -> int:
-    """Elements per lane vector of a float row copy: up to 16 bytes, ``width`` a multiple of
-    ``128 vec`` (`moe._quant_mosaic.row_layout` over ``[width / (32 vec), 32 vec]``)."""
-    vec = 16 // itemsize
-    while vec > 1 and width % (qm.WARPS * 32 * vec):
-        vec //= 2
-    return vec
-
-
 def _copy_row(src, dst, ok, width: int) -> None:
     """``dst [width] = src [width]`` cast to ``dst``'s dtype (zeros unless ``ok``)."""
-    vec = _copy_vec(width, max(src.dtype.itemsize, dst.dtype.itemsize))
+    # Up to 16 bytes per lane vector; the warps split a row, so a multiple of 128 vec wide.
+    vec = qm.vector_length(width // qm.WARPS, max(src.dtype.itemsize, dst.dtype.itemsize))
     shape = (width // (32 * vec), 32 * vec)
-    y = _bits(_view(src, shape), qm.row_layout(vec)).astype(dst.dtype)
+    y = qm.load_raw(_view(src, shape), qm.row_layout(vec)).astype(dst.dtype)
     _view(dst, shape)[...] = jnp.where(ok, y, jnp.zeros((), dst.dtype))
 
 
@@ -261,7 +248,7 @@ def _decoded(buf_ref, s, *, width: int, block_size: int) -> jax.Array:
     """f32 ``[G, 4, block / 4, 4]`` (:func:`word_layout`): FP8 wire row ``s`` decoded (NaN in
     a block whose scale byte is ``E8M0_NAN``), as `moe.fp8.dequantize` before its clip."""
     layout, shape = word_layout(), _shape(width, block_size)
-    words = _bits(_view(_data_words(buf_ref, s, width), shape[:3]), layout.reduce(3))
+    words = qm.load_raw(_view(_data_words(buf_ref, s, width), shape[:3]), layout.reduce(3))
     words = _cast(lax.broadcast_in_dim(words, shape, [0, 1, 2]), layout)
     data = (words >> _shifts(shape, 3, layout)).astype(jnp.uint8)  # byte j of each word
     data = lax.bitcast_convert_type(data, F8).astype(jnp.float32)
@@ -269,7 +256,7 @@ def _decoded(buf_ref, s, *, width: int, block_size: int) -> jax.Array:
     if shape[0] == 1:  # one scale word: a scalar load
         sw = buf_ref[s, width // WORD]
     else:  # every thread loads the G words
-        sw = _bits(buf_ref.at[s, pl.ds(width // WORD, shape[0])], layout.reduce((1, 2, 3)))
+        sw = qm.load_raw(buf_ref.at[s, pl.ds(width // WORD, shape[0])], layout.reduce((1, 2, 3)))
         sw = _cast(lax.broadcast_in_dim(sw, shape[:2], [0]), blocks)
     byte = (sw >> _shifts(shape[:2], 1, blocks)) & jnp.uint32(0xFF)  # [G, 4]
     scale = fp8.scale_from_byte(byte.astype(jnp.int32))
