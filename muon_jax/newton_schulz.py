@@ -46,6 +46,10 @@ factor: every step but the last evaluates its polynomial at ``x / 1.01``, i.e.
 
 SCHEDULES: tuple[str, ...] = ("jordan", "polar_express")
 
+_MAX_ITERATE_SCALE = 2.0**12
+"""Largest factor by which a narrow-operand iteration lets its carried iterate ``Z = X / k``
+shrink before folding ``k`` back in (one pass); 5 Jordan or Polar Express steps stay below."""
+
 
 def resolve_ns_coeffs(ns_coeffs: NsCoeffsLike, ns_steps: int) -> tuple[Coeffs, ...]:
     """Resolve a schedule to one ``(a, b, c)`` triple per Newton-Schulz step.
@@ -202,15 +206,24 @@ def orthogonalize(
     else:
         # Narrow operands: X stays float32 (a X must not be rounded: rounding X itself puts
         # noise into the directions of small singular values, which later steps amplify), but
-        # nothing else needs float32 storage. One cast of X per step feeds both X-matmuls; the
-        # Gram matrix leaves its matmul in `dtype` (float32 accumulation on GPU/TPU); the
-        # polynomial is one fused pass. Per step over the [m, n] iterate: one float32 -> dtype
-        # cast and one fused a X + (B X) update; over [m, m]: one pass.
+        # nothing else needs float32 storage. X is carried as k Z, with k the product of the
+        # a_t so far (a Python float): then
+        #   Z_{t+1} = Z_t + Q_t dtype(Z_t),  Q_t = (b_t k^2 A + c_t k^4 A A) / a_t,
+        #   A = dtype(Z_t) dtype(Z_t)^T  (left in `dtype` by its matmul; f32 accumulation),
+        # so a step's update is one matmul plus its f32 addend, which XLA's GEMM can add in
+        # its epilogue, instead of a separate a X + (B X) pass over the iterate; the scalars
+        # go into the [m, m] polynomial. dtype(Z) differs from dtype(X) / k by rounding
+        # alone. Per step over [m, n]: one float32 -> dtype cast and the matmul's addend.
+        k = 1.0
         for a, b, c in steps:
             yn = y.astype(dtype)
             gram = jnp.matmul(yn, jnp.swapaxes(yn, -1, -2), preferred_element_type=dtype)
-            poly = c * mm(gram, gram) + b * gram.astype(jnp.float32)
-            y = a * y + mm(poly, yn)
+            poly = (c * k**4 / a) * mm(gram, gram) + (b * k**2 / a) * gram.astype(jnp.float32)
+            y = y + mm(poly, yn)
+            k *= a
+            if k > _MAX_ITERATE_SCALE:  # long schedules: keep Z's entries well inside f32
+                y, k = k * y, 1.0
+        y = k * y
     if transposed:
         y = jnp.swapaxes(y, -1, -2)
     return y.astype(out_dtype)
