@@ -79,6 +79,20 @@ def test_bf16_close_to_f32():
         assert rel < 5e-2, (schedule, float(rel))
 
 
+@pytest.mark.parametrize("schedule,steps", [("jordan", 5), ("jordan", 15), ("polar_express", 12)])
+def test_bf16_iterate_stays_finite_at_any_scale_and_length(schedule, steps):
+    """The narrow-operand iteration carries X / k, k the product of the a's (folded back past
+    2^12): inputs scaled by 1e-4 or 1e12, and long schedules, stay finite and as close to the
+    float32 iteration as unscaled ones (bf16 rounding alone; Jordan's never converges, so
+    long runs differ more)."""
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((M, N)), jnp.float32)
+    got = _orth(schedule, steps, jnp.bfloat16)(jnp.stack([x * 1e-4, x, x * 1e12]))
+    chex.assert_tree_all_finite(got)
+    f32 = _orth(schedule, steps, jnp.float32)(x)
+    for g in got:
+        assert jnp.linalg.norm(g - f32) / jnp.linalg.norm(f32) < 0.1
+
+
 def test_batched_equals_per_matrix_and_tall_equals_transposed_wide():
     x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 3, M, N)), jnp.float32)
     f = _orth("jordan", 5, jnp.float32)
