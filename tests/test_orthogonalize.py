@@ -80,11 +80,10 @@ def test_bf16_close_to_f32():
 
 
 @pytest.mark.parametrize("schedule,steps", [("jordan", 5), ("jordan", 15), ("polar_express", 12)])
-def test_bf16_iterate_stays_finite_at_any_scale_and_length(schedule, steps):
-    """The narrow-operand iteration carries X / k, k the product of the a's (folded back past
-    2^12): inputs scaled by 1e-4 or 1e12, and long schedules, stay finite and as close to the
-    float32 iteration as unscaled ones (bf16 rounding alone; Jordan's never converges, so
-    long runs differ more)."""
+def test_bf16_iteration_stays_finite_at_any_scale_and_length(schedule, steps):
+    """The narrow-operand iteration (bf16 Gram matrix and polynomial): inputs scaled by 1e-4
+    or 1e12, and long schedules, stay finite and as close to the float32 iteration as
+    unscaled ones (bf16 rounding alone; Jordan's never converges, so long runs differ more)."""
     x = jnp.asarray(np.random.default_rng(3).standard_normal((M, N)), jnp.float32)
     got = _orth(schedule, steps, jnp.bfloat16)(jnp.stack([x * 1e-4, x, x * 1e12]))
     chex.assert_tree_all_finite(got)
