@@ -14,9 +14,9 @@ bytes; the layer lowers these on Hopper (`moe._platform.prefer_mosaic_gpu`):
 * :func:`gather_rows_quantized`: received FP8 wire rows gathered and re-quantized per row for
   the FP8 GEMMs.
 
-One CTA (one warpgroup) per output row: it reads the row's index (a scalar load), then the
-token row as ``[H / 128, 128]`` registers, warps over 128-channel blocks and lanes across a
-block (:func:`block_layout`), so a block maximum is a reduction across one warp's lanes and the
+One CTA (one warpgroup) per output row (two rows for the two local gathers when the row count
+is even, :data:`ROWS_PER_CTA`): it reads the row's index (a scalar load), then the token row
+as ``[H / 128, 128]`` registers, warps over 128-channel blocks and lanes across a block (:func:`block_layout`), so a block maximum is a reduction across one warp's lanes and the
 row maximum one more across the warps. Rows of ``H`` a multiple of ``4 * block`` channels:
 :func:`supported`. The wire kernels view an FP8 row as ``[G, 4, block / 4, 4]`` (groups of
 four blocks, one scale word each; :func:`word_layout`): a lane holds the four bytes of a wire
@@ -72,9 +72,9 @@ def _source(idx_ref, n: int):
 
 
 ROWS_PER_CTA = 2
-"""Output rows one CTA of the local gathers handles (when the row count allows it): on an
-H200 two rows per CTA moved the same bytes 10-30% faster than one (BENCHMARKS.md), the row
-indices loaded up front so that the second row's load need not wait for the first's store."""
+"""Output rows one CTA of the local gathers handles (when the row count allows it), both row
+indices loaded first. On an H200 at the LM benchmark's shapes the local rows took 0.292 ms
+against 0.300 with one row per CTA, the weighted rows the same (BENCHMARKS.md, stop 31)."""
 
 
 def _rows_per_cta(r: int) -> int:
