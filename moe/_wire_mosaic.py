@@ -16,8 +16,9 @@ bytes; the layer lowers these on Hopper (`moe._platform.prefer_mosaic_gpu`):
 
 One CTA (one warpgroup) per output row (two rows for the two local gathers when the row count
 is even, :data:`ROWS_PER_CTA`): it reads the row's index (a scalar load), then the token row
-as ``[H / 128, 128]`` registers, warps over 128-channel blocks and lanes across a block (:func:`block_layout`), so a block maximum is a reduction across one warp's lanes and the
-row maximum one more across the warps. Rows of ``H`` a multiple of ``4 * block`` channels:
+as ``[H / 128, 128]`` registers, warps over 128-channel blocks and lanes across a block
+(:func:`block_layout`), so a block maximum is a reduction across one warp's lanes and the row
+maximum one more across the warps. Rows of ``H`` a multiple of ``4 * block`` channels:
 :func:`supported`. The wire kernels view an FP8 row as ``[G, 4, block / 4, 4]`` (groups of
 four blocks, one scale word each; :func:`word_layout`): a lane holds the four bytes of a wire
 word in one register, so words are packed and unpacked with shifts inside a thread, and a
