@@ -66,10 +66,7 @@ def block_layout(block_size: int):
 
 def _source(idx_ref, n: int):
     """This CTA's output row, its source row (0 where out of range) and whether in range."""
-    i = lax.axis_index("rows")
-    src = idx_ref[i]
-    ok = (src >= 0) & (src < n)
-    return i, jnp.where(ok, src, 0), ok
+    return _sources(idx_ref, n, 1)[0]
 
 
 ROWS_PER_CTA = 2
@@ -181,8 +178,7 @@ def gather_weighted_rows_quantized(rows: jax.Array, weights: jax.Array, slot: ja
     body = functools.partial(_weighted_rows_body, n_slots=weights.shape[0], top_k=top_k,
                              wire_dtype=jnp.dtype(wire_dtype), per=per)
     return qm.launch(body, (slot.astype(jnp.int32), weights, rows), _rows_out(r, h),
-                     grid=r // per,
-                     name="wire_weighted_rows_fp8_mgpu")
+                     grid=r // per, name="wire_weighted_rows_fp8_mgpu")
 
 
 # ----------------------------------------------------------------------------------------------

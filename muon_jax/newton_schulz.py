@@ -132,9 +132,9 @@ def orthogonalize(
     relative Frobenius difference from float32 on well-conditioned inputs). With a narrow
     ``dtype`` the Gram matrix ``A`` is also stored in ``dtype`` (it is rounded to ``dtype`` as a
     matmul operand anyway) and ``B = A (c A + b I)`` is one matmul with ``dtype`` operands and
-    result; keeping ``X`` in float32 is what keeps
-    small singular directions accurate on ill-conditioned inputs. Each step applies the odd
-    quintic ``p_t(s) = a_t s + b_t s^3 + c_t s^5`` to every singular value, so for
+    result; keeping ``X`` in float32 is what keeps small singular directions accurate on
+    ill-conditioned inputs. Each step applies the odd quintic
+    ``p_t(s) = a_t s + b_t s^3 + c_t s^5`` to every singular value, so for
     ``G = U diag(s) V^T`` the result is ``U diag(p_T(...p_1(s / ||G||_F))) V^T``.
 
     Singular-value bands (exact arithmetic; float32 agrees to ~1e-4). Input singular values
