@@ -54,6 +54,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import warnings
 from collections import Counter, defaultdict
 from collections.abc import Mapping
 from pathlib import Path
@@ -340,7 +341,9 @@ def _events(trace_dir):
                     continue
                 for ev in line.events:
                     try:
-                        stats = dict(ev.stats)
+                        with warnings.catch_warnings():  # the profiler binding's SWIG types
+                            warnings.simplefilter("ignore", DeprecationWarning)
+                            stats = dict(ev.stats)
                     except Exception:  # stats are best effort
                         stats = {}
                     op = stats.get("hlo_op")

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import DTypeLike
 
-from moe import _vma
+from moe import _jax_support, _vma
 from moe._tiling import check_fields, count, tile_size
 
 try:  # Mosaic GPU ships with jax; keep CPU-only imports safe.
@@ -122,23 +122,37 @@ def kernel_name(kind: str, dtype, n_groups: int) -> str:
     return f"{'dense_' if n_groups == 1 else ''}{kind}_{bits}"
 
 
+AVOID = "backend='ragged_dot' (ragged layouts) or 'einsum' (padded)"
+"""What keeps the layer off these GEMMs (for `moe._jax_support.check_kernel_lowers`)."""
+
+
 def _kernel(body, out_shape: tuple[int, ...], out_dtype, varying: frozenset, name: str):
     """``body`` as a persistent kernel named ``name``: one CTA per SM, each of three
-    warpgroups ("wg")."""
+    warpgroups ("wg"). Called on its operands, it first checks that it lowers on this jax
+    (`moe._jax_support.check_kernel_lowers`, a no-op on the tested versions)."""
 
     def named(*refs):
         body(*refs)
 
     named.__name__ = name
-    return plgpu.kernel(
-        named,
-        out_type=_vma.out_struct(out_shape, out_dtype, varying),
-        grid=(_num_sms(),),
-        grid_names=("sm",),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
+
+    def kernel(varying):
+        return plgpu.kernel(
+            named,
+            out_type=_vma.out_struct(out_shape, out_dtype, varying),
+            grid=(_num_sms(),),
+            grid_names=("sm",),
+            num_threads=3,
+            thread_name="wg",
+            compiler_params=plgpu.CompilerParams(
+                lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        )
+
+    def call(*operands):
+        _jax_support.check_kernel_lowers(name, kernel(frozenset()), operands, avoid=AVOID)
+        return kernel(varying)(*operands)
+
+    return call
 
 
 def _idx_required() -> bool:

@@ -92,8 +92,9 @@ def _gather_decode(w: Wire, width: int):
     return _transport.twin_kernels(
         functools.partial(_wire_mosaic.gather_decode, **kw),
         lambda interpret, *a: _wire_pallas.gather_decode(*a, interpret=interpret, **kw),
-        mosaic_ok=_wire_mosaic.wire_supported(width, fp8_wire=fp8_wire,
-                                              block_size=w.block_size),
+        mosaic_ok=_wire_mosaic.wire_supported(
+            width, fp8_wire=fp8_wire, block_size=w.block_size,
+            itemsizes=(4 if fp8_wire else jnp.dtype(w.wire).itemsize, jnp.dtype(w.out).itemsize)),
         triton_ok=_wire_pallas.supported(width, fp8_wire=fp8_wire, block_size=w.block_size))
 
 

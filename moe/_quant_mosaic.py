@@ -11,8 +11,13 @@ row and its 32 lanes hold ``vec``-element vectors across the row (:func:`row_lay
 row maximum is a reduction across the lanes of one warp (shuffles, no shared memory) and the
 stores are 16-byte vectors (8 bytes of e4m3).
 
-Rows must be a multiple of 32 channels (``vec`` >= 1; 8 when the width allows) and the row
-count a multiple of :data:`BLOCK_ROWS`: :func:`supported`. The activations' sigmoid is traced
+Global-memory stores follow the rules jax's Mosaic GPU transfer planner enforces since jax
+0.12 (each warp writes whole 32-byte sectors, at least 4 bytes per thread, each warpgroup whole
+128-byte lines): the e4m3 rows are stored straight from registers, which needs ``vec >= 4``
+(rows a multiple of 128 channels), and the per-row scales, 16 bytes per CTA, go through shared
+memory and a TMA copy (:func:`store_small`). Rows must be a multiple of 128 channels and the
+row count a multiple of :data:`BLOCK_ROWS`: :func:`supported`; other shapes take the XLA path
+(`moe._quant_pallas`). The activations' sigmoid is traced
 as ``1 / (1 + exp(-x))`` (Mosaic GPU has no ``logistic`` rule), so the activation backward's
 e4m3 bytes may differ from the Triton kernel's by one code (2 in 10^7 on an H200).
 
@@ -34,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from moe import _gmm_mosaic, _vma, fp8
+from moe import _gmm_mosaic, _jax_support, _vma, fp8
 from moe.activations import GatedActivation
 
 try:  # Mosaic GPU ships with jax; keep CPU-only imports safe.
@@ -53,10 +58,16 @@ BLOCK_ROWS = WARPS
 """Rows per CTA: one per warp of its warpgroup."""
 
 
+ROW_MULTIPLE = 128
+"""Channels a row width must be a multiple of: 32 lanes times the 4-element lane vector that
+makes an e4m3 store 4 bytes per thread."""
+
+
 def supported(m: int, width: int) -> bool:
-    """Whether ``m`` rows of ``width`` channels fit these kernels (``width % 32 == 0``,
-    ``m % BLOCK_ROWS == 0``)."""
-    return MOSAIC_IMPORT_ERROR is None and width >= 32 and width % 32 == 0 and m % BLOCK_ROWS == 0
+    """Whether ``m`` rows of ``width`` channels fit these kernels (``width`` a multiple of
+    :data:`ROW_MULTIPLE`, ``m`` of :data:`BLOCK_ROWS`)."""
+    return (MOSAIC_IMPORT_ERROR is None and width >= ROW_MULTIPLE and width % ROW_MULTIPLE == 0
+            and m % BLOCK_ROWS == 0)
 
 
 def vector_length(width: int, itemsize: int) -> int:
@@ -127,24 +138,41 @@ def _ds(start, size):
     return pl.ds(start, size)
 
 
-def _quantize_body(x_ref, q_ref, s_ref, *, width):
+def store_small(value: jax.Array, dst, smem) -> None:
+    """``dst[...] = value`` for a small vector (a CTA's per-row scales or maxima) through the
+    SMEM scratch ``smem`` and a TMA copy.
+
+    A direct store would write a few words per warp, not whole 32-byte sectors, which jax's
+    transfer planner rejects (jax >= 0.12); a TMA copy needs only 16-byte multiples.
+    """
+    smem[...] = value
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(smem, dst)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _scale_smem():
+    return plgpu.SMEM((BLOCK_ROWS,), jnp.float32)
+
+
+def _quantize_body(x_ref, q_ref, s_ref, smem, *, width):
     rows, layout = _block(width, x_ref.dtype.itemsize)
     (q,), s = scaled_e4m3([load(x_ref.at[rows, :], layout)], layout)
     q_ref[rows, :] = q
-    s_ref[rows] = s
+    store_small(s, s_ref.at[rows], smem)
 
 
-def _gated_body(z_ref, q_ref, s_ref, *, width, act):
+def _gated_body(z_ref, q_ref, s_ref, smem, *, width, act):
     rows, layout = _block(width, z_ref.dtype.itemsize)
     g = load(z_ref.at[rows, _ds(0, width)], layout)
     u = load(z_ref.at[rows, _ds(width, width)], layout)
     (q,), s = scaled_e4m3([act.apply_parts(g, u, sigmoid=_sigmoid)], layout)
     q_ref[rows, :] = q
-    s_ref[rows] = s
+    store_small(s, s_ref.at[rows], smem)
 
 
 def _gated_grad_body(z_ref, dh_ref, *out_refs, width, act):
-    *dz_ref, q_ref, s_ref = out_refs  # dz_ref: [] when only the FP8 copy is wanted
+    *dz_ref, q_ref, s_ref, smem = out_refs  # dz_ref: [] when only the FP8 copy is wanted
     rows, layout = _block(width, z_ref.dtype.itemsize)
     g = load(z_ref.at[rows, _ds(0, width)], layout)
     u = load(z_ref.at[rows, _ds(width, width)], layout)
@@ -156,28 +184,40 @@ def _gated_grad_body(z_ref, dh_ref, *out_refs, width, act):
         if dz_ref:
             dz_ref[0][rows, cols] = d.astype(dz_ref[0].dtype)
         q_ref[rows, cols] = q
-    s_ref[rows] = s
+    store_small(s, s_ref.at[rows], smem)
+
+
+AVOID_FP8_GEMMS = "bf16 expert GEMMs (gemm_dtype, dgrad_dtype and wgrad_dtype 'bf16')"
+"""What keeps the layer off the FP8 operands' quantization kernels (for the error of
+`moe._jax_support.check_kernel_lowers`)."""
 
 
 def launch(body, operands, outs, *, grid: int | tuple[int, ...], name: str,
-           grid_names: tuple[str, ...] = ("rows",), scratch=()):
+           grid_names: tuple[str, ...] = ("rows",), scratch=(), avoid: str = AVOID_FP8_GEMMS):
     """``body`` over ``grid`` one-warpgroup CTAs (``lax.axis_index(grid_names[i])``), named
     ``name``; ``outs``: ``(shape, dtype)`` of each output; ``scratch``: SMEM scratch types,
-    passed after the outputs."""
+    passed after the outputs; ``avoid``: the option that keeps the layer off this kernel,
+    named if it does not lower on an untested jax (`moe._jax_support`)."""
     varying = _vma.varying_of(*operands)
 
     def named(*refs):
         body(*refs)
 
     named.__name__ = name
-    out = plgpu.kernel(
-        named,
-        out_type=tuple(_vma.out_struct(s, d, varying) for s, d in outs),
-        scratch_types=tuple(scratch),
-        grid=grid if isinstance(grid, tuple) else (grid,),
-        grid_names=grid_names,
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-    )(*operands)
+
+    def kernel(varying):
+        return plgpu.kernel(
+            named,
+            out_type=tuple(_vma.out_struct(s, d, varying) for s, d in outs),
+            scratch_types=tuple(scratch),
+            grid=grid if isinstance(grid, tuple) else (grid,),
+            grid_names=grid_names,
+            compiler_params=plgpu.CompilerParams(
+                lowering_semantics=plgpu.LoweringSemantics.Lane),
+        )
+
+    _jax_support.check_kernel_lowers(name, kernel(frozenset()), operands, avoid=avoid)
+    out = kernel(varying)(*operands)
     return tuple(_vma.as_varying(o, varying) for o in out)
 
 
@@ -185,8 +225,9 @@ def _check(x: jax.Array, width: int, what: str) -> None:
     if x.ndim != 2 or not supported(x.shape[0], width):
         raise ValueError(
             f"{what} must be 2-D with rows a multiple of {BLOCK_ROWS} and a row width that is "
-            f"a multiple of 32 for the Mosaic GPU quantization kernels, got shape {x.shape}; "
-            "use moe._quant_pallas (Triton or the XLA references) for other shapes.")
+            f"a multiple of {ROW_MULTIPLE} for the Mosaic GPU quantization kernels, got shape "
+            f"{x.shape}; moe._quant_pallas.rows (and its siblings) take the XLA path for other "
+            "shapes.")
 
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -196,7 +237,7 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     the bytes of ``moe._quant_pallas.quantize_rows_reference``.
 
     Args:
-      x: float ``[M, K]``, ``M`` a multiple of 4 and ``K`` of 32.
+      x: float ``[M, K]``, ``M`` a multiple of 4 and ``K`` of 128.
 
     Returns:
       ``(q float8_e4m3fn [M, K], scale float32 [M])``.
@@ -209,14 +250,15 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     _check(x, k, "x")
     return launch(functools.partial(_quantize_body, width=k), (x,),
                   (((m, k), F8), ((m,), jnp.float32)), grid=m // BLOCK_ROWS,
-                  name="fp8_quantize_rows_mgpu")
+                  name="fp8_quantize_rows_mgpu",
+                  scratch=(_scale_smem(),))
 
 
 def gated_quantize_rows(z: jax.Array, act: GatedActivation) -> tuple[jax.Array, jax.Array]:
     """``h = act(z)`` quantized row-wise from one read of ``z``: ``(q [M, F], scale [M])``.
 
     Args:
-      z: float ``[M, 2F]`` (gate columns, then up columns), ``F`` a multiple of 32.
+      z: float ``[M, 2F]`` (gate columns, then up columns), ``F`` a multiple of 128.
       act: the gated activation.
 
     Returns:
@@ -227,7 +269,8 @@ def gated_quantize_rows(z: jax.Array, act: GatedActivation) -> tuple[jax.Array, 
     _check(z, f, "z")
     return launch(functools.partial(_gated_body, width=f, act=act), (z,),
                   (((m, f), F8), ((m,), jnp.float32)), grid=m // BLOCK_ROWS,
-                  name="fp8_gated_quantize_rows_mgpu")
+                  name="fp8_gated_quantize_rows_mgpu",
+                  scratch=(_scale_smem(),))
 
 
 def gated_grad_quantize_rows(z: jax.Array, dh: jax.Array, act: GatedActivation, *,
@@ -235,7 +278,7 @@ def gated_grad_quantize_rows(z: jax.Array, dh: jax.Array, act: GatedActivation, 
     """The activation's backward ``dz = act'(z) dh`` in ``out_dtype`` and quantized row-wise.
 
     Args:
-      z: float ``[M, 2F]``, ``F`` a multiple of 32.
+      z: float ``[M, 2F]``, ``F`` a multiple of 128.
       dh: float ``[M, F']``, ``F' >= F``; only the first ``F`` columns are read.
       act: the gated activation.
       out_dtype: dtype of the unquantized ``dz``; None: only the quantized copy.
@@ -254,7 +297,8 @@ def gated_grad_quantize_rows(z: jax.Array, dh: jax.Array, act: GatedActivation, 
     if out_dtype is not None:
         outs = (((m, two_f), jnp.dtype(out_dtype)), *outs)
     return launch(functools.partial(_gated_grad_body, width=f, act=act), (z, dh), outs,
-                  grid=m // BLOCK_ROWS, name="fp8_gated_grad_quantize_rows_mgpu")
+                  grid=m // BLOCK_ROWS, name="fp8_gated_grad_quantize_rows_mgpu",
+                  scratch=(_scale_smem(),))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -293,13 +337,14 @@ def _tile_index():
     return b, i, j, _ds(i * TILE[0], TILE[0]), _ds(j * TILE[1], TILE[1])
 
 
-def _amax_body(a_ref, col_ref, *row_ref):
+def _amax_body(a_ref, col_ref, *rows):
     """Pass 1: each tile's column maxima (and row maxima) as int32 ``|x|`` bits."""
-    b, i, j, rows, cols = _tile_index()
-    bits = abs_bits(load(a_ref.at[b, rows, cols], _tile_layout()))
+    b, i, j, rows_, cols = _tile_index()
+    bits = abs_bits(load(a_ref.at[b, rows_, cols], _tile_layout()))
     col_ref[b, i, cols] = jnp.max(bits, axis=0)
-    if row_ref:
-        row_ref[0][b, j, rows] = jnp.max(bits, axis=1)
+    if rows:  # [row_ref, smem]: 64 words, 256 bytes, through SMEM (store_small)
+        row_ref, smem = rows
+        store_small(jnp.max(bits, axis=1), row_ref.at[b, j, rows_], smem)
 
 
 def _inv_scales(bits_ref, layout) -> jax.Array:
@@ -313,21 +358,25 @@ def _cast(x: jax.Array, inv: jax.Array, axis: int, layout) -> jax.Array:
 
 
 def _quantize_tile_body(a_ref, col_bits_ref, *refs):
-    """Pass 2: the tile scaled per column, cast, transposed through SMEM and stored into the
-    K-major copy (and scaled per row into the row copy)."""
-    *row, qt_ref, smem = refs  # row: [row_bits_ref, q_ref] for both copies
+    """Pass 2: the tile scaled per column, cast, transposed through SMEM and copied into the
+    K-major copy by TMA (and scaled per row into the row copy)."""
+    *row, qt_ref, smem, smem_t = refs  # row: [row_bits_ref, q_ref] for both copies
     b, _, _, rows, cols = _tile_index()
     layout = _tile_layout()
     x = load(a_ref.at[b, rows, cols], layout)
     inv_c = _inv_scales(col_bits_ref.at[b, cols], layout.reduce(0))
     tile = smem.at[:, _ds(0, TILE[1])]
     tile[...] = _cast(x, inv_c, 1, layout)
-    qt = load_raw(tile.transpose((1, 0)), _transposed_layout())
-    qt_ref[b, cols, rows] = qt
+    # The transposed tile is read one byte per lane; stored from registers that would be a
+    # 1-byte-per-thread global write, so it goes back to SMEM, dense, and out by TMA.
+    smem_t[...] = load_raw(tile.transpose((1, 0)), _transposed_layout())
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(smem_t, qt_ref.at[b, cols, rows])
     if row:
         row_bits_ref, q_ref = row
         inv_r = _inv_scales(row_bits_ref.at[b, rows], layout.reduce(1))
         q_ref[b, rows, cols] = _cast(x, inv_r, 0, layout)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _scale_of(bits: jax.Array) -> jax.Array:
@@ -343,14 +392,15 @@ def _weight_passes(a: jax.Array, *, rows: bool, names: tuple[str, str]):
     mt, nt = m // TILE[0], n // TILE[1]
     grid = dict(grid=(nb, mt, nt), grid_names=("b", "r", "c"))
     outs = [((nb, mt, n), jnp.int32)] + ([((nb, nt, m), jnp.int32)] if rows else [])
-    part = launch(_amax_body, (a,), outs, name=f"{names[0]}_mgpu", **grid)
+    amax_smem = (plgpu.SMEM((TILE[0],), jnp.int32),) if rows else ()
+    part = launch(_amax_body, (a,), outs, name=f"{names[0]}_mgpu", scratch=amax_smem, **grid)
     col_bits = jnp.max(part[0], axis=1)
     operands, outs = (a, col_bits), [((nb, n, m), F8)]
     if rows:
         row_bits = jnp.max(part[1], axis=1)
         operands, outs = (*operands, row_bits), [((nb, m, n), F8), *outs]
-    smem = plgpu.SMEM((TILE[0], TILE[1] + _SMEM_PAD), F8)
-    q = launch(_quantize_tile_body, operands, outs, name=f"{names[1]}_mgpu", scratch=(smem,),
+    smem = (plgpu.SMEM((TILE[0], TILE[1] + _SMEM_PAD), F8), plgpu.SMEM((TILE[1], TILE[0]), F8))
+    q = launch(_quantize_tile_body, operands, outs, name=f"{names[1]}_mgpu", scratch=smem,
                **grid)
     cols_t = (q[-1], _scale_of(col_bits))
     return (cols_t, (q[0], _scale_of(row_bits))) if rows else cols_t

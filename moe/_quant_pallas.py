@@ -471,21 +471,22 @@ def quantize_cols_t_and_rows(a: jax.Array, *, interpret: bool = False):
 
 
 def use_mosaic(m: int, width: int) -> bool:
-    """Whether the row kernels run in Mosaic GPU (`moe._quant_mosaic`) rather than Triton:
-    the shape fits them and `moe._platform.prefer_mosaic_gpu`."""
+    """Whether the row kernels run in Mosaic GPU (`moe._quant_mosaic`): the shape fits them
+    and `moe._platform.prefer_mosaic_gpu`."""
     return _quant_mosaic.supported(m, width) and prefer_mosaic_gpu()
 
 
 def _on_cuda(kernels, reference_fn, width: int, *args):
-    """On CUDA, ``kernels[0]`` (Mosaic GPU) or ``kernels[1]`` (Triton) on ``*args`` with the
-    leading axes flattened into rows (:func:`use_mosaic`; Triton needs ``width % 16 == 0``);
-    ``reference_fn(*args)`` elsewhere and for other widths (the same bytes)."""
+    """On CUDA, ``kernels[0]`` (Mosaic GPU, on Hopper: :func:`use_mosaic`) or ``kernels[1]``
+    (Triton, before Hopper; ``width % 16 == 0``) on ``*args`` with the leading axes flattened
+    into rows; ``reference_fn(*args)`` elsewhere and for shapes the platform's kernel does not
+    take (the same bytes). On Hopper Triton never runs: jax deprecates it."""
     m = math.prod(args[0].shape[:-1])
-    if use_mosaic(m, width):
-        kernel = kernels[0]
-    elif supported(width):
-        kernel = kernels[1]
+    if prefer_mosaic_gpu():
+        kernel = kernels[0] if use_mosaic(m, width) else None
     else:
+        kernel = kernels[1] if supported(width) else None
+    if kernel is None:
         return reference_fn(*args)
     return lax.platform_dependent(*args, cuda=lambda *a: _on_rows(kernel, *a),
                                   default=reference_fn)
@@ -535,15 +536,16 @@ def cols_t_and_rows(a: jax.Array):
 
 
 def _on_matrices(kernels, reference_fn, a: jax.Array):
-    """``kernels[0]`` (Mosaic GPU, `moe._platform.prefer_mosaic_gpu` and its tiles fit) or
-    ``kernels[1]`` (Triton), taking ``[B, M, N]``, on ``a [..., M, N]`` with its leading axes
-    flattened, then unflattened in every output, when lowered for CUDA; ``reference_fn(a)``
-    elsewhere and for shapes neither fits (the same bytes)."""
-    if _quant_mosaic.tiles_supported(*a.shape[-2:]) and prefer_mosaic_gpu():
-        kernel_fn = kernels[0]
-    elif cols_supported(*a.shape[-2:]):
-        kernel_fn = kernels[1]
+    """``kernels[0]`` (Mosaic GPU on Hopper, `moe._platform.prefer_mosaic_gpu`, where its tiles
+    fit) or ``kernels[1]`` (Triton, before Hopper), taking ``[B, M, N]``, on ``a [..., M, N]``
+    with its leading axes flattened, then unflattened in every output, when lowered for CUDA;
+    ``reference_fn(a)`` elsewhere and for shapes the platform's kernel does not take (the same
+    bytes)."""
+    if prefer_mosaic_gpu():
+        kernel_fn = kernels[0] if _quant_mosaic.tiles_supported(*a.shape[-2:]) else None
     else:
+        kernel_fn = kernels[1] if cols_supported(*a.shape[-2:]) else None
+    if kernel_fn is None:
         return reference_fn(a)
     lead = a.shape[:-2]
 

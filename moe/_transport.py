@@ -170,17 +170,26 @@ def by_platform(args: tuple, *, xla, pallas, kernels: WireKernels):
 
 def twin_kernels(mosaic, triton, *, mosaic_ok: bool, triton_ok: bool):
     """The ``pallas`` argument of :func:`by_platform` for a Pallas kernel with a Mosaic GPU
-    twin: ``mosaic(*args)`` compiled, where `moe._platform.prefer_mosaic_gpu` and the twin
-    takes the shape (``mosaic_ok``), else ``triton(interpret, *args)``; None where neither
-    takes the shape (``triton_ok`` False too)."""
-    use_mosaic = mosaic_ok and prefer_mosaic_gpu()
-    if not (use_mosaic or triton_ok):
+    twin, or None (XLA) where no kernel serves the shape.
+
+    Compiled: on Hopper (`moe._platform.prefer_mosaic_gpu`, also with no GPU present) the
+    Mosaic GPU twin where it takes the shape (``mosaic_ok``), never Triton, which jax
+    deprecates; before Hopper the Triton kernel (``triton_ok``). Interpreted (on the CPU, for
+    tests): the Triton kernel, where a compiled kernel would run.
+    """
+    if prefer_mosaic_gpu():
+        if not mosaic_ok:
+            return None
+        compiled = mosaic
+    elif triton_ok:
+        compiled = functools.partial(triton, False)
+    else:
         return None
 
     def pallas(interpret, *args):
-        if use_mosaic and not interpret:
-            return mosaic(*args)
-        return triton(interpret, *args)
+        if interpret:
+            return triton(True, *args) if triton_ok else compiled(*args)
+        return compiled(*args)
 
     return pallas
 
@@ -256,7 +265,9 @@ def gather_rows(
     pallas = twin_kernels(
         functools.partial(_wire_mosaic.gather_encode, **kw),
         lambda interpret, *a: _wire_pallas.gather_encode(*a, interpret=interpret, **kw),
-        mosaic_ok=_wire_mosaic.wire_supported(width, fp8_wire=is_fp8, block_size=block_size),
+        mosaic_ok=_wire_mosaic.wire_supported(
+            width, fp8_wire=is_fp8, block_size=block_size,
+            itemsizes=(rows.dtype.itemsize, 4 if is_fp8 else jnp.dtype(wire).itemsize)),
         triton_ok=_wire_pallas.supported(width, fp8_wire=is_fp8, block_size=block_size))
     return by_platform((rows, index), xla=xla, pallas=pallas, kernels=kernels)
 

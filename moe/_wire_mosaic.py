@@ -18,13 +18,17 @@ One CTA (one warpgroup) per output row (two rows for the two local gathers when 
 is even, :data:`ROWS_PER_CTA`): it reads the row's index (a scalar load), then the token row
 as ``[H / 128, 128]`` registers, warps over 128-channel blocks and lanes across a block
 (:func:`block_layout`), so a block maximum is a reduction across one warp's lanes and the row
-maximum one more across the warps. Rows of ``H`` a multiple of ``4 * block`` channels:
-:func:`supported`. The wire kernels view an FP8 row as ``[G, 4, block / 4, 4]`` (groups of
-four blocks, one scale word each; :func:`word_layout`): a lane holds the four bytes of a wire
-word in one register, so words are packed and unpacked with shifts inside a thread, and a
-scale word's four bytes, one per warp, are summed across the warps (rows of ``H`` a multiple
-of ``4 * block``, ``block`` a multiple of 128; float rows of ``H`` a multiple of 128:
-:func:`wire_supported`).
+maximum one more across the warps. Rows of ``H`` a multiple of ``4 * block`` channels, blocks
+of 128 or 256: :func:`supported`. The wire kernels view an FP8 row as ``[G, 4, block / 4,
+4]`` (groups of four blocks, one scale word each; :func:`word_layout`): a lane holds the four
+bytes of a wire word in one register, so words are packed and unpacked with shifts inside a
+thread, and a scale word's four bytes, one per warp, are summed across the warps (rows of
+``H`` a multiple of ``4 * block``, ``block`` a multiple of 128; float rows whose lane vector
+holds 4 to 16 bytes: :func:`wire_supported`).
+
+Every global store follows the rules of jax's Mosaic GPU transfer planner (checked since jax
+0.12): each warp writes whole 32-byte sectors, at least 4 bytes per thread. A row's e4m3 bytes
+are 4 or more per lane; the per-row scale and the FP8 wire's scale words are scalar stores.
 
 The kernels take and give 2-D ``[rows, H]`` arrays and view a row as blocks inside. With a
 ``[R, H / 128, 128]`` output reshaped by XLA, the MoE layer's FP8 step on an H200 took 7.98
@@ -46,13 +50,15 @@ from moe import fp8
 
 F8 = jnp.float8_e4m3fn
 pl = qm.pl
-_BLOCK = 128  # channels per register block of the weighted rows (any multiple of 32 works)
+_BLOCK = 128  # channels per register block of the weighted rows: 4 e4m3 bytes per lane
 
 
 def supported(width: int, block_size: int = _BLOCK) -> bool:
-    """Whether rows of ``width`` channels fit: ``block_size`` a multiple of 32 (at most 256)
-    and ``width`` a multiple of ``4 * block_size`` (four blocks per warpgroup tile)."""
-    return (qm.MOSAIC_IMPORT_ERROR is None and block_size % 32 == 0 and block_size <= 256
+    """Whether rows of ``width`` channels fit the two local gathers: ``block_size`` 128 or
+    256 (a lane holds ``block_size / 32 >= 4`` channels, so each e4m3 store is at least 4 bytes
+    per thread, as jax's transfer planner requires) and ``width`` a multiple of ``4 *
+    block_size`` (four blocks per warpgroup tile)."""
+    return (qm.MOSAIC_IMPORT_ERROR is None and block_size in (128, 256)
             and width % (4 * block_size) == 0)
 
 
@@ -141,7 +147,7 @@ def gather_local_rows_quantized(rows: jax.Array, index: jax.Array, *,
     Args:
       rows: float tokens ``[T, H]``, ``H`` a multiple of ``4 * block_size``.
       index: int32 ``[R]``, the token of each output row (out of range: a zero row).
-      block_size: FP8 channels per wire scale (a multiple of 32, at most 256).
+      block_size: FP8 channels per wire scale (128 or 256).
 
     Returns:
       ``(e4m3 [R, H], f32 scale [R])``.
@@ -186,20 +192,34 @@ def gather_weighted_rows_quantized(rows: jax.Array, weights: jax.Array, slot: ja
 # FP8 rows as uint32 words, four e4m3 bytes each, then the E8M0 scale words.
 # ----------------------------------------------------------------------------------------------
 
+AVOID_WIRE = "wire_kernels='xla'"
+"""What keeps the dispatch off the wire kernels (`moe._jax_support.check_kernel_lowers`)."""
+
 WORD = 4
 """e4m3 bytes (or E8M0 scale bytes) per uint32 word of the wire."""
 
 
-def wire_supported(width: int, *, fp8_wire: bool, block_size: int = 128) -> bool:
+def wire_supported(width: int, *, fp8_wire: bool, block_size: int = 128,
+                   itemsizes: tuple[int, ...] = (2,)) -> bool:
     """Whether the wire kernels take rows of ``width`` channels: FP8, ``block_size`` a
     multiple of 128 (a lane holds whole words of a block) and ``width`` a multiple of ``4 *
-    block_size`` (whole scale words, one block per warp); float rows, ``width`` a multiple of
-    128."""
+    block_size`` (whole scale words, one block per warp); float rows, a lane vector
+    (:func:`float_vector`) of the row's dtypes, ``itemsizes`` (bytes of the source and
+    destination rows)."""
     if qm.MOSAIC_IMPORT_ERROR is not None:
         return False
     if not fp8_wire:
-        return width % (qm.WARPS * 32) == 0
+        return float_vector(width, itemsizes) is not None
     return block_size % 128 == 0 and width % (WORD * block_size) == 0
+
+
+def float_vector(width: int, itemsizes: tuple[int, ...]) -> int | None:
+    """Elements per lane vector of a float row copy of ``width`` channels (the warps split the
+    row), or None where no vector fits: at most 16 bytes of the widest dtype, and at least 4
+    bytes of the narrowest, since jax's transfer planner rejects narrower global stores."""
+    vec = qm.vector_length(width // qm.WARPS, max(itemsizes)) if width % (qm.WARPS * 32) == 0 \
+        else 0
+    return vec if vec and vec * min(itemsizes) >= 4 else None
 
 
 def word_layout():
@@ -222,8 +242,7 @@ def _shifts(shape: tuple[int, ...], dim: int, layout) -> jax.Array:
 
 def _copy_row(src, dst, ok, width: int) -> None:
     """``dst [width] = src [width]`` cast to ``dst``'s dtype (zeros unless ``ok``)."""
-    # Up to 16 bytes per lane vector; the warps split a row, so a multiple of 128 vec wide.
-    vec = qm.vector_length(width // qm.WARPS, max(src.dtype.itemsize, dst.dtype.itemsize))
+    vec = float_vector(width, (src.dtype.itemsize, dst.dtype.itemsize))
     shape = (width // (32 * vec), 32 * vec)
     y = qm.load_raw(_view(src, shape), qm.row_layout(vec)).astype(dst.dtype)
     _view(dst, shape)[...] = jnp.where(ok, y, jnp.zeros((), dst.dtype))
@@ -257,11 +276,15 @@ def _encode_body(idx_ref, x_ref, out_ref, *, n_src, width, block_size, fp8_wire)
     # Scale word g: byte j from block j of group g, i.e. warp j (a sum across the warps).
     blocks = layout.reduce((2, 3))
     part = byte.astype(jnp.uint32) << _shifts(shape[:2], 1, blocks)  # [G, 4]
-    if shape[0] == 1:  # one word: a scalar store
-        out_ref[i, width // WORD] = jnp.where(ok, jnp.sum(jnp.sum(part, axis=0)), zero)
-    else:  # every thread holds the G words
-        out_ref.at[i, pl.ds(width // WORD, shape[0])][...] = jnp.where(
-            ok, jnp.sum(part, axis=1), zero)
+    words = jnp.where(ok, jnp.sum(part, axis=1), zero)  # [G], every thread holds them all
+    # One scalar store per scale word: a vector store of G words would cover partial 32-byte
+    # sectors, which jax's transfer planner rejects (jax >= 0.12), and a TMA copy needs
+    # 16-byte-aligned rows, which a wire row of G words is not in general.
+    g_index = _cast(lax.broadcasted_iota(jnp.int32, shape[:1], 0), blocks.reduce(1)) \
+        if shape[0] > 1 else None
+    for g in range(shape[0]):
+        word = words if g_index is None else jnp.where(g_index == g, words, zero)
+        out_ref[i, width // WORD + g] = jnp.sum(word)
 
 
 def _decoded(buf_ref, s, *, width: int, block_size: int) -> jax.Array:
@@ -308,8 +331,8 @@ def _wire_rows_body(idx_ref, buf_ref, q_ref, s_ref, *, n_src, width, block_size)
     s_ref[r] = fp8.scale_from_byte(byte)
 
 
-def _check_wire(width: int, fp8_wire: bool, block_size: int) -> None:
-    if not wire_supported(width, fp8_wire=fp8_wire, block_size=block_size):
+def _check_wire(width: int, fp8_wire: bool, block_size: int, itemsizes=(2,)) -> None:
+    if not wire_supported(width, fp8_wire=fp8_wire, block_size=block_size, itemsizes=itemsizes):
         raise ValueError(
             f"rows of {width} channels ({'FP8' if fp8_wire else 'float'} wire, block_size="
             f"{block_size}) do not fit the Mosaic GPU wire kernels (see wire_supported()); use "
@@ -333,16 +356,17 @@ def gather_encode(rows: jax.Array, index: jax.Array, *, fp8_wire: bool, block_si
       otherwise ``out_dtype[M, H]``.
     """
     t, h = rows.shape
-    _check_wire(h, fp8_wire, block_size)
+    out_dtype = jnp.dtype(out_dtype or rows.dtype)
+    _check_wire(h, fp8_wire, block_size, (rows.dtype.itemsize, out_dtype.itemsize))
     m = index.shape[0]
     if fp8_wire:
         out = ((m, h // WORD + fp8.num_scale_words(h, block_size)), jnp.uint32)
     else:
-        out = ((m, h), jnp.dtype(out_dtype or rows.dtype))
+        out = ((m, h), out_dtype)
     body = functools.partial(_encode_body, n_src=t, width=h, block_size=block_size,
                              fp8_wire=fp8_wire)
     return qm.launch(body, (index.astype(jnp.int32), rows), (out,), grid=m,
-                     name="wire_gather_encode_mgpu")[0]
+                     name="wire_gather_encode_mgpu", avoid=AVOID_WIRE)[0]
 
 
 def gather_decode(buf: jax.Array, index: jax.Array, *, width: int, fp8_wire: bool,
@@ -361,13 +385,14 @@ def gather_decode(buf: jax.Array, index: jax.Array, *, width: int, fp8_wire: boo
     Returns:
       ``out_dtype[R, H]``.
     """
-    _check_wire(width, fp8_wire, block_size)
+    _check_wire(width, fp8_wire, block_size,
+                (buf.dtype.itemsize, jnp.dtype(out_dtype).itemsize))
     _check_buf(buf, width, fp8_wire, block_size)
     body = functools.partial(_decode_body, n_src=buf.shape[0], width=width,
                              block_size=block_size, fp8_wire=fp8_wire)
     return qm.launch(body, (index.astype(jnp.int32), buf),
                      (((index.shape[0], width), jnp.dtype(out_dtype)),), grid=index.shape[0],
-                     name="wire_gather_decode_mgpu")[0]
+                     name="wire_gather_decode_mgpu", avoid=AVOID_WIRE)[0]
 
 
 def gather_rows_quantized(buf: jax.Array, index: jax.Array, *, width: int,

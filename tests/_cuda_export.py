@@ -34,6 +34,7 @@ __all__ = [
     "CUDA_DEVICE",
     "MOSAIC_GPU_CALLS",
     "TRITON_CALL",
+    "TRITON_DEPRECATED",
     "cuda_mesh",
     "export_for_cuda",
     "gemm_calls",
@@ -45,6 +46,9 @@ __all__ = [
 # The GPU the benchmarks run on (H200: compute capability 9.0, 132 SMs).
 CUDA_DEVICE = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
 TRITON_CALL = "__gpu$xla.gpu.triton"
+TRITON_DEPRECATED = "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
+"""A ``pytest.mark.filterwarnings`` filter for tests that lower Triton kernels on purpose (they
+test the Triton kernels, which GPUs before Hopper run; jax >= 0.11 deprecates Pallas Triton)."""
 MOSAIC_GPU_CALLS = ("mosaic_gpu", "mosaic_gpu_v2")
 # The suffix of a Triton kernel's Mosaic GPU twin (moe._quant_mosaic, moe._wire_mosaic); jax
 # 0.11 numbers a Mosaic GPU module's symbol (``fp8_quantize_rows_mgpu_17``).

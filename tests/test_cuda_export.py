@@ -2,9 +2,11 @@
 
 import jax
 import jax.numpy as jnp
+import pytest
 from _cuda_export import (
     MOSAIC_GPU_CALLS,
     TRITON_CALL,
+    TRITON_DEPRECATED,
     cuda_mesh,
     export_for_cuda,
     loops_outside_scans,
@@ -30,6 +32,7 @@ def test_mosaic_gpu_kernel_lowers_for_cuda():
     assert any(f"custom_call @{name}(" in text for name in MOSAIC_GPU_CALLS), text[:2000]
 
 
+@pytest.mark.filterwarnings(TRITON_DEPRECATED)
 def test_triton_kernel_lowers_for_cuda_inside_shard_map():
     mesh = cuda_mesh((4,), ("x",))
     call = pl.pallas_call(_add_one, out_shape=jax.ShapeDtypeStruct((16, 128), jnp.float32),

@@ -27,7 +27,7 @@ from _cuda_export import (
 import moe
 
 ALL_FP8 = dict(gemm_dtype="fp8", dgrad_dtype="fp8", wgrad_dtype="fp8")
-E, K, D, F, TOKENS = 8, 2, 256, 256, 512
+E, K, D, F, TOKENS = 8, 2, 512, 256, 512
 F8 = "f8E4M3FN"
 
 

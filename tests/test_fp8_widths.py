@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from _cuda_export import export_for_cuda
+from _cuda_export import TRITON_DEPRECATED, export_for_cuda
 from _meshes import make_mesh
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -168,6 +168,7 @@ def test_pallas_supported_widths():
     assert not _wire_pallas.supported(256, fp8_wire=True, block_size=96)
 
 
+@pytest.mark.filterwarnings(TRITON_DEPRECATED)
 def test_pallas_wire_kernels_lower_for_cuda_at_a_padded_width():
     def fn(x, idx):
         buf = _wire_pallas.gather_encode(x, idx, fp8_wire=True, block_size=BS)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _cuda_export import export_for_cuda, gemm_calls, kernel_calls
+from _cuda_export import TRITON_DEPRECATED, export_for_cuda, gemm_calls, kernel_calls
 
 from moe import _quant_mosaic as qm
 from moe import _quant_pallas as qp
@@ -39,9 +39,11 @@ def _one_call(text: str, name: str) -> str:
     return calls[0]
 
 
-@pytest.mark.parametrize("width,dtype", [(1408, BF16), (96, jnp.float32), (6144, BF16)])
+@pytest.mark.parametrize("width,dtype", [(1408, BF16), (128, jnp.float32), (6144, BF16)])
 def test_quantize_rows_lowers_with_its_shapes(width, dtype):
-    """Widths that take 4-, 1- and 8-element lane vectors; outputs as the Triton kernel's."""
+    """Widths that take 4- and 8-element lane vectors (bf16 and f32 rows); outputs as the
+    Triton kernel's. With jax >= 0.12 the lowering also checks every global store against the
+    transfer planner's rules (whole sectors, >= 4 bytes per thread)."""
     x = S((64, width), dtype)
     out = jax.eval_shape(qm.quantize_rows, x)
     assert (out[0].shape, out[0].dtype, out[1].shape) == ((64, width), F8, (64,))
@@ -69,7 +71,7 @@ def test_gated_kernels_lower_for_every_activation(kind):
 
 
 def test_wire_rows_lower_for_cuda():
-    local = functools.partial(wm.gather_local_rows_quantized, block_size=64)
+    local = functools.partial(wm.gather_local_rows_quantized, block_size=256)
     weighted = functools.partial(wm.gather_weighted_rows_quantized, top_k=2)
     x, idx = S((512, 2048), BF16), S((1024,), jnp.int32)
     q, s = jax.eval_shape(local, x, idx)
@@ -83,29 +85,53 @@ def test_wire_rows_lower_for_cuda():
 
 
 def test_unsupported_shapes_are_refused_with_the_fix():
-    with pytest.raises(ValueError, match="multiple of 32"):
-        qm.quantize_rows(jnp.zeros((8, 48)))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        qm.quantize_rows(jnp.zeros((8, 96)))
     with pytest.raises(ValueError, match="rows a multiple of 4"):
-        qm.quantize_rows(jnp.zeros((6, 64)))
+        qm.quantize_rows(jnp.zeros((6, 128)))
     with pytest.raises(ValueError, match="_wire_pallas"):
         wm.gather_local_rows_quantized(jnp.zeros((4, 384)), jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match="block_size=64"):
+        wm.gather_local_rows_quantized(jnp.zeros((4, 2048)), jnp.zeros((2,), jnp.int32),
+                                       block_size=64)
+
+
+@pytest.fixture
+def before_hopper(monkeypatch):
+    """Kernel choices as on an NVIDIA GPU older than Hopper (no Mosaic GPU): Triton."""
+    from moe import _transport
+
+    for mod in (qp, _transport):
+        monkeypatch.setattr(mod, "prefer_mosaic_gpu", lambda: False)
+    jax.clear_caches()  # the choice is made while tracing: no trace from a Hopper test
+    yield
+    jax.clear_caches()
 
 
 @pytest.mark.parametrize("shape,want", [((64, 256), "mosaic"), ((2, 8, 256), "mosaic"),
-                                        ((64, 48), "triton"), ((6, 64), "triton"),
-                                        ((64, 8), "xla")])
+                                        ((64, 1408), "mosaic"), ((64, 96), "xla"),
+                                        ((6, 128), "xla"), ((64, 8), "xla")])
 def test_row_dispatch_by_shape(shape, want):
-    """Lowered for CUDA: Mosaic GPU where it fits (rows % 4, width % 32), else Triton (width %
-    16), else XLA; lowered for the CPU: the reference bytes, whatever the shape."""
+    """Lowered for CUDA on Hopper: Mosaic GPU where it fits (rows % 4, width % 128), else XLA
+    (never Triton); lowered for the CPU: the reference bytes, whatever the shape."""
     assert prefer_mosaic_gpu()  # no GPU here: CUDA lowering picks Mosaic GPU
     text = export_for_cuda(qp.rows, S(shape, BF16))
     calls = kernel_calls(text, "fp8_quantize_rows")
     if want == "xla":
         assert not calls
     else:
-        assert len(calls) == 1 and ("_mgpu" in calls[0]) == (want == "mosaic")
+        assert len(calls) == 1 and "_mgpu" in calls[0]
     x = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(BF16) * 5
     chex.assert_trees_all_equal(jax.jit(qp.rows)(x), qp.quantize_rows_reference(x))
+
+
+@pytest.mark.filterwarnings(TRITON_DEPRECATED)
+@pytest.mark.parametrize("shape,want", [((64, 256), "triton"), ((6, 64), "triton"),
+                                        ((64, 8), "xla")])
+def test_row_dispatch_before_hopper(before_hopper, shape, want):
+    """Before Hopper: Triton where the width is a multiple of 16, else XLA."""
+    calls = kernel_calls(export_for_cuda(qp.rows, S(shape, BF16)), "fp8_quantize_rows")
+    assert len(calls) == (want == "triton") and not any("_mgpu" in c for c in calls)
 
 
 def test_gemm_kernels_carry_their_names():
@@ -167,16 +193,112 @@ def test_weight_kernels_lower_with_their_shapes(shape):
 
 
 @pytest.mark.parametrize("shape,want", [((3, 128, 256), "mosaic"), ((256, 384), "mosaic"),
-                                        ((2, 64, 192), "triton"), ((2, 48, 128), "xla")])
+                                        ((2, 64, 192), "xla"), ((2, 48, 128), "xla")])
 def test_weight_dispatch_by_shape(shape, want):
-    """Lowered for CUDA: the weights' two passes in Mosaic GPU where the [64, 128] tiles fit,
-    else Triton's [64, 64] tiles, else XLA; lowered for the CPU: the reference bytes."""
+    """Lowered for CUDA on Hopper: the weights' two passes in Mosaic GPU where the [64, 128]
+    tiles fit, else XLA; lowered for the CPU: the reference bytes."""
     text = export_for_cuda(qp.cols_t_and_rows, S(shape, jnp.float32))
     calls = kernel_calls(text, "fp8_weight_quantize")
     if want == "xla":
         assert not calls
     else:
-        assert len(calls) == 1 and ("_mgpu" in calls[0]) == (want == "mosaic")
+        assert len(calls) == 1 and "_mgpu" in calls[0]
     a = jax.random.normal(jax.random.key(2), shape, jnp.float32) * 3
     chex.assert_trees_all_equal(jax.jit(qp.cols_t_and_rows)(a),
                                 qp.quantize_cols_t_and_rows_reference(a))
+
+
+@pytest.mark.filterwarnings(TRITON_DEPRECATED)
+def test_weight_dispatch_before_hopper(before_hopper):
+    """Before Hopper: Triton's [64, 64] tiles, where Mosaic GPU's [64, 128] would not fit."""
+    calls = kernel_calls(export_for_cuda(qp.cols_t_and_rows, S((2, 64, 192), jnp.float32)),
+                         "fp8_weight_quantize")
+    assert len(calls) == 1 and "_mgpu" not in calls[0]
+
+# ----------------------------------------------------------------------------------------------
+# The kernels' arithmetic in Pallas' Mosaic GPU interpreter (layouts dropped): the XLA bytes,
+# the scales' and maxima's SMEM + TMA stores included.
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    """Runs `moe._quant_mosaic`'s kernels in the Mosaic GPU interpreter: register layouts
+    dropped (``layout_cast`` and layout loads become plain reads). This checks the arithmetic
+    and what each store writes where, not the layouts (the CUDA lowerings above do)."""
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret.params import force_gpu_interpret_mode
+    except ImportError:  # pragma: no cover - depends on the installed jax
+        pytest.skip("no Mosaic GPU interpret mode in this jax")
+    from moe import _gmm_mosaic
+
+    monkeypatch.setattr(qm.plgpu, "layout_cast", lambda x, layout: x)
+    monkeypatch.setattr(_gmm_mosaic, "load", lambda ref, layout, optimized=True: ref[...])
+
+    def run(fn, *args):
+        with force_gpu_interpret_mode():
+            return jax.tree.map(np.asarray, fn(*args))
+
+    return run
+
+
+def _bytes(tree):
+    return [np.asarray(a).view(np.uint8) for a in jax.tree.leaves(tree)]
+
+
+def _spread(shape, seed):
+    """Values whose rows (and columns) span magnitudes 2^-20 .. 2^20, one zero row."""
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(k1, shape, jnp.float32)
+    mag = jnp.exp2(jax.random.randint(k2, shape[:-1] + (1,), -20, 21).astype(jnp.float32))
+    return (x * mag).at[..., 1, :].set(0.0)
+
+
+def test_row_kernels_interpreted_give_the_xla_bytes(interpret):
+    act = GatedActivation("silu")
+    x = _spread((8, 256), 0).astype(BF16)
+    chex.assert_trees_all_equal(_bytes(interpret(qm.quantize_rows, x)),
+                                _bytes(qp.quantize_rows_reference(x)))
+    z, dh = _spread((8, 512), 1).astype(BF16), _spread((8, 384), 2).astype(BF16)
+    chex.assert_trees_all_equal(
+        _bytes(interpret(functools.partial(qm.gated_quantize_rows, act=act), z)),
+        _bytes(qp.gated_quantize_rows_reference(z, act)))
+    got = interpret(functools.partial(qm.gated_grad_quantize_rows, act=act), z, dh)
+    want = qp.gated_grad_quantize_rows_reference(z, dh, act, jnp.bfloat16)
+    # dz in bf16 to rounding of the traced sigmoid; its e4m3 rows and scales as the reference.
+    chex.assert_trees_all_close(got[0].astype(np.float32), want[0].astype(jnp.float32),
+                                rtol=1e-2, atol=1e-30)
+    np.testing.assert_array_equal(got[2], np.asarray(want[2]))
+
+
+def test_weight_kernels_interpreted_give_the_xla_bytes(interpret):
+    if jax.__version_info__ < (0, 11):
+        pytest.skip("jax 0.10's Mosaic GPU interpreter has no ref transposes")
+    a = _spread((2, 128, 256), 3)
+    chex.assert_trees_all_equal(_bytes(interpret(qm.quantize_cols_t_and_rows, a)),
+                                _bytes(qp.quantize_cols_t_and_rows_reference(a)))
+    chex.assert_trees_all_equal(_bytes(interpret(qm.quantize_cols_t, a)),
+                                _bytes(qp.quantize_cols_t_reference(a)))
+
+
+def test_a_kernel_that_does_not_lower_on_an_untested_jax_names_the_fix(monkeypatch):
+    """On a jax outside the tested range each kernel is lowered once at first use; a failure
+    is a KernelLoweringError naming the kernel, the jax version and the avoiding option."""
+    from moe import _jax_support
+
+    assert _jax_support.is_tested()  # CI's versions
+    monkeypatch.setattr(_jax_support, "_installed_is_tested", lambda: False)
+    monkeypatch.setattr(_jax_support, "_LOWERED", {})
+    x = S((64, 256), BF16)
+    jax.eval_shape(qm.quantize_rows, x)  # lowers here: fine
+    assert any(name == "fp8_quantize_rows_mgpu" for name, _ in _jax_support._LOWERED)
+
+    def broken(*args, **kwargs):
+        raise NotImplementedError("a planner this jax does not have")
+
+    monkeypatch.setattr(_jax_support.jax.export, "export", broken)
+    with pytest.raises(_jax_support.KernelLoweringError,
+                       match=r"wire_gather_encode_mgpu does not lower on jax .*wire_kernels='xla'"):
+        jax.eval_shape(functools.partial(wm.gather_encode, fp8_wire=True), S((8, 512), BF16),
+                       S((8,), jnp.int32))
+    jax.eval_shape(qm.quantize_rows, x)  # lowered before: not again

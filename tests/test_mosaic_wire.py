@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _cuda_export import cuda_mesh, export_for_cuda, kernel_calls
+from _cuda_export import TRITON_DEPRECATED, cuda_mesh, export_for_cuda, kernel_calls
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -98,10 +98,11 @@ def test_fp8_kernels_lower_with_their_shapes(width, block, dtype):
     assert f"tensor<48x{width}xf8E4M3FN>" in kernel_calls(text, "wire_gather_rows_fp8")[0]
 
 
-@pytest.mark.parametrize("width,dtype,out", [(384, BF16, BF16), (1024, F32, BF16),
+@pytest.mark.parametrize("width,dtype,out", [(768, BF16, BF16), (1024, F32, BF16),
                                              (128, F32, F32)])
 def test_float_wire_kernels_lower(width, dtype, out):
-    """The float wire's copies (a cast on the way, 4-, 8- and 16-byte lane vectors)."""
+    """The float wire's copies (a cast on the way; 4-, 8- and 16-byte lane vectors, the
+    narrowest store 4 bytes per thread as jax >= 0.12 requires)."""
     rows, idx = S((64, width), dtype), S((48,), I32)
     enc = functools.partial(wm.gather_encode, fp8_wire=False, out_dtype=out)
     dec = functools.partial(wm.gather_decode, width=width, fp8_wire=False, out_dtype=out)
@@ -117,7 +118,10 @@ def test_supported_widths_and_refusals():
     assert not wm.wire_supported(256, fp8_wire=True)  # less than one scale word
     assert not wm.wire_supported(768, fp8_wire=True)  # 6 blocks: a part-filled scale word
     assert not wm.wire_supported(1024, fp8_wire=True, block_size=64)
-    assert wm.wire_supported(384, fp8_wire=False) and not wm.wire_supported(96, fp8_wire=False)
+    assert wm.wire_supported(768, fp8_wire=False) and not wm.wire_supported(96, fp8_wire=False)
+    # bf16 rows of 384: 96 channels per warp, a 1-element (2-byte) lane vector; f32 ones fit.
+    assert not wm.wire_supported(384, fp8_wire=False)
+    assert wm.wire_supported(384, fp8_wire=False, itemsizes=(4, 4))
     with pytest.raises(ValueError, match="_wire_pallas"):
         wm.gather_encode(jnp.zeros((4, 256)), jnp.zeros((2,), I32), fp8_wire=True)
     with pytest.raises(ValueError, match="wire rows"):
@@ -126,13 +130,14 @@ def test_supported_widths_and_refusals():
 
 
 # ----------------------------------------------------------------------------------------------
-# The call sites: Mosaic GPU where it fits, else Triton, else XLA; the reference bytes on CPU.
+# The call sites: on Hopper Mosaic GPU where it fits, else XLA (before Hopper Triton); the
+# reference bytes on CPU.
 # ----------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("wire,width,want", [
-    ("fp8", 1536, "mosaic"), ("fp8", 256, "triton"), ("fp8", 768, None),
-    ("bf16", 384, "mosaic"), ("bf16", 64, "triton"), ("bf16", 96, None)])
+    ("fp8", 1536, "mosaic"), ("fp8", 256, None), ("fp8", 768, None),
+    ("bf16", 512, "mosaic"), ("bf16", 384, None), ("bf16", 64, None)])
 def test_gather_rows_dispatch(wire, width, want):
     """`moe._transport.gather_rows` (the send buffers' gather + encode)."""
     assert prefer_mosaic_gpu()  # no GPU here: CUDA lowering picks Mosaic GPU
@@ -145,6 +150,20 @@ def test_gather_rows_dispatch(wire, width, want):
                                 _transport.gather_rows(x, INDEX, wire=codec, block_size=128))
 
 
+@pytest.mark.filterwarnings(TRITON_DEPRECATED)
+@pytest.mark.parametrize("wire,width,want", [("fp8", 2048, "triton"), ("fp8", 256, "triton"),
+                                             ("bf16", 64, "triton"), ("bf16", 96, None)])
+def test_gather_rows_dispatch_before_hopper(monkeypatch, wire, width, want):
+    """On an NVIDIA GPU older than Hopper the Triton kernels run (no Mosaic GPU there)."""
+    monkeypatch.setattr(_transport, "prefer_mosaic_gpu", lambda: False)
+    jax.clear_caches()  # the choice is made while tracing: no trace from a Hopper test
+    codec = "fp8" if wire == "fp8" else jnp.dtype(BF16)
+    fn = functools.partial(_transport.gather_rows, wire=codec, block_size=128, kernels="auto")
+    text = export_for_cuda(fn, S((12, width), F32), S(INDEX.shape, I32))
+    jax.clear_caches()
+    assert _kernel(text, "wire_gather_encode") == want
+
+
 def _plan(p: int, c: int, pair_row=None):
     """The fields of a `moe._plan.DispatchPlan` that the expert layouts read."""
     return SimpleNamespace(axis_size=p, num_local_experts=2, capacity=c, pair_width=c,
@@ -153,8 +172,8 @@ def _plan(p: int, c: int, pair_row=None):
 
 
 @pytest.mark.parametrize("wire,width,want", [
-    ("fp8", 1024, "mosaic"), ("fp8", 256, "triton"), ("bf16", 384, "mosaic"),
-    ("bf16", 64, "triton"), ("bf16", 96, None)])
+    ("fp8", 1024, "mosaic"), ("fp8", 256, None), ("bf16", 512, "mosaic"),
+    ("bf16", 384, None), ("bf16", 64, None)])
 def test_expert_layout_decode_dispatch(wire, width, want):
     """The received rows decoded into the expert layout, dense (a permutation) and dropless
     (a gather by the plan's pair rows)."""
@@ -174,7 +193,7 @@ def test_expert_layout_decode_dispatch(wire, width, want):
         chex.assert_trees_all_equal(jax.jit(fn)(recv), ref)
 
 
-@pytest.mark.parametrize("width,want", [(1536, "mosaic"), (256, "triton"), (768, None)])
+@pytest.mark.parametrize("width,want", [(1536, "mosaic"), (256, None), (768, None)])
 def test_rows_from_wire_dispatch(width, want):
     """`moe._fp8_gemm.rows_from_wire`: the FP8 GEMM's e4m3 rows from received wire rows."""
     fn = functools.partial(_fp8_gemm.rows_from_wire, width=width, block_size=128)
@@ -266,9 +285,9 @@ def test_fp8_kernels_interpreted_give_the_xla_bytes(interpret, width, block):
 
 
 def test_float_kernels_interpreted_give_the_xla_bytes(interpret):
-    x = _rows(12, 384, F32)
+    x = _rows(12, 512, F32)
     enc = functools.partial(wm.gather_encode, fp8_wire=False, out_dtype=BF16)
-    dec = functools.partial(wm.gather_decode, width=384, fp8_wire=False, out_dtype=F32)
+    dec = functools.partial(wm.gather_decode, width=512, fp8_wire=False, out_dtype=F32)
     ref = _take(x.astype(BF16), INDEX)
     chex.assert_trees_all_equal(_bytes(interpret(enc, x, INDEX)), _bytes(ref))
     chex.assert_trees_all_equal(_bytes(interpret(dec, ref, INDEX[::-1])),

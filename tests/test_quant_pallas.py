@@ -130,6 +130,7 @@ def test_both_weight_copies_are_the_two_quantizations():
         qp.quantize_cols_t_and_rows(w[:, :, :100], interpret=True)
 
 
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 def test_kernels_lower_for_cuda_with_rows_in_pieces():
     """The compiled (not interpreted) kernels lower for CUDA at a width that is not a power of
     two (``F = 176 = 128 + 32 + 16``) and at the column kernels' tile; no GPU needed."""
