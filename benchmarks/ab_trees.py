@@ -5,7 +5,8 @@ last commit) and in this tree, ``--rounds`` times, alternating which side goes f
 round (base, new; new, base; ...) so that drift hits both alike. Every number of the JSONs
 whose key path ends in a time (``ms``, ``*_ms``, ``*_ms_*``, ``ms_*``) is collected; per path
 the medians of both sides and ``new / base`` are reported (below 1: the new tree is faster),
-with their geometric mean and the worst path. Writes ``--out`` and prints a table.
+with their geometric mean and the worst path. Writes ``--out`` (with every run's JSON under
+``runs``) and prints a table.
 
 Usage:
   git archive HEAD | tar -x -C /tmp/base   # or any other tree to compare against
@@ -36,8 +37,8 @@ def _is_time(path: str) -> bool:
 
 def flatten(obj, prefix: str = "") -> dict[str, float]:
     """``{"a.b.0.c": x}`` for every number of a JSON value (lists indexed; a list entry with
-    ``variant``/``recipe``/``layout``/``transport``/``routing``/``backend`` fields is named by
-    them instead of its index, so rows match across runs).
+    ``case``/``impl``/``layout``/``backend``/``routing``/``transport``/``variant``/``recipe``
+    fields is named by them instead of its index, so rows match across runs).
 
     Example:
       >>> flatten({"layer": [{"variant": "fp8", "ms": 2.0}], "n": 3})
@@ -51,8 +52,8 @@ def flatten(obj, prefix: str = "") -> dict[str, float]:
         for i, v in enumerate(obj):
             name = str(i)
             if isinstance(v, dict):
-                parts = [str(v[f]) for f in ("layout", "backend", "routing", "transport",
-                                              "variant", "recipe") if f in v]
+                parts = [str(v[f]) for f in ("case", "impl", "layout", "backend", "routing",
+                                              "transport", "variant", "recipe") if f in v]
                 name = "/".join(parts) or name
             out.update(flatten(v, f"{prefix}{name}."))
     elif isinstance(obj, (int, float)) and not isinstance(obj, bool) and math.isfinite(obj):
@@ -124,6 +125,7 @@ def main(argv=None) -> dict:
                     runs[side].append(got)
     result = {"command": cmd, "base": str(a.base), "rounds": [len(runs["base"]),
                                                               len(runs["new"])]}
+    result["runs"] = runs  # every JSON as written, for the fields that are not times
     if runs["base"] and runs["new"]:
         result.update(compare(runs["base"], runs["new"]))
         result["env"] = runs["new"][0].get("env")
