@@ -14,7 +14,7 @@ from moe.dispatch import DispatchPlan, combine, dispatch
 from moe.experts import gated_experts
 from moe.fp8 import Fp8Array, dequantize, quantize
 from moe.fp8_dense import fp8_dense
-from moe.layer import auto_transport, moe_apply
+from moe.layer import auto_overlap_chunks, auto_transport, moe_apply
 from moe.linen import moe_linen
 from moe.module import BalancingBias, MoE
 from moe.options import DispatchOptions, ExpertOptions, MoEOptions
@@ -32,6 +32,7 @@ __all__ = [
     "RouterConfig",
     "Routing",
     "activations",
+    "auto_overlap_chunks",
     "auto_transport",
     "combine",
     "convert",

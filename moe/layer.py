@@ -26,7 +26,7 @@ from moe.dispatch import combine as combine_fn
 from moe.dispatch import dispatch_with_wire
 from moe.options import MoEOptions
 
-__all__ = ["auto_transport", "moe_apply"]
+__all__ = ["auto_overlap_chunks", "auto_transport", "moe_apply"]
 
 
 def auto_transport(expert_axis_size: int) -> str:
@@ -56,6 +56,42 @@ def auto_transport(expert_axis_size: int) -> str:
     if expert_axis_size == 1 and _experts.auto_backend(2) == "mosaic":
         return "dropless"
     return "dense"
+
+
+OVERLAP_CHUNKS = 2
+"""Chunks of the pipelined layer when the expert axis has more than one device (see
+:func:`auto_overlap_chunks`)."""
+MIN_CHUNK_TOKENS = 1024
+"""Fewest tokens per device in a chunk of the pipelined layer: below, a chunk's GEMMs are too
+short to hide an exchange behind, and the capacity's rounding per chunk adds padding."""
+
+
+def auto_overlap_chunks(expert_axis_size: int, tokens_per_device: int) -> int:
+    """The chunk count ``overlap_chunks='auto'`` runs.
+
+    1 with one device on the expert axis (nothing is sent, so there is nothing to hide and a
+    chunk only adds work) and for small batches (fewer than :data:`MIN_CHUNK_TOKENS` tokens
+    per device per chunk); :data:`OVERLAP_CHUNKS` otherwise: chunk ``i``'s dispatch exchange
+    then runs while chunk ``i - 1``'s expert GEMMs compute, and its combine while chunk
+    ``i + 1``'s do (BENCHMARKS.md: the 8-GPU schedules compiled with each chunk count).
+
+    Args:
+      expert_axis_size: devices on the layer's ``expert_axis``.
+      tokens_per_device: tokens each device holds.
+
+    Returns:
+      The chunk count.
+
+    Example:
+      >>> import moe
+      >>> moe.auto_overlap_chunks(1, 8192), moe.auto_overlap_chunks(8, 64)
+      (1, 1)
+      >>> moe.auto_overlap_chunks(8, 8192) == moe.layer.OVERLAP_CHUNKS
+      True
+    """
+    if expert_axis_size == 1 or tokens_per_device < OVERLAP_CHUNKS * MIN_CHUNK_TOKENS:
+        return 1
+    return OVERLAP_CHUNKS
 
 
 def _global_router_stats(r: _routing.Routing, opts: MoEOptions, all_axes, total_tokens: int,
@@ -119,8 +155,9 @@ def _local_experts(ex, group_sizes, w_gate_up, w_down, biases, opts: MoEOptions,
 
 
 def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra, *, opts: MoEOptions, all_axes,
-               total_tokens: int, num_slots: int):
-    """Per-device body: route, dispatch, local experts, combine (masked slots go to no expert)."""
+               total_tokens: int, num_slots: int, chunks: int):
+    """Per-device body: route, then per chunk dispatch, local experts, combine (masked slots go
+    to no expert); the shared experts on every token."""
     # Router and expert banks are replicated over some axes; mark them varying there so that
     # autodiff sums their gradients over those axes (the transpose of pcast is a psum).
     do = opts.dispatch
@@ -150,28 +187,51 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra, *, opts: MoEOpt
     with_wire = (do.dispatch_dtype == "fp8" and opts.experts.gemm_dtype == "fp8"
                  and do.transport in ("dropless", "ragged"))
     align = _group_alignment(opts)
-    ex, ex_wire, group_sizes, plan = dispatch_with_wire(
-        x,
-        ids,
-        num_experts=num_slots,
-        axis_name=do.expert_axis,
-        transport=do.transport,
-        capacity_factor=cf,
-        dispatch_dtype=do.dispatch_dtype,
-        block_size=opts.fp8_block_size,
-        wire_kernels=do.wire_kernels,
-        group_alignment=align,
-        with_wire=with_wire,
-    )
-    y = _local_experts(ex, group_sizes, w_gate_up, w_down, expert_bias, opts, ex_wire, align,
-                       (r.weights, plan, do.combine_grad_dtype))
-    dropped = jax.lax.psum(plan.dropped, all_axes)
+    shared = extra.get("shared")
+    if shared is not None:
+        shared = tuple(jax.lax.pcast(a, tuple(all_axes), to="varying") for a in shared)
+    gate = extra.get("shared_gate")
+    if gate is not None:
+        gate = jax.lax.pcast(gate, tuple(all_axes), to="varying")
+    # Pipelined expert parallelism: the chunks are independent until their outputs are
+    # concatenated, so XLA's scheduler can run one chunk's async exchanges under another
+    # chunk's GEMMs (forward and backward); the shared experts need no exchange and go right
+    # after the first dispatch, whose exchange they can cover.
+    tc = x.shape[0] // chunks
+    ys, ys_shared, dropped = [], None, jnp.zeros((), jnp.int32)
+    for c in range(chunks):
+        part = slice(c * tc, (c + 1) * tc)
+        ex, ex_wire, group_sizes, plan = dispatch_with_wire(
+            x[part],
+            ids[part],
+            num_experts=num_slots,
+            axis_name=do.expert_axis,
+            transport=do.transport,
+            capacity_factor=cf,
+            dispatch_dtype=do.dispatch_dtype,
+            block_size=opts.fp8_block_size,
+            wire_kernels=do.wire_kernels,
+            group_alignment=align,
+            with_wire=with_wire,
+        )
+        if c == 0 and shared is not None:
+            ys_shared = _shared_experts(x, shared, gate, opts, x.dtype)
+            if mask is not None:
+                ys_shared = jnp.where(mask[:, None], ys_shared, jnp.zeros((), x.dtype))
+        ys.append(_local_experts(ex, group_sizes, w_gate_up, w_down, expert_bias, opts,
+                                 ex_wire, align, (r.weights[part], plan,
+                                                  do.combine_grad_dtype)).astype(x.dtype))
+        dropped = dropped + plan.dropped
+    y = ys[0] if chunks == 1 else jnp.concatenate(ys, axis=0)
+    if ys_shared is not None:
+        y = y + ys_shared
+    dropped = jax.lax.psum(dropped, all_axes)
     routing = {}
     if opts.router.return_routing:
         keep = True if mask is None else mask[:, None]
         routing = {"expert_ids": jnp.where(keep, r.expert_ids, -1),
                    "expert_weights": jnp.where(keep, r.weights, 0.0)}
-    return y.astype(x.dtype), (lb, z, counts, dropped), routing
+    return y, (lb, z, counts, dropped), routing
 
 
 def _padded_experts(num_experts: int, ep: int) -> int:
@@ -367,14 +427,18 @@ def moe_apply(
     _check_call(x, router_kernel, w_down, opts, mesh, dict(
         router_bias=router_bias, expert_bias=expert_bias, shared=shared,
         shared_gate=shared_gate, token_mask=token_mask))
+    ep = mesh.shape[opts.dispatch.expert_axis]
     if opts.dispatch.transport == "auto":
-        opts = opts.replace(transport=auto_transport(mesh.shape[opts.dispatch.expert_axis]))
+        opts = opts.replace(transport=auto_transport(ep))
     b, s, d = x.shape
     t = b * s
     ro, axis = opts.router, opts.dispatch.expert_axis
     axes = opts.token_axes(mesh)
     n_dev = math.prod(mesh.shape[a] for a in axes)
-    t_pad = -(-t // n_dev) * n_dev
+    chunks = opts.dispatch.overlap_chunks
+    if chunks == "auto":
+        chunks = auto_overlap_chunks(ep, -(-t // n_dev))
+    t_pad = -(-t // (n_dev * chunks)) * (n_dev * chunks)  # whole chunks on every device
     e, e_pad = ro.num_experts, _padded_experts(ro.num_experts, mesh.shape[axis])
     tok_spec = P(axes)
     out_spec = jax.typeof(x.reshape(t, d)).sharding.spec if _mesh.is_explicit(mesh) else None
@@ -382,6 +446,10 @@ def moe_apply(
                                                      tok_spec, t_pad)
     if router_bias is not None:
         extra["router_bias"], extra_specs["router_bias"] = router_bias, P()
+    if shared is not None:  # computed per device, inside the map, where it can hide a dispatch
+        extra["shared"], extra_specs["shared"] = tuple(shared), (P(), P())
+        if shared_gate is not None:
+            extra["shared_gate"], extra_specs["shared_gate"] = shared_gate, P()
 
     def bank(a):  # pad to e_pad experts (zeros, never routed to), then split over the axis
         if e_pad != e:
@@ -401,16 +469,13 @@ def moe_apply(
     body = jax.shard_map(
         lambda xt, wr, bb, wgu, wd, ex: _local_moe(
             xt, wr, bb, wgu, wd, ex, opts=opts, all_axes=all_axes, total_tokens=t,
-            num_slots=e_pad),
+            num_slots=e_pad, chunks=chunks),
         mesh=mesh,
         in_specs=(tok_spec, P(), P(), w_spec, w_spec, extra_specs),
         out_specs=(tok_spec, (P(), P(), P(), P()), routing_specs),
     )
     y, (lb, z, counts, dropped), routing = body(tokens, router_kernel, bias, w_gate_up, w_down,
                                                 extra)
-    if shared is not None:
-        ys = _shared_experts(tokens, shared, shared_gate, opts, x.dtype)
-        y = y + (ys if mask is None else jnp.where(mask[:, None], ys, jnp.zeros((), ys.dtype)))
     aux = {
         "load_balance_loss": lb,
         "router_z_loss": z,

@@ -80,6 +80,15 @@ class DispatchOptions:
       combine_grad_dtype: wire format of the combine gradient (same choices).
       wire_kernels: who encodes and lays out the dispatched rows: ``'auto'`` (Pallas kernels on
         NVIDIA GPUs, XLA elsewhere), ``'xla'`` or ``'pallas'``.
+      overlap_chunks: pipelined expert parallelism: each device's tokens are split into this
+        many chunks that are dispatched, computed and combined one after another, so that
+        one chunk's exchanges can run while another chunk's expert GEMMs compute (XLA's
+        async collectives place them so; forward and backward). ``'auto'``:
+        :func:`moe.auto_overlap_chunks` (1 with one device on the expert axis, where nothing
+        is sent, and for small batches). Token counts that do not split into the chunks are padded with masked tokens.
+        With nothing dropped the results equal the unchunked layer's; a capacity limit
+        applies per chunk (``C`` from the chunk's tokens), so a chunk that overloads an
+        expert drops slots that a whole-batch capacity might have kept.
 
     Example:
       >>> from moe import DispatchOptions
@@ -98,6 +107,7 @@ class DispatchOptions:
     dispatch_dtype: WireDtype = None
     combine_grad_dtype: WireDtype = None
     wire_kernels: WireKernels = "auto"
+    overlap_chunks: int | Literal["auto"] = "auto"
 
     def __post_init__(self):
         if self.batch_axes is not None and not isinstance(self.batch_axes, tuple):
@@ -106,6 +116,10 @@ class DispatchOptions:
         check_choice("dispatch_dtype", self.dispatch_dtype, _WIRES)
         check_choice("combine_grad_dtype", self.combine_grad_dtype, _WIRES)
         check_choice("wire_kernels", self.wire_kernels, ("auto", "xla", "pallas"))
+        n = self.overlap_chunks
+        if n != "auto" and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"overlap_chunks must be 'auto' or an int >= 1, got {n!r}; 1 "
+                             "turns the pipelining off.")
         cf = self.capacity_factor
         if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float))
                                or not cf > 0):
