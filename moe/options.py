@@ -86,9 +86,10 @@ class DispatchOptions:
         async collectives place them so; forward and backward). ``'auto'``:
         :func:`moe.auto_overlap_chunks` (1 with one device on the expert axis, where nothing
         is sent, and for small batches). Token counts that do not split into the chunks are
-        padded with masked tokens. With nothing dropped the results equal the unchunked layer's; a capacity limit
-        applies per chunk (``C`` from the chunk's tokens), so a chunk that overloads an
-        expert drops slots that a whole-batch capacity might have kept.
+        padded with masked tokens. With nothing dropped the results equal the unchunked
+        layer's; a capacity limit applies per chunk (``C`` from the chunk's tokens), so a
+        chunk that overloads an expert drops slots that a whole-batch capacity might have
+        kept.
 
     Example:
       >>> from moe import DispatchOptions
