@@ -49,32 +49,47 @@ def wire_for(name: WireDtype, dtype: jnp.dtype, block_size: int, kernels: str = 
     return Wire(wire, wire, block_size, kernels)
 
 
-def _by_bucket(plan: DispatchPlan, fn, *args):
-    """``fn(c, *args)`` with ``c`` the dropless exchange capacity ``plan.buckets[plan.bucket]``:
-    a ``lax.switch`` over the static buckets (every device of the expert axis takes the same
-    branch: the index comes from the all-gathered counts), or a plain call for one bucket."""
+def _two_phase(plan: DispatchPlan, exchange, finish):
+    """The dropless exchange in two phases: ``exchange(0, c_0)`` sends the first bucket's rows
+    of every pair, outside any branch (an async all-to-all that other work can overlap); the
+    rest runs in the ``lax.switch`` branch of the step's bucket ``c_j``: ``exchange(c_0, c_j -
+    c_0)`` sends the overflow (nothing in branch 0, the balanced case) and ``finish(recv, o)``
+    reads the received rows, ``recv`` the first phase's ``[P * c_0]`` rows followed by the
+    overflow's ``[P * o]``. Every device of the expert axis takes the same branch (the index
+    comes from the all-gathered counts)."""
+    c0 = plan.buckets[0]
+    first = exchange(0, c0)
     if len(plan.buckets) == 1:
-        return fn(plan.buckets[0], *args)
-    return jax.lax.switch(plan.bucket, [functools.partial(fn, c) for c in plan.buckets], *args)
+        return finish(first, 0)
+
+    def branch(o, first):
+        recv = first if o == 0 else jnp.concatenate([first, exchange(c0, o)], axis=0)
+        return finish(recv, o)
+
+    return jax.lax.switch(plan.bucket, [functools.partial(branch, c - c0)
+                                        for c in plan.buckets], first)
 
 
-def _pair_head(a: jax.Array, plan: DispatchPlan, c: int) -> jax.Array:
-    """The first ``c`` entries of every pair block of ``a [P * W]``: ``[P * c]``. With one
-    device the one bucket is ``W`` and ``a`` is the send buffer's slots: all of it (the
-    aligned layout's, longer than ``W``, included)."""
+def _pair_rows(a: jax.Array, plan: DispatchPlan, start: int, size: int) -> jax.Array:
+    """Entries ``[start, start + size)`` of every pair block of ``a [P * W]``: ``[P * size]``.
+    With one device the one bucket is ``W`` and ``a`` is the send buffer's slots: all of it
+    (the aligned layout's, longer than ``W``, included)."""
     if plan.axis_size == 1:
         return a
-    return a.reshape(plan.axis_size, -1)[:, :c].reshape(-1)
+    return a.reshape(plan.axis_size, -1)[:, start:start + size].reshape(-1)
 
 
-def _pair_to_row(v: jax.Array, plan: DispatchPlan, c: int) -> jax.Array:
-    """Pair rows ``q * W + r`` -> rows ``q * c + r`` of a ``[P, c]`` buffer (``P * c`` where
-    ``v`` is out of range)."""
+def _pair_to_row(v: jax.Array, plan: DispatchPlan, c: int, o: int = 0) -> jax.Array:
+    """Pair rows ``q * W + r`` -> rows of the received buffers of a two-phase exchange
+    (:func:`_two_phase`): ``q * c + r`` in the first ``[P, c]`` block for ``r < c``, ``P * c +
+    q * o + r - c`` in the overflow's ``[P, o]`` block after it; ``P * (c + o)`` where ``v``
+    is out of range."""
     w, p = plan.pair_width, plan.axis_size
     if c == w:
         return v
     q, r = jax.lax.div(v, jnp.int32(w)), jax.lax.rem(v, jnp.int32(w))  # v >= 0
-    return jnp.where(v < p * w, q * c + r, p * c)
+    row = jnp.where(r < c, q * c + r, p * c + q * o + r - c)
+    return jnp.where(v < p * w, row, p * (c + o))
 
 
 def _take_rows(rows: jax.Array, index: jax.Array) -> jax.Array:
@@ -124,18 +139,19 @@ def _dense_to_layout(recv: jax.Array, plan: DispatchPlan, w: Wire, width: int) -
                                   kernels=w.kernels)
 
 
-def _pairs_to_layout(recv: jax.Array, plan: DispatchPlan, c: int, w: Wire, width: int,
+def _pairs_to_layout(recv: jax.Array, plan: DispatchPlan, c: int, o: int, w: Wire, width: int,
                      with_wire: bool = False):
-    """Dropless: received rows ``[P src * c, W]`` -> decoded expert layout ``[R, width]``
-    (row ``i`` <- received row ``plan.pair_row[i]``; padding rows zero), one gather + decode
-    pass (the Pallas kernel, :func:`_gather_decode`, or XLA's gather of the wire words then
-    decode). With ``P = 1`` the received rows already are the layout. ``with_wire``: also the
-    wire rows in the layout's order (``(decoded, wire)``; XLA drops whichever is not used)."""
+    """Dropless: received rows ``[P src * (c + o), W]`` (a two-phase exchange's, see
+    :func:`_pair_to_row`) -> decoded expert layout ``[R, width]`` (row ``i`` <- received row of
+    ``plan.pair_row[i]``; padding rows zero), one gather + decode pass (the Pallas kernel,
+    :func:`_gather_decode`, or XLA's gather of the wire words then decode). With ``P = 1`` the
+    received rows already are the layout. ``with_wire``: also the wire rows in the layout's
+    order (``(decoded, wire)``; XLA drops whichever is not used)."""
     if plan.axis_size == 1:
         return (w.decode(recv, width), recv) if with_wire else w.decode(recv, width)
-    index = _pair_to_row(plan.pair_row, plan, c)
+    index = _pair_to_row(plan.pair_row, plan, c, o)
     if with_wire:
-        return _pairs_to_layout(recv, plan, c, w, width), _take_rows(recv, index)
+        return _pairs_to_layout(recv, plan, c, o, w, width), _take_rows(recv, index)
 
     def xla(recv, index):
         return w.decode(_take_rows(recv, index), width)
@@ -150,12 +166,12 @@ def _to_experts(encode, plan: DispatchPlan, w: Wire, width: int, with_wire: bool
     decoded to ``w.out``. No collective runs when the expert axis has one device.
     ``with_wire`` (ragged layouts only): ``(decoded layout, its wire rows)``."""
     if plan.transport == "dropless":
-        def bucket(c):
-            send = encode(_pair_head(plan.send_slot, plan, c))  # [P dst * c, W]
-            recv = _transport.dense_exchange(send, plan.axis_name)
-            return _pairs_to_layout(recv, plan, c, w, width, with_wire)
+        def exchange(start, size):
+            send = encode(_pair_rows(plan.send_slot, plan, start, size))  # [P dst * size, W]
+            return _transport.dense_exchange(send, plan.axis_name)
 
-        return _by_bucket(plan, bucket)
+        return _two_phase(plan, exchange, lambda recv, o: _pairs_to_layout(
+            recv, plan, plan.buckets[0], o, w, width, with_wire))
     send = encode(plan.send_slot)
     if plan.transport == "dense":
         if with_wire:
@@ -220,22 +236,24 @@ def _from_experts(expert_rows: jax.Array, plan: DispatchPlan, reduce):
     """Combine direction: send the expert layout back to the sources and return ``reduce(back,
     row)``, ``back`` the returned rows and ``row(j)`` (int32 ``[T]``) the row of ``back``
     holding slot ``(t, j)``. Dropless: the rows for each source are gathered from the layout
-    into a ``[P, c]`` buffer, exchanged, and reduced inside the bucket's branch (``back``'s
-    shape depends on the bucket, so ``reduce`` must return arrays of fixed shapes)."""
+    into ``[P, c]`` buffers and exchanged in two phases (:func:`_two_phase`), then reduced
+    inside the bucket's branch (``back``'s shape depends on the bucket, so ``reduce`` must
+    return arrays of fixed shapes)."""
     if plan.transport != "dropless":
         return reduce(_return_trip(expert_rows, plan), functools.partial(back_row, plan))
+    c0 = plan.buckets[0]
+    if plan.axis_size == 1:  # the layout is the source's sorted slots; one bucket
+        return reduce(expert_rows, lambda j: _pair_to_row(plan.slot_row[:, j], plan, c0))
 
-    def bucket(c):
-        back = expert_rows  # P = 1: the layout is the source's sorted slots
-        if plan.axis_size > 1:
-            send = _transport.gather_rows(
-                expert_rows, _pair_head(plan.layout_row, plan, c),
-                wire=jnp.dtype(expert_rows.dtype), block_size=plan.block_size,
-                kernels=plan.wire_kernels)
-            back = _transport.dense_exchange(send, plan.axis_name)
-        return reduce(back, lambda j: _pair_to_row(plan.slot_row[:, j], plan, c))
+    def exchange(start, size):
+        send = _transport.gather_rows(
+            expert_rows, _pair_rows(plan.layout_row, plan, start, size),
+            wire=jnp.dtype(expert_rows.dtype), block_size=plan.block_size,
+            kernels=plan.wire_kernels)
+        return _transport.dense_exchange(send, plan.axis_name)
 
-    return _by_bucket(plan, bucket)
+    return _two_phase(plan, exchange, lambda back, o: reduce(
+        back, lambda j: _pair_to_row(plan.slot_row[:, j], plan, c0, o)))
 
 
 def sum_slots(back: jax.Array, row, top_k: int, weights: jax.Array | None) -> jax.Array:

@@ -35,7 +35,8 @@ class DispatchPlan:
     ``'dropless'`` indexes its buffers by *pair rows*: row ``q * W + r`` is the ``r``-th row
     between this device and device ``q`` in a worst-case ``[P, W]`` buffer, ``W =
     T * min(k, E_local)`` (:func:`pair_width`); the exchange sends only the first ``c`` rows
-    of each block, ``c`` one of ``buckets`` (row ``q * W + r`` becomes ``q * c + r``).
+    of each block, ``c`` one of ``buckets``: the first ``c_0`` in one exchange, the rest (``c
+    - c_0``) in a second one when a pair needs them (``moe._movement._two_phase``).
 
     Attributes:
       send_slot: int32 ``[N]``, the slot ``t * k + j`` carried by each send-buffer row

@@ -19,16 +19,19 @@ Layouts (``C`` = per-(source, expert) capacity, ``R`` = :func:`moe._plan.ragged_
 
 Transports: ``'dense'`` exchanges ``[E, C]`` capacity-padded rows with ``all_to_all`` and drops
 the slots past ``C``. ``'ragged'`` sends exactly the routed rows with ``ragged_all_to_all``.
-``'dropless'`` sends, to every device, its slots in a ``[P, c]`` buffer with one
-``all_to_all``, ``c`` the smallest of a few static bucket sizes
+``'dropless'`` sends, to every device, its slots in a ``[P, c]`` buffer of ``all_to_all``
+exchanges, ``c`` the smallest of a few static bucket sizes
 (:func:`moe._plan.dropless_buckets`: ``capacity_factor`` times the balanced share, growing
 1.5x, at most 8, up to the worst case) that holds the fullest (source, destination) pair of
-the step. The plan all-gathers the counts, so every device of the expert axis picks the
-same bucket and one ``lax.switch`` branch per exchange runs: no slot is ever dropped, and no
-second exchange is needed when a pair overflows the first bucket (a larger bucket is taken
-instead). The received rows are laid out into the ragged layout in one gather (+ decode)
-pass; the same bytes as ``'ragged'``, bit for bit. With one device on the expert axis no
-transport exchanges anything (not even the counts): the send buffer is the expert layout.
+the step. Each exchange runs in two phases: one ``all_to_all`` of the first bucket's ``c_0``
+rows per pair, outside any branch, so XLA can run it asynchronously under other work (the
+layer's other chunks, ``overlap_chunks``); then, in the ``lax.switch`` branch of the step's
+bucket ``c_j``, the ``c_j - c_0`` rows past it (nothing in branch 0, which a balanced step
+takes). The plan all-gathers the counts, so every device of the expert axis takes the same
+branch: no slot is ever dropped. The received rows are laid out into the ragged layout in
+one gather (+ decode) pass; the same bytes as ``'ragged'``, bit for bit. With one device on
+the expert axis no transport exchanges anything (not even the counts): the send buffer is
+the expert layout.
 
 Data movement per call (``S = T * k`` slots, ``N`` send rows; ``P * c`` for dropless): the
 plan sorts ``S`` packed int32 keys once, for forward and backward (no pass over token rows);

@@ -2,6 +2,7 @@
 
 import functools
 import math
+import re
 
 import chex
 import jax
@@ -446,16 +447,42 @@ def test_one_device_expert_axis_exchanges_nothing(shape, names, transport, kw):
         assert hlo_op_counts(text) == {"sort": 1}, hlo_op_counts(text)
 
 
-def test_plan_sorts_once_and_dropless_exchanges_one_bucket_per_site():
-    """EP = 4: one sort serves forward and backward; the dropless transport's four exchanges
-    (dispatch, combine, and their backward passes) are each one conditional over the buckets
-    holding one all-to-all per bucket, and the count exchange is the one all-gather."""
+_BRANCHES_RE = re.compile(r"(?:branch_computations=\{([^}]*)\}|(?:true|false)_computation="
+                          r"%?([\w.\-]+))")
+_CALLS_RE = re.compile(r"\b(?:calls|to_apply)=%?([\w.\-]+)")
+
+
+def _outside_branches(text: str, opcode: str) -> int:
+    """``opcode`` instructions (async halves once) outside every conditional's branches and
+    what those branches call."""
+    mod = hlo.parse_hlo(text)
+    stack = [name.strip().lstrip("%") for ins in mod.instructions() if ins.opcode == "conditional"
+             for group in _BRANCHES_RE.findall(ins.attrs) for part in group if part
+             for name in part.split(",")]
+    inside: set[str] = set()
+    while stack:
+        c = stack.pop()
+        if c not in inside and c in mod.computations:
+            inside.add(c)
+            stack.extend(x for i in mod.computations[c] for x in _CALLS_RE.findall(i.attrs))
+    return sum(ins.opcode.removesuffix("-start") == opcode
+               for c, body in mod.computations.items() if c not in inside for ins in body)
+
+
+def test_plan_sorts_once_and_dropless_exchanges_in_two_phases():
+    """EP = 4: one sort serves forward and backward; each of the dropless transport's four
+    exchanges (dispatch, combine, and their backward passes) sends the first bucket's rows in
+    one all-to-all outside any branch, where the scheduler can overlap it with other work,
+    and the overflow of each larger bucket in that bucket's branch of one conditional; the
+    count exchange is the one all-gather."""
     shape, names = (2, 4), ("data", "expert")
     caps = dropless_buckets(16, K, E, 4, 1.25)
     assert len(caps) == 3, caps
-    want = {"sort": 1, "conditional": 4, "all-to-all": 4 * len(caps), "all-gather": 1}
+    want = {"sort": 1, "conditional": 4, "all-to-all": 4 + 4 * (len(caps) - 1),
+            "all-gather": 1}
     for text in _dispatch_combine_grad_hlo(shape, names, "dropless"):
         assert hlo_op_counts(text) == want, hlo_op_counts(text)
+        assert _outside_branches(text, "all-to-all") == 4
     # dense: the count exchange and four payload exchanges (compiled: the count exchange only
     # fed group_sizes, unused here, so XLA removed it)
     emitted, compiled = _dispatch_combine_grad_hlo(shape, names, "dense", capacity_factor=1.25)
