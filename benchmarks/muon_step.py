@@ -36,8 +36,8 @@ Limit = NS FLOPs / (N x dense bf16 matmul rate) + time of a psum of the params' 
 param dtype), both measured here. The exposed-communication fraction comes from a jax.profiler
 trace (benchmarks/trace_overlap.py) of the fastest muon DP variant when the backend records
 device kernels (every DP variant is traced, e.g. with and without the overlap options:
-``trace_by_variant``), else the HLO estimate (ring bytes of collectives with no compute
-scheduled between start and done).
+``trace_by_variant``), else None (benchmarks/schedule_report.py predicts it from the
+compiled schedule).
 
 Usage:
   python benchmarks/muon_step.py --out muon_step.json          # GPU, real size
@@ -210,7 +210,7 @@ def main(argv=None) -> dict:
         sec, _ = median_seconds(compiled, args_, args.warmup, args.iters)
         rec = {"step_seconds": sec, "compile_seconds": compile_s, "counts": colls.counts(),
                "ring_bytes_per_device": colls.ring_bytes,
-               "hlo_exposed_fraction": colls.exposed_fraction,
+               "hlo_bare_window_fraction": colls.bare_fraction,
                "collectives_in_while_loops": len(colls.in_while_loop)}
         if opts is not None:
             rec.update(options=opts, options_dropped=dropped)
@@ -304,7 +304,7 @@ def main(argv=None) -> dict:
 
     # Exposed communication: a profiler trace of every data-parallel muon_jax variant (so the
     # default and the overlap-options builds are compared in one run); the headline is the
-    # fastest variant's, or the HLO estimate where the backend records no device kernels.
+    # fastest variant's (None where the backend records no device kernels).
     exposed, source = None, None
     if best:
         report["trace_by_variant"] = {}
@@ -329,9 +329,8 @@ def main(argv=None) -> dict:
                     exposed = res["exposed_fraction"]
                     source = f"jax.profiler trace ({trace_dir})"
         if exposed is None:
-            exposed = results[best]["report"].exposed_fraction
-            source = ("HLO estimate: ring bytes of collectives with no compute scheduled "
-                      "between start and done / all ring bytes (not a measurement)")
+            source = ("no device trace; benchmarks/schedule_report.py predicts it from the "
+                      "compiled schedule (xla_comm.schedule)")
 
     def sec_of(name):
         return results[name]["seconds"] if name in results else None
@@ -358,7 +357,7 @@ def main(argv=None) -> dict:
     })
     write_json(args.out, report)
 
-    rows = [("variant", "step s", "vs limit", "ring MB/dev", "collectives", "HLO exposed")]
+    rows = [("variant", "step s", "vs limit", "ring MB/dev", "collectives", "bare windows")]
     labels = {"muon": "muon_jax DP (default)", "muon_chunked": "muon_jax DP (chunked)",
               "muon_overlap": "muon_jax DP (overlap opts)",
               "optax_contrib_muon": "optax.contrib.muon DP (replicated)",
@@ -367,7 +366,7 @@ def main(argv=None) -> dict:
     for name, v in results.items():
         r = v["report"]
         rows.append((labels.get(name, name), f"{v['seconds']:.4f}", f"{v['seconds'] / limit:.2f}x",
-                     f"{r.ring_bytes / 1e6:.1f}", str(r.counts()), f"{r.exposed_fraction:.0%}"))
+                     f"{r.ring_bytes / 1e6:.1f}", str(r.counts()), f"{r.bare_fraction:.0%}"))
     if "ns_owner_share" in report:
         ns = report["ns_owner_share"]
         rows.append(("NS only, one owner share", f"{ns['seconds']:.4f}", "-", "-", "-",

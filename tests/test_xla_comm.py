@@ -53,7 +53,7 @@ def test_kinds_bytes_and_ring_costs(report_1d):
     assert (cp.buffer_bytes, cp.ring_bytes) == (shard, shard)
     assert rep.ring_bytes == pytest.approx(sum(c.ring_bytes for c in rep))
     assert not rep.in_while_loop and all(not c.is_async for c in rep)
-    assert rep.exposed_fraction == 1.0
+    assert rep.bare_fraction == 1.0
 
 
 def test_group_sizes_on_2d_mesh_and_while_loop_flag():
@@ -115,12 +115,12 @@ def test_async_pairs_and_overlap_from_text():
     (ar,) = rep.of_kind("all-reduce")
     assert all(c.is_async for c in rep)
     assert (ag.done_name, ag.group_size, ag.buffer_bytes) == ("ag-done", 8, 64 * 128 * 4)
-    assert ag.overlapped == (("fusion", "fusion.1"),) and not ag.exposed
+    assert ag.overlapped == (("fusion", "fusion.1"),) and not ag.bare
     assert (rs.done_name, rs.group_size, rs.dtypes) == ("rs-done", 4, ("bf16",))
     assert rs.ring_bytes == pytest.approx(3 / 4 * 64 * 32 * 2)
     assert rs.overlapped == (("fusion", "fusion.1"),)
-    assert (ar.group_size, ar.overlapped, ar.exposed) == (2, (), True)
-    assert rep.exposed_ring_bytes == pytest.approx(ar.ring_bytes)
+    assert (ar.group_size, ar.overlapped, ar.bare) == (2, (), True)
+    assert rep.bare_ring_bytes == pytest.approx(ar.ring_bytes)
 
 
 def test_hlo_text_rejects_other_objects():

@@ -142,8 +142,10 @@ class Collective:
     executions: int = 1
 
     @property
-    def exposed(self) -> bool:
-        """True when nothing can hide it: synchronous, or async with no compute in between."""
+    def bare(self) -> bool:
+        """True when no op sits in its window: synchronous, or async with no compute between
+        start and done. (An op in the window need not hide it: `xla_comm.schedule` counts
+        the time it covers.)"""
         return not self.overlapped
 
     def shape_str(self) -> str:
@@ -172,7 +174,7 @@ class CollectiveReport:
       ...   ROOT %ag = bf16[8,8]{1,0} all-gather(%a2a), replica_groups={{0,1}}, dimensions={0}
       ... }'''
       >>> rep = analyze_collectives(text)
-      >>> len(rep), rep.counts(), rep.ring_bytes, rep.exposed_fraction  # (N-1)/N * (64 + 128)
+      >>> len(rep), rep.counts(), rep.ring_bytes, rep.bare_fraction  # (N-1)/N * (64 + 128)
       (2, {'all-to-all': 1, 'all-gather': 1}, 96.0, 1.0)
     """
 
@@ -219,15 +221,17 @@ class CollectiveReport:
         return tuple(c for c in self.collectives if c.in_while_loop)
 
     @property
-    def exposed_ring_bytes(self) -> float:
-        """Ring bytes of collectives with no compute scheduled under them."""
-        return float(sum(c.ring_bytes * c.executions for c in self.collectives if c.exposed))
+    def bare_ring_bytes(self) -> float:
+        """Ring bytes of collectives with no compute scheduled under them (`Collective.bare`)."""
+        return float(sum(c.ring_bytes * c.executions for c in self.collectives if c.bare))
 
     @property
-    def exposed_fraction(self) -> float:
-        """HLO-based estimate of the exposed share of communication bytes (0 when none)."""
+    def bare_fraction(self) -> float:
+        """Share of the ring bytes in bare windows (0 when nothing is sent). A structural
+        count: how much of the communication a schedule hides in *time* is
+        `xla_comm.schedule.schedule_report`'s ``exposed_fraction``."""
         total = self.ring_bytes
-        return self.exposed_ring_bytes / total if total else 0.0
+        return self.bare_ring_bytes / total if total else 0.0
 
     def table(self) -> str:
         """A fixed-width text table, one row per collective, then totals."""
@@ -249,7 +253,7 @@ class CollectiveReport:
         counts = ", ".join(f"{k}: {v}" for k, v in sorted(self.counts().items())) or "none"
         lines.append(
             f"total: {len(self)} collectives ({counts}); ring bytes/device "
-            f"{self.ring_bytes:,.0f}; exposed {self.exposed_fraction:.1%}; "
+            f"{self.ring_bytes:,.0f}; in bare windows {self.bare_fraction:.1%}; "
             f"in while loops: {len(self.in_while_loop)}"
         )
         return "\n".join(lines)

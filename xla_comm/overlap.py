@@ -4,7 +4,8 @@ XLA reads `XLA_FLAGS` once, when the first backend is created, so the flags must
 environment before any JAX computation runs (or in the environment of a fresh process).
 `overlap_flags()` returns the recommended set; `enable_overlap()` appends them to
 `os.environ['XLA_FLAGS']` and refuses (ValueError) once a backend exists. Check the effect with
-`xla_comm.hlo.analyze_collectives(compiled).exposed_fraction` on the GPU.
+`xla_comm.schedule.schedule_report(compiled, hardware).exposed_fraction` (time the compute
+stream waits for collectives, under a cost and a link model) on the GPU.
 
 The flags (all verified to parse in jaxlib 0.10.2 and 0.11.2; an unknown flag aborts XLA at
 startup):
