@@ -162,6 +162,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--router-optimizer", choices=("muon", "adamw"), default="muon",
                    help="which optimizer trains the MoE router kernels in the Muon run (muon ended "
                         "lower on both presets: BENCHMARKS.md)")
+    p.add_argument("--muon-gather-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="dtype Muon's updates travel back from their owner devices in "
+                        "(muon_jax.muon's gather_dtype; bfloat16 halves those bytes)")
     p.add_argument("--weight-decay", type=float, default=0.01, help="decoupled, both optimizers")
     p.add_argument("--warmup", type=int, default=20, help="linear warmup steps, then cosine")
     p.add_argument("--aux-loss", type=float, default=0.01, help="load-balancing loss weight")
@@ -296,6 +299,7 @@ def make_tx(name: str, args, mesh) -> optax.GradientTransformation:
         muon_mask=router_on_adamw if args.router_optimizer == "adamw" else None,
         adam_learning_rate=schedule(muon_adam_lr(args)),
         mesh=mesh,
+        gather_dtype=None if args.muon_gather_dtype == "float32" else jnp.bfloat16,
     )
 
 

@@ -360,3 +360,28 @@ def test_state_type_is_decided_at_construction():
     assert jax.tree.structure(jitted) == jax.tree.structure(state)
     assert isinstance(ambient, muon_jax.ShardedMuonState)
     assert ambient.plan.stacks == state.plan.stacks
+
+
+def test_bf16_update_gathers_halve_their_bytes_and_round_once(dp_setup):
+    """``gather_dtype=jnp.bfloat16``: the updates leave their owners as bf16 (the lowered
+    program's all-gathers carry bf16; XLA:CPU itself widens bf16 collectives when compiling)
+    and arrive as the f32 update rounded to bf16, nothing more."""
+    mesh, host, params, batch = dp_setup
+    grads = jax.tree.map(lambda x: jax.device_put(np.cos(np.asarray(x) * 3), x.sharding),
+                         params)
+    out = {}
+    for dt in (None, jnp.bfloat16):
+        tx = muon_jax.scale_by_muon(ns_dtype=jnp.float32, mesh=mesh, gather_dtype=dt)
+        update = jax.jit(tx.update)
+        state = tx.init(params)
+        out[dt] = update(grads, state)[0]
+        gathers = [c for c in hlo.analyze_collectives(update.lower(grads, state))
+                   if c.kind == "all-gather" and c.buffer_bytes >= 64]
+        assert gathers and {c.dtypes[0] for c in gathers} == {"bf16" if dt else "f32"}
+    for k in DP_SHAPES:
+        assert out[jnp.bfloat16][k].dtype == jnp.float32
+        assert out[jnp.bfloat16][k].sharding.is_equivalent_to(params[k].sharding, params[k].ndim)
+        want = np.asarray(out[None][k]).astype(jnp.bfloat16).astype(np.float32)
+        np.testing.assert_array_equal(np.asarray(out[jnp.bfloat16][k]), want, err_msg=k)
+    with pytest.raises(ValueError, match="gather_dtype=int32 is not a float dtype"):
+        muon_jax.scale_by_muon(mesh=mesh, gather_dtype=jnp.int32)
