@@ -196,9 +196,12 @@ class ScheduleReport:
         """The windows of collectives of these kinds."""
         return tuple(w for w in self.windows if w.kind in kinds)
 
-    def summary(self, kinds: Sequence[str] | None = None) -> dict[str, Any]:
-        """Totals (of ``kinds`` only, if given) as a JSON-ready dict."""
+    def summary(self, kinds: Sequence[str] | None = None, *, min_bytes: float = 0.0
+                ) -> dict[str, Any]:
+        """Totals (of ``kinds`` only, if given, and of collectives sending at least
+        ``min_bytes`` per device) as a JSON-ready dict."""
         ws = self.windows if kinds is None else self.of_kind(*kinds)
+        ws = tuple(w for w in ws if w.bytes_sent >= min_bytes)
         coll = sum(w.transfer_us * w.executions for w in ws)
         exp = sum(w.exposed_us * w.executions for w in ws)
         return {

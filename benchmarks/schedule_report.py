@@ -1,0 +1,436 @@
+"""Exposed communication of 8-, 16- and 64-GPU steps, predicted from their compiled schedules.
+
+Compiles (without running) programs for virtual topologies of the local GPU kind
+(`xla_comm.schedule.topology_mesh`: ``1x8x1`` is 8 GPUs of one host, ``2x8x1`` and ``8x8x1``
+two and eight such hosts), with XLA's overlap options, and replays each schedule with
+`xla_comm.schedule.schedule_report` (compute at rates measured in this run, transfers at
+``--link-gbps`` per GPU within a host and ``--inter-host-gbps`` across hosts):
+
+* the MoE layer's train step (forward + backward, FP8 wires, capacity 1.25) at EP=8, shape
+  set A (8192 tokens per device, d 2048, d_ff 1024, 32 experts, top-2) and B (d 4096, d_ff
+  2048, 64 experts, top-8), dense and dropless, for each ``--chunks`` count of
+  ``overlap_chunks``; shape A also over 16 GPUs (2 hosts; the expert axis across both, or
+  within each host with the hosts data parallel) and 64 (8 hosts);
+* sharded Muon on 8 GPUs, the 1.6B set of ``benchmarks/muon_step.py`` (f32 params), with the
+  updates gathered in f32 and in bf16;
+* ``examples/train_lm.py``'s step with its GPU preset on meshes (1, 8) and (2, 4).
+
+On the one real GPU it also times the MoE layer at shape A's per-device work (EP=1, the 4
+local experts' worth: 4 experts, 8192 tokens) unchunked and in 2 chunks (interleaved
+medians), and checks the compute side of the model against it: ``compute_model_error`` =
+predicted / measured - 1 of that program's step time.
+
+Writes ``--out`` (JSON: the summary keys first, every case's summary under ``cases``) and,
+with ``--hlo-dir``, every compiled module's text (gzip), so the report can be replayed later
+on a CPU (``python -c "from xla_comm import schedule; ..."``).
+
+Usage:
+  python benchmarks/schedule_report.py --out benchmarks/results/h200x1_schedule8.json
+  python benchmarks/schedule_report.py --small   # CPU: 8 simulated devices stand in
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeShape:
+    tokens: int  # per device
+    d_model: int
+    d_ff: int
+    experts: int
+    top_k: int
+
+
+PAYLOAD_BYTES = 64 * 1024
+"""All-to-alls sending at least this many bytes per device are a layer's payload exchanges."""
+SHAPES = {"A": MoeShape(8192, 2048, 1024, 32, 2), "B": MoeShape(8192, 4096, 2048, 64, 8)}
+SMALL_SHAPES = {"A": MoeShape(512, 256, 128, 16, 2), "B": MoeShape(512, 512, 256, 16, 4)}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--small", action="store_true", help="CPU, 8 simulated devices")
+    p.add_argument("--out", default=None)
+    p.add_argument("--hlo-dir", default=None, help="write each compiled module here (gzip)")
+    p.add_argument("--hlo-tar", default=None,
+                   help="then pack them into this one tar file (up to 15 MiB, smallest first)")
+    p.add_argument("--chunks", default="1,2,4", help="overlap_chunks values of the EP=8 cases")
+    p.add_argument("--default-chunks", type=int, default=None,
+                   help="the chunk count the headline keys are for (default: the layer's "
+                        "moe.layer.OVERLAP_CHUNKS)")
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="per-GPU bandwidth within a host (default: xla_comm.schedule's, the "
+                        "2x H200 all_to_all measurement)")
+    p.add_argument("--inter-host-gbps", type=float, default=50.0)
+    p.add_argument("--budget", type=float, default=500.0,
+                   help="seconds after which the remaining cases are skipped")
+    p.add_argument("--only", default=None, help="comma-separated case groups: "
+                   "moe8,moe8b,muon,train,moe16,moe64,gpu1")
+    return p.parse_args(argv)
+
+
+def _commit() -> str:
+    if (ROOT / "COMMIT").exists():
+        return (ROOT / "COMMIT").read_text().strip()
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except Exception:  # no git on the device machine
+        return "unknown"
+
+
+def main(argv=None) -> dict:
+    a = parse_args(argv)
+    if a.small:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+    sys.path[:0] = [str(ROOT), str(HERE), str(ROOT / "examples")]
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from bench_util import compile_with, dense_ceiling, env_info, median_seconds, write_json
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import moe
+    import muon_jax
+    from xla_comm import overlap, schedule
+
+    t0 = time.perf_counter()
+    groups = set((a.only or "moe8,moe8b,muon,train,moe16,moe64,gpu1").split(","))
+    chunk_list = [int(c) for c in a.chunks.split(",")]
+    default_chunks = a.default_chunks or moe.layer.OVERLAP_CHUNKS
+    shapes = SMALL_SHAPES if a.small else SHAPES
+    report: dict = {"benchmark": "schedule_report", "env": env_info(), "commit": _commit(),
+                    "command": " ".join(["python", "benchmarks/schedule_report.py",
+                                         *(argv if argv is not None else sys.argv[1:])]),
+                    "date": time.strftime("%Y-%m-%d"), "cases": {}, "skipped": [],
+                    "errors": {}}
+    hlo_dir = Path(a.hlo_dir) if a.hlo_dir else None
+    if hlo_dir:
+        hlo_dir.mkdir(parents=True, exist_ok=True)
+
+    # ---------------------------------------------------------------- the measured rates
+    n = 256 if a.small else 8192
+    bf16 = dense_ceiling(n, 2, 5)["tflops"]
+    fp8 = dense_ceiling(n, 2, 5, dtype="fp8")["tflops"]
+    x = jnp.ones(((1 << 16) if a.small else (1 << 29),), jnp.bfloat16)
+    copy = jax.jit(lambda v: v * 2)
+    sec, _ = median_seconds(copy, (x,), 2, 7)
+    hbm = 2 * x.size * 2 / sec / 1e9
+    del x
+    hw = schedule.Hardware(gemm_tflops=bf16, fp8_gemm_tflops=fp8, hbm_GBps=hbm,
+                           link_GBps=a.link_gbps or schedule.MEASURED_LINK_GBPS,
+                           inter_host_GBps=a.inter_host_gbps,
+                           devices_per_host=4 if a.small else 8)
+    report["hardware"] = dataclasses.asdict(hw)
+    report["link_GBps_assumed"] = hw.link_GBps
+    report["link_source"] = ("xla_comm.schedule.MEASURED_LINK_GBPS: all_to_all on 2x H200, "
+                             "jax 0.11.2 (BENCHMARKS.md)" if a.link_gbps is None
+                             else "--link-gbps")
+    print(f"[{time.perf_counter() - t0:5.0f}s] rates: bf16 {bf16:.0f} TF/s, fp8 {fp8:.0f}, "
+          f"HBM {hbm:.0f} GB/s; link {hw.link_GBps} GB/s", flush=True)
+
+    opts = None if a.small else overlap.overlap_compiler_options()
+
+    def mesh_for(topology: str, shape, names, explicit=True):
+        if a.small:
+            devs = np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape)
+            kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
+            return jax.sharding.Mesh(devs, names, axis_types=(kind,) * len(shape))
+        return schedule.topology_mesh(topology, shape, names, explicit=explicit)
+
+    def record(name, compiled, extra=None):
+        rep = schedule.schedule_report(compiled, hw)
+        out = {"all": rep.summary(), "all_to_all": rep.summary(("all-to-all",)),
+               # the payload exchanges (the counts' tiny all-to-alls left out)
+               "payload_all_to_all": rep.summary(("all-to-all",), min_bytes=PAYLOAD_BYTES),
+               **(extra or {})}
+        report["cases"][name] = out
+        if hlo_dir:
+            with gzip.open(hlo_dir / f"{name}.hlo.gz", "wt") as f:
+                f.write(compiled.as_text())
+        pa = out["payload_all_to_all"]
+        print(f"[{time.perf_counter() - t0:5.0f}s] {name}: exposed "
+              f"{out['all']['exposed_fraction']:.3f} of {out['all']['collective_us']:.0f} us "
+              f"(payload all-to-alls {pa['exposed_fraction']:.3f}, with GEMMs "
+              f"{pa['windows_with_gemm']}/{pa['windows']}); step {out['all']['step_us']:.0f} us",
+              flush=True)
+        write_json(a.out, report)
+        return out
+
+    def run_case(name, fn):
+        if time.perf_counter() - t0 > a.budget:
+            report["skipped"].append(name)
+            return None
+        try:
+            return fn()
+        except Exception as err:  # record and go on
+            report["errors"][name] = f"{type(err).__name__}: {err}"[:3000]
+            traceback.print_exc()
+            return None
+
+    # ---------------------------------------------------------------- the MoE layer
+    def moe_compiled(mesh, s: MoeShape, transport, chunks, batch_axes=None):
+        axes = tuple(mesh.axis_names)
+        kw = {} if batch_axes is None else {"batch_axes": batch_axes}
+        o = moe.MoEOptions.create(s.experts, s.top_k, transport=transport,
+                                  capacity_factor=1.25, dispatch_dtype="fp8",
+                                  combine_grad_dtype="fp8", overlap_chunks=chunks, **kw)
+        ndev = int(np.prod(mesh.devices.shape))
+
+        def loss(x, router, wgu, wd, ct):
+            y, aux = moe.moe_apply(x, router, wgu, wd, opts=o, mesh=mesh)
+            return jnp.sum(y.astype(jnp.float32) * ct) + 0.01 * aux["load_balance_loss"]
+
+        def sds(shape, dtype, spec):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+        tok = P(axes)
+        args = (sds((ndev, s.tokens, s.d_model), jnp.bfloat16, tok),
+                sds((s.d_model, s.experts), jnp.float32, P()),
+                sds((s.experts, s.d_model, 2 * s.d_ff), jnp.bfloat16, P("expert")),
+                sds((s.experts, s.d_ff, s.d_model), jnp.bfloat16, P("expert")),
+                sds((ndev, s.tokens, s.d_model), jnp.float32, tok))
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+        return compile_with(grad.lower(*args), opts)[0]
+
+    ep8 = mesh_for("1x8x1", (1, 8), ("data", "expert"))
+
+    def moe8(tag):
+        for transport in ("dense", "dropless"):
+            for c in (chunk_list if tag == "A" else [1, default_chunks]):
+                name = f"moe_ep8_{tag}_{transport}_chunks{c}"
+                run_case(name, lambda s=shapes[tag], t=transport, c=c, name=name: record(
+                    name, moe_compiled(ep8, s, t, c),
+                    {"shape": dataclasses.asdict(s), "transport": t, "chunks": c}))
+
+    if "moe8" in groups:
+        moe8("A")
+
+    # ---------------------------------------------------------------- one real GPU
+    if "gpu1" in groups:
+        def gpu1():
+            s = shapes["A"]
+            e1 = s.experts // 8  # the local experts of one EP=8 device
+            dev_mesh = jax.make_mesh((1, 1), ("data", "expert"), devices=jax.devices()[:1],
+                                     axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+            key = jax.random.split(jax.random.key(0), 5)
+            args_ = (jax.random.normal(key[0], (1, s.tokens, s.d_model), jnp.bfloat16),
+                     jax.random.normal(key[1], (s.d_model, e1), jnp.float32),
+                     (jax.random.normal(key[2], (e1, s.d_model, 2 * s.d_ff)) * 0.02
+                      ).astype(jnp.bfloat16),
+                     (jax.random.normal(key[3], (e1, s.d_ff, s.d_model)) * 0.02
+                      ).astype(jnp.bfloat16),
+                     jax.random.normal(key[4], (1, s.tokens, s.d_model), jnp.float32))
+            args_ = jax.device_put(args_, NamedSharding(dev_mesh, P()))
+            out = {"shape": dataclasses.asdict(s) | {"experts": e1}}
+            fns = {}
+            for c in (1, 2):
+                o = moe.MoEOptions.create(e1, s.top_k, dispatch_dtype="fp8",
+                                          combine_grad_dtype="fp8", overlap_chunks=c)
+
+                def loss(x, router, wgu, wd, ct, o=o):
+                    y, aux = moe.moe_apply(x, router, wgu, wd, opts=o, mesh=dev_mesh)
+                    return jnp.sum(y.astype(jnp.float32) * ct) + 0.01 * aux["load_balance_loss"]
+
+                fns[c] = compile_with(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(
+                    *args_), opts)[0]
+            times = {1: [], 2: []}
+            for _ in range(2):  # warm up both
+                for c in (1, 2):
+                    jax.block_until_ready(fns[c](*args_))
+            for _ in range(15 if not a.small else 3):  # interleaved
+                for c in (1, 2):
+                    sec, _ = median_seconds(fns[c], args_, 0, 3)
+                    times[c].append(sec)
+            med = {c: float(np.median(v)) for c, v in times.items()}
+            pred = {c: schedule.schedule_report(fns[c], hw).step_us * 1e-6 for c in (1, 2)}
+            out.update(measured_s=med, predicted_s=pred,
+                       model_error={c: pred[c] / med[c] - 1 for c in (1, 2)})
+            report["chunked_over_unchunked_1gpu"] = med[2] / med[1]
+            report["compute_model_error"] = pred[1] / med[1] - 1
+            report["cases"]["gpu1_layer"] = out
+            if hlo_dir:
+                with gzip.open(hlo_dir / "gpu1_layer_chunks1.hlo.gz", "wt") as f:
+                    f.write(fns[1].as_text())
+            print(f"[{time.perf_counter() - t0:5.0f}s] 1 GPU: chunks 1 {med[1] * 1e3:.3f} ms, "
+                  f"2 {med[2] * 1e3:.3f} ms ({med[2] / med[1]:.3f}x); predicted "
+                  f"{pred[1] * 1e3:.3f} ms (error {pred[1] / med[1] - 1:+.1%})", flush=True)
+            write_json(a.out, report)
+
+        run_case("gpu1_layer", gpu1)
+
+    # ---------------------------------------------------------------- sharded Muon
+    def muon_compiled(mesh, gather_dtype):
+        layers, d, f = (2, 128, 352) if a.small else (8, 4096, 11008)
+        shapes_ = {"wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d), "w_gate": (d, f),
+                   "w_up": (d, f), "w_down": (f, d)}
+        rep = NamedSharding(mesh, P())
+        params = {f"layer_{i}": {k: jax.ShapeDtypeStruct(v, jnp.float32, sharding=rep)
+                                 for k, v in shapes_.items()} for i in range(layers)}
+        ndev = int(np.prod(mesh.devices.shape))
+        dsh = NamedSharding(mesh, P("data"))
+        data = jax.tree.map(lambda p: jax.ShapeDtypeStruct((ndev, *p.shape), jnp.float32,
+                                                           sharding=dsh), params)
+        tx = muon_jax.muon(0.02, mesh=mesh, gather_dtype=gather_dtype)
+        state = jax.eval_shape(tx.init, params)
+
+        def loss(p, data):
+            terms = jax.tree.map(lambda w, x: jnp.einsum(
+                "dmn,mn->d", x, w, preferred_element_type=jnp.float32,
+                out_sharding=dsh).sum(), p, data)
+            return sum(jax.tree.leaves(terms))
+
+        def step(p, st, data):
+            grads = jax.grad(loss)(muon_jax.reduced_view(p, "data"), data)
+            updates, st = tx.update(grads, st, p)
+            return optax.apply_updates(p, updates), st
+
+        with jax.set_mesh(mesh):
+            return compile_with(jax.jit(step).lower(params, state, data), opts)[0]
+
+    if "muon" in groups:
+        dp8 = mesh_for("1x8x1", (8,), ("data",))
+        for gd, label in ((None, "f32"), (jnp.bfloat16, "bf16")):
+            name = f"muon_dp8_{label}_gather"
+            run_case(name, lambda gd=gd, name=name: record(name, muon_compiled(dp8, gd)))
+
+    # ---------------------------------------------------------------- the trainer's step
+    def train_compiled(mesh_shape):
+        import lm_model
+        import train_lm
+        from flax import nnx
+
+        mesh = mesh_for("1x8x1", mesh_shape, train_lm.MESH_AXES, explicit=False)  # as the trainer
+        argv_ = ["--preset", "cpu" if a.small else "gpu", "--optimizer", "muon",
+                 "--mesh", ",".join(map(str, mesh_shape))]
+        args = train_lm.parse_args(argv_)
+        cfg = train_lm.model_config(args)
+        with jax.set_mesh(mesh):
+            abstract = nnx.eval_shape(lambda: lm_model.TransformerLM(cfg, mesh=mesh,
+                                                                      rngs=nnx.Rngs(0)))
+            gdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+            specs = nnx.get_partition_spec(params)
+
+            def unwrap(v):  # an nnx.Variable holding a PartitionSpec, or the spec
+                return v.get_value() if hasattr(v, "get_value") else getattr(v, "value", v)
+
+            def placed(x, spec):
+                spec = unwrap(spec)
+                return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
+                    mesh, spec if isinstance(spec, P) else P()))
+
+            is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
+            params = jax.tree.map(placed, params, specs, is_leaf=is_var)
+            rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=NamedSharding(mesh, P())), rest)
+            param_specs = jax.tree.map(lambda x: x.sharding.spec, params)
+            tx = muon_jax.muon(0.02, weight_decay=0.01, mesh=mesh, param_specs=param_specs)
+            state = jax.eval_shape(tx.init, params)
+            batch = jax.ShapeDtypeStruct((args.batch, args.seq_len + 1), jnp.int32,
+                                         sharding=NamedSharding(mesh, P(train_lm.MESH_AXES)))
+
+            def step(params, rest, state, batch):
+                def loss(p):
+                    model = nnx.merge(gdef, p, rest)
+                    return train_lm.loss_terms(model, batch, 0.01, 1e-3)[0]
+
+                grads = jax.grad(loss)(params)
+                updates, state = tx.update(grads, state, params)
+                return optax.apply_updates(params, updates), state
+
+            return compile_with(jax.jit(step).lower(params, rest, state, batch), opts)[0]
+
+    if "train" in groups:
+        for shape in ((1, 8), (2, 4)):
+            name = f"train_step_mesh{shape[0]}x{shape[1]}"
+            run_case(name, lambda shape=shape, name=name: record(name, train_compiled(shape),
+                                                                 {"mesh": list(shape)}))
+
+    # ---------------------------------------------------------------- past one host
+    for group, topo, ndev in (("moe16", "2x8x1", 16), ("moe64", "8x8x1", 64)):
+        if group not in groups:
+            continue
+        if a.small:  # 8 CPU devices as 2 "hosts" of 4 (Hardware.devices_per_host above)
+            topo, ndev = "cpu", 8
+        mesh = mesh_for(topo, (1, ndev), ("data", "expert"))
+        for c in chunk_list:
+            name = f"moe_ep{ndev if not a.small else group[3:]}_A_dense_chunks{c}"
+            run_case(name, lambda mesh=mesh, c=c, name=name, topo=topo: record(
+                name, moe_compiled(mesh, shapes["A"], "dense", c),
+                {"topology": topo, "placement": "expert axis over every host", "chunks": c}))
+        if group == "moe16":  # experts within a host, the hosts data parallel
+            mesh = mesh_for(topo, (2, ndev // 2), ("data", "expert"))
+            c = default_chunks
+            name = f"moe_ep8x2hosts_A_dense_chunks{c}"
+            run_case(name, lambda mesh=mesh, c=c, name=name, topo=topo: record(
+                name, moe_compiled(mesh, shapes["A"], "dense", c),
+                {"topology": topo, "placement": "expert axis within a host, data across",
+                 "chunks": c}))
+
+    if "moe8b" in groups:  # the second shape set last: the most compile time
+        moe8("B")
+
+    # ---------------------------------------------------------------- headline keys
+    cases = report["cases"]
+
+    def frac(name, part="all"):
+        c = cases.get(name)
+        return None if c is None else c[part]["exposed_fraction"]
+
+    best = default_chunks
+    head = {
+        "moe_ep8_exposed_fraction": frac(f"moe_ep8_A_dense_chunks{best}"),
+        "moe_ep8_dropless_exposed_fraction": frac(f"moe_ep8_A_dropless_chunks{best}"),
+        "moe_ep8_unchunked_exposed_fraction": frac("moe_ep8_A_dense_chunks1"),
+        "moe_ep8_B_exposed_fraction": frac(f"moe_ep8_B_dense_chunks{best}"),
+        "moe_ep8_B_dropless_exposed_fraction": frac(f"moe_ep8_B_dropless_chunks{best}"),
+        "muon_dp8_exposed_fraction": frac("muon_dp8_f32_gather"),
+        "muon_dp8_bf16_gather_exposed_fraction": frac("muon_dp8_bf16_gather"),
+        "train_step_ep8_exposed_fraction": frac("train_step_mesh1x8"),
+        "train_step_2x4_exposed_fraction": frac("train_step_mesh2x4"),
+        "moe_ep16_exposed_fraction": frac(f"moe_ep16_A_dense_chunks{best}"),
+        "moe_ep64_exposed_fraction": frac(f"moe_ep64_A_dense_chunks{best}"),
+    }
+    a2a = [cases[k]["payload_all_to_all"] for k in cases if k.startswith("moe_ep8_")
+           and k.endswith(f"chunks{best}")]
+    head["moe_ep8_windows"] = sum(x["windows"] for x in a2a) if a2a else None
+    head["moe_ep8_windows_with_gemm"] = sum(x["windows_with_gemm"] for x in a2a) if a2a else None
+    report = {**head, **{k: v for k, v in report.items() if k not in head}}
+    if hlo_dir and a.hlo_tar:  # one file to carry home: the smallest modules first
+        import tarfile
+        files, total = sorted(hlo_dir.glob("*.hlo.gz"), key=lambda f: f.stat().st_size), 0
+        with tarfile.open(a.hlo_tar, "w") as tar:
+            for f in files:
+                if total + f.stat().st_size > 15 * 2**20:
+                    break
+                tar.add(f, arcname=f.name)
+                total += f.stat().st_size
+        report["hlo_tar"] = {"path": a.hlo_tar, "bytes": total}
+    report["elapsed_seconds"] = time.perf_counter() - t0
+    write_json(a.out, report)
+    print(json.dumps(head, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
