@@ -67,6 +67,9 @@ def parse_args(argv=None):
     p.add_argument("--small", action="store_true", help="CPU, 8 simulated devices")
     p.add_argument("--out", default=None)
     p.add_argument("--hlo-dir", default=None, help="write each compiled module here (gzip)")
+    p.add_argument("--replay", default=None,
+                   help="a tar (or folder) of modules an earlier run wrote (--hlo-tar): cases "
+                        "found there are replayed with this run's rates instead of compiled")
     p.add_argument("--hlo-tar", default=None,
                    help="then pack them into this one tar file (up to 15 MiB, smallest first)")
     p.add_argument("--chunks", default="1,2,4", help="overlap_chunks values of the EP=8 cases")
@@ -117,7 +120,9 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     groups = set((a.only or "moe8,moe8b,muon,train,moe16,moe64,gpu1").split(","))
     chunk_list = [int(c) for c in a.chunks.split(",")]
-    default_chunks = a.default_chunks or moe.layer.OVERLAP_CHUNKS
+    defaults = dict(moe.layer.OVERLAP_CHUNKS)  # the layer's chunk counts by transport
+    if a.default_chunks:
+        defaults = {t: a.default_chunks for t in defaults}
     shapes = SMALL_SHAPES if a.small else SHAPES
     report: dict = {"benchmark": "schedule_report", "env": env_info(), "commit": _commit(),
                     "command": " ".join(["python", "benchmarks/schedule_report.py",
@@ -150,6 +155,7 @@ def main(argv=None) -> dict:
           f"HBM {hbm:.0f} GB/s; link {hw.link_GBps} GB/s", flush=True)
 
     opts = None if a.small else overlap.overlap_compiler_options()
+    report_extra: dict[str, dict] = {}  # a replayed case's description
 
     def mesh_for(topology: str, shape, names, explicit=True):
         if a.small:
@@ -157,6 +163,20 @@ def main(argv=None) -> dict:
             kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
             return jax.sharding.Mesh(devs, names, axis_types=(kind,) * len(shape))
         return schedule.topology_mesh(topology, shape, names, explicit=explicit)
+
+    replay: dict[str, str] = {}
+    if a.replay:
+        import tarfile
+        src = Path(a.replay)
+        if src.is_dir():
+            files = {f.name: f.read_bytes() for f in src.glob("*.hlo.gz")}
+        else:
+            with tarfile.open(src) as tar:
+                files = {m.name: tar.extractfile(m).read() for m in tar.getmembers()
+                         if m.name.endswith(".hlo.gz")}
+        replay = {k.removesuffix(".hlo.gz"): gzip.decompress(v).decode()
+                  for k, v in files.items()}
+    report["replayed"] = sorted(replay)
 
     def record(name, compiled, extra=None):
         rep = schedule.schedule_report(compiled, hw)
@@ -167,7 +187,7 @@ def main(argv=None) -> dict:
         report["cases"][name] = out
         if hlo_dir:
             with gzip.open(hlo_dir / f"{name}.hlo.gz", "wt") as f:
-                f.write(compiled.as_text())
+                f.write(compiled if isinstance(compiled, str) else compiled.as_text())
         pa = out["payload_all_to_all"]
         print(f"[{time.perf_counter() - t0:5.0f}s] {name}: exposed "
               f"{out['all']['exposed_fraction']:.3f} of {out['all']['collective_us']:.0f} us "
@@ -178,6 +198,8 @@ def main(argv=None) -> dict:
         return out
 
     def run_case(name, fn):
+        if name in replay:  # compiled by an earlier run: replay it with this run's rates
+            return record(name, replay[name], report_extra.get(name, {}) | {"replayed": True})
         if time.perf_counter() - t0 > a.budget:
             report["skipped"].append(name)
             return None
@@ -217,11 +239,13 @@ def main(argv=None) -> dict:
 
     def moe8(tag):
         for transport in ("dense", "dropless"):
-            for c in (chunk_list if tag == "A" else [1, default_chunks]):
+            for c in (chunk_list if tag == "A" else sorted({1, defaults[transport]})):
                 name = f"moe_ep8_{tag}_{transport}_chunks{c}"
-                run_case(name, lambda s=shapes[tag], t=transport, c=c, name=name: record(
-                    name, moe_compiled(ep8, s, t, c),
-                    {"shape": dataclasses.asdict(s), "transport": t, "chunks": c}))
+                extra = {"shape": dataclasses.asdict(shapes[tag]), "transport": transport,
+                         "chunks": c}
+                report_extra[name] = extra
+                run_case(name, lambda s=shapes[tag], t=transport, c=c, name=name, extra=extra:
+                         record(name, moe_compiled(ep8, s, t, c), extra))
 
     if "moe8" in groups:
         moe8("A")
@@ -314,6 +338,27 @@ def main(argv=None) -> dict:
             name = f"muon_dp8_{label}_gather"
             run_case(name, lambda gd=gd, name=name: record(name, muon_compiled(dp8, gd)))
 
+    # ---------------------------------------------------------------- past one host
+    for group, topo, ndev in (("moe16", "2x8x1", 16), ("moe64", "8x8x1", 64)):
+        if group not in groups:
+            continue
+        if a.small:  # 8 CPU devices as 2 "hosts" of 4 (Hardware.devices_per_host above)
+            topo, ndev = "cpu", 8
+        mesh = mesh_for(topo, (1, ndev), ("data", "expert"))
+        for c in sorted({1, defaults["dense"], max(chunk_list)}):
+            name = f"moe_ep{ndev if not a.small else group[3:]}_A_dense_chunks{c}"
+            run_case(name, lambda mesh=mesh, c=c, name=name, topo=topo: record(
+                name, moe_compiled(mesh, shapes["A"], "dense", c),
+                {"topology": topo, "placement": "expert axis over every host", "chunks": c}))
+        if group == "moe16":  # experts within a host, the hosts data parallel
+            mesh = mesh_for(topo, (2, ndev // 2), ("data", "expert"))
+            c = defaults["dense"]
+            name = f"moe_ep8x2hosts_A_dense_chunks{c}"
+            run_case(name, lambda mesh=mesh, c=c, name=name, topo=topo: record(
+                name, moe_compiled(mesh, shapes["A"], "dense", c),
+                {"topology": topo, "placement": "expert axis within a host, data across",
+                 "chunks": c}))
+
     # ---------------------------------------------------------------- the trainer's step
     def train_compiled(mesh_shape):
         import lm_model
@@ -366,29 +411,11 @@ def main(argv=None) -> dict:
             run_case(name, lambda shape=shape, name=name: record(name, train_compiled(shape),
                                                                  {"mesh": list(shape)}))
 
-    # ---------------------------------------------------------------- past one host
-    for group, topo, ndev in (("moe16", "2x8x1", 16), ("moe64", "8x8x1", 64)):
-        if group not in groups:
-            continue
-        if a.small:  # 8 CPU devices as 2 "hosts" of 4 (Hardware.devices_per_host above)
-            topo, ndev = "cpu", 8
-        mesh = mesh_for(topo, (1, ndev), ("data", "expert"))
-        for c in chunk_list:
-            name = f"moe_ep{ndev if not a.small else group[3:]}_A_dense_chunks{c}"
-            run_case(name, lambda mesh=mesh, c=c, name=name, topo=topo: record(
-                name, moe_compiled(mesh, shapes["A"], "dense", c),
-                {"topology": topo, "placement": "expert axis over every host", "chunks": c}))
-        if group == "moe16":  # experts within a host, the hosts data parallel
-            mesh = mesh_for(topo, (2, ndev // 2), ("data", "expert"))
-            c = default_chunks
-            name = f"moe_ep8x2hosts_A_dense_chunks{c}"
-            run_case(name, lambda mesh=mesh, c=c, name=name, topo=topo: record(
-                name, moe_compiled(mesh, shapes["A"], "dense", c),
-                {"topology": topo, "placement": "expert axis within a host, data across",
-                 "chunks": c}))
-
     if "moe8b" in groups:  # the second shape set last: the most compile time
         moe8("B")
+
+    for name in sorted(set(replay) - set(report["cases"])):  # modules no case here compiles
+        run_case(name, lambda: None)
 
     # ---------------------------------------------------------------- headline keys
     cases = report["cases"]
@@ -397,22 +424,23 @@ def main(argv=None) -> dict:
         c = cases.get(name)
         return None if c is None else c[part]["exposed_fraction"]
 
-    best = default_chunks
+    dn, dl = defaults["dense"], defaults["dropless"]
     head = {
-        "moe_ep8_exposed_fraction": frac(f"moe_ep8_A_dense_chunks{best}"),
-        "moe_ep8_dropless_exposed_fraction": frac(f"moe_ep8_A_dropless_chunks{best}"),
-        "moe_ep8_unchunked_exposed_fraction": frac("moe_ep8_A_dense_chunks1"),
-        "moe_ep8_B_exposed_fraction": frac(f"moe_ep8_B_dense_chunks{best}"),
-        "moe_ep8_B_dropless_exposed_fraction": frac(f"moe_ep8_B_dropless_chunks{best}"),
+        "moe_ep8_exposed_fraction": frac(f"moe_ep8_A_dense_chunks{dn}"),
+        "moe_ep8_dropless_exposed_fraction": frac(f"moe_ep8_A_dropless_chunks{dl}"),
+        "moe_ep8_dropless_unchunked_exposed_fraction": frac("moe_ep8_A_dropless_chunks1"),
+        "moe_ep8_B_exposed_fraction": frac(f"moe_ep8_B_dense_chunks{dn}"),
+        "moe_ep8_B_dropless_exposed_fraction": frac(f"moe_ep8_B_dropless_chunks{dl}"),
         "muon_dp8_exposed_fraction": frac("muon_dp8_f32_gather"),
         "muon_dp8_bf16_gather_exposed_fraction": frac("muon_dp8_bf16_gather"),
         "train_step_ep8_exposed_fraction": frac("train_step_mesh1x8"),
         "train_step_2x4_exposed_fraction": frac("train_step_mesh2x4"),
-        "moe_ep16_exposed_fraction": frac(f"moe_ep16_A_dense_chunks{best}"),
-        "moe_ep64_exposed_fraction": frac(f"moe_ep64_A_dense_chunks{best}"),
+        "moe_ep16_exposed_fraction": frac(f"moe_ep16_A_dense_chunks{dn}"),
+        "moe_ep64_exposed_fraction": frac(f"moe_ep64_A_dense_chunks{dn}"),
     }
-    a2a = [cases[k]["payload_all_to_all"] for k in cases if k.startswith("moe_ep8_")
-           and k.endswith(f"chunks{best}")]
+    a2a = [cases[k]["payload_all_to_all"] for k in cases
+           if (k.startswith("moe_ep8_A_dense") and k.endswith(f"chunks{dn}"))
+           or (k.startswith("moe_ep8_A_dropless") and k.endswith(f"chunks{dl}"))]
     head["moe_ep8_windows"] = sum(x["windows"] for x in a2a) if a2a else None
     head["moe_ep8_windows_with_gemm"] = sum(x["windows_with_gemm"] for x in a2a) if a2a else None
     report = {**head, **{k: v for k, v in report.items() if k not in head}}

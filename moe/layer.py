@@ -58,40 +58,45 @@ def auto_transport(expert_axis_size: int) -> str:
     return "dense"
 
 
-OVERLAP_CHUNKS = 2
-"""Chunks of the pipelined layer when the expert axis has more than one device (see
-:func:`auto_overlap_chunks`)."""
+OVERLAP_CHUNKS = {"dense": 1, "dropless": 4, "ragged": 1}
+"""Chunks of the pipelined layer by transport when the expert axis has more than one device
+(see :func:`auto_overlap_chunks`)."""
 MIN_CHUNK_TOKENS = 1024
 """Fewest tokens per device in a chunk of the pipelined layer: below, a chunk's GEMMs are too
 short to hide an exchange behind, and the capacity's rounding per chunk adds padding."""
 
 
-def auto_overlap_chunks(expert_axis_size: int, tokens_per_device: int) -> int:
+def auto_overlap_chunks(expert_axis_size: int, tokens_per_device: int,
+                        transport: str = "dense") -> int:
     """The chunk count ``overlap_chunks='auto'`` runs.
 
-    1 with one device on the expert axis (nothing is sent, so there is nothing to hide and a
-    chunk only adds work) and for small batches (fewer than :data:`MIN_CHUNK_TOKENS` tokens
-    per device per chunk); :data:`OVERLAP_CHUNKS` otherwise: chunk ``i``'s dispatch exchange
-    then runs while chunk ``i - 1``'s expert GEMMs compute, and its combine while chunk
-    ``i + 1``'s do (BENCHMARKS.md: the 8-GPU schedules compiled with each chunk count).
+    1 with one device on the expert axis (nothing is sent, so there is nothing to hide, and on
+    one H200 two chunks cost the layer 1.095x its time) and for small batches (fewer than
+    :data:`MIN_CHUNK_TOKENS` tokens per device per chunk); else :data:`OVERLAP_CHUNKS` of the
+    transport. In the 8-GPU schedules compiled on one H200 (BENCHMARKS.md), the dense
+    layer's exchanges were least exposed unchunked (9.7% of their time, 15.6% with 2 chunks,
+    20.9% with 4: the chunks' exchanges queue on one stream), the dropless layer's with 4
+    chunks (13.2%, against 41.2% unchunked).
 
     Args:
       expert_axis_size: devices on the layer's ``expert_axis``.
       tokens_per_device: tokens each device holds.
+      transport: the layer's transport (``'auto'`` resolved).
 
     Returns:
       The chunk count.
 
     Example:
       >>> import moe
-      >>> moe.auto_overlap_chunks(1, 8192), moe.auto_overlap_chunks(8, 64)
+      >>> moe.auto_overlap_chunks(1, 8192, "dropless"), moe.auto_overlap_chunks(8, 64, "dropless")
       (1, 1)
-      >>> moe.auto_overlap_chunks(8, 8192) == moe.layer.OVERLAP_CHUNKS
-      True
+      >>> moe.auto_overlap_chunks(8, 8192, "dropless"), moe.auto_overlap_chunks(8, 8192, "dense")
+      (4, 1)
     """
-    if expert_axis_size == 1 or tokens_per_device < OVERLAP_CHUNKS * MIN_CHUNK_TOKENS:
+    chunks = OVERLAP_CHUNKS.get(transport, 1)
+    if expert_axis_size == 1 or tokens_per_device < chunks * MIN_CHUNK_TOKENS:
         return 1
-    return OVERLAP_CHUNKS
+    return chunks
 
 
 def _global_router_stats(r: _routing.Routing, opts: MoEOptions, all_axes, total_tokens: int,
@@ -437,7 +442,7 @@ def moe_apply(
     n_dev = math.prod(mesh.shape[a] for a in axes)
     chunks = opts.dispatch.overlap_chunks
     if chunks == "auto":
-        chunks = auto_overlap_chunks(ep, -(-t // n_dev))
+        chunks = auto_overlap_chunks(ep, -(-t // n_dev), opts.dispatch.transport)
     t_pad = -(-t // (n_dev * chunks)) * (n_dev * chunks)  # whole chunks on every device
     e, e_pad = ro.num_experts, _padded_experts(ro.num_experts, mesh.shape[axis])
     tok_spec = P(axes)

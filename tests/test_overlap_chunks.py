@@ -120,4 +120,5 @@ def test_each_chunk_runs_its_own_exchanges():
 def test_overlap_chunks_is_validated():
     with pytest.raises(ValueError, match="overlap_chunks must be 'auto' or an int >= 1"):
         moe.DispatchOptions(overlap_chunks=0)
-    assert moe.auto_overlap_chunks(1, 1 << 20) == 1
+    assert moe.auto_overlap_chunks(1, 1 << 20, "dropless") == 1
+    assert moe.auto_overlap_chunks(8, 1 << 20, "dropless") == moe.layer.OVERLAP_CHUNKS["dropless"]

@@ -215,3 +215,37 @@ def test_a_compiled_program_replays():
     assert kinds == ["all-to-all"] and rep.exposed_fraction == pytest.approx(1.0)
     assert rep.compute_us > 0 and "exposed" in rep.table()
     assert rep.summary()["windows"] == 1
+
+
+def test_in_place_updates_and_async_fusions_move_only_the_update():
+    """A dynamic-update-slice fusion (or bare op) writes its update into the buffer in place:
+    2 x 4000 B, not the 4 MB buffer; an async fusion-start costs its fusion, its done
+    nothing; a fusion reading a static slice of an operand reads the slice."""
+    mod = hlo.parse_hlo("""HloModule m
+%fused_dus (p0: f32[1000,1000], p1: f32[1,1000]) -> f32[1000,1000] {
+  %p0 = f32[1000,1000]{1,0} parameter(0)
+  %p1 = f32[1,1000]{1,0} parameter(1)
+  %c = s32[] constant(3)
+  %z = s32[] constant(0)
+  ROOT %d = f32[1000,1000]{1,0} dynamic-update-slice(%p0, %p1, %c, %z)
+}
+%fused_slice (p0: f32[1000,1000]) -> f32[1,1000] {
+  %p0 = f32[1000,1000]{1,0} parameter(0)
+  ROOT %s = f32[1,1000]{1,0} slice(%p0), slice={[3:4], [0:1000]}
+}
+ENTRY %main (b: f32[1000,1000], u: f32[1,1000]) -> f32[1000,1000] {
+  %b = f32[1000,1000]{1,0} parameter(0)
+  %u = f32[1,1000]{1,0} parameter(1)
+  %c = s32[] constant(3)
+  %z = s32[] constant(0)
+  %f = f32[1000,1000]{1,0} fusion(%b, %u), kind=kLoop, calls=%fused_dus
+  %fs = ((f32[1000,1000]{1,0}, f32[1,1000]{1,0}), f32[1000,1000]{1,0}, u32[]) fusion-start(%f, %u), kind=kLoop, calls=%fused_dus
+  %fd = f32[1000,1000]{1,0} fusion-done(%fs)
+  %sl = f32[1,1000]{1,0} fusion(%fd), kind=kLoop, calls=%fused_slice
+  ROOT %d = f32[1000,1000]{1,0} dynamic-update-slice(%fd, %sl, %c, %z)
+}""")
+    body = {i.name: i for i in mod.computations["main"]}
+    for name in ("f", "fs", "d"):
+        assert schedule.op_cost(body[name], mod)[1] == 8000.0, name
+    assert schedule.op_cost(body["fd"], mod) == (0.0, 0.0, False, False)
+    assert schedule.op_cost(body["sl"], mod)[1] == 8000.0

@@ -20,11 +20,12 @@ The models, all parameters of `Hardware`:
 * compute: a dot, convolution, cuBLAS GEMM, a fusion holding dots, or a Mosaic GPU GEMM
   (`custom-call` whose shapes read as a grouped GEMM) takes ``max(FLOPs / GEMM rate, bytes /
   HBM bandwidth)`` (the FP8 rate when both operands are 8-bit); everything else ``bytes /
-  HBM bandwidth``, bytes being the operands read plus the results written (an operand that
-  only feeds a gather or dynamic-slice inside a fusion counts as what is read of it, at most
-  the result's size); each launch adds `Hardware.launch_us`. A while loop costs its body
-  times its known trip count, a conditional its first branch (the balanced case of the
-  dropless transport; `branch` picks another), a call its callee.
+  HBM bandwidth``, bytes being the operands read plus the results written. An operand that
+  only feeds a gather, slice or dynamic-slice inside a fusion counts as what is read of it
+  (at most the result's size); an in-place ``dynamic-update-slice`` moves its update only;
+  an async ``fusion-start`` costs its fusion. Each launch adds `Hardware.launch_us`. A while
+  loop costs its body times its known trip count, a conditional its first branch (the
+  balanced case of the dropless transport; `branch` picks another), a call its callee.
 
 The static shapes are all the model sees: a kernel that skips padding rows at run time (the
 Mosaic GEMMs on a ragged layout whose padding the routing leaves empty) is charged for them.
@@ -239,8 +240,8 @@ class ScheduleReport:
 
 _NO_COST = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
                       "after-all", "add-dependency", "opt-barrier", "partition-id",
-                      "replica-id", "async-update", "copy-start", "copy-done"})
-_GATHERS = frozenset({"gather", "dynamic-slice"})
+                      "replica-id", "async-update", "copy-start", "copy-done", "fusion-done"})
+_GATHERS = frozenset({"gather", "dynamic-slice", "slice"})
 _GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
 _TARGET_RE = re.compile(r'custom_call_target="([^"]+)"')
 _CALLS_RE = re.compile(r"\bcalls=%?([\w.\-]+)")
@@ -331,9 +332,16 @@ def _grouped_gemm_flops(operands: list[tuple[int, ...]], out: tuple[int, ...]) -
 
 def _fusion_cost(ins, mod: hlo.HloModule, table) -> _Cost:
     """A fusion: its dots' FLOPs, and bytes read (an operand only gathered from counts as the
-    gather's result, at most) plus written."""
+    gather's result, at most) plus written. A fusion whose root updates a slice of a buffer in
+    place (``dynamic-update-slice``) moves the update, not the buffer."""
     called = _CALLS_RE.findall(ins.attrs)
     body = mod.computations.get(called[0], ()) if called else ()
+    root = body[-1] if body else None
+    if root is not None and root.opcode == "dynamic-update-slice":
+        inner = {i.name: i for i in body}
+        update = inner.get(root.operands[1]) if len(root.operands) > 1 else None
+        moved = 2 * _bytes(update.shape) if update is not None else 0
+        return _Cost(bytes=moved, launches=1)
     flops, fp8 = 0.0, False
     inner = {i.name: i for i in body}
     for i in body:
@@ -391,8 +399,11 @@ def _instr_cost(ins: hlo.Instruction, mod: hlo.HloModule, table) -> _Cost:
     operands = [table[o] for o in ins.operands if o in table]
     read = sum(_bytes(o.shape) for o in operands)
     moved = read + _bytes(ins.shape)
-    if op == "fusion":
+    if op in ("fusion", "fusion-start"):  # an async fusion costs its work where it starts
         return _fusion_cost(ins, mod, table)
+    if op == "dynamic-update-slice":  # in place: the update is read and written
+        update = operands[1] if len(operands) > 1 else None
+        return _Cost(bytes=2 * _bytes(update.shape) if update is not None else 0, launches=1)
     if op in ("dot", "convolution"):
         fp8 = len(operands) >= 2 and all(_is_8bit(o.shape) for o in operands[:2])
         return _Cost(flops=_dot_flops(ins, table), fp8=fp8, bytes=moved, gemm=True,
