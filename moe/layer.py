@@ -58,7 +58,7 @@ def auto_transport(expert_axis_size: int) -> str:
     return "dense"
 
 
-OVERLAP_CHUNKS = {"dense": 1, "dropless": 4, "ragged": 1}
+OVERLAP_CHUNKS = {"dense": 2, "dropless": 4, "ragged": 1}
 """Chunks of the pipelined layer by transport when the expert axis has more than one device
 (see :func:`auto_overlap_chunks`)."""
 MIN_CHUNK_TOKENS = 1024
@@ -73,10 +73,12 @@ def auto_overlap_chunks(expert_axis_size: int, tokens_per_device: int,
     1 with one device on the expert axis (nothing is sent, so there is nothing to hide, and on
     one H200 two chunks cost the layer 1.095x its time) and for small batches (fewer than
     :data:`MIN_CHUNK_TOKENS` tokens per device per chunk); else :data:`OVERLAP_CHUNKS` of the
-    transport. In the 8-GPU schedules compiled on one H200 (BENCHMARKS.md), the dense
-    layer's exchanges were least exposed unchunked (9.7% of their time, 15.6% with 2 chunks,
-    20.9% with 4: the chunks' exchanges queue on one stream), the dropless layer's with 4
-    chunks (13.2%, against 41.2% unchunked).
+    transport, read off 8-GPU schedules compiled on one H200 and replayed in time
+    (``benchmarks/schedule_report.py``, BENCHMARKS.md). Dense: the trainer's step
+    (``examples/train_lm.py``'s GPU preset) left 29.8% of its communication exposed with 2
+    chunks and 77.4% unchunked; the layer alone 10.5% with 2 (2.8% unchunked, 19.4% with 4:
+    the chunks' exchanges queue on one stream). Dropless: 12.2% with 4 chunks, 37.1%
+    unchunked. The ragged transport is not pipelined.
 
     Args:
       expert_axis_size: devices on the layer's ``expert_axis``.
@@ -91,7 +93,7 @@ def auto_overlap_chunks(expert_axis_size: int, tokens_per_device: int,
       >>> moe.auto_overlap_chunks(1, 8192, "dropless"), moe.auto_overlap_chunks(8, 64, "dropless")
       (1, 1)
       >>> moe.auto_overlap_chunks(8, 8192, "dropless"), moe.auto_overlap_chunks(8, 8192, "dense")
-      (4, 1)
+      (4, 2)
     """
     chunks = OVERLAP_CHUNKS.get(transport, 1)
     if expert_axis_size == 1 or tokens_per_device < chunks * MIN_CHUNK_TOKENS:
