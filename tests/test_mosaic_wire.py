@@ -181,7 +181,7 @@ def test_expert_layout_decode_dispatch(wire, width, want):
     p, c = 2, 4
     pair_row = jnp.array([1, 0, 7, 100, 3, 3, 6, 2, 5, 16, 4, 0, 9, 8, 2, 1], I32)
     dense = functools.partial(_movement._dense_to_layout, plan=_plan(p, c), w=w, width=width)
-    dropless = functools.partial(_movement._pairs_to_layout, plan=_plan(p, c, pair_row), c=c,
+    dropless = functools.partial(_movement._pairs_to_layout, plan=_plan(p, c, pair_row), c=c, o=0,
                                  w=w, width=width)
     x = _rows(2 * p * c, width, F32)
     recv = _transport.encode_rows(x, wire=w.codec, block_size=128)
