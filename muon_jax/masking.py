@@ -77,10 +77,14 @@ def default_rule(path: Any, leaf: Any, has_dim_nums: bool = False) -> bool:
 def default_muon_mask(params: Any, *, dimension_numbers: matrices.DimNumsLike = None) -> Any:
     """Tree of bools: ``True`` where Muon updates the leaf, ``False`` where AdamW does.
 
-    A float leaf goes to Muon when it has explicit dimension numbers, or when it has rank >= 2
-    and no path component names an embedding, head, bias or norm (see
-    :data:`ADAMW_EXACT_NAMES` and :data:`ADAMW_NAME_PARTS`). Everything else (embeddings, the
-    output head, biases, norm scales, 1-D and scalar leaves, non-float leaves) goes to AdamW.
+    A float leaf goes to Muon when it has explicit dimension numbers of its own (an entry of a
+    tree, or of what a callable returns), or when it has rank >= 2 and no path component names
+    an embedding, head, bias or norm (see :data:`ADAMW_EXACT_NAMES` and
+    :data:`ADAMW_NAME_PARTS`). Everything else (embeddings, the output head, biases, norm
+    scales, 1-D and scalar leaves, non-float leaves) goes to AdamW. One
+    ``MuonDimensionNumbers`` for the whole tree (e.g. the torch layout of every matrix) is a
+    view of the leaves Muon updates and routes nothing: a bias or an embedding still goes to
+    AdamW and is never checked against it.
 
     MoE router kernels (``[d_model, E]``) are hidden matrices here and go to Muon, although
     several recipes keep them on AdamW. Measured with this repository's trainer
@@ -102,12 +106,19 @@ def default_muon_mask(params: Any, *, dimension_numbers: matrices.DimNumsLike = 
     >>> default_muon_mask({'embed': jnp.zeros((8, 4)), 'w': jnp.zeros((4, 4)),
     ...                    'b': jnp.zeros((4,))})
     {'b': False, 'embed': False, 'w': True}
+    >>> torch_layout = matrices.MuonDimensionNumbers(reduction_axis=1, output_axis=0)
+    >>> default_muon_mask({'w': jnp.zeros((4, 4)), 'b': jnp.zeros((4,))},
+    ...                   dimension_numbers=torch_layout)
+    {'b': False, 'w': True}
 
     References:
       Jordan et al., `Muon: An optimizer for hidden layers in neural networks
       <https://kellerjordan.github.io/posts/muon/>`_, 2024.
     """
-    flat_dims = matrices.resolve_dim_nums(dimension_numbers, params)
+    # One set for every leaf is a view, not a routing: only per-leaf entries route to Muon.
+    routing = None if isinstance(dimension_numbers, matrices.MuonDimensionNumbers) \
+        else dimension_numbers
+    flat_dims = matrices.resolve_dim_nums(routing, params)
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
     flags = [
         default_rule(path, leaf, d is not None)

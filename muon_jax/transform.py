@@ -494,8 +494,10 @@ def muon(
         (see :func:`muon_jax.matrices.shape_scale`).
       muon_mask: ``None`` for the default rule, or a tree (prefix) of bools or a callable on
         params returning one (``True``: Muon); it replaces the default rule entirely.
-      dimension_numbers: as in :func:`scale_by_muon`. Leaves with explicit (non-``None``)
-        dimension numbers go to Muon under the default rule. Unlike
+      dimension_numbers: as in :func:`scale_by_muon`, for the leaves Muon updates. Under the
+        default rule, leaves with entries of their own (a tree of them) go to Muon; one
+        ``MuonDimensionNumbers`` for the whole tree routes nothing (a bias still goes to
+        AdamW and is not checked against it). Unlike
         ``optax.contrib.muon``, ``None`` here means "default view", not "AdamW"; routing is
         ``muon_mask``'s job.
       adam_learning_rate: AdamW's learning rate (``None``: ``learning_rate``).

@@ -361,3 +361,26 @@ def test_mask_leaves_must_be_bools():
     tx = muon_jax.muon(0.1, muon_mask=lambda p: jax.tree.map(lambda x: x.ndim, p))
     with pytest.raises(TypeError, match="muon_mask leaves must be Python bools"):
         tx.init({"w": jnp.zeros((2, 2))})
+
+
+def test_one_dimension_numbers_for_the_tree_is_a_view_of_the_muon_leaves_only():
+    """The README's torch-layout advice on a tree with a bias and an embedding: the mask sends
+    both to AdamW and they are never checked against the dimension numbers; the matrix gets
+    the torch-layout view (its update equals Muon's on the transposed matrix)."""
+    dn = muon_jax.MuonDimensionNumbers(reduction_axis=1, output_axis=0)
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.standard_normal((8, 4)), jnp.float32),
+              "b": jnp.zeros(8), "embed": jnp.ones((16, 4))}
+    assert muon_jax.default_muon_mask(params, dimension_numbers=dn) == {
+        "b": False, "embed": False, "w": True}
+    tx = muon_jax.muon(0.02, dimension_numbers=dn, ns_dtype=jnp.float32)
+    grads = {k: jnp.asarray(rng.standard_normal(v.shape), jnp.float32) for k, v in params.items()}
+    updates, _ = tx.update(grads, tx.init(params), params)
+    ref_tx = muon_jax.muon(0.02, ns_dtype=jnp.float32)
+    flipped = {"w": params["w"].T}
+    ref, _ = ref_tx.update({"w": grads["w"].T}, ref_tx.init(flipped), flipped)
+    np.testing.assert_allclose(np.asarray(updates["w"]), np.asarray(ref["w"]).T, rtol=1e-5,
+                               atol=1e-7)
+    # A tree entry of its own still routes that leaf to Muon, and a misfit is named.
+    with pytest.raises(ValueError, match="params leaf 'b': reduction_axis 1 does not fit"):
+        muon_jax.muon(0.02, dimension_numbers={"w": dn, "b": dn, "embed": None}).init(params)
