@@ -15,12 +15,16 @@ from flax import nnx
 
 import muon_jax
 
+KEEP_CHECKPOINTS = 2
+"""Checkpoints kept per run by default (the newest ones; ``--keep-checkpoints``)."""
 
-def manager(path: pathlib.Path):
-    """An orbax ``CheckpointManager`` under ``path`` keeping the last two steps."""
+
+def manager(path: pathlib.Path, keep: int = KEEP_CHECKPOINTS):
+    """An orbax ``CheckpointManager`` under ``path`` keeping the newest ``keep`` steps (0:
+    every one)."""
     import orbax.checkpoint as ocp
 
-    opts = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+    opts = ocp.CheckpointManagerOptions(max_to_keep=keep or None, create=True)
     return ocp.CheckpointManager(path.resolve(), options=opts)
 
 

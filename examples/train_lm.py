@@ -177,6 +177,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=50, help="validation every N steps")
     p.add_argument("--eval-batches", type=int, default=4, help="validation batches")
     p.add_argument("--ckpt-every", type=int, default=100, help="0: no checkpoints")
+    p.add_argument("--keep-checkpoints", type=int, default=lm_checkpoint.KEEP_CHECKPOINTS,
+                   help="checkpoints kept per optimizer, the newest ones (0: keep all)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.add_argument("--stop-after", type=int, default=None,
                    help="stop (with a checkpoint) after this step; the learning-rate schedule "
@@ -198,6 +200,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
     if args.top_k > args.experts:
         raise UsageError(f"--top-k ({args.top_k}) cannot exceed --experts ({args.experts}).")
+    if args.keep_checkpoints < 0:
+        raise UsageError(f"--keep-checkpoints must be >= 0 (0 keeps all), got "
+                         f"{args.keep_checkpoints}.")
     if args.ckpt_every < 0:
         raise UsageError(f"--ckpt-every must be >= 0 (0: no checkpoints), got {args.ckpt_every}.")
     muon_lr, adam_lr = default_lrs(args.d_model)
@@ -344,7 +349,8 @@ def train_one(name, args, mesh, corpus, out: pathlib.Path, metrics_file) -> dict
     put = lambda b: jax.device_put(jnp.asarray(b), data_sharding)
     val = lm_data.eval_batches(corpus.val, args.batch, args.seq_len, args.eval_batches)
     ckpt = out / "ckpt" / name
-    mngr = lm_checkpoint.manager(ckpt) if args.ckpt_every or args.resume else None
+    mngr = (lm_checkpoint.manager(ckpt, args.keep_checkpoints)
+            if args.ckpt_every or args.resume else None)
     start = 0
     if args.resume:
         start = lm_checkpoint.restore(mngr, model, optimizer)
@@ -415,6 +421,8 @@ def train_one(name, args, mesh, corpus, out: pathlib.Path, metrics_file) -> dict
         "final_train_loss": last.get("train_loss"),
         "steps": args.steps,
         "steps_run": len(step_times),
+        "last_step": last.get("step", start),
+        "stopped_early": last.get("step", start) < args.steps,
         "tokens": tokens_per_step * args.steps,
         "lr": args.lr if name == "muon" else args.adam_lr,
         "adam_part_lr": muon_adam_lr(args) if name == "muon" else None,
@@ -501,6 +509,12 @@ def describe(args, mesh, corpus) -> str:
     """Two lines: mesh, corpus, model size and the resolved learning rates."""
     counts = lm_model.param_counts(model_config(args))
     peak = peak_tflops(args)
+    lrs = []  # only the runs this invocation trains
+    if args.optimizer in ("muon", "both"):
+        lrs.append(f"Muon run {args.lr:.3g} (AdamW part {muon_adam_lr(args):.3g}, router on "
+                   f"{args.router_optimizer})")
+    if args.optimizer in ("adamw", "both"):
+        lrs.append(f"AdamW run {args.adam_lr:.3g}")
     return (
         f"mesh {dict(mesh.shape)} on {jax.default_backend()}; corpus "
         f"{corpus.train.size / 1e6:.1f} MB train ({corpus.num_train_files} files), "
@@ -509,9 +523,8 @@ def describe(args, mesh, corpus) -> str:
         f"experts top-{args.top_k} ({counts['total'] / 1e6:.1f}M params, "
         f"{counts['active'] / 1e6:.1f}M active), batch {args.batch} x {args.seq_len}, "
         f"{args.steps} steps, {args.dtype}, dispatch {'fp8' if args.fp8_dispatch else 'bf16'}, "
-        f"FP8 GEMMs {args.fp8_gemms}, projections {args.fp8_projections}; peak lr: Muon run "
-        f"{args.lr:.3g} (AdamW part {muon_adam_lr(args):.3g}, router on "
-        f"{args.router_optimizer}), AdamW run {args.adam_lr:.3g}; peak "
+        f"FP8 GEMMs {args.fp8_gemms}, projections {args.fp8_projections}; peak lr: "
+        + "; ".join(lrs) + "; peak "
         f"{f'{peak:g} TFLOP/s per device' if peak else 'unknown (MFU n/a)'}"
     )
 
@@ -551,10 +564,12 @@ def main(argv=None) -> int:
     for name, r in results.items():
         mfu = f"MFU {r['mfu']:.3f}" if r["mfu"] is not None else "MFU n/a"
         tok_s = f"{r['tokens_per_s']:.0f} tokens/s" if r["tokens_per_s"] else "tokens/s n/a"
-        print(f"{name:>6}: final validation loss {r['final_val_loss']:.4f} nats/byte = "
+        where = "final" if not r["stopped_early"] else (
+            f"stopped at step {r['last_step']} of {args.steps}; continue with --resume;")
+        print(f"{name:>6}: {where} validation loss {r['final_val_loss']:.4f} nats/byte = "
               f"{r['final_val_bits_per_byte']:.4f} bits/byte ({tok_s}, {mfu}, "
               f"{r['wall_s']:.0f} s)")
-    if len(results) == 2:
+    if len(results) == 2 and not any(r["stopped_early"] for r in results.values()):
         d = results["adamw"]["final_val_loss"] - results["muon"]["final_val_loss"]
         print(f"Muon {'beats' if d > 0 else 'trails'} AdamW by {abs(d):.4f} nats/byte at "
               f"{args.steps} steps.")

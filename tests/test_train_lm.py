@@ -180,9 +180,14 @@ def test_resume_continues_exactly(tmp_path, capsys):
     full, split = tmp_path / "full", tmp_path / "split"
     assert train_lm.main([*common, "--steps", "6", "--out", str(full)]) == 0
     # First half: a run whose schedule is the 6-step one, stopped at its step-3 checkpoint.
+    capsys.readouterr()
     assert train_lm.main([*common, "--steps", "6", "--stop-after", "3", "--out", str(split)]) == 0
     assert [s for s, _ in _losses(split, "muon")] == [1, 2, 3]
-    capsys.readouterr()
+    text = capsys.readouterr().out
+    assert "muon: stopped at step 3 of 6; continue with --resume; validation loss" in text
+    assert "final validation" not in text and "AdamW run" not in text  # only Muon runs
+    summary = json.loads((split / "summary.json").read_text())["results"]["muon"]
+    assert summary["stopped_early"] and summary["last_step"] == 3
     assert train_lm.main([*common, "--steps", "6", "--resume", "--out", str(split)]) == 0
     assert _losses(split, "muon") == _losses(full, "muon")
     text = capsys.readouterr().out
@@ -190,9 +195,34 @@ def test_resume_continues_exactly(tmp_path, capsys):
     assert "same mesh {'data': 2, 'expert': 4}" in text
 
 
+def test_checkpoint_retention(tmp_path):
+    """--keep-checkpoints N keeps the newest N per optimizer (0: all); the default is 2."""
+    kept = {}
+    for keep in (0, 1):
+        out = tmp_path / f"keep{keep}"
+        assert train_lm.main([*TINY, "--optimizer", "adamw", "--steps", "3", "--ckpt-every", "1",
+                              "--eval-every", "100", "--keep-checkpoints", str(keep),
+                              "--out", str(out)]) == 0
+        kept[keep] = sorted(int(p.name) for p in (out / "ckpt" / "adamw").iterdir()
+                            if p.name.isdigit())
+    assert kept == {0: [1, 2, 3], 1: [3]}
+    assert train_lm.parse_args(TINY).keep_checkpoints == lm_checkpoint.KEEP_CHECKPOINTS == 2
+
+
+def test_setup_line_names_only_the_runs_it_trains():
+    def line(opt):
+        return train_lm.describe(train_lm.parse_args([*TINY, "--optimizer", opt]),
+                                 train_lm.build_mesh("2,4"), _Corpus)
+
+    assert "Muon run" in line("muon") and "AdamW run" not in line("muon")
+    assert "AdamW run" in line("adamw") and "Muon run" not in line("adamw")
+    assert "Muon run" in line("both") and "AdamW run" in line("both")
+
+
 @pytest.mark.parametrize(
     "flags, needle",
     [
+        (["--keep-checkpoints", "-1"], "--keep-checkpoints must be >= 0"),
         (["--optimizer", "sgd"], "--optimizer must be one of"),
         (["--mesh", "3,3"], "--mesh 3,3 needs 9 devices"),
         (["--batch", "12"], "--batch 12 must be divisible by the 8 devices"),
