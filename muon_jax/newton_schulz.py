@@ -19,11 +19,24 @@ Coeffs: TypeAlias = tuple[float, float, float]
 """One Newton-Schulz step ``X -> a X + b (X X^T) X + c (X X^T)^2 X``."""
 
 NsCoeffsLike: TypeAlias = (
-    Literal["jordan", "polar_express"] | Sequence[float] | Sequence[Sequence[float]]
+    Literal["jordan", "standard", "polar_express", "dion"] | Sequence[float]
+    | Sequence[Sequence[float]]
 )
+Preconditioning = Literal["frobenius", "spectral", "aol", "schatten"]
+PRECONDITIONINGS: tuple[str, ...] = ("frobenius", "spectral", "aol", "schatten")
 
 JORDAN_COEFFS: Coeffs = (3.4445, -4.7750, 2.0315)
-"""Keller Jordan's quintic, used at every step (modded-nanogpt, 2024)."""
+"""Keller Jordan's quintic, used at every step (modded-nanogpt, 2024); optax calls it
+``'standard'``."""
+
+DION_COEFFS: tuple[Coeffs, ...] = (
+    (4.0848, -6.8946, 2.9270),
+    (3.9505, -6.3029, 2.6377),
+    (3.7418, -5.5913, 2.3037),
+    (2.8769, -3.1427, 1.2046),
+    (2.8366, -3.0525, 1.2012),
+)
+"""The per-step schedule of Dion (Ahn et al. 2025), optax's ``'dion'`` preset."""
 
 _POLAR_EXPRESS_RAW: tuple[Coeffs, ...] = (
     (8.28721201814563, -23.595886519098837, 17.300387312530933),
@@ -44,20 +57,23 @@ POLAR_EXPRESS_COEFFS: tuple[Coeffs, ...] = tuple(
 factor: every step but the last evaluates its polynomial at ``x / 1.01``, i.e.
 ``(a / 1.01, b / 1.01**3, c / 1.01**5)``. Steps beyond the eighth repeat the last triple."""
 
-SCHEDULES: tuple[str, ...] = ("jordan", "polar_express")
+SCHEDULES: tuple[str, ...] = ("jordan", "standard", "polar_express", "dion")
 
 
 def resolve_ns_coeffs(ns_coeffs: NsCoeffsLike, ns_steps: int) -> tuple[Coeffs, ...]:
     """Resolve a schedule to one ``(a, b, c)`` triple per Newton-Schulz step.
 
-    Step ``t`` (1-based) uses triple ``t`` of a per-step schedule; when ``ns_steps`` exceeds the
-    schedule's length the last triple repeats, when it is shorter only the first ``ns_steps``
-    run. A single triple (or ``'jordan'``) is used at every step.
+    A single triple (or ``'jordan'`` / ``'standard'``) is used at every step. Step ``t``
+    (1-based) of a named per-step schedule (``'polar_express'``, ``'dion'``) uses its triple
+    ``t``; when ``ns_steps`` exceeds the schedule's length the last triple repeats, when it is
+    shorter only the first ``ns_steps`` run. Explicit per-step triples must number exactly
+    ``ns_steps`` (optax runs all ``T`` of them whatever ``ns_steps >= T`` says, and refuses
+    ``ns_steps < T``; a mismatch here is an error rather than either guess).
 
     Args:
-      ns_coeffs: ``'jordan'``, ``'polar_express'``, one triple ``(a, b, c)`` or a sequence of
-        per-step triples.
-      ns_steps: number of Newton-Schulz steps, ``>= 1``.
+      ns_coeffs: ``'jordan'`` (= ``'standard'``), ``'polar_express'``, ``'dion'``, one triple
+        ``(a, b, c)`` or a sequence of ``ns_steps`` per-step triples.
+      ns_steps: number of Newton-Schulz steps, ``>= 1`` (a Python or 0-d integer).
 
     Returns:
       A tuple of ``ns_steps`` triples of Python floats.
@@ -71,6 +87,9 @@ def resolve_ns_coeffs(ns_coeffs: NsCoeffsLike, ns_steps: int) -> tuple[Coeffs, .
       Amsel, Persson, Musco, Gower, `The Polar Express: Optimal Matrix Sign Methods and Their
       Application to the Muon Algorithm <https://arxiv.org/abs/2505.16932>`_, 2025.
     """
+    if not isinstance(ns_steps, bool) and np.ndim(ns_steps) == 0 and \
+            np.issubdtype(np.asarray(ns_steps).dtype, np.integer):
+        ns_steps = int(ns_steps)  # a 0-d integer array (optax takes ns_steps as ArrayLike)
     if isinstance(ns_steps, bool) or not isinstance(ns_steps, int | np.integer):
         raise TypeError(
             f"ns_steps must be a Python int >= 1, got {ns_steps!r} ({type(ns_steps).__name__}); "
@@ -79,10 +98,12 @@ def resolve_ns_coeffs(ns_coeffs: NsCoeffsLike, ns_steps: int) -> tuple[Coeffs, .
     if ns_steps < 1:
         raise ValueError(f"ns_steps must be >= 1, got {ns_steps}; pass e.g. ns_steps=5.")
     if isinstance(ns_coeffs, str):
-        if ns_coeffs == "jordan":
+        if ns_coeffs in ("jordan", "standard"):
             schedule: tuple[Coeffs, ...] = (JORDAN_COEFFS,)
         elif ns_coeffs == "polar_express":
             schedule = POLAR_EXPRESS_COEFFS
+        elif ns_coeffs == "dion":
+            schedule = DION_COEFFS
         else:
             raise ValueError(
                 f"Unknown ns_coeffs schedule {ns_coeffs!r}; use one of {SCHEDULES}, one triple "
@@ -105,6 +126,11 @@ def resolve_ns_coeffs(ns_coeffs: NsCoeffsLike, ns_steps: int) -> tuple[Coeffs, .
             )
         if not np.all(np.isfinite(arr)):
             raise ValueError(f"ns_coeffs must be finite, got {ns_coeffs!r}.")
+        if arr.shape[0] > 1 and arr.shape[0] != ns_steps:
+            raise ValueError(
+                f"ns_coeffs has {arr.shape[0]} per-step triples but ns_steps={ns_steps}; pass "
+                f"ns_steps={arr.shape[0]} (optax runs every triple it is given), or one triple "
+                "to repeat at every step.")
         schedule = tuple(tuple(float(v) for v in row) for row in arr)  # type: ignore[misc]
     steps = schedule[:ns_steps]
     return steps + (schedule[-1],) * (ns_steps - len(steps))
@@ -117,6 +143,7 @@ def orthogonalize(
     ns_steps: int = 5,
     eps: float = 1e-8,
     dtype: jax.typing.DTypeLike = jnp.bfloat16,
+    preconditioning: Preconditioning = "frobenius",
 ) -> jax.Array:
     r"""Approximate the polar factor of each matrix in a batch by Newton-Schulz iteration.
 
@@ -126,6 +153,15 @@ def orthogonalize(
     .. math::
       X_0 = G / (\|G\|_F + \epsilon), \quad
       A = X_t X_t^T, \quad B = b_t A + c_t A A, \quad X_{t+1} = a_t X_t + B X_t .
+
+    ``preconditioning`` chooses how ``X_0`` is scaled (optax's options): ``'frobenius'`` as
+    above; ``'spectral'``, by the largest singular value (an SVD per matrix: accurate, slow);
+    ``'aol'``, no division, but the first step rescales the rows of ``X`` by
+    ``s_i = (\sum_j |A_{ij}|)^{-1/2}`` (and ``A`` by ``s_i s_j``) before its polynomial, the
+    almost-orthogonal-layer bound of Turbo-Muon, which keeps every singular value of ``s X``
+    at most 1 and usually saves a step; ``'schatten'``, the first step divides ``X`` by
+    ``\|A\|_F^{1/2} = \|X\|_{S_4}`` (and ``A`` by ``\|A\|_F``), a tighter bound than the
+    Frobenius norm.
 
     The normalization, the iterate ``X`` and matmul accumulation are float32; the operands of
     the three matmuls per step are cast to ``dtype`` (bfloat16: tensor-core speed, and about 3%
@@ -148,8 +184,11 @@ def orthogonalize(
 
     bfloat16 matmul operands move each end by at most about 0.01 (the tests allow 0.02).
 
+    Complex matrices iterate in complex64 with ``A = X X^H`` (``dtype`` applies to real ones),
+    giving an approximation of the unitary polar factor.
+
     Args:
-      x: array of shape ``[..., m, n]`` (``ndim >= 2``), float dtype.
+      x: array of shape ``[..., m, n]`` (``ndim >= 2``), float or complex dtype.
       ns_coeffs: ``'jordan'`` (3.4445, -4.7750, 2.0315) at every step; ``'polar_express'``
         (per-step coefficients of Amsel et al. with their 1.01 safety factor); one triple
         ``(a, b, c)``; or a tuple of per-step triples (see :func:`resolve_ns_coeffs`).
@@ -157,6 +196,7 @@ def orthogonalize(
       eps: added to the Frobenius norm before dividing, so a zero matrix maps to zero.
       dtype: dtype of the matmul operands (``jnp.bfloat16`` for speed, ``jnp.float32`` for
         accuracy).
+      preconditioning: ``'frobenius'``, ``'spectral'``, ``'aol'`` or ``'schatten'`` (above).
 
     Returns:
       Array of the shape and dtype of ``x``.
@@ -174,30 +214,66 @@ def orthogonalize(
 
       Amsel, Persson, Musco, Gower, `The Polar Express: Optimal Matrix Sign Methods and Their
       Application to the Muon Algorithm <https://arxiv.org/abs/2505.16932>`_, 2025.
+
+      Boissin et al., `Turbo-Muon: Accelerating Orthogonality-Based Optimization with
+      Pre-Conditioning <https://arxiv.org/abs/2512.04632>`_, 2025 (AOL).
+
+      Grishina et al., `Accelerating Newton-Schulz Iteration for Orthogonalization via
+      Chebyshev-type Polynomials <https://arxiv.org/abs/2506.10935>`_, 2025 (Schatten-4).
     """
     steps = resolve_ns_coeffs(ns_coeffs, ns_steps)
+    if preconditioning not in PRECONDITIONINGS:
+        raise ValueError(f"preconditioning={preconditioning!r} is not supported; use one of "
+                         f"{PRECONDITIONINGS}.")
     x = jnp.asarray(x)
     if x.ndim < 2:
         raise ValueError(
             f"orthogonalize needs an array of shape [..., m, n], got shape {x.shape}; reshape "
             "vectors to [1, n] or leave them to AdamW."
         )
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"orthogonalize needs a float array, got dtype {x.dtype}; cast it first.")
+    complex_ = jnp.issubdtype(x.dtype, jnp.complexfloating)
+    if not (complex_ or jnp.issubdtype(x.dtype, jnp.floating)):
+        raise TypeError(f"orthogonalize needs a float or complex array, got dtype {x.dtype}; "
+                        "cast it first.")
+    work = jnp.complex64 if complex_ else jnp.float32
+    if complex_:
+        dtype = jnp.complex64
     transposed = x.shape[-2] > x.shape[-1]
     out_dtype = x.dtype
-    g = x.astype(jnp.float32)
+    g = x.astype(work)
     if transposed:
         g = jnp.swapaxes(g, -1, -2)
-    norm = jnp.sqrt(jnp.sum(jnp.square(g), axis=(-2, -1), keepdims=True))
-    y = g / (norm + eps)
+
+    def ht(u):  # u^H (u^T for real u)
+        u = jnp.swapaxes(u, -1, -2)
+        return u.conj() if complex_ else u
 
     def mm(u, v):
-        return jnp.matmul(u.astype(dtype), v.astype(dtype), preferred_element_type=jnp.float32)
+        return jnp.matmul(u.astype(dtype), v.astype(dtype), preferred_element_type=work)
 
-    if jnp.finfo(dtype).bits >= 32:
+    if preconditioning in ("aol", "schatten"):
+        # The first step is scaled from its own Gram matrix instead of a norm of X.
+        (a, b, c), steps = steps[0], steps[1:]
+        gram = mm(g, ht(g))
+        if preconditioning == "aol":
+            rows = jnp.maximum(jnp.sum(jnp.abs(gram), axis=-1, keepdims=True), eps)
+            s = jax.lax.rsqrt(rows).astype(work)  # [..., m, 1]
+            g, gram = g * s, gram * s * jnp.swapaxes(s, -1, -2)
+        else:
+            fro = jnp.sqrt(jnp.sum(jnp.abs(gram) ** 2, axis=(-2, -1), keepdims=True))
+            s = jax.lax.rsqrt(jnp.maximum(fro, eps)).astype(work)
+            g, gram = g * s, gram * (s * s)
+        y = a * g + mm(b * gram + mm(c * gram, gram), g)
+    else:
+        if preconditioning == "spectral":
+            norm = jnp.linalg.norm(g, ord=2, axis=(-2, -1), keepdims=True)
+        else:
+            norm = jnp.sqrt(jnp.sum(jnp.abs(g) ** 2, axis=(-2, -1), keepdims=True))
+        y = g / (norm + eps).astype(work)
+
+    if complex_ or jnp.finfo(dtype).bits >= 32:
         for a, b, c in steps:
-            gram = mm(y, jnp.swapaxes(y, -1, -2))
+            gram = mm(y, ht(y))
             poly = b * gram + mm(c * gram, gram)  # (c A) A, as in the reference implementations
             y = a * y + mm(poly, y)
     else:
@@ -206,9 +282,8 @@ def orthogonalize(
         # nothing else needs float32 storage. One cast of X per step feeds both X-matmuls; the
         # Gram matrix and the polynomial B = A (c A + b I) leave their matmuls in `dtype`
         # (float32 accumulation on GPU/TPU): over [m, m] one `dtype` pass (c A + b I) instead
-        # of a float32 A A written and read back. On an H200, 5 steps on the LM benchmark's
-        # three Muon stacks took 117.5 instead of 120.5 ms (BENCHMARKS.md). Per step over the
-        # [m, n] iterate: one float32 -> dtype cast and one fused a X + (B X) update.
+        # of a float32 A A written and read back. Per step over the [m, n] iterate: one
+        # float32 -> dtype cast and one fused a X + (B X) update.
         eye = jnp.eye(y.shape[-2], dtype=jnp.float32)
         for a, b, c in steps:
             yn = y.astype(dtype)

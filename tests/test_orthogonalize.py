@@ -116,9 +116,16 @@ def test_resolve_schedules():
     assert pe[7:] == ((1.875, -1.25, 0.375),) * 3  # last step unscaled, then repeated
     assert pe[:5] == POLAR_EXPRESS_COEFFS[:5]
     custom = ((3.0, -3.0, 1.0), (2.0, -1.5, 0.5))
-    assert resolve_ns_coeffs(custom, 3) == custom + (custom[-1],)
-    assert resolve_ns_coeffs(custom, 1) == custom[:1]
+    assert resolve_ns_coeffs(custom, 2) == custom
+    # Explicit per-step triples must number ns_steps: optax runs all T triples whatever
+    # ns_steps >= T says and refuses ns_steps < T, so either guess surprises someone.
+    for steps in (1, 3):
+        with pytest.raises(ValueError, match=f"2 per-step triples but ns_steps={steps}"):
+            resolve_ns_coeffs(custom, steps)
     assert resolve_ns_coeffs((1, 2, 3), 2) == ((1.0, 2.0, 3.0),) * 2
+    assert resolve_ns_coeffs("standard", 2) == resolve_ns_coeffs("jordan", 2)
+    assert resolve_ns_coeffs("dion", 5) == muon_jax.newton_schulz.DION_COEFFS
+    assert resolve_ns_coeffs("jordan", np.int32(3)) == (JORDAN_COEFFS,) * 3  # 0-d ints too
 
 
 def test_ns_flops_matches_compiled_cost():
@@ -149,5 +156,7 @@ def test_bad_input_raises():
         muon_jax.orthogonalize(jnp.ones((2, 3)), ns_steps=2.0)
     with pytest.raises(ValueError, match=r"shape \[..., m, n\].*AdamW"):
         muon_jax.orthogonalize(jnp.ones((3,)))
-    with pytest.raises(TypeError, match="float array"):
+    with pytest.raises(TypeError, match="float or complex array"):
         muon_jax.orthogonalize(jnp.ones((2, 3), jnp.int32))
+    with pytest.raises(ValueError, match="preconditioning='newton' is not supported"):
+        muon_jax.orthogonalize(jnp.ones((2, 3)), preconditioning="newton")
