@@ -39,9 +39,10 @@ def _names(path: Any) -> list[str]:
 
 
 def _is_float(leaf: Any) -> bool:
-    """Whether ``leaf`` has a floating dtype."""
+    """Whether ``leaf`` has a float or complex dtype (Muon orthogonalizes complex matrices in
+    complex64, as optax does)."""
     dtype = getattr(leaf, "dtype", None)
-    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
 
 
 def default_rule(path: Any, leaf: Any, has_dim_nums: bool = False) -> bool:
@@ -158,3 +159,28 @@ def resolve_muon_mask(
                 f"muon_mask leaves must be Python bools (True: Muon, False: AdamW), got {f!r}."
             )
     return [bool(f) for f in flat]
+
+
+def mask_from_dimension_numbers(dimension_numbers: Any) -> Callable[[Any], Any]:
+    """A ``muon_mask`` callable from optax-style ``muon_weight_dimension_numbers``: a leaf
+    goes to Muon where its entry is a ``MuonDimensionNumbers``, to AdamW where it is ``None``.
+
+    Args:
+      dimension_numbers: one ``MuonDimensionNumbers``, a tree (prefix) of them and ``None``,
+        or a callable on params returning one.
+
+    Returns:
+      A callable on params returning a tree of bools.
+
+    >>> import jax.numpy as jnp
+    >>> dn = matrices.MuonDimensionNumbers()
+    >>> mask_from_dimension_numbers({'w': dn, 'v': None})({'w': jnp.ones((2, 2)),
+    ...                                                   'v': jnp.ones((2, 2))})
+    {'v': False, 'w': True}
+    """
+
+    def mask(params):
+        flat = matrices.resolve_dim_nums(dimension_numbers, params)
+        return jax.tree.unflatten(jax.tree.structure(params), [d is not None for d in flat])
+
+    return mask

@@ -18,8 +18,8 @@ import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from muon_jax import dp, masking, matrices, owner_plan, owners
-from muon_jax.newton_schulz import NsCoeffsLike, orthogonalize, resolve_ns_coeffs
+from muon_jax import dp, masking, matrices, newton_schulz, owner_plan, owners
+from muon_jax.newton_schulz import NsCoeffsLike, Preconditioning, orthogonalize, resolve_ns_coeffs
 
 MeshArg = jax.sharding.Mesh | jax.sharding.AbstractMesh | None
 SpecsLike = Any  # PartitionSpec | tree (prefix) of PartitionSpec / None | callable on params
@@ -119,10 +119,11 @@ def _matrix_views(tree: Any, dimension_numbers: matrices.DimNumsLike, what: str)
     for (path, leaf), d in zip(leaves_with_path, flat_dims, strict=True):
         name = matrices.path_str(path)
         dtype = getattr(leaf, "dtype", None)
-        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
             raise ValueError(
-                f"{what} leaf {name!r} has dtype {dtype}; Muon updates float matrices only: route "
-                "it to AdamW (muon_mask) or keep it out of the optimized params."
+                f"{what} leaf {name!r} has dtype {dtype}; Muon updates float or complex "
+                "matrices only: route it to AdamW (muon_mask) or keep it out of the optimized "
+                "params."
             )
         out.append(matrices.matrix_view(leaf.shape, d, path=f"{what} leaf {name!r}"))
     return out
@@ -145,6 +146,9 @@ def scale_by_muon(
     param_specs: SpecsLike = None,
     chunk_bytes: int | None = owner_plan.DEFAULT_CHUNK_BYTES,
     gather_dtype: jax.typing.DTypeLike | None = None,
+    preconditioning: Preconditioning = "frobenius",
+    adaptive: bool = False,
+    consistent_rms: float | None = None,
 ) -> optax.GradientTransformation:
     r"""Rescale updates to Muon's direction: orthogonalized (Nesterov) momentum.
 
@@ -155,8 +159,12 @@ def scale_by_muon(
       O_t = s(m, n) \cdot \mathrm{NS}(\hat\mu_t),
 
     with ``mu_hat`` the (bias-corrected) Nesterov or plain momentum of :func:`momentum_step`,
-    NS the Newton-Schulz iteration of :func:`muon_jax.orthogonalize`, and ``s`` the shape
-    scaling of :func:`muon_jax.matrices.shape_scale`. Every leaf must be a float array of rank
+    NS the Newton-Schulz iteration of :func:`muon_jax.orthogonalize` (its ``preconditioning``),
+    and ``s`` the shape scaling of :func:`muon_jax.matrices.shape_scale`, or ``consistent_rms
+    \sqrt{\max(m, n)}``. With ``adaptive`` the orthogonalized matrix is scaled by its dual
+    norm before ``s``: ``O <- <mu_hat, O> O`` with ``<A, B> = sum(conj(A) * B)`` per matrix,
+    about the nuclear norm of ``mu_hat`` (steepest descent under the spectral norm, Bernstein
+    and Newhouse). Every leaf must be a float array of rank
     >= 2 (``None`` / ``optax.MaskedNode`` leaves pass through); route the rest elsewhere, as
     :func:`muon` does.
 
@@ -201,6 +209,13 @@ def scale_by_muon(
         orthogonalized on its own so XLA can overlap one chunk's collectives with another's
         Newton-Schulz. ``None`` (default) or 0: one collective per stack and direction (see
         :data:`muon_jax.owner_plan.DEFAULT_CHUNK_BYTES`).
+      preconditioning: how Newton-Schulz scales its input (:func:`muon_jax.orthogonalize`):
+        ``'frobenius'``, ``'spectral'``, ``'aol'`` or ``'schatten'``.
+      adaptive: scale each orthogonalized matrix by ``<mu_hat, O>`` (above). optax sums that
+        product over a whole leaf; here each matrix of a batched leaf gets its own (the same
+        for 2-D leaves).
+      consistent_rms: if given, the shape scaling is ``consistent_rms * sqrt(max(m, n))`` in
+        place of ``shape_scaling`` (optax's ``consistent_rms``; ``'rms_match'`` is 0.2).
       gather_dtype: with a mesh, the dtype the orthogonalized updates travel in from their
         owners back to the params' shardings (all-gather or all-to-all), cast to the
         gradient dtype on arrival; ``None``: the gradient dtype. ``jnp.bfloat16`` halves
@@ -227,6 +242,9 @@ def scale_by_muon(
 
       Liu et al., `Muon is Scalable for LLM Training <https://arxiv.org/abs/2502.16982>`_, 2025.
 
+      Bernstein and Newhouse, `Old Optimizer, New Norm: An Anthology
+      <https://arxiv.org/abs/2409.20325>`_, 2024 (``adaptive``).
+
       Rajbhandari et al., `ZeRO <https://arxiv.org/abs/1910.02054>`_, 2020 (owner compute).
     """
     resolve_ns_coeffs(ns_coeffs, ns_steps)  # fail at construction on a bad schedule
@@ -246,10 +264,24 @@ def scale_by_muon(
             "(the params' dtype)."
         )
 
+    if preconditioning not in newton_schulz.PRECONDITIONINGS:
+        raise ValueError(f"preconditioning={preconditioning!r} is not supported; use one of "
+                         f"{newton_schulz.PRECONDITIONINGS}.")
+    if consistent_rms is not None and not (isinstance(consistent_rms, int | float)
+                                           and consistent_rms > 0):
+        raise ValueError(f"consistent_rms must be a positive float or None, got "
+                         f"{consistent_rms!r}; 0.2 matches AdamW's update RMS.")
+
     def direction(mats, m, n):
         """Orthogonalized, shape-scaled ``[B, m, n]`` matrices: one definition for both paths."""
-        o = orthogonalize(mats, ns_coeffs=ns_coeffs, ns_steps=ns_steps, eps=eps, dtype=ns_dtype)
-        scale = matrices.shape_scale(m, n, shape_scaling)
+        o = orthogonalize(mats, ns_coeffs=ns_coeffs, ns_steps=ns_steps, eps=eps, dtype=ns_dtype,
+                          preconditioning=preconditioning)
+        if adaptive:  # the dual norm <mu_hat, O> of each matrix
+            o = jnp.sum(mats.conj() * o, axis=(-2, -1), keepdims=True).astype(o.dtype) * o
+        if consistent_rms is not None:
+            scale = float(consistent_rms) * max(m, n) ** 0.5
+        else:
+            scale = matrices.shape_scale(m, n, shape_scaling)
         return o * jnp.asarray(scale, o.dtype) if scale != 1.0 else o
 
     def step(g, mu, count_inc, m, n, *, out_dtype):
@@ -389,11 +421,11 @@ def _check_sharded_grads(flat: list, plan: owner_plan.OwnerPlan) -> None:
             f"{len(plan.leaves)}; pass gradients with the structure of the params."
         )
     for (path, g), leaf in zip(flat, plan.leaves, strict=True):
-        if not jnp.issubdtype(g.dtype, jnp.floating):
+        if not jnp.issubdtype(g.dtype, jnp.inexact):
             raise ValueError(
                 f"scale_by_muon: gradient leaf {matrices.path_str(path)!r} has dtype {g.dtype}; "
-                "Muon updates float matrices only: route it to AdamW (muon_mask) or keep it "
-                "out of the optimized params."
+                "Muon updates float or complex matrices only: route it to AdamW (muon_mask) or "
+                "keep it out of the optimized params."
             )
         if tuple(g.shape) != leaf.shape:
             raise ValueError(
@@ -463,6 +495,14 @@ def muon(
     param_specs: SpecsLike = None,
     chunk_bytes: int | None = owner_plan.DEFAULT_CHUNK_BYTES,
     gather_dtype: jax.typing.DTypeLike | None = None,
+    preconditioning: Preconditioning = "frobenius",
+    adaptive: bool = False,
+    consistent_rms: float | None = None,
+    weight_decay_mask: Any = None,
+    adam_eps_root: jax.typing.ArrayLike = 0.0,
+    adam_nesterov: bool = False,
+    adam_mu_dtype: jax.typing.DTypeLike | None = None,
+    muon_weight_dimension_numbers: Any = None,
 ) -> optax.GradientTransformation:
     r"""Muon for hidden-layer matrices, AdamW for every other leaf.
 
@@ -515,6 +555,23 @@ def muon(
         :func:`scale_by_muon`; ``None``: one per stack).
       gather_dtype: the dtype Muon's updates travel back to the params' shardings in (see
         :func:`scale_by_muon`; ``None``: the gradient dtype).
+      preconditioning: Newton-Schulz's input scaling, ``'frobenius'``, ``'spectral'``,
+        ``'aol'`` or ``'schatten'`` (see :func:`muon_jax.orthogonalize`).
+      adaptive: scale each orthogonalized matrix by its dual norm (see :func:`scale_by_muon`).
+      consistent_rms: the factor of the ``'rms_match'``-style scaling ``consistent_rms *
+        sqrt(max(m, n))``; given, it replaces ``shape_scaling`` (``None``: ``shape_scaling``,
+        whose ``'rms_match'`` is 0.2).
+      weight_decay_mask: which Muon leaves decay (a tree / prefix of bools or a callable, as
+        ``optax.add_decayed_weights``' mask); ``None``: all of them.
+      adam_eps_root: AdamW's ``eps_root``.
+      adam_nesterov: the AdamW part is NAdamW (``optax.adamw(..., nesterov=True)``), which is
+        what ``optax.contrib.muon(nesterov=True)`` runs; ``nesterov`` here is Muon's only.
+      adam_mu_dtype: dtype of AdamW's first moment (``None``: the params'; optax's
+        ``mu_dtype`` sets both Muon's and AdamW's).
+      muon_weight_dimension_numbers: ``optax.contrib.muon``'s argument with its meaning: a tree
+        (prefix) of ``MuonDimensionNumbers`` or ``None``, or a callable on params returning
+        one; an entry sends its leaves to Muon with that matrix view, ``None`` to AdamW. It
+        replaces ``muon_mask`` and ``dimension_numbers`` (pass neither with it).
 
     Returns:
       An ``optax.GradientTransformation`` (an ``optax.partition`` with labels ``'muon'`` and
@@ -542,6 +599,14 @@ def muon(
         adam_learning_rate = learning_rate
     if adam_weight_decay is None:
         adam_weight_decay = weight_decay
+    if muon_weight_dimension_numbers is not None:
+        if muon_mask is not None or dimension_numbers is not None:
+            raise ValueError(
+                "muon_weight_dimension_numbers (optax's routing: None entries go to AdamW) "
+                "replaces muon_mask and dimension_numbers; pass it alone, or use muon_mask= and "
+                "dimension_numbers= instead.")
+        muon_mask = masking.mask_from_dimension_numbers(muon_weight_dimension_numbers)
+        dimension_numbers = muon_weight_dimension_numbers
 
     def param_labels(params):
         flags = masking.resolve_muon_mask(muon_mask, params, dimension_numbers=dimension_numbers)
@@ -565,8 +630,11 @@ def muon(
             param_specs=param_specs,
             chunk_bytes=chunk_bytes,
             gather_dtype=gather_dtype,
+            preconditioning=preconditioning,
+            adaptive=adaptive,
+            consistent_rms=consistent_rms,
         ),
-        optax.add_decayed_weights(weight_decay),
+        optax.add_decayed_weights(weight_decay, weight_decay_mask),
         optax.scale_by_learning_rate(learning_rate),
     )
     adamw_tx = _reducing(
@@ -575,7 +643,10 @@ def muon(
             b1=adam_b1,
             b2=adam_b2,
             eps=adam_eps,
+            eps_root=adam_eps_root,
             weight_decay=adam_weight_decay,
+            mu_dtype=adam_mu_dtype,
+            nesterov=adam_nesterov,
         )
     )
     return optax.partition({"muon": muon_tx, "adamw": adamw_tx}, param_labels)

@@ -1,0 +1,137 @@
+"""optax.contrib.muon's options on muon_jax.muon, each against optax on the same inputs (f32
+Newton-Schulz, rtol 1e-5), unsharded and on 8 devices; and the porting traps, now errors or
+optax's behaviour."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from optax.contrib import _muon as optax_muon
+
+import muon_jax
+from muon_jax import optax_compat
+
+RNG = np.random.default_rng(3)
+PARAMS = {"w1": jnp.asarray(RNG.standard_normal((16, 24)), jnp.float32),
+          "w2": jnp.asarray(RNG.standard_normal((24, 16)), jnp.float32),
+          "b": jnp.asarray(RNG.standard_normal((16,)), jnp.float32)}
+GRADS = [jax.tree.map(lambda x: jnp.asarray(RNG.standard_normal(x.shape), x.dtype), PARAMS)
+         for _ in range(3)]
+# optax's defaults, spelled for muon_jax (its routing: 2-D leaves to Muon, here w1 and w2).
+OPTAX_LIKE = dict(ns_dtype=jnp.float32, shape_scaling="spectral", adam_b2=0.999,
+                  adam_weight_decay=0.0)
+
+
+def _run(tx, params=PARAMS, grads=GRADS):
+    state, out = tx.init(params), []
+    update = jax.jit(tx.update)
+    for g in grads:
+        u, state = update(g, state, params)
+        out.append(u)
+    return out
+
+
+def _close(got, want, rtol=1e-5, atol=1e-6):
+    for a, b in zip(got, want, strict=True):
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y),
+                                                             rtol=rtol, atol=atol), a, b)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(preconditioning="aol"), dict(preconditioning="schatten"),
+    dict(preconditioning="spectral"), dict(adaptive=True), dict(consistent_rms=0.35),
+    dict(ns_coeffs="dion"), dict(ns_steps=np.int32(4)), dict(adam_eps_root=1e-6),
+    dict(weight_decay=0.1, weight_decay_mask={"w1": True, "w2": False, "b": True}),
+    dict(mu_dtype=jnp.bfloat16),
+], ids=["aol", "schatten", "spectral", "adaptive", "consistent_rms", "dion", "ns_steps_array",
+        "adam_eps_root", "weight_decay_mask", "mu_dtype"])
+def test_each_option_matches_optax(kw):
+    ref = optax_muon.muon(1e-2, nesterov=False, **kw)
+    ours_kw = dict(kw)
+    if "mu_dtype" in kw:  # optax's mu_dtype is Muon's and AdamW's momentum dtype
+        ours_kw["adam_mu_dtype"] = kw["mu_dtype"]
+    if "ns_coeffs" in kw:
+        ours_kw["ns_coeffs"] = "dion"
+    ours = muon_jax.muon(1e-2, nesterov=False, **OPTAX_LIKE, **ours_kw)
+    rtol = 1e-2 if "mu_dtype" in kw else 1e-5  # bf16 momentum, rounded alike
+    _close(_run(ours), _run(ref), rtol=rtol, atol=1e-5 if rtol > 1e-5 else 1e-6)
+
+
+def test_nesterov_adamw_part_is_nadamw_when_asked():
+    """optax's nesterov=True makes its AdamW part NAdamW: adam_nesterov=True gives that."""
+    ref = optax_muon.muon(1e-2)
+    ours = muon_jax.muon(1e-2, **OPTAX_LIKE, adam_nesterov=True)
+    _close(_run(ours), _run(ref))
+    plain = _run(muon_jax.muon(1e-2, **OPTAX_LIKE))
+    assert not np.allclose(plain[-1]["b"], _run(ref)[-1]["b"])  # the default: plain AdamW
+
+
+def test_complex_matrices_are_orthogonalized_as_optax_does():
+    c = {"w": jnp.asarray(RNG.standard_normal((6, 4)) + 1j * RNG.standard_normal((6, 4)),
+                          jnp.complex64)}
+    grads = [jax.tree.map(lambda x, i=i: x * (i + 1) + 0.5j, c) for i in range(2)]
+    for adaptive in (False, True):
+        ref = optax_muon.muon(1e-2, adaptive=adaptive)
+        ours = muon_jax.muon(1e-2, adaptive=adaptive, **OPTAX_LIKE)
+        _close(_run(ours, c, grads), _run(ref, c, grads))
+    assert muon_jax.default_muon_mask(c) == {"w": True}
+
+
+def test_optax_style_dimension_numbers_route_none_to_adamw():
+    """optax's muon_weight_dimension_numbers: None entries mean AdamW (not 'default view')."""
+    dn = muon_jax.MuonDimensionNumbers(reduction_axis=1, output_axis=0)
+    dims = {"w1": dn, "w2": None, "b": None}
+    ref = optax_muon.muon(1e-2, muon_weight_dimension_numbers=dims)
+    ours = muon_jax.muon(1e-2, muon_weight_dimension_numbers=dims, adam_nesterov=True,
+                         **OPTAX_LIKE)
+    _close(_run(ours), _run(ref))
+    state = ours.init(PARAMS)
+    assert isinstance(state.inner_states["muon"].inner_state[0].mu["w2"], optax.MaskedNode)
+    with pytest.raises(ValueError, match="muon_weight_dimension_numbers .* replaces muon_mask"):
+        muon_jax.muon(1e-2, muon_weight_dimension_numbers=dims, dimension_numbers=dn)
+
+
+def test_per_step_coefficients_that_do_not_match_ns_steps_are_an_error():
+    five = optax_muon._DION_NS_COEFFS
+    with pytest.raises(ValueError, match="5 per-step triples but ns_steps=7; pass ns_steps=5"):
+        muon_jax.muon(1e-2, ns_coeffs=five, ns_steps=7)
+    with pytest.raises(ValueError, match="5 per-step triples but ns_steps=3"):
+        muon_jax.muon(1e-2, ns_coeffs=five, ns_steps=3)
+    # optax_compat keeps optax's rule: all 5 triples run when ns_steps >= 5.
+    ref = optax_muon.muon(1e-2, ns_coeffs=five, ns_steps=7)
+    _close(_run(optax_compat.muon(1e-2, ns_coeffs=five, ns_steps=7)), _run(ref))
+
+
+@pytest.fixture(scope="module")
+def mesh8():
+    return jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+@pytest.mark.parametrize("kw", [dict(preconditioning="aol"), dict(adaptive=True),
+                                dict(consistent_rms=0.35), dict(preconditioning="schatten")],
+                         ids=["aol", "adaptive", "consistent_rms", "schatten"])
+def test_sharded_muon_takes_the_new_options(mesh8, kw):
+    stack = {"w": jnp.asarray(RNG.standard_normal((8, 16, 24)), jnp.float32)}
+    grads = [jax.tree.map(lambda x, i=i: x * (i + 1), stack) for i in range(2)]
+    placed = jax.device_put(stack, NamedSharding(mesh8, P()))
+    ours = muon_jax.scale_by_muon(ns_dtype=jnp.float32, mesh=mesh8, **kw)
+    ref = muon_jax.scale_by_muon(ns_dtype=jnp.float32, **kw)
+    state, update = ours.init(placed), jax.jit(ours.update)
+    got = []
+    for g in grads:
+        u, state = update(jax.device_put(g, NamedSharding(mesh8, P())), state)
+        got.append(u)
+    _close(got, _run(ref, stack, grads))
+
+
+def test_sharded_muon_orthogonalizes_complex_stacks(mesh8):
+    c = {"w": jnp.asarray(RNG.standard_normal((8, 6, 4)) + 1j * RNG.standard_normal((8, 6, 4)),
+                          jnp.complex64)}
+    placed = jax.device_put(c, NamedSharding(mesh8, P()))
+    ours = muon_jax.scale_by_muon(ns_dtype=jnp.float32, mesh=mesh8, adaptive=True)
+    ref = muon_jax.scale_by_muon(ns_dtype=jnp.float32, adaptive=True)
+    got, _ = jax.jit(ours.update)(placed, ours.init(placed))
+    _close([got], _run(ref, c, [c]))
