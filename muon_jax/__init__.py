@@ -4,13 +4,14 @@ The top level holds what a training script calls; the building blocks stay in th
 :mod:`muon_jax.newton_schulz` (schedules, FLOP counts), :mod:`muon_jax.matrices` (leaves as
 ``[B, m, n]`` batches, shape scaling), :mod:`muon_jax.masking` (routing),
 :mod:`muon_jax.owner_plan` and :mod:`muon_jax.owners` (sharded owner compute),
-:mod:`muon_jax.dp` (unreduced data-parallel gradients), :mod:`muon_jax.portable` (checkpoints)
-and :mod:`muon_jax.loss_scale`.
+:mod:`muon_jax.dp` (unreduced data-parallel gradients), :mod:`muon_jax.portable` (checkpoints),
+:mod:`muon_jax.loss_scale` and :mod:`muon_jax.optax_compat` (``optax.contrib.muon``'s API and
+defaults on this implementation).
 """
 
 from optax.contrib import MuonDimensionNumbers
 
-from muon_jax import loss_scale
+from muon_jax import loss_scale, optax_compat
 from muon_jax.dp import clip_by_global_norm, reduce_unreduced, reduced_view
 from muon_jax.masking import default_muon_mask
 from muon_jax.newton_schulz import orthogonalize
@@ -19,6 +20,7 @@ from muon_jax.transform import MuonState, ShardedMuonState, muon, scale_by_muon
 
 __all__ = [
     "loss_scale",
+    "optax_compat",
     "MuonDimensionNumbers",
     "MuonState",
     "PortableMuonState",
