@@ -87,10 +87,18 @@ def sample_batch(
     Returns:
       int32 array [batch_size, seq_len + 1]: inputs are ``[:, :-1]``, targets ``[:, 1:]``.
     """
+    return batch_rows(stream, batch_size, seq_len, seed=seed, step=step)
+
+
+def batch_rows(stream: np.ndarray, batch_size: int, seq_len: int, *, seed: int, step: int,
+               rows: slice = slice(None)) -> np.ndarray:
+    """Rows ``rows`` of :func:`sample_batch`'s batch, reading only their bytes (the window
+    starts of the whole batch are drawn, a few integers): a process of a multi-process run
+    builds just the rows its devices hold, the same rows any process count would draw."""
     if stream.size <= seq_len + 1:
         raise ValueError(f"seq_len={seq_len} is longer than the stream ({stream.size} bytes).")
     rng = np.random.default_rng([seed, step])
-    starts = rng.integers(0, stream.size - seq_len - 1, size=batch_size)
+    starts = rng.integers(0, stream.size - seq_len - 1, size=batch_size)[rows]
     idx = starts[:, None] + np.arange(seq_len + 1)[None, :]
     return stream[idx].astype(np.int32)
 

@@ -220,13 +220,20 @@ class TransformerLM(nnx.Module):
 
 def create_sharded(cfg: LMConfig, tx: optax.GradientTransformation, *, mesh: jax.sharding.Mesh,
                    seed: int = 0) -> tuple[TransformerLM, nnx.Optimizer]:
-    """A `TransformerLM` and its `nnx.Optimizer` (over ``nnx.Param``), placed on ``mesh``."""
+    """A `TransformerLM` and its `nnx.Optimizer` (over ``nnx.Param``), placed on ``mesh``.
+
+    The model is initialized inside ``jit`` with its shardings as ``out_shardings``: every
+    device computes its own shards and nothing is built on one device and then scattered, so
+    the same code runs in one process and in several (``jax.distributed``)."""
     with jax.set_mesh(mesh):
-        model = TransformerLM(cfg, mesh=mesh, rngs=nnx.Rngs(seed))
-        state = nnx.state(model)
-        specs = nnx.get_partition_spec(state)
-        nnx.update(model, jax.device_put(state, jax.tree.map(
-            lambda s: NamedSharding(mesh, s if s is not None else P()), specs,
-            is_leaf=lambda x: isinstance(x, P) or x is None)))
+        graphdef, abstract = nnx.split(nnx.eval_shape(
+            lambda: TransformerLM(cfg, mesh=mesh, rngs=nnx.Rngs(seed))))
+        shardings = jax.tree.map(
+            lambda s: NamedSharding(mesh, s if s is not None else P()),
+            nnx.get_partition_spec(abstract), is_leaf=lambda x: isinstance(x, P) or x is None)
+        state = jax.jit(lambda: nnx.split(TransformerLM(cfg, mesh=mesh,
+                                                        rngs=nnx.Rngs(seed)))[1],
+                        out_shardings=shardings)()
+        model = nnx.merge(graphdef, state)
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     return model, optimizer

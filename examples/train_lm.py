@@ -12,6 +12,11 @@ Run (CPU, 8 simulated devices as a ('data', 'expert') = (2, 4) mesh)::
     python examples/train_lm.py --optimizer muon --steps 500 --out runs/long
     python examples/train_lm.py --out runs/x --resume  # continue from the last checkpoint
 
+Several processes (``jax.distributed``; here 2 on one machine, 4 CPU devices each)::
+
+    A="--coordinator-address 127.0.0.1:8476 --num-processes 2"
+    python examples/train_lm.py $A --process-id 0 & python examples/train_lm.py $A --process-id 1
+
 Outputs in ``--out``: ``metrics.jsonl``, ``loss.png``, ``summary.json`` and orbax
 checkpoints under ``ckpt/<optimizer>/``.
 """
@@ -26,11 +31,32 @@ import pathlib
 import sys
 import time
 
-# Before JAX initializes: give the CPU backend 8 devices (harmless on GPU/TPU, where the
-# accelerator is the default backend and these CPU devices go unused).
+CPU_DEVICES = 8
+"""Simulated CPU devices of a run, split over its processes (the default mesh stays (2, 4))."""
+_CLUSTER_ENV = {"SLURM_NTASKS": "SLURM", "OMPI_COMM_WORLD_SIZE": "Open MPI",
+                "JAX_COORDINATOR_ADDRESS": "JAX_COORDINATOR_ADDRESS",
+                "TPU_WORKER_HOSTNAMES": "a TPU pod"}
+
+
+def _processes_from(argv: list[str]) -> int:
+    """The process count a command line (or a cluster's environment) asks for, read before
+    JAX starts: each process then simulates ``CPU_DEVICES // N`` CPU devices."""
+    for i, a in enumerate(argv):
+        if a.startswith("--num-processes"):
+            value = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
+            return int(value) if value.isdigit() and int(value) > 0 else 1
+    for var in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+        if os.environ.get(var, "").isdigit():
+            return max(1, int(os.environ[var]))
+    return 1
+
+
+# Before JAX initializes: give the CPU backend its share of 8 devices (harmless on GPU/TPU,
+# where the accelerator is the default backend and these CPU devices go unused).
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
+        f"{max(1, CPU_DEVICES // _processes_from(sys.argv[1:]))}"
     ).strip()
 
 import jax  # noqa: E402
@@ -184,6 +210,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="stop (with a checkpoint) after this step; the learning-rate schedule "
                    "still spans --steps, so --resume later continues the same run")
     p.add_argument("--seed", type=int, default=0, help="init and batch order")
+    p.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                   help="jax.distributed: the coordinator (process 0's host and a free port); "
+                        "with --num-processes and --process-id. Without them a cluster "
+                        "environment (SLURM, Open MPI, a Kubernetes indexed Job, a TPU pod) is "
+                        "detected, else one process")
+    p.add_argument("--num-processes", type=int, default=None, help="jax.distributed: processes")
+    p.add_argument("--process-id", type=int, default=None, help="jax.distributed: this one's id")
+    p.add_argument("--init-timeout", type=int, default=300,
+                   help="seconds to wait for every process at start, and without a heartbeat "
+                        "from one before every other exits with an error naming it")
+    p.add_argument("--process-logs", action="store_true",
+                   help="also write each process's output to OUT/logs/process_<id>.log")
     p.add_argument("--max-corpus-mb", type=float, default=16.0, help="<= 0: all")
     p.add_argument("--out", default="runs/train_lm", help="output directory")
     p.add_argument("--no-progress", action="store_true", help="disable the progress bar")
@@ -200,6 +238,15 @@ def parse_args(argv=None) -> argparse.Namespace:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
     if args.top_k > args.experts:
         raise UsageError(f"--top-k ({args.top_k}) cannot exceed --experts ({args.experts}).")
+    given = [args.coordinator_address, args.num_processes, args.process_id]
+    if any(v is not None for v in given) and any(v is None for v in given):
+        raise UsageError("--coordinator-address, --num-processes and --process-id go together "
+                         "(or give none of them: a cluster environment is detected).")
+    if args.num_processes is not None and not 0 <= args.process_id < args.num_processes:
+        raise UsageError(f"--process-id must be in [0, {args.num_processes}), got "
+                         f"{args.process_id}.")
+    if args.init_timeout < 1:
+        raise UsageError(f"--init-timeout must be >= 1 second, got {args.init_timeout}.")
     if args.keep_checkpoints < 0:
         raise UsageError(f"--keep-checkpoints must be >= 0 (0 keeps all), got "
                          f"{args.keep_checkpoints}.")
@@ -338,7 +385,59 @@ def eval_step(model, batch):
 
 
 def evaluate(model, batches, put) -> float:
-    return float(np.mean([float(eval_step(model, put(b))) for b in batches]))
+    """Mean validation loss over ``batches`` (host arrays placed by ``put``)."""
+    return float(np.mean([_host(eval_step(model, put(b))) for b in batches]))
+
+
+def init_distributed(args) -> str | None:
+    """Joins the processes of a multi-process run (``jax.distributed``): from the flags, else
+    from a cluster environment jax detects (SLURM, Open MPI, a Kubernetes indexed Job, a
+    TPU pod); returns how, or None for one process. A process that cannot reach the
+    coordinator within ``--init-timeout`` seconds, or loses another one's heartbeat that
+    long, exits with jax's error naming the process (``heartbeat_timeout_seconds``)."""
+    if jax.distributed.is_initialized():
+        return "already initialized"
+    timeouts = dict(initialization_timeout=args.init_timeout,
+                    heartbeat_timeout_seconds=args.init_timeout)
+    if args.coordinator_address is not None:
+        how = f"coordinator {args.coordinator_address}"
+        kw = dict(coordinator_address=args.coordinator_address,
+                  num_processes=args.num_processes, process_id=args.process_id)
+    else:
+        found = [name for var, name in _CLUSTER_ENV.items() if os.environ.get(var)]
+        # Any pod sees KUBERNETES_SERVICE_HOST; only an indexed Job (JobSet) is a cluster
+        # of trainer processes jax can bootstrap (it also needs the `kubernetes` package).
+        if os.environ.get("KUBERNETES_SERVICE_HOST") and "JOB_COMPLETION_INDEX" in os.environ:
+            found.append("Kubernetes")
+        if not found or (os.environ.get("SLURM_NTASKS", "2") == "1"
+                         and found == ["SLURM"]):
+            return None
+        how, kw = f"{found[0]} environment", {}
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU runs across processes
+    jax.distributed.initialize(**kw, **timeouts)
+    return how
+
+
+def _host(x) -> float:
+    """A replicated scalar as a Python float on any process (a multi-process array is not
+    fully addressable, so ``float`` of it is refused)."""
+    if getattr(x, "is_fully_addressable", True):
+        return float(x)
+    return float(np.asarray(x.addressable_shards[0].data))
+
+
+def _batch_putter(mesh, corpus_stream, args):
+    """``put(step)``: the global batch of ``step`` placed on the mesh, each process building
+    only the rows its devices hold (``lm_data.batch_rows``: the same rows for any process
+    count)."""
+    sharding = NamedSharding(mesh, P(MESH_AXES, None))
+    shape = (args.batch, args.seq_len + 1)
+
+    def put(step):
+        return jax.make_array_from_callback(shape, sharding, lambda idx: lm_data.batch_rows(
+            corpus_stream, args.batch, args.seq_len, seed=args.seed, step=step, rows=idx[0]))
+
+    return put
 
 
 def train_one(name, args, mesh, corpus, out: pathlib.Path, metrics_file) -> dict:
@@ -346,7 +445,12 @@ def train_one(name, args, mesh, corpus, out: pathlib.Path, metrics_file) -> dict
     t_start = time.perf_counter()
     model, optimizer = create(name, args, mesh)
     data_sharding = NamedSharding(mesh, P(MESH_AXES, None))
-    put = lambda b: jax.device_put(jnp.asarray(b), data_sharding)
+    main_process = jax.process_index() == 0
+
+    def put(b):  # a batch every process holds whole (validation): each places its rows
+        return jax.make_array_from_callback(b.shape, data_sharding, lambda idx: b[idx])
+
+    put_train = _batch_putter(mesh, corpus.train, args)
     val = lm_data.eval_batches(corpus.val, args.batch, args.seq_len, args.eval_batches)
     ckpt = out / "ckpt" / name
     mngr = (lm_checkpoint.manager(ckpt, args.keep_checkpoints)
@@ -354,8 +458,9 @@ def train_one(name, args, mesh, corpus, out: pathlib.Path, metrics_file) -> dict
     start = 0
     if args.resume:
         start = lm_checkpoint.restore(mngr, model, optimizer)
-        print(lm_checkpoint.resume_message(name, mngr, start, mesh))
-    if start >= args.steps:
+        if main_process:
+            print(lm_checkpoint.resume_message(name, mngr, start, mesh))
+    if start >= args.steps and main_process:
         print(f"[{name}] checkpoint at step {start} already reaches --steps {args.steps}.")
     save = ((lambda s: lm_checkpoint.save(mngr, s, model, optimizer, mesh))
             if args.ckpt_every else None)
@@ -365,7 +470,7 @@ def train_one(name, args, mesh, corpus, out: pathlib.Path, metrics_file) -> dict
     peak = peak_tflops(args)
     peak_total = peak * 1e12 * mesh.devices.size if peak else None
     bar = None
-    if not args.no_progress:
+    if not args.no_progress and main_process:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=args.steps, initial=start, desc=name, unit="step", dynamic_ncols=True)
@@ -373,12 +478,11 @@ def train_one(name, args, mesh, corpus, out: pathlib.Path, metrics_file) -> dict
     with jax.set_mesh(mesh):
         for step in range(start + 1, args.steps + 1):
             t0 = time.perf_counter()
-            batch = put(lm_data.sample_batch(
-                corpus.train, args.batch, args.seq_len, seed=args.seed, step=step))
+            batch = put_train(step)
             m = train_step(model, optimizer, batch, args.aux_loss, args.z_loss)
-            rec = {"optimizer": name, "step": step, "train_loss": float(m["loss"]),
-                   "load_balance_loss": float(m["load_balance_loss"]),
-                   "dropped_tokens": int(m["dropped_tokens"])}
+            rec = {"optimizer": name, "step": step, "train_loss": _host(m["loss"]),
+                   "load_balance_loss": _host(m["load_balance_loss"]),
+                   "dropped_tokens": int(_host(m["dropped_tokens"]))}
             dt = time.perf_counter() - t0  # the step alone: no evaluation or checkpoint
             step_times.append(dt)
             if not math.isfinite(rec["train_loss"]):
@@ -388,8 +492,9 @@ def train_one(name, args, mesh, corpus, out: pathlib.Path, metrics_file) -> dict
             if step % args.eval_every == 0 or step == args.steps:
                 rec["val_loss"] = evaluate(model, val, put)
                 rec["val_bits_per_byte"] = rec["val_loss"] / math.log(2)
-            metrics_file.write(json.dumps(rec) + "\n")
-            metrics_file.flush()
+            if metrics_file is not None:
+                metrics_file.write(json.dumps(rec) + "\n")
+                metrics_file.flush()
             if save and (step % args.ckpt_every == 0 or step == args.steps):
                 save(step)
             last = rec
@@ -529,22 +634,60 @@ def describe(args, mesh, corpus) -> str:
     )
 
 
+class _Tee:
+    """Writes to a stream and a log file (``--process-logs``)."""
+
+    def __init__(self, stream, log):
+        self.stream, self.log = stream, log
+
+    def write(self, text):
+        self.log.write(text)
+        self.log.flush()
+        return self.stream.write(text)
+
+    def flush(self):
+        self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
 def main(argv=None) -> int:
     try:
         args = parse_args(argv)
+    except UsageError as e:
+        print(f"train_lm.py: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        joined = init_distributed(args)
+    except Exception as e:  # unreachable coordinator, timeout: one line, not a C++ trace
+        print(f"train_lm.py: error: jax.distributed could not start ({type(e).__name__}: "
+              f"{str(e).splitlines()[0] if str(e) else e}); check --coordinator-address and "
+              f"that all {args.num_processes or '?'} processes started within --init-timeout "
+              f"{args.init_timeout} s.", file=sys.stderr)
+        return 1
+    out = pathlib.Path(args.out)
+    if args.process_logs:
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+        log = (out / "logs" / f"process_{jax.process_index()}.log").open("a")
+        sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
+    try:
         mesh, corpus = setup(args)
     except UsageError as e:
         print(f"train_lm.py: error: {e}", file=sys.stderr)
         return 2
-    out = pathlib.Path(args.out)
+    main_process = jax.process_index() == 0
     out.mkdir(parents=True, exist_ok=True)
-    print(describe(args, mesh, corpus), flush=True)
+    if main_process:
+        print(describe(args, mesh, corpus) + (
+            f"\n{jax.process_count()} processes ({joined}), {jax.local_device_count()} "
+            "devices each" if jax.process_count() > 1 else ""), flush=True)
     names = ["muon", "adamw"] if args.optimizer == "both" else [args.optimizer]
     metrics_path = out / "metrics.jsonl"
-    kept = read_metrics(metrics_path) if args.resume else []
+    kept = read_metrics(metrics_path) if args.resume and main_process else []
     results = {}
     t0 = time.perf_counter()
-    with metrics_path.open("w") as f:
+    with (metrics_path.open("w") if main_process else open(os.devnull, "w")) as f:
         for name in names:
             resume_step = 0
             if args.resume:
@@ -555,8 +698,11 @@ def main(argv=None) -> int:
                 if r["optimizer"] == name and r["step"] <= resume_step:
                     f.write(json.dumps(r) + "\n")
             results[name] = train_one(name, args, mesh, corpus, out, f)
+    if not main_process:  # process 0 writes the metrics, the plot and the summary
+        return 0
     plot(read_metrics(metrics_path), out / "loss.png")
     summary = {"args": vars(args), "mesh": dict(mesh.shape), "backend": jax.default_backend(),
+               "processes": jax.process_count(),
                "device_kind": jax.devices()[0].device_kind,
                "params": lm_model.param_counts(model_config(args)),
                "wall_s": time.perf_counter() - t0, "results": results}
