@@ -72,6 +72,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import lm_checkpoint  # noqa: E402
 import lm_data  # noqa: E402
 import lm_model  # noqa: E402
+import lm_supervise  # noqa: E402
 
 import muon_jax  # noqa: E402
 
@@ -389,12 +390,25 @@ def evaluate(model, batches, put) -> float:
     return float(np.mean([_host(eval_step(model, put(b))) for b in batches]))
 
 
+def cluster_environment() -> str | None:
+    """The multi-process launcher jax.distributed would bootstrap from, or None."""
+    found = [name for var, name in _CLUSTER_ENV.items() if os.environ.get(var)]
+    # Any pod sees KUBERNETES_SERVICE_HOST; only an indexed Job (JobSet) is a cluster of
+    # trainer processes jax can bootstrap (it also needs the `kubernetes` package).
+    if os.environ.get("KUBERNETES_SERVICE_HOST") and "JOB_COMPLETION_INDEX" in os.environ:
+        found.append("Kubernetes")
+    if not found or (os.environ.get("SLURM_NTASKS", "2") == "1" and found == ["SLURM"]):
+        return None
+    return found[0]
+
+
 def init_distributed(args) -> str | None:
     """Joins the processes of a multi-process run (``jax.distributed``): from the flags, else
     from a cluster environment jax detects (SLURM, Open MPI, a Kubernetes indexed Job, a
     TPU pod); returns how, or None for one process. A process that cannot reach the
     coordinator within ``--init-timeout`` seconds, or loses another one's heartbeat that
-    long, exits with jax's error naming the process (``heartbeat_timeout_seconds``)."""
+    long, exits with jax's error naming the process (``heartbeat_timeout_seconds``); a peer
+    lost mid-collective is named by this process's supervisor (``lm_supervise``)."""
     if jax.distributed.is_initialized():
         return "already initialized"
     timeouts = dict(initialization_timeout=args.init_timeout,
@@ -404,15 +418,10 @@ def init_distributed(args) -> str | None:
         kw = dict(coordinator_address=args.coordinator_address,
                   num_processes=args.num_processes, process_id=args.process_id)
     else:
-        found = [name for var, name in _CLUSTER_ENV.items() if os.environ.get(var)]
-        # Any pod sees KUBERNETES_SERVICE_HOST; only an indexed Job (JobSet) is a cluster
-        # of trainer processes jax can bootstrap (it also needs the `kubernetes` package).
-        if os.environ.get("KUBERNETES_SERVICE_HOST") and "JOB_COMPLETION_INDEX" in os.environ:
-            found.append("Kubernetes")
-        if not found or (os.environ.get("SLURM_NTASKS", "2") == "1"
-                         and found == ["SLURM"]):
+        found = cluster_environment()
+        if found is None:
             return None
-        how, kw = f"{found[0]} environment", {}
+        how, kw = f"{found} environment", {}
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU runs across processes
     jax.distributed.initialize(**kw, **timeouts)
     return how
@@ -658,6 +667,15 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"train_lm.py: error: {e}", file=sys.stderr)
         return 2
+    multi = args.coordinator_address is not None or cluster_environment() is not None
+    if multi and lm_supervise.WORKER_ENV not in os.environ and (
+            not jax.distributed.is_initialized()):
+        # This process becomes a supervisor of itself: see lm_supervise for why.
+        return lm_supervise.supervise(str(pathlib.Path(__file__).resolve()),
+                                      list(sys.argv[1:] if argv is None else argv),
+                                      pathlib.Path(args.out), log=args.process_logs)
+    if lm_supervise.WORKER_ENV in os.environ:
+        lm_supervise.watch_parent()
     try:
         joined = init_distributed(args)
     except Exception as e:  # unreachable coordinator, timeout: one line, not a C++ trace
@@ -666,6 +684,8 @@ def main(argv=None) -> int:
               f"that all {args.num_processes or '?'} processes started within --init-timeout "
               f"{args.init_timeout} s.", file=sys.stderr)
         return 1
+    if joined is not None:
+        lm_supervise.report_identity(jax.process_index(), jax.process_count())
     out = pathlib.Path(args.out)
     if args.process_logs:
         (out / "logs").mkdir(parents=True, exist_ok=True)

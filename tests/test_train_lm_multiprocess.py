@@ -108,8 +108,10 @@ def test_two_processes_train_the_one_process_run(one_process, tmp_path):
         assert abs(got[name] - want[name]) / want[name] <= 1e-4, (name, got, want)
     _close_losses(_losses(out), _losses(one_process))
     assert json.loads((out / "summary.json").read_text())["processes"] == 2
-    assert sorted(p.name for p in (out / "logs").iterdir()) == ["process_0.log",
-                                                               "process_1.log"]
+    assert sorted(p.name for p in (out / "logs").iterdir()) == [
+        "process_0.alive", "process_0.log", "process_1.alive", "process_1.log"]
+    for i in (0, 1):  # each supervisor's last heartbeat says its worker finished
+        assert json.loads((out / "logs" / f"process_{i}.alive").read_text())["state"] == "done"
 
 
 def test_checkpoints_move_between_process_counts(one_process, tmp_path):
@@ -149,8 +151,8 @@ def test_a_lost_process_stops_the_other_with_an_error_naming_it(tmp_path):
         _wait(procs, timeout=5)
     assert time.time() - killed_at <= timeout + 60
     assert procs[0].returncode != 0
-    assert re.search(r"unhealthy \(stopped sending heartbeats\):\s*1\b|process 1", log0), (
-        log0[-3000:])
+    named = r"unhealthy \(stopped sending heartbeats\):\s*1\b|lost a process: process 1 "
+    assert re.search(named, log0), log0[-3000:]
     steps = sorted(int(p.name) for p in (out / "ckpt" / "muon").iterdir() if p.name.isdigit())
     # Committed checkpoints survive the crash (the one of step 12 may still have been in
     # flight: asynchronous saves commit later).
@@ -160,3 +162,24 @@ def test_a_lost_process_stops_the_other_with_an_error_naming_it(tmp_path):
     assert f"[muon] resumed at step {steps[-1]}" in logs[0]
     recs = [r for r in train_lm.read_metrics(metrics) if r["optimizer"] == "muon"]
     assert [r["step"] for r in recs] == list(range(1, steps[-1] + 3))  # nothing lost, no gap
+
+
+def test_supervisor_names_the_process_that_stopped_first(tmp_path, monkeypatch):
+    """The heartbeats a supervisor reads after its worker failed: a stale one (killed) comes
+    before one that failed after this worker, a missing one is reported as unseen, a live
+    one is not lost."""
+    import lm_supervise
+
+    monkeypatch.setattr(lm_supervise, "STALE_S", 0.2)
+    monkeypatch.setattr(lm_supervise, "HEARTBEAT_S", 0.0)
+    (tmp_path / "logs").mkdir()
+    now = time.time()
+    beats = {1: {"time": now - 5, "state": "running"},
+             2: {"time": now + 0.1, "state": "failed: its worker was killed by SIGABRT"},
+             3: {"time": now + 10, "state": "running"}}  # still beating
+    for p, rec in beats.items():
+        lm_supervise.heartbeat_path(tmp_path, p).write_text(json.dumps(rec))
+    stopped, unseen = lm_supervise.lost_peers(tmp_path, 0, 5, failed_at=now)
+    assert [p for _, p, _ in stopped] == [1, 2]
+    assert "stopped sending heartbeats" in stopped[0][2]
+    assert unseen == [4]
