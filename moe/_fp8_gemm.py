@@ -17,8 +17,9 @@ payloads are written transposed, and ``P`` scales the result. That is one XLA tr
 fusion reading and writing one byte per element (the rescaling happens in registers; no
 wide copy is written) instead of a column-wise re-quantization from the compute dtype (two
 reads of two bytes and a write); the products keep the row-wise precision of the other GEMMs.
-On an H200 XLA's fusion moved these bytes faster than a Pallas kernel did (2.8 vs 2.6 TB/s)
-and faster than an integer-only version on the e4m3 bits (0.5 TB/s, three kernels).
+XLA's fusion is used rather than a Pallas kernel, which moves these bytes slower and needs the
+deprecated Triton backend, or integer ops on the e4m3 bits, which XLA splits into three
+kernels (docs/benchmark_log.md, FP8 quantization and GEMMs).
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ def rows_from_wire(wire: jax.Array, width: int, block_size: int,
         rows = jnp.take(wire, index, axis=0, mode="fill", fill_value=0)
         decoded = _transport.decode_rows(rows, wire="fp8", width=width, block_size=block_size,
                                          out_dtype=jnp.float32)
-        # Written once: left to itself, XLA fused the gather, decode and row maxima into the
-        # consumers' transposes (0.74 ms per LM-benchmark layer on an H200).
+        # Written once: left to itself, XLA fuses the gather, decode and row maxima into the
+        # consumers' transposes, which then recompute them.
         return lax.optimization_barrier(_quant_pallas.quantize_rows_reference(decoded))
 
     kw = dict(width=width, block_size=block_size)
@@ -169,10 +170,10 @@ def wgrad_operands(a, g):
     """
     (aq, s_a), (gq, s_g) = rows(a), rows(g)
     # a's transpose takes no rescaling, but written as one (by 2^-0, a shift XLA cannot see
-    # through) it is emitted as the same transpose fusion as g's, which moved e4m3 bytes
-    # faster on an H200 than XLA's plain transpose of them. The zeros pass the barrier with
-    # aq: a zero shift shared by every layer made XLA fuse all layers' transposes into one
-    # multi-output fusion, slower than the plain transposes. The bytes are a's.
+    # through) it is emitted as the same transpose fusion as g's, which moves e4m3 bytes
+    # faster than XLA's plain transpose of them. The zeros pass the barrier with aq, one
+    # shift per call: a zero shift shared by every layer lets XLA fuse all layers' transposes
+    # into one multi-output fusion, slower than the plain transposes. The bytes are a's.
     no_shift, aq = lax.optimization_barrier((jnp.zeros(aq.shape[:-1], jnp.int32), aq))
     e = _exponent(s_a) + _exponent(s_g)  # log2(s_a s_g) + 2 * bias, per row
     top = jnp.max(e, axis=-1, keepdims=True)

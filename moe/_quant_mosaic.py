@@ -19,12 +19,12 @@ memory and a TMA copy (:func:`store_small`). Rows must be a multiple of 128 chan
 row count a multiple of :data:`BLOCK_ROWS`: :func:`supported`; other shapes take the XLA path
 (`moe._quant_pallas`). The activations' sigmoid is traced
 as ``1 / (1 + exp(-x))`` (Mosaic GPU has no ``logistic`` rule), so the activation backward's
-e4m3 bytes may differ from the Triton kernel's by one code (2 in 10^7 on an H200).
+e4m3 bytes may differ from the Triton kernel's by one code, in rare values.
 
 The weights' two FP8 copies (``quantize_cols_t``, ``quantize_cols_t_and_rows``) are tile
 kernels instead: two passes over ``[64, 128]`` tiles, the second transposing each e4m3 tile
-through shared memory; on an H200 they beat the Triton kernels on expert-sized weights (0.42
-vs 0.53 ms for ``[8, 4096, 4096]`` bf16) and are a little slower on small ones.
+through shared memory; they are faster than the Triton kernels on expert-sized weights and a
+little slower on small ones (docs/benchmark_log.md, FP8 quantization and GEMMs).
 
 These kernels lower only for NVIDIA GPUs with Mosaic GPU (Hopper, ``sm_90a``); the tests
 lower them for CUDA on the CPU and compare the Triton and XLA paths they replace;
@@ -310,9 +310,9 @@ TILE = (64, 128)
 """(rows, columns) of a CTA's tile in both weight passes."""
 _TILE_VEC = 4  # elements per lane vector of a tile row: 128 columns = 32 lanes x 4
 _SMEM_PAD = 16
-"""Bytes past each e4m3 tile row in SMEM. Rows must stay 16-byte aligned (a 4-byte pad, which
-would make the transposed reads free of bank conflicts, faulted with a misaligned address on an
-H200); 16 bytes leave them 4-way conflicted, 0 bytes 32-way (2.5x slower there)."""
+"""Bytes past each e4m3 tile row in SMEM. Rows must stay 16-byte aligned for Mosaic GPU's
+vector stores (a 4-byte pad, which would make the transposed reads free of bank conflicts,
+faults with a misaligned address); 16 bytes leave them 4-way conflicted, 0 bytes 32-way."""
 
 
 def tiles_supported(m: int, n: int) -> bool:

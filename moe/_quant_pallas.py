@@ -4,8 +4,8 @@ The FP8 expert GEMMs (`moe.experts`) read every token operand as e4m3 with one p
 scale per row (``moe.fp8.quantize`` with ``block_size`` = the row). XLA splits that into a
 row-maximum reduction and a second pass that scales and converts, and where the operand is
 itself computed (``h = act(z)``, ``dz = act'(z) dh``) each pass recomputes it from its
-inputs: on an H200 the quantization passes of one fused-expert step cost about a third of its
-FP8 GEMM time (BENCHMARKS.md, FP8 breakdown). These kernels do each in one pass, a block of
+inputs, so the quantization passes cost a sizeable fraction of the FP8 GEMMs' own time
+(docs/benchmark_log.md, FP8 quantization and GEMMs). These kernels do each in one pass, a block of
 rows per program, the whole row in registers:
 
 * :func:`quantize_rows`: ``x [M, K] -> (e4m3 [M, K], scale f32 [M])``;
@@ -378,8 +378,8 @@ def quantize_cols_t(a: jax.Array, *, interpret: bool = False) -> tuple[jax.Array
     ``a[b]`` (over its ``M`` rows): the K-major copy a FP8 GEMM contracting ``M`` reads
     (``moe.fp8.quantize(swapaxes(a, 1, 2), block_size=M)``, the same bytes). Two passes over
     ``a``, each tile-parallel: the column maxima of every ``[64, 64]`` tile, then the scaled,
-    cast and transposed tiles; XLA's transpose fusion and column reduction moved about half
-    these bytes per second on an H200.
+    cast and transposed tiles, at a higher bandwidth than XLA's transpose fusion and column
+    reduction reach on these bytes.
 
     Args:
       a: float ``[B, M, N]``, ``M`` and ``N`` multiples of 64.

@@ -30,11 +30,10 @@ Every global store follows the rules of jax's Mosaic GPU transfer planner (check
 0.12): each warp writes whole 32-byte sectors, at least 4 bytes per thread. A row's e4m3 bytes
 are 4 or more per lane; the per-row scale and the FP8 wire's scale words are scalar stores.
 
-The kernels take and give 2-D ``[rows, H]`` arrays and view a row as blocks inside. With a
-``[R, H / 128, 128]`` output reshaped by XLA, the MoE layer's FP8 step on an H200 took 7.98
-instead of 6.89 ms (the weight gradient's transpose of these rows read the reshape), though
-the kernel alone was as fast as Triton's; 2-D, the layer took 6.82 ms against 6.93 with the
-Triton kernels (BENCHMARKS.md).
+The kernels take and give 2-D ``[rows, H]`` arrays and view a row as blocks inside: a
+``[R, H / 128, 128]`` output reshaped by XLA, though as fast alone, slows the MoE layer's FP8
+step, as the weight gradient's transpose of these rows reads the reshape (docs/benchmark_log.md,
+FP8 wire, dispatch and combine).
 """
 
 from __future__ import annotations
@@ -77,8 +76,8 @@ def _source(idx_ref, n: int):
 
 ROWS_PER_CTA = 2
 """Output rows one CTA of the local gathers handles (when the row count allows it), both row
-indices loaded first. On an H200 at the LM benchmark's shapes the local rows took 0.292 ms
-against 0.300 with one row per CTA, the weighted rows the same (BENCHMARKS.md, stop 31)."""
+indices loaded first: a little faster than one row per CTA for the local rows, the same for
+the weighted rows (docs/benchmark_log.md, FP8 wire, dispatch and combine)."""
 
 
 def _rows_per_cta(r: int) -> int:

@@ -1,8 +1,8 @@
 """Pallas (Triton) kernels for the token wire: gather + encode, and gather + decode, one pass.
 
 XLA splits FP8 encoding into a block-max reduction, a quantize fusion and a copy into the
-packed row, then gathers the send buffer in another pass; on an H200 that took 0.55 ms for
-16k tokens x 4096 channels where the bytes alone need ~0.1 ms (``benchmarks/dispatch_phases.py``).
+packed row, then gathers the send buffer in another pass: several times the time the bytes
+alone need (``benchmarks/dispatch_bench.py --part phases`` times them).
 These kernels do each direction in one pass, one program per output row:
 
 * :func:`gather_encode`: ``out[i] = encode(rows[index[i]])`` (a zero row where ``index[i]``
@@ -158,9 +158,10 @@ def _rows_kernel(idx_ref, buf_ref, q_ref, s_ref, *, n_src, width, block_size):
     src = idx_ref[r]
     ok = (src >= 0) & (src < n_src)
     y = _decoded_row(buf_ref, jnp.where(ok, src, 0), width=width, block_size=block_size)
-    # e4m3 bytes, not packed words: packed, this kernel ran 0.03 ms faster per LM-benchmark
-    # layer on an H200, but XLA fused the words' bitcast to e4m3 into the weight gradient's
-    # transpose of these rows, which then took 1.9 ms per layer instead of 0.25 ms.
+    # e4m3 bytes, not packed words: packed words would make this kernel's stores a little
+    # faster, but XLA fuses their bitcast to e4m3 into the weight gradient's transpose of
+    # these rows, which then costs far more than the stores save (docs/benchmark_log.md,
+    # FP8 wire, dispatch and combine).
     _store_row_quantized(q_ref, s_ref, r, jnp.where(ok, y, jnp.float32(0)))
 
 
@@ -190,9 +191,9 @@ def _weighted_rows_kernel(slot_ref, w_ref, x_ref, q_ref, s_ref, *, n_slots, top_
 
 
 def _row_warps(width: int) -> int:
-    """Warps of a one-row program that quantizes the row per block and per row: on an H200
-    one warp was fastest for rows of 2048 (0.29 vs 0.31 ms with four, 133k rows), four for
-    rows of 4096 (0.156 vs 0.166 ms with one, 33k rows)."""
+    """Warps of a one-row program that quantizes the row per block and per row: one warp up
+    to 2048 channels, four above, the faster count at each width (docs/benchmark_log.md, FP8
+    quantization and GEMMs)."""
     return 1 if width <= 2048 else 4
 
 

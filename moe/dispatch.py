@@ -51,9 +51,9 @@ exchange, layout gather (``R``); return gather from the layout (``P * c``), exch
 gather into the layout (``S``), and the sums over ``k`` straight from it.
 
 Transport choice: here ``'auto'`` is ``'dense'``; the layer's ``'auto'``
-(:func:`moe.auto_transport`) also picks ``'dropless'`` on one Hopper GPU. On 2x H200 (jax
-0.11.2) ``all_to_all`` moved 153 GB/s per GPU but ``ragged_all_to_all`` 2.6 GB/s
-(BENCHMARKS.md).
+(:func:`moe.auto_transport`) also picks ``'dropless'`` on one Hopper GPU. Between GPUs,
+``all_to_all`` moves the rows far faster than ``ragged_all_to_all`` (docs/benchmark_log.md,
+FP8 wire, dispatch and combine).
 
 References: DeepEP (FP8 dispatch, count exchange first); GShard / Switch Transformer
 (capacity, deterministic dropping); MaxText's ragged MoE (``ragged_all_to_all`` +
@@ -199,9 +199,9 @@ def dispatch(
         ``'dropless'`` (``all_to_all`` of per-(source, destination) buffers sized per step
         from a few static buckets, :func:`moe._plan.dropless_buckets`; never drops),
         ``'ragged'`` (dropless ``ragged_all_to_all``, emulated where XLA lacks it) or
-        ``'auto'`` (= ``'dense'``, per the measurements in BENCHMARKS.md). ``'dropless'`` and
-        ``'ragged'`` produce the same expert layout, bit for bit. With one device on
-        ``axis_name`` no transport exchanges anything.
+        ``'auto'`` (= ``'dense'``, the fastest; docs/benchmark_log.md, FP8 wire, dispatch).
+        ``'dropless'`` and ``'ragged'`` produce the same expert layout, bit for bit. With one
+        device on ``axis_name`` no transport exchanges anything.
       capacity_factor: dense: ``C = ceil(capacity_factor * T * k / E)`` rounded up to
         ``capacity_multiple`` (capped at ``T``), slots past ``C`` per (source, expert) are
         dropped; None means ``C = T``, dropless. Dropless: the first bucket's rows per

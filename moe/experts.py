@@ -55,8 +55,8 @@ _SAVE_Z = ("bf16", "fp8", "recompute")
 def auto_backend(x_ndim: int) -> str:
     """The backend ``'auto'`` picks for x of rank ``x_ndim`` on the default platform.
 
-    Hopper GPUs (compute capability 9.x): 'mosaic' for both layouts (padded x as rows; on an
-    H200 it beat the 'einsum' GEMMs in bf16 and FP8, BENCHMARKS.md). Other NVIDIA GPUs:
+    Hopper GPUs (compute capability 9.x): 'mosaic' for both layouts (padded x as rows, faster
+    than the 'einsum' GEMMs in bf16 and FP8: BENCHMARKS.md, Grouped GEMM). Other NVIDIA GPUs:
     'einsum' for padded x, 'pallas' (Triton) for ragged x. Elsewhere (CPU, TPU): 'einsum' and
     'ragged_dot'.
 

@@ -34,10 +34,10 @@ def auto_transport(expert_axis_size: int) -> str:
 
     ``'dropless'`` when the expert axis has one device and the ragged experts run the Mosaic
     GPU grouped GEMM (``experts.auto_backend(2) == 'mosaic'``, Hopper GPUs): there nothing
-    crosses a wire, and on one H200 the dropless layer took 0.82x the capacity-1.25 layer's
-    time, balanced and Zipf-skewed, dropping nothing (BENCHMARKS.md). ``'dense'`` otherwise:
-    the dropless exchange between devices and the ragged experts elsewhere are not measured
-    within 15% of the capacity path.
+    crosses a wire, and the dropless layer, which computes only the real rows, is faster than
+    the capacity-padded one, balanced and Zipf-skewed, while dropping nothing (BENCHMARKS.md,
+    The MoE layer). ``'dense'`` otherwise: neither the dropless exchange between devices nor the
+    ragged experts elsewhere has been measured close to the capacity path.
 
     Args:
       expert_axis_size: devices on the layer's ``expert_axis``.
@@ -70,15 +70,14 @@ def auto_overlap_chunks(expert_axis_size: int, tokens_per_device: int,
                         transport: str = "dense") -> int:
     """The chunk count ``overlap_chunks='auto'`` runs.
 
-    1 with one device on the expert axis (nothing is sent, so there is nothing to hide, and on
-    one H200 two chunks cost the layer 1.095x its time) and for small batches (fewer than
+    1 with one device on the expert axis (nothing is sent, so there is nothing to hide, and
+    chunks only add their own cost) and for small batches (fewer than
     :data:`MIN_CHUNK_TOKENS` tokens per device per chunk); else :data:`OVERLAP_CHUNKS` of the
-    transport, read off 8-GPU schedules compiled on one H200 and replayed in time
-    (``benchmarks/schedule_report.py``, BENCHMARKS.md). Dense: the trainer's step
-    (``examples/train_lm.py``'s GPU preset) left 29.8% of its communication exposed with 2
-    chunks and 77.4% unchunked; the layer alone 10.5% with 2 (2.8% unchunked, 19.4% with 4:
-    the chunks' exchanges queue on one stream). Dropless: 12.2% with 4 chunks, 37.1%
-    unchunked. The ragged transport is not pipelined.
+    transport, read off 8-GPU schedules compiled on one GPU and replayed in time
+    (``benchmarks/schedule_report.py``; docs/benchmark_log.md, Overlap). Dense: 2 chunks hide
+    most of the trainer's step communication (``examples/train_lm.py``'s GPU preset), which
+    unchunked is mostly exposed; 4 expose more than 2, as the chunks' exchanges queue on one
+    stream. Dropless: 4 chunks expose the least. The ragged transport is not pipelined.
 
     Args:
       expert_axis_size: devices on the layer's ``expert_axis``.

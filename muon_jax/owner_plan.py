@@ -51,8 +51,8 @@ ReplicatedGrads = Literal["slice", "scatter"]
 EntryOp = Literal["split", "a2a_m", "a2a_n"]
 
 DEFAULT_CHUNK_BYTES: int | None = None
-"""Default ``chunk_bytes``: one collective per stack and direction (chunking was no faster in
-BENCHMARKS.md's sharded Muon step)."""
+"""Default ``chunk_bytes``: one collective per stack and direction (chunking the stacks did not
+speed up the sharded Muon step: docs/benchmark_log.md, Muon step and Newton-Schulz)."""
 
 
 @dataclasses.dataclass(frozen=True)

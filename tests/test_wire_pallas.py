@@ -1,8 +1,8 @@
 """The Pallas wire kernels (moe/_wire_pallas.py) against the XLA wire path, bit for bit.
 
 On CPU the kernels run in Pallas interpret mode; that they also lower to Triton for a GPU is
-checked by exporting for 'cuda' (no GPU needed). benchmarks/dispatch_phases.py times them on
-GPUs and checks the compiled kernels' bytes against XLA's there.
+checked by exporting for 'cuda' (no GPU needed). benchmarks/dispatch_bench.py --part phases
+times them on GPUs and checks the compiled kernels' bytes against XLA's there.
 """
 
 from __future__ import annotations

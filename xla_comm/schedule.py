@@ -76,8 +76,9 @@ __all__ = [
     "topology_mesh",
 ]
 
-# The 2-GPU measurement behind the default link rate: all_to_all on 2x H200, jax 0.11.2
-# (benchmarks/dispatch_check.py, BENCHMARKS.md: 153 GB/s per GPU).
+# Default link rate: what all_to_all moves per GPU between two H200s of one host
+# (``benchmarks/dispatch_bench.py --part check``; docs/benchmark_log.md, FP8 wire, dispatch
+# and combine).
 MEASURED_LINK_GBPS = 153.0
 INTER_HOST_GBPS = 50.0  # 400 Gb/s InfiniBand per GPU
 
