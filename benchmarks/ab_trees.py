@@ -11,7 +11,7 @@ with their geometric mean and the worst path. Writes ``--out`` (with every run's
 Usage:
   git archive HEAD | tar -x -C /tmp/base   # or any other tree to compare against
   python benchmarks/ab_trees.py --base /tmp/base --rounds 2 --out ab.json -- \\
-      benchmarks/fp8_bench.py --only ceilings,layer --layer-transports dropless
+      benchmarks/experts_bench.py --part fp8 --only ceilings,layer --layer-transports dropless
 """
 
 from __future__ import annotations
@@ -96,8 +96,17 @@ def _run(tree: Path, script: str, args: list[str], out: Path, timeout: float) ->
     return json.loads(out.read_text()) if ok and out.exists() else None
 
 
+
+DESCRIPTION = """\
+Runs one benchmark command (after --) alternately in a base source tree (--base) and in this
+one, --rounds times (which side goes first alternates, so drift hits both alike), measuring
+nothing itself: for every time in their JSONs (keys ending in ms) the medians of both sides and
+new / base, their geometric mean and the worst path. Writes --out (JSON: command, base, rounds,
+rows, summary, env, runs: every run's JSON) and prints a table."""
+
+
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", required=True, help="the tree to compare against")
     p.add_argument("--rounds", type=int, default=2)
@@ -109,7 +118,8 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
     if not cmd:
-        p.error("give the benchmark after --, e.g. -- benchmarks/fp8_bench.py --only layer")
+        p.error("give the benchmark after --, e.g. -- benchmarks/experts_bench.py --part fp8 "
+                "--only layer")
     trees = {"base": Path(a.base).resolve(), "new": _ROOT}
     runs: dict[str, list[dict]] = {"base": [], "new": []}
     start = time.time()

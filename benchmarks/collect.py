@@ -1,8 +1,10 @@
 """Merge the benchmark JSONs of one run_gpu.sh run into OUT/h200x2.json (headline numbers).
 
-Reads OUT/{experts_bench,dispatch_check,moe_layer_bench,lm_step_bench,muon_step,
-muon_step_f32}.json (muon_step: bf16 params; muon_step_f32: f32 master params) and
-OUT/run_status.tsv (written by run_gpu.sh: script, exit code, seconds, limit). Every headline
+Reads OUT/{experts_bench,dispatch_check,dispatch_phases,moe_layer_bench,lm_step_bench,
+muon_step,muon_step_f32}.json, named by run_gpu.sh's runs (dispatch_check and dispatch_phases:
+``dispatch_bench.py --part check`` / ``--part phases``; muon_step: bf16 params; muon_step_f32:
+f32 master params) and OUT/run_status.tsv (written by run_gpu.sh: run, exit code, seconds,
+limit). Every headline
 key is present; a value that could not be computed is null with ``<key>_reason`` saying why.
 Details per benchmark stay under ``details``.
 
@@ -16,6 +18,15 @@ import json
 import math
 import os
 from pathlib import Path
+
+DESCRIPTION = """\
+Merges the per-run JSONs of one benchmarks/run_gpu.sh output directory OUT (experts_bench,
+dispatch_check, dispatch_phases, moe_layer_bench, lm_step_bench, muon_step, muon_step_f32, and
+run_status.tsv) into the headline numbers (dense ceiling, grouped GEMM TFLOP/s, FP8/bf16
+dispatch time, dispatch+combine GB/s, MoE layer and LM step MFU, Muon step vs optax), measuring
+nothing. Writes OUT/<--name>.json (default h200x2.json): the headline keys (null with
+<key>_reason when missing), env, run_status, inputs, details; prints the summary."""
+
 
 SCRIPTS = ("experts_bench", "dispatch_check", "moe_layer_bench", "lm_step_bench", "muon_step",
            "muon_step_f32", "dispatch_phases")
@@ -333,7 +344,8 @@ def collect(out: Path) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", help="the run_gpu.sh output directory")
     p.add_argument("--name", default="h200x2", help="summary file name (without .json)")
     a = p.parse_args(argv)

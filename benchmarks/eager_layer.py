@@ -22,8 +22,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+
+DESCRIPTION = """\
+Times the MoE layer (moe.MoE) called eagerly, outside any jit, as a user script would: the
+first call (it compiles the layer's functional core), the median of the next --iters, and the
+same call under nnx.jit. Default 8192 tokens, d_model 1024, d_ff 512, 16 experts on a GPU (CPU
+or --small, 8 simulated devices: 128 tokens, 64/32, 8 experts). JSON (--out, none by default):
+first_eager_s, eager_s, jit_first_s, jit_s, eager_over_jit (target <= 3)."""
+
+
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="CPU, 8 simulated devices")
     p.add_argument("--tokens", type=int, default=None, help="batch x seq (128; GPU 8192)")
     p.add_argument("--iters", type=int, default=10)

@@ -1,4 +1,12 @@
-"""Benchmark moe.experts.gated_experts forward + backward against a dense bf16 matmul ceiling.
+"""Grouped-GEMM and gated-experts timers on one device, in parts (``--part``).
+
+``--part experts`` (the default): moe.experts.gated_experts forward + backward against a dense
+bf16 matmul ceiling, per backend, option set and routing (below). ``--part kernels`` (was
+benchmarks/gmm_kernels_bench.py): the grouped-GEMM kernels alone, checked, then timed
+(benchmarks/_gmm_kernels.py). ``--part fp8`` (was benchmarks/fp8_bench.py): what FP8 buys at
+three levels, grouped GEMM, gated experts and the MoE layer (benchmarks/_fp8_rows.py).
+
+The experts part:
 
 Times ``y`` and ``jax.grad`` of ``sum(y * ct)`` (ct a random cotangent) with respect to x,
 w_gate_up and w_down (y is returned, so the forward down GEMM is not dead code) for each backend
@@ -24,6 +32,13 @@ Usage:
   python benchmarks/experts_bench.py --out res.json --configs bf16 recompute z_fp8
   python benchmarks/experts_bench.py --backends pallas --configs bf16 --pallas-sweep
   python benchmarks/experts_bench.py --backends pallas --gmm-tiling 128,256,64,8,3
+  python benchmarks/experts_bench.py --part kernels --out gmm.json      # one H200: ~2-3 min
+  python benchmarks/experts_bench.py --part kernels --only mosaic --configs fp8
+  python benchmarks/experts_bench.py --part fp8 --out fp8.json   # one H200 (the layer compiles
+                                                                 # slowly)
+  python benchmarks/experts_bench.py --part fp8 --small          # CPU plumbing check
+  python benchmarks/experts_bench.py --part fp8 --only gmm,experts --tokens 131072 \
+      --d-model 2048 --d-ff 1408 --experts 16 --breakdown   # one layer of lm_step_bench's model
 """
 
 from __future__ import annotations
@@ -37,18 +52,45 @@ import time
 import traceback
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-try:
-    from moe import _gmm_pallas
-    from moe.experts import gated_experts
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from moe import _gmm_pallas
-    from moe.experts import gated_experts
-from bench_util import median_seconds, write_json
+import _fp8_rows  # noqa: E402
+import _gmm_kernels  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from bench_util import (  # noqa: E402
+    experts_step,
+    group_sizes,
+    max_rel_err,
+    median_seconds,
+    padded_layout,
+    part_args,
+    write_json,
+)
+
+from moe import _gmm_pallas  # noqa: E402
+from moe.experts import gated_experts  # noqa: E402
+
+DESCRIPTION = """\
+Grouped-GEMM and gated-experts timers on one device, in three parts (--part):
+  experts  moe.experts.gated_experts fwd+bwd per backend (ragged_dot, einsum, pallas), option
+           set (--configs: save_z, FP8 GEMMs) and routing (balanced, Zipf), useful TFLOP/s vs
+           a dense bf16 matmul of the same shape; 32768 tokens, d_model 4096, d_ff 2048, 8
+           experts (--small: 1024, 512/512, 4). JSON (--out, default
+           benchmarks/results/experts_bench.json): dense, results, skipped, pallas_check,
+           pallas_sweep, pallas_tiling.
+  kernels  the grouped-GEMM kernels alone (Mosaic GPU gmm / tgmm bf16 and FP8, Pallas Triton
+           gmm, XLA batched einsums), each checked against an f32 reference, then TFLOP/s vs
+           dense bf16 / FP8 8192^3 matmuls; same shapes; GPU. JSON (--out): rows, dense_bf16,
+           dense_fp8, group_sizes, shape, env.
+  fp8      FP8 against bf16 at three levels: gate_up gmm (GPU), gated experts (padded and
+           ragged layouts, FP8 recipes, accuracy vs bf16, optional op breakdown) and the MoE
+           layer on one device (16384 tokens, 16 experts); same shapes (--small: CPU). JSON
+           (--out): ceilings, gmm, experts, layer, experts_fp8_speedup_*,
+           fp8_gmm_over_bf16_rate*, moe_layer_{bf16,fp8}_{mfu,ms}_1gpu*.
+Details: the docstring of this file and of benchmarks/_gmm_kernels.py, _fp8_rows.py."""
+
 
 CONFIGS: dict[str, dict[str, str]] = {
     "bf16": {},
@@ -70,20 +112,6 @@ ROUTINGS = ("balanced", "zipf")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "experts_bench.json"
 
 
-def group_sizes_for(routing: str, tokens: int, experts: int, zipf_s: float) -> np.ndarray:
-    """Token counts per expert summing to ``tokens``: equal, or Zipf p_i ~ 1 / i^s."""
-    if routing == "balanced":
-        p = np.full(experts, 1.0 / experts)
-    elif routing == "zipf":
-        p = 1.0 / np.arange(1, experts + 1) ** zipf_s
-        p /= p.sum()
-    else:
-        raise ValueError(f"routing={routing!r}; use one of {ROUTINGS}.")
-    sizes = np.floor(p * tokens).astype(np.int64)
-    sizes[0] += tokens - sizes.sum()
-    return sizes.astype(np.int32)
-
-
 def _layout(backend: str, x_real: jax.Array, sizes: np.ndarray, capacity: int):
     """Expert inputs for a backend: ragged rows [T, d], or padded [E, C, d] (tokens past C drop).
 
@@ -91,12 +119,7 @@ def _layout(backend: str, x_real: jax.Array, sizes: np.ndarray, capacity: int):
     """
     if backend in RAGGED_BACKENDS:
         return x_real, sizes
-    kept = np.minimum(sizes, capacity)
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    c = np.arange(capacity)[None, :]
-    src = np.where(c < kept[:, None], starts[:, None] + c, x_real.shape[0])  # T: a zero row
-    padded = jnp.concatenate([x_real, jnp.zeros((1, x_real.shape[1]), x_real.dtype)])
-    return padded[jnp.asarray(src)], kept
+    return padded_layout(x_real, sizes, capacity), np.minimum(sizes, capacity)
 
 
 def bench_dense(tokens: int, d_model: int, d_ff: int, warmup: int, iters: int, key) -> dict:
@@ -165,8 +188,8 @@ def bench_experts(
     }
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_args(p: argparse.ArgumentParser) -> None:
+    """The options of the experts part."""
     p.add_argument("--small", action="store_true", help="CPU sizes (1024 tokens, 512/512)")
     p.add_argument(
         "--tokens", type=int, default=None, help="tokens routed to this device's experts"
@@ -204,13 +227,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--tgmm-tiling", default=None, help="BM,BN,BK,WARPS,STAGES for the tgmm (wgrad) kernel"
     )
-    args = p.parse_args(argv)
+
+
+def finish(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     small = {"tokens": 1024, "d_model": 512, "d_ff": 512, "experts": 4, "warmup": 1, "iters": 3}
     full = {"tokens": 32768, "d_model": 4096, "d_ff": 2048, "experts": 8, "warmup": 3, "iters": 10}
     for k, v in (small if args.small else full).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     return args
+
+
+PARTS = {
+    "experts": ("gated_experts fwd+bwd per backend, option set and routing", add_args, finish),
+    "kernels": ("the grouped-GEMM kernels alone, checked, then timed", _gmm_kernels.add_args,
+                _gmm_kernels.finish),
+    "fp8": ("FP8 vs bf16: gmm, gated experts, the MoE layer", _fp8_rows.add_args,
+            _fp8_rows.finish),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The chosen part's arguments (``args.part``)."""
+    return part_args(argv, DESCRIPTION, PARTS, default="experts")[1]
 
 
 def _tiling(spec: str | None, default: _gmm_pallas.Tiling) -> _gmm_pallas.Tiling:
@@ -229,11 +268,6 @@ def _short_error(e: BaseException) -> str:
     return text if len(text) <= 4000 else text[:2000] + " ... " + text[-2000:]
 
 
-def _max_rel_err(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
-
-
 def pallas_check(seed: int) -> dict:
     """gated_experts fwd+bwd, 'pallas' vs 'ragged_dot' on small random data (uneven groups, an
     empty group, padding rows): max relative error (max |diff| / max |ragged_dot|) of y, dx,
@@ -249,13 +283,7 @@ def pallas_check(seed: int) -> dict:
     )
 
     def run(backend, dtype):
-        def loss(x, w_gu, w_d, ct):
-            y = gated_experts(x, gs, w_gu, w_d, backend=backend)
-            return jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32)), y
-
-        fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
-        (_, y), grads = fn(*(a.astype(dtype) for a in base))
-        return jax.block_until_ready((y, *grads))
+        return jax.block_until_ready(experts_step(backend, gs)(*(a.astype(dtype) for a in base)))
 
     out = {"shapes": {"rows": r, "d_model": d, "d_ff": f, "group_sizes": [1000, 0, 600, 300]}}
     names = ("y", "dx", "dw_gate_up", "dw_down")
@@ -263,7 +291,7 @@ def pallas_check(seed: int) -> dict:
     for tag, dtype, tol in (("f32", jnp.float32, 1e-4), ("bf16", jnp.bfloat16, 3e-2)):
         with jax.default_matmul_precision("highest"):
             got, want = run("pallas", dtype), run("ragged_dot", dtype)
-        errs = {n: _max_rel_err(g, w) for n, g, w in zip(names, got, want, strict=True)}
+        errs = {n: max_rel_err(g, w) for n, g, w in zip(names, got, want, strict=True)}
         pad_zero = bool(np.all(np.asarray(got[0])[1900:] == 0))
         out[tag] = {
             "max_rel_err": errs,
@@ -341,6 +369,8 @@ def pallas_sweep(sizes_by_routing: dict, data: dict, dense_tflops: float, args) 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.part != "experts":
+        return {"kernels": _gmm_kernels.main, "fp8": _fp8_rows.main}[args.part](args)
     _gmm_pallas.GMM_TILING = _tiling(args.gmm_tiling, _gmm_pallas.GMM_TILING)
     _gmm_pallas.TGMM_TILING = _tiling(args.tgmm_tiling, _gmm_pallas.TGMM_TILING)
     keys = jax.random.split(jax.random.key(args.seed), 4)
@@ -361,7 +391,7 @@ def main(argv=None) -> dict:
         "platform": jax.default_backend(),
         "jax": jax.__version__,
         "python": platform.python_version(),
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "part")},
         "useful_flops_formula": "6 * real_tokens * d_model * 3 * d_ff",
         "dense": dense,
         "results": results,
@@ -372,7 +402,7 @@ def main(argv=None) -> dict:
         },
     }
     sizes_by_routing = {
-        r: group_sizes_for(r, args.tokens, args.experts, args.zipf_s) for r in args.routing
+        r: group_sizes(r, args.tokens, args.experts, args.zipf_s) for r in args.routing
     }
     # 'pallas' last: a compile failure or a timeout there leaves the other rows written.
     backends = [b for b in args.backends if b != "pallas"] + [
@@ -457,4 +487,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    t0 = time.time()
     main()
+    print(f"done in {time.time() - t0:.0f}s")

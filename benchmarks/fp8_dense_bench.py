@@ -24,10 +24,31 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_util import cli, env_info, fill_defaults  # noqa: E402
-from fp8_bench import accuracy, ceilings, record, timed, y_and_grads  # noqa: E402
+from bench_util import (  # noqa: E402
+    accuracy,
+    ceilings,
+    cli,
+    env_info,
+    fill_defaults,
+    per_call_seconds,
+    record,
+    y_and_grads,
+)
 
 import moe  # noqa: E402
+
+DESCRIPTION = """\
+moe.fp8_dense (FP8 dense projections) forward + backward against the bf16 x @ W it replaces,
+per shape (default the LM step's attention projections: 65536x2048x6144 and 65536x2048x2048;
+--small: 256x128x384 on CPU) and recipe (forward, forward_dgrad, all), with the worst cosine /
+relative RMS error of y, dx, dW against bf16, and dense bf16 / FP8 matmul ceilings. JSON
+(--out, none by default): ceilings, dense, dense_{bf16,fp8}_tflops."""
+
+
+def timed(fn, args, a, inner=3):
+    """Median seconds per call (each sample ``inner`` calls; one with ``--small``)."""
+    return per_call_seconds(fn, args, a.warmup, a.iters, 1 if a.small else inner)
+
 
 RECIPES = {  # name: (dgrad, wgrad) GEMM dtypes of moe.fp8_dense (its forward is FP8)
     "forward": ("bf16", "bf16"),
@@ -74,7 +95,7 @@ def dense_rows(report, a):
 
 
 def parse_args(argv=None):
-    p = cli(__doc__)
+    p = cli(DESCRIPTION)
     p.add_argument("--shapes", type=lambda s: [tuple(map(int, t.split("x")))
                                               for t in s.split(",")],
                    help="MxKxN,... (65536x2048x6144,65536x2048x2048; small 256x128x384)")

@@ -26,8 +26,8 @@ capacity padding are not subtracted.
 
 ``--profile DIR`` traces ``--profile-steps`` steps of each variant into DIR/<variant> and
 stores, per variant, how much collective time the trace leaves exposed (``overlap``;
-benchmarks/trace_overlap.py) and where the device time goes (``breakdown``: the
-benchmarks/trace_breakdown.py ``op_breakdown`` of the trace with the step's compiled HLO,
+`xla_comm.trace.exposed_comm_fraction`) and where the device time goes (``breakdown``: the
+`xla_comm.trace.op_breakdown` of the trace with the step's compiled HLO,
 regions ``LM_REGIONS``: optimizer, attention (QK^T, softmax, PV), shared_experts, experts (the
 expert GEMMs forward / dgrad / wgrad and their quantization), dispatch_combine (router,
 dispatch plan and exchange, combine), moe_other (the rest of the MoE layer's shard_map: SwiGLU,
@@ -75,15 +75,15 @@ from bench_util import (  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from trace_breakdown import (  # noqa: E402
+
+import muon_jax  # noqa: E402
+from xla_comm.trace import (  # noqa: E402
     LM_KERNEL_REGIONS,
     LM_REGIONS,
+    exposed_comm_fraction,
     format_regions,
     op_breakdown,
 )
-from trace_overlap import exposed_comm_fraction  # noqa: E402
-
-import muon_jax  # noqa: E402
 
 AXES = ("data", "expert")
 _BF16, _FWD_DGRAD, _ALL = ("bf16",) * 3, ("fp8", "fp8", "bf16"), ("fp8",) * 3
@@ -99,8 +99,19 @@ VARIANTS = {  # name: (dispatch wire, expert GEMMs, attention projection GEMMs),
 FP8_GEMM_VARIANTS = ("fp8_gemm", "fp8", "fp8_proj_fd", "fp8_proj")
 
 
+
+DESCRIPTION = """\
+One full train step of examples/lm_model.py's MoE LM (forward, backward, muon_jax.muon or
+AdamW update) over all devices, per variant (bf16, fp8_dispatch, fp8_gemm, fp8, fp8_proj_fd,
+fp8_proj): step time, tokens/s and MFU against a dense bf16 matmul; with --profile, exposed
+collectives and device time per region / op category. Default d_model 2048, 8 layers, E 16
+top-2, batch 64x1024 (--small: CPU, 8 devices, d 128, 2 layers, 16x64). JSON (--out, default
+benchmarks/results/lm_step_bench.json): steps, ceiling, ceiling_fp8, lm_step_fp8_speedup,
+lm_step_fp8_variant, lm_step_fp8_experts_speedup, errors."""
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = cli(__doc__, cpu_devices=8)
+    p = cli(DESCRIPTION, cpu_devices=8)
     p.add_argument("--d-model", type=int, help="2048; small 128")
     p.add_argument("--layers", type=int, help="8; small 2")
     p.add_argument("--heads", type=int, help="16; small 4")
@@ -352,7 +363,7 @@ def main(a) -> dict:
     bds = {r["variant"]: r["breakdown"] for r in report["steps"]
            if "us_per_region" in r.get("breakdown", {})}
     if len(bds) > 1:
-        print("\ndevice time per region (summed over devices; benchmarks/trace_breakdown.py):")
+        print("\ndevice time per region (summed over devices; xla_comm.trace):")
         print(format_regions(bds))
     write_json(a.out, report)
     if a.out:

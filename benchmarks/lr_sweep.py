@@ -15,6 +15,8 @@ Usage::
         --adam-lrs 1e-3,2e-3,4e-3 --steps 300 --out $OUT                 # one GPU
 
 Any other flag goes to the trainer (e.g. ``--d-model 256 --layers 4 --batch 16``).
+``--dry-run`` prints which grid points the same command would reuse, keep or train (and how
+many rows of ``lr_sweep.json`` have other settings), and trains and writes nothing.
 
 Outputs in ``--out``: ``lr_sweep.json`` (``runs``: one row per run with the final validation
 loss, lr, optimizer, steps, tokens, preset and wall time; ``summary``: ``<preset>_muon_default_
@@ -72,10 +74,25 @@ def _lrs(text: str | None, flag: str) -> list[float] | None:
     return lrs
 
 
+
+DESCRIPTION = """\
+Learning-rate sweep of examples/train_lm.py: final validation loss against the peak lr, per
+optimizer (Muon: --lr grid; AdamW: --adam-lr grid), every point one train_lm run with the
+trainer's flags (any other flag goes to the trainer; default its CPU preset; grids default to
+the trainer's default lr x 0.5, 1, 2). Writes in --out: lr_sweep.json (runs; summary:
+<preset>_{muon,adamw}_{default,best}_val_loss, best lrs, differences), lr_sweep.png and
+runs/<optimizer>_lr<lr>/metrics.jsonl; points already in lr_sweep.json with the same settings
+are reused. --dry-run prints what would be reused or trained, and trains and writes nothing."""
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in the option help, the description as written."""
+
+
 def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:
     """The sweep's own flags and the trainer's (everything else, parsed by train_lm)."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=DESCRIPTION, allow_abbrev=False,
+                                formatter_class=_Formatter)
     p.add_argument("--muon-lrs", help="Muon --lr grid, e.g. 1e-3,3e-3 (default: the trainer's "
                    "default x 0.5, 1, 2)")
     p.add_argument("--adam-lrs", help="AdamW --adam-lr grid (default: default x 0.5, 1, 2)")
@@ -85,6 +102,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:
     p.add_argument("--jobs", type=int, default=1,
                    help="grid points trained at once, one process each, sharing the devices")
     p.add_argument("--out", default="runs/lr_sweep", help="output directory")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print which grid points would be reused or trained; train nothing")
     sweep, rest = p.parse_known_args(argv)
     sweep.trainer_argv = rest
     if sweep.jobs < 1:
@@ -251,6 +270,49 @@ def train_point(name, lr, args, key, out: pathlib.Path, mesh, corpus, preset, lo
             "preset": preset, "wall_s": time.perf_counter() - t0}
 
 
+def plan_runs(sweep, trainer, old: list[dict]):
+    """What a sweep does with the rows ``old`` of its ``lr_sweep.json``: ``(kept, reused, todo,
+    dropped)``: rows of this sweep's settings outside its grid (kept in the table), rows of
+    grid points run before with the same settings (reused), ``(optimizer, lr, args, key)`` of
+    the grid points to train (after every reusable one, so a sweep cut short keeps them all),
+    and how many rows had other settings (left out)."""
+    grid_lrs = grids(sweep, trainer)
+    kept, reused, todo, dropped = [], [], [], 0
+    for r in old:  # earlier points of this sweep (same settings) that this grid leaves out
+        same = run_key(r["optimizer"], r["lr"], with_lr(trainer, r["optimizer"], r["lr"]))
+        if {k: r.get(k) for k in same} != same:
+            dropped += 1
+        elif same["lr"] not in grid_lrs.get(r["optimizer"], ()):
+            kept.append(r)
+    for name, lrs in grid_lrs.items():
+        for lr in lrs:
+            args = with_lr(trainer, name, lr)
+            key = run_key(name, lr, args)
+            prev = [r for r in old if {k: r.get(k) for k in key} == key]
+            if prev:
+                reused.append(prev[0])
+            else:
+                todo.append((name, lr, args, key))
+    return kept, reused, todo, dropped
+
+
+def dry_run(sweep, trainer) -> None:
+    """Print what the sweep would reuse, keep, leave out and train; train and write nothing."""
+    path = pathlib.Path(sweep.out) / "lr_sweep.json"
+    old = json.loads(path.read_text()).get("runs", []) if path.exists() else []
+    kept, reused, todo, dropped = plan_runs(sweep, trainer, old)
+    if dropped:
+        print(f"{dropped} run(s) in {path} have other settings: they would be left out")
+    for r in kept:
+        print(f"[{r['optimizer']} lr {r['lr']:.3g}] kept from {path} (outside this grid)")
+    for r in reused:
+        print(f"[{r['optimizer']} lr {r['lr']:.3g}] would be reused from {path}")
+    for name, lr, _, _ in todo:
+        print(f"[{name} lr {lr:.3g}] would be trained")
+    print(f"dry run: {len(todo)} to train, {len(reused)} reused, {len(kept)} kept, {dropped} "
+          "left out; nothing trained or written")
+
+
 def sweep_runs(sweep, trainer, mesh, corpus, *, log=print) -> dict:
     """Runs (or reuses) every grid point; writes and returns the ``lr_sweep.json`` content.
 
@@ -263,7 +325,6 @@ def sweep_runs(sweep, trainer, mesh, corpus, *, log=print) -> dict:
     prev_doc = json.loads(path.read_text()) if path.exists() else {}
     old = prev_doc.get("runs", [])
     defaults = {"muon": trainer.lr, "adamw": trainer.adam_lr}
-    grid_lrs = grids(sweep, trainer)
     rows: list[dict] = []
     failed: list[str] = []
     if mesh is not None:
@@ -287,26 +348,13 @@ def sweep_runs(sweep, trainer, mesh, corpus, *, log=print) -> dict:
             f"{'diverged' if v is None else f'{v:.4f}'} ({row['wall_s']:.0f} s)")
         write()
 
-    dropped = 0
-    for r in old:  # earlier points of this sweep (same settings) that this grid leaves out
-        same = run_key(r["optimizer"], r["lr"], with_lr(trainer, r["optimizer"], r["lr"]))
-        if {k: r.get(k) for k in same} != same:
-            dropped += 1
-        elif same["lr"] not in grid_lrs.get(r["optimizer"], ()):
-            rows.append(r)
+    kept, reused, todo, dropped = plan_runs(sweep, trainer, old)
+    rows += kept
     if dropped:
         log(f"{dropped} run(s) in {path} had other settings; they are left out of this table")
-    todo = []  # every reusable point first, so a sweep cut short keeps all of them
-    for name, lrs in grid_lrs.items():
-        for lr in lrs:
-            args = with_lr(trainer, name, lr)
-            key = run_key(name, lr, args)
-            prev = [r for r in old if {k: r.get(k) for k in key} == key]
-            if prev:
-                rows.append(prev[0])
-                log(f"[{name} lr {lr:.3g}] reused from {path}")
-            else:
-                todo.append((name, lr, args, key))
+    for r in reused:
+        rows.append(r)
+        log(f"[{r['optimizer']} lr {r['lr']:.3g}] reused from {path}")
     if sweep.jobs > 1:
         with concurrent.futures.ThreadPoolExecutor(sweep.jobs) as pool:
             futures = {pool.submit(run_point_process, sweep, name, lr, out): (name, lr)
@@ -335,6 +383,9 @@ def main(argv=None) -> int:
     try:
         sweep, trainer = parse_args(argv)
         grids(sweep, trainer)  # validate the lists before any work
+        if sweep.dry_run:
+            dry_run(sweep, trainer)
+            return 0
         # With --jobs the children load the corpus and hold the devices; this process does not.
         mesh, corpus = train_lm.setup(trainer) if sweep.jobs == 1 else (None, None)
     except train_lm.UsageError as e:

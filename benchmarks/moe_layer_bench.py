@@ -23,17 +23,18 @@ MFU = useful FLOPs / (time x n_devices x dense rate), the dense rate being a bf1
 and dropped slots are not useful work. Dropped fraction = dropped slots / (tokens * top_k).
 
 Also times dispatch -> combine alone (identity experts; dense capacity 1.25 bf16 and FP8,
-dropless and ragged bf16; both routings), forward and forward + backward: GB/s per GPU =
+dropless and ragged bf16; both routings; alone: ``benchmarks/dispatch_bench.py --part layer``),
+forward and forward + backward: GB/s per GPU =
 bytes each device sends over the payload exchanges of the forward ((P-1)/P of each buffer:
 from the compiled HLO via xla_comm.hlo for dense and ragged; for dropless, the buffers of the
 bucket the step took) / forward time.
 
 Op breakdown: ``jax.profiler`` traces of ``--profile-steps`` steps of the variants in
 ``--breakdown-variants`` (both routings), summed per op category by
-benchmarks/trace_breakdown.py (sort, gathers/scatters, exchange, GEMMs, combine, ...), printed
+`xla_comm.trace.op_breakdown` (sort, gathers/scatters, exchange, GEMMs, combine, ...), printed
 as a table and stored under ``breakdown``; the same traces give the fraction of NCCL time
-hidden under compute (benchmarks/trace_overlap.py). ``--profile-variants`` are traced for the
-latter only. Variants ending in ``_overlap`` are the same step compiled with
+hidden under compute (`xla_comm.trace.exposed_comm_fraction`). ``--profile-variants`` are
+traced for the latter only. Variants ending in ``_overlap`` are the same step compiled with
 ``xla_comm.overlap.overlap_compiler_options()``, so exposed communication is compared with and
 without the overlap flags in one run.
 
@@ -65,10 +66,29 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+DESCRIPTION = """\
+The expert-parallel MoE layer (moe.moe_apply) forward + backward over all devices, with MFU
+against a dense bf16 matmul ceiling, per variant (transport: dense capacity 1.25 / dropless /
+ragged; experts: einsum / ragged_dot / Pallas; wire bf16 / FP8; overlap flags; XLA wire) and
+routing (balanced, Zipf); also dispatch -> combine alone, op breakdown and exposed collectives
+from jax.profiler traces. Default 16384 tokens/device, d_model 4096, d_ff 2048, E 16, top-2
+(--small: CPU, 2 devices, 64 tokens, 128/64). JSON (--out, default
+benchmarks/results/moe_layer_bench.json): layer, layer_ab, dispatch_combine,
+dispatch_combine_ab, routing, ceiling, dropless (the summary; also alone to --dropless-out).
+Details: the docstring of this file."""
+
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _dispatch_combine import (  # noqa: E402
+    AXES,
+    ROUTINGS,
+    bench_dispatch,
+    make_layer_data,
+    make_routings,
+)
+from _moe_layer_summary import dropless_summary, print_table  # noqa: E402
 from bench_util import (  # noqa: E402
     add_routing_args,
     cli,
@@ -77,19 +97,15 @@ from bench_util import (  # noqa: E402
     env_info,
     fill_defaults,
     force_cpu_devices,
+    interleaved_seconds,
     line_mesh,
     median_seconds,
     write_json,
 )
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-from moe_layer_dispatch import bench_dispatch  # noqa: E402
-from moe_layer_report import dropless_summary, print_table  # noqa: E402
-from trace_breakdown import op_breakdown, trace_steps  # noqa: E402
-from trace_overlap import exposed_comm_fraction  # noqa: E402
 
 import moe  # noqa: E402
 from xla_comm import overlap as moverlap  # noqa: E402
+from xla_comm.trace import exposed_comm_fraction, op_breakdown, trace_steps  # noqa: E402
 
 BOTH = ("bf16", "fp8")
 # name stem: (transport, expert backend, wires). The dropless transport (bucketed all_to_all)
@@ -125,11 +141,10 @@ PRESETS = {
             "dropless_bf16", "dropless_fp8", "ragged_auto_bf16"],
     "dropless": [CAPACITY, DROPLESS, RAGGED, "dropless_fp8"],
 }
-ROUTINGS = ("balanced", "zipf")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = cli(__doc__)
+    p = cli(DESCRIPTION)
     add_routing_args(p, tokens="16384; small 64", d_model="4096; small 128")
     p.add_argument("--d-ff", type=int, help="2048; small 64")
     p.add_argument("--dropless-capacity-factor", type=float, default=None,
@@ -165,7 +180,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="JSON path ('' to skip)")
     p.add_argument("--dropless-out", default="",
                    help="also write the dropless summary alone here (e.g. "
-                        "benchmarks/results/h200x1_dropless.json)")
+                        "OUT/dropless.json, then `report.py --adopt dropless`)")
     a = fill_defaults(
         p.parse_args(argv),
         small=dict(tokens=64, d_model=128, d_ff=64, ceiling_n=512, warmup=1, iters=2,
@@ -177,91 +192,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         if a.small:  # a CPU plumbing check: the three layers the summary compares
             a.variants = [v for v in a.variants if v in (CAPACITY, DROPLESS, RAGGED)]
     return a
-
-
-AXES = ("data", "expert")
-
-
-def make_data(mesh, a):
-    n = mesh.devices.size
-    t, d, f, e = a.tokens, a.d_model, a.d_ff, a.experts
-    ks = jax.random.split(jax.random.key(a.seed), 5)
-    tok = NamedSharding(mesh, P(AXES, None, None))
-    wsp = NamedSharding(mesh, P("expert", None, None))
-    rep = NamedSharding(mesh, P())
-
-    def put(fn, sharding):
-        return jax.jit(fn, out_shardings=sharding)()
-
-    return {
-        "x": put(lambda: jax.random.normal(ks[0], (n, t, d), jnp.bfloat16), tok),
-        "ct": put(lambda: jax.random.normal(ks[1], (n, t, d), jnp.bfloat16), tok),
-        "router_kernel": put(lambda: jax.random.normal(ks[2], (d, e), jnp.float32) * d**-0.5,
-                             rep),
-        "w_gate_up": put(lambda: (jax.random.normal(ks[3], (e, d, 2 * f), jnp.float32)
-                                  * d**-0.5).astype(jnp.bfloat16), wsp),
-        "w_down": put(lambda: (jax.random.normal(ks[4], (e, f, d), jnp.float32)
-                               * f**-0.5).astype(jnp.bfloat16), wsp),
-    }
-
-
-# ----------------------------------------------------------------------------- routing
-
-
-def zipf_shares(experts: int, s: float) -> np.ndarray:
-    """Target share of the slots per expert: ``p_i ~ 1 / (i + 1)^s``."""
-    p = 1.0 / np.arange(1, experts + 1) ** s
-    return p / p.sum()
-
-
-def calibrate_bias(data, a, target: np.ndarray, iters: int = 400) -> tuple[np.ndarray, dict]:
-    """A balancing bias (selection only) under which the benchmark's tokens load the experts
-    with the shares ``target``: ``bias += step * sign(target - share)``, ``step`` decaying
-    geometrically from 0.05 to 1e-4 (the aux-loss-free balancing rule, aimed at ``target``);
-    the bias with the smallest L1 error is kept. Returns ``(bias, achieved)``."""
-    cfg = moe.RouterConfig(a.experts, a.top_k)
-    x = data["x"].reshape(-1, a.d_model)
-
-    @jax.jit
-    def shares(bias):
-        r = moe.route(x, data["router_kernel"], bias, config=cfg)
-        return r.tokens_per_expert / (x.shape[0] * a.top_k)
-
-    bias = np.zeros(a.experts, np.float32)
-    best, best_err, step = bias.copy(), np.inf, 0.05
-    decay = (1e-4 / step) ** (1.0 / iters)
-    for _ in range(iters):
-        got = np.asarray(shares(jnp.asarray(bias)))
-        err = float(np.abs(got - target).sum())
-        if err < best_err:
-            best, best_err = bias.copy(), err
-        bias = bias + step * np.sign(target - got).astype(np.float32)
-        step *= decay
-    return best, routing_stats(np.asarray(shares(jnp.asarray(best))), target)
-
-
-def routing_stats(got: np.ndarray, target: np.ndarray | None = None) -> dict:
-    out = {"shares": [round(float(v), 5) for v in got],
-           "max_over_mean": float(got.max() * got.size)}
-    if target is not None:
-        out["target"] = [round(float(v), 5) for v in target]
-        out["l1_error"] = float(np.abs(got - target).sum())
-    return out
-
-
-def make_routings(data, a) -> tuple[dict, dict]:
-    """``({routing: bias [E]}, {routing: achieved shares})`` for the routings asked for."""
-    biases, stats = {}, {}
-    cfg = moe.RouterConfig(a.experts, a.top_k)
-    x = data["x"].reshape(-1, a.d_model)
-    for name in a.routing:
-        if name == "balanced":
-            biases[name] = np.zeros(a.experts, np.float32)
-            counts = moe.route(x, data["router_kernel"], config=cfg).tokens_per_expert
-            stats[name] = routing_stats(np.asarray(counts) / (x.shape[0] * a.top_k))
-        else:
-            biases[name], stats[name] = calibrate_bias(data, a, zipf_shares(a.experts, a.zipf_s))
-    return biases, stats
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -363,13 +293,7 @@ def profile_layer(name, routing, a, step, args, trace_root: str) -> dict:
 
 def interleaved_ms(fns: dict, rounds: int) -> dict:
     """Median ms of each ``fn()`` in ``fns``, timed one call of each per round (blocked)."""
-    times = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            times[k].append(time.perf_counter() - t0)
-    return {k: float(np.median(v)) * 1e3 for k, v in times.items()}
+    return {k: float(np.median(v)) * 1e3 for k, v in interleaved_seconds(fns, rounds).items()}
 
 
 def layer_ab(steps: dict, biases: dict, data, a) -> dict:
@@ -405,7 +329,7 @@ def main(a) -> dict:
     report["ceiling"] = dense_ceiling(a.ceiling_n, a.warmup, max(a.iters, 5))
     print(f"ceiling: {report['ceiling']['tflops']:.2f} TFLOP/s", flush=True)
     write_json(a.out, report)
-    data = make_data(mesh, a)
+    data = make_layer_data(mesh, a)
     biases, report["routing"] = make_routings(data, a)
     for name, st in report["routing"].items():
         print(f"routing {name}: expert shares max/mean {st['max_over_mean']:.2f}"

@@ -34,8 +34,8 @@ Variants (``--variants``, comma separated; default all):
 
 Limit = NS FLOPs / (N x dense bf16 matmul rate) + time of a psum of the params' bytes (in the
 param dtype), both measured here. The exposed-communication fraction comes from a jax.profiler
-trace (benchmarks/trace_overlap.py) of the fastest muon DP variant when the backend records
-device kernels (every DP variant is traced, e.g. with and without the overlap options:
+trace (`xla_comm.trace.exposed_comm_fraction`) of the fastest muon DP variant when the backend
+records device kernels (every DP variant is traced, e.g. with and without the overlap options:
 ``trace_by_variant``), else None (benchmarks/schedule_report.py predicts it from the
 compiled schedule).
 
@@ -60,8 +60,19 @@ VARIANTS = ("muon", "optax", "optax_fsdp", "muon_fsdp", "muon_chunked", "ns", "m
 MUON_DP = ("muon", "muon_chunked", "muon_overlap")
 
 
+
+DESCRIPTION = """\
+One Muon train step on LLaMA-like matrices (default 8 layers, d 4096, f 11008: ~1.6B params;
+--small: CPU, 8 devices, 4 layers, 64/176) over a 1-D 'data' mesh of all devices: sharded
+muon_jax (DP, chunked, with overlap options, FSDP) against optax.contrib.muon (DP, FSDP),
+Newton-Schulz alone and the limit (NS FLOPs at the dense rate + a psum of the params). JSON
+(--out): per-variant results, limit, muon_step_seconds, muon_step_speedup_vs_optax(_fsdp),
+muon_step_over_limit, muon_step_exposed_comm_fraction, trace_by_variant."""
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="CPU sizes, 8 simulated devices")
     p.add_argument("--layers", type=int, help="8; small 4")
     p.add_argument("--d-model", type=int, help="4096; small 64")
@@ -311,7 +322,7 @@ def main(argv=None) -> dict:
         root = args.trace_dir or tempfile.mkdtemp(prefix="muon_step_trace_")
         for name in muon_dp:
             try:
-                from trace_overlap import exposed_comm_fraction
+                from xla_comm.trace import exposed_comm_fraction
                 trace_dir = os.path.join(root, name)
                 compiled, cargs = results[name]["compiled"], results[name]["args"]
                 jax.block_until_ready(compiled(*cargs))

@@ -185,8 +185,17 @@ def plot_all(out: Path) -> list[Path]:
     return written
 
 
+
+DESCRIPTION = """\
+Plots a benchmarks/run_gpu.sh output directory OUT (h200x2.json from benchmarks/collect.py and
+the per-run JSONs next to it), measuring nothing: achieved vs ceiling bars per benchmark.
+Writes OUT/plot_{ceiling_ratios,experts_bench,moe_layer,dispatch_ms,dispatch_GBps,lm_step}.png
+(matplotlib), or .svg where matplotlib is not installed."""
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", help="the run_gpu.sh output directory")
     a = p.parse_args(argv)
     written = plot_all(Path(a.out))

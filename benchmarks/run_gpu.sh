@@ -4,13 +4,15 @@
 #   bash benchmarks/run_gpu.sh OUT            # real sizes (GPU), ~9 minutes at most
 #   bash benchmarks/run_gpu.sh OUT --small    # CPU plumbing check (each script's --small)
 #
-# Each script runs under `timeout` (continue on failure) with PYTHONUNBUFFERED=1 and writes
-# OUT/<script>.json and OUT/<script>.log; OUT/run_status.tsv records exit code, seconds and
-# limit per script; then benchmarks/collect.py writes OUT/h200x2.json and
-# benchmarks/plot_results.py writes OUT/plot_*.png (SVG without matplotlib). Profiler traces
+# Each run (a script, or one --part of one) is named: it runs under `timeout` (continue on
+# failure) with PYTHONUNBUFFERED=1 and writes OUT/<name>.json and OUT/<name>.log (names:
+# experts_bench, muon_step, muon_step_f32, moe_layer_bench, dispatch_check = dispatch_bench.py
+# --part check, dispatch_phases = dispatch_bench.py --part phases, lm_step_bench);
+# OUT/run_status.tsv records exit code, seconds and limit per run; then benchmarks/collect.py
+# writes OUT/h200x2.json and benchmarks/plot_results.py writes OUT/plot_*.png (SVG without matplotlib). Profiler traces
 # go under OUT/traces; PACK=file.tgz packs OUT into one archive at the end. Environment:
 # BENCH_BUDGET_S (total seconds for the scripts, default 530; 1200 with --small) and
-# <NAME>_TIMEOUT (e.g. LM_STEP_BENCH_TIMEOUT=200) per script. A file COMMIT in the tree (an
+# <NAME>_TIMEOUT (e.g. LM_STEP_BENCH_TIMEOUT=200) per run. A file COMMIT in the tree (an
 # exported snapshot has no .git) names the commit in env.txt.
 # NCCL_* and XLA_FLAGS from the environment are left as they are.
 set -u
@@ -64,16 +66,17 @@ run() {
   echo "=== $name: rc=$rc in ${dt}s"
 }
 
-run experts_bench 110 benchmarks/experts_bench.py --out "$OUT/experts_bench.json" \
-  --configs bf16
+run experts_bench 110 benchmarks/experts_bench.py --part experts \
+  --out "$OUT/experts_bench.json" --configs bf16
 run muon_step 100 benchmarks/muon_step.py --out "$OUT/muon_step.json" \
   --trace-dir "$OUT/traces/muon_step"
 run muon_step_f32 100 benchmarks/muon_step.py --out "$OUT/muon_step_f32.json" \
   --param-dtype f32 --variants muon,optax,optax_fsdp,muon_fsdp
 run moe_layer_bench 120 benchmarks/moe_layer_bench.py --out "$OUT/moe_layer_bench.json" \
   --profile "$OUT/traces/moe_layer"
-run dispatch_check 90 benchmarks/dispatch_check.py --out "$OUT/dispatch_check.json"
-run dispatch_phases 75 benchmarks/dispatch_phases.py --out "$OUT/dispatch_phases.json"
+run dispatch_check 90 benchmarks/dispatch_bench.py --part check --out "$OUT/dispatch_check.json"
+run dispatch_phases 75 benchmarks/dispatch_bench.py --part phases \
+  --out "$OUT/dispatch_phases.json"
 run lm_step_bench 90 benchmarks/lm_step_bench.py --out "$OUT/lm_step_bench.json" \
   --profile "$OUT/traces/lm_step"
 

@@ -25,7 +25,7 @@ with ``--hlo-dir``, every compiled module's text (gzip), so the report can be re
 on a CPU (``python -c "from xla_comm import schedule; ..."``).
 
 Usage:
-  python benchmarks/schedule_report.py --out benchmarks/results/h200x1_schedule8.json
+  python benchmarks/schedule_report.py --out OUT/schedule8.json
   python benchmarks/schedule_report.py --small   # CPU: 8 simulated devices stand in
 """
 
@@ -61,8 +61,18 @@ SHAPES = {"A": MoeShape(8192, 2048, 1024, 32, 2), "B": MoeShape(8192, 4096, 2048
 SMALL_SHAPES = {"A": MoeShape(512, 256, 128, 16, 2), "B": MoeShape(512, 512, 256, 16, 4)}
 
 
+
+DESCRIPTION = """\
+Exposed communication of 8-, 16- and 64-GPU steps predicted from their compiled schedules
+(xla_comm.schedule on virtual topologies of the local GPU kind, nothing run on them): the MoE
+layer's train step (shapes A and B, dense and dropless, per --chunks), sharded Muon on 8 GPUs,
+train_lm's GPU-preset step; plus one timed EP=1 layer that checks the compute model. --small:
+CPU, 8 simulated devices. JSON (--out): the summary keys, cases; --hlo-dir: every compiled
+module (gzip)."""
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="CPU, 8 simulated devices")
     p.add_argument("--out", default=None)

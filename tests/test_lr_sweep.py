@@ -1,15 +1,19 @@
-"""benchmarks/lr_sweep.py: table, plot, summary and reuse of runs, at a tiny size."""
+"""benchmarks/lr_sweep.py, run as a script: table, plot, summary and reuse of runs, at a tiny size.
+
+(examples/ is on the path for train_lm, as in tests/test_train_lm.py; the sweep itself runs as
+``python benchmarks/lr_sweep.py``.)"""
 
 import json
 import math
+import os
 import pathlib
+import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "examples"))
 
-import lr_sweep  # noqa: E402
-import train_lm  # noqa: E402  (put on the path by lr_sweep)
+import train_lm  # noqa: E402  (examples/train_lm.py)
 
 TINY = [
     "--d-model", "64", "--layers", "1", "--heads", "2", "--d-ff", "32", "--experts", "4",
@@ -18,14 +22,23 @@ TINY = [
 ]
 
 
-def test_sweep_cpu_tiny(tmp_path, capsys):
+def sweep(*argv, timeout=600):
+    """``python benchmarks/lr_sweep.py ARGV``: (exit status, stdout, stderr)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lr_sweep.py"), *argv],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return res.returncode, res.stdout, res.stderr
+
+
+def test_sweep_cpu_tiny(tmp_path):
     out = tmp_path / "sweep"
     default_muon, default_adam = train_lm.default_lrs(64)
     # Muon: the trainer's default and one more; AdamW: its default only (3 tiny runs).
     argv = [*TINY, "--muon-lrs", f"{default_muon / 4}", "--adam-lrs", f"{default_adam}",
             "--out", str(out)]
-    assert lr_sweep.main(argv) == 0
-    text = capsys.readouterr().out
+    code, text, err = sweep(*argv)
+    assert code == 0, text[-2000:] + err[-2000:]
     doc = json.loads((out / "lr_sweep.json").read_text())
     runs = doc["runs"]
     assert sorted((r["optimizer"], r["lr"]) for r in runs) == sorted(
@@ -38,6 +51,11 @@ def test_sweep_cpu_tiny(tmp_path, capsys):
                                      / "metrics.jsonl")
         assert [x["step"] for x in recs] == [1, 2, 3]
         assert recs[-1]["val_loss"] == r["final_val_loss"]
+    # The reuse key: every setting of the trainer but the learning rate and the optimizer.
+    cfg = {k: v for k, v in vars(train_lm.parse_args([*TINY, "--out", str(out)])).items()}
+    for r in runs:
+        assert r["config"]["seed"] == cfg["seed"] and r["config"]["d_model"] == 64
+        assert not {"lr", "adam_lr", "optimizer", "out"} & r["config"].keys()
     s = doc["summary"]
     by = {(r["optimizer"], r["lr"]): r["final_val_loss"] for r in runs}
     for name, default in (("muon", default_muon), ("adamw", default_adam)):
@@ -53,14 +71,14 @@ def test_sweep_cpu_tiny(tmp_path, capsys):
     assert "val loss" in text and "default" in text and "cpu_muon_best_val_loss" in text
 
     # The same command again reuses every run (nothing is trained: the rows are unchanged).
-    assert lr_sweep.main(argv) == 0
-    assert capsys.readouterr().out.count("reused from") == 3
+    code, text, _ = sweep(*argv)
+    assert code == 0 and text.count("reused from") == 3
     assert json.loads((out / "lr_sweep.json").read_text())["runs"] == runs
 
     # A sweep split over commands keeps one table: an AdamW-only grid keeps the Muon rows.
-    assert lr_sweep.main([*TINY, "--optimizers", "adamw", "--adam-lrs", f"{default_adam}",
-                          "--no-defaults", "--out", str(out)]) == 0
-    assert capsys.readouterr().out.count("reused from") == 1
+    code, text, _ = sweep(*TINY, "--optimizers", "adamw", "--adam-lrs", f"{default_adam}",
+                          "--no-defaults", "--out", str(out))
+    assert code == 0 and text.count("reused from") == 1
     kept = json.loads((out / "lr_sweep.json").read_text())
     assert sorted(map(json.dumps, kept["runs"])) == sorted(map(json.dumps, runs))
     assert kept["summary"] == s
@@ -68,9 +86,9 @@ def test_sweep_cpu_tiny(tmp_path, capsys):
     # --jobs 2: two new AdamW points train at once in child processes (logs and their own
     # JSON under points/); the parent merges their rows with the kept ones into one table.
     new_lrs = [default_adam / 2, default_adam * 2]
-    assert lr_sweep.main([*TINY, "--optimizers", "adamw", "--jobs", "2", "--no-defaults",
-                          "--adam-lrs", ",".join(map(repr, new_lrs)), "--out", str(out)]) == 0
-    text = capsys.readouterr().out
+    code, text, _ = sweep(*TINY, "--optimizers", "adamw", "--jobs", "2", "--no-defaults",
+                          "--adam-lrs", ",".join(map(repr, new_lrs)), "--out", str(out))
+    assert code == 0
     assert "2 grid points at a time" in text and "2 runs sharing the devices" in text
     merged = json.loads((out / "lr_sweep.json").read_text())
     assert merged["backend"] == "cpu" and merged["mesh"] == {"data": 2, "expert": 4}
@@ -78,27 +96,31 @@ def test_sweep_cpu_tiny(tmp_path, capsys):
     assert sorted(r["lr"] for r in fresh) == sorted(new_lrs)
     assert sorted(map(json.dumps, [r for r in merged["runs"] if "jobs" not in r])) == sorted(
         map(json.dumps, runs))
+    adam_config = next(r["config"] for r in runs if r["optimizer"] == "adamw")
     for r in fresh:
         point = out / "points" / f"adamw_lr{r['lr']:.3g}"
         assert (point / "log.txt").exists() and math.isfinite(r["final_val_loss"])
         recs = train_lm.read_metrics(point / "runs" / f"adamw_lr{r['lr']:.3g}" / "metrics.jsonl")
         assert recs[-1]["val_loss"] == r["final_val_loss"]
-        assert {k: r[k] for k in ("optimizer", "lr", "config")} == lr_sweep.run_key(
-            "adamw", r["lr"], lr_sweep.with_lr(train_lm.parse_args(TINY), "adamw", r["lr"]))
+        # A child's reuse key is the parent's: same settings, its own lr.
+        assert r["optimizer"] == "adamw" and r["config"] == adam_config
     assert merged["summary"]["cpu_adamw_best_val_loss"] == min(
         r["final_val_loss"] for r in merged["runs"] if r["optimizer"] == "adamw")
 
-    # Other settings (here --seed) are other runs: none is reused, and none kept.
-    # (Checked on the grid alone, without training: every key differs.)
-    args = train_lm.parse_args([*TINY, "--seed", "1"])
-    assert all(lr_sweep.run_key(r["optimizer"], r["lr"], lr_sweep.with_lr(
-        args, r["optimizer"], r["lr"])) != {k: r[k] for k in ("optimizer", "lr", "config")}
-        for r in runs)
+    # Other settings (here --seed) are other runs: none is reused, and none kept (checked
+    # with --dry-run, which trains and writes nothing).
+    code, text, _ = sweep(*TINY, "--seed", "1", "--muon-lrs", f"{default_muon / 4}",
+                          "--adam-lrs", f"{default_adam}", "--dry-run", "--out", str(out))
+    assert code == 0 and "would be reused" not in text and "kept from" not in text
+    assert f"{len(merged['runs'])} run(s) in" in text and "would be left out" in text
+    assert text.count("would be trained") == 3
+    assert "3 to train, 0 reused, 0 kept, 5 left out; nothing trained or written" in text
+    assert json.loads((out / "lr_sweep.json").read_text()) == merged
 
 
-def test_sweep_bad_grid_is_one_line(capsys):
-    assert lr_sweep.main([*TINY, "--muon-lrs", "0.01,abc", "--out", "/nonexistent/x"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "--muon-lrs must be comma-separated" in err
-    assert lr_sweep.main([*TINY, "--jobs", "0", "--out", "/nonexistent/x"]) == 2
-    assert "--jobs must be >= 1, got 0" in capsys.readouterr().err
+def test_sweep_bad_grid_is_one_line():
+    code, _, err = sweep(*TINY, "--muon-lrs", "0.01,abc", "--out", "/nonexistent/x", timeout=120)
+    err = err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "--muon-lrs must be comma-separated" in err
+    code, _, err = sweep(*TINY, "--jobs", "0", "--out", "/nonexistent/x", timeout=120)
+    assert code == 2 and "--jobs must be >= 1, got 0" in err

@@ -1,4 +1,5 @@
-"""benchmarks/moe_layer_bench.py --small end to end (CPU), and trace_breakdown on a real trace."""
+"""benchmarks/moe_layer_bench.py --small end to end (CPU), and xla_comm.trace's op breakdown on
+a real trace."""
 
 import json
 import os
@@ -11,19 +12,19 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from trace_breakdown import (  # noqa: E402
+import moe
+from xla_comm.trace import (
     CATEGORIES,
     LM_REGIONS,
     REST,
     categorize_hlo,
+    format_regions,
+    format_table,
     hlo_regions,
     op_breakdown,
 )
 
-import moe  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_op_breakdown_of_a_dropless_dispatch_combine(tmp_path):
@@ -67,6 +68,14 @@ def test_op_breakdown_of_a_dropless_dispatch_combine(tmp_path):
         < 1e-6 * total
     assert rb["us_per_region_category"]["dispatch"].get("sort", 0) > 0, rb
     assert all(len(t) == 4 and t[3] in reg for t in rb["top_ops"])
+    # The printed tables: a row per category (per region), the ms per step of the breakdown.
+    table = format_table({"step": bd}).splitlines()
+    assert [ln.split()[0] for ln in table[2:]] == [*CATEGORIES, "total"]
+    assert f"{us['exchange'] / 1e3:10.3f} ms" in table[2 + CATEGORIES.index("exchange")]
+    regs = format_regions({"step": rb}, detail=("dispatch",)).splitlines()
+    assert [ln.split()[0] for ln in regs[3:6]] == ["dispatch", "combine", REST]
+    assert f"{reg['dispatch'] / 1e3:13.3f}" in regs[3] and regs[6].startswith("total")
+    assert regs[-1].startswith("dispatch (step), ms/step: ") and "sort" in regs[-1]
 
 
 _HLO = """HloModule jit_step, is_scheduled=true

@@ -1,16 +1,19 @@
-"""benchmarks/trace_overlap.py on small synthetic jax.profiler-style traces (no GPU needed)."""
+"""xla_comm.trace's exposed-collective figures on small synthetic jax.profiler-style traces (no
+GPU needed), and benchmarks/trace_breakdown.py, its command line, on one of them."""
 
 import gzip
 import json
 import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+from xla_comm.trace import exposed_comm_fraction, interval_union
 
-from trace_overlap import exposed_comm_fraction, interval_union  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _meta(pid, name, tid=None):
@@ -112,3 +115,16 @@ def test_op_level_fallback(tmp_path):
     ])
     d = exposed_comm_fraction(tmp_path)["devices"]["/device:TPU:0"]
     assert d["level"] == "op" and d["exposed_collective_us"] == pytest.approx(5.0)
+
+
+def test_command_line_prints_the_overlap(tmp_path):
+    """``python benchmarks/trace_breakdown.py TRACE_DIR`` (no HLO file): the library's figures
+    as JSON."""
+    _write(tmp_path / "plugins" / "profile" / "run" / "h.trace.json.gz", synthetic_events())
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    script = str(ROOT / "benchmarks" / "trace_breakdown.py")
+    res = subprocess.run([sys.executable, script, str(tmp_path)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads(res.stdout) == json.loads(json.dumps(exposed_comm_fraction(tmp_path)))
+    assert json.loads(res.stdout)["exposed_fraction"] == pytest.approx(75 / 90)

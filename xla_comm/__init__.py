@@ -2,8 +2,10 @@
 
 `xla_comm.hlo` reads the collectives of an HLO module (kind, bytes, group size, ring cost,
 while-loop membership, overlap with compute); `xla_comm.overlap` builds the XLA:GPU options
-that let async collectives overlap compute. Both packages of this distribution (`muon_jax`,
-`moe`), their tests, benchmarks and notebooks use them.
+that let async collectives overlap compute; `xla_comm.trace` reads `jax.profiler` traces
+(collective time left exposed by compute, device time per op category and named-scope region).
+Both packages of this distribution (`muon_jax`, `moe`), their tests, benchmarks and notebooks
+use them.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -13,6 +15,6 @@ Example:
   0
 """
 
-from xla_comm import hlo, overlap
+from xla_comm import hlo, overlap, trace
 
-__all__ = ["hlo", "overlap"]
+__all__ = ["hlo", "overlap", "trace"]

@@ -1,11 +1,16 @@
-"""The harness of benchmarks/dispatch_phases.py: the mesh and sharded inputs, the dense plan's
-arguments, :class:`Phases` (compile, time and record one phase, with its compiled HLO's
-summary), and the report's summary and table."""
+"""Helpers shared by the parts of benchmarks/dispatch_bench.py (a library, no command line).
+
+The expert mesh and its sharded random inputs, jitted dispatch -> combine functions (forward,
+forward + backward, dispatch alone, the dropless bucket taken), and the harness of the
+``phases`` part: the dense plan's arguments, :class:`Phases` (compile, time and record one
+phase, with its compiled HLO's summary), and that report's summary and table.
+"""
 
 from __future__ import annotations
 
 import math
 import time
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -16,9 +21,100 @@ from jax.sharding import PartitionSpec as P
 
 from moe import fp8
 from moe._plan import DispatchPlan, dense_capacity
+from moe.dispatch import combine, dispatch
 from xla_comm import hlo
 
 AXIS = "expert"
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+def make_mesh():
+    """A 1-D mesh ``('expert',)`` over all devices."""
+    return Mesh(np.array(jax.devices()), (AXIS,))
+
+
+def smap(mesh, fn, n_in, out_specs=None):
+    """``jit(shard_map(fn))`` with ``n_in`` inputs and the outputs sharded over the expert axis."""
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(AXIS),) * n_in,
+                                 out_specs=P(AXIS) if out_specs is None else out_specs))
+
+
+def make_inputs(mesh, tokens, d, experts, k, seed):
+    """Random tokens ``x``, distinct top-k expert ids from random logits, their softmax weights
+    and a random cotangent, ``tokens`` per device, all sharded over the expert axis (as the
+    per-device arrays of a real step are): ``(x, ids, w, ct)``."""
+    kx, kl, kc = jax.random.split(jax.random.key(seed), 3)
+    n = mesh.devices.size
+
+    def make():
+        x = jax.random.normal(kx, (n * tokens, d), jnp.float32).astype(jnp.bfloat16)
+        logits = jax.random.normal(kl, (n * tokens, experts), jnp.float32)
+        w, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+        ct = jax.random.normal(kc, (n * tokens, d), jnp.float32).astype(jnp.bfloat16)
+        return x, ids.astype(jnp.int32), w, ct
+
+    sh = NamedSharding(mesh, P(AXIS))
+    return jax.jit(make, out_shardings=(sh, sh, sh, sh))()
+
+
+def expert_scale(ex, sizes, num_experts):
+    """'Experts' that scale rows by (1 + global expert id) / E, so misrouting shows."""
+    el = sizes.shape[0]
+    first = jax.lax.axis_index(AXIS) * el
+    if ex.ndim == 3:  # dense layout
+        s = (1.0 + first + jnp.arange(el)) / num_experts
+        return ex * s[:, None, None].astype(ex.dtype)
+    row_e = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(ex.shape[0]), side="right")
+    s = (1.0 + first + jnp.minimum(row_e, el - 1)) / num_experts
+    return ex * s[:, None].astype(ex.dtype)
+
+
+def dispatch_fns(mesh, spec, *, transport, wire, experts, capacity_factor, block_size=128,
+                 impl="auto", scale=False):
+    """Jitted dispatch -> experts -> combine over ``mesh`` (tokens sharded as ``spec``).
+
+    Experts: identity, or with ``scale`` :func:`expert_scale`. The combine gradient takes the
+    dispatch wire (``combine_grad_dtype=wire``). Returns a namespace of ``fwd(x, ids, w) -> y``,
+    ``full(x, ids, w) -> (y, expert_x, group_sizes, dropped)``, ``grad(x, ids, w, ct) -> (dx,
+    dw)`` of ``sum(y * ct)``, ``disp(x, ids) -> expert_x`` (dispatch alone) and
+    ``bucket_rows(x, ids) -> (bucket index per device, rows per bucket)`` (dropless).
+    """
+
+    def disp(x, ids):
+        return dispatch(x, ids, num_experts=experts, axis_name=AXIS, transport=transport,
+                        capacity_factor=capacity_factor, dispatch_dtype=wire,
+                        block_size=block_size, ragged_impl=impl)
+
+    def local_all(x, ids, w):
+        ex, sizes, plan = disp(x, ids)
+        ey = expert_scale(ex, sizes, experts) if scale else ex
+        return combine(ey, w, plan, combine_grad_dtype=wire), ex, sizes, plan.dropped[None]
+
+    f = jax.shard_map(lambda x, ids, w: local_all(x, ids, w)[0], mesh=mesh,
+                      in_specs=(spec, spec, spec), out_specs=spec)
+    full = jax.jit(jax.shard_map(local_all, mesh=mesh, in_specs=(spec, spec, spec),
+                                 out_specs=(spec, spec, spec, spec)))
+    grad = jax.jit(jax.grad(lambda x, ids, w, ct: jnp.sum(
+        f(x, ids, w).astype(jnp.float32) * ct.astype(jnp.float32)), argnums=(0, 2)))
+    only = jax.jit(jax.shard_map(lambda x, ids: disp(x, ids)[0], mesh=mesh,
+                                 in_specs=(spec, spec), out_specs=spec))
+
+    def bucket_rows(x, ids):
+        holder = {}
+
+        def body(x, ids):
+            plan = disp(x, ids)[2]
+            holder["caps"] = plan.buckets
+            return plan.bucket[None]
+
+        idx = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec),
+                                    out_specs=spec))(x, ids)
+        return np.asarray(idx), holder["caps"]
+
+    return SimpleNamespace(fwd=jax.jit(f), full=full, grad=grad, disp=only,
+                           bucket_rows=bucket_rows)
 
 
 # ----------------------------------------------------------------------------- HLO summary
@@ -47,37 +143,7 @@ def hlo_summary(compiled) -> dict:
     return {"bytes_accessed_mb": nbytes / 2**20, "top_level_ops": kernels, "ops": ops}
 
 
-# ----------------------------------------------------------------------------- setup
-
-
-def make_mesh():
-    return Mesh(np.array(jax.devices()), (AXIS,))
-
-
-def smap(mesh, fn, n_in, out_specs=None):
-    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(AXIS),) * n_in,
-                                 out_specs=P(AXIS) if out_specs is None else out_specs))
-
-
-def make_data(mesh, a):
-    n = mesh.devices.size
-    t = n * a.tokens
-    kx, kl, kc = jax.random.split(jax.random.key(a.seed), 3)
-    sh = NamedSharding(mesh, P(AXIS))
-
-    def put(fn):
-        return jax.jit(fn, out_shardings=sh)()
-
-    x = put(lambda: jax.random.normal(kx, (t, a.d_model), jnp.float32).astype(jnp.bfloat16))
-    dy = put(lambda: jax.random.normal(kc, (t, a.d_model), jnp.float32).astype(jnp.bfloat16))
-
-    def route():
-        logits = jax.random.normal(kl, (t, a.experts), jnp.float32)
-        w, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), a.top_k)
-        return w, ids.astype(jnp.int32)
-
-    w, ids = jax.jit(route, out_shardings=(sh, sh))()
-    return x, ids, w, dy
+# ----------------------------------------------------------------------------- phases
 
 
 def plan_kwargs(a, n_dev):
@@ -109,9 +175,6 @@ def deepep_rows_per_device(ids: np.ndarray, n_dev: int, experts: int) -> float:
     return distinct / n_dev
 
 
-# ----------------------------------------------------------------------------- timing
-
-
 class Phases:
     """One run's mesh, sizes and report; `bench` compiles, times and records one phase."""
 
@@ -127,7 +190,7 @@ class Phases:
                         deepep_rows * fp8_row)
         self.report = dict(
             benchmark="dispatch_phases", env=env_info(),
-            settings={kk: v for kk, v in vars(a).items() if kk != "out"},
+            settings={kk: v for kk, v in vars(a).items() if kk not in ("out", "part")},
             derived=dict(devices=n_dev, capacity=c, send_rows=n_rows, slots=t * k,
                          fp8_row_bytes=fp8_row, bf16_row_bytes=2 * d,
                          deepep_rows_per_device=deepep_rows),
@@ -179,9 +242,6 @@ class Phases:
         return sec
 
 
-# ----------------------------------------------------------------------------- report
-
-
 def finish(report, res):
     """``report`` with its summary: FP8 / bf16 time of the whole dispatch (+ combine) phases."""
     ratios = {}
@@ -196,6 +256,7 @@ def finish(report, res):
 
 
 def print_table(report):
+    """The ``phases`` report as a table."""
     d = report["derived"]
     s = report["settings"]
     e = report["env"]

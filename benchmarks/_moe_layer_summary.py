@@ -1,8 +1,9 @@
-"""The summary and the printed table of benchmarks/moe_layer_bench.py's report."""
+"""The summary and the printed table of benchmarks/moe_layer_bench.py's report (a library,
+no command line)."""
 
 from __future__ import annotations
 
-from trace_breakdown import format_table
+from xla_comm.trace import format_table
 
 
 def dropless_summary(report, *, capacity: str, dropless: str, ragged: str,
@@ -82,7 +83,7 @@ def print_table(report):
            if isinstance(r.get("breakdown"), dict) and "us_per_step" in r["breakdown"]}
     if bds:
         print("\nop breakdown per step (summed over devices; jax.profiler trace, "
-              "benchmarks/trace_breakdown.py):")
+              "xla_comm.trace):")
         print(format_table(bds))
     print("\ndropless summary:")
     for k, v in report.get("dropless", {}).items():

@@ -1,6 +1,7 @@
-"""Grouped-GEMM kernels alone on one GPU: correctness, then TFLOP/s against dense ceilings.
+"""The ``kernels`` part of benchmarks/experts_bench.py (was benchmarks/gmm_kernels_bench.py;
+a library, no command line of its own).
 
-Times, in one process, on random (never zero) inputs:
+Grouped-GEMM kernels alone on one GPU, in one process, on random (never zero) inputs:
 
 * the ceilings: a dense bf16 and a dense FP8 (e4m3 x e4m3, XLA) [8192]^3 matmul;
 * the Mosaic GPU kernels of ``moe/_gmm_mosaic.py``: ``gmm`` (bf16 with ``[G, K, N]`` and
@@ -11,56 +12,41 @@ Times, in one process, on random (never zero) inputs:
 * XLA batched FP8 and bf16 einsums on the capacity-padded layout ``[E, C, d]``.
 
 Before timing, each kernel is checked against an f32 XLA reference on the same (aligned)
-groups: max |out - ref| / max |ref|. Results go to ``--out`` (JSON) and a table.
-
-Usage:
-  python benchmarks/gmm_kernels_bench.py --out gmm.json          # one H200: ~2-3 minutes
-  python benchmarks/gmm_kernels_bench.py --only mosaic --configs fp8
+groups: max |out - ref| / max |ref| (``rel_err``, ``ok`` at 1e-2).
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import sys
-import time
 import traceback
-from pathlib import Path
 
+import bench_util
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_util  # noqa: E402
-
-from moe import _gmm_mosaic, _gmm_pallas  # noqa: E402
+from moe import _gmm_mosaic, _gmm_pallas
 
 F8 = jnp.float8_e4m3fn
 
 
-def aligned_sizes(routing: str, tokens: int, groups: int, align: int, s: float = 1.0):
-    """Group sizes (multiples of ``align``) summing to ``tokens``: equal or Zipf(s)."""
-    p = np.full(groups, 1.0 / groups) if routing == "balanced" else \
-        1.0 / np.arange(1, groups + 1) ** s
-    p = p / p.sum()
-    sizes = np.floor(p * tokens / align).astype(np.int64) * align
-    sizes[0] += tokens - sizes.sum()
-    return jnp.asarray(sizes.astype(np.int32))
+def add_args(p):
+    p.add_argument("--out", default=None, help="JSON path")
+    p.add_argument("--tokens", type=int, default=32768)
+    p.add_argument("--d-model", type=int, default=4096)
+    p.add_argument("--d-ff", type=int, default=2048)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--only", default="all", help="all | ceiling | mosaic | triton | xla")
+    p.add_argument("--configs", default="bf16,bf16_kmajor,fp8",
+                   help="Mosaic GPU configurations (comma separated)")
 
 
-def timed(fn, args, warmup=3, iters=20, inner=3):
-    def calls(*a):
-        return [fn(*a) for _ in range(inner)]
-    sec, _ = bench_util.median_seconds(calls, args, warmup, iters)
-    return sec / inner
+def finish(p, a):
+    return a
 
 
-def rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    return float(np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30))
+def timed(fn, args):
+    return bench_util.per_call_seconds(fn, args, warmup=3, iters=20, inner=3)
 
 
 def ref_gmm(a, w, gs, k_major):
@@ -85,7 +71,7 @@ def row(report, name, flops, fn, args, ref=None, tol=None):
     try:
         out = jax.block_until_ready(fn(*args))
         if ref is not None:
-            entry["rel_err"] = rel_err(out, ref)
+            entry["rel_err"] = bench_util.max_rel_err(out, ref)
             entry["ok"] = bool(entry["rel_err"] <= tol)
         sec = timed(fn, args)
         entry.update(ms=sec * 1e3, tflops=flops / sec / 1e12)
@@ -99,16 +85,23 @@ def row(report, name, flops, fn, args, ref=None, tol=None):
     return entry
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--tokens", type=int, default=32768)
-    ap.add_argument("--d-model", type=int, default=4096)
-    ap.add_argument("--d-ff", type=int, default=2048)
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--only", default="all", help="all | ceiling | mosaic | triton | xla")
-    ap.add_argument("--configs", default="bf16,bf16_kmajor,fp8")
-    a = ap.parse_args(argv)
+def ceiling_rows(report):
+    """The dense bf16 and FP8 8192^3 ceilings (`bench_util.dense_ceiling`), as rows."""
+    for dtype, name in (("bf16", "ceiling dense bf16 8192^3"),
+                        ("fp8", "ceiling dense fp8 8192^3 (B K-major)")):
+        entry = {"name": name}
+        try:
+            c = bench_util.dense_ceiling(8192, 3, 20, seed=0, inner=3, dtype=dtype)
+            entry.update(ms=c["seconds"] * 1e3, tflops=c["tflops"])
+        except Exception as e:  # noqa: BLE001
+            entry["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+        report["rows"].append(entry)
+        report[f"dense_{dtype}"] = entry
+        print(f"{name:58s} " + (f"{entry['ms']:8.3f} ms {entry['tflops']:7.1f} TF/s"
+                                 if "ms" in entry else entry["error"][:80]), flush=True)
+
+
+def main(a) -> dict:
     t, d, f2, e = a.tokens, a.d_model, 2 * a.d_ff, a.experts
     report = {"env": bench_util.env_info(), "shape": dict(tokens=t, d_model=d, n=f2, experts=e),
               "rows": []}
@@ -120,24 +113,14 @@ def main(argv=None):
         bench_util.write_json(a.out, report)
 
     if only in ("all", "ceiling"):
-        n = 8192
-        x = jax.random.normal(keys[0], (n, n), jnp.bfloat16)
-        y = jax.random.normal(keys[1], (n, n), jnp.bfloat16)
-        mm = jax.jit(lambda u, v: jnp.dot(u, v, preferred_element_type=jnp.float32)
-                     .astype(jnp.bfloat16))
-        report["dense_bf16"] = row(report, "ceiling dense bf16 8192^3", 2 * n**3, mm, (x, y))
-        x8, y8t = x.astype(F8), y.T.astype(F8)
-        mm8 = jax.jit(lambda u, v: jax.lax.dot_general(
-            u, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16))
-        report["dense_fp8"] = row(report, "ceiling dense fp8 8192^3 (B K-major)", 2 * n**3,
-                                  mm8, (x8, y8t))
+        ceiling_rows(report)
         save()
 
     lhs = jax.random.normal(keys[2], (t, d), jnp.float32)
     w = jax.random.normal(keys[3], (e, d, f2), jnp.float32) * d**-0.5
     flops = 2.0 * t * d * f2
     for routing in ("balanced", "zipf"):
-        gs = aligned_sizes(routing, t, e, _gmm_mosaic.GROUP_ALIGNMENT)
+        gs = jnp.asarray(bench_util.group_sizes(routing, t, e, align=_gmm_mosaic.GROUP_ALIGNMENT))
         report.setdefault("group_sizes", {})[routing] = np.asarray(gs).tolist()
         if only in ("all", "mosaic"):
             for cfg in ("bf16", "bf16_kmajor", "fp8"):
@@ -201,9 +184,4 @@ def main(argv=None):
         save()
     print("rows:", len(report["rows"]))
     save()
-
-
-if __name__ == "__main__":
-    t0 = time.time()
-    main()
-    print(f"done in {time.time() - t0:.0f}s")
+    return report

@@ -1,66 +1,46 @@
-"""What FP8 buys on one GPU: grouped GEMM, gated experts and the MoE layer, FP8 against bf16.
+"""The ``fp8`` part of benchmarks/experts_bench.py (was benchmarks/fp8_bench.py; a library).
 
+What FP8 buys on one GPU: grouped GEMM, gated experts and the MoE layer, FP8 against bf16.
 One process, random (never zero) inputs, medians after warm-up, the ceilings measured in the
 same run (dense bf16 and dense FP8 [8192]^3 matmuls). Rows:
 
 1. ``gmm``: the gate_up forward GEMM alone (tokens x d_model -> 2 d_ff, ``experts`` groups,
    balanced): bf16 Pallas Triton (`moe._gmm_pallas`, the previous kernel), bf16 and FP8
    Pallas Mosaic GPU (`moe._gmm_mosaic`). Key ``fp8_gmm_over_bf16_rate`` = FP8 Mosaic rate /
-   bf16 Triton rate (and ``..._vs_mosaic_bf16``).
+   bf16 Triton rate (and ``..._vs_mosaic_bf16``). GPU only.
 2. ``experts``: `moe.gated_experts` forward + backward (``y`` and the gradients of
    ``sum(y * ct)``; ``y`` is returned, so the forward down GEMM runs), per layout:
    padded ``[E, C, d]`` ('einsum', balanced) and ragged ``[R, d]`` in the 128-aligned layout
    ('mosaic', balanced and Zipf s=1), for bf16 and FP8 recipes (``gemm``, ``+dgrad``,
-   ``+wgrad``, ``+save_z``). Keys ``experts_fp8_speedup_padded`` / ``_ragged`` /
-   ``_ragged_zipf``: bf16 time / best FP8 time, same backend and layout. ``--cases`` picks the
-   (layout, routing) cases; ``--breakdown`` traces 3 steps of every row with ``jax.profiler``
-   and stores where the device time goes (benchmarks/trace_breakdown.py: categories and the
-   most expensive instructions, so the FP8 operands' quantization passes show by name).
+   ``+wgrad``, ``+save_z``). ``experts_fp8_speedup_{layout}`` (``_ragged_zipf``) is the
+   largest, over the backends timed for that layout, of bf16 time / best FP8 time on the same
+   backend (``_recipe`` names the recipe and backend; ``experts_fp8_speedup_by_backend`` has
+   every backend's), ``..._vs_fastest_bf16`` the fastest FP8 time against the fastest bf16
+   time of any backend. ``--breakdown`` traces 3 steps of every row with ``jax.profiler`` and
+   stores where the device time goes (`xla_comm.trace.op_breakdown`).
 3. ``layer``: `moe.moe_apply` forward + backward on one device for each of
-   ``--layer-transports`` (dense: capacity factor 1.25; dropless) (16k tokens, d 4096, d_ff
-   2048, 16 experts, top-2), bf16 vs FP8 (dispatch + the GEMMs of ``--layer-recipe``). Each
-   FP8 row also carries its worst cosine / relative RMS error over the output gradients
-   against the bf16 row of the same case. MFU counts useful bf16-equivalent FLOPs (router + 3
-   GEMMs per kept slot, x3 for fwd+bwd) over the dense bf16 rate: keys
-   ``moe_layer_fp8_mfu_1gpu_{transport}``, and ``moe_layer_fp8_mfu_1gpu`` for the transport
-   the layer picks by default on one GPU (``moe.auto_transport(1)``).
-
-Keys of section 2: ``experts_fp8_speedup_{layout}`` is the largest, over the backends timed
-for that layout, of bf16 time / best FP8 time on the same backend (``_recipe`` names the
-recipe and backend; ``experts_fp8_speedup_by_backend`` has every backend's), and
-``..._vs_fastest_bf16`` the fastest FP8 time against the fastest bf16 time of any backend.
-
-Usage:
-  python benchmarks/fp8_bench.py --out fp8.json          # one H200 (the FP8 layer compiles slowly)
-  python benchmarks/fp8_bench.py --small                 # CPU plumbing check (numbers mean nothing)
-  python benchmarks/fp8_bench.py --only gmm,experts --tokens 131072 --d-model 2048 --d-ff 1408 \
-      --experts 16 --breakdown                           # one layer of lm_step_bench's model
+   ``--layer-transports`` (16k tokens, d 4096, d_ff 2048, 16 experts, top-2), bf16 vs FP8
+   (dispatch + the GEMMs of ``--layer-recipe``), each FP8 row with its worst cosine / relative
+   RMS error against the bf16 row. MFU counts useful bf16-equivalent FLOPs over the dense bf16
+   rate: ``moe_layer_fp8_mfu_1gpu_{transport}``, and ``moe_layer_fp8_mfu_1gpu`` for the
+   transport ``moe.auto_transport(1)`` picks.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import sys
 import tempfile
-import time
 import traceback
-from pathlib import Path
 
+import bench_util
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_util import accuracy, group_sizes, padded_layout, record
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_util  # noqa: E402
-from experts_bench import group_sizes_for  # noqa: E402
-from trace_breakdown import op_breakdown, trace_steps  # noqa: E402
-
-import moe  # noqa: E402
-from moe import _gmm_mosaic, _gmm_pallas, _grouped  # noqa: E402
-from moe.experts import gated_experts  # noqa: E402
+import moe
+from moe import _gmm_mosaic, _gmm_pallas, _grouped
+from xla_comm.trace import op_breakdown, trace_steps
 
 F8 = jnp.float8_e4m3fn
 EXPERT_CASES = {  # --cases name: (layout, backend, routing)
@@ -80,50 +60,55 @@ RECIPES = {
 }
 
 
+def add_args(p):
+    p.add_argument("--small", action="store_true",
+                   help="CPU plumbing sizes (1024 tokens, 512/256; numbers mean nothing)")
+    p.add_argument("--out", default=None, help="JSON path")
+    p.add_argument("--only", default="ceilings,gmm,experts,layer")
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--capacity-factor", type=float, default=1.25,
+                   help="the dense layer's capacity factor")
+    p.add_argument("--recipes", default=",".join(RECIPES),
+                   help="expert recipes timed (bf16 first: the speedups and the accuracy "
+                        "check compare with it)")
+    p.add_argument("--layer-transports", default="dense,dropless",
+                   help="transports of the layer rows (TRANSPORT or TRANSPORT_BACKEND, e.g. "
+                        "dense_mosaic); the un-suffixed keys are those of "
+                        "moe.auto_transport(1)")
+    p.add_argument("--cases", default=",".join(EXPERT_CASES),
+                   help="gated-experts cases timed (layout_routing)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="trace each gated-experts row and record its op breakdown")
+    for name, what in (("tokens", "gmm and gated-experts rows (32768)"),
+                       ("experts", "gmm and gated-experts rows (8)"),
+                       ("d-model", "every row (4096)"), ("d-ff", "every row (2048)")):
+        p.add_argument(f"--{name}", type=int, default=None, help=what)
+    p.add_argument("--layer-recipe", default="fp8_all", choices=list(RECIPES)[1:],
+                   help="the FP8 GEMM recipe of the layer's 'fp8' variant (with FP8 dispatch)")
+
+
+def finish(p, a):
+    a.recipes = a.recipes.split(",")
+    a.cases = a.cases.split(",")
+    a.layer_transports = a.layer_transports.split(",")
+    if not set(a.cases) <= EXPERT_CASES.keys():
+        p.error(f"--cases must name only {sorted(EXPERT_CASES)}, got {a.cases}")
+    if a.recipes[0] != "bf16" or not set(a.recipes) <= RECIPES.keys():
+        p.error(f"--recipes must start with bf16 and name only {list(RECIPES)}")
+    full = dict(tokens=32768, d_model=4096, d_ff=2048, experts=8, layer_tokens=16384,
+                layer_experts=16, ceiling_n=8192, warmup=3, iters=10)
+    small = dict(tokens=1024, d_model=512, d_ff=256, experts=4, layer_tokens=512,
+                 layer_experts=8, ceiling_n=512, warmup=1, iters=2)
+    for key, v in (small if a.small else full).items():
+        if getattr(a, key, None) is None:
+            setattr(a, key, v)
+    return a
+
+
 def timed(fn, args, a, inner=3):
-    """Median seconds per call; each sample is ``inner`` back-to-back calls (one with
+    """Median seconds per call; each sample ``inner`` back-to-back calls (one with
     ``--small``: CPU plumbing, where the timing means nothing)."""
-    inner = 1 if a.small else inner
-
-    def calls(*xs):
-        return [fn(*xs) for _ in range(inner)]
-    sec, _ = bench_util.median_seconds(calls, args, a.warmup, a.iters)
-    return sec / inner
-
-
-def leaf_errors(got, want) -> list[tuple[float, float]]:
-    """``(cosine, relative RMS error)`` of every leaf of ``got`` against ``want``."""
-    out = []
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        g, w = np.asarray(g, np.float64).ravel(), np.asarray(w, np.float64).ravel()
-        out.append((float(g @ w / max(np.linalg.norm(g) * np.linalg.norm(w), 1e-30)),
-                    float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30))))
-    return out
-
-
-def accuracy(got, want) -> dict:
-    """Worst cosine and relative RMS error over the leaves of ``got`` against ``want``."""
-    cos, rel = zip(*leaf_errors(got, want), strict=True)
-    return {"worst_cos_vs_bf16": min(cos), "worst_rel_rms_vs_bf16": max(rel)}
-
-
-def record(report, section, entry):
-    report.setdefault(section, []).append(entry)
-    bench_util.write_json(report["out"], report)
-    keys = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                    for k, v in entry.items() if k not in ("options", "group_sizes", "breakdown"))
-    print(f"[{section}] {keys}", flush=True)
-
-
-def ceilings(report, a):
-    """The dense bf16 and FP8 matmul ceilings (`bench_util.dense_ceiling`), timed as the rows
-    are: ``inner`` back-to-back calls per sample."""
-    for dtype in ("bf16", "fp8"):
-        c = bench_util.dense_ceiling(a.ceiling_n, a.warmup, a.iters, seed=1,
-                                     inner=1 if a.small else 3, dtype=dtype)
-        report[f"dense_{dtype}_tflops"] = c["tflops"]
-        record(report, "ceilings", {"name": f"dense_{dtype}", "n": c["n"],
-                                    "ms": c["seconds"] * 1e3, "tflops": c["tflops"]})
+    return bench_util.per_call_seconds(fn, args, a.warmup, a.iters, 1 if a.small else inner)
 
 
 def aligned_ragged(x_real: jax.Array, sizes: np.ndarray):
@@ -134,7 +119,7 @@ def aligned_ragged(x_real: jax.Array, sizes: np.ndarray):
 
 def gmm_rows(report, a, data):
     t, d, f2, e = a.tokens, a.d_model, 2 * a.d_ff, a.experts
-    sizes = group_sizes_for("balanced", t, e, 1.0)
+    sizes = group_sizes("balanced", t, e)
     x, gs = aligned_ragged(data["x"], sizes)
     gs_al = jnp.asarray(-(-sizes // ALIGN) * ALIGN, jnp.int32)
     w = data["w_gate_up"]
@@ -165,31 +150,19 @@ def experts_rows(report, a, data):
     t, d, f, e = a.tokens, a.d_model, a.d_ff, a.experts
     useful = 6.0 * t * d * 3 * f
     for layout, backend, routing in (EXPERT_CASES[c] for c in a.cases):
-        sizes = group_sizes_for(routing, t, e, 1.0)
+        sizes = group_sizes(routing, t, e)
         if layout == "padded":
-            c = int(sizes.max())
-            starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-            r = np.arange(c)[None, :]
-            src = np.where(r < sizes[:, None], starts[:, None] + r, t)
-            x = jnp.take(data["x"], jnp.asarray(src), axis=0, mode="fill", fill_value=0)
-            gs, align = jnp.asarray(sizes), None
+            x, gs, align = padded_layout(data["x"], sizes, int(sizes.max())), \
+                jnp.asarray(sizes), None
         else:
-            x, gs = aligned_ragged(data["x"], sizes)
-            align = ALIGN
+            (x, gs), align = aligned_ragged(data["x"], sizes), ALIGN
         ct = jax.random.normal(jax.random.key(7), x.shape, jnp.bfloat16)
         times, ref = {}, None
         for recipe in a.recipes:
             opts = RECIPES[recipe]
-            def loss(x, wgu, wd, ct, opts=opts, gs=gs, backend=backend, align=align):
-                y = gated_experts(x, gs, wgu, wd, backend=backend, group_alignment=align,
-                                  **opts)
-                return jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32)), y
-
             try:
                 args = (x, data["w_gate_up"], data["w_down"], ct)
-                # y is an output: with only the gradients of this linear loss, XLA would drop
-                # the forward down GEMM (the cotangent of y is ct, whatever y is).
-                step = jax.jit(lambda *a, loss=loss: y_and_grads(loss, *a))
+                step = bench_util.experts_step(backend, gs, group_alignment=align, **opts)
                 step = step.lower(*args).compile()
                 grads = jax.block_until_ready(step(*args))
                 sec = timed(step, args, a)
@@ -223,12 +196,6 @@ def experts_rows(report, a, data):
             report[key + "_recipe"] = f"{mine[top]['recipe']} ({top.rsplit('_', 1)[1]})"
             report[key + "_vs_fastest_bf16"] = (min(v["bf16_ms"] for v in mine.values())
                                                 / min(v["fp8_ms"] for v in mine.values()))
-
-
-def y_and_grads(loss, *args, argnums=(0, 1, 2)):
-    """``(y, *d loss / d args[argnums])`` of a ``loss`` returning ``(value, y)``."""
-    (_, y), grads = jax.value_and_grad(loss, argnums=argnums, has_aux=True)(*args)
-    return (y, *grads)
 
 
 def breakdown(step, args, name: str, steps: int = 3) -> dict:
@@ -311,52 +278,9 @@ def _layer_variants(report, a, variants, transport, args):
         report[f"moe_layer_{name}_ms_1gpu_{transport}"] = sec * 1e3
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--small", action="store_true")
-    p.add_argument("--out", default=None)
-    p.add_argument("--only", default="ceilings,gmm,experts,layer")
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--capacity-factor", type=float, default=1.25)
-    p.add_argument("--recipes", default=",".join(RECIPES),
-                   help="expert recipes timed (bf16 first: the speedups and the accuracy "
-                        "check compare with it)")
-    p.add_argument("--layer-transports", default="dense,dropless",
-                   help="transports of the layer rows (TRANSPORT or TRANSPORT_BACKEND, e.g. "
-                        "dense_mosaic); the un-suffixed keys are those of "
-                        "moe.auto_transport(1)")
-    p.add_argument("--cases", default=",".join(EXPERT_CASES),
-                   help="gated-experts cases timed (layout_routing)")
-    p.add_argument("--breakdown", action="store_true",
-                   help="trace each gated-experts row and record its op breakdown")
-    for name, what in (("tokens", "gmm and gated-experts rows (32768)"),
-                       ("experts", "gmm and gated-experts rows (8)"),
-                       ("d-model", "every row (4096)"), ("d-ff", "every row (2048)")):
-        p.add_argument(f"--{name}", type=int, default=None, help=what)
-    p.add_argument("--layer-recipe", default="fp8_all", choices=list(RECIPES)[1:],
-                   help="the FP8 GEMM recipe of the layer's 'fp8' variant (with FP8 dispatch)")
-    a = p.parse_args(argv)
-    a.recipes = a.recipes.split(",")
-    a.cases = a.cases.split(",")
-    a.layer_transports = a.layer_transports.split(",")
-    if not set(a.cases) <= EXPERT_CASES.keys():
-        p.error(f"--cases must name only {sorted(EXPERT_CASES)}, got {a.cases}")
-    if a.recipes[0] != "bf16" or not set(a.recipes) <= RECIPES.keys():
-        p.error(f"--recipes must start with bf16 and name only {list(RECIPES)}")
-    full = dict(tokens=32768, d_model=4096, d_ff=2048, experts=8, layer_tokens=16384,
-                layer_experts=16, ceiling_n=8192, warmup=3, iters=10)
-    small = dict(tokens=1024, d_model=512, d_ff=256, experts=4, layer_tokens=512,
-                 layer_experts=8, ceiling_n=512, warmup=1, iters=2)
-    for key, v in (small if a.small else full).items():
-        if getattr(a, key, None) is None:
-            setattr(a, key, v)
-    return a
-
-
-def main(argv=None):
-    a = parse_args(argv)
+def main(a) -> dict:
     report = {"benchmark": "fp8", "env": bench_util.env_info(), "out": a.out,
-              "settings": {k: v for k, v in vars(a).items() if k != "out"}}
+              "settings": {k: v for k, v in vars(a).items() if k not in ("out", "part")}}
     keys = jax.random.split(jax.random.key(0), 3)
     data = {
         "x": jax.random.normal(keys[0], (a.tokens, a.d_model), jnp.bfloat16),
@@ -367,7 +291,7 @@ def main(argv=None):
     }
     only = set(a.only.split(","))
     on_gpu = jax.default_backend() == "gpu"
-    ceilings(report, a)
+    bench_util.ceilings(report, a)
     if "gmm" in only and on_gpu:
         gmm_rows(report, a, data)
     if "experts" in only:
@@ -380,9 +304,3 @@ def main(argv=None):
                     for k, v in headline.items()))
     bench_util.write_json(a.out, report)
     return report
-
-
-if __name__ == "__main__":
-    t0 = time.time()
-    main()
-    print(f"done in {time.time() - t0:.0f}s")

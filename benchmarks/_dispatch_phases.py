@@ -1,113 +1,32 @@
-"""Time each phase of expert-parallel dispatch / combine separately (dense transport).
+"""The ``phases`` part of benchmarks/dispatch_bench.py (a library, no command line).
 
-Every phase is its own ``jax.jit(jax.shard_map(...))`` over all devices (mesh axis
-``'expert'``), fed with sharded random data and the real intermediate arrays of the phase
-before it (the plan, the send buffers, the received buffers), so one row is one piece of the
-pipeline and nothing else:
-
-  plan         build_plan: sort T*k slots by expert, ranks, rows, count exchange
-               (+ "before": the previous stable key/index argsort plan; "alt": a sort-free
-               plan from a one-hot cumsum; both checked equal to the library's)
-  quantize     FP8-encode the T local tokens once (e4m3 bytes + packed E8M0 scales)
-  gather       send buffer [E*C, row] from the tokens: bf16 rows / FP8 bytes
-               (+ "alt": quantize the gathered bf16 send buffer instead, E*C rows)
-  all_to_all   the exchange alone, bf16 payload vs FP8 payload of the same rows
-  recv         received buffer -> expert layout [E_local, P*C, d] (bf16: transpose; FP8:
-               dequantize + transpose, one pass)
-  combine      the bf16 all_to_all back, split on the expert layout's axis 1 (library; "before":
-               a transpose to destination-major, then the axis-0 all_to_all), un-permute +
-               weight + sum over k (fused gathers; + "before": gather [T, k, d] then einsum)
-  backward     combine's FP8/bf16 gradient send buffer: weights * dy built inside the gather,
-               FP8 scales from dy's block maxima (T rows) x |weight| (+ "before": [T*k, d]
-               weighted rows, encoded, then gathered; bytes checked equal), router gradient
-  whole        public dispatch (-> expert_x), dispatch + combine forward (identity experts,
-               as moe_layer_bench; and "materialized": expert_x forced into HBM by an
-               optimization barrier, as with real experts, so the layout transposes run),
-               dispatch + combine forward + backward.
-  dropless     the same for transport='dropless' (bucketed all_to_all, never drops; the
-               capacity factor is its first bucket): dispatch, dispatch + combine forward
-               (expert_x materialized) and forward + backward; bytes = the bucket taken.
-
-Bytes and GB/s (per GPU, per all_to_all / dispatch), printed and in the JSON:
-
-  buffer  = bytes of the all_to_all operand on one device: E*C rows x row bytes (bf16:
-            2*d; FP8: d + 4*ceil(d/(4*block_size))), capacity padding and the chunk a device
-            sends to itself included. GB/s(buffer) = buffer / time.
-  remote  = (P-1)/P x buffer: the bytes that leave the GPU over NVLink. GB/s(remote) = remote /
-            time. This is moe_layer_bench's "GB/s per GPU" (ring_bytes of the all-to-alls).
-  deepep  = DeepEP's count (tests/test_intranode.py: recv_x.numel() * 2 / dispatch time, "GB/s
-            (NVL)"): rows received per rank, ONE row per (token, destination rank) however many
-            of its k experts live there, tokens from the rank itself included, no padding;
-            bf16 2*d bytes a row (FP8: DeepEP counts (1 + 4/128)/2 of that; here d + d/128).
-            Our wire sends one row per kept (token, expert) slot plus capacity padding, so
-            for the same routing it moves more rows than DeepEP's count credits.
-
-Prints a table and writes JSON (``--out``). Also records, per phase, the compiled HLO's
-cost-analysis bytes, the number of top-level kernels and the sort / gather / scatter /
-all-to-all / transpose / copy / dot ops (fused ones included).
-
-    python benchmarks/dispatch_phases.py                 # GPU: 16384 tok/dev, d 4096, E16 k2
-    python benchmarks/dispatch_phases.py --small         # CPU, 2 simulated devices
+Each phase of expert-parallel dispatch / combine (dense transport; and dropless) timed alone,
+its own ``jax.jit(jax.shard_map(...))`` fed the real intermediate arrays of the phase before:
+plan, quantize, gather, all_to_all, recv, combine, backward, whole, dropless, and the
+split-axis layout experiment (see benchmarks/dispatch_bench.py's ``--part phases --help``).
 """
 
 from __future__ import annotations
 
-import sys
-import time
-from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from bench_util import (  # noqa: E402
-    add_routing_args,
-    cli,
-    fill_defaults,
-    force_cpu_devices,
-    write_json,
-)
-from dispatch_phases_harness import (  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _dispatch_harness import (
     AXIS,
     Phases,
     finish,
-    make_data,
+    make_inputs,
     make_mesh,
-    print_table,
     rebuild_plan,
     smap,
 )
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from moe import _transport, _wire_pallas, fp8  # noqa: E402
-from moe._movement import back_row, sum_slots  # noqa: E402
-from moe._plan import build_plan, dropless_buckets  # noqa: E402
-from moe.dispatch import combine, dispatch  # noqa: E402
-
-
-def parse_args(argv=None):
-    p = cli(__doc__)
-    add_routing_args(p, tokens="16384; small 256", d_model="4096; small 512")
-    p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--warmup", type=int, help="untimed calls first (3; small 1)")
-    p.add_argument("--iters", type=int, help="timed calls per phase (20; small 2)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-hlo", action="store_true", help="skip the per-phase HLO summary")
-    p.add_argument("--no-experiment", action="store_true",
-                   help="skip the split-axis layout experiment (4 compiles; skipped with "
-                        "--small)")
-    p.add_argument("--out", default=str(HERE / "results" / "dispatch_phases.json"),
-                   help="JSON path ('' to skip)")
-    a = fill_defaults(p.parse_args(argv), small=dict(tokens=256, d_model=512, iters=2, warmup=1),
-                      full=dict(tokens=16384, d_model=4096, iters=20, warmup=3))
-    a.no_experiment = a.no_experiment or a.small
-    return a
-
-
-# ----------------------------------------------------------------------------- phases
+from moe import _transport, _wire_pallas, fp8
+from moe._movement import back_row, sum_slots
+from moe._plan import build_plan, dropless_buckets
+from moe.dispatch import combine, dispatch
 
 
 def old_plan(ids, kw):
@@ -491,14 +410,15 @@ def layout_experiment(ph: Phases, x, ids, w) -> None:
                 jnp.max(jnp.abs(y_lib - y_alt)))
 
 
-def run(a) -> dict:
+def run_phases(a) -> dict:
+    """Every phase in order; the report with its summary (``finish``)."""
     mesh = make_mesh()
     n_dev = mesh.devices.size
     if a.experts % n_dev:
         raise SystemExit(f"--experts {a.experts} must be a multiple of the {n_dev} devices")
     if a.d_model % a.block_size:
         raise SystemExit(f"--d-model must be a multiple of --block-size = {a.block_size}")
-    x, ids, w, dy = make_data(mesh, a)
+    x, ids, w, dy = make_inputs(mesh, a.tokens, a.d_model, a.experts, a.top_k, a.seed)
     ph = Phases(a, mesh, ids)
     send_slot, slot_row = plan_phases(ph, ids)
     send_bf16, send_fp8 = gather_phases(ph, x, send_slot)
@@ -514,19 +434,3 @@ def run(a) -> dict:
     return finish(ph.report, res)
 
 
-def main(a):
-    t0 = time.perf_counter()
-    report = run(a)
-    report["wall_s"] = time.perf_counter() - t0
-    print_table(report)
-    write_json(a.out, report)
-    if a.out:
-        print(f"wrote {a.out} ({report['wall_s']:.1f} s)")
-    return report
-
-
-if __name__ == "__main__":
-    ARGS = parse_args()
-    if ARGS.small:
-        force_cpu_devices(ARGS.cpu_devices)
-    main(ARGS)
