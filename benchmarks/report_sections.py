@@ -1,0 +1,550 @@
+"""The sections of BENCHMARKS.md, each a function of the current result files.
+
+A section reads ``C`` (name -> the parsed ``benchmarks/results/current/<name>.json``) and
+returns markdown lines: what it measures and how, one table with the headline ratio first,
+and the source line of every result file it used (hardware, software, commit, date, the
+command, the ceiling measured in that run). ``report.py`` assembles them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from report_figures import BY_NAME, FIGURES
+
+Lines = list[str]
+
+
+def table(header: list[str], rows: list[list]) -> Lines:
+    """A markdown table."""
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return out + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+
+
+def fig(C: dict, name: str) -> str:
+    """A named figure as printed (the same text README.md and docs/ quote)."""
+    f = BY_NAME[name]
+    return f.text(C[f.source]["results"])
+
+
+def ceiling_text(c: dict) -> str:
+    parts = []
+    if "dense_bf16_tflops" in c:
+        parts.append(f"bf16 {c['dense_bf16_tflops']:.0f}")
+    if "dense_fp8_tflops" in c:
+        parts.append(f"FP8 {c['dense_fp8_tflops']:.0f}")
+    if parts:
+        return "ceiling " + " / ".join(parts) + " TFLOP/s (" + c.get("what", "") + ")"
+    if "limit_seconds_f32" in c:
+        return (f"limit {c['limit_seconds_f32']:.3f} s (f32 params) / "
+                f"{c['limit_seconds_bf16']:.3f} s (bf16): {c['what']}")
+    if "gemm_tflops" in c:
+        return (f"replay rates bf16 GEMM {c['gemm_tflops']:.0f}, FP8 {c['fp8_gemm_tflops']:.0f} "
+                f"TFLOP/s, HBM {c['hbm_GBps']:.0f} GB/s (measured in the call), links "
+                f"{c['link_GBps']:.0f} GB/s per GPU, {c['inter_host_GBps']:.0f} across hosts "
+                "(assumed)")
+    return "ceiling: " + c.get("what", "not recorded")
+
+
+def source(C: dict, name: str) -> Lines:
+    """The line saying where a section's figures come from."""
+    r = C[name]
+    sw = r["software"]
+    note = f" Note: {r['note']}." if r.get("note") else ""
+    return [f"Source: [`current/{name}.json`](benchmarks/results/current/{name}.json), "
+            f"{r['hardware']}, jax {sw['jax']}, Python {sw['python']}, commit `{r['commit']}`, "
+            f"{r['date']}; {ceiling_text(r['ceiling'])}. Command: `{r['command']}`"
+            + (f" (the scripts since merged: `{r['rerun']}`)" if r.get("rerun") else "")
+            + f".{note}"]
+
+
+def x(v: float, d: int = 2) -> str:
+    return f"{v:.{d}f}x"
+
+
+def ms(v: float, d: int = 2) -> str:
+    return f"{v:.{d}f}"
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def method(C: dict) -> Lines:
+    return ["## Method", "",
+            "- GPU timings: warm-up calls, then the median of repeated calls timed with "
+            "`jax.block_until_ready`, on random (never zero) inputs.",
+            "- Every GPU run measures its own ceiling in the same process (a dense 8192^3 bf16 "
+            "matmul, and FP8 where FP8 is timed) and reports ratios against it; ceilings moved "
+            "by up to 10% between machine starts, so compare ratios, not milliseconds.",
+            "- MFU = useful FLOPs (no padding; FP8 counted as bf16-equivalent) / (time x "
+            "devices x the dense bf16 ceiling), so FP8 can pass 1.",
+            "- A/B ratios interleave one call of each side per round, because separately timed "
+            "runs drifted by 10-15%.",
+            "- Overlap is counted in time: from `jax.profiler` traces (collective kernel time "
+            "not covered by compute), or from a compiled schedule replayed by "
+            "`xla_comm.schedule` (the time the compute stream waits for collectives).",
+            "- Loss comparisons train the same batches (a pure function of seed and step) "
+            "for the same steps.", ""]
+
+
+def headline(C: dict) -> Lines:
+    rows = []
+    for f in FIGURES:
+        if not f.headline:
+            continue
+        r = C[f.source]
+        met = f.met(r["results"])
+        rows.append([f.label, f"**{f.text(r['results'])}**", f.target_text(),
+                     {None: "-", True: "yes", False: "**no**"}[met],
+                     f"{r['hardware'].split(' (')[0]}, `{r['commit']}`, {r['date']} "
+                     f"([{f.source}](#{anchor_of(f.source)}))"])
+    return (["## Headline figures", "",
+             "Each row links to its section; README.md and docs/ quote these values.", ""]
+            + table(["figure", "value", "target", "met", "hardware, commit, date"], rows)
+            + [""])
+
+
+def experts(C: dict) -> Lines:
+    r = C["experts"]["results"]
+    lm = C["experts_lm_shapes"]["results"]
+    g = {k["kernel"]: k for k in r["gmm"]}
+    dense = r["dense_bf16_tflops"]
+    gmm_rows = [[name, x(g[k]["tflops"] / dense), ms(g[k]["ms"], 3), f"{g[k]['tflops']:.0f}"]
+                for name, k in (("Mosaic GPU, FP8", "mosaic_fp8"),
+                                ("Mosaic GPU, bf16", "mosaic_bf16"),
+                                ("Pallas Triton, bf16", "triton_bf16"))]
+
+    def pair(res, layout, routing):
+        rows = [e for e in res["experts"] if e["layout"] == layout and e["routing"] == routing]
+        b = next(e for e in rows if e["recipe"] == "bf16")
+        f8 = next(e for e in rows if e["recipe"] == "fp8_all")
+        return [f"**{x(b['ms'] / f8['ms'])}**", ms(b["ms"]), ms(f8["ms"]),
+                f"{f8['bf16_equiv_mfu']:.3f}"]
+
+    ex_rows = [["ragged, balanced", *pair(r, "ragged", "balanced")],
+               ["ragged, Zipf (s = 1)", *pair(r, "ragged", "zipf")],
+               ["padded [E, C, d], balanced", *pair(r, "padded", "balanced")],
+               ["LM layer shape, ragged, balanced", *pair(lm, "ragged", "balanced")],
+               ["LM layer shape, ragged, Zipf", *pair(lm, "ragged", "zipf")]]
+    t = C["experts_2gpu"]["results"]["grouped_gemm_by_routing"]
+    old = [[b, f"{t[k + '/balanced']:.3f}", f"{t[k + '/zipf']:.3f}"]
+           for b, k in (("Pallas Triton (GPUs before Hopper)", "pallas"),
+                        ("padded einsum (pads every expert to the largest)", "einsum"),
+                        ("XLA `ragged_dot`", "ragged_dot"))]
+    return (["## Grouped GEMM and gated experts", "",
+             "The grouped GEMM alone (gate_up forward: 32,768 rows, 4096 -> 4096, 8 groups), "
+             "then gated experts forward + backward (y and the gradients of x and both weights) "
+             "at 32,768 tokens, d_model 4096, d_ff 2048, 8 experts, and at one layer of the LM "
+             "step (131,072 rows, d_model 2048, d_ff 1408, 16 experts). FP8 = all six GEMMs "
+             "with e4m3 operands; only useful FLOPs count.", ""]
+            + table(["grouped GEMM kernel", "rate / dense bf16", "ms", "TFLOP/s"], gmm_rows)
+            + [""]
+            + table(["gated experts fwd + bwd", "FP8 speedup", "bf16 ms", "FP8 ms",
+                     "FP8 MFU"], ex_rows)
+            + ["", f"Worst cosine of any FP8 output or gradient against bf16: "
+               f"{fig(C, 'experts_fp8_worst_cos')}.", ""]
+            + source(C, "experts") + [""] + source(C, "experts_lm_shapes") + [""]
+            + ["The other backends, gated experts' useful rate over the dense rate (an older "
+               "run on two GPUs):", ""]
+            + table(["backend", "balanced", "Zipf"], old)
+            + [""] + source(C, "experts_2gpu") + [""])
+
+
+def fp8_dense(C: dict) -> Lines:
+    r = C["fp8_dense"]["results"]
+    rows = []
+    for label, shape in (("QKV, 65536 x 2048 x 6144", [65536, 2048, 6144]),
+                         ("output, 65536 x 2048 x 2048", [65536, 2048, 2048])):
+        by = {e["recipe"]: e for e in r["dense"] if e["shape"] == shape}
+        rows.append([label, f"**{x(by['all']['speedup_vs_bf16'])}**",
+                     x(by["forward"]["speedup_vs_bf16"]),
+                     x(by["forward_dgrad"]["speedup_vs_bf16"]),
+                     f"{ms(by['bf16']['ms'])} ({by['bf16']['tflops']:.0f} TFLOP/s)"])
+    return (["## FP8 projections (`moe.fp8_dense`)", "",
+             "`x @ W` with e4m3 operands through the experts' FP8 GEMMs, forward + backward "
+             "(W an f32 param), against the bf16 matmul `nnx.Linear` computes; the shapes are "
+             "the LM step's attention projections.", ""]
+            + table(["projection", "all three GEMMs FP8", "FP8 forward", "+ FP8 dgrad",
+                     "bf16 ms"], rows)
+            + ["", f"Worst cosine against bf16 (y, dx, dW): {fig(C, 'fp8_dense_worst_cos')}.",
+               ""] + source(C, "fp8_dense") + [""])
+
+
+def layer_1gpu(C: dict) -> Lines:
+    d = C["dropless"]["results"]
+    rows = [["dropless, balanced (the default on one Hopper GPU)",
+             f"**{d['dropless_over_capacity_time_1gpu']:.3f}**", ms(d["dropless_layer_ms_1gpu"]),
+             f"{d['dropless_layer_mfu_1gpu']:.3f}", "0"],
+            ["dropless, Zipf", f"**{d['dropless_over_capacity_time_1gpu_zipf']:.3f}**",
+             ms(d["dropless_layer_ms_1gpu_zipf"]), f"{d['dropless_layer_mfu_1gpu_zipf']:.3f}",
+             "0"],
+            ["ragged, balanced", f"{d['ragged_over_capacity_time_1gpu']:.3f}",
+             ms(d["ragged_layer_ms_1gpu"]), f"{d['ragged_layer_mfu_1gpu']:.3f}", "0"],
+            ["capacity 1.25, einsum experts, balanced", "1", ms(d["capacity_layer_ms_1gpu"]),
+             f"{d['capacity_layer_mfu_1gpu']:.3f}", f"{d['capacity_dropped_frac_1gpu']:.1%}"],
+            ["capacity 1.25, Zipf", "1", ms(d["capacity_layer_ms_1gpu_zipf"]),
+             f"{d['capacity_layer_mfu_1gpu_zipf']:.3f}",
+             f"{d['capacity_dropped_frac_1gpu_zipf']:.1%}"]]
+    f = C["fp8_layer"]["results"]
+    e = C["experts"]["results"]
+    db, df = (next(r for r in e["layer"] if r["transport"] == "dense" and r["variant"] == v)
+              for v in ("bf16", "fp8"))
+    fp8_rows = [["dropless", f"**{f['moe_layer_fp8_mfu_1gpu_dropless']:.3f}**",
+                 f"{f['moe_layer_bf16_mfu_1gpu_dropless']:.3f}",
+                 ms(f["moe_layer_fp8_ms_1gpu_dropless"]), ms(f["moe_layer_bf16_ms_1gpu_dropless"]),
+                 x(f["moe_layer_fp8_speedup_1gpu"])],
+                ["dense, capacity 1.25", f"**{df['mfu']:.3f}**", f"{db['mfu']:.3f}",
+                 ms(df["ms"]), ms(db["ms"]), x(db["ms"] / df["ms"])]]
+    return (["## The MoE layer on one GPU", "",
+             "Forward + backward of the whole layer (router, dispatch, experts, combine) at "
+             "16,384 tokens, d_model 4096, d_ff 2048, 16 experts, top-2; time ratios from "
+             "interleaved A/B timing. With one device on the expert axis nothing is sent.", ""]
+            + table(["layer, bf16", "time / capacity layer", "ms", "MFU", "slots dropped"], rows)
+            + [""] + source(C, "dropless") + ["",
+               "FP8 dispatch and all six expert GEMMs in FP8 (MFU in bf16-equivalent FLOPs):",
+               ""]
+            + table(["transport", "FP8 MFU", "bf16 MFU", "FP8 ms", "bf16 ms", "FP8 speedup"],
+                    fp8_rows)
+            + [""] + source(C, "fp8_layer") + ["", "The dense row is from `current/experts.json`"
+               f" (commit `{C['experts']['commit']}`).", ""])
+
+
+def lm_step(C: dict) -> Lines:
+    r = C["lm_step"]["results"]
+    s = {v["variant"]: v for v in r["steps"]}
+    b, f = s["bf16"], s["fp8_proj"]
+    rows = [["bf16", "1", ms(b["step_ms"], 1), f"{b['tokens_per_s']:,.0f}", f"{b['mfu']:.3f}"],
+            ["FP8 wire, expert GEMMs and attention projections (`fp8_proj`)",
+             f"**{x(r['lm_step_fp8_speedup'], 3)}**", ms(f["step_ms"], 1),
+             f"{f['tokens_per_s']:,.0f}", f"{f['mfu']:.3f}"]]
+    reg = [("optimizer (element-wise; Newton-Schulz GEMMs are in rest)", "optimizer"),
+           ("experts (Mosaic GEMMs, quantization)", "experts"),
+           ("dispatch, combine, router", "dispatch_combine"),
+           ("rest (cuBLAS GEMMs, cuDNN attention, norms, loss)", "rest")]
+    bu, fu = b["breakdown"], f["breakdown"]
+    kt = [[label, ms(bu["us_per_region"][k] / 1e3, 1), ms(fu["us_per_region"][k] / 1e3, 1)]
+          for label, k in reg]
+    kt.append(["all GEMM kernels", ms(bu["us_per_step"]["gemm"] / 1e3, 1),
+               ms(fu["us_per_step"]["gemm"] / 1e3, 1)])
+    kt.append(["total kernel time", ms(bu["total_us_per_step"] / 1e3, 1),
+               ms(fu["total_us_per_step"] / 1e3, 1)])
+    st = r["settings"]
+    return (["## The LM train step, one GPU", "",
+             f"`benchmarks/lm_step_bench.py`: `examples/lm_model.py` at d_model {st['d_model']}, "
+             f"{st['layers']} layers, {st['experts']} experts top-{st['top_k']}, d_ff "
+             f"{st['d_ff']} ({b['params_total'] / 1e9:.2f}B params, "
+             f"{b['params_active'] / 1e6:.0f}M active), batch {st['batch']} x {st['seq_len']}, "
+             "bf16 compute, sharded Muon, cuDNN attention; MFU counts attention FLOPs.", ""]
+            + table(["variant", "speedup", "step ms", "tokens/s", "MFU"], rows)
+            + ["", "Kernel time per step, ms (3 traced steps):", ""]
+            + table(["region", "bf16", "`fp8_proj`"], kt)
+            + ["", f"FP8 takes {fig(C, 'lm_step_gemm_saving_ms')} ms of GEMM kernel time off "
+               "each step; its quantization kernels and transposes give part of it back.", ""]
+            + source(C, "lm_step") + [""])
+
+
+def two_gpus(C: dict) -> Lines:
+    d = C["dispatch_2gpu"]["results"]
+    ab = d["dispatch_check"]["dispatch_ab"]
+    ph = {(p["phase"], p["wire"]): p for p in d["dispatch_phases"]["phases"]}
+    tm = {(t["transport"], t["wire"]): t for t in d["dispatch_check"]["timings"]}
+    mat = "dispatch+combine fwd (expert_x materialized)"
+    a2a_b, a2a_f = ph[("all_to_all alone", "bf16")], ph[("all_to_all alone", "fp8")]
+    rag_b, rag_f = tm[("ragged", "bf16")], tm[("ragged", "fp8")]
+    drows = [["dispatch, A/B interleaved, wire kernels (default)",
+              f"**{ab['auto']['ratio_of_medians']:.3f}**", ms(ab["auto"]["bf16_ms"], 3),
+              ms(ab["auto"]["fp8_ms"], 3)],
+             ["dispatch, A/B, XLA wire path", f"{ab['xla']['ratio_of_medians']:.3f}",
+              ms(ab["xla"]["bf16_ms"], 3), ms(ab["xla"]["fp8_ms"], 3)],
+             ["dispatch + combine fwd, expert layout materialized: ms (GB/s per GPU)",
+              f"{ph[(mat, 'fp8')]['ms'] / ph[(mat, 'bf16')]['ms']:.3f}",
+              f"{ph[(mat, 'bf16')]['ms']:.3f} ({ph[(mat, 'bf16')]['GBps_remote']:.0f})",
+              f"{ph[(mat, 'fp8')]['ms']:.3f} ({ph[(mat, 'fp8')]['GBps_remote']:.0f})"],
+             ["the all-to-all alone: ms (GB/s)", f"{a2a_f['ms'] / a2a_b['ms']:.3f}",
+              f"{a2a_b['ms']:.3f} ({a2a_b['GBps_remote']:.0f})",
+              f"{a2a_f['ms']:.3f} ({a2a_f['GBps_remote']:.0f})"],
+             ["ragged transport (`ragged_all_to_all`), dispatch",
+              f"{rag_f['dispatch_fwd_ms'] / rag_b['dispatch_fwd_ms']:.3f}",
+              ms(rag_b["dispatch_fwd_ms"], 3), ms(rag_f["dispatch_fwd_ms"], 3)]]
+    m = C["moe_layer_2gpu"]["results"]
+    mfu, lms = m["moe_layer_mfu_by_variant"], m["moe_layer_ms_by_variant"]
+    exp = m["moe_layer_exposed_comm_fraction_by_variant"]
+    lrows = [[label, f"**{mfu[k]:.3f}**" if i < 2 else f"{mfu[k]:.3f}", ms(lms[k]),
+              f"{exp[k]:.3f}" if k in exp else "-"]
+             for i, (label, k) in enumerate((
+                 ("dense transport, einsum experts, bf16 dispatch (default)", "dense_einsum_bf16"),
+                 ("the same, FP8 dispatch", "dense_einsum_fp8"),
+                 ("bf16, `xla_comm.overlap` compile options", "dense_einsum_bf16_overlap"),
+                 ("FP8, `xla_comm.overlap` compile options", "dense_einsum_fp8_overlap"),
+                 ("dense transport, Pallas Triton experts", "dense_pallas_bf16"),
+                 ("ragged transport, Pallas Triton experts", "ragged_pallas_bf16"),
+                 ("ragged transport, `ragged_dot` experts", "ragged_bf16")))]
+    mu = C["muon_step_2gpu"]["results"]
+    f32, b16 = mu["f32_params"], mu["bf16_params"]
+
+    def cell(res, key, limit):
+        s = res[key]["step_seconds"]
+        return f"{s:.3f} ({s / limit:.2f}x)"
+
+    lf, lb = f32["limit"]["seconds"], b16["limit"]["seconds"]
+    murows = [["`muon_jax.muon`, sharded (default)", f"**{cell(f32, 'muon_jax_default', lf)}**",
+               cell(b16, "muon_jax_default", lb),
+               " + ".join(f"{n} {k}" for k, n in f32["muon_jax_default"]["counts"].items())],
+              ["`muon_jax.muon` on FSDP-sharded params", cell(f32, "muon_jax_fsdp", lf),
+               cell(b16, "muon_jax_fsdp", lb),
+               " + ".join(f"{n} {k}" for k, n in f32["muon_jax_fsdp"]["counts"].items())],
+              ["`optax.contrib.muon`, replicated", cell(f32, "optax_contrib_muon", lf),
+               cell(b16, "optax_contrib_muon", lb),
+               " + ".join(f"{n} {k}" for k, n in f32["optax_contrib_muon"]["counts"].items())],
+              ["`optax.contrib.muon`, FSDP (XLA auto-sharding)",
+               cell(f32, "optax_contrib_muon_fsdp", lf), cell(b16, "optax_contrib_muon_fsdp", lb),
+               " + ".join(f"{n} {k}" for k, n in
+                          f32["optax_contrib_muon_fsdp"]["counts"].items())],
+              ["limit: Newton-Schulz FLOPs at the dense rate + one all-reduce", f"{lf:.3f}",
+               f"{lb:.3f}", "-"]]
+    lm = C["lm_step_2gpu"]["results"]["lm_step_by_variant"]
+    on, off = lm["fp8_dispatch_on"], lm["fp8_dispatch_off"]
+    return (["## Two GPUs: dispatch, the layer at EP=2, sharded Muon", "",
+             "Dispatch and combine at 16,384 tokens per GPU, d_model 4096, 16 experts, top-2, "
+             "capacity 1.25 (dense transport unless named); FP8 = e4m3 rows with E8M0 block "
+             "scales on the wire.", ""]
+            + table(["exchange", "FP8 / bf16", "bf16 ms", "FP8 ms"], drows)
+            + [""] + source(C, "dispatch_2gpu") + ["",
+               "The MoE layer, forward + backward, expert parallel over both GPUs (the shapes "
+               "above; MFU over 2 x the dense rate; exposed = profiler collective time not under "
+               "compute):", ""]
+            + table(["variant", "MFU", "ms", "exposed communication"], lrows)
+            + [""] + source(C, "moe_layer_2gpu") + ["",
+               f"Sharded Muon, {b16['model']['params'] / 1e9:.2f}B parameters of LLaMA-like "
+               f"matrices ({b16['model']['matrices']}), data parallel over 2 GPUs, gradients "
+               "through `muon_jax.reduced_view` (one reduce-scatter); step in s (over the "
+               "limit):", ""]
+            + table(["variant", "f32 master params", "bf16 params", "collectives (f32)"], murows)
+            + [""] + source(C, "muon_step_2gpu") + ["",
+               f"The LM step at the lm_step shapes on both GPUs: {on['step_ms']:.1f} ms, "
+               f"{on['tokens_per_s']:,.0f} tokens/s, MFU {on['mfu']:.3f} with FP8 dispatch "
+               f"({off['step_ms']:.1f} ms without).", ""] + source(C, "lm_step_2gpu")
+            + ["", "![dispatch ms](benchmarks/results/current/h200x2_dispatch_ms.png) "
+               "![moe layer](benchmarks/results/current/h200x2_moe_layer.png)", ""])
+
+
+# (label, ((case, chunks), ...)): the compiled programs of schedule_report.py, in the order
+# the table shows them.
+_SCHEDULE_CASES = (
+    ("MoE EP=8, A, dense", (("moe_ep8_A_dense_chunks1", 1), ("moe_ep8_A_dense_chunks2", 2),
+                            ("moe_ep8_A_dense_chunks4", 4))),
+    ("MoE EP=8, A, dropless", (("moe_ep8_A_dropless_chunks1", 1),
+                               ("moe_ep8_A_dropless_chunks2", 2),
+                               ("moe_ep8_A_dropless_chunks4", 4))),
+    ("MoE EP=8, B, dense", (("moe_ep8_B_dense_chunks1", 1),)),
+    ("MoE EP=8, B, dropless", (("moe_ep8_B_dropless_chunks1", 1),
+                               ("moe_ep8_B_dropless_chunks4", 4))),
+    ("MoE EP=16 (2 hosts), A, dense", (("moe_ep16_A_dense_chunks1", 1),
+                                       ("moe_ep16_A_dense_chunks4", 4))),
+    ("EP=8 within a host, 2 hosts data parallel, A", (("moe_ep8x2hosts_A_dense_chunks1", 1),)),
+    ("sharded Muon, 8 GPUs, 1.6B f32 params, f32 / bf16 update gathers",
+     (("muon_dp8_f32_gather", "-"), ("muon_dp8_bf16_gather", "-"))),
+    ("`train_lm.py --preset gpu` step, mesh (1, 8)",
+     (("train_step_mesh1x8_chunks2_previous", 2), ("train_step_mesh1x8", 1))),
+    ("the same, mesh (2, 4)", (("train_step_mesh2x4", 1),)),
+)
+
+
+def schedules(C: dict) -> Lines:
+    r = C["schedule8"]["results"]
+    cases = r["run"]["cases"]
+    rows = []
+    for label, named in _SCHEDULE_CASES:
+        got = [(cases[n], k) for n, k in named if "all" in cases.get(n, {})]
+        windows = [c["payload_all_to_all"] for c, _ in got]
+        rows.append([label, " / ".join(f"{c['all']['exposed_fraction']:.1%}" for c, _ in got),
+                     " / ".join(str(k) for _, k in got),
+                     ", ".join(f"{w['windows_with_gemm']}/{w['windows']}" for w in windows)
+                     if any(w["windows"] for w in windows) else "-",
+                     " / ".join(f"{c['all']['step_us'] / 1e3:.1f}" for c, _ in got)])
+    g = cases["gpu1_layer"]
+    return (["## Overlap: 8-GPU programs compiled on one GPU", "",
+             "`benchmarks/schedule_report.py` compiles steps for virtual 8- and 16-GPU "
+             "topologies on the one GPU and replays each schedule with `xla_comm.schedule`: a "
+             "compute stream at the rates measured in the call and a communication stream at "
+             "the link rates. Exposed = time compute waits for collectives, over their time. "
+             "A: 8192 tokens/device, d 2048, d_ff 1024, 32 experts, top-2, FP8 wires; B: d 4096, "
+             "d_ff 2048, 64 experts, top-8. The layer's defaults: dense 2 chunks, dropless 4.",
+             ""]
+            + table(["program (fwd + bwd)", "exposed", "chunks", "payload all-to-alls with "
+                     "GEMMs", "modeled step ms"], rows)
+            + ["", f"The compute model against the one-GPU layer at A's per-device work: "
+               f"predicted {g['predicted_s']['1'] * 1e3:.3f} ms, measured "
+               f"{g['measured_s']['1'] * 1e3:.3f} ms ({g['model_error']['1']:+.1%}; 2 chunks "
+               f"{g['model_error']['2']:+.1%}). The layer in 2 chunks on one GPU, where "
+               f"nothing is sent: {fig(C, 'chunked_over_unchunked_1gpu')} the unchunked time. "
+               "EP=64 did not compile (32 experts over 64 devices).", ""]
+            + source(C, "schedule8") + [""])
+
+
+def main_job_table(C: dict) -> Lines:
+    r = C["train_lm_cpu"]["results"]["results"]
+    return table(["optimizer", "final validation loss (nats/byte)", "bits/byte", "run, s"],
+                 [["Muon (`muon_jax.muon`, lr 0.02 shared with its AdamW part, state sharded "
+                   "over the 8 devices)", f"**{fig(C, 'main_job_muon')}**",
+                   fig(C, "main_job_muon_bits"), f"{r['muon']['wall_s']:.0f}"],
+                  ["AdamW (`optax.adamw`, lr 6e-3)", fig(C, "main_job_adamw"),
+                   fig(C, "main_job_adamw_bits"), f"{r['adamw']['wall_s']:.0f}"]])
+
+
+def _lr(v: float) -> str:
+    """0.02 as 0.02, 1.2e-2 and 7.5e-4 in scientific notation (the way the trainer's flags read)."""
+    if v >= 0.01 and abs(v * 100 - round(v * 100)) < 1e-9:
+        return f"{v:g}"
+    mantissa, exponent = f"{v:e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+def sweep_table(C: dict) -> Lines:
+    rows = []
+    for preset, name, key in (("CPU", "lr_sweep_cpu", "cpu"), ("GPU", "lr_sweep_gpu", "gpu")):
+        r = C[name]["results"]
+        for opt, label in (("muon", "Muon"), ("adamw", "AdamW")):
+            runs = {run["lr"]: run["final_val_loss"] for run in r["runs"]
+                    if run["optimizer"] == opt}
+            best_lr = min(runs, key=runs.get)
+            default = r[f"{key}_{opt}_default_lr"]
+            rows.append([preset, label, _lr(default),
+                         f"**{runs[default]:.3f}**" if opt == "muon" else f"{runs[default]:.3f}",
+                         f"{runs[best_lr]:.3f} ({_lr(best_lr)})",
+                         ", ".join(_lr(v) for v in sorted(runs))])
+    return table(["preset", "optimizer", "default lr", "default", "best of the grid (lr)",
+                  "grid"], rows)
+
+
+def trainer(C: dict) -> Lines:
+    g, c = C["fp8_parity_gpu"]["results"], C["fp8_parity_cpu"]["results"]
+    prows = [["GPU preset (one H200, bf16 compute)", f"**{fig(C, 'fp8_loss_gpu')}**",
+              f"{g['fp8_val_loss_300']:.4f}", f"{g['bf16_val_loss_300']:.4f}"],
+             ["CPU preset (f32 compute), seed 0", f"**{fig(C, 'fp8_loss_cpu')}**",
+              f"{c['fp8_val_loss']:.4f}", f"{c['bf16_val_loss']:.4f}"],
+             ["CPU preset, seed 1", fig(C, "fp8_loss_cpu_seed1"),
+              f"{c['seed_1']['fp8_val_loss']:.4f}", f"{c['seed_1']['bf16_val_loss']:.4f}"]]
+    gd = C["muon_gather_dtype"]["results"]
+    ro = C["lr_sweep_gpu"]["results"]["router_optimizer"]
+    return (["## The trainer", "",
+             "`examples/train_lm.py`, 300 steps per run, final validation loss in nats/byte on "
+             "held-out files. The README's main job (CPU preset, both optimizers):", ""]
+            + main_job_table(C)
+            + ["", f"Muon ends {fig(C, 'main_job_gap')} nats/byte lower at equal steps. Whole "
+               f"run {fig(C, 'main_job_wall')}, compilation and data loading included.", ""]
+            + source(C, "train_lm_cpu")
+            + ["", "Learning-rate sweeps of both presets (the defaults are the trainer's):", ""]
+            + sweep_table(C)
+            + ["", f"Muon's default ends below AdamW's best by {fig(C, 'sweep_gap_cpu')} (CPU) "
+               f"and {fig(C, 'sweep_gap_gpu')} (GPU). Router kernels on AdamW instead of Muon: "
+               f"{ro['cpu_router_on_adamw_val_loss']:.3f} against "
+               f"{ro['cpu_router_on_muon_val_loss']:.3f} (CPU), "
+               f"{ro['gpu_router_on_adamw_val_loss']:.4f} against "
+               f"{ro['gpu_router_on_muon_val_loss']:.4f} (GPU).", ""]
+            + source(C, "lr_sweep_cpu") + [""] + source(C, "lr_sweep_gpu")
+            + ["", "![GPU preset learning-rate sweep](docs/lr_sweep_gpu.png)"]
+            + ["", "FP8 against bf16 (FP8 dispatch, `--fp8-gemms all --fp8-projections all`; "
+               "Muon; target within 1%):", ""]
+            + table(["preset", "FP8 / bf16 - 1", "FP8", "bf16"], prows)
+            + [""] + source(C, "fp8_parity_gpu") + [""] + source(C, "fp8_parity_cpu")
+            + ["", f"Muon's update all-gathers in bf16 (`gather_dtype`): validation loss "
+               f"{gd['final_val_loss']['bfloat16']:.4f} against "
+               f"{gd['final_val_loss']['float32']:.4f} in f32 "
+               f"({fig(C, 'muon_gather_bf16_delta')}), CPU preset.", ""]
+            + source(C, "muon_gather_dtype") + [""])
+
+
+_KERNELS = {"wire_encode": "wire gather + encode, FP8", "wire_encode_bf16": "the same, bf16",
+            "wire_decode": "wire decode into the expert layout, FP8",
+            "wire_rows": "FP8 GEMM rows from the wire",
+            "weight_cols_t": "a weight's K-major e4m3 copy",
+            "rows_x": "x -> e4m3 rows + scales", "rows_gated": "h = act(z) -> e4m3 rows",
+            "rows_gated_grad": "activation backward, dz bf16 + e4m3",
+            "rows_gated_grad_fp8_only": "the same, e4m3 only"}
+
+
+def kernels_ab(C: dict) -> Lines:
+    r = C["kernels_ab"]["results"]
+    rows = []
+    for label, key in (("`experts_bench.py --part fp8` (ceilings, experts, layer)", "fp8_bench"),
+                       ("`moe_layer_bench.py --preset dropless`", "moe_layer_bench_dropless"),
+                       ("`quant_bench.py`, the kernels alone (two processes)", "quant_bench")):
+        s = r[key]["summary"]
+        rows.append([label, f"**{s['geomean_new_over_base']:.3f}**", s["paths"],
+                     f"{s['worst_new_over_base']:.3f} (`{s['worst_path']}`)"])
+    q = r["quant_bench"]["rows"]
+    mot = r["mosaic_over_triton_same_process"]
+
+    def t(case, impl):
+        k = f"rows.{case}/{impl}.ms"
+        return f"{q[k]['new_ms']:.3f}" if k in q else "-"
+
+    krows = [[_KERNELS.get(case, f"`{case}`"), f"**{mot['new'][case]:.3f}**",
+              t(case, "mosaic"), t(case, "triton"), t(case, "xla")] for case in mot["new"]]
+    return (["## The Mosaic GPU kernels under jax 0.12's store rules", "",
+             "The kernels rewritten for jax 0.12's transfer planner (scales and row maxima "
+             "through shared memory and TMA, narrow stores moved to XLA), each benchmark run "
+             "on the tree before (base) and after (new) in one device session; new / base "
+             "time:", ""]
+            + table(["benchmark", "geomean", "rows", "worst row"], rows)
+            + ["", "The kernels alone in the new tree (32,768 rows x 4096, weights 8 x 4096 x "
+               "4096), ms; Mosaic / Triton in the same process:", ""]
+            + table(["kernel", "Mosaic / Triton", "Mosaic", "Triton", "XLA"], krows)
+            + [""] + source(C, "kernels_ab") + [""])
+
+
+def cpu_eager(C: dict) -> Lines:
+    r = C["eager_layer"]["results"]
+    return (["## CPU: the layer called eagerly", "",
+             f"`moe.MoE` called outside `jit` ({r['tokens']} tokens, d_model {r['d_model']}, "
+             f"{r['experts']} experts) runs through a cached jitted function: "
+             f"{r['eager_s'] * 1e3:.2f} ms per call against {r['jit_s'] * 1e3:.2f} ms jitted "
+             f"({fig(C, 'eager_over_jit')}; target <= 3x).", ""] + source(C, "eager_layer")
+            + [""])
+
+
+def not_measured(C: dict) -> Lines:
+    return ["## Not measured", "",
+            "More than two GPUs (no such machine was lent: the 8- and 16-GPU figures above "
+            "are compiled schedules replayed in time, not runs), and TPUs.", ""]
+
+
+SECTIONS: tuple[tuple[str, Callable[[dict], Lines]], ...] = (
+    ("Method", method), ("Headline figures", headline),
+    ("Grouped GEMM and gated experts", experts), ("FP8 projections", fp8_dense),
+    ("The MoE layer on one GPU", layer_1gpu), ("The LM train step, one GPU", lm_step),
+    ("Two GPUs", two_gpus), ("Overlap", schedules), ("The trainer", trainer),
+    ("jax 0.12", kernels_ab), ("CPU eager", cpu_eager), ("Not measured", not_measured))
+
+# Which section shows each current file, for the headline table's links.
+_SHOWN_IN = {"experts": "grouped-gemm-and-gated-experts",
+             "experts_lm_shapes": "grouped-gemm-and-gated-experts",
+             "experts_2gpu": "grouped-gemm-and-gated-experts",
+             "fp8_dense": "fp8-projections-moefp8_dense",
+             "dropless": "the-moe-layer-on-one-gpu", "fp8_layer": "the-moe-layer-on-one-gpu",
+             "lm_step": "the-lm-train-step-one-gpu",
+             "dispatch_2gpu": "two-gpus-dispatch-the-layer-at-ep2-sharded-muon",
+             "moe_layer_2gpu": "two-gpus-dispatch-the-layer-at-ep2-sharded-muon",
+             "muon_step_2gpu": "two-gpus-dispatch-the-layer-at-ep2-sharded-muon",
+             "lm_step_2gpu": "two-gpus-dispatch-the-layer-at-ep2-sharded-muon",
+             "schedule8": "overlap-8-gpu-programs-compiled-on-one-gpu",
+             "train_lm_cpu": "the-trainer", "lr_sweep_cpu": "the-trainer",
+             "lr_sweep_gpu": "the-trainer", "fp8_parity_gpu": "the-trainer",
+             "fp8_parity_cpu": "the-trainer",
+             "muon_gather_dtype": "the-trainer",
+             "kernels_ab": "the-mosaic-gpu-kernels-under-jax-012s-store-rules",
+             "eager_layer": "cpu-the-layer-called-eagerly"}
+
+
+def anchor_of(name: str) -> str:
+    """The BENCHMARKS.md anchor of the section that shows a current file."""
+    if name not in _SHOWN_IN:
+        raise KeyError(f"current/{name}.json is shown in no section; add it to _SHOWN_IN.")
+    return _SHOWN_IN[name]
+
+
+def blocks(C: dict) -> dict[str, str]:
+    """The tables README.md and docs/ quote whole, as ``<!--block:NAME-->`` blocks."""
+    return {"main_job": "\n".join(main_job_table(C)), "lr_sweep": "\n".join(sweep_table(C))}
+
