@@ -28,6 +28,24 @@ import jax.numpy as jnp
 __all__ = ["GatedActivation"]
 
 Kind = Literal["silu", "gelu", "gelu_tanh", "clamped_swiglu"]
+
+
+@jax.custom_jvp
+def _erf(x: jax.Array) -> jax.Array:
+    """``jax.lax.erf`` with its derivative ``2 / sqrt(pi) exp(-x^2)`` written out.
+
+    jax 0.12 differentiates ``erf`` through a ``polynomial`` primitive whose coefficients are
+    not marked as varying over ``shard_map``'s manual axes, so ``jax.grad`` of an exact GELU
+    inside ``shard_map`` (the shared experts' autodiff backward) fails its type check. The
+    rule below uses only ``exp``, and equals jax's on every version.
+    """
+    return jax.lax.erf(x)
+
+
+@_erf.defjvp
+def _erf_jvp(primals, tangents):
+    (x,), (dx,) = primals, tangents
+    return _erf(x), (2.0 / math.sqrt(math.pi)) * jnp.exp(-x * x) * dx
 _KINDS = ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
 _GELU_C = math.sqrt(2.0 / math.pi)
 _GELU_A = 0.044715
@@ -84,7 +102,7 @@ class GatedActivation:
     def apply(self, z: jax.Array) -> jax.Array:
         """``h [..., f]`` in f32 from ``z [..., 2f] = [z_gate | z_up]``."""
         g, u = jnp.split(z, 2, axis=-1)
-        return self.apply_parts(g, u)
+        return self.apply_parts(g, u, erf=_erf)  # differentiable under shard_map
 
     def grad(self, z: jax.Array, dh: jax.Array) -> jax.Array:
         """``dz [..., 2f]`` in f32: the exact vector-Jacobian product of :meth:`apply`."""
@@ -92,20 +110,22 @@ class GatedActivation:
         return jnp.concatenate(self.grad_parts(g, u, dh), axis=-1)
 
     def apply_parts(self, g: jax.Array, u: jax.Array, *,
-                    sigmoid: Callable[[jax.Array], jax.Array] = jax.nn.sigmoid) -> jax.Array:
+                    sigmoid: Callable[[jax.Array], jax.Array] = jax.nn.sigmoid,
+                    erf: Callable[[jax.Array], jax.Array] = jax.lax.erf) -> jax.Array:
         """:meth:`apply` on the two halves ``g = z_gate``, ``u = z_up`` (f32 result).
 
         Elementwise only, so kernels that load the halves separately (the fused FP8
         quantization of `moe._quant_pallas` and `moe._quant_mosaic`) share this code.
         ``sigmoid``: how the logistic function is computed (a kernel backend without a
-        ``logistic`` rule passes ``1 / (1 + exp(-x))``).
+        ``logistic`` rule passes ``1 / (1 + exp(-x))``); ``erf`` likewise (kernels take
+        ``jax.lax.erf``, which they can lower; :meth:`apply` a differentiable one).
         """
         g, u = g.astype(jnp.float32), u.astype(jnp.float32)
         if self.kind == "clamped_swiglu":
             g = jnp.minimum(g, self.limit)
             u = jnp.clip(u, -self.limit, self.limit)
             return (u + 1.0) * (g * sigmoid(self.alpha * g))
-        return self._act(g, sigmoid) * u
+        return self._act(g, sigmoid, erf) * u
 
     def grad_parts(self, g: jax.Array, u: jax.Array, dh: jax.Array, *,
                    sigmoid: Callable[[jax.Array], jax.Array] = jax.nn.sigmoid,
@@ -125,12 +145,12 @@ class GatedActivation:
             return dg, du
         return dh * u * self._dact(g, sigmoid), dh * self._act(g, sigmoid)
 
-    def _act(self, g: jax.Array, sigmoid=jax.nn.sigmoid) -> jax.Array:
+    def _act(self, g: jax.Array, sigmoid=jax.nn.sigmoid, erf=jax.lax.erf) -> jax.Array:
         """The gate nonlinearity ``a(g)`` of the product kinds."""
         if self.kind == "silu":
             return g * sigmoid(g)  # jax.nn.silu
         if self.kind == "gelu":
-            return 0.5 * g * (1.0 + jax.lax.erf(g * (1.0 / math.sqrt(2.0))))
+            return 0.5 * g * (1.0 + erf(g * (1.0 / math.sqrt(2.0))))
         return g * sigmoid(2.0 * _GELU_C * (g + _GELU_A * g**3))  # 0.5 (1 + tanh)
 
     def _dact(self, g: jax.Array, sigmoid=jax.nn.sigmoid) -> jax.Array:

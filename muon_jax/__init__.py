@@ -1,7 +1,8 @@
 """muon_jax: the Muon optimizer for Optax, sharded ZeRO-1 style under jax.sharding meshes.
 
 The top level holds what a training script calls; the building blocks stay in their modules:
-:mod:`muon_jax.newton_schulz` (schedules, FLOP counts), :mod:`muon_jax.matrices` (leaves as
+:mod:`muon_jax.newton_schulz` (schedules, the standard and Gram forms, FLOP counts),
+:mod:`muon_jax.symmetric` (products computed from one block triangle), :mod:`muon_jax.matrices` (leaves as
 ``[B, m, n]`` batches, shape scaling), :mod:`muon_jax.masking` (routing),
 :mod:`muon_jax.owner_plan` and :mod:`muon_jax.owners` (sharded owner compute),
 :mod:`muon_jax.dp` (unreduced data-parallel gradients), :mod:`muon_jax.portable` (checkpoints),
@@ -14,13 +15,14 @@ from optax.contrib import MuonDimensionNumbers
 from muon_jax import loss_scale, optax_compat
 from muon_jax.dp import clip_by_global_norm, reduce_unreduced, reduced_view
 from muon_jax.masking import default_muon_mask
-from muon_jax.newton_schulz import orthogonalize
+from muon_jax.newton_schulz import GramOptions, orthogonalize
 from muon_jax.portable import PortableMuonState, portable_state, portable_target, restore_state
 from muon_jax.transform import MuonState, ShardedMuonState, muon, scale_by_muon
 
 __all__ = [
     "loss_scale",
     "optax_compat",
+    "GramOptions",
     "MuonDimensionNumbers",
     "MuonState",
     "PortableMuonState",

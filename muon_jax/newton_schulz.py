@@ -8,12 +8,15 @@ matmul work. The sharded optimizer reuses these on the ``[K, m, n]`` stacks it o
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from typing import Literal, TypeAlias
+from typing import Literal, TypeAlias, get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from muon_jax.symmetric import symmetric_matmul
 
 Coeffs: TypeAlias = tuple[float, float, float]
 """One Newton-Schulz step ``X -> a X + b (X X^T) X + c (X X^T)^2 X``."""
@@ -23,7 +26,73 @@ NsCoeffsLike: TypeAlias = (
     | Sequence[Sequence[float]]
 )
 Preconditioning = Literal["frobenius", "spectral", "aol", "schatten"]
-PRECONDITIONINGS: tuple[str, ...] = ("frobenius", "spectral", "aol", "schatten")
+PRECONDITIONINGS: tuple[str, ...] = get_args(Preconditioning)
+NsMethod = Literal["auto", "standard", "gram"]
+NS_METHODS: tuple[str, ...] = get_args(NsMethod)
+
+
+@dataclasses.dataclass(frozen=True)
+class GramOptions:
+    """How the Gram form of Newton-Schulz runs (see :func:`orthogonalize`).
+
+    Attributes:
+      restarts: steps (1-based) after which ``X`` is rebuilt from the accumulated polynomial
+        and the Gram matrix recomputed from it. Entries ``>= ns_steps`` change nothing, so
+        the default also serves short schedules. ``()`` is the naive Gram iteration.
+      symmetric_blocks: row strips of :func:`muon_jax.symmetric.symmetric_matmul` for the
+        products known to be symmetric (1: plain matmuls).
+      dtype: matmul operand dtype of the Gram form; ``None``: float16 where
+        :func:`orthogonalize`'s ``dtype`` is bfloat16, else that ``dtype``. The product
+        ``Q`` of a segment's polynomials scales the small singular directions up by the
+        product of the ``a`` coefficients (about 40 over three Jordan steps) while the large
+        ones stay near 1, so its rounding error, relative to its largest entries, lands on
+        the large directions magnified: bfloat16's 8-bit mantissa makes that error larger
+        than the whole band error of Jordan's polynomial; float16's 11 bits do not.
+        Tensor-core GPUs multiply float16 at bfloat16's rate, and every value stays far
+        inside float16's range (``X`` is normalized, so the entries of ``R`` are at most 1).
+    """
+
+    restarts: tuple[int, ...] = (2,)
+    symmetric_blocks: int = 1
+    dtype: jax.typing.DTypeLike | None = None
+
+    def __post_init__(self):
+        r = tuple(self.restarts)
+        if any(isinstance(t, bool) or not isinstance(t, int | np.integer) or t < 1 for t in r):
+            raise ValueError(f"GramOptions.restarts must be step numbers >= 1, got {r!r}; "
+                             "e.g. (2,) rebuilds X after the second step.")
+        object.__setattr__(self, "restarts", tuple(sorted({int(t) for t in r})))
+        b = self.symmetric_blocks
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"GramOptions.symmetric_blocks must be an int >= 1, got {b!r}.")
+
+
+def resolve_ns_method(method: NsMethod, m: int, n: int, dtype: jax.typing.DTypeLike, *,
+                      single_triple: bool = True) -> str:
+    """``'standard'`` or ``'gram'``: what ``method`` means for an ``[m, n]`` matrix.
+
+    ``'auto'`` takes the Gram form only where all of these hold: it needs fewer FLOPs
+    (:func:`ns_flops`: exactly when ``max(m, n) > 1.5 min(m, n)``, whatever the step count and
+    restarts); the matmul operands are narrower than 32 bits (float32 or complex operands ask
+    for accuracy and get the standard iteration that optax and the reference implementations
+    run); the schedule repeats one triple (``single_triple``: the per-step schedules
+    ``'polar_express'`` and ``'dion'`` open with steep polynomials whose accumulated product
+    the Gram form cannot carry as accurately, see ``tests/test_gram_ns.py``); and the default
+    backend is a GPU (its tensor cores run the float16 products of :class:`GramOptions` at the
+    bfloat16 rate, which TPUs and CPUs do not).
+
+    >>> resolve_ns_method('standard', 1024, 4096, 'bfloat16')
+    'standard'
+    """
+    if method not in NS_METHODS:
+        raise ValueError(f"ns_method={method!r} is not supported; use one of {NS_METHODS}.")
+    if method != "auto":
+        return method
+    dt = jnp.dtype(dtype)
+    narrow = not jnp.issubdtype(dt, jnp.complexfloating) and jnp.finfo(dt).bits < 32
+    wins = 2 * max(m, n) > 3 * min(m, n)
+    return "gram" if (narrow and wins and single_triple
+                      and jax.default_backend() == "gpu") else "standard"
 
 JORDAN_COEFFS: Coeffs = (3.4445, -4.7750, 2.0315)
 """Keller Jordan's quintic, used at every step (modded-nanogpt, 2024); optax calls it
@@ -144,6 +213,8 @@ def orthogonalize(
     eps: float = 1e-8,
     dtype: jax.typing.DTypeLike = jnp.bfloat16,
     preconditioning: Preconditioning = "frobenius",
+    method: NsMethod = "auto",
+    gram: GramOptions = GramOptions(),
 ) -> jax.Array:
     r"""Approximate the polar factor of each matrix in a batch by Newton-Schulz iteration.
 
@@ -251,19 +322,35 @@ def orthogonalize(
     def mm(u, v):
         return jnp.matmul(u.astype(dtype), v.astype(dtype), preferred_element_type=work)
 
+    if not isinstance(gram, GramOptions):
+        raise TypeError(f"gram must be a muon_jax.newton_schulz.GramOptions, got {gram!r}.")
+    use_gram = resolve_ns_method(method, g.shape[-2], g.shape[-1], dtype,
+                                 single_triple=len(set(steps)) == 1) == "gram"
+    if use_gram:
+        if gram.dtype is not None:
+            dtype = gram.dtype
+        elif not complex_ and jnp.dtype(dtype) == jnp.bfloat16:
+            dtype = jnp.float16
+
+    def mms(u, v):  # a product known to be Hermitian
+        return symmetric_matmul(u, v, blocks=gram.symmetric_blocks, dtype=dtype,
+                                preferred_element_type=work)
+
+    first_gram = None
     if preconditioning in ("aol", "schatten"):
         # The first step is scaled from its own Gram matrix instead of a norm of X.
-        (a, b, c), steps = steps[0], steps[1:]
-        gram = mm(g, ht(g))
+        first_gram = mms(g, ht(g)) if use_gram else mm(g, ht(g))
         if preconditioning == "aol":
-            rows = jnp.maximum(jnp.sum(jnp.abs(gram), axis=-1, keepdims=True), eps)
+            rows = jnp.maximum(jnp.sum(jnp.abs(first_gram), axis=-1, keepdims=True), eps)
             s = jax.lax.rsqrt(rows).astype(work)  # [..., m, 1]
-            g, gram = g * s, gram * s * jnp.swapaxes(s, -1, -2)
+            y, first_gram = g * s, first_gram * s * jnp.swapaxes(s, -1, -2)
         else:
-            fro = jnp.sqrt(jnp.sum(jnp.abs(gram) ** 2, axis=(-2, -1), keepdims=True))
+            fro = jnp.sqrt(jnp.sum(jnp.abs(first_gram) ** 2, axis=(-2, -1), keepdims=True))
             s = jax.lax.rsqrt(jnp.maximum(fro, eps)).astype(work)
-            g, gram = g * s, gram * (s * s)
-        y = a * g + mm(b * gram + mm(c * gram, gram), g)
+            y, first_gram = g * s, first_gram * (s * s)
+        if not use_gram:
+            (a, b, c), steps = steps[0], steps[1:]
+            y = a * y + mm(b * first_gram + mm(c * first_gram, first_gram), y)
     else:
         if preconditioning == "spectral":
             norm = jnp.linalg.norm(g, ord=2, axis=(-2, -1), keepdims=True)
@@ -271,10 +358,12 @@ def orthogonalize(
             norm = jnp.sqrt(jnp.sum(jnp.abs(g) ** 2, axis=(-2, -1), keepdims=True))
         y = g / (norm + eps).astype(work)
 
-    if complex_ or jnp.finfo(dtype).bits >= 32:
+    if use_gram:
+        y = _gram_steps(y, first_gram, steps, gram.restarts, mm=mm, mms=mms, ht=ht)
+    elif complex_ or jnp.finfo(dtype).bits >= 32:
         for a, b, c in steps:
-            gram = mm(y, ht(y))
-            poly = b * gram + mm(c * gram, gram)  # (c A) A, as in the reference implementations
+            a_ = mm(y, ht(y))
+            poly = b * a_ + mm(c * a_, a_)  # (c A) A, as in the reference implementations
             y = a * y + mm(poly, y)
     else:
         # Narrow operands: X stays float32 (a X must not be rounded: rounding X itself puts
@@ -287,39 +376,95 @@ def orthogonalize(
         eye = jnp.eye(y.shape[-2], dtype=jnp.float32)
         for a, b, c in steps:
             yn = y.astype(dtype)
-            gram = jnp.matmul(yn, jnp.swapaxes(yn, -1, -2), preferred_element_type=dtype)
-            shifted = (c * gram.astype(jnp.float32) + b * eye).astype(dtype)
-            poly = jnp.matmul(gram, shifted, preferred_element_type=dtype)
+            a_ = jnp.matmul(yn, jnp.swapaxes(yn, -1, -2), preferred_element_type=dtype)
+            shifted = (c * a_.astype(jnp.float32) + b * eye).astype(dtype)
+            poly = jnp.matmul(a_, shifted, preferred_element_type=dtype)
             y = a * y + mm(poly, yn)
     if transposed:
         y = jnp.swapaxes(y, -1, -2)
     return y.astype(out_dtype)
 
 
-def ns_flops(m: int, n: int, ns_steps: int) -> int:
+def _gram_steps(y, r, steps, restarts, *, mm, mms, ht):
+    r"""Newton-Schulz steps on the Gram matrix ``R = X X^H``, ``X`` rebuilt only at restarts.
+
+    Each step's polynomial is ``P = a I + Z`` with ``Z = b R + c R^2``; ``X_{t+1} = P X_t``
+    gives ``R_{t+1} = P R_t P``, and since every ``P`` is a polynomial in the same ``R`` the
+    product ``Q = P_t ... P_1`` can be carried instead of ``X``: the ``[p, q]`` iterate is
+    touched once per segment (``X <- Q X``) instead of twice per step.
+    """
+    total = len(steps)
+    ends = {t for t in restarts if t < total} | {total}
+    # Q is carried as alpha I + W: the identity part stays an exact scalar, so X_new =
+    # alpha X + W X keeps the float32 iterate unrounded in its dominant term (as the standard
+    # step's a X does) and the bf16 rounding of X only enters through W X, whose range lies
+    # in the large singular directions. Folding alpha into W would round alpha X to bf16 and
+    # put noise into the small singular directions that later steps amplify.
+    alpha, w = 1.0, None
+    for t, (a, b, c) in enumerate(steps, start=1):
+        if r is None:
+            r = mms(y, ht(y))
+        z = b * r + c * mms(r, r)
+        if w is None:
+            alpha, w = a, z
+        else:  # (alpha I + W)(a I + Z)
+            alpha, w = alpha * a, a * w + alpha * z + mms(w, z)
+        if t in ends:
+            # Restart: rebuild X and, for the next segment, its Gram matrix from scratch. R
+            # squares X's condition number, and in bf16 its small eigenvalues (sigma^2 of the
+            # small singular values) sink below the rounding of the large ones; after a step
+            # or two those singular values have grown enough for a fresh R to resolve them.
+            y = alpha * y + mm(w, y)
+            alpha, w, r = 1.0, None, None
+        else:  # R <- P R P = a^2 R + a (R Z + Z R) + Z R Z; R Z = Z R, so it is symmetrized
+            rz = mms(r, z)
+            r = a * a * r + a * (rz + ht(rz)) + mms(z, rz)
+    return y
+
+
+def ns_flops(m: int, n: int, ns_steps: int, *, method: Literal["standard", "gram"] = "standard",
+             gram: GramOptions = GramOptions()) -> int:
     r"""Matmul FLOPs of :func:`orthogonalize` on one ``[m, n]`` matrix.
 
     With ``p = min(m, n)`` and ``q = max(m, n)`` (the iteration runs on the wide orientation),
-    each step computes ``X X^T`` (``2 p^2 q``), ``A A`` (``2 p^3``) and ``B X`` (``2 p^2 q``):
+    each standard step computes ``X X^T`` (``2 p^2 q``), ``A A`` (``2 p^3``) and ``B X``
+    (``2 p^2 q``). The Gram form splits the ``T`` steps into ``k`` segments at the restarts;
+    each segment computes ``X X^T`` and ``Q X`` once, and per step ``R R`` (``Z``), ``W Z``
+    (all but its first step) and the two products of ``R <- P R P`` (all but its last step):
 
     .. math::
-      \mathrm{flops} = \mathrm{ns\_steps} \cdot (4 p^2 q + 2 p^3).
+      \mathrm{standard} = T (4 p^2 q + 2 p^3), \qquad
+      \mathrm{gram} = 4 k p^2 q + (8 T - 6 k) p^3 .
 
-    Elementwise work (``O(p q)`` per step) is left out.
+    So the Gram form needs fewer FLOPs exactly when ``q > 1.5 p``. With
+    ``gram.symmetric_blocks = s > 1`` its symmetric products (all but ``Q X``) count
+    ``(s + 1) / (2 s)`` of their FLOPs, the tiles they compute. Elementwise work (``O(p q)``
+    per step) is left out.
 
     Args:
       m: rows of the matrix.
       n: columns of the matrix.
       ns_steps: Newton-Schulz steps.
+      method: ``'standard'`` or ``'gram'`` (what :func:`resolve_ns_method` returns).
+      gram: the Gram form's restarts and symmetric blocks.
 
     Returns:
       The FLOP count as a Python int (multiply and add counted separately).
 
     >>> ns_flops(2, 3, 1)
     64
+    >>> ns_flops(1024, 4096, 5, method='gram') / ns_flops(1024, 4096, 5)
+    0.6666666666666666
     """
     for name, v in (("m", m), ("n", n), ("ns_steps", ns_steps)):
-        if not isinstance(v, int | np.integer) or v < 1:
+        if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
             raise ValueError(f"ns_flops: {name} must be a positive int, got {v!r}.")
-    p, q = min(m, n), max(m, n)
-    return int(ns_steps) * (4 * p * p * q + 2 * p**3)
+    p, q, t = min(m, n), max(m, n), int(ns_steps)
+    if method == "standard":
+        return t * (4 * p * p * q + 2 * p**3)
+    if method != "gram":
+        raise ValueError(f"ns_flops: method must be 'standard' or 'gram', got {method!r}.")
+    k = 1 + sum(1 for r in gram.restarts if r < t)
+    sym = 2 * k * p * p * q + (8 * t - 6 * k) * p**3  # X X^T and the [p, p] products
+    s = gram.symmetric_blocks
+    return 2 * k * p * p * q + (sym * (s + 1)) // (2 * s)

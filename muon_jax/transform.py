@@ -19,7 +19,14 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from muon_jax import dp, masking, matrices, newton_schulz, owner_plan, owners
-from muon_jax.newton_schulz import NsCoeffsLike, Preconditioning, orthogonalize, resolve_ns_coeffs
+from muon_jax.newton_schulz import (
+    GramOptions,
+    NsCoeffsLike,
+    NsMethod,
+    Preconditioning,
+    orthogonalize,
+    resolve_ns_coeffs,
+)
 
 MeshArg = jax.sharding.Mesh | jax.sharding.AbstractMesh | None
 SpecsLike = Any  # PartitionSpec | tree (prefix) of PartitionSpec / None | callable on params
@@ -149,6 +156,8 @@ def scale_by_muon(
     preconditioning: Preconditioning = "frobenius",
     adaptive: bool = False,
     consistent_rms: float | None = None,
+    ns_method: NsMethod = "auto",
+    ns_gram: GramOptions = GramOptions(),
 ) -> optax.GradientTransformation:
     r"""Rescale updates to Muon's direction: orthogonalized (Nesterov) momentum.
 
@@ -221,6 +230,13 @@ def scale_by_muon(
         gradient dtype on arrival; ``None``: the gradient dtype. ``jnp.bfloat16`` halves
         those bytes for f32 gradients at a relative rounding of 2^-9 per element of an
         update whose entries are all about the same size (orthogonal rows).
+      ns_method: ``'standard'`` Newton-Schulz, its ``'gram'`` form (iterates on ``X X^T``,
+        fewer FLOPs for matrices more than 1.5x as wide as tall), or ``'auto'`` (the Gram
+        form where :func:`muon_jax.newton_schulz.resolve_ns_method` says it wins: bf16
+        operands, a repeated triple, on GPUs). Same on the sharded path: each owner runs it
+        on its own matrices.
+      ns_gram: restarts, symmetric blocks and operand dtype of the Gram form
+        (:class:`muon_jax.newton_schulz.GramOptions`).
 
     Returns:
       An ``optax.GradientTransformation`` with state :class:`MuonState` (``mesh=None``) or
@@ -267,6 +283,9 @@ def scale_by_muon(
     if preconditioning not in newton_schulz.PRECONDITIONINGS:
         raise ValueError(f"preconditioning={preconditioning!r} is not supported; use one of "
                          f"{newton_schulz.PRECONDITIONINGS}.")
+    newton_schulz.resolve_ns_method(ns_method, 1, 1, jnp.float32)  # a bad name fails here
+    if not isinstance(ns_gram, GramOptions):
+        raise TypeError(f"ns_gram must be a muon_jax.newton_schulz.GramOptions, got {ns_gram!r}.")
     if consistent_rms is not None and not (isinstance(consistent_rms, int | float)
                                            and consistent_rms > 0):
         raise ValueError(f"consistent_rms must be a positive float or None, got "
@@ -275,7 +294,7 @@ def scale_by_muon(
     def direction(mats, m, n):
         """Orthogonalized, shape-scaled ``[B, m, n]`` matrices: one definition for both paths."""
         o = orthogonalize(mats, ns_coeffs=ns_coeffs, ns_steps=ns_steps, eps=eps, dtype=ns_dtype,
-                          preconditioning=preconditioning)
+                          preconditioning=preconditioning, method=ns_method, gram=ns_gram)
         if adaptive:  # the dual norm <mu_hat, O> of each matrix
             o = jnp.sum(mats.conj() * o, axis=(-2, -1), keepdims=True).astype(o.dtype) * o
         if consistent_rms is not None:
@@ -503,6 +522,8 @@ def muon(
     adam_nesterov: bool = False,
     adam_mu_dtype: jax.typing.DTypeLike | None = None,
     muon_weight_dimension_numbers: Any = None,
+    ns_method: NsMethod = "auto",
+    ns_gram: GramOptions = GramOptions(),
 ) -> optax.GradientTransformation:
     r"""Muon for hidden-layer matrices, AdamW for every other leaf.
 
@@ -558,6 +579,9 @@ def muon(
       preconditioning: Newton-Schulz's input scaling, ``'frobenius'``, ``'spectral'``,
         ``'aol'`` or ``'schatten'`` (see :func:`muon_jax.orthogonalize`).
       adaptive: scale each orthogonalized matrix by its dual norm (see :func:`scale_by_muon`).
+      ns_method: ``'auto'``, ``'standard'`` or ``'gram'`` Newton-Schulz (see
+        :func:`scale_by_muon`).
+      ns_gram: options of the Gram form (:class:`muon_jax.newton_schulz.GramOptions`).
       consistent_rms: the factor of the ``'rms_match'``-style scaling ``consistent_rms *
         sqrt(max(m, n))``; given, it replaces ``shape_scaling`` (``None``: ``shape_scaling``,
         whose ``'rms_match'`` is 0.2).
@@ -633,6 +657,8 @@ def muon(
             preconditioning=preconditioning,
             adaptive=adaptive,
             consistent_rms=consistent_rms,
+            ns_method=ns_method,
+            ns_gram=ns_gram,
         ),
         optax.add_decayed_weights(weight_decay, weight_decay_mask),
         optax.scale_by_learning_rate(learning_rate),
