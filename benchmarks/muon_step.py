@@ -78,6 +78,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--d-model", type=int, help="4096; small 64")
     p.add_argument("--d-ff", type=int, help="11008; small 176")
     p.add_argument("--ns-steps", type=int, default=5)
+    p.add_argument("--ns-method", choices=("auto", "standard", "gram"), default="auto",
+                   help="muon_jax's Newton-Schulz form (scale_by_muon's ns_method; auto: the "
+                        "Gram form for the wide matrices on GPUs)")
+    p.add_argument("--symmetric-blocks", type=int, default=1,
+                   help="GramOptions.symmetric_blocks of the Gram form (1: plain matmuls)")
     p.add_argument("--param-dtype", choices=("bf16", "f32"), default="bf16",
                    help="dtype of the params, gradients and the all-reduce (default bf16)")
     p.add_argument("--ceiling-n", type=int, help="dense matmul size (8192; small 256)")
@@ -247,11 +252,13 @@ def main(argv=None) -> dict:
             fsdp_data = jax.device_put(data, NamedSharding(auto_mesh, P("data")))
         return fsdp_params, fsdp_data
 
+    ns_kw = {"ns_method": args.ns_method,
+             "ns_gram": newton_schulz.GramOptions(symmetric_blocks=args.symmetric_blocks)}
     for name in args.variants:
         if name in MUON_DP:
             kw = {"chunk_bytes": args.chunk_bytes} if name == "muon_chunked" else {}
             tx = muon_jax.scale_by_muon(mu_dtype=jnp.float32, ns_steps=args.ns_steps,
-                                        mesh=mesh, **kw)
+                                        mesh=mesh, **ns_kw, **kw)
             state = tx.init(params)
             report[f"{name}_chunks"] = [list(s.chunks) for s in state.plan.stacks]
             opts = overlap.overlap_compiler_options() if name == "muon_overlap" else None
@@ -270,7 +277,7 @@ def main(argv=None) -> dict:
                     label = "optax_contrib_muon_fsdp"
                 else:
                     tx = muon_jax.scale_by_muon(mu_dtype=jnp.float32, ns_steps=args.ns_steps,
-                                                mesh=auto_mesh)
+                                                mesh=auto_mesh, **ns_kw)
                     state = tx.init(fp)
                     label = "muon_fsdp"
                 shardings = shardings_of((fp, state))
@@ -287,15 +294,18 @@ def main(argv=None) -> dict:
                 jnp.ones((n * s.k_owner, s.m, s.n), jnp.float32) for s in stacks],
                 out_shardings=owner)()
             ns_only = jax.shard_map(
-                lambda xs: [muon_jax.orthogonalize(x, ns_steps=args.ns_steps)
+                lambda xs: [muon_jax.orthogonalize(x, ns_steps=args.ns_steps,
+                                                   method=ns_kw["ns_method"],
+                                                   gram=ns_kw["ns_gram"])
                             .astype(jnp.bfloat16) for x in xs],
                 mesh=mesh, in_specs=P("data"), out_specs=P("data"))
             t0 = time.perf_counter()
             compiled = jax.jit(ns_only).lower(xs).compile()
             sec, _ = median_seconds(compiled, (xs,), args.warmup, args.iters)
             del xs
-            flops = sum(s.k_owner * newton_schulz.ns_flops(s.m, s.n, args.ns_steps)
-                        for s in plan.stacks)
+            flops = sum(s.k_owner * newton_schulz.ns_flops(
+                s.m, s.n, args.ns_steps, gram=ns_kw["ns_gram"], method=newton_schulz
+                .resolve_ns_method(args.ns_method, s.m, s.n, jnp.bfloat16)) for s in plan.stacks)
             report["ns_owner_share"] = {
                 "seconds": sec, "tflops": flops / sec / 1e12,
                 "fraction_of_dense": flops / sec / rate,

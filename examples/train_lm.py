@@ -30,6 +30,7 @@ import os
 import pathlib
 import sys
 import time
+from typing import get_args
 
 CPU_DEVICES = 8
 """Simulated CPU devices of a run, split over its processes (the default mesh stays (2, 4))."""
@@ -192,6 +193,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--muon-gather-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="dtype Muon's updates travel back from their owner devices in "
                         "(muon_jax.muon's gather_dtype; bfloat16 halves those bytes)")
+    p.add_argument("--ns-method", choices=get_args(muon_jax.newton_schulz.NsMethod),
+                   default="auto",
+                   help="Muon's Newton-Schulz: standard, its Gram form, or auto (Gram for wide "
+                        "matrices with bf16 operands on GPUs; muon_jax.muon's ns_method)")
     p.add_argument("--weight-decay", type=float, default=0.01, help="decoupled, both optimizers")
     p.add_argument("--warmup", type=int, default=20, help="linear warmup steps, then cosine")
     p.add_argument("--aux-loss", type=float, default=0.01, help="load-balancing loss weight")
@@ -353,6 +358,7 @@ def make_tx(name: str, args, mesh) -> optax.GradientTransformation:
         adam_learning_rate=schedule(muon_adam_lr(args)),
         mesh=mesh,
         gather_dtype=None if args.muon_gather_dtype == "float32" else jnp.bfloat16,
+        ns_method=args.ns_method,
     )
 
 
@@ -497,6 +503,8 @@ def train_one(name, args, mesh, corpus, out: pathlib.Path, metrics_file) -> dict
             if not math.isfinite(rec["train_loss"]):
                 raise FloatingPointError(f"[{name}] loss became {rec['train_loss']} at step {step}")
             rec["step_s"] = dt
+            if step == start + 1:
+                rec["compiles"] = True  # this process's first step: compilation included
             rec["tokens_per_s"] = tokens_per_step / max(dt, 1e-9)
             if step % args.eval_every == 0 or step == args.steps:
                 rec["val_loss"] = evaluate(model, val, put)
@@ -556,19 +564,65 @@ def read_metrics(path: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def train_seconds(records: list[dict]) -> np.ndarray:
+    """Training time up to each record of one optimizer: the cumulative sum of ``step_s``.
+
+    Evaluation and checkpoints are outside ``step_s``; a step that compiled (the first of each
+    process) counts as the median of the others, so the clock measures training, not
+    compilation.
+    """
+    t = np.array([r["step_s"] for r in records], dtype=np.float64)
+    warm = [r["step_s"] for r in records if not r.get("compiles")]
+    for i, r in enumerate(records):
+        if r.get("compiles") and warm:
+            t[i] = float(np.median(warm))
+    return np.cumsum(t)
+
+
+def time_to_loss(records: list[dict], target: float) -> float | None:
+    """Training seconds (:func:`train_seconds`) at the first evaluation with validation loss
+    ``<= target``; ``None`` if none reaches it. Evaluations are ``--eval-every`` steps apart,
+    so this is an upper bound by up to that many steps' time."""
+    clock = train_seconds(records)
+    for r, t in zip(records, clock, strict=True):
+        if "val_loss" in r and r["val_loss"] <= target:
+            return float(t)
+    return None
+
+
+def time_to_adamw_loss(records: list[dict]) -> dict | None:
+    """When Muon first reaches AdamW's final validation loss, absolute and as a fraction of
+    AdamW's training time; ``None`` unless both optimizers ran."""
+    by = {n: [r for r in records if r["optimizer"] == n] for n in ("muon", "adamw")}
+    if not by["muon"] or not by["adamw"]:
+        return None
+    vals = [r["val_loss"] for r in by["adamw"] if "val_loss" in r]
+    if not vals:
+        return None
+    adamw_s = float(train_seconds(by["adamw"])[-1])
+    t = time_to_loss(by["muon"], vals[-1])
+    return {"adamw_final_val_loss": vals[-1], "adamw_train_s": adamw_s,
+            "muon_train_s": float(train_seconds(by["muon"])[-1]),
+            "muon_time_to_adamw_final_loss_s": t,
+            "muon_time_to_adamw_final_loss_fraction": None if t is None else t / adamw_s}
+
+
 def plot(records: list[dict], path: pathlib.Path) -> None:
-    """Train (smoothed) and validation loss, zoomed past the first steps; load balance below."""
+    """Train (smoothed) and validation loss against steps and validation loss against training
+    seconds (:func:`train_seconds`), zoomed past the first steps; load balance and step time
+    below."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, ax_lb) = plt.subplots(2, 1, figsize=(7, 6), sharex=True,
-                                    gridspec_kw={"height_ratios": [3, 1]})
+    fig, ((ax, ax_t), (ax_lb, ax_st)) = plt.subplots(
+        2, 2, figsize=(12, 6), sharex="col", gridspec_kw={"height_ratios": [3, 1]})
     finals = []
     for i, name in enumerate(sorted({r["optimizer"] for r in records})):
         rs = [r for r in records if r["optimizer"] == name]
         steps = np.array([r["step"] for r in rs])
+        clock = train_seconds(rs) if all("step_s" in r for r in rs) else None
         k = max(1, len(rs) // 30)
         smooth = lambda v, k=k: np.convolve(np.asarray(v), np.ones(k) / k, mode="valid")
         color = f"C{i}"
@@ -580,15 +634,30 @@ def plot(records: list[dict], path: pathlib.Path) -> None:
             finals.append(vs[-1][1])
         ax_lb.plot(steps[k - 1:], smooth([r["load_balance_loss"] for r in rs]), color=color,
                    label=name)
+        if clock is not None:
+            tv = [(t, r["val_loss"]) for r, t in zip(rs, clock, strict=True) if "val_loss" in r]
+            if tv:
+                ax_t.plot(*zip(*tv, strict=True), "o-", color=color, label=f"{name} validation")
+            warm = [(t, 1e3 * r["step_s"]) for r, t in zip(rs, clock, strict=True)
+                    if not r.get("compiles")]
+            if warm:
+                ax_st.plot(*zip(*warm, strict=True), color=color, alpha=0.7, label=name)
     if finals:  # the first steps (loss ~5.5) would flatten everything after them
         ax.set_ylim(top=2.0 * max(finals))
+        ax_t.set_ylim(top=2.0 * max(finals))
     ax.set_ylabel("cross-entropy (nats / byte)")
     ax.set_title("Byte-level MoE LM on the Python standard library")
     ax.grid(alpha=0.3)
     ax.legend()
+    ax_t.set_title("validation loss against training time")
+    ax_t.grid(alpha=0.3)
+    ax_t.legend()
     ax_lb.set_xlabel("step")
     ax_lb.set_ylabel("load balance\n(1 = uniform)")
     ax_lb.grid(alpha=0.3)
+    ax_st.set_xlabel("training seconds (compilation and evaluation excluded)")
+    ax_st.set_ylabel("step time (ms)")
+    ax_st.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -720,12 +789,15 @@ def main(argv=None) -> int:
             results[name] = train_one(name, args, mesh, corpus, out, f)
     if not main_process:  # process 0 writes the metrics, the plot and the summary
         return 0
-    plot(read_metrics(metrics_path), out / "loss.png")
+    records = read_metrics(metrics_path)
+    plot(records, out / "loss.png")
+    race = time_to_adamw_loss(records)
     summary = {"args": vars(args), "mesh": dict(mesh.shape), "backend": jax.default_backend(),
                "processes": jax.process_count(),
                "device_kind": jax.devices()[0].device_kind,
                "params": lm_model.param_counts(model_config(args)),
-               "wall_s": time.perf_counter() - t0, "results": results}
+               "wall_s": time.perf_counter() - t0, "results": results,
+               "time_to_adamw_final_loss": race}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     for name, r in results.items():
         mfu = f"MFU {r['mfu']:.3f}" if r["mfu"] is not None else "MFU n/a"
@@ -739,6 +811,11 @@ def main(argv=None) -> int:
         d = results["adamw"]["final_val_loss"] - results["muon"]["final_val_loss"]
         print(f"Muon {'beats' if d > 0 else 'trails'} AdamW by {abs(d):.4f} nats/byte at "
               f"{args.steps} steps.")
+        if race and race["muon_time_to_adamw_final_loss_s"] is not None:
+            print(f"Muon reached AdamW's final validation loss after "
+                  f"{race['muon_time_to_adamw_final_loss_s']:.1f} s of training, "
+                  f"{race['muon_time_to_adamw_final_loss_fraction']:.2f}x AdamW's "
+                  f"{race['adamw_train_s']:.1f} s.")
     print(f"wrote {metrics_path}, {out / 'loss.png'}, {out / 'summary.json'}")
     return 0
 

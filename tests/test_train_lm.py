@@ -61,6 +61,26 @@ def test_trainer_writes_metrics_plot_and_summary(tmp_path, capsys):
         want = r["flops_per_token"] * r["tokens_per_s"] / (8 * 0.5e12)
         assert math.isclose(r["mfu"], want, rel_tol=1e-9), (name, r)
         assert r["lr"] == (summary["args"]["lr"] if name == "muon" else summary["args"]["adam_lr"])
+    race = summary["time_to_adamw_final_loss"]
+    adamw = [r for r in recs if r["optimizer"] == "adamw"]
+    assert race["adamw_final_val_loss"] == adamw[-1]["val_loss"]
+    assert race["adamw_train_s"] == pytest.approx(train_lm.train_seconds(adamw)[-1])
+
+
+def test_training_clock_excludes_compilation_and_finds_the_crossing():
+    recs = [{"optimizer": "muon", "step": 1, "step_s": 9.0, "compiles": True},
+            {"optimizer": "muon", "step": 2, "step_s": 1.0, "val_loss": 3.0},
+            {"optimizer": "muon", "step": 3, "step_s": 3.0, "compiles": True},  # a resume
+            {"optimizer": "muon", "step": 4, "step_s": 2.0, "val_loss": 1.5},
+            {"optimizer": "adamw", "step": 1, "step_s": 5.0, "compiles": True},
+            {"optimizer": "adamw", "step": 2, "step_s": 2.0, "val_loss": 2.0}]
+    muon = recs[:4]
+    np.testing.assert_allclose(train_lm.train_seconds(muon), [1.5, 2.5, 4.0, 6.0])
+    assert train_lm.time_to_loss(muon, 2.0) == 6.0 and train_lm.time_to_loss(muon, 1.0) is None
+    race = train_lm.time_to_adamw_loss(recs)
+    assert race["adamw_train_s"] == 4.0 and race["muon_time_to_adamw_final_loss_s"] == 6.0
+    assert race["muon_time_to_adamw_final_loss_fraction"] == 1.5
+    assert train_lm.time_to_adamw_loss(muon) is None
 
 
 def test_mfu_is_na_on_cpu_without_a_peak():

@@ -1,0 +1,170 @@
+"""Muon's speed on one GPU: Gram against standard Newton-Schulz, accuracy, and the trainer race.
+
+Measures, in this process, the distance of each form's result to the exact polar factor (SVD
+in float64 on the host) on random matrices of several aspect ratios and condition numbers and
+on gradient-like ones (power-law spectrum plus noise), bf16 operands, Jordan's 5 steps; reads
+the JSONs of ``muon_step.py`` runs (one per ``--ns-method``) and of trainer runs
+(``examples/train_lm.py`` summaries and metrics) made just before by the same command line
+(``benchmarks/run_muon_speed.sh``), and writes the headline ratios:
+
+- ``ns_time_ratio_vs_54b8671``: Muon update seconds of the fastest Gram run over 0.2905 s, the
+  1.62B-parameter update of tree 54b8671 on one H200 (and ``ns_time_ratio_vs_standard``:
+  over this run's standard one);
+- ``orthogonality_error_ratio_vs_standard``: the worst ratio of Gram's error to standard's;
+- ``muon_over_adamw_step_time``, ``muon_time_to_adamw_final_loss_fraction``: the trainer run
+  with both optimizers (training seconds, compilation and evaluation excluded);
+- ``loss_parity_delta``: final validation loss of the Muon run with ``--ns-method gram`` minus
+  that with ``--ns-method standard``.
+
+Usage:
+  python benchmarks/muon_speed.py --muon-step std.json gram.json --trainer RUN \\
+      --trainer-standard RUN_STD --out muon_speed.json
+  python benchmarks/muon_speed.py --small            # CPU: the accuracy part only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+BASELINE_54B8671_S = 0.2905  # one H200, 1.62B f32 params, standard NS, muon_step.py's 'muon'
+
+DESCRIPTION = __doc__.split("\n\n")[0] + """
+
+Writes (--out) a JSON with ns_time_ratio_vs_54b8671, ns_time_ratio_vs_standard,
+orthogonality_error_ratio_vs_standard, muon_over_adamw_step_time,
+muon_time_to_adamw_final_loss_fraction, loss_parity_delta, commit and the details."""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--small", action="store_true", help="CPU: small matrices, accuracy only")
+    p.add_argument("--muon-step", nargs="*", default=[],
+                   help="muon_step.py JSONs (their config says the ns_method)")
+    p.add_argument("--trainer", help="trainer --out directory of the run with both optimizers")
+    p.add_argument("--trainer-standard",
+                   help="trainer --out directory of a Muon run with --ns-method standard")
+    p.add_argument("--commit", default=None, help="recorded as is (default: git describe)")
+    p.add_argument("--out", default=None)
+    return p.parse_args(argv)
+
+
+def _matrices(small: bool):
+    """(name, matrix) pairs: aspect ratios from 1.5x to 4x, conditions 1e1..1e6, gradient-like."""
+    import numpy as np
+
+    base = 64 if small else 1024
+    shapes = [(base, int(base * r)) for r in (1.6, 2.69, 4.0)] + [(int(base * 2.69), base)]
+    for m, n in shapes:
+        p = min(m, n)
+        rng = np.random.default_rng(m * 7 + n)
+        u, _ = np.linalg.qr(rng.standard_normal((m, p)))
+        v, _ = np.linalg.qr(rng.standard_normal((n, p)))
+        for cond in (1e1, 1e3, 1e6):
+            yield f"{m}x{n} cond {cond:g}", (u * np.geomspace(1, 1 / cond, p)) @ v.T
+        s = np.arange(1, p + 1, dtype=np.float64) ** -1.5
+        yield f"{m}x{n} gradient-like", (u * s) @ v.T + 1e-3 * rng.standard_normal((m, n))
+
+
+def accuracy(small: bool) -> dict:
+    """Relative Frobenius distance to the polar factor of standard and Gram (bf16 operands)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import muon_jax
+
+    fns = {m: jax.jit(lambda x, m=m: muon_jax.orthogonalize(x, method=m)) for m in
+           ("standard", "gram")}
+    rows = []
+    for name, x in _matrices(small):
+        u, _, vt = np.linalg.svd(x, full_matrices=False)
+        want = u @ vt
+        errs = {}
+        for m, fn in fns.items():
+            got = np.asarray(fn(jnp.asarray(x, jnp.float32)), np.float64)
+            errs[m] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+        rows.append({"matrix": name, **errs, "ratio": errs["gram"] / errs["standard"]})
+        print(f"[accuracy] {name}: standard {errs['standard']:.4f} gram {errs['gram']:.4f} "
+              f"ratio {rows[-1]['ratio']:.3f}", flush=True)
+    return {"rows": rows, "worst_ratio": max(r["ratio"] for r in rows)}
+
+
+def _trainer(run: Path) -> dict:
+    summary = json.loads((run / "summary.json").read_text())
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+            if line.strip()]
+    step_ms = {}
+    for name in summary["results"]:
+        warm = [r["step_s"] for r in recs if r["optimizer"] == name and not r.get("compiles")]
+        step_ms[name] = 1e3 * statistics.median(warm) if warm else None
+    return {"summary": summary, "median_step_ms": step_ms}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    sys.path[:0] = [str(ROOT), str(HERE)]
+    from bench_util import env_info, write_json
+
+    t0 = time.perf_counter()
+    report: dict = {"benchmark": "muon_speed", "env": env_info(), "config": vars(args)}
+    if args.commit is None:
+        import subprocess
+        args.commit = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+                                     capture_output=True, text=True).stdout.strip() or None
+    report["commit"] = args.commit
+    report["accuracy"] = acc = accuracy(args.small)
+    report["orthogonality_error_ratio_vs_standard"] = acc["worst_ratio"]
+
+    steps = {}
+    for path in args.muon_step:
+        r = json.loads(Path(path).read_text())
+        cfg = r["config"]
+        label = cfg["ns_method"] + (f"_sym{cfg['symmetric_blocks']}"
+                                    if cfg.get("symmetric_blocks", 1) > 1 else "")
+        steps[label] = {"update_s": r.get("muon_step_seconds"),
+                        "ns_s": (r.get("ns_owner_share") or {}).get("seconds"),
+                        "limit_s": r["limit"]["seconds"], "file": path}
+    report["muon_step"] = steps
+    std = steps.get("standard", {}).get("update_s")
+    grams = {k: v["update_s"] for k, v in steps.items() if k != "standard" and v["update_s"]}
+    if grams:
+        best = min(grams, key=grams.get)
+        report["fastest_gram"] = best
+        report["ns_time_ratio_vs_54b8671"] = grams[best] / BASELINE_54B8671_S
+        report["ns_time_ratio_vs_standard"] = grams[best] / std if std else None
+    if args.trainer:
+        t = _trainer(Path(args.trainer))
+        report["trainer"] = t
+        ms = t["median_step_ms"]
+        if ms.get("muon") and ms.get("adamw"):
+            report["muon_over_adamw_step_time"] = ms["muon"] / ms["adamw"]
+        race = t["summary"].get("time_to_adamw_final_loss") or {}
+        report["muon_time_to_adamw_final_loss_fraction"] = race.get(
+            "muon_time_to_adamw_final_loss_fraction")
+        if args.trainer_standard:
+            s = _trainer(Path(args.trainer_standard))
+            report["trainer_standard"] = s
+            report["muon_over_adamw_step_time_standard_ns"] = (
+                s["median_step_ms"]["muon"] / ms["adamw"] if ms.get("adamw") else None)
+            report["loss_parity_delta"] = (t["summary"]["results"]["muon"]["final_val_loss"]
+                                           - s["summary"]["results"]["muon"]["final_val_loss"])
+    report["seconds"] = time.perf_counter() - t0
+    write_json(args.out, report)
+    keys = ("ns_time_ratio_vs_54b8671", "ns_time_ratio_vs_standard",
+            "orthogonality_error_ratio_vs_standard", "muon_over_adamw_step_time",
+            "muon_time_to_adamw_final_loss_fraction", "loss_parity_delta")
+    for k in keys:
+        print(f"{k}: {report.get(k)}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
