@@ -79,8 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--d-ff", type=int, help="11008; small 176")
     p.add_argument("--ns-steps", type=int, default=5)
     p.add_argument("--ns-method", choices=("auto", "standard", "gram"), default="auto",
-                   help="muon_jax's Newton-Schulz form (scale_by_muon's ns_method; auto: the "
-                        "Gram form for the wide matrices on GPUs)")
+                   help="muon_jax's Newton-Schulz form (scale_by_muon's ns_method)")
     p.add_argument("--symmetric-blocks", type=int, default=1,
                    help="GramOptions.symmetric_blocks of the Gram form (1: plain matmuls)")
     p.add_argument("--param-dtype", choices=("bf16", "f32"), default="bf16",

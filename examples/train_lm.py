@@ -195,8 +195,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(muon_jax.muon's gather_dtype; bfloat16 halves those bytes)")
     p.add_argument("--ns-method", choices=get_args(muon_jax.newton_schulz.NsMethod),
                    default="auto",
-                   help="Muon's Newton-Schulz: standard, its Gram form, or auto (Gram for wide "
-                        "matrices with bf16 operands on GPUs; muon_jax.muon's ns_method)")
+                   help="Muon's Newton-Schulz: standard, its Gram form, or auto (standard "
+                        "today; muon_jax.muon's ns_method)")
     p.add_argument("--weight-decay", type=float, default=0.01, help="decoupled, both optimizers")
     p.add_argument("--warmup", type=int, default=20, help="linear warmup steps, then cosine")
     p.add_argument("--aux-loss", type=float, default=0.01, help="load-balancing loss weight")

@@ -71,15 +71,14 @@ def resolve_ns_method(method: NsMethod, m: int, n: int, dtype: jax.typing.DTypeL
                       single_triple: bool = True) -> str:
     """``'standard'`` or ``'gram'``: what ``method`` means for an ``[m, n]`` matrix.
 
-    ``'auto'`` takes the Gram form only where all of these hold: it needs fewer FLOPs
-    (:func:`ns_flops`: exactly when ``max(m, n) > 1.5 min(m, n)``, whatever the step count and
-    restarts); the matmul operands are narrower than 32 bits (float32 or complex operands ask
-    for accuracy and get the standard iteration that optax and the reference implementations
-    run); the schedule repeats one triple (``single_triple``: the per-step schedules
-    ``'polar_express'`` and ``'dion'`` open with steep polynomials whose accumulated product
-    the Gram form cannot carry as accurately, see ``tests/test_gram_ns.py``); and the default
-    backend is a GPU (its tensor cores run the float16 products of :class:`GramOptions` at the
-    bfloat16 rate, which TPUs and CPUs do not).
+    ``'auto'`` is the standard iteration for now. The Gram form needs fewer FLOPs exactly when
+    ``max(m, n) > 1.5 min(m, n)`` (:func:`ns_flops`), but with XLA's matmuls its many small
+    ``[p, p]`` products and elementwise passes have not run faster than the standard form on
+    a GPU (BENCHMARKS.md, Muon); ``'auto'`` will take it where a measurement shows it winning
+    (a symmetric-tile GPU kernel). Where it may later apply it needs: operands narrower than
+    32 bits, one repeated triple (``single_triple``: per-step schedules such as
+    ``'polar_express'`` open with steep polynomials the Gram form carries less accurately, see
+    ``tests/test_gram_ns.py``), and a GPU (float16 products at the bfloat16 rate).
 
     >>> resolve_ns_method('standard', 1024, 4096, 'bfloat16')
     'standard'
@@ -88,11 +87,8 @@ def resolve_ns_method(method: NsMethod, m: int, n: int, dtype: jax.typing.DTypeL
         raise ValueError(f"ns_method={method!r} is not supported; use one of {NS_METHODS}.")
     if method != "auto":
         return method
-    dt = jnp.dtype(dtype)
-    narrow = not jnp.issubdtype(dt, jnp.complexfloating) and jnp.finfo(dt).bits < 32
-    wins = 2 * max(m, n) > 3 * min(m, n)
-    return "gram" if (narrow and wins and single_triple
-                      and jax.default_backend() == "gpu") else "standard"
+    del m, n, dtype, single_triple  # the conditions above, for when auto may pick Gram
+    return "standard"
 
 JORDAN_COEFFS: Coeffs = (3.4445, -4.7750, 2.0315)
 """Keller Jordan's quintic, used at every step (modded-nanogpt, 2024); optax calls it

@@ -231,9 +231,8 @@ def scale_by_muon(
         those bytes for f32 gradients at a relative rounding of 2^-9 per element of an
         update whose entries are all about the same size (orthogonal rows).
       ns_method: ``'standard'`` Newton-Schulz, its ``'gram'`` form (iterates on ``X X^T``,
-        fewer FLOPs for matrices more than 1.5x as wide as tall), or ``'auto'`` (the Gram
-        form where :func:`muon_jax.newton_schulz.resolve_ns_method` says it wins: bf16
-        operands, a repeated triple, on GPUs). Same on the sharded path: each owner runs it
+        fewer FLOPs for matrices more than 1.5x as wide as tall), or ``'auto'`` (today the
+        standard form: see :func:`muon_jax.newton_schulz.resolve_ns_method`). Same on the sharded path: each owner runs it
         on its own matrices.
       ns_gram: restarts, symmetric blocks and operand dtype of the Gram form
         (:class:`muon_jax.newton_schulz.GramOptions`).
