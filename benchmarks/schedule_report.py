@@ -9,10 +9,12 @@ two and eight such hosts), with XLA's overlap options, and replays each schedule
 * the MoE layer's train step (forward + backward, FP8 wires, capacity 1.25) at EP=8, shape
   set A (8192 tokens per device, d 2048, d_ff 1024, 32 experts, top-2) and B (d 4096, d_ff
   2048, 64 experts, top-8), dense and dropless, for each ``--chunks`` count of
-  ``overlap_chunks``; shape A also over 16 GPUs (2 hosts; the expert axis across both, or
-  within each host with the hosts data parallel) and 64 (8 hosts);
+  ``overlap_chunks``; A's per-device work (8192 tokens, 4 local experts: 64 experts over 16
+  GPUs, 256 over 64) also over 16 GPUs (2 hosts; the expert axis across both, or within each
+  host with the hosts data parallel) and 64 (8 hosts);
 * sharded Muon on 8 GPUs, the 1.6B set of ``benchmarks/muon_step.py`` (f32 params), with the
-  updates gathered in f32 and in bf16;
+  updates gathered in f32 and in bf16, for each ``--muon-chunk-bytes`` value of ``chunk_bytes``
+  (0: the library default, one collective per stack and direction);
 * ``examples/train_lm.py``'s step with its GPU preset on meshes (1, 8) and (2, 4).
 
 On the one real GPU it also times the MoE layer at shape A's per-device work (EP=1, the 4
@@ -92,6 +94,9 @@ def parse_args(argv=None):
     p.add_argument("--inter-host-gbps", type=float, default=50.0)
     p.add_argument("--budget", type=float, default=500.0,
                    help="seconds after which the remaining cases are skipped")
+    p.add_argument("--muon-chunk-bytes", default="0,1",
+                   help="chunk_bytes values of the Muon cases (0: the default, one collective "
+                        "per stack; 1: one matrix per device per chunk)")
     p.add_argument("--only", default=None, help="comma-separated case groups: "
                    "moe8,moe8b,muon,train,moe16,moe64,gpu1")
     return p.parse_args(argv)
@@ -314,7 +319,7 @@ def main(argv=None) -> dict:
         run_case("gpu1_layer", gpu1)
 
     # ---------------------------------------------------------------- sharded Muon
-    def muon_compiled(mesh, gather_dtype):
+    def muon_compiled(mesh, gather_dtype, chunk_bytes):
         layers, d, f = (2, 128, 352) if a.small else (8, 4096, 11008)
         shapes_ = {"wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d), "w_gate": (d, f),
                    "w_up": (d, f), "w_down": (f, d)}
@@ -325,7 +330,8 @@ def main(argv=None) -> dict:
         dsh = NamedSharding(mesh, P("data"))
         data = jax.tree.map(lambda p: jax.ShapeDtypeStruct((ndev, *p.shape), jnp.float32,
                                                            sharding=dsh), params)
-        tx = muon_jax.muon(0.02, mesh=mesh, gather_dtype=gather_dtype)
+        tx = muon_jax.muon(0.02, mesh=mesh, gather_dtype=gather_dtype,
+                           chunk_bytes=chunk_bytes or None)
         state = jax.eval_shape(tx.init, params)
 
         def loss(p, data):
@@ -344,9 +350,13 @@ def main(argv=None) -> dict:
 
     if "muon" in groups:
         dp8 = mesh_for("1x8x1", (8,), ("data",))
-        for gd, label in ((None, "f32"), (jnp.bfloat16, "bf16")):
-            name = f"muon_dp8_{label}_gather"
-            run_case(name, lambda gd=gd, name=name: record(name, muon_compiled(dp8, gd)))
+        for cb in (int(v) for v in a.muon_chunk_bytes.split(",")):
+            for gd, label in ((None, "f32"), (jnp.bfloat16, "bf16")):
+                name = f"muon_dp8_{label}_gather" + (f"_chunk{cb}" if cb else "")
+                extra = {"gather_dtype": label, "chunk_bytes": cb or None}
+                report_extra[name] = extra
+                run_case(name, lambda gd=gd, cb=cb, name=name, extra=extra: record(
+                    name, muon_compiled(dp8, gd, cb), extra))
 
     # ---------------------------------------------------------------- past one host
     for group, topo, ndev in (("moe16", "2x8x1", 16), ("moe64", "8x8x1", 64)):
@@ -355,19 +365,27 @@ def main(argv=None) -> dict:
         if a.small:  # 8 CPU devices as 2 "hosts" of 4 (Hardware.devices_per_host above)
             topo, ndev = "cpu", 8
         mesh = mesh_for(topo, (1, ndev), ("data", "expert"))
+        # A's per-device work at every size (its 4 local experts per device, 8192 tokens), so
+        # the programs differ only in where the exchange goes; A itself has too few experts
+        # (32) for a 64-device expert axis.
+        s_multi = dataclasses.replace(shapes["A"],
+                                      experts=shapes["A"].experts // 8 * (8 if a.small else ndev))
         for c in sorted({1, defaults["dense"], max(chunk_list)}):
             name = f"moe_ep{ndev if not a.small else group[3:]}_A_dense_chunks{c}"
-            run_case(name, lambda mesh=mesh, c=c, name=name, topo=topo: record(
-                name, moe_compiled(mesh, shapes["A"], "dense", c),
-                {"topology": topo, "placement": "expert axis over every host", "chunks": c}))
+            extra = {"topology": topo, "placement": "expert axis over every host", "chunks": c,
+                     "shape": dataclasses.asdict(s_multi)}
+            report_extra[name] = extra
+            run_case(name, lambda mesh=mesh, c=c, name=name, extra=extra: record(
+                name, moe_compiled(mesh, s_multi, "dense", c), extra))
         if group == "moe16":  # experts within a host, the hosts data parallel
             mesh = mesh_for(topo, (2, ndev // 2), ("data", "expert"))
             c = defaults["dense"]
             name = f"moe_ep8x2hosts_A_dense_chunks{c}"
-            run_case(name, lambda mesh=mesh, c=c, name=name, topo=topo: record(
-                name, moe_compiled(mesh, shapes["A"], "dense", c),
-                {"topology": topo, "placement": "expert axis within a host, data across",
-                 "chunks": c}))
+            extra = {"topology": topo, "placement": "expert axis within a host, data across",
+                     "chunks": c, "shape": dataclasses.asdict(shapes["A"])}
+            report_extra[name] = extra
+            run_case(name, lambda mesh=mesh, c=c, name=name, extra=extra: record(
+                name, moe_compiled(mesh, shapes["A"], "dense", c), extra))
 
     # ---------------------------------------------------------------- the trainer's step
     def train_compiled(mesh_shape):
@@ -443,6 +461,8 @@ def main(argv=None) -> dict:
         "moe_ep8_B_dropless_exposed_fraction": frac(f"moe_ep8_B_dropless_chunks{dl}"),
         "muon_dp8_exposed_fraction": frac("muon_dp8_f32_gather"),
         "muon_dp8_bf16_gather_exposed_fraction": frac("muon_dp8_bf16_gather"),
+        "muon_dp8_chunked_exposed_fraction": frac("muon_dp8_f32_gather_chunk1"),
+        "muon_dp8_bf16_gather_chunked_exposed_fraction": frac("muon_dp8_bf16_gather_chunk1"),
         "train_step_ep8_exposed_fraction": frac("train_step_mesh1x8"),
         "train_step_2x4_exposed_fraction": frac("train_step_mesh2x4"),
         "moe_ep16_exposed_fraction": frac(f"moe_ep16_A_dense_chunks{dn}"),

@@ -651,7 +651,8 @@ def plot(records: list[dict], path: pathlib.Path) -> None:
     ax.legend()
     ax_t.set_title("validation loss against training time")
     ax_t.grid(alpha=0.3)
-    ax_t.legend()
+    if ax_t.lines:  # runs without step times (or without evaluations) leave it empty
+        ax_t.legend()
     ax_lb.set_xlabel("step")
     ax_lb.set_ylabel("load balance\n(1 = uniform)")
     ax_lb.grid(alpha=0.3)
