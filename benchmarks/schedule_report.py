@@ -452,8 +452,8 @@ def main(argv=None) -> dict:
             extra = {"topology": topo, "placement": "expert axis over every host", "chunks": c,
                      "shape": dataclasses.asdict(s_multi)}
             report_extra[name] = extra
-            run_case(name, lambda mesh=mesh, c=c, name=name, extra=extra: record(
-                name, moe_compiled(mesh, s_multi, "dense", c), extra))
+            run_case(name, lambda mesh=mesh, c=c, name=name, extra=extra, s=s_multi: record(
+                name, moe_compiled(mesh, s, "dense", c), extra))
         if group == "moe16":  # experts within a host, the hosts data parallel
             mesh = mesh_for(topo, (2, ndev // 2), ("data", "expert"))
             c = defaults["dense"]

@@ -67,6 +67,11 @@ class GramOptions:
             raise ValueError(f"GramOptions.symmetric_blocks must be an int >= 1, got {b!r}.")
 
 
+DEFAULT_GRAM = GramOptions()
+"""The Gram form's default options (restart after step 2, no symmetric blocks, float16 for
+bf16 inputs), shared as the default argument of every function that takes them."""
+
+
 def resolve_ns_method(method: NsMethod, m: int, n: int, dtype: jax.typing.DTypeLike, *,
                       single_triple: bool = True) -> str:
     """``'standard'`` or ``'gram'``: what ``method`` means for an ``[m, n]`` matrix.
@@ -210,7 +215,7 @@ def orthogonalize(
     dtype: jax.typing.DTypeLike = jnp.bfloat16,
     preconditioning: Preconditioning = "frobenius",
     method: NsMethod = "auto",
-    gram: GramOptions = GramOptions(),
+    gram: GramOptions = DEFAULT_GRAM,
 ) -> jax.Array:
     r"""Approximate the polar factor of each matrix in a batch by Newton-Schulz iteration.
 
@@ -419,7 +424,7 @@ def _gram_steps(y, r, steps, restarts, *, mm, mms, ht):
 
 
 def ns_flops(m: int, n: int, ns_steps: int, *, method: Literal["standard", "gram"] = "standard",
-             gram: GramOptions = GramOptions()) -> int:
+             gram: GramOptions = DEFAULT_GRAM) -> int:
     r"""Matmul FLOPs of :func:`orthogonalize` on one ``[m, n]`` matrix.
 
     With ``p = min(m, n)`` and ``q = max(m, n)`` (the iteration runs on the wide orientation),

@@ -37,7 +37,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from muon_jax import owners
-from muon_jax.transform import ShardedMuonState
+from muon_jax.sharded_step import ShardedMuonState
 
 __all__ = [
     "PortableMuonState",

@@ -32,8 +32,9 @@ def symmetric_matmul(
       C_{i, j} = u_i v_{:, j} \quad (j \ge i), \qquad C_{j, i} = C_{i, j}^H .
 
     Blocks off the diagonal mirror each other exactly; the diagonal blocks are as computed. The
-    result equals ``u @ v`` when that is Hermitian, up to rounding. Nothing checks that it is: a non-Hermitian product
-    silently becomes the Hermitian matrix with the same upper block triangle.
+    result equals ``u @ v`` when that is Hermitian, up to rounding. Nothing checks that it is:
+    a non-Hermitian product silently becomes the Hermitian matrix with the same upper block
+    triangle.
 
     Args:
       u: ``[..., p, r]``.
