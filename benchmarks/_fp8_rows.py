@@ -17,7 +17,7 @@ same run (dense bf16 and dense FP8 [8192]^3 matmuls). Rows:
    backend (``_recipe`` names the recipe and backend; ``experts_fp8_speedup_by_backend`` has
    every backend's), ``..._vs_fastest_bf16`` the fastest FP8 time against the fastest bf16
    time of any backend. ``--breakdown`` traces 3 steps of every row with ``jax.profiler`` and
-   stores where the device time goes (`xla_comm.trace.op_breakdown`).
+   stores where the device time goes (`xla_comm.breakdown.op_breakdown`).
 3. ``layer``: `moe.moe_apply` forward + backward on one device for each of
    ``--layer-transports`` (16k tokens, d 4096, d_ff 2048, 16 experts, top-2), bf16 vs FP8
    (dispatch + the GEMMs of ``--layer-recipe``), each FP8 row with its worst cosine / relative
@@ -40,7 +40,8 @@ from bench_util import accuracy, group_sizes, padded_layout, record
 
 import moe
 from moe import _gmm_mosaic, _gmm_pallas, _grouped
-from xla_comm.trace import op_breakdown, trace_steps
+from xla_comm.breakdown import op_breakdown
+from xla_comm.trace import trace_steps
 
 F8 = jnp.float8_e4m3fn
 EXPERT_CASES = {  # --cases name: (layout, backend, routing)

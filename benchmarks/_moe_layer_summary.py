@@ -3,7 +3,7 @@ no command line)."""
 
 from __future__ import annotations
 
-from xla_comm.trace import format_table
+from xla_comm.breakdown import format_table
 
 
 def dropless_summary(report, *, capacity: str, dropless: str, ragged: str,
@@ -83,7 +83,7 @@ def print_table(report):
            if isinstance(r.get("breakdown"), dict) and "us_per_step" in r["breakdown"]}
     if bds:
         print("\nop breakdown per step (summed over devices; jax.profiler trace, "
-              "xla_comm.trace):")
+              "xla_comm.breakdown):")
         print(format_table(bds))
     print("\ndropless summary:")
     for k, v in report.get("dropless", {}).items():

@@ -27,7 +27,7 @@ capacity padding are not subtracted.
 ``--profile DIR`` traces ``--profile-steps`` steps of each variant into DIR/<variant> and
 stores, per variant, how much collective time the trace leaves exposed (``overlap``;
 `xla_comm.trace.exposed_comm_fraction`) and where the device time goes (``breakdown``: the
-`xla_comm.trace.op_breakdown` of the trace with the step's compiled HLO,
+`xla_comm.breakdown.op_breakdown` of the trace with the step's compiled HLO,
 regions ``LM_REGIONS``: optimizer, attention (QK^T, softmax, PV), shared_experts, experts (the
 expert GEMMs forward / dgrad / wgrad and their quantization), dispatch_combine (router,
 dispatch plan and exchange, combine), moe_other (the rest of the MoE layer's shard_map: SwiGLU,
@@ -77,13 +77,13 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import muon_jax  # noqa: E402
-from xla_comm.trace import (  # noqa: E402
+from xla_comm.breakdown import (  # noqa: E402
     LM_KERNEL_REGIONS,
     LM_REGIONS,
-    exposed_comm_fraction,
     format_regions,
     op_breakdown,
 )
+from xla_comm.trace import exposed_comm_fraction  # noqa: E402
 
 AXES = ("data", "expert")
 _BF16, _FWD_DGRAD, _ALL = ("bf16",) * 3, ("fp8", "fp8", "bf16"), ("fp8",) * 3
@@ -363,7 +363,7 @@ def main(a) -> dict:
     bds = {r["variant"]: r["breakdown"] for r in report["steps"]
            if "us_per_region" in r.get("breakdown", {})}
     if len(bds) > 1:
-        print("\ndevice time per region (summed over devices; xla_comm.trace):")
+        print("\ndevice time per region (summed over devices; xla_comm.breakdown):")
         print(format_regions(bds))
     write_json(a.out, report)
     if a.out:

@@ -31,7 +31,7 @@ bucket the step took) / forward time.
 
 Op breakdown: ``jax.profiler`` traces of ``--profile-steps`` steps of the variants in
 ``--breakdown-variants`` (both routings), summed per op category by
-`xla_comm.trace.op_breakdown` (sort, gathers/scatters, exchange, GEMMs, combine, ...), printed
+`xla_comm.breakdown.op_breakdown` (sort, gathers/scatters, exchange, GEMMs, combine, ...), printed
 as a table and stored under ``breakdown``; the same traces give the fraction of NCCL time
 hidden under compute (`xla_comm.trace.exposed_comm_fraction`). ``--profile-variants`` are
 traced for the latter only. Variants ending in ``_overlap`` are the same step compiled with
@@ -105,7 +105,8 @@ from bench_util import (  # noqa: E402
 
 import moe  # noqa: E402
 from xla_comm import overlap as moverlap  # noqa: E402
-from xla_comm.trace import exposed_comm_fraction, op_breakdown, trace_steps  # noqa: E402
+from xla_comm.breakdown import op_breakdown  # noqa: E402
+from xla_comm.trace import exposed_comm_fraction, trace_steps  # noqa: E402
 
 BOTH = ("bf16", "fp8")
 # name stem: (transport, expert backend, wires). The dropless transport (bucketed all_to_all)

@@ -1,4 +1,4 @@
-"""benchmarks/moe_layer_bench.py --small end to end (CPU), and xla_comm.trace's op breakdown on
+"""benchmarks/moe_layer_bench.py --small end to end (CPU), and xla_comm.breakdown's op breakdown on
 a real trace."""
 
 import json
@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import moe
-from xla_comm.trace import (
+from xla_comm.breakdown import (
     CATEGORIES,
     LM_REGIONS,
     REST,

@@ -4,7 +4,7 @@ They run only on a Hopper GPU (``benchmarks/quant_bench.py`` compares their byte
 with the Triton kernels and XLA there). Here: they lower for CUDA on both supported shapes and
 dtypes, the expert layer picks them (or Triton, or XLA) by shape and platform, off GPU the
 dispatch gives the reference bytes, the activations' traceable sigmoid matches
-``jax.nn.sigmoid``, and the trace breakdown (`xla_comm.trace`) tells the new kernels' names
+``jax.nn.sigmoid``, and the trace breakdown (`xla_comm.breakdown`) tells the new kernels' names
 apart.
 """
 
@@ -22,7 +22,7 @@ from moe import _quant_pallas as qp
 from moe import _wire_mosaic as wm
 from moe._platform import prefer_mosaic_gpu
 from moe.activations import GatedActivation
-from xla_comm.trace import LM_KERNEL_REGIONS, REST, kernel_category, kernel_region
+from xla_comm.breakdown import LM_KERNEL_REGIONS, REST, kernel_category, kernel_region
 
 S = jax.ShapeDtypeStruct
 F8 = jnp.float8_e4m3fn

@@ -2,8 +2,10 @@
 
 `xla_comm.hlo` reads the collectives of an HLO module (kind, bytes, group size, ring cost,
 while-loop membership, overlap with compute); `xla_comm.overlap` builds the XLA:GPU options
-that let async collectives overlap compute; `xla_comm.trace` reads `jax.profiler` traces
-(collective time left exposed by compute, device time per op category and named-scope region).
+that let async collectives overlap compute; `xla_comm.schedule` replays a compiled schedule in
+time (exposed communication predicted); `xla_comm.trace` reads `jax.profiler` traces (collective
+time left exposed by compute) and `xla_comm.breakdown` their device time per op category and
+named-scope region.
 Both packages of this distribution (`muon_jax`, `moe`), their tests, benchmarks and notebooks
 use them.
 
@@ -15,6 +17,6 @@ Example:
   0
 """
 
-from xla_comm import hlo, overlap, trace
+from xla_comm import breakdown, hlo, overlap, schedule, trace
 
-__all__ = ["hlo", "overlap", "trace"]
+__all__ = ["breakdown", "hlo", "overlap", "schedule", "trace"]
