@@ -270,6 +270,22 @@ def main(argv=None) -> dict:
                   for k, v in files.items()}
     report["replayed"] = sorted(replay)
 
+    def save():
+        """Write the report so far, summary keys included, and pack the modules written so
+        far: a run cut short by a time limit keeps everything up to its last case."""
+        if hlo_dir and a.hlo_tar:  # one file to carry home: the smallest modules first
+            import tarfile
+            files = sorted(hlo_dir.glob("*.hlo.gz"), key=lambda f: f.stat().st_size)
+            total = 0
+            with tarfile.open(a.hlo_tar, "w") as tar:
+                for f in files:
+                    if total + f.stat().st_size > 15 * 2**20:
+                        break
+                    tar.add(f, arcname=f.name)
+                    total += f.stat().st_size
+            report["hlo_tar"] = {"path": a.hlo_tar, "bytes": total}
+        write_json(a.out, summarize(report, defaults))
+
     def record(name, compiled, extra=None):
         rep = schedule.schedule_report(compiled, hw)
         out = {"all": rep.summary(), "all_to_all": rep.summary(("all-to-all",)),
@@ -286,7 +302,7 @@ def main(argv=None) -> dict:
               f"(payload all-to-alls {pa['exposed_fraction']:.3f}, with GEMMs "
               f"{pa['windows_with_gemm']}/{pa['windows']}); step {out['all']['step_us']:.0f} us",
               flush=True)
-        write_json(a.out, report)
+        save()
         return out
 
     def run_case(name, fn):
@@ -391,7 +407,7 @@ def main(argv=None) -> dict:
             print(f"[{time.perf_counter() - t0:5.0f}s] 1 GPU: chunks 1 {med[1] * 1e3:.3f} ms, "
                   f"2 {med[2] * 1e3:.3f} ms ({med[2] / med[1]:.3f}x); predicted "
                   f"{pred[1] * 1e3:.3f} ms (error {pred[1] / med[1] - 1:+.1%})", flush=True)
-            write_json(a.out, report)
+            save()
 
         run_case("gpu1_layer", gpu1)
 
@@ -523,21 +539,10 @@ def main(argv=None) -> dict:
         run_case(name, lambda: None)
 
     # ---------------------------------------------------------------- headline keys
-    report = summarize(report, defaults)
-    head = {k: report[k] for k in HEADLINE if k in report}
-    if hlo_dir and a.hlo_tar:  # one file to carry home: the smallest modules first
-        import tarfile
-        files, total = sorted(hlo_dir.glob("*.hlo.gz"), key=lambda f: f.stat().st_size), 0
-        with tarfile.open(a.hlo_tar, "w") as tar:
-            for f in files:
-                if total + f.stat().st_size > 15 * 2**20:
-                    break
-                tar.add(f, arcname=f.name)
-                total += f.stat().st_size
-        report["hlo_tar"] = {"path": a.hlo_tar, "bytes": total}
     report["elapsed_seconds"] = time.perf_counter() - t0
-    write_json(a.out, report)
-    print(json.dumps(head, indent=1))
+    save()
+    report = summarize(report, defaults)
+    print(json.dumps({k: report[k] for k in HEADLINE}, indent=1))
     return report
 
 
