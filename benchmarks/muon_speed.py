@@ -127,8 +127,8 @@ def main(argv=None) -> dict:
     for path in args.muon_step:
         r = json.loads(Path(path).read_text())
         cfg = r["config"]
-        label = cfg["ns_method"] + (f"_sym{cfg['symmetric_blocks']}"
-                                    if cfg.get("symmetric_blocks", 1) > 1 else "")
+        blocks = int(r.get("ns_symmetric_blocks") or cfg.get("symmetric_blocks", 1))
+        label = cfg["ns_method"] + (f"_sym{blocks}" if blocks > 1 else "")
         steps[label] = {"update_s": r.get("muon_step_seconds"),
                         "ns_s": (r.get("ns_owner_share") or {}).get("seconds"),
                         "limit_s": r["limit"]["seconds"], "file": path}

@@ -80,8 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ns-steps", type=int, default=5)
     p.add_argument("--ns-method", choices=("auto", "standard", "gram"), default="auto",
                    help="muon_jax's Newton-Schulz form (scale_by_muon's ns_method)")
-    p.add_argument("--symmetric-blocks", type=int, default=1,
-                   help="GramOptions.symmetric_blocks of the Gram form (1: plain matmuls)")
+    p.add_argument("--symmetric-blocks", default="auto",
+                   help="muon_jax's ns_symmetric_blocks: row strips of Newton-Schulz's symmetric "
+                        "products (1: plain matmuls; default auto: 4 on a GPU, else 1)")
     p.add_argument("--param-dtype", choices=("bf16", "f32"), default="bf16",
                    help="dtype of the params, gradients and the all-reduce (default bf16)")
     p.add_argument("--ceiling-n", type=int, help="dense matmul size (8192; small 256)")
@@ -251,8 +252,10 @@ def main(argv=None) -> dict:
             fsdp_data = jax.device_put(data, NamedSharding(auto_mesh, P("data")))
         return fsdp_params, fsdp_data
 
-    ns_kw = {"ns_method": args.ns_method,
-             "ns_gram": newton_schulz.GramOptions(symmetric_blocks=args.symmetric_blocks)}
+    blocks = newton_schulz.resolve_symmetric_blocks(
+        args.symmetric_blocks if args.symmetric_blocks == "auto" else int(args.symmetric_blocks))
+    report["ns_symmetric_blocks"] = blocks
+    ns_kw = {"ns_method": args.ns_method, "ns_symmetric_blocks": blocks}
     for name in args.variants:
         if name in MUON_DP:
             kw = {"chunk_bytes": args.chunk_bytes} if name == "muon_chunked" else {}
@@ -295,7 +298,7 @@ def main(argv=None) -> dict:
             ns_only = jax.shard_map(
                 lambda xs: [muon_jax.orthogonalize(x, ns_steps=args.ns_steps,
                                                    method=ns_kw["ns_method"],
-                                                   gram=ns_kw["ns_gram"])
+                                                   symmetric_blocks=blocks)
                             .astype(jnp.bfloat16) for x in xs],
                 mesh=mesh, in_specs=P("data"), out_specs=P("data"))
             t0 = time.perf_counter()
@@ -303,7 +306,7 @@ def main(argv=None) -> dict:
             sec, _ = median_seconds(compiled, (xs,), args.warmup, args.iters)
             del xs
             flops = sum(s.k_owner * newton_schulz.ns_flops(
-                s.m, s.n, args.ns_steps, gram=ns_kw["ns_gram"], method=newton_schulz
+                s.m, s.n, args.ns_steps, symmetric_blocks=blocks, method=newton_schulz
                 .resolve_ns_method(args.ns_method, s.m, s.n, jnp.bfloat16)) for s in plan.stacks)
             report["ns_owner_share"] = {
                 "seconds": sec, "tflops": flops / sec / 1e12,

@@ -29,6 +29,13 @@ Preconditioning = Literal["frobenius", "spectral", "aol", "schatten"]
 PRECONDITIONINGS: tuple[str, ...] = get_args(Preconditioning)
 NsMethod = Literal["auto", "standard", "gram"]
 NS_METHODS: tuple[str, ...] = get_args(NsMethod)
+SymmetricBlocks: TypeAlias = int | Literal["auto"]
+"""Row strips of the products known to be symmetric (:func:`resolve_symmetric_blocks`)."""
+
+AUTO_SYMMETRIC_BLOCKS: dict[str, int] = {"gpu": 4}
+"""``symmetric_blocks='auto'`` by backend (others: 1, plain matmuls). On a GPU the tiles the
+strips skip pay for their extra, smaller matmuls and the mirroring pass (docs/benchmark_log.md,
+Muon step and Newton-Schulz); 8 strips were no faster than 4. Elsewhere it is not measured."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +46,6 @@ class GramOptions:
       restarts: steps (1-based) after which ``X`` is rebuilt from the accumulated polynomial
         and the Gram matrix recomputed from it. Entries ``>= ns_steps`` change nothing, so
         the default also serves short schedules. ``()`` is the naive Gram iteration.
-      symmetric_blocks: row strips of :func:`muon_jax.symmetric.symmetric_matmul` for the
-        products known to be symmetric (1: plain matmuls).
       dtype: matmul operand dtype of the Gram form; ``None``: float16 where
         :func:`orthogonalize`'s ``dtype`` is bfloat16, else that ``dtype``. The product
         ``Q`` of a segment's polynomials scales the small singular directions up by the
@@ -53,7 +58,6 @@ class GramOptions:
     """
 
     restarts: tuple[int, ...] = (2,)
-    symmetric_blocks: int = 1
     dtype: jax.typing.DTypeLike | None = None
 
     def __post_init__(self):
@@ -62,14 +66,28 @@ class GramOptions:
             raise ValueError(f"GramOptions.restarts must be step numbers >= 1, got {r!r}; "
                              "e.g. (2,) rebuilds X after the second step.")
         object.__setattr__(self, "restarts", tuple(sorted({int(t) for t in r})))
-        b = self.symmetric_blocks
-        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-            raise ValueError(f"GramOptions.symmetric_blocks must be an int >= 1, got {b!r}.")
 
 
 DEFAULT_GRAM = GramOptions()
-"""The Gram form's default options (restart after step 2, no symmetric blocks, float16 for
-bf16 inputs), shared as the default argument of every function that takes them."""
+"""The Gram form's default options (restart after step 2, float16 for bf16 inputs), shared as
+the default argument of every function that takes them."""
+
+
+def resolve_symmetric_blocks(blocks: SymmetricBlocks, platform: str | None = None) -> int:
+    """The row strips :func:`muon_jax.symmetric.symmetric_matmul` uses for ``blocks``.
+
+    ``'auto'``: :data:`AUTO_SYMMETRIC_BLOCKS` for ``platform`` (default: JAX's default
+    backend), else 1; an int ``>= 1`` as given.
+
+    >>> resolve_symmetric_blocks(3), resolve_symmetric_blocks('auto', 'gpu')
+    (3, 4)
+    """
+    if blocks == "auto":
+        return AUTO_SYMMETRIC_BLOCKS.get(platform or jax.default_backend(), 1)
+    if isinstance(blocks, bool) or not isinstance(blocks, int | np.integer) or blocks < 1:
+        raise ValueError(f"symmetric_blocks must be an int >= 1 or 'auto', got {blocks!r}; "
+                         "1 computes every tile (plain matmuls).")
+    return int(blocks)
 
 
 def resolve_ns_method(method: NsMethod, m: int, n: int, dtype: jax.typing.DTypeLike, *,
@@ -216,6 +234,7 @@ def orthogonalize(
     preconditioning: Preconditioning = "frobenius",
     method: NsMethod = "auto",
     gram: GramOptions = DEFAULT_GRAM,
+    symmetric_blocks: SymmetricBlocks = "auto",
 ) -> jax.Array:
     r"""Approximate the polar factor of each matrix in a batch by Newton-Schulz iteration.
 
@@ -269,6 +288,14 @@ def orthogonalize(
       dtype: dtype of the matmul operands (``jnp.bfloat16`` for speed, ``jnp.float32`` for
         accuracy).
       preconditioning: ``'frobenius'``, ``'spectral'``, ``'aol'`` or ``'schatten'`` (above).
+      method: ``'standard'``, ``'gram'`` (the iteration on ``X X^T``, :class:`GramOptions`)
+        or ``'auto'`` (:func:`resolve_ns_method`).
+      gram: the Gram form's restarts and operand dtype.
+      symmetric_blocks: the products known to be symmetric (``X X^T`` and ``A (c A + b I)``
+        in the standard form, every ``[p, p]`` product in the Gram form) are computed from
+        one block triangle in this many row strips
+        (:func:`muon_jax.symmetric.symmetric_matmul`); 1: plain matmuls; ``'auto'``:
+        :func:`resolve_symmetric_blocks` (4 on a GPU, else 1).
 
     Returns:
       Array of the shape and dtype of ``x``.
@@ -325,6 +352,7 @@ def orthogonalize(
 
     if not isinstance(gram, GramOptions):
         raise TypeError(f"gram must be a muon_jax.newton_schulz.GramOptions, got {gram!r}.")
+    blocks = resolve_symmetric_blocks(symmetric_blocks)
     use_gram = resolve_ns_method(method, g.shape[-2], g.shape[-1], dtype,
                                  single_triple=len(set(steps)) == 1) == "gram"
     if use_gram:
@@ -333,14 +361,13 @@ def orthogonalize(
         elif not complex_ and jnp.dtype(dtype) == jnp.bfloat16:
             dtype = jnp.float16
 
-    def mms(u, v):  # a product known to be Hermitian
-        return symmetric_matmul(u, v, blocks=gram.symmetric_blocks, dtype=dtype,
-                                preferred_element_type=work)
+    def mms(u, v, out=work):  # a product known to be Hermitian
+        return symmetric_matmul(u, v, blocks=blocks, dtype=dtype, preferred_element_type=out)
 
     first_gram = None
     if preconditioning in ("aol", "schatten"):
         # The first step is scaled from its own Gram matrix instead of a norm of X.
-        first_gram = mms(g, ht(g)) if use_gram else mm(g, ht(g))
+        first_gram = mms(g, ht(g))
         if preconditioning == "aol":
             rows = jnp.maximum(jnp.sum(jnp.abs(first_gram), axis=-1, keepdims=True), eps)
             s = jax.lax.rsqrt(rows).astype(work)  # [..., m, 1]
@@ -351,7 +378,7 @@ def orthogonalize(
             y, first_gram = g * s, first_gram * (s * s)
         if not use_gram:
             (a, b, c), steps = steps[0], steps[1:]
-            y = a * y + mm(b * first_gram + mm(c * first_gram, first_gram), y)
+            y = a * y + mm(b * first_gram + mms(c * first_gram, first_gram), y)
     else:
         if preconditioning == "spectral":
             norm = jnp.linalg.norm(g, ord=2, axis=(-2, -1), keepdims=True)
@@ -363,8 +390,8 @@ def orthogonalize(
         y = _gram_steps(y, first_gram, steps, gram.restarts, mm=mm, mms=mms, ht=ht)
     elif complex_ or jnp.finfo(dtype).bits >= 32:
         for a, b, c in steps:
-            a_ = mm(y, ht(y))
-            poly = b * a_ + mm(c * a_, a_)  # (c A) A, as in the reference implementations
+            a_ = mms(y, ht(y))
+            poly = b * a_ + mms(c * a_, a_)  # (c A) A, as in the reference implementations
             y = a * y + mm(poly, y)
     else:
         # Narrow operands: X stays float32 (a X must not be rounded: rounding X itself puts
@@ -377,9 +404,9 @@ def orthogonalize(
         eye = jnp.eye(y.shape[-2], dtype=jnp.float32)
         for a, b, c in steps:
             yn = y.astype(dtype)
-            a_ = jnp.matmul(yn, jnp.swapaxes(yn, -1, -2), preferred_element_type=dtype)
+            a_ = mms(yn, jnp.swapaxes(yn, -1, -2), out=dtype)
             shifted = (c * a_.astype(jnp.float32) + b * eye).astype(dtype)
-            poly = jnp.matmul(a_, shifted, preferred_element_type=dtype)
+            poly = mms(a_, shifted, out=dtype)  # A, c A + b I commute: the product is symmetric
             y = a * y + mm(poly, yn)
     if transposed:
         y = jnp.swapaxes(y, -1, -2)
@@ -424,7 +451,7 @@ def _gram_steps(y, r, steps, restarts, *, mm, mms, ht):
 
 
 def ns_flops(m: int, n: int, ns_steps: int, *, method: Literal["standard", "gram"] = "standard",
-             gram: GramOptions = DEFAULT_GRAM) -> int:
+             gram: GramOptions = DEFAULT_GRAM, symmetric_blocks: int = 1) -> int:
     r"""Matmul FLOPs of :func:`orthogonalize` on one ``[m, n]`` matrix.
 
     With ``p = min(m, n)`` and ``q = max(m, n)`` (the iteration runs on the wide orientation),
@@ -438,16 +465,18 @@ def ns_flops(m: int, n: int, ns_steps: int, *, method: Literal["standard", "gram
       \mathrm{gram} = 4 k p^2 q + (8 T - 6 k) p^3 .
 
     So the Gram form needs fewer FLOPs exactly when ``q > 1.5 p``. With
-    ``gram.symmetric_blocks = s > 1`` its symmetric products (all but ``Q X``) count
-    ``(s + 1) / (2 s)`` of their FLOPs, the tiles they compute. Elementwise work (``O(p q)``
-    per step) is left out.
+    ``symmetric_blocks = s > 1`` the symmetric products (standard: ``X X^T`` and ``A A``;
+    Gram: all but ``Q X``) count ``(s + 1) / (2 s)`` of their FLOPs, the tiles they compute.
+    Elementwise work (``O(p q)`` per step) is left out.
 
     Args:
       m: rows of the matrix.
       n: columns of the matrix.
       ns_steps: Newton-Schulz steps.
       method: ``'standard'`` or ``'gram'`` (what :func:`resolve_ns_method` returns).
-      gram: the Gram form's restarts and symmetric blocks.
+      gram: the Gram form's restarts.
+      symmetric_blocks: row strips of the symmetric products (an int, as resolved by
+        :func:`resolve_symmetric_blocks`).
 
     Returns:
       The FLOP count as a Python int (multiply and add counted separately).
@@ -461,11 +490,12 @@ def ns_flops(m: int, n: int, ns_steps: int, *, method: Literal["standard", "gram
         if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
             raise ValueError(f"ns_flops: {name} must be a positive int, got {v!r}.")
     p, q, t = min(m, n), max(m, n), int(ns_steps)
+    s = resolve_symmetric_blocks(symmetric_blocks)
     if method == "standard":
-        return t * (4 * p * p * q + 2 * p**3)
+        sym = t * (2 * p * p * q + 2 * p**3)  # X X^T and A A
+        return t * 2 * p * p * q + (sym * (s + 1)) // (2 * s)
     if method != "gram":
         raise ValueError(f"ns_flops: method must be 'standard' or 'gram', got {method!r}.")
     k = 1 + sum(1 for r in gram.restarts if r < t)
     sym = 2 * k * p * p * q + (8 * t - 6 * k) * p**3  # X X^T and the [p, p] products
-    s = gram.symmetric_blocks
     return 2 * k * p * p * q + (sym * (s + 1)) // (2 * s)

@@ -139,6 +139,7 @@ def scale_by_muon(
     consistent_rms: float | None = None,
     ns_method: NsMethod = "auto",
     ns_gram: GramOptions = newton_schulz.DEFAULT_GRAM,
+    ns_symmetric_blocks: newton_schulz.SymmetricBlocks = "auto",
 ) -> optax.GradientTransformation:
     r"""Rescale updates to Muon's direction: orthogonalized (Nesterov) momentum.
 
@@ -215,8 +216,11 @@ def scale_by_muon(
         fewer FLOPs for matrices more than 1.5x as wide as tall), or ``'auto'`` (today the
         standard form: see :func:`muon_jax.newton_schulz.resolve_ns_method`). Same on the
         sharded path: each owner runs it on its own matrices.
-      ns_gram: restarts, symmetric blocks and operand dtype of the Gram form
+      ns_gram: restarts and operand dtype of the Gram form
         (:class:`muon_jax.newton_schulz.GramOptions`).
+      ns_symmetric_blocks: Newton-Schulz's symmetric products (``X X^T`` and the polynomial
+        in it) from one block triangle in this many row strips; ``'auto'``: 4 on a GPU,
+        where that is faster, else 1 (plain matmuls). See :func:`muon_jax.orthogonalize`.
 
     Returns:
       An ``optax.GradientTransformation`` with state :class:`MuonState` (``mesh=None``) or
@@ -266,6 +270,10 @@ def scale_by_muon(
     newton_schulz.resolve_ns_method(ns_method, 1, 1, jnp.float32)  # a bad name fails here
     if not isinstance(ns_gram, GramOptions):
         raise TypeError(f"ns_gram must be a muon_jax.newton_schulz.GramOptions, got {ns_gram!r}.")
+    try:
+        newton_schulz.resolve_symmetric_blocks(ns_symmetric_blocks)
+    except ValueError as e:
+        raise ValueError(f"ns_{e}") from None
     if consistent_rms is not None and not (isinstance(consistent_rms, int | float)
                                            and consistent_rms > 0):
         raise ValueError(f"consistent_rms must be a positive float or None, got "
@@ -274,7 +282,8 @@ def scale_by_muon(
     def direction(mats, m, n):
         """Orthogonalized, shape-scaled ``[B, m, n]`` matrices: one definition for both paths."""
         o = orthogonalize(mats, ns_coeffs=ns_coeffs, ns_steps=ns_steps, eps=eps, dtype=ns_dtype,
-                          preconditioning=preconditioning, method=ns_method, gram=ns_gram)
+                          preconditioning=preconditioning, method=ns_method, gram=ns_gram,
+                          symmetric_blocks=ns_symmetric_blocks)
         if adaptive:  # the dual norm <mu_hat, O> of each matrix
             o = jnp.sum(mats.conj() * o, axis=(-2, -1), keepdims=True).astype(o.dtype) * o
         if consistent_rms is not None:
@@ -380,6 +389,7 @@ def muon(
     muon_weight_dimension_numbers: Any = None,
     ns_method: NsMethod = "auto",
     ns_gram: GramOptions = newton_schulz.DEFAULT_GRAM,
+    ns_symmetric_blocks: newton_schulz.SymmetricBlocks = "auto",
 ) -> optax.GradientTransformation:
     r"""Muon for hidden-layer matrices, AdamW for every other leaf.
 
@@ -438,6 +448,8 @@ def muon(
       ns_method: ``'auto'``, ``'standard'`` or ``'gram'`` Newton-Schulz (see
         :func:`scale_by_muon`).
       ns_gram: options of the Gram form (:class:`muon_jax.newton_schulz.GramOptions`).
+      ns_symmetric_blocks: row strips of Newton-Schulz's symmetric products (see
+        :func:`scale_by_muon`).
       consistent_rms: the factor of the ``'rms_match'``-style scaling ``consistent_rms *
         sqrt(max(m, n))``; given, it replaces ``shape_scaling`` (``None``: ``shape_scaling``,
         whose ``'rms_match'`` is 0.2).
@@ -515,6 +527,7 @@ def muon(
             consistent_rms=consistent_rms,
             ns_method=ns_method,
             ns_gram=ns_gram,
+            ns_symmetric_blocks=ns_symmetric_blocks,
         ),
         optax.add_decayed_weights(weight_decay, weight_decay_mask),
         optax.scale_by_learning_rate(learning_rate),

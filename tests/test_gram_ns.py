@@ -12,7 +12,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import muon_jax
-from muon_jax.newton_schulz import GramOptions, ns_flops, resolve_ns_method
+from muon_jax.newton_schulz import (
+    GramOptions,
+    ns_flops,
+    resolve_ns_method,
+    resolve_symmetric_blocks,
+)
 from muon_jax.symmetric import symmetric_matmul
 
 # Wide and tall, from just past the FLOP break-even (1.5) to 10x.
@@ -47,9 +52,10 @@ def _polar(x):
 @functools.cache
 def _orth(method, restarts=(2,), ns_coeffs="jordan", ns_steps=5, gram_dtype=None,
           blocks=1, dtype=jnp.bfloat16):
-    gram = GramOptions(restarts=restarts, symmetric_blocks=blocks, dtype=gram_dtype)
+    gram = GramOptions(restarts=restarts, dtype=gram_dtype)
     return jax.jit(functools.partial(muon_jax.orthogonalize, method=method, gram=gram,
-                                     ns_coeffs=ns_coeffs, ns_steps=ns_steps, dtype=dtype))
+                                     ns_coeffs=ns_coeffs, ns_steps=ns_steps, dtype=dtype,
+                                     symmetric_blocks=blocks))
 
 
 def _err(fn, x):
@@ -114,8 +120,12 @@ def test_auto_rule():
         resolve_ns_method("fast", 8, 8, jnp.float32)
     with pytest.raises(ValueError, match="restarts must be step numbers"):
         GramOptions(restarts=(0,))
-    with pytest.raises(ValueError, match="symmetric_blocks must be an int"):
-        GramOptions(symmetric_blocks=0)
+    with pytest.raises(ValueError, match="symmetric_blocks must be an int >= 1 or 'auto'"):
+        muon_jax.orthogonalize(jnp.ones((2, 4)), symmetric_blocks=0)
+    with pytest.raises(ValueError, match="ns_symmetric_blocks must be an int"):
+        muon_jax.scale_by_muon(ns_symmetric_blocks="all")
+    assert resolve_symmetric_blocks("auto", "cpu") == 1
+    assert resolve_symmetric_blocks("auto", "gpu") == 4
     with pytest.raises(TypeError, match="gram must be a muon_jax.newton_schulz.GramOptions"):
         muon_jax.orthogonalize(jnp.ones((2, 4)), gram=(2,))
     with pytest.raises(ValueError, match="ns_method='x'"):
@@ -144,8 +154,7 @@ def test_symmetric_matmul_equals_matmul(blocks):
 @pytest.mark.parametrize("blocks", [1, 4])
 def test_ns_flops_gram_matches_compiled_cost(blocks):
     m, n, steps = 32, 96, 5
-    gram = GramOptions(symmetric_blocks=blocks)
-    flops = ns_flops(n, m, steps, method="gram", gram=gram)
+    flops = ns_flops(n, m, steps, method="gram", symmetric_blocks=blocks)
     k, p, q = 2, m, n  # default restarts (2,): two segments
     dense = 4 * k * p * p * q + (8 * steps - 6 * k) * p**3
     assert (flops == dense) if blocks == 1 else (flops < dense)
@@ -187,3 +196,37 @@ def test_sharded_muon_runs_gram_on_each_owner():
         grads[0], ref_tx.init(params))
     chex.assert_trees_all_close(std, jax.jit(ref_tx.update)(grads[0], ref_tx.init(params))[0],
                                 atol=1e-4)  # and Gram equals standard in float32
+
+
+@pytest.mark.parametrize("blocks", [1, 4])
+def test_ns_flops_standard_matches_compiled_cost(blocks):
+    m, n, steps = 32, 96, 5
+    flops = ns_flops(m, n, steps, symmetric_blocks=blocks)
+    dense = steps * (4 * m * m * n + 2 * m**3)
+    assert (flops == dense) if blocks == 1 else (flops < dense)
+
+    def compiled_flops(blocks):
+        fn = _orth("standard", blocks=blocks, dtype=jnp.float32)
+        cost = fn.lower(jnp.zeros((m, n))).compile().cost_analysis()
+        return (cost[0] if isinstance(cost, list | tuple) else cost)["flops"]
+
+    if blocks == 1:
+        assert flops <= compiled_flops(1) <= 1.1 * flops, (flops, compiled_flops(1))
+    else:
+        assert flops <= compiled_flops(blocks) < compiled_flops(1)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_standard_symmetric_blocks_keep_the_result(dtype):
+    """Row strips change which tiles are computed, not the math: f32 equals the plain form to
+    rounding; with bf16 operands both are as far from the exact polar factor (within 1.1x)."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((3, 40, 112)).astype(np.float32)  # 40 rows: uneven strips of 4
+    plain, strips = _orth("standard", blocks=1, dtype=dtype), _orth("standard", blocks=4,
+                                                                     dtype=dtype)
+    if dtype == jnp.float32:
+        chex.assert_trees_all_close(strips(x), plain(x), rtol=1e-5, atol=1e-5)
+        tall = np.swapaxes(x, -1, -2)  # m > n runs on the transpose
+        chex.assert_trees_all_close(strips(tall), plain(tall), rtol=1e-5, atol=1e-5)
+    else:
+        assert _err(strips, x) <= 1.1 * _err(plain, x), (_err(strips, x), _err(plain, x))
