@@ -195,6 +195,9 @@ FIGURES: tuple[Figure, ...] = (
            "muon_step_2gpu", lambda r: r["muon_step_speedup_vs_optax"], "{:.2f}x", ">= 3"),
     Figure("muon_vs_optax_bf16", "the same with bf16 params", "muon_step_2gpu",
            lambda r: r["bf16_params_muon_step_speedup_vs_optax"], "{:.2f}x"),
+    Figure("muon_symmetric_speedup", "Muon update on one GPU, 1.62B f32 params: 4 row strips "
+           "of the symmetric products / plain matmuls", "muon_step_1gpu",
+           lambda r: r["symmetric_over_plain_update"], "{:.3f}x"),
     # Compiled 8-GPU schedules.
     Figure("sched_moe_ep8", "MoE layer EP=8, exposed communication (compiled schedule, "
            "defaults: dense, 2 chunks)", "schedule8", lambda r: r["moe_ep8_exposed_fraction"],

@@ -243,6 +243,21 @@ def lm_step(C: dict) -> Lines:
             + source(C, "lm_step") + [""])
 
 
+def muon_1gpu(C: dict) -> Lines:
+    r = C["muon_step_1gpu"]["results"]
+    u, n, lim = r["update_s"], r["ns_s"], r["limit_s"]
+    return (["## Muon on one GPU: Newton-Schulz's symmetric products", "",
+             f"`benchmarks/muon_step.py --param-dtype f32 --variants muon,ns`: the "
+             f"{r['params'] / 1e9:.2f}B-parameter set (f32 master params, bf16 Newton-Schulz "
+             "operands) on one device. The update (momentum, Newton-Schulz, scaling, apply) took "
+             f"{u['1']:.3f} s ({u['1'] / lim['1']:.2f}x the plain form's Newton-Schulz FLOPs at "
+             f"the dense rate) with plain matmuls and {u['4']:.3f} s ({u['4'] / lim['4']:.2f}x) "
+             "with `ns_symmetric_blocks=4`, the GPU default (`X X^T` and `A (cA + bI)` from one "
+             f"block triangle in 4 row strips): **{fig(C, 'muon_symmetric_speedup')}**; "
+             f"Newton-Schulz alone {n['1']:.3f} -> {n['4']:.3f} s.", ""]
+            + source(C, "muon_step_1gpu") + [""])
+
+
 def two_gpus(C: dict) -> Lines:
     d = C["dispatch_2gpu"]["results"]
     ab = d["dispatch_check"]["dispatch_ab"]
@@ -387,10 +402,9 @@ def schedules(C: dict) -> Lines:
              ""]
             + table(["program (fwd + bwd)", "exposed", "chunks", "payload all-to-alls with "
                      "GEMMs", "modeled step ms"], rows)
-            + ([""] + [f"Not compiled in this run (the call's time ran out): "
-                       f"{'; '.join(missing)}; their last figures are in "
-                       "docs/benchmark_log.md."] if missing else [])
-            + ["", f"The compute model against the one-GPU layer at A's per-device work: "
+            + ["", (f"Not compiled in this run (the call's time ran out): {'; '.join(missing)}; "
+                    "their last figures are in docs/benchmark_log.md. " if missing else "")
+               + f"The compute model against the one-GPU layer at A's per-device work: "
                f"predicted {g['predicted_s']['1'] * 1e3:.3f} ms, measured "
                f"{g['measured_s']['1'] * 1e3:.3f} ms ({g['model_error']['1']:+.1%}; 2 chunks "
                f"{g['model_error']['2']:+.1%}). The layer in 2 chunks on one GPU, where "
@@ -531,6 +545,7 @@ SECTIONS: tuple[tuple[str, Callable[[dict], Lines]], ...] = (
     ("Method", method), ("Headline figures", headline),
     ("Grouped GEMM and gated experts", experts), ("FP8 projections", fp8_dense),
     ("The MoE layer on one GPU", layer_1gpu), ("The LM train step, one GPU", lm_step),
+    ("Muon, one GPU", muon_1gpu),
     ("Two GPUs", two_gpus), ("Overlap", schedules), ("The trainer", trainer),
     ("jax 0.12", kernels_ab), ("CPU eager", cpu_eager), ("Not measured", not_measured))
 
@@ -541,6 +556,7 @@ _SHOWN_IN = {"experts": "grouped-gemm-and-gated-experts",
              "fp8_dense": "fp8-projections-moefp8_dense",
              "dropless": "the-moe-layer-on-one-gpu", "fp8_layer": "the-moe-layer-on-one-gpu",
              "lm_step": "the-lm-train-step-one-gpu",
+             "muon_step_1gpu": "muon-on-one-gpu-newton-schulzs-symmetric-products",
              "dispatch_2gpu": "two-gpus-dispatch-the-layer-at-ep2-sharded-muon",
              "moe_layer_2gpu": "two-gpus-dispatch-the-layer-at-ep2-sharded-muon",
              "muon_step_2gpu": "two-gpus-dispatch-the-layer-at-ep2-sharded-muon",
