@@ -13,6 +13,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 
+import lm_metrics  # noqa: E402
 import train_lm  # noqa: E402  (examples/train_lm.py)
 
 TINY = [
@@ -47,8 +48,8 @@ def test_sweep_cpu_tiny(tmp_path):
         assert r["steps"] == 3 and r["tokens"] == 3 * 8 * 16 and r["preset"] == "cpu"
         assert math.isfinite(r["final_val_loss"]) and r["wall_s"] > 0
         # Each row's loss is the last validation record of its own run.
-        recs = train_lm.read_metrics(out / "runs" / f"{r['optimizer']}_lr{r['lr']:.3g}"
-                                     / "metrics.jsonl")
+        recs = lm_metrics.read_metrics(out / "runs" / f"{r['optimizer']}_lr{r['lr']:.3g}"
+                                       / "metrics.jsonl")
         assert [x["step"] for x in recs] == [1, 2, 3]
         assert recs[-1]["val_loss"] == r["final_val_loss"]
     # The reuse key: every setting of the trainer but the learning rate and the optimizer.
@@ -100,7 +101,7 @@ def test_sweep_cpu_tiny(tmp_path):
     for r in fresh:
         point = out / "points" / f"adamw_lr{r['lr']:.3g}"
         assert (point / "log.txt").exists() and math.isfinite(r["final_val_loss"])
-        recs = train_lm.read_metrics(point / "runs" / f"adamw_lr{r['lr']:.3g}" / "metrics.jsonl")
+        recs = lm_metrics.read_metrics(point / "runs" / f"adamw_lr{r['lr']:.3g}" / "metrics.jsonl")
         assert recs[-1]["val_loss"] == r["final_val_loss"]
         # A child's reuse key is the parent's: same settings, its own lr.
         assert r["optimizer"] == "adamw" and r["config"] == adam_config

@@ -16,6 +16,7 @@ EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 import lm_checkpoint  # noqa: E402
+import lm_metrics  # noqa: E402
 import lm_model  # noqa: E402
 import train_lm  # noqa: E402
 
@@ -32,7 +33,7 @@ _Corpus = types.SimpleNamespace(train=np.zeros(1000, np.uint8), val=np.zeros(100
 
 
 def _losses(out: pathlib.Path, name: str) -> list[tuple[int, float]]:
-    recs = train_lm.read_metrics(out / "metrics.jsonl")
+    recs = lm_metrics.read_metrics(out / "metrics.jsonl")
     return [(r["step"], r["train_loss"]) for r in recs if r["optimizer"] == name]
 
 
@@ -43,7 +44,7 @@ def test_trainer_writes_metrics_plot_and_summary(tmp_path, capsys):
     assert rc == 0
     text = capsys.readouterr().out
     assert "bits/byte" in text and ("beats" in text or "trails" in text)
-    recs = train_lm.read_metrics(out / "metrics.jsonl")
+    recs = lm_metrics.read_metrics(out / "metrics.jsonl")
     assert {r["optimizer"] for r in recs} == {"muon", "adamw"}
     assert [r["step"] for r in recs if r["optimizer"] == "muon"] == [1, 2, 3, 4]
     assert all(r["train_loss"] > 0 and r["tokens_per_s"] > 0 for r in recs)
@@ -64,7 +65,7 @@ def test_trainer_writes_metrics_plot_and_summary(tmp_path, capsys):
     race = summary["time_to_adamw_final_loss"]
     adamw = [r for r in recs if r["optimizer"] == "adamw"]
     assert race["adamw_final_val_loss"] == adamw[-1]["val_loss"]
-    assert race["adamw_train_s"] == pytest.approx(train_lm.train_seconds(adamw)[-1])
+    assert race["adamw_train_s"] == pytest.approx(lm_metrics.train_seconds(adamw)[-1])
 
 
 def test_training_clock_excludes_compilation_and_finds_the_crossing():
@@ -75,12 +76,12 @@ def test_training_clock_excludes_compilation_and_finds_the_crossing():
             {"optimizer": "adamw", "step": 1, "step_s": 5.0, "compiles": True},
             {"optimizer": "adamw", "step": 2, "step_s": 2.0, "val_loss": 2.0}]
     muon = recs[:4]
-    np.testing.assert_allclose(train_lm.train_seconds(muon), [1.5, 2.5, 4.0, 6.0])
-    assert train_lm.time_to_loss(muon, 2.0) == 6.0 and train_lm.time_to_loss(muon, 1.0) is None
-    race = train_lm.time_to_adamw_loss(recs)
+    np.testing.assert_allclose(lm_metrics.train_seconds(muon), [1.5, 2.5, 4.0, 6.0])
+    assert lm_metrics.time_to_loss(muon, 2.0) == 6.0 and lm_metrics.time_to_loss(muon, 1.0) is None
+    race = lm_metrics.time_to_adamw_loss(recs)
     assert race["adamw_train_s"] == 4.0 and race["muon_time_to_adamw_final_loss_s"] == 6.0
     assert race["muon_time_to_adamw_final_loss_fraction"] == 1.5
-    assert train_lm.time_to_adamw_loss(muon) is None
+    assert lm_metrics.time_to_adamw_loss(muon) is None
 
 
 def test_mfu_is_na_on_cpu_without_a_peak():

@@ -21,6 +21,7 @@ import pytest
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
+import lm_metrics  # noqa: E402
 import train_lm  # noqa: E402
 
 TINY = ["--d-model", "64", "--layers", "1", "--heads", "2", "--d-ff", "32", "--experts", "4",
@@ -70,7 +71,7 @@ def _run2(flags) -> list[str]:
 
 
 def _losses(out: pathlib.Path) -> dict:
-    recs = train_lm.read_metrics(out / "metrics.jsonl")
+    recs = lm_metrics.read_metrics(out / "metrics.jsonl")
     return {name: [(r["step"], r["train_loss"]) for r in recs if r["optimizer"] == name]
             for name in ("muon", "adamw")}
 
@@ -160,7 +161,7 @@ def test_a_lost_process_stops_the_other_with_an_error_naming_it(tmp_path):
     logs = _run2([*flags[:-4], "--resume", "--steps", str(steps[-1] + 2), "--eval-every",
                   "1000"])
     assert f"[muon] resumed at step {steps[-1]}" in logs[0]
-    recs = [r for r in train_lm.read_metrics(metrics) if r["optimizer"] == "muon"]
+    recs = [r for r in lm_metrics.read_metrics(metrics) if r["optimizer"] == "muon"]
     assert [r["step"] for r in recs] == list(range(1, steps[-1] + 3))  # nothing lost, no gap
 
 
