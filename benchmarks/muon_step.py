@@ -81,6 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ns-method", choices=("auto", "standard", "gram"), default="auto",
                    help="muon_jax's Newton-Schulz form (scale_by_muon's ns_method)")
     p.add_argument("--symmetric-blocks", default="auto",
+                   type=lambda v: v if v == "auto" else int(v),
                    help="muon_jax's ns_symmetric_blocks: row strips of Newton-Schulz's symmetric "
                         "products (1: plain matmuls; default auto: 4 on a GPU, else 1)")
     p.add_argument("--param-dtype", choices=("bf16", "f32"), default="bf16",
@@ -252,8 +253,7 @@ def main(argv=None) -> dict:
             fsdp_data = jax.device_put(data, NamedSharding(auto_mesh, P("data")))
         return fsdp_params, fsdp_data
 
-    blocks = newton_schulz.resolve_symmetric_blocks(
-        args.symmetric_blocks if args.symmetric_blocks == "auto" else int(args.symmetric_blocks))
+    blocks = newton_schulz.resolve_symmetric_blocks(args.symmetric_blocks)
     report["ns_symmetric_blocks"] = blocks
     ns_kw = {"ns_method": args.ns_method, "ns_symmetric_blocks": blocks}
     for name in args.variants:

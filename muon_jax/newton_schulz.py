@@ -73,11 +73,12 @@ DEFAULT_GRAM = GramOptions()
 the default argument of every function that takes them."""
 
 
-def resolve_symmetric_blocks(blocks: SymmetricBlocks, platform: str | None = None) -> int:
+def resolve_symmetric_blocks(blocks: SymmetricBlocks, platform: str | None = None, *,
+                             name: str = "symmetric_blocks") -> int:
     """The row strips :func:`muon_jax.symmetric.symmetric_matmul` uses for ``blocks``.
 
     ``'auto'``: :data:`AUTO_SYMMETRIC_BLOCKS` for ``platform`` (default: JAX's default
-    backend), else 1; an int ``>= 1`` as given.
+    backend), else 1; an int ``>= 1`` as given. ``name``: the argument the error names.
 
     >>> resolve_symmetric_blocks(3), resolve_symmetric_blocks('auto', 'gpu')
     (3, 4)
@@ -85,7 +86,7 @@ def resolve_symmetric_blocks(blocks: SymmetricBlocks, platform: str | None = Non
     if blocks == "auto":
         return AUTO_SYMMETRIC_BLOCKS.get(platform or jax.default_backend(), 1)
     if isinstance(blocks, bool) or not isinstance(blocks, int | np.integer) or blocks < 1:
-        raise ValueError(f"symmetric_blocks must be an int >= 1 or 'auto', got {blocks!r}; "
+        raise ValueError(f"{name} must be an int >= 1 or 'auto', got {blocks!r}; "
                          "1 computes every tile (plain matmuls).")
     return int(blocks)
 

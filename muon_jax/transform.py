@@ -270,10 +270,7 @@ def scale_by_muon(
     newton_schulz.resolve_ns_method(ns_method, 1, 1, jnp.float32)  # a bad name fails here
     if not isinstance(ns_gram, GramOptions):
         raise TypeError(f"ns_gram must be a muon_jax.newton_schulz.GramOptions, got {ns_gram!r}.")
-    try:
-        newton_schulz.resolve_symmetric_blocks(ns_symmetric_blocks)
-    except ValueError as e:
-        raise ValueError(f"ns_{e}") from None
+    newton_schulz.resolve_symmetric_blocks(ns_symmetric_blocks, name="ns_symmetric_blocks")
     if consistent_rms is not None and not (isinstance(consistent_rms, int | float)
                                            and consistent_rms > 0):
         raise ValueError(f"consistent_rms must be a positive float or None, got "
