@@ -23,16 +23,17 @@ from moe.options import WireDtype
 __all__ = ["applies", "experts_combine"]
 
 
-def applies(opts: _experts_vjp.Opts, plan: DispatchPlan, grad_wire: WireDtype) -> bool:
+def applies(opts: _experts_vjp.Call, plan: DispatchPlan, grad_wire: WireDtype) -> bool:
     """Whether :func:`experts_combine` can run this call: one device on the expert axis (the
     layout's rows are the send buffer's, ragged), FP8 data- and weight-gradient GEMMs, and
     combine's gradient on a float wire (an FP8 wire rounds it per block first)."""
     return (plan.axis_size == 1 and plan.transport in ("dropless", "ragged")
-            and opts.dgrad_dtype == opts.wgrad_dtype == "fp8" and grad_wire != "fp8")
+            and opts.experts.dgrad_dtype == opts.experts.wgrad_dtype == "fp8"
+            and grad_wire != "fp8")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def experts_combine(opts: _experts_vjp.Opts, grad_wire: WireDtype, x, gs, w_gate_up, w_down,
+def experts_combine(opts: _experts_vjp.Call, grad_wire: WireDtype, x, gs, w_gate_up, w_down,
                     x_q, weights, plan: DispatchPlan):
     """``combine(experts(x), weights, plan)`` (no biases): the tokens' outputs ``[T, d]``."""
     return _fwd(opts, grad_wire, x, gs, w_gate_up, w_down, x_q, weights, plan)[0]

@@ -2,10 +2,10 @@
 
 :func:`experts` runs ``y = act(x @ W_gu) @ W_d`` per group of rows (ragged ``[R, d]`` with
 group sizes, or padded ``[E, C, d]``) on one backend of `moe._grouped`, each of its six GEMMs
-at the precision :class:`Opts` asks for (`moe._fp8_gemm`), and keeps for the backward what
-``save_z`` says. `moe.experts.gated_experts` validates the arguments, picks the backend and
-brings other layouts (plain ragged rows for the aligned kernels, padded slots as rows) to
-this one.
+at the precision its :class:`Call`'s options ask for (`moe._fp8_gemm`), and keeps for the
+backward what ``save_z`` says. `moe.experts.experts_apply` validates the arguments, picks the
+backend and brings other layouts (plain ragged rows for the aligned kernels, padded slots as
+rows) to this one.
 """
 
 from __future__ import annotations
@@ -17,45 +17,44 @@ import jax
 import jax.numpy as jnp
 
 from moe import _fp8_gemm, _grouped, _quant_pallas, fp8
-from moe.activations import GatedActivation
+from moe.options import ExpertOptions
 
-__all__ = ["Opts", "backward", "experts", "forward"]
+__all__ = ["Call", "backward", "experts", "forward"]
 
 
-@dataclasses.dataclass(frozen=True)
-class Opts:
-    """Static options of one `gated_experts` call (hashable: the custom_vjp's nondiff arg)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Call:
+    """The static options of one experts call (hashable: the custom_vjp's nondiff arg): the
+    caller's :class:`moe.ExpertOptions`, and what the layout adds to them."""
 
-    backend: str
-    gemm_dtype: str
-    dgrad_dtype: str
-    save_z: str
-    wgrad_dtype: str
-    block_size: int
+    experts: ExpertOptions  # its backend resolved (never 'auto')
+    fp8_block_size: int  # channels per scale of save_z='fp8'
     mask_rows: bool  # False only for padded x without group_sizes (every row is real)
-    activation: GatedActivation = GatedActivation()
 
 
-def _matmul(opts: Opts, precision: str, a, w, gs, out_dtype):
-    return _fp8_gemm.forward(_grouped.BACKENDS[opts.backend], precision, a, w, gs, out_dtype)
+def _gemms(opts: Call) -> _grouped.GroupedGemms:
+    return _grouped.BACKENDS[opts.experts.backend]
 
 
-def _matmul_t(opts: Opts, a, w, gs, out_dtype, *, trim: bool = True):
-    return _fp8_gemm.dgrad(_grouped.BACKENDS[opts.backend], opts.dgrad_dtype, a, w, gs,
-                           out_dtype, trim=trim)
+def _matmul(opts: Call, precision: str, a, w, gs, out_dtype):
+    return _fp8_gemm.forward(_gemms(opts), precision, a, w, gs, out_dtype)
 
 
-def _wgrad(opts: Opts, a, g, gs, out_dtype):
-    return _fp8_gemm.wgrad(_grouped.BACKENDS[opts.backend], opts.wgrad_dtype, a, g, gs,
-                           out_dtype)
+def _matmul_t(opts: Call, a, w, gs, out_dtype, *, trim: bool = True):
+    return _fp8_gemm.dgrad(_gemms(opts), opts.experts.dgrad_dtype, a, w, gs, out_dtype,
+                           trim=trim)
 
 
-def _gate_up(opts: Opts, x, gs: jax.Array, w_gate_up: jax.Array,
+def _wgrad(opts: Call, a, g, gs, out_dtype):
+    return _fp8_gemm.wgrad(_gemms(opts), opts.experts.wgrad_dtype, a, g, gs, out_dtype)
+
+
+def _gate_up(opts: Call, x, gs: jax.Array, w_gate_up: jax.Array,
              b_gate_up: jax.Array | None, dtype) -> jax.Array:
     """z = x @ W_gate_up (+ b_gate_up) per expert, rounded to the compute dtype (the
     saved/recomputed z); ``x`` may be its row-quantized pair for an FP8 GEMM."""
     with jax.named_scope("experts_gate_up"):
-        z = _matmul(opts, opts.gemm_dtype, x, w_gate_up, gs, dtype)
+        z = _matmul(opts, opts.experts.gemm_dtype, x, w_gate_up, gs, dtype)
     if b_gate_up is None:
         return z
     return (z.astype(jnp.float32) + _bias_rows(b_gate_up, gs, z.shape)).astype(z.dtype)
@@ -81,7 +80,7 @@ def _bias_grad(dz: jax.Array, gs: jax.Array, out_dtype) -> jax.Array:
     return jax.ops.segment_sum(dz, rows, num_segments=gs.shape[0]).astype(out_dtype)
 
 
-def _mask_rows(opts: Opts, a: jax.Array, gs: jax.Array) -> jax.Array:
+def _mask_rows(opts: Call, a: jax.Array, gs: jax.Array) -> jax.Array:
     """Zero the padding rows of a token operand (ragged: index >= sum(gs); padded: c >= gs[e]).
 
     The Mosaic kernels neither read those rows nor write anything but zeros for them (whole
@@ -98,74 +97,75 @@ def _mask_rows(opts: Opts, a: jax.Array, gs: jax.Array) -> jax.Array:
             valid = (jnp.arange(a.shape[1])[None, :] < gs[:, None])[..., None]
         return jnp.where(valid, a, jnp.zeros((), a.dtype))
 
-    if opts.backend == "mosaic":
+    if opts.experts.backend == "mosaic":
         return jax.lax.platform_dependent(a, gs, cuda=lambda a, gs: a, default=mask)
     return mask(a, gs)
 
 
-def _forward(opts: Opts, x, gs, w_gate_up, w_down, b_gate_up, x_q, w_q=None):
+def _forward(opts: Call, x, gs, w_gate_up, w_down, b_gate_up, x_q, w_q=None):
     """Returns (y, z, x_in, h): x_in and h as the two GEMMs took them (the masked x, and
     ``act(z)``; their row-quantized pairs for FP8 GEMMs: ``x_q`` if given, which must equal
     ``rows(masked x)``). ``w_q``: the weights' forward FP8 copies if made elsewhere
     (`moe._fp8_gemm.weights`). Padding rows of x are zeroed, so they give y = 0 on every
     backend (without ``b_gate_up``; ``gated_experts`` zeroes them when there are biases)."""
     x = _mask_rows(opts, x, gs)
-    if opts.gemm_dtype != "fp8":
+    if opts.experts.gemm_dtype != "fp8":
         x_in = x
     else:
         x_in = _fp8_gemm.rows(x) if x_q is None else x_q
     w_gu, w_d = (w_gate_up, w_down) if w_q is None else w_q
     z = _gate_up(opts, x_in, gs, w_gu, b_gate_up, x.dtype)
-    if opts.gemm_dtype == "fp8":  # h quantized as it is computed (one read of z)
-        h = _quant_pallas.gated_rows(z, opts.activation)
+    if opts.experts.gemm_dtype == "fp8":  # h quantized as it is computed (one read of z)
+        h = _quant_pallas.gated_rows(z, opts.experts.activation)
     else:
-        h = opts.activation.apply(z).astype(x.dtype)
+        h = opts.experts.activation.apply(z).astype(x.dtype)
     with jax.named_scope("experts_down"):
-        y = _matmul(opts, opts.gemm_dtype, h, w_d, gs, x.dtype)
+        y = _matmul(opts, opts.experts.gemm_dtype, h, w_d, gs, x.dtype)
     return y, z, x_in, h
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def experts(opts: Opts, x, gs, w_gate_up, w_down, b_gate_up, x_q=None) -> jax.Array:
+def experts(opts: Call, x, gs, w_gate_up, w_down, b_gate_up, x_q=None) -> jax.Array:
     """``x_q``: x's row-quantized pair made elsewhere (from the FP8 wire), or None; it takes
     no gradient (x does). When only FP8 GEMMs read x, XLA drops the computation of x."""
     return _forward(opts, x, gs, w_gate_up, w_down, b_gate_up, x_q)[0]
 
 
-def forward(opts: Opts, x, gs, w_gate_up, w_down, b_gate_up, x_q=None):
+def forward(opts: Call, x, gs, w_gate_up, w_down, b_gate_up, x_q=None):
     """``(y, residuals)``: ``experts``' forward and what :func:`backward` reads."""
     return _experts_fwd(opts, x, gs, w_gate_up, w_down, b_gate_up, x_q)
 
 
-def _experts_fwd(opts: Opts, x, gs, w_gate_up, w_down, b_gate_up, x_q=None):
+def _experts_fwd(opts: Call, x, gs, w_gate_up, w_down, b_gate_up, x_q=None):
     # FP8 forward and data-gradient GEMMs: both FP8 copies of each weight from two passes
     # over it, the data gradient's kept for the backward (one byte per weight, which a
     # memory-saving save_z='recompute' does not spend: its backward quantizes again).
     w_q = w_dgrad = None
-    if opts.gemm_dtype == opts.dgrad_dtype == "fp8" and opts.save_z != "recompute":
+    eo = opts.experts
+    if eo.gemm_dtype == eo.dgrad_dtype == "fp8" and eo.save_z != "recompute":
         (gu_f, gu_d), (d_f, d_d) = _fp8_gemm.weights(w_gate_up), _fp8_gemm.weights(w_down)
         w_q, w_dgrad = (gu_f, d_f), (gu_d, d_d)
     y, z, x_in, h = _forward(opts, x, gs, w_gate_up, w_down, b_gate_up, x_q, w_q)
-    if opts.save_z == "recompute":
+    if opts.experts.save_z == "recompute":
         z_saved = None
-    elif opts.save_z == "fp8":
-        z_saved = fp8.quantize(z, block_size=opts.block_size)
+    elif opts.experts.save_z == "fp8":
+        z_saved = fp8.quantize(z, block_size=opts.fp8_block_size)
     else:
         z_saved = z
     # With FP8 forward and weight-gradient GEMMs the backward reads x and h only as the e4m3
     # rows the forward made: keep those (one byte per element) instead of x, and h's rather
     # than recomputing them from z (unless nothing of z is kept either).
-    fp8_only = opts.gemm_dtype == opts.wgrad_dtype == "fp8"
+    fp8_only = opts.experts.gemm_dtype == opts.experts.wgrad_dtype == "fp8"
     x_saved = x_in if fp8_only else x
-    h_saved = h if fp8_only and opts.save_z != "recompute" else None
+    h_saved = h if fp8_only and opts.experts.save_z != "recompute" else None
     return y, (x_saved, gs, w_gate_up, w_down, b_gate_up, z_saved, h_saved, w_dgrad)
 
 
-def _experts_bwd(opts: Opts, res, dy):
+def _experts_bwd(opts: Call, res, dy):
     return backward(opts, res, dy, dy.dtype)
 
 
-def backward(opts: Opts, res, dy, dtype, dy_q=None):
+def backward(opts: Call, res, dy, dtype, dy_q=None):
     """The backward from :func:`forward`'s residuals ``res`` and y's cotangent ``dy`` (of
     ``dtype``, y's), or with FP8 data- and weight-gradient GEMMs only its row-quantized pair
     ``dy_q`` (``dy`` None; zero on padding rows), made where ``dy`` is gathered
@@ -174,13 +174,13 @@ def backward(opts: Opts, res, dy, dtype, dy_q=None):
     w_gu_t, w_d_t = (w_gate_up, w_down) if w_dgrad is None else w_dgrad
     if not isinstance(x, tuple):
         x = _mask_rows(opts, x, gs)  # x is saved as passed in (no copy), masked again here
-    if opts.save_z == "recompute":
+    if opts.experts.save_z == "recompute":
         z = _gate_up(opts, x, gs, w_gate_up, b_gate_up, dtype)
-    elif opts.save_z == "fp8":
+    elif opts.experts.save_z == "fp8":
         z = fp8.dequantize(z_saved, dtype=dtype)
     else:
         z = z_saved
-    fp8_dgrad, fp8_wgrad = opts.dgrad_dtype == "fp8", opts.wgrad_dtype == "fp8"
+    fp8_dgrad, fp8_wgrad = opts.experts.dgrad_dtype == "fp8", opts.experts.wgrad_dtype == "fp8"
     # The Pallas kernel makes dz from dh (gated_grad_rows): it reads the FP8 GEMM's result
     # as the kernel wrote it, zero columns past d_ff included (slicing them off would be a
     # copy of dh), and in the compute dtype when it writes only dz's e4m3 rows (rounding dh
@@ -199,21 +199,21 @@ def backward(opts: Opts, res, dy, dtype, dy_q=None):
     # h for the weight gradient: the forward's e4m3 rows, or recomputed from z (quantized in
     # the same read for an FP8 GEMM).
     if h is None and fp8_wgrad:
-        h = _quant_pallas.gated_rows(z, opts.activation)
+        h = _quant_pallas.gated_rows(z, opts.experts.activation)
     elif h is None:
-        h = opts.activation.apply(z).astype(dtype)
+        h = opts.experts.activation.apply(z).astype(dtype)
     with jax.named_scope("experts_down_wgrad"):
         dw_down = _wgrad(opts, h, dy_q if fp8_wgrad else dy, gs, w_down.dtype)
     if dz_kernel:
         # dz quantized (and in the compute dtype if a bf16 GEMM reads it) from one read of z
         # and dh.
         if fp8_wgrad:
-            dz, dz_q = None, _quant_pallas.gated_grad_rows(z, dh, opts.activation, None)
+            dz, dz_q = None, _quant_pallas.gated_grad_rows(z, dh, opts.experts.activation, None)
         else:
-            dz, *dz_q = _quant_pallas.gated_grad_rows(z, dh, opts.activation, dtype)
+            dz, *dz_q = _quant_pallas.gated_grad_rows(z, dh, opts.experts.activation, dtype)
             dz_q = tuple(dz_q)
     else:
-        dz32 = opts.activation.grad(z, dh)
+        dz32 = opts.experts.activation.grad(z, dh)
         dz = dz32.astype(dtype)
         dz_q = _fp8_gemm.rows_if(fp8_dgrad or fp8_wgrad, dz)
     with jax.named_scope("experts_gate_up_dgrad"):

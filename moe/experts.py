@@ -31,20 +31,49 @@ nothing and recompute) and the precision of each GEMM (``gemm_dtype``, ``dgrad_d
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from moe import _experts_combine, _fp8_gemm, _gmm_pallas, _grouped, _movement, _transport, fp8
-from moe._experts_vjp import Opts as _Opts
+from moe._experts_vjp import Call
 from moe._experts_vjp import experts as _experts
 from moe._platform import cuda_capability
 from moe.activations import GatedActivation
+from moe.dispatch import DispatchPlan
 from moe.dispatch import combine as _combine
-from moe.options import Backend, GemmDtype, SaveZ, check_choice, check_group_alignment
+from moe.options import (
+    Backend,
+    ExpertOptions,
+    GemmDtype,
+    SaveZ,
+    WireDtype,
+    check_choice,
+    check_group_alignment,
+)
 
-_GEMM_DTYPES = ("bf16", "fp8")
-_SAVE_Z = ("bf16", "fp8", "recompute")
+__all__ = ["CombineArgs", "WireRows", "auto_backend", "check_backend_available",
+           "experts_apply", "gated_experts"]
+
+
+class WireRows(NamedTuple):
+    """Ragged x's FP8 wire rows, from which an FP8 forward GEMM reads x's e4m3 rows instead
+    of quantizing x again (the same bytes)."""
+
+    rows: jax.Array | _transport.TokenRows  # uint32 [R, width / 4 + W] as received, or the
+    # tokens and the token of each row when nothing was sent (one device on the expert axis)
+    width: int  # d_model
+    block_size: int  # channels per E8M0 scale
+
+
+class CombineArgs(NamedTuple):
+    """What :func:`experts_apply` combines the experts' outputs with (:func:`moe.combine`'s
+    arguments): it then returns the tokens' outputs."""
+
+    weights: jax.Array  # [T, k] routing weights
+    plan: DispatchPlan  # the dispatch's plan
+    grad_dtype: WireDtype  # combine_grad_dtype: the wire of the combine's gradient
 
 
 # ----------------------------------------------------------------------------------------------
@@ -169,9 +198,9 @@ def _check_shapes(x, group_sizes, w_gate_up, w_down) -> None:
         )
 
 
-def _check_fp8_dims(opts: _Opts, d_model: int, d_ff: int) -> None:
-    if opts.save_z == "fp8":
-        fp8.check_width(2 * d_ff, opts.block_size, what="2*d_ff (for save_z='fp8')")
+def _check_fp8_dims(opts: Call, d_model: int, d_ff: int) -> None:
+    if opts.experts.save_z == "fp8":
+        fp8.check_width(2 * d_ff, opts.fp8_block_size, what="2*d_ff (for save_z='fp8')")
 
 
 @jax.custom_vjp
@@ -192,10 +221,10 @@ def _permute_rows_bwd(res, ct):
 _permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
 
 
-def _wire_rows(x_wire, index=None) -> tuple[jax.Array, jax.Array]:
-    """The row-quantized pair of x from its FP8 wire rows ``x_wire = (uint32 rows, width,
-    block_size)``, gathered by ``index`` first (zero rows out of range) if given; the rows
-    may be `moe._transport.TokenRows` (nothing was sent: the same bytes from the tokens)."""
+def _wire_rows(x_wire: WireRows, index=None) -> tuple[jax.Array, jax.Array]:
+    """The row-quantized pair of x from its FP8 wire rows, gathered by ``index`` first (zero
+    rows out of range) if given; the rows may be `moe._transport.TokenRows` (nothing was
+    sent: the same bytes from the tokens)."""
     rows, width, block_size = x_wire
     if isinstance(rows, _transport.TokenRows):
         tokens = rows.index
@@ -205,7 +234,7 @@ def _wire_rows(x_wire, index=None) -> tuple[jax.Array, jax.Array]:
     return _fp8_gemm.rows_from_wire(rows, width, block_size, index)
 
 
-def _aligned_call(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up, alignment: int,
+def _aligned_call(opts: Call, x, gs, w_gate_up, w_down, b_gate_up, alignment: int,
                   x_wire=None):
     """Runs a backend that needs tile-aligned groups on plain ragged x: rows are gathered into
     the aligned layout and the outputs gathered back (row gathers both ways). With ``x_wire``
@@ -219,7 +248,7 @@ def _aligned_call(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up, alignment: i
     return _permute_rows(y_al, dst, src)
 
 
-def _padded_on_rows(opts: _Opts, x, gs, w_gate_up, w_down, b_gate_up):
+def _padded_on_rows(opts: Call, x, gs, w_gate_up, w_down, b_gate_up):
     """Padded ``x [E, C, d]`` on the ragged-layout 'mosaic' kernels: the slots as rows, ``C``
     (rounded up to the 128-row tile) rows per expert, the padding slots zeroed going in and
     coming out (so their cotangents are zero too). The kernels skip the row tiles past an
@@ -373,40 +402,69 @@ def gated_experts(
       DeepSeek-AI (2024), "DeepSeek-V3 Technical Report", Sec. 3.3 (FP8 training).
       torchao float8 training, "rowwise" scaling recipe (per-row / per-channel scales).
     """
-    return _gated_experts(
-        x, group_sizes, w_gate_up, w_down, b_gate_up, b_down, activation=activation,
-        backend=backend, gemm_dtype=gemm_dtype, dgrad_dtype=dgrad_dtype,
-        wgrad_dtype=wgrad_dtype, save_z=save_z, block_size=block_size,
-        group_alignment=group_alignment, x_wire=None)
+    options = ExpertOptions(backend=backend, gemm_dtype=gemm_dtype, dgrad_dtype=dgrad_dtype,
+                            save_z=save_z, wgrad_dtype=wgrad_dtype, activation=activation)
+    return experts_apply(x, group_sizes, w_gate_up, w_down, b_gate_up, b_down,
+                         options=options, fp8_block_size=block_size,
+                         group_alignment=group_alignment)
 
 
-def _gated_experts(x, group_sizes, w_gate_up, w_down, b_gate_up, b_down, *, activation,
-                   backend, gemm_dtype, dgrad_dtype, wgrad_dtype, save_z, block_size,
-                   group_alignment, x_wire, combine=None):
-    """:func:`gated_experts`; ``x_wire``: None, or ``(uint32 rows, block_size)``, ragged x's
-    FP8 wire rows (`moe.dispatch.dispatch_with_wire`; or its `moe._transport.TokenRows`)
-    from which an FP8 forward GEMM reads x's e4m3 rows instead of quantizing x (the same
-    bytes). ``combine``: None, or ``(weights, plan, combine_grad_dtype)``: then the outputs
-    are combined (`moe.dispatch.combine`) and the tokens' outputs returned; with one device
-    on the expert axis and FP8 gradient GEMMs, as one custom VJP (`moe._experts_combine`)."""
-    for name, value, allowed in (
-        ("gemm_dtype", gemm_dtype, _GEMM_DTYPES),
-        ("dgrad_dtype", dgrad_dtype, _GEMM_DTYPES),
-        ("wgrad_dtype", wgrad_dtype, _GEMM_DTYPES),
-        ("save_z", save_z, _SAVE_Z),
-    ):
-        check_choice(name, value, allowed)
+def experts_apply(
+    x: jax.Array,
+    group_sizes: jax.Array | None,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    b_gate_up: jax.Array | None = None,
+    b_down: jax.Array | None = None,
+    *,
+    options: ExpertOptions,
+    fp8_block_size: int = 128,
+    group_alignment: int | None = None,
+    x_wire: WireRows | None = None,
+    combine: CombineArgs | None = None,
+) -> jax.Array:
+    """:func:`gated_experts` with its options as one :class:`moe.ExpertOptions` (the layer's
+    ``MoEOptions.experts``; the routed-expert fields are read, the shared-expert ones are the
+    layer's), optionally reading x's FP8 wire rows and combining the outputs.
+
+    Args:
+      x, group_sizes, w_gate_up, w_down, b_gate_up, b_down: as for :func:`gated_experts`.
+      options: backend, precisions, ``save_z`` and activation of the routed experts.
+      fp8_block_size: channels per FP8 scale (``save_z='fp8'``; the wire rows').
+      group_alignment: as for :func:`gated_experts`.
+      x_wire: None, or ragged x's FP8 wire rows (`moe.dispatch.dispatch_with_wire`): an FP8
+        forward GEMM reads its e4m3 rows from them instead of quantizing x (the same bytes).
+      combine: None, or the :class:`CombineArgs` to combine the outputs with
+        (:func:`moe.combine`): then the tokens' outputs ``[T, d_model]`` are returned; with
+        one device on the expert axis and FP8 gradient GEMMs, experts and combine run as one
+        custom VJP (`moe._experts_combine`).
+
+    Returns:
+      y like x, or with ``combine`` the tokens' outputs.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from moe import ExpertOptions
+      >>> from moe.experts import experts_apply
+      >>> x, gs = jnp.ones((8, 16), jnp.bfloat16), jnp.array([5, 3], jnp.int32)
+      >>> w_gu, w_d = jnp.ones((2, 16, 8), jnp.bfloat16), jnp.ones((2, 4, 16), jnp.bfloat16)
+      >>> experts_apply(x, gs, w_gu, w_d, options=ExpertOptions(save_z="recompute")).shape
+      (8, 16)
+    """
+    if not isinstance(options, ExpertOptions):
+        raise TypeError(f"options must be a moe.ExpertOptions, got {type(options).__name__}.")
     check_group_alignment(group_alignment)
-    resolved = _resolve_backend(backend, x.ndim)
+    resolved = _resolve_backend(options.backend, x.ndim)
     _check_shapes(x, group_sizes, w_gate_up, w_down)
     _check_biases(b_gate_up, b_down, w_gate_up, w_down)
-    opts = _Opts(resolved, gemm_dtype, dgrad_dtype, save_z, wgrad_dtype, block_size,
-                 group_sizes is not None, GatedActivation.of(activation))
+    opts = Call(experts=dataclasses.replace(options, backend=resolved),
+                fp8_block_size=fp8_block_size, mask_rows=group_sizes is not None)
     _check_fp8_dims(opts, w_gate_up.shape[1], w_down.shape[1])
-    if x_wire is not None and (x.ndim != 2 or gemm_dtype != "fp8"):
+    if x_wire is not None and (x.ndim != 2 or options.gemm_dtype != "fp8"):
         raise ValueError("x_wire: FP8 wire rows are read by an FP8 forward GEMM of ragged x.")
-    if x_wire is not None:
-        x_wire = (x_wire[0], x.shape[-1], x_wire[1])
+    if x_wire is not None and x_wire.width != x.shape[-1]:
+        raise ValueError(f"x_wire holds rows of {x_wire.width} channels but x has "
+                         f"{x.shape[-1]}; pass the wire rows of x.")
     if group_sizes is None:
         group_sizes = jnp.full((x.shape[0],), x.shape[1], jnp.int32)
     group_sizes = real_gs = group_sizes.astype(jnp.int32)
@@ -420,15 +478,15 @@ def _gated_experts(x, group_sizes, w_gate_up, w_down, b_gate_up, b_down, *, acti
     else:
         x_q = None if x_wire is None else _wire_rows(x_wire)
         if (combine is not None and b_gate_up is None and b_down is None
-                and _experts_combine.applies(opts, combine[1], combine[2])):
-            weights, plan, grad_wire = combine
-            weights = _movement.vary_like(weights, x, plan)
-            return _experts_combine.experts_combine(opts, grad_wire, x, group_sizes, w_gate_up,
-                                                    w_down, x_q, weights, plan)
+                and _experts_combine.applies(opts, combine.plan, combine.grad_dtype)):
+            weights = _movement.vary_like(combine.weights, x, combine.plan)
+            return _experts_combine.experts_combine(opts, combine.grad_dtype, x, group_sizes,
+                                                    w_gate_up, w_down, x_q, weights,
+                                                    combine.plan)
         y = _experts(opts, x, group_sizes, w_gate_up, w_down, b_gate_up, x_q)
     if b_gate_up is not None or b_down is not None:
         y = _bias_epilogue(y, b_down, real_gs, group_sizes, masked=opts.mask_rows,
                            aligned=x.ndim == 2 and group_alignment is not None)
     if combine is None:
         return y
-    return _combine(y, combine[0], combine[1], combine_grad_dtype=combine[2])
+    return _combine(y, combine.weights, combine.plan, combine_grad_dtype=combine.grad_dtype)

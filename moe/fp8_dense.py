@@ -38,7 +38,6 @@ from moe.options import GemmDtype, check_choice
 
 __all__ = ["fp8_dense"]
 
-_GEMM_DTYPES = ("bf16", "fp8")
 DenseBackend = Literal["auto", "mosaic", "pallas", "ragged_dot"]
 
 
@@ -161,8 +160,8 @@ def fp8_dense(
       Micikevicius et al. (2022), "FP8 Formats for Deep Learning"; torchao float8 training,
       the "rowwise" and "rowwise_with_gw_hp" recipes.
     """
-    check_choice("dgrad_dtype", dgrad_dtype, _GEMM_DTYPES)
-    check_choice("wgrad_dtype", wgrad_dtype, _GEMM_DTYPES)
+    check_choice("dgrad_dtype", dgrad_dtype, GemmDtype)
+    check_choice("wgrad_dtype", wgrad_dtype, GemmDtype)
     check_choice("backend", backend, ("auto", "mosaic", "pallas", "ragged_dot"))
     if kernel.ndim != 2 or x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
         raise ValueError(

@@ -14,6 +14,7 @@ shared experts); experts are split over the expert axis. Inside ``jax.shard_map`
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -133,34 +134,45 @@ def _group_alignment(opts: MoEOptions) -> int | None:
 
 
 def _local_experts(ex, group_sizes, w_gate_up, w_down, biases, opts: MoEOptions,
-                   ex_wire, group_alignment, combine) -> jax.Array:
+                   ex_wire: _experts.WireRows | None, group_alignment,
+                   combine: _experts.CombineArgs) -> jax.Array:
     """The local experts on the layout ``dispatch`` produced (padded ``[E, C, d]`` or ragged,
     aligned to ``group_alignment``; ``ex_wire``: ragged ``ex``'s FP8 wire rows, which the FP8
-    forward GEMM reads), combined back to the tokens (``combine = (weights, plan,
-    combine_grad_dtype)``)."""
+    forward GEMM reads), combined back to the tokens."""
     eo = opts.experts
-    kw = dict(activation=eo.activation, gemm_dtype=eo.gemm_dtype, dgrad_dtype=eo.dgrad_dtype,
-              save_z=eo.save_z, wgrad_dtype=eo.wgrad_dtype, block_size=opts.fp8_block_size)
-    wgu, wd = w_gate_up, w_down
     bgu, bd = biases if biases is not None else (None, None)
     if ex.ndim == 3 and eo.backend in ("ragged_dot", "pallas"):  # 2-D GEMMs
         e_local, c, d = ex.shape
         full = jnp.full((e_local,), c, dtype=jnp.int32)
-        ey = _experts.gated_experts(
-            ex.reshape(e_local * c, d), full, wgu, wd, bgu, bd, backend=eo.backend, **kw
-        ).reshape(e_local, c, -1)
-        return combine_fn(ey, combine[0], combine[1], combine_grad_dtype=combine[2])
+        ey = _experts.experts_apply(
+            ex.reshape(e_local * c, d), full, w_gate_up, w_down, bgu, bd, options=eo,
+            fp8_block_size=opts.fp8_block_size).reshape(e_local, c, -1)
+        return combine_fn(ey, combine.weights, combine.plan,
+                          combine_grad_dtype=combine.grad_dtype)
     # The dense layout interleaves padding per source (row p * C + r), so its valid rows are
     # not a prefix: run every row (padding rows are zero and are never read back by combine).
     # ('mosaic' takes the padded layout itself: slots as rows, no gathers.)
     sizes = None if ex.ndim == 3 else group_sizes
-    wire = None if ex_wire is None else (ex_wire, opts.fp8_block_size)
-    return _experts._gated_experts(ex, sizes, wgu, wd, bgu, bd, backend=eo.backend,
-                                   group_alignment=group_alignment, x_wire=wire,
-                                   combine=combine, **kw)
+    return _experts.experts_apply(ex, sizes, w_gate_up, w_down, bgu, bd, options=eo,
+                                  fp8_block_size=opts.fp8_block_size,
+                                  group_alignment=group_alignment, x_wire=ex_wire,
+                                  combine=combine)
 
 
-def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra, *, opts: MoEOptions, all_axes,
+class LocalInputs(NamedTuple):
+    """The optional per-call inputs that cross into the layer's ``shard_map`` (None: absent;
+    the in_specs mirror it with None in the same places)."""
+
+    mask: jax.Array | None = None  # bool [T]: False for masked (padding) tokens
+    noise: jax.Array | None = None  # f32 [T, d]: the router's jitter multipliers
+    router_bias: jax.Array | None = None  # [E]
+    shared: tuple[jax.Array, jax.Array] | None = None  # shared experts (gate_up, down)
+    shared_gate: jax.Array | None = None  # [d, 1]
+    expert_bias: tuple[jax.Array, jax.Array] | None = None  # (b_gate_up, b_down) banks
+
+
+def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra: LocalInputs, *,
+               opts: MoEOptions, all_axes,
                total_tokens: int, num_slots: int, chunks: int):
     """Per-device body: route, then per chunk dispatch, local experts, combine (masked slots go
     to no expert); the shared experts on every token."""
@@ -168,18 +180,18 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra, *, opts: MoEOpt
     # autodiff sums their gradients over those axes (the transpose of pcast is a psum).
     do = opts.dispatch
     others = tuple(a for a in all_axes if a != do.expert_axis)
-    expert_bias = extra.get("expert_bias")
+    expert_bias = extra.expert_bias
     if others:
         w_gate_up = jax.lax.pcast(w_gate_up, others, to="varying")
         w_down = jax.lax.pcast(w_down, others, to="varying")
         if expert_bias is not None:
             expert_bias = tuple(jax.lax.pcast(b, others, to="varying") for b in expert_bias)
     router_kernel = jax.lax.pcast(router_kernel, tuple(all_axes), to="varying")
-    router_bias = extra.get("router_bias")
+    router_bias = extra.router_bias
     if router_bias is not None:
         router_bias = jax.lax.pcast(router_bias, tuple(all_axes), to="varying")
-    mask = extra.get("mask")
-    x_router = x if "noise" not in extra else (x * extra["noise"]).astype(x.dtype)
+    mask = extra.mask
+    x_router = x if extra.noise is None else (x * extra.noise).astype(x.dtype)
     with jax.named_scope("moe_router"):
         r = _routing.route(x_router, router_kernel, bias, config=opts.router,
                            router_bias=router_bias, token_mask=mask)
@@ -193,10 +205,10 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra, *, opts: MoEOpt
     with_wire = (do.dispatch_dtype == "fp8" and opts.experts.gemm_dtype == "fp8"
                  and do.transport in ("dropless", "ragged"))
     align = _group_alignment(opts)
-    shared = extra.get("shared")
+    shared = extra.shared
     if shared is not None:
         shared = tuple(jax.lax.pcast(a, tuple(all_axes), to="varying") for a in shared)
-    gate = extra.get("shared_gate")
+    gate = extra.shared_gate
     if gate is not None:
         gate = jax.lax.pcast(gate, tuple(all_axes), to="varying")
     # Pipelined expert parallelism: the chunks are independent until their outputs are
@@ -224,9 +236,11 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra, *, opts: MoEOpt
             ys_shared = _shared_experts(x, shared, gate, opts, x.dtype)
             if mask is not None:
                 ys_shared = jnp.where(mask[:, None], ys_shared, jnp.zeros((), x.dtype))
+        wire = None if ex_wire is None else _experts.WireRows(ex_wire, x.shape[-1],
+                                                              opts.fp8_block_size)
+        combine = _experts.CombineArgs(r.weights[part], plan, do.combine_grad_dtype)
         ys.append(_local_experts(ex, group_sizes, w_gate_up, w_down, expert_bias, opts,
-                                 ex_wire, align, (r.weights[part], plan,
-                                                  do.combine_grad_dtype)).astype(x.dtype))
+                                 wire, align, combine).astype(x.dtype))
         dropped = dropped + plan.dropped
     y = ys[0] if chunks == 1 else jnp.concatenate(ys, axis=0)
     if ys_shared is not None:
@@ -328,7 +342,8 @@ def _unpad_rows(a: jax.Array, rows: int, mesh) -> jax.Array:
 
 def _token_inputs(x, token_mask, jitter_key, ro, mesh, tok_spec: P, t_pad: int):
     """``(tokens [t_pad, d], mask, extra, extra_specs)``: x flattened, jittered, padded with
-    masked tokens to ``t_pad`` and placed on ``tok_spec``; ``extra`` holds the mask / noise."""
+    masked tokens to ``t_pad`` and placed on ``tok_spec``; ``extra`` (a :class:`LocalInputs`,
+    ``extra_specs`` its specs) holds the mask / noise."""
     b, s, d = x.shape
     t = b * s
     tokens = x.reshape(t, d)
@@ -344,13 +359,14 @@ def _token_inputs(x, token_mask, jitter_key, ro, mesh, tok_spec: P, t_pad: int):
         tokens = _pad_rows(tokens, t_pad - t)
         noise = None if noise is None else _pad_rows(noise, t_pad - t, 1.0)
     tokens = _mesh.reshard(tokens, mesh, tok_spec)
-    extra, extra_specs = {}, {}
+    extra, extra_specs = LocalInputs(), LocalInputs()
     if mask is not None:
         mask = _mesh.reshard(mask, mesh, tok_spec)
         tokens = jnp.where(mask[:, None], tokens, jnp.zeros((), tokens.dtype))
-        extra["mask"], extra_specs["mask"] = mask, tok_spec
+        extra, extra_specs = extra._replace(mask=mask), extra_specs._replace(mask=tok_spec)
     if noise is not None:
-        extra["noise"], extra_specs["noise"] = _mesh.reshard(noise, mesh, tok_spec), tok_spec
+        extra = extra._replace(noise=_mesh.reshard(noise, mesh, tok_spec))
+        extra_specs = extra_specs._replace(noise=tok_spec)
     return tokens, mask, extra, extra_specs
 
 
@@ -451,11 +467,14 @@ def moe_apply(
     tokens, mask, extra, extra_specs = _token_inputs(x, token_mask, jitter_key, ro, mesh,
                                                      tok_spec, t_pad)
     if router_bias is not None:
-        extra["router_bias"], extra_specs["router_bias"] = router_bias, P()
+        extra = extra._replace(router_bias=router_bias)
+        extra_specs = extra_specs._replace(router_bias=P())
     if shared is not None:  # computed per device, inside the map, where it can hide a dispatch
-        extra["shared"], extra_specs["shared"] = tuple(shared), (P(), P())
+        extra, extra_specs = extra._replace(shared=tuple(shared)), extra_specs._replace(
+            shared=(P(), P()))
         if shared_gate is not None:
-            extra["shared_gate"], extra_specs["shared_gate"] = shared_gate, P()
+            extra = extra._replace(shared_gate=shared_gate)
+            extra_specs = extra_specs._replace(shared_gate=P())
 
     def bank(a):  # pad to e_pad experts (zeros, never routed to), then split over the axis
         if e_pad != e:
@@ -464,8 +483,8 @@ def moe_apply(
 
     w_gate_up, w_down = bank(w_gate_up), bank(w_down)
     if expert_bias is not None:
-        extra["expert_bias"] = tuple(bank(jnp.asarray(a)) for a in expert_bias)
-        extra_specs["expert_bias"] = (P(axis, None), P(axis, None))
+        extra = extra._replace(expert_bias=tuple(bank(jnp.asarray(a)) for a in expert_bias))
+        extra_specs = extra_specs._replace(expert_bias=(P(axis, None), P(axis, None)))
     if bias is None:
         bias = jnp.zeros((e,), jnp.float32)
     all_axes = tuple(mesh.axis_names)

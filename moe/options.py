@@ -16,6 +16,7 @@ the single validation pass of the options against a layer's widths and mesh.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any, Literal
 
 from moe import fp8
@@ -24,26 +25,44 @@ from moe.routing import RouterConfig
 
 __all__ = ["DispatchOptions", "ExpertOptions", "MoEOptions"]
 
+# The one definition of every enum-like option; the allowed values are read off these types
+# (:func:`choices`), so a new value is added here and nowhere else.
 Transport = Literal["auto", "dense", "dropless", "ragged"]
+RaggedImpl = Literal["auto", "native", "emulated"]
 WireDtype = Literal["bf16", "fp8"] | None
 WireKernels = Literal["auto", "xla", "pallas"]
 Backend = Literal["auto", "einsum", "ragged_dot", "pallas", "mosaic"]
 GemmDtype = Literal["bf16", "fp8"]
 SaveZ = Literal["bf16", "fp8", "recompute"]
 
-_WIRES = (None, "bf16", "fp8")
-_GEMM_DTYPES = ("bf16", "fp8")
 
-
-def check_choice(name: str, value: Any, allowed: tuple) -> None:
-    """ValueError naming ``name`` unless ``value`` is one of ``allowed``.
+def choices(tp: Any) -> tuple:
+    """The values an option type allows: a ``Literal``, or a union of them and ``None``.
 
     Example:
-      >>> check_choice("save_z", "fp16", ("bf16", "fp8"))
+      >>> choices(WireDtype)
+      ('bf16', 'fp8', None)
+    """
+    if typing.get_origin(tp) is Literal:
+        return typing.get_args(tp)
+    out: tuple = ()
+    for arg in typing.get_args(tp):
+        out += (None,) if arg is type(None) else choices(arg)
+    return out
+
+
+def check_choice(name: str, value: Any, allowed: Any) -> None:
+    """ValueError naming ``name`` unless ``value`` is one of ``allowed`` (a tuple, or an
+    option type whose :func:`choices` are allowed).
+
+    Example:
+      >>> check_choice("save_z", "fp16", SaveZ)
       Traceback (most recent call last):
       ...
-      ValueError: save_z='fp16' is not supported; use one of ('bf16', 'fp8').
+      ValueError: save_z='fp16' is not supported; use one of ('bf16', 'fp8', 'recompute').
     """
+    if not isinstance(allowed, tuple):
+        allowed = choices(allowed)
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not supported; use one of {allowed}.")
 
@@ -80,6 +99,10 @@ class DispatchOptions:
       combine_grad_dtype: wire format of the combine gradient (same choices).
       wire_kernels: who encodes and lays out the dispatched rows: ``'auto'`` (Pallas kernels on
         NVIDIA GPUs, XLA elsewhere), ``'xla'`` or ``'pallas'``.
+      capacity_multiple: the dense capacity and the dropless buckets are rounded up to a
+        multiple of it (8 keeps GPU tiles aligned).
+      ragged_impl: ``'ragged'`` only: ``'auto'`` (``ragged_all_to_all`` where XLA has it,
+        GPU and TPU; emulated elsewhere), ``'native'`` or ``'emulated'``.
       overlap_chunks: pipelined expert parallelism: each device's tokens are split into this
         many chunks that are dispatched, computed and combined one after another, so that
         one chunk's exchanges can run while another chunk's expert GEMMs compute (XLA's
@@ -109,21 +132,31 @@ class DispatchOptions:
     combine_grad_dtype: WireDtype = None
     wire_kernels: WireKernels = "auto"
     overlap_chunks: int | Literal["auto"] = "auto"
+    capacity_multiple: int = 8
+    ragged_impl: RaggedImpl = "auto"
 
     def __post_init__(self):
         if self.batch_axes is not None and not isinstance(self.batch_axes, tuple):
             object.__setattr__(self, "batch_axes", tuple(self.batch_axes))
-        check_choice("transport", self.transport, ("auto", "dense", "dropless", "ragged"))
-        check_choice("dispatch_dtype", self.dispatch_dtype, _WIRES)
-        check_choice("combine_grad_dtype", self.combine_grad_dtype, _WIRES)
-        check_choice("wire_kernels", self.wire_kernels, ("auto", "xla", "pallas"))
+        if not isinstance(self.expert_axis, (str, tuple)):
+            raise TypeError(f"expert_axis must be a mesh axis name (or a tuple of names), got "
+                            f"{self.expert_axis!r}.")
+        check_choice("transport", self.transport, Transport)
+        check_choice("dispatch_dtype", self.dispatch_dtype, WireDtype)
+        check_choice("combine_grad_dtype", self.combine_grad_dtype, WireDtype)
+        check_choice("wire_kernels", self.wire_kernels, WireKernels)
+        check_choice("ragged_impl", self.ragged_impl, RaggedImpl)
+        m = self.capacity_multiple
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"capacity_multiple must be an int >= 1, got {m!r}.")
         n = self.overlap_chunks
         if n != "auto" and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ValueError(f"overlap_chunks must be 'auto' or an int >= 1, got {n!r}; 1 "
                              "turns the pipelining off.")
         cf = self.capacity_factor
-        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float))
-                               or not cf > 0):
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float))):
+            raise TypeError(f"capacity_factor must be a float or None, got {cf!r}.")
+        if cf is not None and not cf > 0:
             raise ValueError(f"capacity_factor must be > 0 or None, got {cf!r}.")
         if cf is not None and self.transport == "ragged":
             raise ValueError(
@@ -176,12 +209,11 @@ class ExpertOptions:
     shared_expert_gate: bool = False
 
     def __post_init__(self):
-        check_choice("backend", self.backend,
-                     ("auto", "einsum", "ragged_dot", "pallas", "mosaic"))
-        check_choice("gemm_dtype", self.gemm_dtype, _GEMM_DTYPES)
-        check_choice("dgrad_dtype", self.dgrad_dtype, _GEMM_DTYPES)
-        check_choice("save_z", self.save_z, ("bf16", "fp8", "recompute"))
-        check_choice("wgrad_dtype", self.wgrad_dtype, _GEMM_DTYPES)
+        check_choice("backend", self.backend, Backend)
+        check_choice("gemm_dtype", self.gemm_dtype, GemmDtype)
+        check_choice("dgrad_dtype", self.dgrad_dtype, GemmDtype)
+        check_choice("save_z", self.save_z, SaveZ)
+        check_choice("wgrad_dtype", self.wgrad_dtype, GemmDtype)
         n = self.num_shared_experts
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"num_shared_experts must be an int >= 0, got {n!r}.")

@@ -3,6 +3,7 @@ one custom VJP (moe._experts_combine) whose backward quantizes the experts' outp
 as it gathers it from the token gradients. The rows must be the bytes of gathering then
 quantizing, so the layer's outputs and gradients are bit for bit those of the two VJPs."""
 
+import dataclasses
 import functools
 
 import jax
@@ -98,13 +99,16 @@ def test_layer_through_the_fused_combine_gives_the_two_vjps_bytes(backend, dispa
 
 
 def test_applies_only_where_nothing_is_sent_and_dy_is_read_as_fp8():
-    from moe._experts_vjp import Opts
+    from moe import ExpertOptions
+    from moe._experts_vjp import Call
 
     plan = type("Plan", (), {"axis_size": 1, "transport": "dropless"})()
-    fp8_all = Opts("mosaic", "fp8", "fp8", "bf16", "fp8", 128, True)
+    fp8_all = Call(experts=ExpertOptions(backend="mosaic", gemm_dtype="fp8", dgrad_dtype="fp8",
+                                         wgrad_dtype="fp8"), fp8_block_size=128, mask_rows=True)
     assert _experts_combine.applies(fp8_all, plan, None)
     assert not _experts_combine.applies(fp8_all, plan, "fp8")  # FP8 gradient wire
-    bf16_wgrad = Opts("mosaic", "fp8", "fp8", "bf16", "bf16", 128, True)
+    bf16_wgrad = dataclasses.replace(
+        fp8_all, experts=dataclasses.replace(fp8_all.experts, wgrad_dtype="bf16"))
     assert not _experts_combine.applies(bf16_wgrad, plan, None)
     plan.axis_size = 2
     assert not _experts_combine.applies(fp8_all, plan, None)
