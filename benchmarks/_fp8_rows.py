@@ -254,7 +254,7 @@ def _layer_variants(report, a, variants, transport, args):
     ref = None
     for name, opts in variants.items():
         def loss(x, rk, wgu, wd, ct, opts=opts):
-            y, aux = moe.moe_apply(x, rk, wgu, wd, opts=opts)
+            y, aux = moe.moe_apply(x, rk, wgu, wd, options=opts)
             obj = jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32))
             return obj + aux["load_balance_loss"], aux["dropped_tokens"]
 

@@ -226,7 +226,7 @@ def build_layer(name, mesh, a, data):
     opts = options(name, a)
 
     def fwd(x, rk, wgu, wd, bias):
-        return moe.moe_apply(x, rk, wgu, wd, bias, opts=opts, mesh=mesh)
+        return moe.moe_apply(x, rk, wgu, wd, bias, options=opts, mesh=mesh)
 
     def loss(x, rk, wgu, wd, ct, bias):
         y, _ = fwd(x, rk, wgu, wd, bias)

@@ -328,7 +328,7 @@ def main(argv=None) -> dict:
         ndev = int(np.prod(mesh.devices.shape))
 
         def loss(x, router, wgu, wd, ct):
-            y, aux = moe.moe_apply(x, router, wgu, wd, opts=o, mesh=mesh)
+            y, aux = moe.moe_apply(x, router, wgu, wd, options=o, mesh=mesh)
             return jnp.sum(y.astype(jnp.float32) * ct) + 0.01 * aux["load_balance_loss"]
 
         def sds(shape, dtype, spec):
@@ -381,7 +381,7 @@ def main(argv=None) -> dict:
                                           combine_grad_dtype="fp8", overlap_chunks=c)
 
                 def loss(x, router, wgu, wd, ct, o=o):
-                    y, aux = moe.moe_apply(x, router, wgu, wd, opts=o, mesh=dev_mesh)
+                    y, aux = moe.moe_apply(x, router, wgu, wd, options=o, mesh=dev_mesh)
                     return jnp.sum(y.astype(jnp.float32) * ct) + 0.01 * aux["load_balance_loss"]
 
                 fns[c] = compile_with(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(

@@ -14,6 +14,7 @@ shared experts); experts are split over the expert axis. Inside ``jax.shard_map`
 from __future__ import annotations
 
 import math
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -101,12 +102,12 @@ def auto_overlap_chunks(expert_axis_size: int, tokens_per_device: int,
     return chunks
 
 
-def _global_router_stats(r: _routing.Routing, opts: MoEOptions, all_axes, total_tokens: int,
+def _global_router_stats(r: _routing.Routing, options: MoEOptions, all_axes, total_tokens: int,
                          mask: jax.Array | None):
     """Load-balancing and z losses over *all* (unmasked) tokens, from per-device partial sums."""
-    e, k = opts.router.num_experts, opts.router.top_k
+    e, k = options.router.num_experts, options.router.top_k
     counts = jax.lax.psum(r.tokens_per_expert, all_axes)  # route() counts unmasked tokens only
-    probs = _routing.balance_probs(r.scores, opts.router.score_fn)
+    probs = _routing.balance_probs(r.scores, options.router.score_fn)
     lse2 = jax.nn.logsumexp(r.logits, axis=-1) ** 2
     if mask is None:
         n = jnp.float32(total_tokens)
@@ -121,32 +122,32 @@ def _global_router_stats(r: _routing.Routing, opts: MoEOptions, all_axes, total_
     return counts, lb, z
 
 
-def _group_alignment(opts: MoEOptions) -> int | None:
+def _group_alignment(options: MoEOptions) -> int | None:
     """The alignment of the expert layout that the dropless dispatch writes: the Mosaic GPU
     kernels' 128-row groups when the experts run them (no gathers into and out of an
     aligned copy), None (plain ragged) otherwise."""
-    if opts.dispatch.transport != "dropless":
+    if options.dispatch.transport != "dropless":
         return None
-    backend = opts.experts.backend
+    backend = options.experts.backend
     if backend == "auto":
         backend = _experts.auto_backend(2)
     return _grouped.GROUP_ALIGNMENT if _grouped.BACKENDS[backend].aligned else None
 
 
-def _local_experts(ex, group_sizes, w_gate_up, w_down, biases, opts: MoEOptions,
+def _local_experts(ex, group_sizes, w_gate_up, w_down, biases, options: MoEOptions,
                    ex_wire: _experts.WireRows | None, group_alignment,
                    combine: _experts.CombineArgs) -> jax.Array:
     """The local experts on the layout ``dispatch`` produced (padded ``[E, C, d]`` or ragged,
     aligned to ``group_alignment``; ``ex_wire``: ragged ``ex``'s FP8 wire rows, which the FP8
     forward GEMM reads), combined back to the tokens."""
-    eo = opts.experts
+    eo = options.experts
     bgu, bd = biases if biases is not None else (None, None)
     if ex.ndim == 3 and eo.backend in ("ragged_dot", "pallas"):  # 2-D GEMMs
         e_local, c, d = ex.shape
         full = jnp.full((e_local,), c, dtype=jnp.int32)
         ey = _experts.experts_apply(
             ex.reshape(e_local * c, d), full, w_gate_up, w_down, bgu, bd, options=eo,
-            fp8_block_size=opts.fp8_block_size).reshape(e_local, c, -1)
+            fp8_block_size=options.fp8_block_size).reshape(e_local, c, -1)
         return combine_fn(ey, combine.weights, combine.plan,
                           combine_grad_dtype=combine.grad_dtype)
     # The dense layout interleaves padding per source (row p * C + r), so its valid rows are
@@ -154,7 +155,7 @@ def _local_experts(ex, group_sizes, w_gate_up, w_down, biases, opts: MoEOptions,
     # ('mosaic' takes the padded layout itself: slots as rows, no gathers.)
     sizes = None if ex.ndim == 3 else group_sizes
     return _experts.experts_apply(ex, sizes, w_gate_up, w_down, bgu, bd, options=eo,
-                                  fp8_block_size=opts.fp8_block_size,
+                                  fp8_block_size=options.fp8_block_size,
                                   group_alignment=group_alignment, x_wire=ex_wire,
                                   combine=combine)
 
@@ -172,13 +173,13 @@ class LocalInputs(NamedTuple):
 
 
 def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra: LocalInputs, *,
-               opts: MoEOptions, all_axes,
+               options: MoEOptions, all_axes,
                total_tokens: int, num_slots: int, chunks: int):
     """Per-device body: route, then per chunk dispatch, local experts, combine (masked slots go
     to no expert); the shared experts on every token."""
     # Router and expert banks are replicated over some axes; mark them varying there so that
     # autodiff sums their gradients over those axes (the transpose of pcast is a psum).
-    do = opts.dispatch
+    do = options.dispatch
     others = tuple(a for a in all_axes if a != do.expert_axis)
     expert_bias = extra.expert_bias
     if others:
@@ -193,18 +194,18 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra: LocalInputs, *,
     mask = extra.mask
     x_router = x if extra.noise is None else (x * extra.noise).astype(x.dtype)
     with jax.named_scope("moe_router"):
-        r = _routing.route(x_router, router_kernel, bias, config=opts.router,
+        r = _routing.route(x_router, router_kernel, bias, config=options.router,
                            router_bias=router_bias, token_mask=mask)
-        counts, lb, z = _global_router_stats(r, opts, all_axes, total_tokens, mask)
+        counts, lb, z = _global_router_stats(r, options, all_axes, total_tokens, mask)
     ids = r.expert_ids if mask is None else jnp.where(mask[:, None], r.expert_ids, num_slots)
     cf = do.capacity_factor  # per real expert: the padded experts receive no slots
-    if cf is not None and num_slots != opts.router.num_experts:
-        cf = cf * num_slots / opts.router.num_experts
+    if cf is not None and num_slots != options.router.num_experts:
+        cf = cf * num_slots / options.router.num_experts
     # FP8 tokens on a ragged layout go to FP8 expert GEMMs as their wire rows: no decoded
     # bf16 copy is quantized again.
-    with_wire = (do.dispatch_dtype == "fp8" and opts.experts.gemm_dtype == "fp8"
+    with_wire = (do.dispatch_dtype == "fp8" and options.experts.gemm_dtype == "fp8"
                  and do.transport in ("dropless", "ragged"))
-    align = _group_alignment(opts)
+    align = _group_alignment(options)
     shared = extra.shared
     if shared is not None:
         shared = tuple(jax.lax.pcast(a, tuple(all_axes), to="varying") for a in shared)
@@ -227,19 +228,19 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra: LocalInputs, *,
             transport=do.transport,
             capacity_factor=cf,
             dispatch_dtype=do.dispatch_dtype,
-            block_size=opts.fp8_block_size,
+            block_size=options.fp8_block_size,
             wire_kernels=do.wire_kernels,
             group_alignment=align,
             with_wire=with_wire,
         )
         if c == 0 and shared is not None:
-            ys_shared = _shared_experts(x, shared, gate, opts, x.dtype)
+            ys_shared = _shared_experts(x, shared, gate, options, x.dtype)
             if mask is not None:
                 ys_shared = jnp.where(mask[:, None], ys_shared, jnp.zeros((), x.dtype))
         wire = None if ex_wire is None else _experts.WireRows(ex_wire, x.shape[-1],
-                                                              opts.fp8_block_size)
+                                                              options.fp8_block_size)
         combine = _experts.CombineArgs(r.weights[part], plan, do.combine_grad_dtype)
-        ys.append(_local_experts(ex, group_sizes, w_gate_up, w_down, expert_bias, opts,
+        ys.append(_local_experts(ex, group_sizes, w_gate_up, w_down, expert_bias, options,
                                  wire, align, combine).astype(x.dtype))
         dropped = dropped + plan.dropped
     y = ys[0] if chunks == 1 else jnp.concatenate(ys, axis=0)
@@ -247,7 +248,7 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra: LocalInputs, *,
         y = y + ys_shared
     dropped = jax.lax.psum(dropped, all_axes)
     routing = {}
-    if opts.router.return_routing:
+    if options.router.return_routing:
         keep = True if mask is None else mask[:, None]
         routing = {"expert_ids": jnp.where(keep, r.expert_ids, -1),
                    "expert_weights": jnp.where(keep, r.weights, 0.0)}
@@ -271,7 +272,7 @@ def _check_optional(name: str, value, want_shape, enabled: bool, option: str) ->
                          f"{tuple(want_shape)}.")
 
 
-def _check_call(x, router_kernel, w_down, opts: MoEOptions, mesh, optional) -> None:
+def _check_call(x, router_kernel, w_down, options: MoEOptions, mesh, optional) -> None:
     """The shape checks of one :func:`moe_apply` call (the options were checked already)."""
     if x.ndim != 3:
         raise ValueError(
@@ -283,16 +284,16 @@ def _check_call(x, router_kernel, w_down, opts: MoEOptions, mesh, optional) -> N
             f"x has shape {x.shape}: a batch with no tokens; pass at least one token "
             "(skip the layer for empty batches)."
         )
-    num_experts = opts.router.num_experts
+    num_experts = options.router.num_experts
     if router_kernel.shape != (d, num_experts):
         raise ValueError(
             f"router_kernel has shape {router_kernel.shape}, expected (d_model, num_experts) = "
             f"({d}, {num_experts}); x's last axis must equal the layer's d_model."
         )
-    opts.check(d_model=d, d_ff=w_down.shape[1], mesh=mesh)
-    eo = opts.experts
+    options.check(d_model=d, d_ff=w_down.shape[1], mesh=mesh)
+    eo = options.experts
     _check_optional("router_bias", optional["router_bias"], (num_experts,),
-                    opts.router.router_bias, "router_bias")
+                    options.router.router_bias, "router_bias")
     eb = optional["expert_bias"]
     if eb is not None and (not isinstance(eb, (tuple, list)) or len(eb) != 2):
         raise ValueError("expert_bias must be a pair (b_gate_up [E, 2 * d_ff], b_down [E, "
@@ -311,13 +312,13 @@ def _check_call(x, router_kernel, w_down, opts: MoEOptions, mesh, optional) -> N
                          f"[batch, seq] = {(b, s)} (False: a padding token).")
 
 
-def _shared_experts(tokens: jax.Array, shared, gate, opts: MoEOptions, dtype) -> jax.Array:
+def _shared_experts(tokens: jax.Array, shared, gate, options: MoEOptions, dtype) -> jax.Array:
     """The always-on shared experts: one gated MLP over every token (optionally scaled by
     ``sigmoid(tokens @ gate)``)."""
     gu, dn = shared
     with jax.named_scope("moe_shared_experts"):
         zs = jnp.einsum("td,df->tf", tokens, gu.astype(dtype))
-        h = opts.experts.activation.apply(zs).astype(dtype)
+        h = options.experts.activation.apply(zs).astype(dtype)
         y = jnp.einsum("tf,fd->td", h, dn.astype(dtype))
         if gate is not None:
             g = jnp.einsum("td,do->to", tokens, gate.astype(dtype))
@@ -370,6 +371,20 @@ def _token_inputs(x, token_mask, jitter_key, ro, mesh, tok_spec: P, t_pad: int):
     return tokens, mask, extra, extra_specs
 
 
+def _options_argument(options: MoEOptions | None, opts: MoEOptions | None) -> MoEOptions:
+    """``options``, or the deprecated ``opts=`` spelling of it (with a DeprecationWarning)."""
+    if opts is not None:
+        if options is not None:
+            raise TypeError("moe_apply got both options= and opts=; pass options= only.")
+        warnings.warn("moe_apply(opts=...) is deprecated; pass options=... (the same "
+                      "MoEOptions).", DeprecationWarning, stacklevel=3)
+        options = opts
+    if not isinstance(options, MoEOptions):
+        raise TypeError(f"options must be a moe.MoEOptions, got {type(options).__name__}; build "
+                        "it with moe.MoEOptions.create(num_experts, top_k, ...).")
+    return options
+
+
 def moe_apply(
     x: jax.Array,
     router_kernel: jax.Array,
@@ -378,18 +393,19 @@ def moe_apply(
     bias: jax.Array | None = None,
     shared: tuple[jax.Array, jax.Array] | None = None,
     *,
-    opts: MoEOptions,
+    options: MoEOptions | None = None,
     mesh=None,
     router_bias: jax.Array | None = None,
     expert_bias: tuple[jax.Array, jax.Array] | None = None,
     shared_gate: jax.Array | None = None,
     token_mask: jax.Array | None = None,
     jitter_key: jax.Array | None = None,
+    opts: MoEOptions | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Applies an expert-parallel MoE layer: ``y = sum_k w_k * E_{e_k}(x) (+ shared(x))``.
 
     ``E_e(x) = act(x Wgu_e + bgu_e) Wd_e + bd_e`` with ``act([g | u]) = silu(g) * u`` by
-    default (``opts.experts.activation``; biases only with ``expert_bias``); the router is
+    default (``options.experts.activation``; biases only with ``expert_bias``); the router is
     ``moe.routing.route``; the shared experts ``S(x) = act(x Wgu_s) Wd_s``, times
     ``sigmoid(x w_g)`` with ``shared_gate``. Dropped slots (dense transport over capacity)
     contribute 0 and are counted in ``aux['dropped_tokens']``.
@@ -409,15 +425,15 @@ def moe_apply(
       bias: balancing bias ``[E]`` or None.
       shared: ``(gate_up [d_model, 2 * d_shared], down [d_shared, d_model])`` of the shared
         experts, or None.
-      opts: :class:`moe.MoEOptions`.
+      options: :class:`moe.MoEOptions` (required).
       mesh: a ``jax.sharding.Mesh``; None uses the ambient mesh (``jax.set_mesh``) or, with
         none, one device.
-      router_bias: trained logit bias ``[E]`` (with ``opts.router.router_bias``).
+      router_bias: trained logit bias ``[E]`` (with ``options.router.router_bias``).
       expert_bias: ``(b_gate_up [E, 2 * d_ff], b_down [E, d_model])`` (with
-        ``opts.experts.expert_bias``).
-      shared_gate: ``[d_model, 1]`` (with ``opts.experts.shared_expert_gate``).
+        ``options.experts.expert_bias``).
+      shared_gate: ``[d_model, 1]`` (with ``options.experts.shared_expert_gate``).
       token_mask: bool ``[batch, seq]``, False for padding tokens; None: all tokens count.
-      jitter_key: a PRNG key: with ``opts.router.router_jitter_noise = eps > 0`` the tokens
+      jitter_key: a PRNG key: with ``options.router.router_jitter_noise = eps > 0`` the tokens
         are multiplied by ``jax.random.uniform(jitter_key, (batch * seq, d_model), float32,
         1 - eps, 1 + eps)`` (reshaped like ``x``) for the router, or for the router and the
         experts (``jitter_input='all'``). None: no jitter (eval).
@@ -425,7 +441,7 @@ def moe_apply(
     Returns:
       ``(y, aux)``: ``y`` like ``x``; ``aux`` with ``load_balance_loss``, ``router_z_loss``,
       ``tokens_per_expert`` (int32 ``[E]``, all tokens) and ``dropped_tokens`` (int32), and
-      with ``opts.router.return_routing`` ``expert_ids`` (int32 ``[batch, seq, k]``, -1 for
+      with ``options.router.return_routing`` ``expert_ids`` (int32 ``[batch, seq, k]``, -1 for
       masked tokens) and ``expert_weights`` (f32 ``[batch, seq, k]``, 0 for masked tokens).
 
     Example:
@@ -435,7 +451,7 @@ def moe_apply(
       >>> params = (jax.random.normal(k[0], (16, 4)),  # router [d_model, E]
       ...           jax.random.normal(k[1], (4, 16, 16)) * 0.1,  # w_gate_up [E, d_model, 2 d_ff]
       ...           jax.random.normal(k[2], (4, 8, 16)) * 0.1)  # w_down [E, d_ff, d_model]
-      >>> apply = jax.jit(lambda x, p: moe_apply(x, *p, opts=MoEOptions.create(4, 2)))
+      >>> apply = jax.jit(lambda x, p: moe_apply(x, *p, options=MoEOptions.create(4, 2)))
       >>> y, aux = apply(jnp.ones((2, 4, 16)), params)
       >>> y.shape, int(aux["tokens_per_expert"].sum())
       ((2, 4, 16), 16)
@@ -443,23 +459,24 @@ def moe_apply(
     References:
       Shazeer et al. (2017), GShard (2020), Switch Transformer (2021); DeepSeek-V3 (2024).
     """
+    options = _options_argument(options, opts)
     mesh = _mesh.resolve(mesh)
     if mesh is None:
-        mesh = jax.make_mesh((1,), (opts.dispatch.expert_axis,), devices=jax.devices()[:1])
-    _check_call(x, router_kernel, w_down, opts, mesh, dict(
+        mesh = jax.make_mesh((1,), (options.dispatch.expert_axis,), devices=jax.devices()[:1])
+    _check_call(x, router_kernel, w_down, options, mesh, dict(
         router_bias=router_bias, expert_bias=expert_bias, shared=shared,
         shared_gate=shared_gate, token_mask=token_mask))
-    ep = mesh.shape[opts.dispatch.expert_axis]
-    if opts.dispatch.transport == "auto":
-        opts = opts.replace(transport=auto_transport(ep))
+    ep = mesh.shape[options.dispatch.expert_axis]
+    if options.dispatch.transport == "auto":
+        options = options.replace(transport=auto_transport(ep))
     b, s, d = x.shape
     t = b * s
-    ro, axis = opts.router, opts.dispatch.expert_axis
-    axes = opts.token_axes(mesh)
+    ro, axis = options.router, options.dispatch.expert_axis
+    axes = options.token_axes(mesh)
     n_dev = math.prod(mesh.shape[a] for a in axes)
-    chunks = opts.dispatch.overlap_chunks
+    chunks = options.dispatch.overlap_chunks
     if chunks == "auto":
-        chunks = auto_overlap_chunks(ep, -(-t // n_dev), opts.dispatch.transport)
+        chunks = auto_overlap_chunks(ep, -(-t // n_dev), options.dispatch.transport)
     t_pad = -(-t // (n_dev * chunks)) * (n_dev * chunks)  # whole chunks on every device
     e, e_pad = ro.num_experts, _padded_experts(ro.num_experts, mesh.shape[axis])
     tok_spec = P(axes)
@@ -493,7 +510,7 @@ def moe_apply(
                      if ro.return_routing else {})
     body = jax.shard_map(
         lambda xt, wr, bb, wgu, wd, ex: _local_moe(
-            xt, wr, bb, wgu, wd, ex, opts=opts, all_axes=all_axes, total_tokens=t,
+            xt, wr, bb, wgu, wd, ex, options=options, all_axes=all_axes, total_tokens=t,
             num_slots=e_pad, chunks=chunks),
         mesh=mesh,
         in_specs=(tok_spec, P(), P(), w_spec, w_spec, extra_specs),

@@ -3,6 +3,7 @@ the balancing bias (:class:`BalancingBias`) and calls :func:`moe.moe_apply`."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -19,7 +20,7 @@ __all__ = ["BalancingBias", "MoE"]
 
 # The functional core compiled once per static options, mesh, shapes and dtypes: a layer called
 # outside any jit runs this instead of op-by-op dispatch (seconds per call for a small layer).
-_eager_apply = jax.jit(moe_apply, static_argnames=("opts", "mesh"))
+_eager_apply = jax.jit(moe_apply, static_argnames=("options", "mesh"))
 
 
 def _traced(tree) -> bool:
@@ -100,7 +101,7 @@ class MoE(nnx.Module):
         options.check(d_model=d_model, d_ff=d_ff, mesh=_mesh.resolve(mesh))
         self.mesh = mesh
         self.dtype = dtype
-        self.opts = options
+        self.options = options
         self.deterministic = False
         self._init_params(d_model, d_ff, param_dtype, rngs)
         if options.router.router_jitter_noise > 0:
@@ -117,8 +118,8 @@ class MoE(nnx.Module):
 
     def _init_params(self, d_model: int, d_ff: int, param_dtype, rngs: nnx.Rngs) -> None:
         """Router, expert banks (split over the expert axis), shared expert, balancing bias."""
-        mesh, e = self.mesh, self.opts.router.num_experts
-        axis = self.opts.dispatch.expert_axis
+        mesh, e = self.mesh, self.options.router.num_experts
+        axis = self.options.dispatch.expert_axis
         # With an explicit mesh, place the values here (``reshard`` / a sharding constraint):
         # ``jax.set_mesh`` is refused under a trace, and ``moe_linen`` builds the module inside
         # ``apply``, often under ``jax.jit``. With only an ambient mesh, flax places them.
@@ -141,7 +142,7 @@ class MoE(nnx.Module):
             return nnx.Param(place(jnp.zeros(shape, param_dtype), sharding),
                              out_sharding=sharding, eager_sharding=eager)
 
-        eo = self.opts.experts
+        eo = self.options.experts
         self.router_kernel = param(rngs.params(), (d_model, e), d_model, (None, None))
         self.w_gate_up = param(rngs.params(), (e, d_model, 2 * d_ff), d_model, (ax, None, None))
         self.w_down = param(rngs.params(), (e, d_ff, d_model), d_ff, (ax, None, None))
@@ -156,7 +157,7 @@ class MoE(nnx.Module):
             self.shared_gate = param(rngs.params(), (d_model, 1), d_model, (None, None))
         else:
             self.shared_gate = None
-        self.router_bias = zeros((e,), (None,)) if self.opts.router.router_bias else None
+        self.router_bias = zeros((e,), (None,)) if self.options.router.router_bias else None
         if eo.expert_bias:
             self.b_gate_up = zeros((e, 2 * d_ff), (ax, None))
             self.b_down = zeros((e, d_model), (ax, None))
@@ -166,6 +167,13 @@ class MoE(nnx.Module):
             place(jnp.zeros((e,), jnp.float32), (None,)), out_sharding=(None,),
             eager_sharding=eager,
         )
+
+    @property
+    def opts(self) -> MoEOptions:
+        """The former name of :attr:`options`, deprecated."""
+        warnings.warn("MoE.opts is deprecated; read MoE.options (the same MoEOptions).",
+                      DeprecationWarning, stacklevel=2)
+        return self.options
 
     def __call__(
         self, x: jax.Array, mask: jax.Array | None = None, *, deterministic: bool | None = None
@@ -201,7 +209,7 @@ class MoE(nnx.Module):
         # the layer compiles itself once per shapes (the ambient mesh resolved first, so a
         # later jax.set_mesh gets its own compilation).
         apply = moe_apply if _traced((args, kwargs)) else _eager_apply
-        return apply(*args, opts=self.opts, mesh=_mesh.resolve(self.mesh), **kwargs)
+        return apply(*args, options=self.options, mesh=_mesh.resolve(self.mesh), **kwargs)
 
     def set_view(self, deterministic: bool | None = None):
         """Sets the view attributes of ``nnx.view`` (and ``.eval()`` / ``.train()``).

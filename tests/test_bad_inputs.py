@@ -66,7 +66,7 @@ def _call(x_shape=(2, 8, 64), **kw):
 def _moe_apply(w_down_shape=(8, 32, 64), bias_shape=(8,), expert_bias=False, **kw):
     opts = moe.MoEOptions.create(8, 2, expert_bias=expert_bias)
     return jax.eval_shape(
-        lambda *a: moe.moe_apply(*a, opts=opts, mesh=_mesh(), **kw),
+        lambda *a: moe.moe_apply(*a, options=opts, mesh=_mesh(), **kw),
         jnp.ones((2, 8, 64)), jnp.ones((64, 8)), jnp.ones((8, 64, 64)), jnp.ones(w_down_shape),
         jnp.zeros(bias_shape))
 

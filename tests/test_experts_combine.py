@@ -62,7 +62,7 @@ def _layer_grads(backend: str, dispatch_dtype, fused: bool, dtype=jnp.bfloat16, 
                                  dgrad_dtype="fp8", wgrad_dtype="fp8")
 
     def loss(x, router, wgu, wd):
-        y, _ = moe.moe_apply(x, router, wgu, wd, opts=opts, mesh=make_mesh((data, 1)))
+        y, _ = moe.moe_apply(x, router, wgu, wd, options=opts, mesh=make_mesh((data, 1)))
         return jnp.sum(y.astype(jnp.float32) * jnp.cos(y.astype(jnp.float32))), y
 
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))

@@ -38,7 +38,7 @@ def _layer_grad_text(transport: str, backend: str, dispatch_dtype=None) -> str:
                                  dispatch_dtype=dispatch_dtype, **ALL_FP8)
 
     def loss(x, router, w_gate_up, w_down):
-        y, _ = moe.moe_apply(x, router, w_gate_up, w_down, opts=opts, mesh=mesh)
+        y, _ = moe.moe_apply(x, router, w_gate_up, w_down, options=opts, mesh=mesh)
         return jnp.sum(y.astype(jnp.float32))
 
     S = jax.ShapeDtypeStruct

@@ -59,7 +59,7 @@ def _layer_grads(backend: str, transport: str, expert_devices: int, with_wire: b
                                  wgrad_dtype="fp8")
 
     def loss(x, wgu, wd):
-        y, _ = moe.moe_apply(x, router, wgu, wd, opts=opts, mesh=mesh)
+        y, _ = moe.moe_apply(x, router, wgu, wd, options=opts, mesh=mesh)
         return jnp.sum(y.astype(jnp.float32) ** 2), y
 
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))

@@ -143,7 +143,7 @@ def run_both(model, x, ct, kept=None, quantize=None):
     params = params_of(model)
     y, aux, gm, gx = layer_step(model, x, ct)
     got = {"y": y, "x": gx, **nnx.to_pure_dict(gm)}
-    ry, raux, gp, rgx = ref_step(params, np.asarray(x), np.asarray(ct), model.opts.router,
+    ry, raux, gp, rgx = ref_step(params, np.asarray(x), np.asarray(ct), model.options.router,
                                  kept, quantize)
     want = {"y": ry, "x": rgx, **gp}
     assert set(got) == set(want), (set(got), set(want))
@@ -299,7 +299,7 @@ def test_fp8_gemm_uses_the_new_weights_after_a_step():
     new = params_of(model)
     y_new = np.asarray(forward(model, x))
 
-    cfg = model.opts.router
+    cfg = model.options.router
     ref_q = jax.jit(lambda p: reference(p, x.reshape(-1, DQ), cfg, quantize=_fp8_round)[0])
     r_old, r_new = (np.asarray(ref_q(p)).reshape(x.shape) for p in (old, new))
     moved = np.linalg.norm(new["w_gate_up"] - old["w_gate_up"]) / np.linalg.norm(old["w_gate_up"])
@@ -335,11 +335,11 @@ def test_router_variants_match_reference(case):
         assert got["shared_gate_up"].shape == (D, 2 * 2 * F)
         assert np.abs(got["shared_down"]).max() > 0
     if case == "sigmoid":  # renormalized weights sum to routed_scaling
-        w = ref_routing(flat, params, model.opts.router)[1]
+        w = ref_routing(flat, params, model.options.router)[1]
         np.testing.assert_allclose(np.asarray(w).sum(-1), 2.5, rtol=1e-5)
     if case == "groups":  # the group limit changes some tokens' experts
         free = moe.RouterConfig(E, K)
-        ids_g = np.asarray(ref_routing(flat, params, model.opts.router)[0])
+        ids_g = np.asarray(ref_routing(flat, params, model.options.router)[0])
         ids_free = np.asarray(ref_routing(flat, params, free)[0])
         assert (np.sort(ids_g, -1) != np.sort(ids_free, -1)).any(axis=-1).sum() > 0
         groups = ids_g // (E // 4)
@@ -369,7 +369,7 @@ def test_balancing_bias_moves_load_and_changes_selection_only():
     assert_aux(aux, raux)
     assert "balancing_bias" not in got  # not trained
     unbiased = {**params_of(model), "balancing_bias": np.zeros(E, np.float32)}
-    ids0 = ref_routing(np.asarray(x).reshape(-1, D), unbiased, model.opts.router)[0]
+    ids0 = ref_routing(np.asarray(x).reshape(-1, D), unbiased, model.options.router)[0]
     counts0 = np.bincount(np.asarray(ids0).ravel(), minlength=E)
     assert (counts0 != aux["tokens_per_expert"]).any()
 
@@ -412,7 +412,7 @@ def test_capacity_drops_follow_the_documented_rule():
     t_local = 8 * 64 // n_dev
     cap = -(-min(math.ceil(cf * t_local * K / E), t_local) // 8) * 8  # round up to 8
     ids = np.asarray(ref_routing(np.asarray(x).reshape(-1, D), params_of(model),
-                                 model.opts.router)[0])
+                                 model.options.router)[0])
     kept = np.zeros(ids.shape, bool)
     for dev in range(n_dev):  # tokens are split in contiguous blocks over ('data', 'expert')
         seen = np.zeros(E, int)
@@ -602,7 +602,7 @@ def _mosaic_dropless_grads(expert_devices: int, aligned_dispatch: bool, dispatch
     mesh = make_mesh((1, expert_devices))
 
     def loss(x, router, wgu, wd):
-        y, _ = moe.moe_apply(x, router, wgu, wd, opts=opts, mesh=mesh)
+        y, _ = moe.moe_apply(x, router, wgu, wd, options=opts, mesh=mesh)
         return jnp.sum(y.astype(jnp.float32) ** 2), y
 
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))

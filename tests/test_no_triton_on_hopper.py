@@ -37,7 +37,7 @@ def test_moe_layer_has_no_triton_kernel(transport, dispatch_dtype, n_ep):
     mesh = cuda_mesh((1, n_ep), ("data", "expert"))
 
     def loss(x, router, w_gate_up, w_down):
-        y, _ = moe.moe_apply(x, router, w_gate_up, w_down, opts=opts, mesh=mesh)
+        y, _ = moe.moe_apply(x, router, w_gate_up, w_down, options=opts, mesh=mesh)
         return jnp.sum(y.astype(jnp.float32))
 
     def sds(shape, dtype, spec):

@@ -40,7 +40,7 @@ def _grad_fn(mesh_shape, chunks, **options):
 
     def loss(x, p, ct):
         y, aux = moe.moe_apply(x, p["router"], p["wgu"], p["wd"], shared=p.get("shared"),
-                               opts=opts, mesh=mesh)
+                               options=opts, mesh=mesh)
         return jnp.sum(y * ct) + aux["load_balance_loss"], (y, aux)
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))

@@ -142,14 +142,14 @@ def check_layer(model, x, mask=None, noise=None, ct_seed=2):
     ct = jax.random.normal(jax.random.key(ct_seed), x.shape)
     y, aux, gm, gx = layer_step(model, x, ct, mask)
     x_ref = jnp.where(jnp.isfinite(x), x, 0.0)  # masked tokens may hold NaN; ref zeroes them
-    ry, raux, gp, rgx = ref_step(params_of(model), x_ref, ct, mask, noise, model.opts)
+    ry, raux, gp, rgx = ref_step(params_of(model), x_ref, ct, mask, noise, model.options)
     got = {"y": y, "x": gx, **{k: v for k, v in nnx.to_pure_dict(gm).items() if k in TRAINED}}
     assert_close(got, {"y": ry, "x": rgx, **gp})
     assert np.isfinite(np.asarray(gx)).all() and np.isfinite(np.asarray(y)).all()
     chex.assert_trees_all_close(aux["load_balance_loss"], raux["load_balance_loss"], rtol=1e-5)
     chex.assert_trees_all_close(aux["router_z_loss"], raux["router_z_loss"], rtol=1e-5)
     np.testing.assert_array_equal(aux["tokens_per_expert"], raux["tokens_per_expert"])
-    if model.opts.router.return_routing:
+    if model.options.router.return_routing:
         np.testing.assert_array_equal(aux["expert_ids"], raux["expert_ids"])
         chex.assert_trees_all_close(aux["expert_weights"], raux["expert_weights"], rtol=1e-5,
                                     atol=1e-6)
@@ -312,7 +312,7 @@ def test_token_mask_takes_no_capacity():
     x = tokens(b, s)
     mask = np.asarray(jax.random.bernoulli(jax.random.key(9), 0.6, (b, s)))
     flat = np.asarray(x).reshape(-1, D)
-    ids = np.asarray(reference(params_of(model), jnp.asarray(flat), model.opts)[4])
+    ids = np.asarray(reference(params_of(model), jnp.asarray(flat), model.options)[4])
     t_local, cap = b * s // 8, 8  # ceil(0.5 * 64 * 2 / 8) = 8 (a multiple of 8)
     kept = np.zeros(ids.shape, bool)
     for dev in range(8):
@@ -331,7 +331,7 @@ def test_token_mask_takes_no_capacity():
     p = params_of(model)
     y_all = jnp.einsum("td,edf->tef", flat, p["w_gate_up"], precision=HI)
     y_all = jnp.einsum("tef,efd->ted", act_ref(y_all), p["w_down"], precision=HI)
-    w = np.asarray(reference(p, jnp.asarray(flat), model.opts, jnp.asarray(mask.reshape(-1)))[5])
+    w = np.asarray(reference(p, jnp.asarray(flat), model.options, jnp.asarray(mask.reshape(-1)))[5])
     want = np.einsum("tk,tkd->td", np.where(kept, w, 0),
                      np.take_along_axis(np.asarray(y_all), ids[:, :, None], axis=1))
     chex.assert_trees_all_close(np.asarray(y).reshape(-1, D), want, rtol=1e-5, atol=1e-5)
