@@ -160,6 +160,10 @@ def parse_args(argv=None):
     p.add_argument("--summarize", default=None, metavar="REPORT_JSON",
                    help="compile nothing: recompute the headline keys of a report (e.g. one cut "
                         "short by a time limit) and write it to --out")
+    p.add_argument("--parallel-collectives", type=int, default=1,
+                   help="async collectives XLA's scheduler may keep in flight at once "
+                        "(xla_comm.overlap's parallel_collectives; 1: XLA's default). A "
+                        "--replay tar must come from a run with the same value")
     p.add_argument("--only", default=None, help="comma-separated case groups: "
                    "moe8,moe8b,muon,train,moe16,moe64,gpu1")
     return p.parse_args(argv)
@@ -246,7 +250,9 @@ def main(argv=None) -> dict:
     print(f"[{time.perf_counter() - t0:5.0f}s] rates: bf16 {bf16:.0f} TF/s, fp8 {fp8:.0f}, "
           f"HBM {hbm:.0f} GB/s; link {hw.link_GBps} GB/s", flush=True)
 
-    opts = None if a.small else overlap.overlap_compiler_options()
+    opts = None if a.small else overlap.overlap_compiler_options(
+        parallel_collectives=a.parallel_collectives)
+    report["parallel_collectives"] = a.parallel_collectives
     report_extra: dict[str, dict] = {}  # a replayed case's description
 
     def mesh_for(topology: str, shape, names, explicit=True):

@@ -135,7 +135,13 @@ def test_overlap_flags_and_refusal_after_backend_init():
     assert "--xla_gpu_enable_pipelined_all_gather=true" in flags
     with pytest.raises(ValueError, match="combine_threshold_bytes"):
         overlap.overlap_flags(0)
-    opts = overlap.overlap_compiler_options(1 << 20)
+    assert not any("parallel_collective" in f for f in flags)  # XLA's default: one in flight
+    two = overlap.overlap_flags(parallel_collectives=2)
+    assert "--xla_gpu_experimental_parallel_collective_overlap_limit=2" in two
+    with pytest.raises(ValueError, match="parallel_collectives"):
+        overlap.overlap_flags(parallel_collectives=0)
+    opts = overlap.overlap_compiler_options(1 << 20, parallel_collectives=2)
+    assert opts["xla_gpu_experimental_parallel_collective_overlap_limit"] == 2
     assert opts["xla_gpu_enable_latency_hiding_scheduler"] is True
     assert opts["xla_gpu_all_gather_combine_threshold_bytes"] == 1 << 20
     x = jnp.ones(4)
@@ -150,7 +156,8 @@ def test_overlap_flags_and_refusal_after_backend_init():
 
 def test_enable_overlap_in_fresh_process_sets_flags_xla_accepts():
     code = (
-        "import os; from xla_comm import overlap as o; o.enable_overlap(pipelined=True); "
+        "import os; from xla_comm import overlap as o; "
+        "o.enable_overlap(pipelined=True, parallel_collectives=2); "
         "import jax; jax.devices(); assert o.backend_initialized(); "
         "print(os.environ['XLA_FLAGS'])"
     )
@@ -162,6 +169,7 @@ def test_enable_overlap_in_fresh_process_sets_flags_xla_accepts():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in out.stdout
+    assert "--xla_gpu_experimental_parallel_collective_overlap_limit=2" in out.stdout
 
 
 def test_lowered_text_is_parsed_too():

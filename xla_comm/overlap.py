@@ -16,6 +16,10 @@ startup):
   --xla_gpu_enable_highest_priority_async_stream=true  collectives on a high-priority stream
   --xla_gpu_enable_pipelined_{all_gather,reduce_scatter,all_reduce}=true  (pipelined=True)
      move collectives of scanned layers across loop iterations.
+  --xla_gpu_experimental_parallel_collective_overlap_limit=N  (parallel_collectives=N > 1)
+     let the scheduler keep N async collectives in flight at once instead of one: a pipelined
+     MoE layer then runs chunk i+1's dispatch and chunk i-1's combine under chunk i's GEMMs.
+     Their transfers still share the links (the schedule replay queues them on one link).
 
 References:
   XLA latency-hiding scheduler and GPU flag guidance (openxla.org/xla/flags_guidance,
@@ -37,6 +41,7 @@ def overlap_flags(
     *,
     pipelined: bool = False,
     high_priority_stream: bool = True,
+    parallel_collectives: int = 1,
 ) -> tuple[str, ...]:
     """The recommended XLA:GPU flags for overlapping async collectives with compute.
 
@@ -46,6 +51,8 @@ def overlap_flags(
       pipelined: also pipeline data-parallel collectives across while-loop iterations
         (helps scanned layers; increases HLO size and compile time).
       high_priority_stream: run collectives on the highest-priority async stream.
+      parallel_collectives: async collectives the latency-hiding scheduler may keep in flight
+        at once (XLA's default: 1, each window closes before the next opens).
 
     Returns:
       A tuple of `--flag=value` strings.
@@ -62,6 +69,10 @@ def overlap_flags(
             f"overlap_flags: combine_threshold_bytes={combine_threshold_bytes} must be a "
             "positive byte count, e.g. 64 * 1024 * 1024."
         )
+    n = parallel_collectives
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"overlap_flags: parallel_collectives={n!r} must be an int >= 1 (1: "
+                         "XLA's default, one async collective in flight).")
     b = int(combine_threshold_bytes)
     flags = [
         "--xla_gpu_enable_latency_hiding_scheduler=true",
@@ -77,6 +88,8 @@ def overlap_flags(
             "--xla_gpu_enable_pipelined_reduce_scatter=true",
             "--xla_gpu_enable_pipelined_all_reduce=true",
         ]
+    if n > 1:
+        flags.append(f"--xla_gpu_experimental_parallel_collective_overlap_limit={n}")
     return tuple(flags)
 
 
@@ -85,6 +98,7 @@ def overlap_compiler_options(
     *,
     pipelined: bool = False,
     high_priority_stream: bool = True,
+    parallel_collectives: int = 1,
 ) -> dict[str, bool | int]:
     """`overlap_flags` as per-compilation options (no restart, no XLA_FLAGS).
 
@@ -95,6 +109,7 @@ def overlap_compiler_options(
       combine_threshold_bytes: see `overlap_flags`.
       pipelined: see `overlap_flags`.
       high_priority_stream: see `overlap_flags`.
+      parallel_collectives: see `overlap_flags`.
 
     Returns:
       A dict of XLA debug-option names to bool / int values.
@@ -112,7 +127,8 @@ def overlap_compiler_options(
     """
     out: dict[str, bool | int] = {}
     for flag in overlap_flags(
-        combine_threshold_bytes, pipelined=pipelined, high_priority_stream=high_priority_stream
+        combine_threshold_bytes, pipelined=pipelined, high_priority_stream=high_priority_stream,
+        parallel_collectives=parallel_collectives,
     ):
         name, value = flag.lstrip("-").split("=", 1)
         out[name] = value == "true" if value in ("true", "false") else int(value)
@@ -151,6 +167,7 @@ def enable_overlap(
     *,
     pipelined: bool = False,
     high_priority_stream: bool = True,
+    parallel_collectives: int = 1,
 ) -> str:
     """Append `overlap_flags(...)` to `os.environ['XLA_FLAGS']`; call before any JAX work.
 
@@ -160,6 +177,7 @@ def enable_overlap(
       combine_threshold_bytes: see `overlap_flags`.
       pipelined: see `overlap_flags`.
       high_priority_stream: see `overlap_flags`.
+      parallel_collectives: see `overlap_flags`.
 
     Returns:
       The new value of XLA_FLAGS.
@@ -181,7 +199,8 @@ def enable_overlap(
       XLA latency-hiding scheduler (openxla.org/xla/flags_guidance).
     """
     flags = overlap_flags(
-        combine_threshold_bytes, pipelined=pipelined, high_priority_stream=high_priority_stream
+        combine_threshold_bytes, pipelined=pipelined, high_priority_stream=high_priority_stream,
+        parallel_collectives=parallel_collectives,
     )
     if backend_initialized():
         raise ValueError(
