@@ -18,9 +18,9 @@ from moe import _transport, _wire_mosaic, _wire_pallas
 from moe._plan import DensePlan, DispatchPlan, DroplessPlan, RaggedPlan
 from moe.options import WireDtype
 
-__all__ = ["CombineResiduals", "Wire", "back_row", "combine_rows", "combine_rows_forward",
-           "combine_weights_grad", "dispatch_rows", "grad_wire_dtype", "sum_slots", "vary_like",
-           "wire_for"]
+__all__ = ["CombineResiduals", "LayoutWithWire", "Wire", "back_row", "combine_rows",
+           "combine_rows_forward", "combine_weights_grad", "dispatch_rows", "grad_wire_dtype",
+           "sum_slots", "vary_like", "wire_for"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +49,13 @@ def wire_for(name: WireDtype, dtype: jnp.dtype, block_size: int, kernels: str = 
         return Wire("fp8", "bfloat16", block_size, kernels)
     wire = "bfloat16" if name == "bf16" else jnp.dtype(dtype).name
     return Wire(wire, wire, block_size, kernels)
+
+
+class LayoutWithWire(NamedTuple):
+    """The expert layout decoded, and the wire rows it was decoded from, in its order."""
+
+    rows: jax.Array
+    wire: jax.Array
 
 
 def _two_phase(plan: DroplessPlan, exchange, finish):
@@ -147,13 +154,15 @@ def _pairs_to_layout(recv: jax.Array, plan: DroplessPlan, c: int, o: int, w: Wir
     :func:`_pair_to_row`) -> decoded expert layout ``[R, width]`` (row ``i`` <- received row of
     ``plan.pair_row[i]``; padding rows zero), one gather + decode pass (the Pallas kernel,
     :func:`_gather_decode`, or XLA's gather of the wire words then decode). With ``P = 1`` the
-    received rows already are the layout. ``with_wire``: also the wire rows in the layout's
-    order (``(decoded, wire)``; XLA drops whichever is not used)."""
+    received rows already are the layout. ``with_wire``: a :class:`LayoutWithWire`, also the
+    wire rows in the layout's order (XLA drops whichever is not used)."""
     if plan.axis_size == 1:
-        return (w.decode(recv, width), recv) if with_wire else w.decode(recv, width)
+        out = w.decode(recv, width)
+        return LayoutWithWire(out, recv) if with_wire else out
     index = _pair_to_row(plan.pair_row, plan, c, o)
     if with_wire:
-        return _pairs_to_layout(recv, plan, c, o, w, width), _take_rows(recv, index)
+        return LayoutWithWire(_pairs_to_layout(recv, plan, c, o, w, width),
+                              _take_rows(recv, index))
 
     def xla(recv, index):
         return w.decode(_take_rows(recv, index), width)
@@ -166,7 +175,7 @@ def _to_experts(encode, plan: DispatchPlan, w: Wire, width: int, with_wire: bool
     """Dispatch direction: ``encode(slots)`` builds the wire rows (format ``w``) carrying the
     slots ``slots`` (int32; ``T * k`` gives a zero row); exchange; return the expert layout
     decoded to ``w.out``. No collective runs when the expert axis has one device.
-    ``with_wire`` (ragged layouts only): ``(decoded layout, its wire rows)``."""
+    ``with_wire`` (ragged layouts only): a :class:`LayoutWithWire`."""
     if isinstance(plan, DroplessPlan):
         def exchange(start, size):
             send = encode(_pair_rows(plan.send_slot, plan, start, size))  # [P dst * size, W]
@@ -189,7 +198,8 @@ def _to_experts(encode, plan: DispatchPlan, w: Wire, width: int, with_wire: bool
             send, recv, plan.send_offsets, plan.send_counts, plan.remote_offsets,
             plan.recv_counts.reshape(-1), axis_name=plan.axis_name, impl=plan.ragged_impl,
         )
-    return (w.decode(recv, width), recv) if with_wire else w.decode(recv, width)
+    out = w.decode(recv, width)
+    return LayoutWithWire(out, recv) if with_wire else out
 
 
 def _return_trip(expert_rows: jax.Array, plan: DensePlan | RaggedPlan) -> jax.Array:
@@ -308,7 +318,7 @@ def _dispatch_rows_fwd(x, plan, w, with_wire):
 
 def _dispatch_rows_bwd(w, with_wire, plan, ct):
     if with_wire:
-        ct = ct[0]  # the wire words' cotangent is float0
+        ct = ct.rows  # the wire words' cotangent is float0
     # Combine-direction exchange of the cotangent, summed over the k slots of each token.
     dx = _from_experts(ct, plan, lambda back, row: sum_slots(back, row, plan.top_k, None))
     return dx.astype(plan.x_dtype), None

@@ -305,6 +305,7 @@ def dispatch_with_wire(
             t, k, num_experts, p, factor, multiple=capacity_multiple),
             alignment=group_alignment or 1, **statics)
 
+    # 'auto' is 'dense' here, the measured default (the layer's 'auto': moe.auto_transport).
     builders = {"auto": dense, "dense": dense, "ragged": ragged, "dropless": dropless}
     with jax.named_scope("dispatch_plan"):
         plan = builders[transport]()
@@ -361,7 +362,8 @@ def combine(
       DeepEP combine; GShard / Switch Transformer (dropped slots contribute 0).
     """
     if not isinstance(plan, DispatchPlan):
-        raise TypeError(f"plan must be the DispatchPlan returned by dispatch, got {type(plan)}.")
+        raise TypeError(f"plan must be the DispatchPlan (a DensePlan, RaggedPlan or DroplessPlan) "
+                        f"returned by dispatch, got {type(plan)}.")
     expert_y, weights = jnp.asarray(expert_y), jnp.asarray(weights)
     _check_wire(combine_grad_dtype, "combine_grad_dtype")
     want = plan.expert_shape(expert_y.shape[-1] if expert_y.ndim else 0)
