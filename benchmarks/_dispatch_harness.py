@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe import fp8
-from moe._plan import DispatchPlan, dense_capacity
+from moe._plan import DensePlan, dense_capacity
 from moe.dispatch import combine, dispatch
 from xla_comm import hlo
 
@@ -148,24 +148,20 @@ def hlo_summary(compiled) -> dict:
 
 def plan_kwargs(a, n_dev):
     cap = dense_capacity(a.tokens, a.top_k, a.experts, a.capacity_factor)
-    return dict(num_experts=a.experts, axis_name=AXIS, axis_size=n_dev, transport="dense",
-                capacity=cap, ragged_impl="native", x_dtype="bfloat16",
-                block_size=a.block_size)
+    return dict(num_experts=a.experts, axis_name=AXIS, axis_size=n_dev, capacity=cap,
+                x_dtype="bfloat16", block_size=a.block_size)
 
 
-def rebuild_plan(send_slot, slot_row, kw) -> DispatchPlan:
-    """A DispatchPlan (dense) around per-device send_slot / slot_row, for combine phases."""
+def rebuild_plan(send_slot, slot_row, kw) -> DensePlan:
+    """A DensePlan around per-device send_slot / slot_row, for combine phases."""
     z = jnp.zeros((), jnp.int32)
     e = kw["num_experts"]
-    return DispatchPlan(
-        send_slot=send_slot, slot_row=slot_row, kept=slot_row < send_slot.shape[0],
-        send_counts=jnp.zeros((e,), jnp.int32),
+    return DensePlan(
+        send_slot=send_slot, slot_row=slot_row, send_counts=jnp.zeros((e,), jnp.int32),
         recv_counts=jnp.zeros((kw["axis_size"], e // kw["axis_size"]), jnp.int32),
         group_sizes=jnp.zeros((e // kw["axis_size"],), jnp.int32), dropped=z,
-        send_offsets=None, remote_offsets=None, recv_offsets=None, return_offsets=None,
-        transport="dense", num_experts=e, axis_name=AXIS, axis_size=kw["axis_size"],
-        capacity=kw["capacity"], ragged_impl="native", x_dtype=kw["x_dtype"],
-        block_size=kw["block_size"])
+        num_experts=e, axis_name=AXIS, axis_size=kw["axis_size"], x_dtype=kw["x_dtype"],
+        block_size=kw["block_size"], wire_kernels="xla", capacity=kw["capacity"])
 
 
 def deepep_rows_per_device(ids: np.ndarray, n_dev: int, experts: int) -> float:

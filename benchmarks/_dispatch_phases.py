@@ -25,7 +25,8 @@ from jax.sharding import PartitionSpec as P
 
 from moe import _transport, _wire_pallas, fp8
 from moe._movement import back_row, sum_slots
-from moe._plan import build_plan, dropless_buckets
+from moe._plan import dropless_buckets
+from moe._plan_build import dense_plan
 from moe.dispatch import combine, dispatch
 
 
@@ -69,7 +70,7 @@ def plan_phases(ph: Phases, ids):
     t, k, d, e, c, el, bs, n_rows, fp8_row, n_dev = ph.dims
     mesh, kw, bench, call = ph.mesh, ph.kw, ph.bench, ph.call
     plan_fn = smap(mesh, lambda ids: (lambda pl: (pl.send_slot, pl.slot_row))(
-        build_plan(ids, **kw)), 1, (P(AXIS), P(AXIS)))
+        dense_plan(ids, **kw)), 1, (P(AXIS), P(AXIS)))
     bench("plan (packed-key sort)", "plan", "-", plan_fn, (ids,))
     bench("plan before (stable argsort)", "plan", "-",
           smap(mesh, lambda ids: old_plan(ids, kw), 1, (P(AXIS), P(AXIS), P(AXIS))), (ids,))
@@ -374,7 +375,7 @@ def layout_experiment(ph: Phases, x, ids, w) -> None:
             return combine(experts(ex, w_in, w_out), w, plan)
 
         def alt(x, ids, w, w_in, w_out, wire=wire):
-            plan = build_plan(ids, **kw)
+            plan = dense_plan(ids, **kw)
             idx = (plan.send_slot // k).reshape(n_dev, el, c).transpose(1, 0, 2)
             idx = idx.reshape(el, n_dev * c)
             rows = x if wire == "bf16" else _transport.encode_rows(x, wire="fp8",

@@ -17,7 +17,7 @@ import functools
 import jax
 
 from moe import _experts_vjp, _fp8_gemm, _movement
-from moe._plan import DispatchPlan
+from moe._plan import DispatchPlan, RaggedLayoutPlan
 from moe.options import WireDtype
 
 __all__ = ["applies", "experts_combine"]
@@ -27,7 +27,7 @@ def applies(opts: _experts_vjp.Call, plan: DispatchPlan, grad_wire: WireDtype) -
     """Whether :func:`experts_combine` can run this call: one device on the expert axis (the
     layout's rows are the send buffer's, ragged), FP8 data- and weight-gradient GEMMs, and
     combine's gradient on a float wire (an FP8 wire rounds it per block first)."""
-    return (plan.axis_size == 1 and plan.transport in ("dropless", "ragged")
+    return (plan.axis_size == 1 and isinstance(plan, RaggedLayoutPlan)
             and opts.experts.dgrad_dtype == opts.experts.wgrad_dtype == "fp8"
             and grad_wire != "fp8")
 
@@ -47,14 +47,14 @@ def _fwd(opts, grad_wire, x, gs, w_gate_up, w_down, x_q, weights, plan):
 
 def _bwd(opts, grad_wire, res, g):
     res_e, res_c = res
-    rows, weights, plan = res_c
+    weights, plan = res_c.weights, res_c.plan
     d_weights = _movement.combine_weights_grad(res_c, g)
     with jax.named_scope("combine_grad_rows_fp8"):
         dy_q = _fp8_gemm.rows_from_weighted(
             g, weights.reshape(-1), plan.send_slot, top_k=plan.top_k,
             wire_dtype=_movement.grad_wire_dtype(grad_wire, res_c))
-    dx, _, dw_gate_up, dw_down, _, _ = _experts_vjp.backward(opts, res_e, None, rows.dtype,
-                                                             dy_q)
+    dx, _, dw_gate_up, dw_down, _, _ = _experts_vjp.backward(opts, res_e, None,
+                                                             res_c.rows.dtype, dy_q)
     return dx, None, dw_gate_up, dw_down, None, d_weights, None
 
 

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from moe import _transport, _wire_mosaic, _wire_pallas
-from moe._plan import DispatchPlan
+from moe._plan import DensePlan, DispatchPlan, DroplessPlan, RaggedPlan
 from moe.options import WireDtype
 
-__all__ = ["Wire", "back_row", "combine_rows", "combine_rows_forward", "combine_weights_grad",
-           "dispatch_rows", "grad_wire_dtype", "sum_slots", "vary_like", "wire_for"]
+__all__ = ["CombineResiduals", "LayoutWithWire", "Wire", "back_row", "combine_rows",
+           "combine_rows_forward", "combine_weights_grad", "dispatch_rows", "grad_wire_dtype",
+           "sum_slots", "vary_like", "wire_for"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +51,14 @@ def wire_for(name: WireDtype, dtype: jnp.dtype, block_size: int, kernels: str = 
     return Wire(wire, wire, block_size, kernels)
 
 
-def _two_phase(plan: DispatchPlan, exchange, finish):
+class LayoutWithWire(NamedTuple):
+    """The expert layout decoded, and the wire rows it was decoded from, in its order."""
+
+    rows: jax.Array
+    wire: jax.Array
+
+
+def _two_phase(plan: DroplessPlan, exchange, finish):
     """The dropless exchange in two phases: ``exchange(0, c_0)`` sends the first bucket's rows
     of every pair, outside any branch (an async all-to-all that other work can overlap); the
     rest runs in the ``lax.switch`` branch of the step's bucket ``c_j``: ``exchange(c_0, c_j -
@@ -70,7 +79,7 @@ def _two_phase(plan: DispatchPlan, exchange, finish):
                                         for c in plan.buckets], first)
 
 
-def _pair_rows(a: jax.Array, plan: DispatchPlan, start: int, size: int) -> jax.Array:
+def _pair_rows(a: jax.Array, plan: DroplessPlan, start: int, size: int) -> jax.Array:
     """Entries ``[start, start + size)`` of every pair block of ``a [P * W]``: ``[P * size]``.
     With one device the one bucket is ``W`` and ``a`` is the send buffer's slots: all of it
     (the aligned layout's, longer than ``W``, included)."""
@@ -79,7 +88,7 @@ def _pair_rows(a: jax.Array, plan: DispatchPlan, start: int, size: int) -> jax.A
     return a.reshape(plan.axis_size, -1)[:, start:start + size].reshape(-1)
 
 
-def _pair_to_row(v: jax.Array, plan: DispatchPlan, c: int, o: int = 0) -> jax.Array:
+def _pair_to_row(v: jax.Array, plan: DroplessPlan, c: int, o: int = 0) -> jax.Array:
     """Pair rows ``q * W + r`` -> rows of the received buffers of a two-phase exchange
     (:func:`_two_phase`): ``q * c + r`` in the first ``[P, c]`` block for ``r < c``, ``P * c +
     q * o + r - c`` in the overflow's ``[P, o]`` block after it; ``P * (c + o)`` where ``v``
@@ -113,7 +122,7 @@ def _gather_decode(w: Wire, width: int):
         triton_ok=_wire_pallas.supported(width, fp8_wire=fp8_wire, block_size=w.block_size))
 
 
-def _dense_to_layout(recv: jax.Array, plan: DispatchPlan, w: Wire, width: int) -> jax.Array:
+def _dense_to_layout(recv: jax.Array, plan: DensePlan, w: Wire, width: int) -> jax.Array:
     """Received rows ``[P src * E_local * C, W]`` -> decoded expert layout ``[E_local, P * C,
     width]``: XLA decodes and transposes; the Pallas kernel (:func:`_gather_decode`) reads each
     expert-layout row from its source row (a permutation index) and decodes it in the same
@@ -139,19 +148,21 @@ def _dense_to_layout(recv: jax.Array, plan: DispatchPlan, w: Wire, width: int) -
                                   kernels=w.kernels)
 
 
-def _pairs_to_layout(recv: jax.Array, plan: DispatchPlan, c: int, o: int, w: Wire, width: int,
+def _pairs_to_layout(recv: jax.Array, plan: DroplessPlan, c: int, o: int, w: Wire, width: int,
                      with_wire: bool = False):
     """Dropless: received rows ``[P src * (c + o), W]`` (a two-phase exchange's, see
     :func:`_pair_to_row`) -> decoded expert layout ``[R, width]`` (row ``i`` <- received row of
     ``plan.pair_row[i]``; padding rows zero), one gather + decode pass (the Pallas kernel,
     :func:`_gather_decode`, or XLA's gather of the wire words then decode). With ``P = 1`` the
-    received rows already are the layout. ``with_wire``: also the wire rows in the layout's
-    order (``(decoded, wire)``; XLA drops whichever is not used)."""
+    received rows already are the layout. ``with_wire``: a :class:`LayoutWithWire`, also the
+    wire rows in the layout's order (XLA drops whichever is not used)."""
     if plan.axis_size == 1:
-        return (w.decode(recv, width), recv) if with_wire else w.decode(recv, width)
+        out = w.decode(recv, width)
+        return LayoutWithWire(out, recv) if with_wire else out
     index = _pair_to_row(plan.pair_row, plan, c, o)
     if with_wire:
-        return _pairs_to_layout(recv, plan, c, o, w, width), _take_rows(recv, index)
+        return LayoutWithWire(_pairs_to_layout(recv, plan, c, o, w, width),
+                              _take_rows(recv, index))
 
     def xla(recv, index):
         return w.decode(_take_rows(recv, index), width)
@@ -164,8 +175,8 @@ def _to_experts(encode, plan: DispatchPlan, w: Wire, width: int, with_wire: bool
     """Dispatch direction: ``encode(slots)`` builds the wire rows (format ``w``) carrying the
     slots ``slots`` (int32; ``T * k`` gives a zero row); exchange; return the expert layout
     decoded to ``w.out``. No collective runs when the expert axis has one device.
-    ``with_wire`` (ragged layouts only): ``(decoded layout, its wire rows)``."""
-    if plan.transport == "dropless":
+    ``with_wire`` (ragged layouts only): a :class:`LayoutWithWire`."""
+    if isinstance(plan, DroplessPlan):
         def exchange(start, size):
             send = encode(_pair_rows(plan.send_slot, plan, start, size))  # [P dst * size, W]
             return _transport.dense_exchange(send, plan.axis_name)
@@ -173,24 +184,25 @@ def _to_experts(encode, plan: DispatchPlan, w: Wire, width: int, with_wire: bool
         return _two_phase(plan, exchange, lambda recv, o: _pairs_to_layout(
             recv, plan, plan.buckets[0], o, w, width, with_wire))
     send = encode(plan.send_slot)
-    if plan.transport == "dense":
+    if isinstance(plan, DensePlan):
         if with_wire:
             raise ValueError("the wire rows of the dense transport's padded layout are not "
                              "offered; ask for them with a ragged layout (dropless, ragged).")
         recv = _transport.dense_exchange(send, plan.axis_name)  # [P src, E_local, C, W]
         return _dense_to_layout(recv, plan, w, width)
-    if plan.axis_size == 1:
+    if plan.axis_size == 1:  # ragged
         recv = send  # sorted by expert: already the layout (R = T * k rows)
     else:
-        recv = jnp.zeros_like(send, shape=(plan.capacity, send.shape[-1]))  # varies like send
+        recv = jnp.zeros_like(send, shape=(plan.rows, send.shape[-1]))  # varies like send
         recv = _transport.ragged_exchange(
             send, recv, plan.send_offsets, plan.send_counts, plan.remote_offsets,
             plan.recv_counts.reshape(-1), axis_name=plan.axis_name, impl=plan.ragged_impl,
         )
-    return (w.decode(recv, width), recv) if with_wire else w.decode(recv, width)
+    out = w.decode(recv, width)
+    return LayoutWithWire(out, recv) if with_wire else out
 
 
-def _return_trip(expert_rows: jax.Array, plan: DispatchPlan) -> jax.Array:
+def _return_trip(expert_rows: jax.Array, plan: DensePlan | RaggedPlan) -> jax.Array:
     """Combine direction, dense and ragged: expert layout -> the returned rows ``[N, width]``
     on the source (:func:`back_row` gives the row of slot ``(t, j)``; rows of dropped slots
     are never read). No collective when the expert axis has one device.
@@ -201,7 +213,7 @@ def _return_trip(expert_rows: jax.Array, plan: DispatchPlan) -> jax.Array:
     dispatch + combine) runs first; returned row ``(l, q, r)`` is the result of local expert
     ``l`` of device ``q`` for this source's ``r``-th row sent there."""
     width = expert_rows.shape[-1]
-    if plan.transport == "dense":
+    if isinstance(plan, DensePlan):
         p, el, c = plan.axis_size, plan.num_local_experts, plan.capacity
         rows = expert_rows.reshape(el, p * c, width)
         back = _transport.dense_exchange(rows, plan.axis_name, axis=1)
@@ -222,9 +234,9 @@ def back_row(plan: DispatchPlan, j: int) -> jax.Array:
     (global expert ``e = q * E_local + l``) becomes ``(l * P + q) * C + r``. Dropless with
     one bucket ``c``: pair row ``q * W + r`` becomes ``q * c + r``."""
     sr = plan.slot_row[:, j]
-    if plan.transport == "dropless":
+    if isinstance(plan, DroplessPlan):
         return _pair_to_row(sr, plan, plan.buckets[0])
-    if plan.transport != "dense":
+    if isinstance(plan, RaggedPlan):
         return sr
     p, el, c = plan.axis_size, plan.num_local_experts, plan.capacity
     e, r = sr // c, sr % c
@@ -239,7 +251,7 @@ def _from_experts(expert_rows: jax.Array, plan: DispatchPlan, reduce):
     into ``[P, c]`` buffers and exchanged in two phases (:func:`_two_phase`), then reduced
     inside the bucket's branch (``back``'s shape depends on the bucket, so ``reduce`` must
     return arrays of fixed shapes)."""
-    if plan.transport != "dropless":
+    if not isinstance(plan, DroplessPlan):
         return reduce(_return_trip(expert_rows, plan), functools.partial(back_row, plan))
     c0 = plan.buckets[0]
     if plan.axis_size == 1:  # the layout is the source's sorted slots; one bucket
@@ -279,7 +291,7 @@ def _keep_return_buffer(plan: DispatchPlan) -> bool:
     shape depends on the exchange bucket (dropless with more than one bucket). With one
     device on the expert axis the buffer is ``expert_y`` itself."""
     rows = plan.send_slot.shape[0]
-    if plan.transport == "dropless":
+    if isinstance(plan, DroplessPlan):
         if len(plan.buckets) > 1:
             return False
         rows = plan.axis_size * plan.buckets[0]
@@ -306,13 +318,21 @@ def _dispatch_rows_fwd(x, plan, w, with_wire):
 
 def _dispatch_rows_bwd(w, with_wire, plan, ct):
     if with_wire:
-        ct = ct[0]  # the wire words' cotangent is float0
+        ct = ct.rows  # the wire words' cotangent is float0
     # Combine-direction exchange of the cotangent, summed over the k slots of each token.
     dx = _from_experts(ct, plan, lambda back, row: sum_slots(back, row, plan.top_k, None))
     return dx.astype(plan.x_dtype), None
 
 
 dispatch_rows.defvjp(_dispatch_rows_fwd, _dispatch_rows_bwd)
+
+
+class CombineResiduals(NamedTuple):
+    """What combine's backward keeps: the expert outputs it reads again, and its inputs."""
+
+    rows: jax.Array  # the returned buffer [N, width], or the slots' rows [T, k, width]
+    weights: jax.Array  # [T, k] router weights
+    plan: DispatchPlan
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -333,13 +353,13 @@ def _combine_rows_fwd(expert_y, weights, plan, grad_wire):
 
     with jax.named_scope("combine_weighted_sum"):
         y, rows = _from_experts(expert_y, plan, reduce)
-    return y.astype(plan.x_dtype), (rows, weights, plan)
+    return y.astype(plan.x_dtype), CombineResiduals(rows, weights, plan)
 
 
-def combine_weights_grad(res, dy: jax.Array) -> jax.Array:
+def combine_weights_grad(res: CombineResiduals, dy: jax.Array) -> jax.Array:
     """The exact gradient of combine's weights, ``<dy[t], expert output of slot (t, j)>`` (0
     for dropped slots), from :func:`combine_rows_forward`'s residuals."""
-    rows, weights, plan = res
+    rows, weights, plan = res.rows, res.weights, res.plan
     dy32 = dy.astype(jnp.float32)
     with jax.named_scope("combine_grad_weights"):
         dw = jnp.stack([
@@ -349,15 +369,15 @@ def combine_weights_grad(res, dy: jax.Array) -> jax.Array:
     return dw.astype(weights.dtype)
 
 
-def grad_wire_dtype(grad_wire: WireDtype, res) -> jnp.dtype | str:
+def grad_wire_dtype(grad_wire: WireDtype, res: CombineResiduals) -> jnp.dtype | str:
     """The codec of combine's gradient rows (``'fp8'`` or a float dtype)."""
-    rows, _, plan = res
-    return wire_for(grad_wire, rows.dtype, plan.block_size, plan.wire_kernels).codec
+    return wire_for(grad_wire, res.rows.dtype, res.plan.block_size,
+                    res.plan.wire_kernels).codec
 
 
-def _combine_rows_bwd(grad_wire, res, dy):
-    rows, weights, plan = res
-    y_dtype = rows.dtype  # expert_y's dtype: the return trip keeps it
+def _combine_rows_bwd(grad_wire, res: CombineResiduals, dy):
+    weights, plan = res.weights, res.plan
+    y_dtype = res.rows.dtype  # expert_y's dtype: the return trip keeps it
     dw = combine_weights_grad(res, dy)
     # Send row i carries weights[s] * dy[s // k] (s = its slot), encoded: for FP8 the scales
     # come from dy's block maxima (T rows) times |weight|, so no [T * k, d] rows exist.

@@ -71,12 +71,14 @@ import numpy as np
 from moe import _movement, _transport, fp8
 from moe._plan import (
     AxisName,
+    DensePlan,
     DispatchPlan,
-    build_plan,
+    DroplessPlan,
     dense_capacity,
     dropless_buckets,
     ragged_rows,
 )
+from moe._plan_build import dense_plan, dropless_plan, ragged_plan
 from moe.options import WireDtype, check_group_alignment
 
 __all__ = ["DispatchPlan", "combine", "dense_capacity", "dispatch", "ragged_rows"]
@@ -283,32 +285,37 @@ def dispatch_with_wire(
     _check_dispatch_args(x, expert_ids, num_experts, transport, capacity_factor,
                          capacity_multiple, dispatch_dtype, block_size, p)
     _transport.check_wire_kernels(wire_kernels)
-    transport = "dense" if transport == "auto" else transport
     check_group_alignment(group_alignment)
-    if group_alignment is not None and transport != "dropless":
-        raise ValueError(f"group_alignment={group_alignment!r} is for transport='dropless' "
-                         f"only, got transport={transport!r}; drop it or use 'dropless'.")
     t, k = expert_ids.shape
-    impl = _transport.resolve_ragged_impl(ragged_impl) if transport == "ragged" else "native"
-    buckets = ()
-    if transport == "dense":
-        capacity = dense_capacity(t, k, num_experts, capacity_factor,
-                                  multiple=capacity_multiple)
-    else:
-        capacity = ragged_rows(t, k, num_experts, p)
-    if transport == "dropless":
+    statics = dict(num_experts=num_experts, axis_name=axis_name, axis_size=p,
+                   x_dtype=jnp.dtype(x.dtype).name, block_size=block_size,
+                   wire_kernels=wire_kernels)
+
+    def dense():
+        return dense_plan(expert_ids, capacity=dense_capacity(
+            t, k, num_experts, capacity_factor, multiple=capacity_multiple), **statics)
+
+    def ragged():
+        return ragged_plan(expert_ids, ragged_impl=_transport.resolve_ragged_impl(ragged_impl),
+                           **statics)
+
+    def dropless():
         factor = _DROPLESS_CAPACITY_FACTOR if capacity_factor is None else capacity_factor
-        buckets = dropless_buckets(t, k, num_experts, p, factor, multiple=capacity_multiple)
+        return dropless_plan(expert_ids, buckets=dropless_buckets(
+            t, k, num_experts, p, factor, multiple=capacity_multiple),
+            alignment=group_alignment or 1, **statics)
+
+    # 'auto' is 'dense' here, the measured default (the layer's 'auto': moe.auto_transport).
+    builders = {"auto": dense, "dense": dense, "ragged": ragged, "dropless": dropless}
     with jax.named_scope("dispatch_plan"):
-        plan = build_plan(
-            expert_ids, num_experts=num_experts, axis_name=axis_name, axis_size=p,
-            transport=transport, capacity=capacity, ragged_impl=impl,
-            x_dtype=jnp.dtype(x.dtype).name, block_size=block_size,
-            wire_kernels=wire_kernels, buckets=buckets, alignment=group_alignment or 1,
-        )
-    if with_wire and (dispatch_dtype != "fp8" or transport == "dense"):
+        plan = builders[transport]()
+    if group_alignment is not None and not isinstance(plan, DroplessPlan):
+        raise ValueError(f"group_alignment={group_alignment!r} is for transport='dropless' "
+                         f"only, got transport={plan.transport!r}; drop it or use 'dropless'.")
+    if with_wire and (dispatch_dtype != "fp8" or isinstance(plan, DensePlan)):
         raise ValueError(f"with_wire needs dispatch_dtype='fp8' and a ragged layout (transport "
-                         f"'dropless' or 'ragged'), got {dispatch_dtype!r} / {transport!r}.")
+                         f"'dropless' or 'ragged'), got {dispatch_dtype!r} / "
+                         f"{plan.transport!r}.")
     local = with_wire and p == 1  # nothing is sent: the GEMM's rows come from the tokens
     with jax.named_scope("dispatch_exchange"):
         x = _movement.vary_like(x, plan)
@@ -355,7 +362,8 @@ def combine(
       DeepEP combine; GShard / Switch Transformer (dropped slots contribute 0).
     """
     if not isinstance(plan, DispatchPlan):
-        raise TypeError(f"plan must be the DispatchPlan returned by dispatch, got {type(plan)}.")
+        raise TypeError(f"plan must be the DispatchPlan (a DensePlan, RaggedPlan or DroplessPlan) "
+                        f"returned by dispatch, got {type(plan)}.")
     expert_y, weights = jnp.asarray(expert_y), jnp.asarray(weights)
     _check_wire(combine_grad_dtype, "combine_grad_dtype")
     want = plan.expert_shape(expert_y.shape[-1] if expert_y.ndim else 0)

@@ -13,7 +13,7 @@ import pytest
 from _meshes import make_mesh
 
 import moe
-from moe import _experts_combine, _fp8_gemm, _quant_pallas, _transport, _wire_pallas
+from moe import _experts_combine, _fp8_gemm, _plan_build, _quant_pallas, _transport, _wire_pallas
 
 
 def _bytes(a):
@@ -102,13 +102,20 @@ def test_applies_only_where_nothing_is_sent_and_dy_is_read_as_fp8():
     from moe import ExpertOptions
     from moe._experts_vjp import Call
 
-    plan = type("Plan", (), {"axis_size": 1, "transport": "dropless"})()
+    ids = jnp.array([[0, 1], [2, 3]], jnp.int32)
+    statics = dict(num_experts=4, axis_name="expert", axis_size=1, x_dtype="float32",
+                   block_size=128)
+    plan = _plan_build.dropless_plan(ids, buckets=(4,), **statics)
     fp8_all = Call(experts=ExpertOptions(backend="mosaic", gemm_dtype="fp8", dgrad_dtype="fp8",
                                          wgrad_dtype="fp8"), fp8_block_size=128, mask_rows=True)
     assert _experts_combine.applies(fp8_all, plan, None)
+    assert _experts_combine.applies(fp8_all, _plan_build.ragged_plan(
+        ids, ragged_impl="native", **statics), None)
+    assert not _experts_combine.applies(fp8_all, _plan_build.dense_plan(
+        ids, capacity=8, **statics), None)  # the padded layout
     assert not _experts_combine.applies(fp8_all, plan, "fp8")  # FP8 gradient wire
     bf16_wgrad = dataclasses.replace(
         fp8_all, experts=dataclasses.replace(fp8_all.experts, wgrad_dtype="bf16"))
     assert not _experts_combine.applies(bf16_wgrad, plan, None)
-    plan.axis_size = 2
+    plan = dataclasses.replace(plan, axis_size=2)
     assert not _experts_combine.applies(fp8_all, plan, None)

@@ -165,7 +165,7 @@ def test_gather_rows_dispatch_before_hopper(monkeypatch, wire, width, want):
 
 
 def _plan(p: int, c: int, pair_row=None):
-    """The fields of a `moe._plan.DispatchPlan` that the expert layouts read."""
+    """The fields of a `moe._plan.DensePlan` / `DroplessPlan` that the expert layouts read."""
     return SimpleNamespace(axis_size=p, num_local_experts=2, capacity=c, pair_width=c,
                            pair_row=pair_row,
                            expert_shape=lambda width: (2, p * c, width))

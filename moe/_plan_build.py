@@ -1,0 +1,352 @@
+"""The dispatch plans' builders: sort the slots by expert, count them, exchange the counts.
+
+One builder per transport (:func:`dense_plan`, :func:`ragged_plan`, :func:`dropless_plan`),
+sharing the sort and the counts (:func:`sort_slots`, :func:`count_slots`,
+:func:`gather_counts`). The plan types and their static sizes are :mod:`moe._plan`.
+
+Work: one int32 sort of ``S = T * k`` packed keys (:func:`sort_slots`), one scatter of ``S``
+int32 (each slot's row), a gather of ``N`` int32 (each row's slot, dense and dropless),
+``O(R * E_local)`` int32 compares (dropless: the expert layout's rows against the slice
+starts) and ``O(P * E)`` count arithmetic; no pass over the token rows. With ``P = 1`` no
+collective runs.
+
+References: DeepEP (counts exchanged before the payload); GShard / Switch Transformer
+(capacity rule, slots ranked in (t, j) order within each expert).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from moe import _grouped
+from moe._plan import AxisName, DensePlan, DroplessPlan, RaggedPlan
+
+__all__ = ["CountedSlots", "GatheredCounts", "SortedSlots", "count_slots", "dense_plan",
+           "dropless_plan", "gather_counts", "ragged_plan", "sort_slots"]
+
+
+class SortedSlots(NamedTuple):
+    """Slots sorted by (expert, slot): int32 ``[S]`` each."""
+
+    order: jax.Array  # slot ids by (expert, slot)
+    expert: jax.Array  # the expert of each sorted slot, ``flat[order]``
+
+
+class CountedSlots(NamedTuple):
+    """This device's slots sorted and counted by global expert (:func:`count_slots`)."""
+
+    order: jax.Array  # int32 [S]: slot ids by (expert, t, j)
+    expert: jax.Array  # int32 [S]: the expert of each sorted slot
+    send_counts: jax.Array  # int32 [E]: slots per global expert
+    starts: jax.Array  # int32 [E]: first sorted position of each expert
+    rank: jax.Array  # int32 [S]: position of each sorted slot within its expert
+
+
+class GatheredCounts(NamedTuple):
+    """What the all-gathered counts give the ragged layout (:func:`gather_counts`)."""
+
+    counts: jax.Array  # int32 [P src, E]: every device's send_counts
+    at_owner: jax.Array  # int32 [src, owner, E_local]: row on owner of the (src, l) slice
+    recv_counts: jax.Array  # int32 [P src, E_local]: rows each source sends here
+    group_sizes: jax.Array  # int32 [E_local]: rows per local expert
+    recv_offsets: jax.Array  # int32 [P src, E_local]: layout row of each received slice
+    me: jax.Array | int  # this device's index on the expert axis
+
+
+class PairRows(NamedTuple):
+    """The dropless plan's row maps (see :class:`moe._plan.DroplessPlan`)."""
+
+    send_slot: jax.Array
+    slot_row: jax.Array  # flat [S]
+    layout_row: jax.Array
+    pair_row: jax.Array
+    bucket: jax.Array
+
+
+def _exclusive_cumsum(a: jax.Array, axis: int) -> jax.Array:
+    return jnp.cumsum(a, axis=axis) - a
+
+
+def sort_slots(flat: jax.Array, num_experts: int) -> SortedSlots:
+    """Slots sorted by (expert, slot): ``(order, expert)``, both int32 ``[S]``.
+
+    One single-operand sort of the packed key ``expert * S + slot`` (unique keys, so no
+    stability is needed, and the slot and expert come back by ``%`` and ``//``): half the bytes
+    of a stable key/index argsort, and on GPU a plain radix sort of int32 keys. Falls back to
+    the stable argsort when ``num_experts * S`` does not fit in int32.
+
+    Args:
+      flat: int32 ``[S]`` expert id of every slot, in ``[0, num_experts)``.
+      num_experts: ``E``.
+
+    Returns:
+      ``order`` (slot ids by (expert, slot)) and ``expert`` (``flat[order]``).
+
+    Example:
+      >>> sort_slots(jnp.array([2, 0, 2, 1], jnp.int32), 3).order.tolist()
+      [1, 3, 0, 2]
+
+    References:
+      GShard / Switch Transformer (slots ranked in (t, j) order within each expert).
+    """
+    s = flat.shape[0]
+    if num_experts * s < 2**31:
+        key = jnp.sort(flat * s + jnp.arange(s, dtype=jnp.int32), stable=False)
+        return SortedSlots(key % s, key // s)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    return SortedSlots(order, flat[order])
+
+
+def count_slots(expert_ids: jax.Array, num_experts: int) -> CountedSlots:
+    """The slots of ``expert_ids [T, k]`` sorted by (expert, t, j) and counted per expert.
+
+    ``send_counts[e] = #{s : flat[s] = e}``, ``starts`` its exclusive cumsum and ``rank[i] = i -
+    starts[expert[i]]``.
+
+    Example:
+      >>> count_slots(jnp.array([[2, 0], [2, 1]]), 3).rank.tolist()
+      [0, 0, 0, 1]
+    """
+    s = expert_ids.size
+    flat = expert_ids.reshape(s).astype(jnp.int32)
+    order, e_sorted = sort_slots(flat, num_experts)
+    send_counts = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    starts = _exclusive_cumsum(send_counts, 0)
+    rank = jnp.arange(s, dtype=jnp.int32) - starts[e_sorted]
+    return CountedSlots(order, e_sorted, send_counts, starts, rank)
+
+
+def gather_counts(send_counts: jax.Array, axis_name: AxisName, p: int) -> GatheredCounts:
+    """All-gather every device's ``send_counts`` and place the ragged layout's slices.
+
+    The layout on owner ``o`` holds local expert ``l``'s rows from source 0, 1, ...; slice
+    ``(src, l)`` starts at ``sum_{l' < l} totals[o, l'] + sum_{src' < src} counts[src', o, l]``.
+    No collective when ``P = 1``.
+    """
+    e_local = send_counts.shape[0] // p
+    me = jax.lax.axis_index(axis_name) if p > 1 else 0
+    counts = send_counts[None] if p == 1 else jax.lax.all_gather(send_counts, axis_name, axis=0)
+    by_owner = counts.reshape(p, p, e_local)  # [src, owner, local expert]
+    totals = by_owner.sum(axis=0)  # [owner, local expert]
+    group_start = _exclusive_cumsum(totals, 1)  # [owner, l]
+    before_src = _exclusive_cumsum(by_owner, 0)  # [src, owner, l]
+    at_owner = group_start[None] + before_src  # row on owner of (src, l) slice
+    return GatheredCounts(
+        counts=counts, at_owner=at_owner,
+        recv_counts=jnp.take(by_owner, me, axis=1),  # [P, E_local]
+        group_sizes=jnp.take(totals, me, axis=0),
+        recv_offsets=jnp.take(at_owner, me, axis=1),  # [P src, E_local]
+        me=me)
+
+
+def _last_at_most(starts: jax.Array, x: jax.Array) -> jax.Array:
+    """Index of the last entry of the nondecreasing ``starts [..., n]`` that is ``<= x [...,
+    m]``, shape ``[..., m]`` (a compare against every start: ``n`` is a few experts)."""
+    return jnp.sum(starts[..., None, :] <= x[..., :, None], axis=-1, dtype=jnp.int32) - 1
+
+
+def _slot_rows(order: jax.Array, row_sorted: jax.Array) -> jax.Array:
+    """int32 ``[S]``: the row of each slot, from the row of each sorted slot."""
+    return jnp.zeros(order.shape, jnp.int32).at[order].set(row_sorted, unique_indices=True)
+
+
+def dense_plan(
+    expert_ids: jax.Array,
+    *,
+    num_experts: int,
+    axis_name: AxisName,
+    axis_size: int,
+    capacity: int,
+    x_dtype: str,
+    block_size: int,
+    wire_kernels: str = "xla",
+) -> DensePlan:
+    """The :class:`moe._plan.DensePlan` of ``expert_ids [T, k]``: keep the first ``capacity``.
+
+    ``kept[t, j] = rank of (t, j) among this device's slots of its expert < capacity``, slots
+    ranked in (t, j) order; one all-to-all of the counts (none when ``P = 1``).
+
+    Args:
+      expert_ids: int ``[T, k]`` global expert ids in ``[0, num_experts)``.
+      num_experts, axis_name, axis_size, capacity, x_dtype, block_size, wire_kernels: see
+        :class:`moe._plan.DensePlan` (already validated by ``dispatch``).
+
+    Returns:
+      The plan.
+
+    Example:
+      >>> # inside shard_map: dense_plan(ids, num_experts=8, axis_name='expert', ...)
+    """
+    t, k = expert_ids.shape
+    s, p, c = t * k, axis_size, capacity
+    sl = count_slots(expert_ids, num_experts)
+    n = num_experts * c
+    slot_row = _slot_rows(sl.order, jnp.where(sl.rank < c, sl.expert * c + sl.rank, n))
+    r = jnp.arange(c, dtype=jnp.int32)[None, :]
+    src = jnp.minimum(sl.starts[:, None] + r, s - 1)
+    send_slot = jnp.where(r < sl.send_counts[:, None], sl.order[src], s).reshape(n)
+    recv_counts = sl.send_counts
+    if p > 1:
+        recv_counts = jax.lax.all_to_all(sl.send_counts, axis_name, 0, 0, tiled=True)
+    recv_counts = recv_counts.reshape(p, num_experts // p)
+    return DensePlan(
+        send_slot=send_slot, slot_row=slot_row.reshape(t, k), send_counts=sl.send_counts,
+        recv_counts=recv_counts,
+        group_sizes=jnp.minimum(recv_counts, c).sum(axis=0).astype(jnp.int32),
+        dropped=jnp.maximum(sl.send_counts - c, 0).sum().astype(jnp.int32),
+        num_experts=num_experts, axis_name=axis_name, axis_size=axis_size, x_dtype=x_dtype,
+        block_size=block_size, wire_kernels=wire_kernels, capacity=capacity)
+
+
+def ragged_plan(
+    expert_ids: jax.Array,
+    *,
+    num_experts: int,
+    axis_name: AxisName,
+    axis_size: int,
+    ragged_impl: Literal["native", "emulated"],
+    x_dtype: str,
+    block_size: int,
+    wire_kernels: str = "xla",
+) -> RaggedPlan:
+    """The :class:`moe._plan.RaggedPlan` of ``expert_ids [T, k]``: every slot, sorted.
+
+    The send buffer is the sorted slots; the offsets of each (source, expert) slice on both
+    sides come from the all-gathered counts (none gathered when ``P = 1``).
+
+    Args:
+      expert_ids: int ``[T, k]`` global expert ids in ``[0, num_experts)``.
+      num_experts, axis_name, axis_size, ragged_impl, x_dtype, block_size, wire_kernels: see
+        :class:`moe._plan.RaggedPlan` (already validated by ``dispatch``).
+
+    Returns:
+      The plan.
+
+    Example:
+      >>> # inside shard_map: ragged_plan(ids, num_experts=8, axis_name='expert', ...)
+    """
+    t, k = expert_ids.shape
+    s, p = t * k, axis_size
+    sl = count_slots(expert_ids, num_experts)
+    g = gather_counts(sl.send_counts, axis_name, p)
+    src_starts = _exclusive_cumsum(g.counts, 1).reshape(p, p, num_experts // p)
+    return RaggedPlan(
+        send_slot=sl.order,
+        slot_row=_slot_rows(sl.order, jnp.arange(s, dtype=jnp.int32)).reshape(t, k),
+        send_counts=sl.send_counts, recv_counts=g.recv_counts,
+        group_sizes=g.group_sizes.astype(jnp.int32),
+        send_offsets=sl.starts,
+        remote_offsets=jnp.take(g.at_owner, g.me, axis=0).reshape(num_experts),
+        recv_offsets=g.recv_offsets.reshape(num_experts),
+        return_offsets=jnp.take(src_starts, g.me, axis=1).reshape(num_experts),
+        num_experts=num_experts, axis_name=axis_name, axis_size=axis_size, x_dtype=x_dtype,
+        block_size=block_size, wire_kernels=wire_kernels, ragged_impl=ragged_impl)
+
+
+def dropless_plan(
+    expert_ids: jax.Array,
+    *,
+    num_experts: int,
+    axis_name: AxisName,
+    axis_size: int,
+    buckets: tuple[int, ...],
+    x_dtype: str,
+    block_size: int,
+    wire_kernels: str = "xla",
+    alignment: int = 1,
+) -> DroplessPlan:
+    """The :class:`moe._plan.DroplessPlan` of ``expert_ids [T, k]``: every slot, in pairs.
+
+    Also picks the exchange bucket: the smallest of ``buckets`` that holds the fullest
+    (source, destination) pair of the all-gathered counts, the same on every device of the
+    axis (none gathered when ``P = 1``).
+
+    Args:
+      expert_ids: int ``[T, k]`` global expert ids in ``[0, num_experts)``.
+      num_experts, axis_name, axis_size, buckets, x_dtype, block_size, wire_kernels,
+        alignment: see :class:`moe._plan.DroplessPlan` (already validated by ``dispatch``).
+
+    Returns:
+      The plan.
+
+    Example:
+      >>> # inside shard_map: dropless_plan(ids, num_experts=8, axis_name='expert', ...)
+    """
+    t, k = expert_ids.shape
+    p = axis_size
+    sl = count_slots(expert_ids, num_experts)
+    g = gather_counts(sl.send_counts, axis_name, p)
+    rows = _pair_rows(sl, g, p=p, e_local=num_experts // p,
+                      w=t * min(k, num_experts // p), buckets=buckets)
+    if alignment > 1:
+        rows = _aligned(rows, g.group_sizes, p=p, alignment=alignment)
+    return DroplessPlan(
+        send_slot=rows.send_slot, slot_row=rows.slot_row.reshape(t, k),
+        send_counts=sl.send_counts, recv_counts=g.recv_counts,
+        group_sizes=g.group_sizes.astype(jnp.int32),
+        layout_row=rows.layout_row, pair_row=rows.pair_row, bucket=rows.bucket,
+        num_experts=num_experts, axis_name=axis_name, axis_size=axis_size, x_dtype=x_dtype,
+        block_size=block_size, wire_kernels=wire_kernels, buckets=tuple(buckets),
+        alignment=alignment)
+
+
+def _pair_rows(sl: CountedSlots, g: GatheredCounts, *, p, e_local, w, buckets) -> PairRows:
+    """Pair rows of the dropless plan (see :class:`moe._plan.DroplessPlan`)."""
+    order = sl.order
+    s = order.shape[0]
+    n = p * w
+    # Source side: sorted slot i goes to device q = e // E_local, row rank-within-q.
+    dest_counts = sl.send_counts.reshape(p, e_local).sum(axis=1)
+    dest_start = _exclusive_cumsum(dest_counts, 0)
+    q = sl.expert // e_local
+    slot_row = _slot_rows(order, q * w + jnp.arange(s, dtype=jnp.int32) - dest_start[q])
+    r = jnp.arange(w, dtype=jnp.int32)[None, :]
+    src = jnp.minimum(dest_start[:, None] + r, s - 1)
+    send_slot = jnp.where(r < dest_counts[:, None], order[src], s).reshape(n)
+    if p == 1:  # the send buffer is the expert layout: no permutation, one bucket
+        none = jnp.zeros((0,), jnp.int32)
+        return PairRows(send_slot, slot_row, none, none, jnp.zeros((), jnp.int32))
+    recv_counts, recv_offsets = g.recv_counts, g.recv_offsets
+    # Expert side: source p's rows arrive sorted by local expert; slice (p, l) starts at
+    # local_start[p, l] among them and at recv_offsets[p, l] in the expert layout.
+    local_start = _exclusive_cumsum(recv_counts, 1)  # [P, E_local]
+    rr = jnp.broadcast_to(r, (p, w))
+    lr = _last_at_most(local_start, rr)  # [P, W] local expert of received row (p, r)
+    to_layout = (jnp.take_along_axis(recv_offsets, lr, axis=1) + rr
+                 - jnp.take_along_axis(local_start, lr, axis=1))
+    layout_row = jnp.where(rr < recv_counts.sum(axis=1, keepdims=True), to_layout, n)
+    # Inverse: layout row i lies in slice (l, p), slices ordered by l then p.
+    i = jnp.arange(n, dtype=jnp.int32)
+    lp = _last_at_most(recv_offsets.T.reshape(-1), i)  # index l * P + p
+    l_i, p_i = lp // p, lp % p
+    from_pair = p_i * w + local_start[p_i, l_i] + i - recv_offsets[p_i, l_i]
+    pair_row = jnp.where(i < recv_counts.sum(), from_pair, n)
+    # Bucket: the fullest (source, destination) pair, known alike on every device.
+    need = g.counts.reshape(p, p, e_local).sum(axis=2).max()
+    bucket = jnp.sum(jnp.asarray(buckets, jnp.int32) < need, dtype=jnp.int32)
+    return PairRows(send_slot, slot_row, layout_row.reshape(n), pair_row, bucket)
+
+
+def _aligned(rows: PairRows, group_sizes: jax.Array, *, p: int, alignment: int) -> PairRows:
+    """The dropless plan's row maps onto the ``alignment``-aligned expert layout: rows of
+    the plain layout move to ``dst`` (``moe._grouped.align_map``), the rows between groups
+    carry no slot (a zero row), and "no row" stays out of range."""
+    s = rows.slot_row.shape[0]
+    n = rows.send_slot.shape[0] if p == 1 else rows.pair_row.shape[0]  # plain layout rows
+    src, dst, _ = _grouped.align_map(group_sizes, n, alignment)
+    n_al = src.shape[0]
+
+    def moved(r):  # plain-layout row indices (out of range: none) -> aligned
+        return jnp.where(r < n, jnp.take(dst, jnp.minimum(r, n - 1)), n_al)
+
+    def pulled(vals, none):  # a value per plain-layout row -> per aligned row
+        return jnp.where(src < n, jnp.take(vals, jnp.minimum(src, n - 1)), none)
+
+    if p == 1:  # the send buffer is the layout: its slots move, slots' rows follow
+        return rows._replace(send_slot=pulled(rows.send_slot, s),
+                             slot_row=moved(rows.slot_row))
+    return rows._replace(layout_row=moved(rows.layout_row),
+                         pair_row=pulled(rows.pair_row, n))
