@@ -62,7 +62,7 @@ References: DeepEP (FP8 dispatch, count exchange first); GShard / Switch Transfo
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -79,11 +79,19 @@ from moe._plan import (
     ragged_rows,
 )
 from moe._plan_build import dense_plan, dropless_plan, ragged_plan
-from moe.options import WireDtype, check_group_alignment
+from moe.options import (
+    DispatchOptions,
+    RaggedImpl,
+    Transport,
+    WireDtype,
+    WireKernels,
+    check_choice,
+    check_group_alignment,
+)
 
-__all__ = ["DispatchPlan", "combine", "dense_capacity", "dispatch", "ragged_rows"]
+__all__ = ["DispatchPlan", "Dispatched", "WireRows", "combine", "dense_capacity", "dispatch",
+           "dispatch_apply", "dispatch_with_wire", "ragged_rows"]
 
-Transport = Literal["dense", "ragged", "dropless", "auto"]
 _DROPLESS_CAPACITY_FACTOR = 1.25  # transport="dropless", capacity_factor=None: the first bucket
 
 
@@ -100,11 +108,6 @@ def _axis_size(axis_name: AxisName, fn: str) -> int:
         ) from None
 
 
-def _check_wire(name, arg: str) -> None:
-    if name not in (None, "bf16", "fp8"):
-        raise ValueError(f"{arg} must be None, 'bf16' or 'fp8', got {name!r}.")
-
-
 def _check_fp8_width(width: int, block_size: int, what: str) -> None:
     fp8.check_width(width, block_size, what=what)
     if width % 4:
@@ -114,13 +117,8 @@ def _check_fp8_width(width: int, block_size: int, what: str) -> None:
         )
 
 
-def _check_dispatch_args(x, expert_ids, num_experts, transport, capacity_factor,
-                         capacity_multiple, dispatch_dtype, block_size, p):
-    if transport not in ("dense", "ragged", "dropless", "auto"):
-        raise ValueError(
-            f"transport must be 'dense', 'dropless', 'ragged' or 'auto', got {transport!r}; "
-            "'auto' (dense) is the measured default."
-        )
+def _check_dispatch_args(x, expert_ids, num_experts, block_size, p, dispatch_dtype):
+    """The array checks of one dispatch (its options were validated by DispatchOptions)."""
     if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(
             f"x must be a float array [T, d_model] of this device's tokens, got shape "
@@ -146,25 +144,29 @@ def _check_dispatch_args(x, expert_ids, num_experts, transport, capacity_factor,
             f"top_k = expert_ids.shape[1] = {k} must be in [1, num_experts = {num_experts}]; "
             "lower top_k or add experts."
         )
-    if capacity_factor is not None:
-        if transport == "ragged":
-            raise ValueError(
-                "capacity_factor applies to transport='dense' (a drop limit) and 'dropless' "
-                "(the exchange buffer), not 'ragged' (worst-case buffers); pass "
-                "capacity_factor=None, or transport='dense' or 'dropless'."
-            )
-        if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
-            raise TypeError(f"capacity_factor must be a float or None, got {capacity_factor!r}.")
-        if not capacity_factor > 0:
-            raise ValueError(f"capacity_factor must be > 0 or None, got {capacity_factor}.")
-    if isinstance(capacity_multiple, bool) or not isinstance(capacity_multiple, int) \
-            or capacity_multiple < 1:
-        raise ValueError(f"capacity_multiple must be an int >= 1, got {capacity_multiple!r}.")
-    _check_wire(dispatch_dtype, "dispatch_dtype")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}; use 128.")
     if dispatch_dtype == "fp8":
         _check_fp8_width(x.shape[1], block_size, "d_model (x.shape[-1])")
+
+
+class WireRows(NamedTuple):
+    """Ragged ``expert_x``'s FP8 wire rows, from which an FP8 forward GEMM reads its e4m3 rows
+    instead of quantizing ``expert_x`` again (the same bytes; `moe.experts.experts_apply`)."""
+
+    rows: jax.Array | _transport.TokenRows  # uint32 [R, width / 4 + W] as received, or the
+    # tokens and the token of each row when nothing was sent (one device on the expert axis)
+    width: int  # d_model
+    block_size: int  # channels per E8M0 scale
+
+
+class Dispatched(NamedTuple):
+    """What :func:`dispatch_apply` hands the local experts."""
+
+    expert_x: jax.Array  # the expert layout: dense [E_local, P * C, d], else [R, d]
+    wire: WireRows | None  # with_wire: the layout's FP8 wire rows
+    group_sizes: jax.Array  # int32 [E_local]: valid rows per local expert
+    plan: DispatchPlan  # for combine
 
 
 # ----------------------------------------------------------------------------- public API
@@ -181,8 +183,8 @@ def dispatch(
     capacity_multiple: int = 8,
     dispatch_dtype: WireDtype = None,
     block_size: int = 128,
-    ragged_impl: _transport.RaggedImpl = "auto",
-    wire_kernels: _transport.WireKernels = "auto",
+    ragged_impl: RaggedImpl = "auto",
+    wire_kernels: WireKernels = "auto",
     group_alignment: int | None = None,
 ) -> tuple[jax.Array, jax.Array, DispatchPlan]:
     """Send each token slot to the device that owns its expert, grouped by local expert.
@@ -263,8 +265,8 @@ def dispatch_with_wire(
     capacity_multiple: int = 8,
     dispatch_dtype: WireDtype = None,
     block_size: int = 128,
-    ragged_impl: _transport.RaggedImpl = "auto",
-    wire_kernels: _transport.WireKernels = "auto",
+    ragged_impl: RaggedImpl = "auto",
+    wire_kernels: WireKernels = "auto",
     group_alignment: int | None = None,
     with_wire: bool = False,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array, DispatchPlan]:
@@ -280,10 +282,56 @@ def dispatch_with_wire(
     token of each row) instead: the GEMM's rows are then made from the tokens in one pass,
     the bytes the wire rows would have given, and the wire rows are never written.
     """
+    options = DispatchOptions(expert_axis=axis_name, transport=transport,
+                              capacity_factor=capacity_factor,
+                              capacity_multiple=capacity_multiple,
+                              dispatch_dtype=dispatch_dtype, wire_kernels=wire_kernels,
+                              ragged_impl=ragged_impl)
+    out = dispatch_apply(x, expert_ids, num_experts=num_experts, options=options,
+                         fp8_block_size=block_size, group_alignment=group_alignment,
+                         with_wire=with_wire)
+    return out.expert_x, None if out.wire is None else out.wire.rows, out.group_sizes, out.plan
+
+
+def dispatch_apply(
+    x: jax.Array,
+    expert_ids: jax.Array,
+    *,
+    num_experts: int,
+    options: DispatchOptions,
+    fp8_block_size: int = 128,
+    group_alignment: int | None = None,
+    with_wire: bool = False,
+) -> Dispatched:
+    """:func:`dispatch_with_wire` with its options as one :class:`moe.DispatchOptions` (the
+    layer's ``MoEOptions.dispatch``): ``expert_axis``, ``transport`` (``'auto'``: dense),
+    ``capacity_factor``, ``capacity_multiple``, ``dispatch_dtype``, ``wire_kernels`` and
+    ``ragged_impl`` are read; ``batch_axes``, ``overlap_chunks`` and ``combine_grad_dtype``
+    are the layer's.
+
+    Args:
+      x, expert_ids, num_experts, group_alignment, with_wire: as for
+        :func:`dispatch_with_wire`.
+      options: the dispatch options.
+      fp8_block_size: channels per FP8 scale of the wire (``block_size`` of
+        :func:`dispatch`).
+
+    Returns:
+      A :class:`Dispatched`; ``wire`` is a :class:`WireRows` with ``with_wire``, else None.
+
+    Example:
+      >>> # inside jax.shard_map over 'expert':
+      >>> # ex, wire, sizes, plan = dispatch_apply(x, ids, num_experts=8,
+      >>> #     options=DispatchOptions(transport="dropless", dispatch_dtype="fp8"))
+    """
+    if not isinstance(options, DispatchOptions):
+        raise TypeError(f"options must be a moe.DispatchOptions, got {type(options).__name__}.")
+    axis_name, capacity_factor = options.expert_axis, options.capacity_factor
+    capacity_multiple, dispatch_dtype = options.capacity_multiple, options.dispatch_dtype
+    block_size, wire_kernels = fp8_block_size, options.wire_kernels
     x, expert_ids = jnp.asarray(x), jnp.asarray(expert_ids)
     p = _axis_size(axis_name, "dispatch")
-    _check_dispatch_args(x, expert_ids, num_experts, transport, capacity_factor,
-                         capacity_multiple, dispatch_dtype, block_size, p)
+    _check_dispatch_args(x, expert_ids, num_experts, block_size, p, dispatch_dtype)
     _transport.check_wire_kernels(wire_kernels)
     check_group_alignment(group_alignment)
     t, k = expert_ids.shape
@@ -296,7 +344,8 @@ def dispatch_with_wire(
             t, k, num_experts, capacity_factor, multiple=capacity_multiple), **statics)
 
     def ragged():
-        return ragged_plan(expert_ids, ragged_impl=_transport.resolve_ragged_impl(ragged_impl),
+        return ragged_plan(expert_ids,
+                           ragged_impl=_transport.resolve_ragged_impl(options.ragged_impl),
                            **statics)
 
     def dropless():
@@ -308,7 +357,7 @@ def dispatch_with_wire(
     # 'auto' is 'dense' here, the measured default (the layer's 'auto': moe.auto_transport).
     builders = {"auto": dense, "dense": dense, "ragged": ragged, "dropless": dropless}
     with jax.named_scope("dispatch_plan"):
-        plan = builders[transport]()
+        plan = builders[options.transport]()
     if group_alignment is not None and not isinstance(plan, DroplessPlan):
         raise ValueError(f"group_alignment={group_alignment!r} is for transport='dropless' "
                          f"only, got transport={plan.transport!r}; drop it or use 'dropless'.")
@@ -323,9 +372,12 @@ def dispatch_with_wire(
         out = _movement.dispatch_rows(x, plan, wire, with_wire and not local)
     if local:
         tokens = jax.lax.div(plan.send_slot, jnp.int32(k))  # slot T * k: token T, a zero row
-        return out, _transport.TokenRows(x, tokens), plan.group_sizes, plan
-    expert_x, wire_rows = out if with_wire else (out, None)
-    return expert_x, wire_rows, plan.group_sizes, plan
+        wire_rows = WireRows(_transport.TokenRows(x, tokens), x.shape[-1], block_size)
+        return Dispatched(out, wire_rows, plan.group_sizes, plan)
+    if with_wire:
+        return Dispatched(out.rows, WireRows(out.wire, x.shape[-1], block_size),
+                          plan.group_sizes, plan)
+    return Dispatched(out, None, plan.group_sizes, plan)
 
 
 def combine(
@@ -365,7 +417,7 @@ def combine(
         raise TypeError(f"plan must be the DispatchPlan (a DensePlan, RaggedPlan or DroplessPlan) "
                         f"returned by dispatch, got {type(plan)}.")
     expert_y, weights = jnp.asarray(expert_y), jnp.asarray(weights)
-    _check_wire(combine_grad_dtype, "combine_grad_dtype")
+    check_choice("combine_grad_dtype", combine_grad_dtype, WireDtype)
     want = plan.expert_shape(expert_y.shape[-1] if expert_y.ndim else 0)
     if expert_y.shape != want or not jnp.issubdtype(expert_y.dtype, jnp.floating):
         raise ValueError(

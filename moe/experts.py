@@ -41,7 +41,7 @@ from moe._experts_vjp import Call
 from moe._experts_vjp import experts as _experts
 from moe._platform import cuda_capability
 from moe.activations import GatedActivation
-from moe.dispatch import DispatchPlan
+from moe.dispatch import DispatchPlan, WireRows
 from moe.dispatch import combine as _combine
 from moe.options import (
     Backend,
@@ -55,16 +55,6 @@ from moe.options import (
 
 __all__ = ["CombineArgs", "WireRows", "auto_backend", "check_backend_available",
            "experts_apply", "gated_experts"]
-
-
-class WireRows(NamedTuple):
-    """Ragged x's FP8 wire rows, from which an FP8 forward GEMM reads x's e4m3 rows instead
-    of quantizing x again (the same bytes)."""
-
-    rows: jax.Array | _transport.TokenRows  # uint32 [R, width / 4 + W] as received, or the
-    # tokens and the token of each row when nothing was sent (one device on the expert axis)
-    width: int  # d_model
-    block_size: int  # channels per E8M0 scale
 
 
 class CombineArgs(NamedTuple):

@@ -13,6 +13,7 @@ shared experts); experts are split over the expert axis. Inside ``jax.shard_map`
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from typing import NamedTuple
@@ -24,8 +25,8 @@ from jax.sharding import PartitionSpec as P
 from moe import _grouped, _mesh
 from moe import experts as _experts
 from moe import routing as _routing
+from moe.dispatch import WireRows, dispatch_apply
 from moe.dispatch import combine as combine_fn
-from moe.dispatch import dispatch_with_wire
 from moe.options import MoEOptions
 
 __all__ = ["auto_overlap_chunks", "auto_transport", "moe_apply"]
@@ -135,7 +136,7 @@ def _group_alignment(options: MoEOptions) -> int | None:
 
 
 def _local_experts(ex, group_sizes, w_gate_up, w_down, biases, options: MoEOptions,
-                   ex_wire: _experts.WireRows | None, group_alignment,
+                   ex_wire: WireRows | None, group_alignment,
                    combine: _experts.CombineArgs) -> jax.Array:
     """The local experts on the layout ``dispatch`` produced (padded ``[E, C, d]`` or ragged,
     aligned to ``group_alignment``; ``ex_wire``: ragged ``ex``'s FP8 wire rows, which the FP8
@@ -201,6 +202,7 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra: LocalInputs, *,
     cf = do.capacity_factor  # per real expert: the padded experts receive no slots
     if cf is not None and num_slots != options.router.num_experts:
         cf = cf * num_slots / options.router.num_experts
+    do_chunk = dataclasses.replace(do, capacity_factor=cf)
     # FP8 tokens on a ragged layout go to FP8 expert GEMMs as their wire rows: no decoded
     # bf16 copy is quantized again.
     with_wire = (do.dispatch_dtype == "fp8" and options.experts.gemm_dtype == "fp8"
@@ -220,25 +222,13 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra: LocalInputs, *,
     ys, ys_shared, dropped = [], None, jnp.zeros((), jnp.int32)
     for c in range(chunks):
         part = slice(c * tc, (c + 1) * tc)
-        ex, ex_wire, group_sizes, plan = dispatch_with_wire(
-            x[part],
-            ids[part],
-            num_experts=num_slots,
-            axis_name=do.expert_axis,
-            transport=do.transport,
-            capacity_factor=cf,
-            dispatch_dtype=do.dispatch_dtype,
-            block_size=options.fp8_block_size,
-            wire_kernels=do.wire_kernels,
-            group_alignment=align,
-            with_wire=with_wire,
-        )
+        ex, wire, group_sizes, plan = dispatch_apply(
+            x[part], ids[part], num_experts=num_slots, options=do_chunk,
+            fp8_block_size=options.fp8_block_size, group_alignment=align, with_wire=with_wire)
         if c == 0 and shared is not None:
             ys_shared = _shared_experts(x, shared, gate, options, x.dtype)
             if mask is not None:
                 ys_shared = jnp.where(mask[:, None], ys_shared, jnp.zeros((), x.dtype))
-        wire = None if ex_wire is None else _experts.WireRows(ex_wire, x.shape[-1],
-                                                              options.fp8_block_size)
         combine = _experts.CombineArgs(r.weights[part], plan, do.combine_grad_dtype)
         ys.append(_local_experts(ex, group_sizes, w_gate_up, w_down, expert_bias, options,
                                  wire, align, combine).astype(x.dtype))

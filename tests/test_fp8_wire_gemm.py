@@ -65,12 +65,12 @@ def _layer_grads(backend: str, transport: str, expert_devices: int, with_wire: b
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
     if with_wire:
         return fn(x, wgu, wd)
-    real = moe_layer.dispatch_with_wire
+    real = moe_layer.dispatch_apply
     try:  # the same layer with the decoded rows quantized again
-        moe_layer.dispatch_with_wire = functools.partial(real, with_wire=False)
+        moe_layer.dispatch_apply = functools.partial(real, with_wire=False)
         return fn(x, wgu, wd)
     finally:
-        moe_layer.dispatch_with_wire = real
+        moe_layer.dispatch_apply = real
 
 
 @pytest.mark.parametrize("backend,transport,devices", [
