@@ -1,7 +1,7 @@
 """The gated experts' custom VJP: forward and hand-written backward on one layout.
 
 :func:`experts` runs ``y = act(x @ W_gu) @ W_d`` per group of rows (ragged ``[R, d]`` with
-group sizes, or padded ``[E, C, d]``) on one backend of `moe._grouped`, each of its six GEMMs
+group sizes, or padded ``[E, C, d]``) on one backend of `moe.kernels.gmm.api`, each of its six GEMMs
 at the precision :class:`Opts` asks for (`moe._fp8_gemm`), and keeps for the backward what
 ``save_z`` says. `moe.experts.gated_experts` validates the arguments, picks the backend and
 brings other layouts (plain ragged rows for the aligned kernels, padded slots as rows) to
@@ -16,8 +16,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moe import _fp8_gemm, _grouped, _quant_pallas, fp8
+from moe import _fp8_gemm, fp8
 from moe.activations import GatedActivation
+from moe.kernels.gmm import api as gmm_api
+from moe.kernels.quant import api as quant_api
 
 __all__ = ["Opts", "backward", "experts", "forward"]
 
@@ -37,16 +39,16 @@ class Opts:
 
 
 def _matmul(opts: Opts, precision: str, a, w, gs, out_dtype):
-    return _fp8_gemm.forward(_grouped.BACKENDS[opts.backend], precision, a, w, gs, out_dtype)
+    return _fp8_gemm.forward(gmm_api.IMPLEMENTATIONS[opts.backend], precision, a, w, gs, out_dtype)
 
 
 def _matmul_t(opts: Opts, a, w, gs, out_dtype, *, trim: bool = True):
-    return _fp8_gemm.dgrad(_grouped.BACKENDS[opts.backend], opts.dgrad_dtype, a, w, gs,
+    return _fp8_gemm.dgrad(gmm_api.IMPLEMENTATIONS[opts.backend], opts.dgrad_dtype, a, w, gs,
                            out_dtype, trim=trim)
 
 
 def _wgrad(opts: Opts, a, g, gs, out_dtype):
-    return _fp8_gemm.wgrad(_grouped.BACKENDS[opts.backend], opts.wgrad_dtype, a, g, gs,
+    return _fp8_gemm.wgrad(gmm_api.IMPLEMENTATIONS[opts.backend], opts.wgrad_dtype, a, g, gs,
                            out_dtype)
 
 
@@ -67,7 +69,7 @@ def _bias_rows(b: jax.Array, gs: jax.Array, shape) -> jax.Array:
     b = b.astype(jnp.float32)
     if len(shape) == 3:
         return b[:, None, :]
-    rows = _grouped.group_of_rows(_grouped.sizes_of(gs), shape[0])
+    rows = gmm_api.group_of_rows(gmm_api.sizes_of(gs), shape[0])
     return jnp.take(b, rows, axis=0, mode="fill", fill_value=0)
 
 
@@ -76,8 +78,8 @@ def _bias_grad(dz: jax.Array, gs: jax.Array, out_dtype) -> jax.Array:
     dz = dz.astype(jnp.float32)
     if dz.ndim == 3:
         return dz.sum(axis=1).astype(out_dtype)
-    gs = _grouped.sizes_of(gs)
-    rows = _grouped.group_of_rows(gs, dz.shape[0])
+    gs = gmm_api.sizes_of(gs)
+    rows = gmm_api.group_of_rows(gs, dz.shape[0])
     return jax.ops.segment_sum(dz, rows, num_segments=gs.shape[0]).astype(out_dtype)
 
 
@@ -117,7 +119,7 @@ def _forward(opts: Opts, x, gs, w_gate_up, w_down, b_gate_up, x_q, w_q=None):
     w_gu, w_d = (w_gate_up, w_down) if w_q is None else w_q
     z = _gate_up(opts, x_in, gs, w_gu, b_gate_up, x.dtype)
     if opts.gemm_dtype == "fp8":  # h quantized as it is computed (one read of z)
-        h = _quant_pallas.gated_rows(z, opts.activation)
+        h = quant_api.gated_rows(z, opts.activation)
     else:
         h = opts.activation.apply(z).astype(x.dtype)
     with jax.named_scope("experts_down"):
@@ -199,7 +201,7 @@ def backward(opts: Opts, res, dy, dtype, dy_q=None):
     # h for the weight gradient: the forward's e4m3 rows, or recomputed from z (quantized in
     # the same read for an FP8 GEMM).
     if h is None and fp8_wgrad:
-        h = _quant_pallas.gated_rows(z, opts.activation)
+        h = quant_api.gated_rows(z, opts.activation)
     elif h is None:
         h = opts.activation.apply(z).astype(dtype)
     with jax.named_scope("experts_down_wgrad"):
@@ -208,9 +210,9 @@ def backward(opts: Opts, res, dy, dtype, dy_q=None):
         # dz quantized (and in the compute dtype if a bf16 GEMM reads it) from one read of z
         # and dh.
         if fp8_wgrad:
-            dz, dz_q = None, _quant_pallas.gated_grad_rows(z, dh, opts.activation, None)
+            dz, dz_q = None, quant_api.gated_grad_rows(z, dh, opts.activation, None)
         else:
-            dz, *dz_q = _quant_pallas.gated_grad_rows(z, dh, opts.activation, dtype)
+            dz, *dz_q = quant_api.gated_grad_rows(z, dh, opts.activation, dtype)
             dz_q = tuple(dz_q)
     else:
         dz32 = opts.activation.grad(z, dh)

@@ -17,7 +17,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from moe import _grouped
+from moe.kernels.gmm import api as gmm_api
 
 AxisName = str | tuple[str, ...]
 
@@ -69,8 +69,9 @@ class DispatchPlan:
       ragged_impl: ``'native'`` or ``'emulated'`` (ragged only; ``'native'`` otherwise).
       x_dtype: dtype name of the dispatched tokens (combine returns this dtype).
       block_size: FP8 block size (used by an FP8 combine gradient).
-      wire_kernels: ``'auto'``, ``'xla'`` or ``'pallas'``: who encodes and lays out the rows
-        of both dispatch-direction exchanges (``moe._transport.by_platform``).
+      wire_kernels: ``'auto'``, ``'xla'``, ``'triton'`` or ``'mosaic'``: who encodes and lays out
+      the rows
+        of both dispatch-direction exchanges (`moe.kernels.wire.api`).
       layout_row: dropless only, int32 ``[R]``: the expert-layout row of received pair row
         ``p * W + r`` (``R``: no row).
       pair_row: dropless only, int32 ``[R]``: the received pair row of expert-layout row
@@ -80,8 +81,8 @@ class DispatchPlan:
       buckets: dropless only: the rows per (source, destination) pair that the exchange can
         send, ascending (:func:`dropless_buckets`); the last is ``W``, the worst case.
       alignment: dropless only: every local expert's rows start at a multiple of it in the
-        expert layout (``moe._grouped.align_map``; the rows in between are zero), which then
-        has ``moe._grouped.aligned_rows(R, E_local, alignment)`` rows. 1: plain ragged.
+        expert layout (``moe.kernels.gmm.api.align_map``; the rows in between are zero), which then
+        has ``moe.kernels.gmm.api.aligned_rows(R, E_local, alignment)`` rows. 1: plain ragged.
     """
 
     send_slot: jax.Array
@@ -143,7 +144,7 @@ class DispatchPlan:
         """Rows of the ragged / dropless expert layout: ``R``, or its aligned count."""
         if self.alignment == 1:
             return self.capacity
-        return _grouped.aligned_rows(self.capacity, self.num_local_experts, self.alignment)
+        return gmm_api.aligned_rows(self.capacity, self.num_local_experts, self.alignment)
 
 
 def dense_capacity(
@@ -452,11 +453,11 @@ def build_plan(
 
 def _aligned_rows(send_slot, slot_row, extra, group_sizes, *, p, alignment):
     """The dropless plan's row maps onto the ``alignment``-aligned expert layout: rows of
-    the plain layout move to ``dst`` (``moe._grouped.align_map``), the rows between groups
+    the plain layout move to ``dst`` (``moe.kernels.gmm.api.align_map``), the rows between groups
     carry no slot (a zero row), and "no row" stays out of range."""
     s = slot_row.shape[0]
     n = send_slot.shape[0] if p == 1 else extra["pair_row"].shape[0]  # plain layout rows
-    src, dst, _ = _grouped.align_map(group_sizes, n, alignment)
+    src, dst, _ = gmm_api.align_map(group_sizes, n, alignment)
     n_al = src.shape[0]
 
     def moved(rows):  # plain-layout row indices (out of range: none) -> aligned

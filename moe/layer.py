@@ -19,11 +19,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from moe import _grouped, _mesh
+from moe import _mesh
 from moe import experts as _experts
 from moe import routing as _routing
 from moe.dispatch import combine as combine_fn
 from moe.dispatch import dispatch_with_wire
+from moe.kernels.gmm import api as gmm_api
 from moe.options import MoEOptions
 
 __all__ = ["auto_overlap_chunks", "auto_transport", "moe_apply"]
@@ -129,7 +130,7 @@ def _group_alignment(opts: MoEOptions) -> int | None:
     backend = opts.experts.backend
     if backend == "auto":
         backend = _experts.auto_backend(2)
-    return _grouped.GROUP_ALIGNMENT if _grouped.BACKENDS[backend].aligned else None
+    return gmm_api.GROUP_ALIGNMENT if gmm_api.IMPLEMENTATIONS[backend].aligned else None
 
 
 def _local_experts(ex, group_sizes, w_gate_up, w_down, biases, opts: MoEOptions,
@@ -143,7 +144,7 @@ def _local_experts(ex, group_sizes, w_gate_up, w_down, biases, opts: MoEOptions,
               save_z=eo.save_z, wgrad_dtype=eo.wgrad_dtype, block_size=opts.fp8_block_size)
     wgu, wd = w_gate_up, w_down
     bgu, bd = biases if biases is not None else (None, None)
-    if ex.ndim == 3 and eo.backend in ("ragged_dot", "pallas"):  # 2-D GEMMs
+    if ex.ndim == 3 and eo.backend in ("ragged_dot", "triton"):  # 2-D GEMMs
         e_local, c, d = ex.shape
         full = jnp.full((e_local,), c, dtype=jnp.int32)
         ey = _experts.gated_experts(

@@ -16,18 +16,19 @@ the single validation pass of the options against a layer's widths and mesh.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any, Literal
 
 from moe import fp8
 from moe.activations import GatedActivation
+from moe.kernels.gmm.api import Backend, canonical_backend, check_backend_available
+from moe.kernels.wire.api import WireKernels, canonical_wire_kernels
 from moe.routing import RouterConfig
 
 __all__ = ["DispatchOptions", "ExpertOptions", "MoEOptions"]
 
 Transport = Literal["auto", "dense", "dropless", "ragged"]
 WireDtype = Literal["bf16", "fp8"] | None
-WireKernels = Literal["auto", "xla", "pallas"]
-Backend = Literal["auto", "einsum", "ragged_dot", "pallas", "mosaic"]
 GemmDtype = Literal["bf16", "fp8"]
 SaveZ = Literal["bf16", "fp8", "recompute"]
 
@@ -79,7 +80,8 @@ class DispatchOptions:
         ``'fp8'`` (e4m3 + packed E8M0 block scales).
       combine_grad_dtype: wire format of the combine gradient (same choices).
       wire_kernels: who encodes and lays out the dispatched rows: ``'auto'`` (Pallas kernels on
-        NVIDIA GPUs, XLA elsewhere), ``'xla'`` or ``'pallas'``.
+        NVIDIA GPUs, XLA elsewhere), ``'xla'``, ``'triton'`` or ``'mosaic'``
+        (`moe.kernels.wire.api`; the old ``'pallas'`` warns).
       overlap_chunks: pipelined expert parallelism: each device's tokens are split into this
         many chunks that are dispatched, computed and combined one after another, so that
         one chunk's exchanges can run while another chunk's expert GEMMs compute (XLA's
@@ -116,7 +118,8 @@ class DispatchOptions:
         check_choice("transport", self.transport, ("auto", "dense", "dropless", "ragged"))
         check_choice("dispatch_dtype", self.dispatch_dtype, _WIRES)
         check_choice("combine_grad_dtype", self.combine_grad_dtype, _WIRES)
-        check_choice("wire_kernels", self.wire_kernels, ("auto", "xla", "pallas"))
+        object.__setattr__(self, "wire_kernels", canonical_wire_kernels(self.wire_kernels))
+        check_choice("wire_kernels", self.wire_kernels, typing.get_args(WireKernels))
         n = self.overlap_chunks
         if n != "auto" and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ValueError(f"overlap_chunks must be 'auto' or an int >= 1, got {n!r}; 1 "
@@ -139,7 +142,7 @@ class ExpertOptions:
 
     Attributes:
       backend: grouped-GEMM backend: ``'auto'`` (by layout and platform), ``'einsum'``,
-        ``'mosaic'``, ``'pallas'`` or ``'ragged_dot'`` (see :func:`moe.gated_experts`).
+        ``'mosaic'``, ``'triton'`` or ``'ragged_dot'`` (see :func:`moe.gated_experts`).
       gemm_dtype: precision of the two forward GEMMs, ``'bf16'`` or ``'fp8'`` (e4m3 operands
         on the tensor cores, per-row / per-channel power-of-two scales).
       dgrad_dtype: precision of the two data-gradient GEMMs.
@@ -176,8 +179,8 @@ class ExpertOptions:
     shared_expert_gate: bool = False
 
     def __post_init__(self):
-        check_choice("backend", self.backend,
-                     ("auto", "einsum", "ragged_dot", "pallas", "mosaic"))
+        object.__setattr__(self, "backend", canonical_backend(self.backend))
+        check_choice("backend", self.backend, typing.get_args(Backend))
         check_choice("gemm_dtype", self.gemm_dtype, _GEMM_DTYPES)
         check_choice("dgrad_dtype", self.dgrad_dtype, _GEMM_DTYPES)
         check_choice("save_z", self.save_z, ("bf16", "fp8", "recompute"))
@@ -289,10 +292,8 @@ class MoEOptions:
                 raise ValueError(f"{name} must be a positive int, got {value!r}.")
         for name, width, option in self.fp8_widths(d_model, d_ff):
             fp8.check_width(width, self.fp8_block_size, what=f"{name} (for {option}='fp8')")
-        if self.experts.backend in ("pallas", "mosaic"):
-            from moe import experts  # noqa: PLC0415 - experts imports options
-
-            experts.check_backend_available(self.experts.backend)
+        if self.experts.backend in ("triton", "mosaic"):
+            check_backend_available(self.experts.backend)
         if mesh is not None:
             self.token_axes(mesh)
 
