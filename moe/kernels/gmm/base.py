@@ -153,8 +153,8 @@ def aligned_rows(rows: int, num_groups: int, alignment: int) -> int:
     """Static rows of the aligned layout of ``rows`` ragged rows in ``num_groups`` groups.
 
     Example:
-      >>> aligned_rows(10, 2, 128)
-      256
+      >>> aligned_rows(10, 2, 128)  # room for both groups to start on a tile
+      384
     """
     return -(-(rows + num_groups * (alignment - 1)) // alignment) * alignment
 

@@ -238,8 +238,8 @@ def gather_local_rows_quantized(tokens: jax.Array, index: jax.Array, *, block_si
       >>> import jax.numpy as jnp
       >>> q, s = gather_local_rows_quantized(jnp.ones((2, 512)), jnp.array([1, 7]),
       ...                                    block_size=128)
-      >>> s.tolist()
-      [0.00390625, 0.0]
+      >>> float(s[0]), bool(q[1].astype(jnp.float32).any())  # row 1: out of range, zero
+      (0.00390625, False)
     """
     tokens, index = lax.stop_gradient(tokens), lax.stop_gradient(index)
     width = tokens.shape[-1]
@@ -269,8 +269,8 @@ def gather_weighted_rows_quantized(rows: jax.Array, weights: jax.Array, slot: ja
       >>> q, s = gather_weighted_rows_quantized(jnp.ones((2, 512)), jnp.ones(4),
       ...                                       jnp.array([3, 4]), top_k=2,
       ...                                       wire_dtype=jnp.bfloat16)
-      >>> s.tolist()
-      [0.00390625, 0.0]
+      >>> float(s[0]), bool(q[1].astype(jnp.float32).any())  # row 1: out of range, zero
+      (0.00390625, False)
     """
     rows, weights, slot = (lax.stop_gradient(a) for a in (rows, weights, slot))
     wire_dtype = jnp.dtype(wire_dtype)

@@ -60,15 +60,6 @@ def test_gated_kernels_match_references(kind):
     chex.assert_trees_all_close(dzq, act.grad(z, dh), rtol=0.07, atol=1e-3 * float(ds.max()))
 
 
-def test_flat_rows_of_padded_operands():
-    """The dispatchers reshape ``[E, C, K]`` operands to rows and back."""
-    x = jax.random.normal(jax.random.key(2), (2, 8, 128), jnp.bfloat16)
-    got = qx.on_rows(functools.partial(qt.quantize_rows, interpret=True), x)
-    _assert_same(got, qx.quantize_rows_reference(x))
-    chex.assert_shape(got, [(2, 8, 128), (2, 8)])
-    _assert_same(qp.rows(x), got)  # on the CPU: the reference
-
-
 def test_unsupported_widths_use_the_reference_and_kernels_refuse_them():
     x = jnp.ones((4, 200), jnp.bfloat16)  # 200 is not a multiple of 16
     assert not qt.supported(200) and qt.supported(1408)
@@ -114,22 +105,6 @@ def test_quantize_cols_t_matches_transposed_row_quantization():
         qt.quantize_cols_t(x[:, :, :100], interpret=True)
     assert not qt.cols_supported(100, 64)
     _assert_same(qp.cols_t(x[:, :, :100]), qx.quantize_cols_t_reference(x[:, :, :100]))
-
-
-def test_both_weight_copies_are_the_two_quantizations():
-    """Two passes make a weight's K-major column copy and its row copy: the bytes of
-    quantize_cols_t and quantize_rows (NaN columns and rows, a zero column)."""
-    w = jax.random.normal(jax.random.key(4), (2, 128, 192), jnp.float32)
-    w = w * jnp.exp(jax.random.normal(jax.random.key(5), (2, 128, 1)) * 4)  # rows apart
-    w = w.at[0, 5, 7].set(jnp.nan).at[1, :, 3].set(0)
-    got = jax.jit(functools.partial(qt.quantize_cols_t_and_rows, interpret=True))(w)
-    want = (qx.quantize_cols_t_reference(w), qx.quantize_rows_reference(w))
-    for g, r in zip(got, want, strict=True):
-        _assert_same(g, r)
-    chex.assert_shape([*got[0], *got[1]], [(2, 192, 128), (2, 192), (2, 128, 192), (2, 128)])
-    _assert_same(qp.cols_t_and_rows(w), want)  # what runs off GPU
-    with pytest.raises(ValueError, match="multiples of"):
-        qt.quantize_cols_t_and_rows(w[:, :, :100], interpret=True)
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")

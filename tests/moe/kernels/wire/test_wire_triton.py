@@ -41,33 +41,6 @@ def _same(a, b) -> bool:
 INDEX = jnp.array([5, 0, 2, 3, 4, 23, -1, 24, 99, 5, 11], jnp.int32)  # repeats, out of range
 
 
-@pytest.mark.parametrize("fp8_wire", [True, False])
-def test_gather_encode_matches_xla(fp8_wire):
-    x = _rows()
-    wire = "fp8" if fp8_wire else jnp.dtype(jnp.bfloat16)
-    ref = wire_api.gather_rows(x, jnp.where(INDEX < 0, 10**6, INDEX), wire=wire,
-                                 block_size=BS)
-    got = wire_triton.gather_encode(x, INDEX, fp8_wire=fp8_wire, block_size=BS,
-                                     interpret=True)
-    assert got.dtype == ref.dtype and got.shape == ref.shape
-    assert _same(got, ref)
-
-
-@pytest.mark.parametrize("fp8_wire", [True, False])
-def test_gather_decode_matches_xla(fp8_wire):
-    x = _rows()
-    wire = "fp8" if fp8_wire else jnp.dtype(jnp.bfloat16)
-    buf = wire_api.encode_rows(x, wire=wire, block_size=BS)
-    perm = jnp.array([23, 1, 4, 3, 2, 30, -5, 0], jnp.int32)
-    ref = wire_api.decode_rows(jnp.take(buf, jnp.where(perm < 0, 10**6, perm), axis=0,
-                                          mode="fill", fill_value=0),
-                                 wire=wire, width=D, block_size=BS, out_dtype=jnp.bfloat16)
-    got = wire_triton.gather_decode(buf, perm, width=D, fp8_wire=fp8_wire, block_size=BS,
-                                     out_dtype=jnp.bfloat16, interpret=True)
-    assert got.dtype == ref.dtype and got.shape == ref.shape
-    assert _same(got, ref)
-
-
 def test_supported_shapes():
     assert wire_triton.supported(4096, fp8_wire=True, block_size=128)
     assert wire_triton.supported(4096, fp8_wire=False)
