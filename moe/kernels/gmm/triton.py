@@ -127,8 +127,9 @@ def _per_platform(call, interpret: bool | None, *args):
     return lax.platform_dependent(
         *args,
         cpu=functools.partial(run, True),
-        # GPU only: the compiled Triton kernel. CI lowers it for CUDA (tests/test_gmm_pallas.py);
-        # benchmarks/experts_bench.py runs it on GPUs against ragged_dot before timing it.
+        # GPU only: the compiled Triton kernel. CI lowers it for CUDA
+        # (tests/moe/kernels/gmm/test_gmm_triton.py); benchmarks/experts_bench.py runs it on
+        # GPUs against ragged_dot before timing it.
         default=functools.partial(run, False),
     )
 

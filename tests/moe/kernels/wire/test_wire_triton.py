@@ -51,7 +51,7 @@ def test_supported_shapes():
 
 def test_bad_wire_kernels_names_the_argument():
     with pytest.raises(ValueError, match="wire_kernels"):
-        wire_api.check_wire_kernels("pallas")
+        wire_api.check_wire_kernels("cuda")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -101,7 +101,8 @@ def test_dispatch_with_pallas_wire_kernels_equals_xla(wire, transport):
 def test_wire_kernels_lower_for_cuda():
     """The compiled kernels (no interpreter) lower for CUDA inside shard_map(check_vma=True):
     the send gather + encode and the decode into the expert layout, both wires (Mosaic GPU
-    at this width, `tests/test_mosaic_wire.py`; Triton where Mosaic GPU does not fit)."""
+    at this width, `tests/moe/kernels/wire/test_wire_mosaic.py`; Triton where Mosaic GPU does
+    not fit)."""
     mesh = cuda_mesh((N_EP,), ("expert",))
     e = P("expert")
 
