@@ -33,15 +33,17 @@ _DOCTESTED = ("muon_jax", "moe", "xla_comm")
 # variants are among them: autodiff inside shard_map is where a new jax's type checks bite.
 _JAX_INTERNALS = frozenset({
     "test_cuda_export.py", "test_fp8_dense.py", "test_fp8_lowering.py", "test_fp8_widths.py",
-    "test_fp8_wire_gemm.py", "test_gmm_pallas.py", "test_mosaic_rows.py", "test_mosaic_wire.py",
-    "test_no_triton_on_hopper.py", "test_quant_pallas.py", "test_tpu_export.py",
-    "test_variants.py", "test_wire_pallas.py",
+    "test_fp8_wire_gemm.py", "test_no_triton_on_hopper.py", "test_tpu_export.py",
+    "test_variants.py",
 })
+_KERNEL_TESTS = os.path.join("tests", "moe", "kernels")  # every kernel test file
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.name in _JAX_INTERNALS or type(item).__name__ == "DoctestItem":
+        in_kernels = item.path.is_relative_to(config.rootpath / _KERNEL_TESTS)
+        if (item.path.name in _JAX_INTERNALS or in_kernels
+                or type(item).__name__ == "DoctestItem"):
             item.add_marker(pytest.mark.jax_internals)
 
 

@@ -23,11 +23,13 @@ from _dispatch_harness import (
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe import _transport, _wire_pallas, fp8
+from moe import _transport, fp8
 from moe._movement import back_row, sum_slots
 from moe._plan import dropless_buckets
 from moe._plan_build import dense_plan
 from moe.dispatch import combine, dispatch
+from moe.kernels.wire import api as wire_api
+from moe.kernels.wire import triton as wire_triton
 
 
 def old_plan(ids, kw):
@@ -93,7 +95,7 @@ def gather_phases(ph: Phases, x, send_slot):
     """Quantize the T tokens once, then build the send buffer (bf16 rows, FP8 words)."""
     t, k, d, e, c, el, bs, n_rows, fp8_row, n_dev = ph.dims
     mesh, bench, call = ph.mesh, ph.bench, ph.call
-    enc = smap(mesh, lambda x: _transport.encode_rows(x, wire="fp8", block_size=bs), 1)
+    enc = smap(mesh, lambda x: wire_api.encode_rows(x, wire="fp8", block_size=bs), 1)
     bench("quantize T tokens -> e4m3+scales", "quantize", "fp8", enc, (x,))
     xq = call("quantize T tokens -> e4m3+scales", "fp8", enc, x)
 
@@ -108,27 +110,27 @@ def gather_phases(ph: Phases, x, send_slot):
         q.shape[0], -1))(xq)  # the same bytes as uint8 (the wire's element type before)
     bench("before: gather send buffer (fp8 as uint8)", "gather", "fp8", g, (xq8, send_slot))
     bench("alt: gather bf16 then quantize E*C rows", "gather", "fp8",
-          smap(mesh, lambda x, s: _transport.encode_rows(gather(x, s), wire="fp8",
+          smap(mesh, lambda x, s: wire_api.encode_rows(gather(x, s), wire="fp8",
                                                           block_size=bs), 2),
           (x, send_slot))
     bench("quantize T + gather bytes (library)", "gather", "fp8",
-          smap(mesh, lambda x, s: _transport.gather_rows(x, s // k, wire="fp8",
+          smap(mesh, lambda x, s: wire_api.gather_rows(x, s // k, wire="fp8",
                                                          block_size=bs), 2), (x, send_slot))
 
     def amax_fused(x, s):
         tok = s // k
         r = jnp.take(x, tok, axis=0, mode="fill", fill_value=0)
         amax = jnp.take(fp8.block_amax(x, bs), tok, axis=0, mode="fill", fill_value=0)
-        return _transport.pack_fp8_words(fp8.quantize_with_amax(r, amax, bs))
+        return wire_api.pack_fp8_words(fp8.quantize_with_amax(r, amax, bs))
 
     bench("alt: amax of T rows + gather-quantize fused", "gather", "fp8",
           smap(mesh, amax_fused, 2), (x, send_slot), note="padding rows: scale byte 1, not 0")
     for wire in ("bf16", "fp8"):  # the Pallas kernel: gather + encode in one pass
         codec = "fp8" if wire == "fp8" else jnp.dtype(jnp.bfloat16)
-        kern = smap(mesh, lambda x, s, codec=codec: _transport.gather_rows(
+        kern = smap(mesh, lambda x, s, codec=codec: wire_api.gather_rows(
             x, s // k, wire=codec, block_size=bs, kernels="auto"), 2)
         bench("gather+encode, one pass (pallas kernel)", "gather", wire, kern, (x, send_slot))
-        lib = smap(mesh, lambda x, s, codec=codec: _transport.gather_rows(
+        lib = smap(mesh, lambda x, s, codec=codec: wire_api.gather_rows(
             x, s // k, wire=codec, block_size=bs, kernels="xla"), 2)
         ph.report["derived"][f"pallas_gather_encode_equals_xla_{wire}"] = bool(jnp.all(
             call("gather+encode, one pass (pallas kernel)", wire, kern, x, send_slot)
@@ -167,17 +169,17 @@ def recv_phases(ph: Phases, recv_bf16, recv_fp8):
 
     bench("recv -> expert layout (transpose)", "recv", "bf16", smap(mesh, to_layout, 1),
           (recv_bf16,))
-    deq = smap(mesh, lambda r: to_layout(_transport.decode_rows(
+    deq = smap(mesh, lambda r: to_layout(wire_api.decode_rows(
         r, wire="fp8", width=d, block_size=bs, out_dtype=jnp.bfloat16)), 1)
     bench("dequantize -> expert layout", "recv", "fp8", deq, (recv_fp8,))
     bench("dequantize only (no layout)", "recv", "fp8", smap(mesh, lambda r: (
-        _transport.decode_rows(r, wire="fp8", width=d, block_size=bs, out_dtype=jnp.bfloat16)), 1),
+        wire_api.decode_rows(r, wire="fp8", width=d, block_size=bs, out_dtype=jnp.bfloat16)), 1),
         (recv_fp8,))
     # the Pallas kernel: expert-layout row (l, q, r) read from received row (q, l, r), decoded
     perm = (jnp.arange(n_dev)[None, :, None] * (el * c) + jnp.arange(el)[:, None, None] * c
             + jnp.arange(c)[None, None, :]).reshape(-1).astype(jnp.int32)
     for wire, recv in (("bf16", recv_bf16), ("fp8", recv_fp8)):
-        kern = smap(mesh, lambda r, wire=wire: _wire_pallas.gather_decode(
+        kern = smap(mesh, lambda r, wire=wire: wire_triton.gather_decode(
             r, perm, width=d, fp8_wire=wire == "fp8", block_size=bs, out_dtype=jnp.bfloat16,
             interpret=jax.default_backend() == "cpu").reshape(el, n_dev * c, d), 1)
         bench("decode -> expert layout, one pass (pallas kernel)", "recv", wire, kern, (recv,))
@@ -233,13 +235,13 @@ def backward_phases(ph: Phases, back, dy, w, send_slot, slot_row):
         codec = "fp8" if wire == "fp8" else jnp.dtype(jnp.bfloat16)
 
         def grad_send(dy, w, send_slot, codec=codec):
-            return _transport.gather_weighted_rows(dy, w.reshape(-1), send_slot, top_k=k,
+            return wire_api.gather_weighted_rows(dy, w.reshape(-1), send_slot, top_k=k,
                                                    wire=codec, block_size=bs)
 
         def grad_send_before(dy, w, send_slot, codec=codec):
             g = (w.astype(jnp.float32)[:, :, None]
                  * dy.astype(jnp.float32)[:, None, :]).reshape(-1, d)
-            return _transport.gather_rows(g, send_slot, wire=codec, block_size=bs)
+            return wire_api.gather_rows(g, send_slot, wire=codec, block_size=bs)
 
         sec = bench("combine-grad send buffer (w*dy in the gather)", "backward", wire,
                     smap(mesh, grad_send, 3), (dy, w, send_slot))
@@ -378,11 +380,11 @@ def layout_experiment(ph: Phases, x, ids, w) -> None:
             plan = dense_plan(ids, **kw)
             idx = (plan.send_slot // k).reshape(n_dev, el, c).transpose(1, 0, 2)
             idx = idx.reshape(el, n_dev * c)
-            rows = x if wire == "bf16" else _transport.encode_rows(x, wire="fp8",
+            rows = x if wire == "bf16" else wire_api.encode_rows(x, wire="fp8",
                                                                    block_size=bs)
             send = jnp.take(rows, idx, axis=0, mode="fill", fill_value=0)  # [el, P*C, W]
             recv = jax.lax.all_to_all(send, AXIS, 1, 1, tiled=True)
-            ex = recv if wire == "bf16" else _transport.decode_rows(
+            ex = recv if wire == "bf16" else wire_api.decode_rows(
                 recv, wire="fp8", width=d, block_size=bs, out_dtype=jnp.bfloat16)
             back = jax.lax.all_to_all(experts(ex, w_in, w_out), AXIS, 1, 1, tiled=True)
             sr = plan.slot_row  # e * C + r, or E * C if dropped

@@ -5,8 +5,9 @@ One process, random (never zero) inputs, medians after warm-up, the ceilings mea
 same run (dense bf16 and dense FP8 [8192]^3 matmuls). Rows:
 
 1. ``gmm``: the gate_up forward GEMM alone (tokens x d_model -> 2 d_ff, ``experts`` groups,
-   balanced): bf16 Pallas Triton (`moe._gmm_pallas`, the previous kernel), bf16 and FP8
-   Pallas Mosaic GPU (`moe._gmm_mosaic`). Key ``fp8_gmm_over_bf16_rate`` = FP8 Mosaic rate /
+   balanced): bf16 Pallas Triton (`moe.kernels.gmm.triton`, the previous kernel), bf16 and FP8
+   Pallas Mosaic GPU (`moe.kernels.gmm.mosaic_kernel`). Key ``fp8_gmm_over_bf16_rate`` = FP8 Mosaic
+   rate /
    bf16 Triton rate (and ``..._vs_mosaic_bf16``). GPU only.
 2. ``experts``: `moe.gated_experts` forward + backward (``y`` and the gradients of
    ``sum(y * ct)``; ``y`` is returned, so the forward down GEMM runs), per layout:
@@ -39,7 +40,9 @@ import numpy as np
 from bench_util import accuracy, group_sizes, padded_layout, record
 
 import moe
-from moe import _gmm_mosaic, _gmm_pallas, _grouped
+from moe.kernels.gmm import api as gmm_api
+from moe.kernels.gmm import mosaic_kernel as gmm_mosaic
+from moe.kernels.gmm import triton as gmm_triton
 from xla_comm.breakdown import op_breakdown
 from xla_comm.trace import trace_steps
 
@@ -50,7 +53,7 @@ EXPERT_CASES = {  # --cases name: (layout, backend, routing)
     "ragged_balanced": ("ragged", "mosaic", "balanced"),
     "ragged_zipf": ("ragged", "mosaic", "zipf"),
 }
-ALIGN = _gmm_mosaic.GROUP_ALIGNMENT
+ALIGN = gmm_mosaic.GROUP_ALIGNMENT
 RECIPES = {
     "bf16": {},
     "fp8_gemm": {"gemm_dtype": "fp8"},
@@ -114,7 +117,7 @@ def timed(fn, args, a, inner=3):
 
 def aligned_ragged(x_real: jax.Array, sizes: np.ndarray):
     """The 128-aligned ragged layout of rows grouped by ``sizes``: (x, group_sizes)."""
-    src, _, _ = _grouped.align_map(jnp.asarray(sizes), x_real.shape[0], ALIGN)
+    src, _, _ = gmm_api.align_map(jnp.asarray(sizes), x_real.shape[0], ALIGN)
     return jnp.take(x_real, src, axis=0, mode="fill", fill_value=0), jnp.asarray(sizes)
 
 
@@ -126,10 +129,10 @@ def gmm_rows(report, a, data):
     w = data["w_gate_up"]
     flops = 2.0 * t * d * f2
     cands = {
-        "triton_bf16": (jax.jit(functools.partial(_gmm_pallas.gmm, out_dtype=jnp.bfloat16)),
+        "triton_bf16": (jax.jit(functools.partial(gmm_triton.gmm, out_dtype=jnp.bfloat16)),
                         (x, w, gs_al)),
-        "mosaic_bf16": (jax.jit(_gmm_mosaic.gmm), (x, w, gs_al)),
-        "mosaic_fp8": (jax.jit(functools.partial(_gmm_mosaic.gmm, rhs_k_major=True)),
+        "mosaic_bf16": (jax.jit(gmm_mosaic.gmm), (x, w, gs_al)),
+        "mosaic_fp8": (jax.jit(functools.partial(gmm_mosaic.gmm, rhs_k_major=True)),
                        (x.astype(F8), jnp.swapaxes(w, 1, 2).astype(F8), gs_al)),
     }
     rates = {}

@@ -4,11 +4,11 @@ a library, no command line of its own).
 Grouped-GEMM kernels alone on one GPU, in one process, on random (never zero) inputs:
 
 * the ceilings: a dense bf16 and a dense FP8 (e4m3 x e4m3, XLA) [8192]^3 matmul;
-* the Mosaic GPU kernels of ``moe/_gmm_mosaic.py``: ``gmm`` (bf16 with ``[G, K, N]`` and
+* the Mosaic GPU kernels of ``moe/gmm_mosaic.py``: ``gmm`` (bf16 with ``[G, K, N]`` and
   K-major ``[G, N, K]`` weights, FP8 K-major) at the gated experts' gate_up shape
   (tokens x d_model -> 2 d_ff) and ``tgmm`` (the weight gradient ``x^T dz``: bf16 on the
   token-major operands, bf16 and FP8 on K-major copies), balanced and Zipf-skewed groups;
-* the Pallas Triton kernels of ``moe/_gmm_pallas.py`` (bf16, and FP8 with K-major weights);
+* the Pallas Triton kernels of ``moe/gmm_triton.py`` (bf16, and FP8 with K-major weights);
 * XLA batched FP8 and bf16 einsums on the capacity-padded layout ``[E, C, d]``.
 
 Before timing, each kernel is checked against an f32 XLA reference on the same (aligned)
@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe import _gmm_mosaic, _gmm_pallas
+from moe.kernels.gmm import mosaic_kernel as gmm_mosaic
+from moe.kernels.gmm import triton as gmm_triton
 
 F8 = jnp.float8_e4m3fn
 
@@ -120,7 +121,7 @@ def main(a) -> dict:
     w = jax.random.normal(keys[3], (e, d, f2), jnp.float32) * d**-0.5
     flops = 2.0 * t * d * f2
     for routing in ("balanced", "zipf"):
-        gs = jnp.asarray(bench_util.group_sizes(routing, t, e, align=_gmm_mosaic.GROUP_ALIGNMENT))
+        gs = jnp.asarray(bench_util.group_sizes(routing, t, e, align=gmm_mosaic.GROUP_ALIGNMENT))
         report.setdefault("group_sizes", {})[routing] = np.asarray(gs).tolist()
         if only in ("all", "mosaic"):
             for cfg in ("bf16", "bf16_kmajor", "fp8"):
@@ -131,7 +132,7 @@ def main(a) -> dict:
                 a_ = lhs.astype(dt)
                 w_ = (jnp.swapaxes(w, 1, 2) if kmaj else w).astype(dt)
                 ref = ref_gmm(a_, w_, gs, kmaj)
-                fn = jax.jit(functools.partial(_gmm_mosaic.gmm, rhs_k_major=kmaj))
+                fn = jax.jit(functools.partial(gmm_mosaic.gmm, rhs_k_major=kmaj))
                 row(report, f"mosaic gmm {cfg} {routing}", flops, fn, (a_, w_, gs), ref, 1e-2)
                 save()
             # wgrad: out[g] = x_g^T @ dz_g, [E, d, 2 d_ff]
@@ -145,17 +146,17 @@ def main(a) -> dict:
                 if kmaj:
                     a_, b_ = a_.T, b_.T
                 ref = ref_tgmm(a_, b_, gs, kmaj)
-                fn = jax.jit(functools.partial(_gmm_mosaic.tgmm, k_major=kmaj))
+                fn = jax.jit(functools.partial(gmm_mosaic.tgmm, k_major=kmaj))
                 row(report, f"mosaic tgmm {cfg} {routing}", flops, fn, (a_, b_, gs), ref, 1e-2)
                 save()
         if only in ("all", "triton"):
             a16, w16 = lhs.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
             ref = ref_gmm(a16, w16, gs, False)
-            fn = jax.jit(functools.partial(_gmm_pallas.gmm, out_dtype=jnp.bfloat16))
+            fn = jax.jit(functools.partial(gmm_triton.gmm, out_dtype=jnp.bfloat16))
             row(report, f"triton gmm bf16 {routing}", flops, fn, (a16, w16, gs), ref, 1e-2)
             a8, w8 = lhs.astype(F8), jnp.swapaxes(w, 1, 2).astype(F8)
             ref = ref_gmm(a8, w8, gs, True)
-            fn = jax.jit(functools.partial(_gmm_pallas.gmm, transpose_rhs=True,
+            fn = jax.jit(functools.partial(gmm_triton.gmm, transpose_rhs=True,
                                            out_dtype=jnp.bfloat16))
             row(report, f"triton gmm fp8 K-major {routing}", flops, fn, (a8, w8, gs), ref, 1e-2)
             save()

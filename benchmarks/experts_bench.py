@@ -16,7 +16,7 @@ saving, FP8 GEMMs), under balanced and Zipf-skewed routing. Useful work counts r
 under skew) and dropped tokens (a capacity factor) count as waste. The ceiling is a dense bf16
 matmul [T, d_model] @ [d_model, 2*d_ff] timed in the same run.
 
-'pallas' (moe/_gmm_pallas.py, Pallas Triton kernels) runs on GPU only (on CPU Pallas would
+'pallas' (moe/gmm_triton.py, Pallas Triton kernels) runs on GPU only (on CPU Pallas would
 interpret it, which measures nothing; --allow-interpret forces it, for plumbing checks). Before
 its first timing a small correctness check compares it with 'ragged_dot' (max relative error
 of y and the three gradients, f32 at highest precision and bf16; JSON "pallas_check"); if the
@@ -69,8 +69,8 @@ from bench_util import (  # noqa: E402
     write_json,
 )
 
-from moe import _gmm_pallas  # noqa: E402
 from moe.experts import gated_experts  # noqa: E402
+from moe.kernels.gmm import triton as gmm_triton  # noqa: E402
 
 DESCRIPTION = """\
 Grouped-GEMM and gated-experts timers on one device, in three parts (--part):
@@ -100,8 +100,8 @@ CONFIGS: dict[str, dict[str, str]] = {
     "wgrad_fp8": {"wgrad_dtype": "fp8"},
     "all_fp8": {"gemm_dtype": "fp8", "save_z": "fp8", "wgrad_dtype": "fp8"},
 }
-BACKENDS = ("ragged_dot", "einsum", "pallas")
-RAGGED_BACKENDS = ("ragged_dot", "pallas")  # x as [T, d]; 'einsum' takes [E, C, d]
+BACKENDS = ("ragged_dot", "einsum", "triton")
+RAGGED_BACKENDS = ("ragged_dot", "triton")  # x as [T, d]; 'einsum' takes [E, C, d]
 # --pallas-sweep candidates: (block_m, block_n, block_k, num_warps, num_stages).
 GMM_SWEEP = ((128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (128, 128, 64, 8, 3),
              (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 32, 4, 5))
@@ -252,14 +252,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return part_args(argv, DESCRIPTION, PARTS, default="experts")[1]
 
 
-def _tiling(spec: str | None, default: _gmm_pallas.Tiling) -> _gmm_pallas.Tiling:
+def _tiling(spec: str | None, default: gmm_triton.Tiling) -> gmm_triton.Tiling:
     if not spec:
         return default
     bm, bn, bk, warps, stages = (int(v) for v in spec.split(","))
-    return _gmm_pallas.Tiling(bm, bn, bk, warps, stages)
+    return gmm_triton.Tiling(bm, bn, bk, warps, stages)
 
 
-def _tiling_dict(t: _gmm_pallas.Tiling) -> dict:
+def _tiling_dict(t: gmm_triton.Tiling) -> dict:
     return {k: getattr(t, k) for k in ("block_m", "block_n", "block_k", "num_warps", "num_stages")}
 
 
@@ -290,7 +290,7 @@ def pallas_check(seed: int) -> dict:
     t0 = time.perf_counter()
     for tag, dtype, tol in (("f32", jnp.float32, 1e-4), ("bf16", jnp.bfloat16, 3e-2)):
         with jax.default_matmul_precision("highest"):
-            got, want = run("pallas", dtype), run("ragged_dot", dtype)
+            got, want = run("triton", dtype), run("ragged_dot", dtype)
         errs = {n: max_rel_err(g, w) for n, g, w in zip(names, got, want, strict=True)}
         pad_zero = bool(np.all(np.asarray(got[0])[1900:] == 0))
         out[tag] = {
@@ -323,19 +323,19 @@ def pallas_sweep(sizes_by_routing: dict, data: dict, dense_tflops: float, args) 
         "gmm": (
             GMM_SWEEP,
             (x, w),
-            lambda a, b, gs, tl: _gmm_pallas.gmm(a, b, gs, tiling=tl),
+            lambda a, b, gs, tl: gmm_triton.gmm(a, b, gs, tiling=tl),
             lambda a, b, gs: jax.lax.ragged_dot(a, b, gs),
         ),
         "gmm_t": (
             GMM_SWEEP,
             (dz, w),
-            lambda a, b, gs, tl: _gmm_pallas.gmm(a, b, gs, transpose_rhs=True, tiling=tl),
+            lambda a, b, gs, tl: gmm_triton.gmm(a, b, gs, transpose_rhs=True, tiling=tl),
             None,
         ),
         "tgmm": (
             TGMM_SWEEP,
             (x, dz),
-            lambda a, b, gs, tl: _gmm_pallas.tgmm(a, b, gs, tiling=tl),
+            lambda a, b, gs, tl: gmm_triton.tgmm(a, b, gs, tiling=tl),
             None,
         ),
     }
@@ -343,7 +343,7 @@ def pallas_sweep(sizes_by_routing: dict, data: dict, dense_tflops: float, args) 
     for routing, sizes in sizes_by_routing.items():
         gs = jnp.asarray(sizes, jnp.int32)
         for kname, (cands, operands, fn, ref) in kernels.items():
-            variants = [(str(c), functools.partial(fn, tl=_gmm_pallas.Tiling(*c))) for c in cands]
+            variants = [(str(c), functools.partial(fn, tl=gmm_triton.Tiling(*c))) for c in cands]
             if ref is not None:
                 variants.append(("ragged_dot", ref))
             for label, call in variants:
@@ -371,8 +371,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.part != "experts":
         return {"kernels": _gmm_kernels.main, "fp8": _fp8_rows.main}[args.part](args)
-    _gmm_pallas.GMM_TILING = _tiling(args.gmm_tiling, _gmm_pallas.GMM_TILING)
-    _gmm_pallas.TGMM_TILING = _tiling(args.tgmm_tiling, _gmm_pallas.TGMM_TILING)
+    gmm_triton.GMM_TILING = _tiling(args.gmm_tiling, gmm_triton.GMM_TILING)
+    gmm_triton.TGMM_TILING = _tiling(args.tgmm_tiling, gmm_triton.TGMM_TILING)
     keys = jax.random.split(jax.random.key(args.seed), 4)
     t, d, f, e = args.tokens, args.d_model, args.d_ff, args.experts
     data = {
@@ -397,19 +397,19 @@ def main(argv=None) -> dict:
         "results": results,
         "skipped": skipped,
         "pallas_tiling": {
-            "gmm": _tiling_dict(_gmm_pallas.GMM_TILING),
-            "tgmm": _tiling_dict(_gmm_pallas.TGMM_TILING),
+            "gmm": _tiling_dict(gmm_triton.GMM_TILING),
+            "tgmm": _tiling_dict(gmm_triton.TGMM_TILING),
         },
     }
     sizes_by_routing = {
         r: group_sizes(r, args.tokens, args.experts, args.zipf_s) for r in args.routing
     }
     # 'pallas' last: a compile failure or a timeout there leaves the other rows written.
-    backends = [b for b in args.backends if b != "pallas"] + [
-        b for b in args.backends if b == "pallas"
+    backends = [b for b in args.backends if b != "triton"] + [
+        b for b in args.backends if b == "triton"
     ]
     for backend in backends:
-        if backend == "pallas":
+        if backend == "triton":
             on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
             if not on_gpu and not args.allow_interpret:
                 reason = (
@@ -417,7 +417,7 @@ def main(argv=None) -> dict:
                     "would interpret it: pass --allow-interpret for a plumbing check)"
                 )
                 print(f"skipping {reason}")
-                skipped.append({"backend": "pallas", "reason": reason})
+                skipped.append({"backend": "triton", "reason": reason})
                 continue
             try:
                 report["pallas_check"] = pallas_check(args.seed)
@@ -426,7 +426,7 @@ def main(argv=None) -> dict:
                 traceback.print_exc()
                 print(f"skipping pallas: the correctness check failed to run: {err[:500]}")
                 report["pallas_check"] = {"ok": False, "error": err}
-                skipped.append({"backend": "pallas", "reason": "check failed", "error": err})
+                skipped.append({"backend": "triton", "reason": "check failed", "error": err})
                 write_json(args.out, report)
                 continue
             write_json(args.out, report)
@@ -438,7 +438,7 @@ def main(argv=None) -> dict:
                 try:
                     r = bench_experts(backend, config, routing, sizes, data, args)
                 except Exception as e:  # noqa: BLE001
-                    if backend != "pallas":
+                    if backend != "triton":
                         raise
                     err = _short_error(e)
                     print(f"skipping pallas {routing}/{config}: {err[:500]}")

@@ -115,12 +115,12 @@ BOTH = ("bf16", "fp8")
 STEMS = {
     "dense_einsum": ("dense", "einsum", BOTH),
     "dense_ragged_dot": ("dense", "ragged_dot", BOTH),
-    "dense_pallas": ("dense", "pallas", ("bf16",)),
+    "dense_pallas": ("dense", "triton", ("bf16",)),
     "ragged": ("ragged", "ragged_dot", BOTH),
-    "ragged_pallas": ("ragged", "pallas", BOTH),
+    "ragged_pallas": ("ragged", "triton", BOTH),
     "ragged_auto": ("ragged", "auto", ("bf16",)),
     "dropless": ("dropless", "auto", BOTH),
-    "dropless_pallas": ("dropless", "pallas", ("bf16",)),
+    "dropless_pallas": ("dropless", "triton", ("bf16",)),
 }
 VARIANTS: dict[str, dict] = {
     f"{stem}_{wire}": dict(transport=t, backend=b, wire=wire)

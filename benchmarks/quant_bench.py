@@ -3,8 +3,8 @@
 The FP8 expert GEMMs read e4m3 operands with one power-of-two scale per row. Each row is
 quantized (row maximum, scale, cast) before its GEMM: ``x`` and ``dy`` as given, ``h = act(z)``
 after the gate_up GEMM, ``dz = act'(z) dh`` in the backward. This script times each of those
-passes in XLA (the ``*_reference`` functions of `moe._quant_pallas`, what the layer ran before
-the kernels) and with the one-pass Pallas kernels of `moe._quant_pallas`, on random (never zero)
+passes in XLA (the ``*_reference`` functions of `moe.kernels.quant.api`, what the layer ran before
+the kernels) and with the one-pass Pallas kernels of `moe.kernels.quant.api`, on random (never zero)
 inputs, medians after warm-up (each sample ten back-to-back calls). It also times the two ways
 of making a weight-gradient operand's K-major FP8 copy: column-wise quantization of the bf16
 rows (``quantize_cols_t``, two passes) and, what the layer does now, the e4m3 rows written
@@ -22,9 +22,9 @@ the FP8 dispatch's e4m3 GEMM rows when nothing is sent (wire rows written by
 ``gather_local_rows_quantized``); the combine gradient's rows in the expert layout (gathered
 and weighted in bf16, then ``quantize_rows``, or one pass, ``gather_weighted_rows_quantized``);
 a weight-gradient operand's plain transpose (XLA's, or its rescaling transpose by
-``2^-0``); and, on a GPU, each row kernel in XLA, Pallas Triton (`moe._quant_pallas`) and
-Pallas Mosaic GPU (`moe._quant_mosaic`), the two gathers' Mosaic GPU twins
-(`moe._wire_mosaic`), the token wire's kernels (gather + encode, gather + decode, gather +
+``2^-0``); and, on a GPU, each row kernel in XLA, Pallas Triton (`moe.kernels.quant.api`) and
+Pallas Mosaic GPU (`moe.kernels.quant.mosaic`), the two gathers' Mosaic GPU twins
+(`moe.kernels.wire.mosaic`), the token wire's kernels (gather + encode, gather + decode, gather +
 re-quantize; ``wire_*``) and the weights' column (and row) tile passes in all three. Where bytes
 differ from the first implementation, a row says how much (``agreement``: the activations'
 ``exp`` may round differently per backend).
@@ -52,10 +52,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_util  # noqa: E402
 
-from moe import _fp8_gemm, _transport, _wire_pallas  # noqa: E402
-from moe import _quant_pallas as qp  # noqa: E402
+from moe import _fp8_gemm  # noqa: E402
 from moe._fp8_gemm import scaled_t  # noqa: E402
 from moe.activations import GatedActivation  # noqa: E402
+from moe.kernels.quant import triton as qt  # noqa: E402
+from moe.kernels.quant import xla as qx  # noqa: E402
+from moe.kernels.wire import api as wire_api  # noqa: E402
+from moe.kernels.wire import triton as wire_triton  # noqa: E402
 
 
 def kernels_launched(compiled) -> int:
@@ -142,26 +145,26 @@ def main(argv=None) -> dict:
     x = jax.random.normal(k[0], (a.rows, a.d_model), jnp.bfloat16)
     z = (jax.random.normal(k[1], (a.rows, 2 * a.d_ff), jnp.float32) * 2).astype(jnp.bfloat16)
     dh = jax.random.normal(k[2], (a.rows, a.d_ff), jnp.float32)
-    xq = qp.quantize_rows_reference(x)[0]
+    xq = qx.quantize_rows_reference(x)[0]
     shift = jax.random.randint(k[2], (a.rows,), 0, 12)
     cases = {
-        "quantize_rows": ((x,), qp.quantize_rows_reference,
-                          lambda x: qp.quantize_rows(x, interpret=interpret)),
-        "gated_quantize_rows": ((z,), lambda z: qp.gated_quantize_rows_reference(z, act),
-                                lambda z: qp.gated_quantize_rows(z, act, interpret=interpret)),
+        "quantize_rows": ((x,), qx.quantize_rows_reference,
+                          lambda x: qt.quantize_rows(x, interpret=interpret)),
+        "gated_quantize_rows": ((z,), lambda z: qx.gated_quantize_rows_reference(z, act),
+                                lambda z: qt.gated_quantize_rows(z, act, interpret=interpret)),
         "gated_grad_quantize_rows": (
-            (z, dh), lambda z, dh: qp.gated_grad_quantize_rows_reference(z, dh, act,
+            (z, dh), lambda z, dh: qx.gated_grad_quantize_rows_reference(z, dh, act,
                                                                          jnp.bfloat16),
-            lambda z, dh: qp.gated_grad_quantize_rows(z, dh, act, interpret=interpret)),
+            lambda z, dh: qt.gated_grad_quantize_rows(z, dh, act, interpret=interpret)),
         "gated_grad_quantize_rows_fp8_only": (
-            (z, dh), lambda z, dh: qp.gated_grad_quantize_rows_reference(z, dh, act, None),
-            lambda z, dh: qp.gated_grad_quantize_rows(z, dh, act, out_dtype=None,
+            (z, dh), lambda z, dh: qx.gated_grad_quantize_rows_reference(z, dh, act, None),
+            lambda z, dh: qt.gated_grad_quantize_rows(z, dh, act, out_dtype=None,
                                                       interpret=interpret)),
         # A weight-gradient operand, before: column-wise quantization of the bf16 rows into
         # the K-major copy (two passes); now: the e4m3 rows written transposed, each row times
         # a power of two (one pass over one byte per element).
-        "quantize_cols_t": ((x,), lambda x: qp.quantize_cols_t_reference(x[None]),
-                            lambda x: qp.quantize_cols_t(x[None], interpret=interpret)),
+        "quantize_cols_t": ((x,), lambda x: qx.quantize_cols_t_reference(x[None]),
+                            lambda x: qt.quantize_cols_t(x[None], interpret=interpret)),
         "transpose_rows": ((xq, shift), scaled_t, None),
     }
     # Several implementations each, the first the reference whose bytes the others must give
@@ -177,28 +180,28 @@ def main(argv=None) -> dict:
     multi = {
         # A weight's two FP8 copies (forward: K-major per column; dgrad: per row).
         "weight_copies": ((w,), {
-            "xla": qp.quantize_cols_t_and_rows_reference,
-            "pallas_separate": lambda w: (qp.quantize_cols_t(w, interpret=interpret), jax.tree.map(
+            "xla": qx.quantize_cols_t_and_rows_reference,
+            "pallas_separate": lambda w: (qt.quantize_cols_t(w, interpret=interpret), jax.tree.map(
                 lambda o: o.reshape(*w.shape[:-1], *o.shape[1:]),
-                qp.quantize_rows(w.reshape(-1, w.shape[-1]), interpret=interpret))),
-            "pallas": lambda w: qp.quantize_cols_t_and_rows(w, interpret=interpret)}),
+                qt.quantize_rows(w.reshape(-1, w.shape[-1]), interpret=interpret))),
+            "pallas": lambda w: qt.quantize_cols_t_and_rows(w, interpret=interpret)}),
         # FP8 dispatch with nothing sent: the GEMM's e4m3 rows from the tokens.
         "local_rows": ((tokens, index), {
-            "xla": lambda x, i: _fp8_gemm.rows_from_wire(_transport.gather_rows(
+            "xla": lambda x, i: _fp8_gemm.rows_from_wire(wire_api.gather_rows(
                 x, i, wire="fp8", block_size=block), x.shape[-1], block),
-            "pallas_wire": lambda x, i: _wire_pallas.gather_rows_quantized(
-                _wire_pallas.gather_encode(x, i, fp8_wire=True, block_size=block,
+            "pallas_wire": lambda x, i: wire_triton.gather_rows_quantized(
+                wire_triton.gather_encode(x, i, fp8_wire=True, block_size=block,
                                            interpret=interpret),
                 jnp.arange(i.shape[0], dtype=jnp.int32), width=x.shape[-1],
                 block_size=block, interpret=interpret),
-            "pallas": lambda x, i: _wire_pallas.gather_local_rows_quantized(
+            "pallas": lambda x, i: wire_triton.gather_local_rows_quantized(
                 x, i, block_size=block, interpret=interpret)}),
         # The combine's gradient in the expert layout when nothing is sent, as the FP8
         # GEMMs read it: gathered and weighted (bf16), then quantized, or in one pass.
         "weighted_rows": ((tokens, wts, slots), {
-            "xla": lambda g, w, s: _fp8_gemm.rows(_transport.gather_weighted_rows(
+            "xla": lambda g, w, s: _fp8_gemm.rows(wire_api.gather_weighted_rows(
                 g, w, s, top_k=2, wire=jnp.dtype(jnp.bfloat16), block_size=block)),
-            "pallas": lambda g, w, s: _wire_pallas.gather_weighted_rows_quantized(
+            "pallas": lambda g, w, s: wire_triton.gather_weighted_rows_quantized(
                 g, w, s, top_k=2, interpret=interpret)}),
         # A weight-gradient operand that takes no rescaling: XLA's plain transpose, or the
         # rescaling transpose by 2^-0 (`moe._fp8_gemm.wgrad_operands`).
@@ -207,29 +210,30 @@ def main(argv=None) -> dict:
             "xla_zero_shift": lambda q: scaled_t(q, jax.lax.optimization_barrier(
                 jnp.zeros(q.shape[:1], jnp.int32)))}),
     }
-    if not interpret:  # the row kernels in Triton and in Mosaic GPU (moe._quant_mosaic)
-        from moe import _quant_mosaic as qm
-        from moe import _wire_mosaic as wm
+    if not interpret:  # the row kernels in Triton and in Mosaic GPU (moe.kernels.quant.mosaic)
+        from moe.kernels.quant import mosaic as qm
+        from moe.kernels.wire import mosaic as wm
         multi["local_rows"][1]["mosaic"] = lambda x, i: wm.gather_local_rows_quantized(
             x, i, block_size=block)
         multi["weighted_rows"][1]["mosaic"] = lambda g, w, s: wm.gather_weighted_rows_quantized(
             g, w, s, top_k=2)
         multi["weight_copies"][1]["mosaic"] = qm.quantize_cols_t_and_rows
-        # The token wire's kernels (moe._wire_mosaic): the send rows' gather + FP8 encode, and
-        # received FP8 rows gathered (two rows per token) and decoded, or re-quantized per row.
-        wire = _transport.encode_rows(tokens, wire="fp8", block_size=block)
+        # The token wire's kernels (moe.kernels.wire.mosaic): the send rows' gather + FP8
+        # encode, and received FP8 rows gathered (two rows per token) and decoded, or
+        # re-quantized per row.
+        wire = wire_api.encode_rows(tokens, wire="fp8", block_size=block)
         h = tokens.shape[-1]
 
         def decode_xla(b, i, dtype):
-            return _transport.decode_rows(jnp.take(b, i, axis=0, mode="fill", fill_value=0),
+            return wire_api.decode_rows(jnp.take(b, i, axis=0, mode="fill", fill_value=0),
                                           wire="fp8", width=h, block_size=block, out_dtype=dtype)
 
         for name, args, xla_fn, kernel in (
                 ("wire_encode", (tokens, index),
-                 lambda x, i: _transport.gather_rows(x, i, wire="fp8", block_size=block),
+                 lambda x, i: wire_api.gather_rows(x, i, wire="fp8", block_size=block),
                  lambda m: functools.partial(m.gather_encode, fp8_wire=True, block_size=block)),
                 ("wire_encode_bf16", (tokens, index),
-                 lambda x, i: _transport.gather_rows(x, i, wire=jnp.dtype(jnp.bfloat16),
+                 lambda x, i: wire_api.gather_rows(x, i, wire=jnp.dtype(jnp.bfloat16),
                                                      block_size=block),
                  lambda m: functools.partial(m.gather_encode, fp8_wire=False,
                                              block_size=block, out_dtype=jnp.bfloat16)),
@@ -237,27 +241,27 @@ def main(argv=None) -> dict:
                  lambda m: functools.partial(m.gather_decode, width=h, fp8_wire=True,
                                              block_size=block)),
                 ("wire_rows", (wire, index),
-                 lambda b, i: qp.quantize_rows_reference(decode_xla(b, i, jnp.float32)),
+                 lambda b, i: qx.quantize_rows_reference(decode_xla(b, i, jnp.float32)),
                  lambda m: functools.partial(m.gather_rows_quantized, width=h,
                                              block_size=block))):
-            multi[name] = (args, {"xla": xla_fn, "triton": kernel(_wire_pallas),
+            multi[name] = (args, {"xla": xla_fn, "triton": kernel(wire_triton),
                                   "mosaic": kernel(wm)})
-        multi["weight_cols_t"] = ((w,), {"xla": qp.quantize_cols_t_reference,
-                                         "triton": qp.quantize_cols_t,
+        multi["weight_cols_t"] = ((w,), {"xla": qx.quantize_cols_t_reference,
+                                         "triton": qt.quantize_cols_t,
                                          "mosaic": qm.quantize_cols_t})
         for name, ref_fn, triton_fn, mosaic_fn, args in (
-                ("rows_x", qp.quantize_rows_reference, qp.quantize_rows, qm.quantize_rows,
+                ("rows_x", qx.quantize_rows_reference, qt.quantize_rows, qm.quantize_rows,
                  (x,)),
-                ("rows_gated", lambda z: qp.gated_quantize_rows_reference(z, act),
-                 lambda z: qp.gated_quantize_rows(z, act),
+                ("rows_gated", lambda z: qx.gated_quantize_rows_reference(z, act),
+                 lambda z: qt.gated_quantize_rows(z, act),
                  lambda z: qm.gated_quantize_rows(z, act), (z,)),
                 ("rows_gated_grad",
-                 lambda z, dh: qp.gated_grad_quantize_rows_reference(z, dh, act, jnp.bfloat16),
-                 lambda z, dh: qp.gated_grad_quantize_rows(z, dh, act),
+                 lambda z, dh: qx.gated_grad_quantize_rows_reference(z, dh, act, jnp.bfloat16),
+                 lambda z, dh: qt.gated_grad_quantize_rows(z, dh, act),
                  lambda z, dh: qm.gated_grad_quantize_rows(z, dh, act), (z, dh)),
                 ("rows_gated_grad_fp8_only",
-                 lambda z, dh: qp.gated_grad_quantize_rows_reference(z, dh, act, None),
-                 lambda z, dh: qp.gated_grad_quantize_rows(z, dh, act, out_dtype=None),
+                 lambda z, dh: qx.gated_grad_quantize_rows_reference(z, dh, act, None),
+                 lambda z, dh: qt.gated_grad_quantize_rows(z, dh, act, out_dtype=None),
                  lambda z, dh: qm.gated_grad_quantize_rows(z, dh, act, out_dtype=None),
                  (z, dh))):
             multi[name] = (args, {"xla": ref_fn, "triton": triton_fn, "mosaic": mosaic_fn})

@@ -1,11 +1,11 @@
 """The gated experts' custom VJP: forward and hand-written backward on one layout.
 
 :func:`experts` runs ``y = act(x @ W_gu) @ W_d`` per group of rows (ragged ``[R, d]`` with
-group sizes, or padded ``[E, C, d]``) on one backend of `moe._grouped`, each of its six GEMMs
-at the precision its :class:`Call`'s options ask for (`moe._fp8_gemm`), and keeps for the
-backward what ``save_z`` says. `moe.experts.experts_apply` validates the arguments, picks the
-backend and brings other layouts (plain ragged rows for the aligned kernels, padded slots as
-rows) to this one.
+group sizes, or padded ``[E, C, d]``) on one backend of `moe.kernels.gmm.api`, each of its six
+GEMMs at the precision its :class:`Call`'s options ask for (`moe._fp8_gemm`), and keeps for
+the backward what ``save_z`` says. `moe.experts.experts_apply` validates the arguments, picks
+the backend and brings other layouts (plain ragged rows for the aligned kernels, padded slots
+as rows) to this one.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moe import _fp8_gemm, _grouped, _quant_pallas, fp8
+from moe import _fp8_gemm, fp8
+from moe.kernels.gmm import api as gmm_api
+from moe.kernels.quant import api as quant_api
 from moe.options import ExpertOptions
 
 __all__ = ["Call", "backward", "experts", "forward"]
@@ -32,8 +34,8 @@ class Call:
     mask_rows: bool  # False only for padded x without group_sizes (every row is real)
 
 
-def _gemms(opts: Call) -> _grouped.GroupedGemms:
-    return _grouped.BACKENDS[opts.experts.backend]
+def _gemms(opts: Call) -> gmm_api.GroupedGemms:
+    return gmm_api.IMPLEMENTATIONS[opts.experts.backend]
 
 
 def _matmul(opts: Call, precision: str, a, w, gs, out_dtype):
@@ -66,7 +68,7 @@ def _bias_rows(b: jax.Array, gs: jax.Array, shape) -> jax.Array:
     b = b.astype(jnp.float32)
     if len(shape) == 3:
         return b[:, None, :]
-    rows = _grouped.group_of_rows(_grouped.sizes_of(gs), shape[0])
+    rows = gmm_api.group_of_rows(gmm_api.sizes_of(gs), shape[0])
     return jnp.take(b, rows, axis=0, mode="fill", fill_value=0)
 
 
@@ -75,8 +77,8 @@ def _bias_grad(dz: jax.Array, gs: jax.Array, out_dtype) -> jax.Array:
     dz = dz.astype(jnp.float32)
     if dz.ndim == 3:
         return dz.sum(axis=1).astype(out_dtype)
-    gs = _grouped.sizes_of(gs)
-    rows = _grouped.group_of_rows(gs, dz.shape[0])
+    gs = gmm_api.sizes_of(gs)
+    rows = gmm_api.group_of_rows(gs, dz.shape[0])
     return jax.ops.segment_sum(dz, rows, num_segments=gs.shape[0]).astype(out_dtype)
 
 
@@ -116,7 +118,7 @@ def _forward(opts: Call, x, gs, w_gate_up, w_down, b_gate_up, x_q, w_q=None):
     w_gu, w_d = (w_gate_up, w_down) if w_q is None else w_q
     z = _gate_up(opts, x_in, gs, w_gu, b_gate_up, x.dtype)
     if opts.experts.gemm_dtype == "fp8":  # h quantized as it is computed (one read of z)
-        h = _quant_pallas.gated_rows(z, opts.experts.activation)
+        h = quant_api.gated_rows(z, opts.experts.activation)
     else:
         h = opts.experts.activation.apply(z).astype(x.dtype)
     with jax.named_scope("experts_down"):
@@ -199,7 +201,7 @@ def backward(opts: Call, res, dy, dtype, dy_q=None):
     # h for the weight gradient: the forward's e4m3 rows, or recomputed from z (quantized in
     # the same read for an FP8 GEMM).
     if h is None and fp8_wgrad:
-        h = _quant_pallas.gated_rows(z, opts.experts.activation)
+        h = quant_api.gated_rows(z, opts.experts.activation)
     elif h is None:
         h = opts.experts.activation.apply(z).astype(dtype)
     with jax.named_scope("experts_down_wgrad"):
@@ -208,9 +210,9 @@ def backward(opts: Call, res, dy, dtype, dy_q=None):
         # dz quantized (and in the compute dtype if a bf16 GEMM reads it) from one read of z
         # and dh.
         if fp8_wgrad:
-            dz, dz_q = None, _quant_pallas.gated_grad_rows(z, dh, opts.experts.activation, None)
+            dz, dz_q = None, quant_api.gated_grad_rows(z, dh, opts.experts.activation, None)
         else:
-            dz, *dz_q = _quant_pallas.gated_grad_rows(z, dh, opts.experts.activation, dtype)
+            dz, *dz_q = quant_api.gated_grad_rows(z, dh, opts.experts.activation, dtype)
             dz_q = tuple(dz_q)
     else:
         dz32 = opts.experts.activation.grad(z, dh)

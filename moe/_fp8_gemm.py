@@ -4,8 +4,8 @@ Shared by the expert layer (`moe.experts`) and the dense projections (`moe.fp8_d
 GEMM quantizes each operand along its contraction axis with one power-of-two scale per row
 (tokens) or per output channel (weights), runs on the e4m3 payloads with f32 accumulation, and
 multiplies its result by the exact scales (torchao's float8 "rowwise" recipe). The quantization
-passes are `moe._quant_pallas`'s (one-pass kernels on NVIDIA GPUs, the same bytes from XLA
-elsewhere); the GEMMs are a `moe._grouped` backend's.
+passes are `moe.kernels.quant.api`'s (one-pass kernels on NVIDIA GPUs, the same bytes from XLA
+elsewhere); the GEMMs are a `moe.kernels.gmm.api` backend's.
 
 The weight gradient ``dW = a^T g`` contracts the token rows, along which the row-wise scales
 vary. It reuses the row-quantized payloads that the forward and data-gradient GEMMs already
@@ -24,13 +24,13 @@ kernels (docs/benchmark_log.md, FP8 quantization and GEMMs).
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from moe import _grouped, _quant_pallas, _transport, _wire_mosaic, _wire_pallas
+from moe.kernels.gmm import api as gmm_api
+from moe.kernels.quant import api as quant_api
+from moe.kernels.wire import api as wire_api
 
 __all__ = ["dgrad", "forward", "rows", "rows_from_tokens", "rows_from_weighted",
            "rows_from_wire", "rows_if", "scaled_t", "weights", "wgrad", "wgrad_operands"]
@@ -40,99 +40,35 @@ _F32_BIAS = 127
 
 def rows(a) -> tuple[jax.Array, jax.Array]:
     """A token operand as ``(e4m3 rows, f32 scale per row)``: quantized here in one pass
-    (`moe._quant_pallas`), or passed in already quantized as that pair."""
-    return a if isinstance(a, tuple) else _quant_pallas.rows(a)
+    (`moe.kernels.quant.api`), or passed in already quantized as that pair."""
+    return a if isinstance(a, tuple) else quant_api.rows(a)
 
 
 def rows_from_wire(wire: jax.Array, width: int, block_size: int,
                    index: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """FP8 wire rows (e4m3 + E8M0 scales per ``block_size`` channels,
-    `moe._transport.encode_rows`), gathered by ``index`` if given (zero rows out of range), as
-    the row-quantized pair of their decoded values: the bytes of ``rows(decoded rows)``. Each
-    block is rescaled by a power of two to the row's scale (exact unless a value drops below
-    e4m3's normal range, where it rounds to nearest even as the re-quantization would).
-
-    On NVIDIA GPUs one Pallas pass reads the one-byte wire rows and writes the e4m3 rows: in
-    Mosaic GPU (`moe._wire_mosaic.gather_rows_quantized`, widths a multiple of ``4 *
-    block_size`` with ``block_size`` a multiple of 128, `moe._platform.prefer_mosaic_gpu`), else
-    in Triton (`moe._wire_pallas.gather_rows_quantized`); elsewhere XLA gathers, decodes and
-    quantizes. All give the same bytes."""
-    if index is None:
-        index = jnp.arange(wire.shape[0], dtype=jnp.int32)
-    # Integer words take no gradient; say so, or autodiff would trace the Pallas call's JVP.
-    wire, index = lax.stop_gradient(wire), lax.stop_gradient(index)
-
-    def xla(wire, index):
-        index = jnp.where(index < 0, wire.shape[0], index)  # out of range, not from the end
-        rows = jnp.take(wire, index, axis=0, mode="fill", fill_value=0)
-        decoded = _transport.decode_rows(rows, wire="fp8", width=width, block_size=block_size,
-                                         out_dtype=jnp.float32)
-        # Written once: left to itself, XLA fuses the gather, decode and row maxima into the
-        # consumers' transposes, which then recompute them.
-        return lax.optimization_barrier(_quant_pallas.quantize_rows_reference(decoded))
-
-    kw = dict(width=width, block_size=block_size)
-    pallas = _transport.twin_kernels(
-        functools.partial(_wire_mosaic.gather_rows_quantized, **kw),
-        lambda interpret, *a: _wire_pallas.gather_rows_quantized(*a, interpret=interpret, **kw),
-        mosaic_ok=_wire_mosaic.wire_supported(width, fp8_wire=True, block_size=block_size),
-        triton_ok=_wire_pallas.supported(width, fp8_wire=True, block_size=block_size))
-    return _transport.by_platform((wire, index), xla=xla, pallas=pallas, kernels="auto")
+    `moe.kernels.wire.api.encode_rows`), gathered by ``index`` if given (zero rows out of
+    range), as the row-quantized pair of their decoded values: the bytes of ``rows(decoded
+    rows)`` (`moe.kernels.wire.api.gather_rows_quantized`: one kernel pass on NVIDIA GPUs)."""
+    return wire_api.gather_rows_quantized(wire, index, width=width, block_size=block_size)
 
 
 def rows_from_tokens(tokens: jax.Array, index: jax.Array,
                      block_size: int) -> tuple[jax.Array, jax.Array]:
     """FP8 dispatch where nothing is sent (`moe._transport.TokenRows`): the row-quantized pair
     of ``decode(encode(tokens[index]))``, the bytes :func:`rows_from_wire` gives for the wire
-    rows that the dispatch would have written (zero rows where ``index`` is out of range).
-
-    On NVIDIA GPUs one Pallas pass reads each token row and writes its e4m3 row: in Mosaic GPU
-    (`moe._wire_mosaic.gather_local_rows_quantized`, widths a multiple of ``4 * block_size``,
-    `moe._platform.prefer_mosaic_gpu`), else in Triton (`moe._wire_pallas`); elsewhere XLA
-    encodes, gathers, decodes and quantizes. All give the same bytes."""
-    tokens, index = lax.stop_gradient(tokens), lax.stop_gradient(index)
-    width = tokens.shape[-1]
-
-    def xla(tokens, index):
-        index = jnp.where(index < 0, tokens.shape[0], index)  # out of range, not from the end
-        wire = _transport.gather_rows(tokens, index, wire="fp8", block_size=block_size)
-        return rows_from_wire(wire, width, block_size)
-
-    pallas = _transport.twin_kernels(
-        functools.partial(_wire_mosaic.gather_local_rows_quantized, block_size=block_size),
-        lambda interpret, *a: _wire_pallas.gather_local_rows_quantized(
-            *a, block_size=block_size, interpret=interpret),
-        mosaic_ok=_wire_mosaic.supported(width, block_size),
-        triton_ok=_wire_pallas.supported(width, fp8_wire=True, block_size=block_size))
-    return _transport.by_platform((tokens, index), xla=xla, pallas=pallas, kernels="auto")
+    rows that the dispatch would have written
+    (`moe.kernels.wire.api.gather_local_rows_quantized`)."""
+    return wire_api.gather_local_rows_quantized(tokens, index, block_size=block_size)
 
 
 def rows_from_weighted(rows: jax.Array, weights: jax.Array, slot: jax.Array, *, top_k: int,
                        wire_dtype) -> tuple[jax.Array, jax.Array]:
     """The row-quantized pair of the combine gradient's rows in the expert layout when nothing
     is sent: ``rows(wire_dtype(weights[s] * rows[s // top_k]))`` for each row's slot ``s``
-    (zero rows for slots out of range), the bytes ``rows()`` gives for what
-    `moe._transport.gather_weighted_rows` builds. On NVIDIA GPUs one Pallas pass (Mosaic GPU,
-    `moe._wire_mosaic.gather_weighted_rows_quantized`, for widths a multiple of 512, else its
-    Triton twin in `moe._wire_pallas`); elsewhere XLA's gather, then :func:`rows`."""
-    rows, weights, slot = (lax.stop_gradient(a) for a in (rows, weights, slot))
-    wire_dtype = jnp.dtype(wire_dtype)
-
-    def xla(rows, weights, slot):
-        slot = jnp.where(slot < 0, weights.shape[0], slot)  # out of range, not from the end
-        g = _transport.gather_weighted_rows(rows, weights, slot, top_k=top_k, wire=wire_dtype,
-                                            block_size=rows.shape[-1])
-        return _quant_pallas.quantize_rows_reference(g)
-
-    kw = dict(top_k=top_k, wire_dtype=wire_dtype)
-    pallas = _transport.twin_kernels(
-        functools.partial(_wire_mosaic.gather_weighted_rows_quantized, **kw),
-        lambda interpret, *a: _wire_pallas.gather_weighted_rows_quantized(
-            *a, interpret=interpret, **kw),
-        mosaic_ok=_wire_mosaic.supported(rows.shape[-1]),
-        triton_ok=_wire_pallas.supported(rows.shape[-1], fp8_wire=False))
-    return _transport.by_platform((rows, weights, slot), xla=xla, pallas=pallas,
-                                  kernels="auto")
+    (zero rows for slots out of range; `moe.kernels.wire.api.gather_weighted_rows_quantized`)."""
+    return wire_api.gather_weighted_rows_quantized(rows, weights, slot, top_k=top_k,
+                                                   wire_dtype=wire_dtype)
 
 
 def rows_if(wanted: bool, a):
@@ -189,7 +125,7 @@ def wgrad_operands(a, g):
             jnp.broadcast_to(p_g, (*lead, gq.shape[-1])))
 
 
-def _mm8(ops: _grouped.GroupedGemms, a, w_q, gs, out_dtype, trim: bool = True) -> jax.Array:
+def _mm8(ops: gmm_api.GroupedGemms, a, w_q, gs, out_dtype, trim: bool = True) -> jax.Array:
     """``(a_q @ w_q[e]^T) * s_a[row] * s_w[e, n]``; ``w_q``: K-major ``(e4m3 [E, N, K],
     scale [E, N])``."""
     aq, s_a = rows(a)
@@ -198,35 +134,35 @@ def _mm8(ops: _grouped.GroupedGemms, a, w_q, gs, out_dtype, trim: bool = True) -
 
 def weights(w: jax.Array) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
     """Both FP8 copies of ``w [E, K, N]``, ``(forward's, dgrad's)``, from two passes over it
-    (`moe._quant_pallas.cols_t_and_rows`): the K-major copy with a scale per output channel
+    (`moe.kernels.quant.api.cols_t_and_rows`): the K-major copy with a scale per output channel
     (``[E, N, K]``, ``[E, N]``) and the row copy with a scale per ``K`` row (``[E, K, N]``,
     ``[E, K]``), the pairs :func:`forward` and :func:`dgrad` would make one at a time."""
-    return _quant_pallas.cols_t_and_rows(w)
+    return quant_api.cols_t_and_rows(w)
 
 
-def forward(ops: _grouped.GroupedGemms, precision: str, a, w, gs, out_dtype) -> jax.Array:
+def forward(ops: gmm_api.GroupedGemms, precision: str, a, w, gs, out_dtype) -> jax.Array:
     """``a @ w[e]`` per group (``w [E, K, N]``), bf16 or FP8 (``a`` may be an ``(e4m3,
     scale)`` pair; the weight is quantized per output channel into its K-major copy, or
     passed in as that pair, :func:`weights`)."""
     if precision == "fp8":
-        w_q = w if isinstance(w, tuple) else _quant_pallas.cols_t(w)
+        w_q = w if isinstance(w, tuple) else quant_api.cols_t(w)
         return _mm8(ops, a, w_q, gs, out_dtype)
     return ops.fwd(a, w.astype(a.dtype), gs, out_dtype)
 
 
-def dgrad(ops: _grouped.GroupedGemms, precision: str, g, w, gs, out_dtype, *,
+def dgrad(ops: gmm_api.GroupedGemms, precision: str, g, w, gs, out_dtype, *,
           trim: bool = True) -> jax.Array:
     """``g @ w[e]^T`` per group (the data gradient), bf16 or FP8 (``w [E, K, N]`` is
     K-major for it: quantized per row, or passed in as that pair, :func:`weights`; ``g``
     may be an ``(e4m3, scale)`` pair).
     ``trim=False``: an FP8 result may keep zero columns past ``K`` (``GroupedGemms.mm8``)."""
     if precision == "fp8":
-        w_q = w if isinstance(w, tuple) else _quant_pallas.rows(w)
+        w_q = w if isinstance(w, tuple) else quant_api.rows(w)
         return _mm8(ops, g, w_q, gs, out_dtype, trim)
     return ops.dgrad(g, w.astype(g.dtype), gs, out_dtype)
 
 
-def wgrad(ops: _grouped.GroupedGemms, precision: str, a, g, gs, out_dtype) -> jax.Array:
+def wgrad(ops: gmm_api.GroupedGemms, precision: str, a, g, gs, out_dtype) -> jax.Array:
     """``a_e^T @ g_e`` per group (the weight gradient ``[E, K, N]``), bf16 or FP8 (``a`` and
     ``g`` may be row-quantized pairs; their transposed payloads with the row scales folded in,
     :func:`wgrad_operands`)."""

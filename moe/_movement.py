@@ -14,8 +14,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe import _transport, _wire_mosaic, _wire_pallas
+from moe import _transport
 from moe._plan import DensePlan, DispatchPlan, DroplessPlan, RaggedPlan
+from moe.kernels.wire import api as wire_api
 from moe.options import WireDtype
 
 __all__ = ["CombineResiduals", "LayoutWithWire", "Wire", "back_row", "combine_rows",
@@ -26,7 +27,8 @@ __all__ = ["CombineResiduals", "LayoutWithWire", "Wire", "back_row", "combine_ro
 @dataclasses.dataclass(frozen=True)
 class Wire:
     """Static wire format of one direction: ``'fp8'`` or a dtype name; decoded to ``out``;
-    ``kernels``: who encodes/gathers and decodes/lays out the rows (``_transport.by_platform``)."""
+    ``kernels``: who encodes/gathers and decodes/lays out the rows
+    (`moe.kernels.wire.api.WireKernels`)."""
 
     wire: str
     out: str
@@ -39,7 +41,7 @@ class Wire:
 
     def decode(self, buf: jax.Array, width: int) -> jax.Array:
         """Wire rows ``[..., wire width]`` -> ``self.out[..., width]``."""
-        return _transport.decode_rows(buf, wire=self.codec, width=width,
+        return wire_api.decode_rows(buf, wire=self.codec, width=width,
                                       block_size=self.block_size, out_dtype=self.out)
 
 
@@ -106,20 +108,12 @@ def _take_rows(rows: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take(rows, index, axis=0, mode="fill", fill_value=0)
 
 
-def _gather_decode(w: Wire, width: int):
-    """``pallas(interpret, buf, index)`` for `_transport.by_platform` (None: no kernel takes
-    rows of ``width``): wire rows ``buf[index]`` decoded in one pass, in Mosaic GPU
-    (`moe._wire_mosaic.gather_decode`) or Triton (`moe._wire_pallas.gather_decode`),
-    `_transport.twin_kernels`."""
-    fp8_wire = w.wire == "fp8"
-    kw = dict(width=width, fp8_wire=fp8_wire, block_size=w.block_size, out_dtype=w.out)
-    return _transport.twin_kernels(
-        functools.partial(_wire_mosaic.gather_decode, **kw),
-        lambda interpret, *a: _wire_pallas.gather_decode(*a, interpret=interpret, **kw),
-        mosaic_ok=_wire_mosaic.wire_supported(
-            width, fp8_wire=fp8_wire, block_size=w.block_size,
-            itemsizes=(4 if fp8_wire else jnp.dtype(w.wire).itemsize, jnp.dtype(w.out).itemsize)),
-        triton_ok=_wire_pallas.supported(width, fp8_wire=fp8_wire, block_size=w.block_size))
+def _gather_decode(buf, index, w: Wire, width: int, fallback=None) -> jax.Array:
+    """Wire rows ``buf[index]`` decoded in one pass by the wire kernels ``w.kernels``
+    (`moe.kernels.wire.api.gather_decode`); ``fallback(buf, index)``: the XLA path."""
+    return wire_api.gather_decode(buf, index, wire=w.codec, width=width,
+                                  block_size=w.block_size, out_dtype=w.out, kernels=w.kernels,
+                                  fallback=fallback)
 
 
 def _dense_to_layout(recv: jax.Array, plan: DensePlan, w: Wire, width: int) -> jax.Array:
@@ -129,23 +123,21 @@ def _dense_to_layout(recv: jax.Array, plan: DensePlan, w: Wire, width: int) -> j
     pass. With ``P = 1`` the rows already are the layout (decode only)."""
     p, el, c = plan.axis_size, plan.num_local_experts, plan.capacity
 
-    def xla(recv):
+    def xla(recv, src=None):
+        del src  # the transpose needs no index
         out = w.decode(recv, width)
         out = out.reshape(p, el, c, width)
         return out.transpose(1, 0, 2, 3).reshape(plan.expert_shape(width))
 
-    decode = _gather_decode(w, width)
-
-    def pallas(interpret, recv):
-        # expert-layout row (l, q, r) <- received row (q, l, r)
-        src = jax.lax.broadcasted_iota(jnp.int32, (el, p, c), 1) * (el * c) \
-            + jax.lax.broadcasted_iota(jnp.int32, (el, p, c), 0) * c \
-            + jax.lax.broadcasted_iota(jnp.int32, (el, p, c), 2)
-        return decode(interpret, recv, src.reshape(-1)).reshape(plan.expert_shape(width))
-
-    ok = decode is not None and p > 1
-    return _transport.by_platform((recv,), xla=xla, pallas=pallas if ok else None,
-                                  kernels=w.kernels)
+    if p == 1:
+        return xla(recv)
+    # expert-layout row (l, q, r) <- received row (q, l, r)
+    src = jax.lax.broadcasted_iota(jnp.int32, (el, p, c), 1) * (el * c) \
+        + jax.lax.broadcasted_iota(jnp.int32, (el, p, c), 0) * c \
+        + jax.lax.broadcasted_iota(jnp.int32, (el, p, c), 2)
+    out = _gather_decode(recv, src.reshape(-1), w, width,
+                         fallback=lambda recv, src: xla(recv).reshape(-1, width))
+    return out.reshape(plan.expert_shape(width))
 
 
 def _pairs_to_layout(recv: jax.Array, plan: DroplessPlan, c: int, o: int, w: Wire, width: int,
@@ -167,8 +159,7 @@ def _pairs_to_layout(recv: jax.Array, plan: DroplessPlan, c: int, o: int, w: Wir
     def xla(recv, index):
         return w.decode(_take_rows(recv, index), width)
 
-    return _transport.by_platform((recv, index), xla=xla, pallas=_gather_decode(w, width),
-                                  kernels=w.kernels)
+    return _gather_decode(recv, index, w, width, fallback=xla)
 
 
 def _to_experts(encode, plan: DispatchPlan, w: Wire, width: int, with_wire: bool = False):
@@ -258,7 +249,7 @@ def _from_experts(expert_rows: jax.Array, plan: DispatchPlan, reduce):
         return reduce(expert_rows, lambda j: _pair_to_row(plan.slot_row[:, j], plan, c0))
 
     def exchange(start, size):
-        send = _transport.gather_rows(
+        send = wire_api.gather_rows(
             expert_rows, _pair_rows(plan.layout_row, plan, start, size),
             wire=jnp.dtype(expert_rows.dtype), block_size=plan.block_size,
             kernels=plan.wire_kernels)
@@ -306,7 +297,7 @@ def dispatch_rows(x: jax.Array, plan: DispatchPlan, w: Wire, with_wire: bool = F
     e4m3 payload from them without the decoded copy (`moe.experts`)."""
     def encode(slots):
         tok = jax.lax.div(slots, jnp.int32(plan.top_k))  # slots are >= 0
-        return _transport.gather_rows(x, tok, wire=w.codec,
+        return wire_api.gather_rows(x, tok, wire=w.codec,
                                       block_size=w.block_size, kernels=w.kernels)
 
     return _to_experts(encode, plan, w, x.shape[-1], with_wire)
@@ -384,7 +375,7 @@ def _combine_rows_bwd(grad_wire, res: CombineResiduals, dy):
     w = wire_for(grad_wire, y_dtype, plan.block_size, plan.wire_kernels)
 
     def encode(slots):
-        return _transport.gather_weighted_rows(
+        return wire_api.gather_weighted_rows(
             dy, weights.reshape(-1), slots, top_k=plan.top_k, wire=w.codec,
             block_size=w.block_size)
 

@@ -21,7 +21,7 @@ from typing import ClassVar, Literal
 import jax
 import jax.numpy as jnp
 
-from moe import _grouped
+from moe.kernels.gmm import api as gmm_api
 
 AxisName = str | tuple[str, ...]
 PlanTransport = Literal["dense", "ragged", "dropless"]
@@ -53,8 +53,8 @@ class PlanBase:
       axis_size: ``P``, the size of ``axis_name``.
       x_dtype: dtype name of the dispatched tokens (combine returns this dtype).
       block_size: FP8 block size (used by an FP8 combine gradient).
-      wire_kernels: ``'auto'``, ``'xla'`` or ``'pallas'``: who encodes and lays out the rows
-        of both dispatch-direction exchanges (``moe._transport.by_platform``).
+      wire_kernels: ``'auto'``, ``'xla'``, ``'triton'`` or ``'mosaic'``: who encodes and lays
+        out the rows of both dispatch-direction exchanges (`moe.kernels.wire.api`).
     """
 
     transport: ClassVar[PlanTransport]
@@ -197,8 +197,8 @@ class DroplessPlan(RaggedLayoutPlan):
       buckets: the rows per (source, destination) pair that the exchange can send, ascending
         (:func:`dropless_buckets`); the last is ``W``, the worst case.
       alignment: every local expert's rows start at a multiple of it in the expert layout
-        (``moe._grouped.align_map``; the rows in between are zero), which then has
-        ``moe._grouped.aligned_rows(R, E_local, alignment)`` rows. 1: plain ragged.
+        (``moe.kernels.gmm.api.align_map``; the rows in between are zero), which then has
+        ``moe.kernels.gmm.api.aligned_rows(R, E_local, alignment)`` rows. 1: plain ragged.
     """
 
     transport: ClassVar[PlanTransport] = "dropless"
@@ -219,7 +219,7 @@ class DroplessPlan(RaggedLayoutPlan):
         """Rows of the expert layout: ``R``, or its aligned count."""
         if self.alignment == 1:
             return self.rows
-        return _grouped.aligned_rows(self.rows, self.num_local_experts, self.alignment)
+        return gmm_api.aligned_rows(self.rows, self.num_local_experts, self.alignment)
 
 
 DispatchPlan = DensePlan | RaggedPlan | DroplessPlan

@@ -21,8 +21,8 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe import _grouped
 from moe._plan import AxisName, DensePlan, DroplessPlan, RaggedPlan
+from moe.kernels.gmm import api as gmm_api
 
 __all__ = ["CountedSlots", "GatheredCounts", "SortedSlots", "count_slots", "dense_plan",
            "dropless_plan", "gather_counts", "ragged_plan", "sort_slots"]
@@ -332,11 +332,11 @@ def _pair_rows(sl: CountedSlots, g: GatheredCounts, *, p, e_local, w, buckets) -
 
 def _aligned(rows: PairRows, group_sizes: jax.Array, *, p: int, alignment: int) -> PairRows:
     """The dropless plan's row maps onto the ``alignment``-aligned expert layout: rows of
-    the plain layout move to ``dst`` (``moe._grouped.align_map``), the rows between groups
+    the plain layout move to ``dst`` (``moe.kernels.gmm.api.align_map``), the rows between groups
     carry no slot (a zero row), and "no row" stays out of range."""
     s = rows.slot_row.shape[0]
     n = rows.send_slot.shape[0] if p == 1 else rows.pair_row.shape[0]  # plain layout rows
-    src, dst, _ = _grouped.align_map(group_sizes, n, alignment)
+    src, dst, _ = gmm_api.align_map(group_sizes, n, alignment)
     n_al = src.shape[0]
 
     def moved(r):  # plain-layout row indices (out of range: none) -> aligned

@@ -115,7 +115,7 @@ class GatedActivation:
         """:meth:`apply` on the two halves ``g = z_gate``, ``u = z_up`` (f32 result).
 
         Elementwise only, so kernels that load the halves separately (the fused FP8
-        quantization of `moe._quant_pallas` and `moe._quant_mosaic`) share this code.
+        quantization of `moe.kernels.quant.api` and `moe.kernels.quant.mosaic`) share this code.
         ``sigmoid``: how the logistic function is computed (a kernel backend without a
         ``logistic`` rule passes ``1 / (1 + exp(-x))``); ``erf`` likewise (kernels take
         ``jax.lax.erf``, which they can lower; :meth:`apply` a differentiable one).

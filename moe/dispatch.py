@@ -79,6 +79,7 @@ from moe._plan import (
     ragged_rows,
 )
 from moe._plan_build import dense_plan, dropless_plan, ragged_plan
+from moe.kernels.wire import api as wire_api
 from moe.options import (
     DispatchOptions,
     RaggedImpl,
@@ -223,11 +224,12 @@ def dispatch(
       wire_kernels: who builds the send buffer (gather + encode) and, for the dense and
         dropless transports, decodes the received rows into the expert layout (and, for
         dropless, gathers the return trip's rows): ``'auto'`` (the Pallas
-        kernels of ``moe._wire_pallas`` when lowered for NVIDIA GPUs, XLA elsewhere),
-        ``'xla'``, or ``'pallas'`` (interpreted, slowly, on CPU). Same bytes either way.
+        kernels of ``moe.kernels.wire.triton`` when lowered for NVIDIA GPUs, XLA elsewhere),
+        ``'xla'``, ``'triton'`` (interpreted, slowly, on CPU) or ``'mosaic'``
+        (`moe.kernels.wire.api`). Same bytes either way.
       group_alignment: ``'dropless'`` only: None, or ``A`` to start every local expert's
         rows at a multiple of ``A`` in the layout (the rows in between are zero; ``R``
-        becomes ``moe._grouped.aligned_rows(R, E_local, A)``), the layout the Mosaic GPU
+        becomes ``moe.kernels.gmm.api.aligned_rows(R, E_local, A)``), the layout the Mosaic GPU
         expert kernels read: pass the same ``group_alignment`` to :func:`moe.gated_experts`,
         which then gathers no aligned copy. Same rows, outputs and gradients. The MoE layer
         does this for 'mosaic' experts.
@@ -275,7 +277,7 @@ def dispatch_with_wire(
     Returns ``(expert_x, wire, group_sizes, plan)``: ``wire`` is None, or with ``with_wire``
     (``dispatch_dtype='fp8'`` and the ragged or dropless transport) the received uint32 wire
     rows ``[R, d_model / 4 + W]`` in the order of ``expert_x`` (e4m3 bytes and packed E8M0
-    block scales, :func:`moe._transport.unpack_fp8_words`), which take no gradient. An FP8
+    block scales, :func:`moe.kernels.wire.api.unpack_fp8_words`), which take no gradient. An FP8
     GEMM reads its e4m3 operand from them; XLA then drops the decoded rows unless something
     else reads them (their gradient still flows to ``x``). With one device on the expert
     axis nothing is sent, and ``wire`` is a :class:`moe._transport.TokenRows` (``x`` and the
@@ -332,7 +334,7 @@ def dispatch_apply(
     x, expert_ids = jnp.asarray(x), jnp.asarray(expert_ids)
     p = _axis_size(axis_name, "dispatch")
     _check_dispatch_args(x, expert_ids, num_experts, block_size, p, dispatch_dtype)
-    _transport.check_wire_kernels(wire_kernels)
+    wire_api.check_wire_kernels(wire_kernels)
     check_group_alignment(group_alignment)
     t, k = expert_ids.shape
     statics = dict(num_experts=num_experts, axis_name=axis_name, axis_size=p,

@@ -6,7 +6,7 @@ gated activation of `moe.activations`, optionally with biases) on the expert inp
 
 - ragged ``x [R, d_model]`` with ``group_sizes [E]`` (rows grouped by expert, rows past
   ``sum(group_sizes)`` are padding): backends 'mosaic' (Pallas Mosaic GPU wgmma kernels for
-  Hopper, `moe._gmm_mosaic`), 'pallas' (Pallas Triton kernels, `moe._gmm_pallas`) and
+  Hopper, `moe.kernels.gmm.mosaic`), 'triton' (Pallas Triton kernels, `moe.kernels.gmm.triton`) and
   'ragged_dot' (`jax.lax.ragged_dot_general`);
 - padded ``x [E, C, d_model]`` (rows ``c >= group_sizes[e]`` are padding): backend 'einsum',
   batched einsums that XLA turns into one large batched GEMM, or 'mosaic', the ragged kernels
@@ -18,7 +18,7 @@ operand is quantized along its contraction axis with one power-of-two (E8M0) sca
 exact powers of two, multiply its f32-accumulated result (torchao's float8 "rowwise" recipe;
 DeepSeek-V3's 1 x 128 blocks would need a per-block promotion inside the kernel). Weights are
 quantized on every call from the params passed in, in the K-major layout their GEMM reads.
-On NVIDIA GPUs the quantization passes are the one-pass Pallas kernels of `moe._quant_pallas`:
+On NVIDIA GPUs the quantization passes are the one-pass Pallas kernels of `moe.kernels.quant.api`:
 ``h = act(z)`` is quantized as it is computed, and ``dz`` comes out of the activation's
 backward both in the compute dtype and quantized; elsewhere the same bytes come from XLA.
 
@@ -36,20 +36,20 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe import _experts_combine, _fp8_gemm, _gmm_pallas, _grouped, _movement, _transport, fp8
+from moe import _experts_combine, _fp8_gemm, _movement, _transport, fp8
 from moe._experts_vjp import Call
 from moe._experts_vjp import experts as _experts
-from moe._platform import cuda_capability
 from moe.activations import GatedActivation
 from moe.dispatch import DispatchPlan, WireRows
 from moe.dispatch import combine as _combine
+from moe.kernels.gmm import api as gmm_api
+from moe.kernels.gmm.api import auto_backend, check_backend_available
 from moe.options import (
     Backend,
     ExpertOptions,
     GemmDtype,
     SaveZ,
     WireDtype,
-    check_choice,
     check_group_alignment,
 )
 
@@ -69,76 +69,6 @@ class CombineArgs(NamedTuple):
 # ----------------------------------------------------------------------------------------------
 # Validation and the public entry point.
 # ----------------------------------------------------------------------------------------------
-
-
-def auto_backend(x_ndim: int) -> str:
-    """The backend ``'auto'`` picks for x of rank ``x_ndim`` on the default platform.
-
-    Hopper GPUs (compute capability 9.x): 'mosaic' for both layouts (padded x as rows, faster
-    than the 'einsum' GEMMs in bf16 and FP8: BENCHMARKS.md, Grouped GEMM). Other NVIDIA GPUs:
-    'einsum' for padded x, 'pallas' (Triton) for ragged x. Elsewhere (CPU, TPU): 'einsum' and
-    'ragged_dot'.
-
-    Example:
-      >>> from moe.experts import auto_backend
-      >>> auto_backend(3), auto_backend(2)  # on the CPU
-      ('einsum', 'ragged_dot')
-    """
-    cc = cuda_capability()
-    if cc is not None and cc[0] == 9:
-        return "mosaic"
-    if x_ndim == 3:
-        return "einsum"
-    return "ragged_dot" if cc is None else "pallas"
-
-
-def _resolve_backend(backend: str, x_ndim: int) -> str:
-    check_choice("backend", backend, ("auto", *_grouped.BACKENDS))
-    if x_ndim not in (2, 3):
-        raise ValueError(
-            f"x has rank {x_ndim}; pass x as [R, d_model] (rows grouped by expert, "
-            "backend='mosaic', 'pallas' or 'ragged_dot') or [E, C, d_model] (capacity-padded, "
-            "backend='einsum')."
-        )
-    if backend == "auto":
-        return auto_backend(x_ndim)
-    want = _grouped.BACKENDS[backend].x_ndim
-    if want != x_ndim and not (backend == "mosaic" and x_ndim == 3):
-        layout = "[R, d_model]" if want == 2 else "[E, C, d_model]"
-        raise ValueError(
-            f"backend={backend!r} takes x as {layout} but x has rank {x_ndim}; "
-            "use backend='auto' or reshape x."
-        )
-    check_backend_available(backend)
-    return backend
-
-
-def check_backend_available(backend: Backend) -> None:
-    """ValueError unless ``backend`` can run on the default platform.
-
-    ``'pallas'`` runs compiled on NVIDIA GPUs and interpreted (slowly) on CPU; ``'mosaic'``
-    runs its kernels on Hopper GPUs and their XLA emulation on CPU (for tests); the other
-    backends run everywhere.
-
-    Example:
-      >>> from moe.experts import check_backend_available
-      >>> check_backend_available("mosaic")  # passes on the CPU (XLA emulation)
-    """
-    if backend == "pallas":
-        try:
-            _gmm_pallas.check_platform()
-        except ValueError as e:
-            raise ValueError(
-                f"backend='pallas' is unavailable: {e} (or 'einsum' with capacity-padded x)."
-            ) from None
-    if backend == "mosaic":
-        cc = cuda_capability()
-        if jax.default_backend() not in ("cpu", "gpu") or (cc is not None and cc[0] != 9):
-            raise ValueError(
-                "backend='mosaic' needs an NVIDIA Hopper GPU (wgmma; compute capability 9.x) "
-                f"or the CPU (emulated), not {jax.default_backend()!r} / {cc}; use "
-                "backend='auto'."
-            )
 
 
 def _check_shapes(x, group_sizes, w_gate_up, w_down) -> None:
@@ -229,7 +159,7 @@ def _aligned_call(opts: Call, x, gs, w_gate_up, w_down, b_gate_up, alignment: in
     """Runs a backend that needs tile-aligned groups on plain ragged x: rows are gathered into
     the aligned layout and the outputs gathered back (row gathers both ways). With ``x_wire``
     the FP8 GEMMs read x's rows gathered from its one-byte wire rows instead."""
-    src, dst, padded = _grouped.align_map(gs, x.shape[0], alignment)
+    src, dst, padded = gmm_api.align_map(gs, x.shape[0], alignment)
     # No mask: src gathers only real rows (padding rows of the aligned layout are filled with
     # zeros) and the cotangent's gather by dst gives zero to x's padding rows.
     x_al = _permute_rows(x, src, dst)
@@ -242,10 +172,10 @@ def _padded_on_rows(opts: Call, x, gs, w_gate_up, w_down, b_gate_up):
     """Padded ``x [E, C, d]`` on the ragged-layout 'mosaic' kernels: the slots as rows, ``C``
     (rounded up to the 128-row tile) rows per expert, the padding slots zeroed going in and
     coming out (so their cotangents are zero too). The kernels skip the row tiles past an
-    expert's filled slots (`moe._grouped.RowGroups`): an under-filled capacity costs only the
+    expert's filled slots (`moe.kernels.gmm.api.RowGroups`): an under-filled capacity costs only the
     tiles its tokens occupy."""
     n_exp, cap, d = x.shape
-    cap_al = -(-cap // _grouped.GROUP_ALIGNMENT) * _grouped.GROUP_ALIGNMENT
+    cap_al = -(-cap // gmm_api.GROUP_ALIGNMENT) * gmm_api.GROUP_ALIGNMENT
     if cap_al != cap:
         x = jnp.pad(x, ((0, 0), (0, cap_al - cap), (0, 0)))
     full = jnp.full((n_exp,), cap_al, jnp.int32)
@@ -254,7 +184,7 @@ def _padded_on_rows(opts: Call, x, gs, w_gate_up, w_down, b_gate_up):
         live = jnp.clip(gs, 0, cap).astype(jnp.int32)
         valid = (jnp.arange(cap_al)[None, :] < live[:, None])[..., None]
         x = jnp.where(valid, x, jnp.zeros((), x.dtype))
-        groups = _grouped.RowGroups(full, live)
+        groups = gmm_api.RowGroups(full, live)
     rows_opts = dataclasses.replace(opts, mask_rows=False)
     y = _experts(rows_opts, x.reshape(n_exp * cap_al, d), groups, w_gate_up, w_down, b_gate_up)
     y = y.reshape(n_exp, cap_al, d)
@@ -272,7 +202,7 @@ def _bias_epilogue(y, b_down, real_gs, layout_gs, *, masked: bool, aligned: bool
             valid = jnp.arange(y.shape[1])[None, :] < real_gs[:, None]
         rows = None if b_down is None else b_down.astype(jnp.float32)[:, None, :]
     else:
-        group = _grouped.group_of_rows(layout_gs, y.shape[0])
+        group = gmm_api.group_of_rows(layout_gs, y.shape[0])
         index = jnp.arange(y.shape[0], dtype=jnp.int32)
         if aligned:
             start = jnp.cumsum(layout_gs) - layout_gs
@@ -347,7 +277,7 @@ def gated_experts(
       activation: a :class:`moe.activations.GatedActivation` or its kind (``'silu'``,
         ``'gelu'``, ``'gelu_tanh'``, ``'clamped_swiglu'`` with GPT-OSS's alpha and limit).
       backend: ragged x: 'mosaic' (Pallas Mosaic GPU wgmma kernels, Hopper; XLA-emulated on
-        CPU), 'pallas' (Pallas Triton kernels, NVIDIA GPUs; interpreted on CPU) or
+        CPU), 'triton' (Pallas Triton kernels, NVIDIA GPUs; interpreted on CPU) or
         'ragged_dot' (`jax.lax.ragged_dot_general`); padded x: 'einsum' or 'mosaic' (the
         slots as rows: ``C`` rounded up to 128 per expert). 'auto' picks by layout and
         platform (:func:`auto_backend`). All work inside ``jax.shard_map``.
@@ -444,7 +374,7 @@ def experts_apply(
     if not isinstance(options, ExpertOptions):
         raise TypeError(f"options must be a moe.ExpertOptions, got {type(options).__name__}.")
     check_group_alignment(group_alignment)
-    resolved = _resolve_backend(options.backend, x.ndim)
+    resolved = gmm_api.resolve(options.backend, x.ndim)
     _check_shapes(x, group_sizes, w_gate_up, w_down)
     _check_biases(b_gate_up, b_down, w_gate_up, w_down)
     opts = Call(experts=dataclasses.replace(options, backend=resolved),
@@ -460,10 +390,10 @@ def experts_apply(
     group_sizes = real_gs = group_sizes.astype(jnp.int32)
     if x.ndim == 2 and group_alignment is not None:
         group_sizes = -(-jnp.maximum(group_sizes, 0) // group_alignment) * group_alignment
-    need = _grouped.GROUP_ALIGNMENT
+    need = gmm_api.GROUP_ALIGNMENT
     if x.ndim == 3 and resolved == "mosaic":
         y = _padded_on_rows(opts, x, real_gs, w_gate_up, w_down, b_gate_up)
-    elif _grouped.BACKENDS[resolved].aligned and (group_alignment or 1) % need:
+    elif gmm_api.IMPLEMENTATIONS[resolved].aligned and (group_alignment or 1) % need:
         y = _aligned_call(opts, x, group_sizes, w_gate_up, w_down, b_gate_up, need, x_wire)
     else:
         x_q = None if x_wire is None else _wire_rows(x_wire)

@@ -15,8 +15,9 @@ other two GEMMs read, written transposed with their row scales folded into ``dy`
 `moe._fp8_gemm`).
 bf16 weight gradients are the default, as torchao's rowwise recipe keeps them in high precision.
 
-On Hopper GPUs the GEMMs are the Pallas Mosaic GPU wgmma kernels of `moe._gmm_mosaic` (scales
-in their epilogue) and the quantization passes `moe._quant_pallas`'s one-pass kernels; on CPU
+On Hopper GPUs the GEMMs are the Pallas Mosaic GPU wgmma kernels of `moe.kernels.gmm.mosaic_kernel`
+(scales
+in their epilogue) and the quantization passes `moe.kernels.quant.api`'s one-pass kernels; on CPU
 (tests) their XLA emulation computes the same products.
 """
 
@@ -31,14 +32,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from moe import _fp8_gemm, _grouped, _mesh, _vma
-from moe._tiling import pad_to
-from moe.experts import _resolve_backend
+from moe import _fp8_gemm, _mesh
+from moe.kernels import vma
+from moe.kernels.gmm import api as gmm_api
+from moe.kernels.tiling import pad_to
 from moe.options import GemmDtype, check_choice
 
 __all__ = ["fp8_dense"]
 
-DenseBackend = Literal["auto", "mosaic", "pallas", "ragged_dot"]
+DenseBackend = Literal["auto", "mosaic", "triton", "ragged_dot"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +62,7 @@ def _forward(o: _DenseOpts, x: jax.Array, w):
     FP8 copy (`moe._fp8_gemm.weights`)."""
     x_q = _fp8_gemm.rows(x)
     with jax.named_scope("fp8_dense"):
-        y = _fp8_gemm.forward(_grouped.BACKENDS[o.backend], "fp8", x_q, w, _rows(x.shape[0]),
+        y = _fp8_gemm.forward(gmm_api.IMPLEMENTATIONS[o.backend], "fp8", x_q, w, _rows(x.shape[0]),
                               x.dtype)
     return y, x_q
 
@@ -83,7 +85,7 @@ def _dense_fwd(o: _DenseOpts, x, w):
 
 def _dense_bwd(o: _DenseOpts, res, dy):
     x, w, w_dgrad = res
-    ops, gs = _grouped.BACKENDS[o.backend], _rows(dy.shape[0])
+    ops, gs = gmm_api.IMPLEMENTATIONS[o.backend], _rows(dy.shape[0])
     dtype = dy.dtype  # y's dtype: x's
     dy_q = _fp8_gemm.rows_if("fp8" in (o.dgrad_dtype, o.wgrad_dtype), dy)
     with jax.named_scope("fp8_dense_dgrad"):
@@ -100,10 +102,10 @@ _dense.defvjp(_dense_fwd, _dense_bwd)
 
 def _local(o: _DenseOpts, x: jax.Array, w: jax.Array) -> jax.Array:
     """One device's rows (``x [M, K]``); rows padded to the kernels' row tiles if needed."""
-    w = _vma.as_varying(w, _vma.varying_of(x))  # its gradient is summed over the row shards
+    w = vma.as_varying(w, vma.varying_of(x))  # its gradient is summed over the row shards
     m = x.shape[0]
-    if _grouped.BACKENDS[o.backend].aligned and m % _grouped.GROUP_ALIGNMENT:
-        return _dense(o, pad_to(x, 0, _grouped.GROUP_ALIGNMENT), w)[:m]
+    if gmm_api.IMPLEMENTATIONS[o.backend].aligned and m % gmm_api.GROUP_ALIGNMENT:
+        return _dense(o, pad_to(x, 0, gmm_api.GROUP_ALIGNMENT), w)[:m]
     return _dense(o, x, w)
 
 
@@ -131,7 +133,7 @@ def fp8_dense(
         directly, with no bf16 copy).
       dgrad_dtype: precision of the data-gradient GEMM, 'fp8' or 'bf16' (the compute dtype).
       wgrad_dtype: precision of the weight-gradient GEMM, 'bf16' or 'fp8'.
-      backend: the GEMM kernels: 'auto' ('mosaic' on Hopper GPUs, 'pallas' on other NVIDIA
+      backend: the GEMM kernels: 'auto' ('mosaic' on Hopper GPUs, 'triton' on other NVIDIA
         GPUs, 'ragged_dot' elsewhere) or one of those.
       mesh: the mesh ``x``'s rows are split over (None: the ambient ``jax.set_mesh`` mesh, or
         none). With a mesh the GEMMs run per device in a ``jax.shard_map``: ``x``'s rows
@@ -162,7 +164,8 @@ def fp8_dense(
     """
     check_choice("dgrad_dtype", dgrad_dtype, GemmDtype)
     check_choice("wgrad_dtype", wgrad_dtype, GemmDtype)
-    check_choice("backend", backend, ("auto", "mosaic", "pallas", "ragged_dot"))
+    backend = gmm_api.canonical_backend(backend)
+    check_choice("backend", backend, DenseBackend)
     if kernel.ndim != 2 or x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
         raise ValueError(
             f"kernel must be [K, N] with K = x.shape[-1]; got x {x.shape} and kernel "
@@ -172,7 +175,7 @@ def fp8_dense(
                                                                         jnp.floating):
         raise TypeError(f"x and kernel must be floating point, got {x.dtype} and "
                         f"{kernel.dtype}.")
-    o = _DenseOpts(_resolve_backend(backend, 2), dgrad_dtype, wgrad_dtype)
+    o = _DenseOpts(gmm_api.resolve(backend, 2), dgrad_dtype, wgrad_dtype)
     lead, (k, n) = x.shape[:-1], kernel.shape
     x2 = x.reshape(-1, k)
     mesh = _mesh.resolve(mesh)

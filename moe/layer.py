@@ -22,11 +22,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from moe import _grouped, _mesh
+from moe import _mesh
 from moe import experts as _experts
 from moe import routing as _routing
 from moe.dispatch import WireRows, dispatch_apply
 from moe.dispatch import combine as combine_fn
+from moe.kernels.gmm import api as gmm_api
 from moe.options import MoEOptions
 
 __all__ = ["auto_overlap_chunks", "auto_transport", "moe_apply"]
@@ -132,7 +133,7 @@ def _group_alignment(options: MoEOptions) -> int | None:
     backend = options.experts.backend
     if backend == "auto":
         backend = _experts.auto_backend(2)
-    return _grouped.GROUP_ALIGNMENT if _grouped.BACKENDS[backend].aligned else None
+    return gmm_api.GROUP_ALIGNMENT if gmm_api.IMPLEMENTATIONS[backend].aligned else None
 
 
 def _local_experts(ex, group_sizes, w_gate_up, w_down, biases, options: MoEOptions,
@@ -143,7 +144,7 @@ def _local_experts(ex, group_sizes, w_gate_up, w_down, biases, options: MoEOptio
     forward GEMM reads), combined back to the tokens."""
     eo = options.experts
     bgu, bd = biases if biases is not None else (None, None)
-    if ex.ndim == 3 and eo.backend in ("ragged_dot", "pallas"):  # 2-D GEMMs
+    if ex.ndim == 3 and eo.backend in ("ragged_dot", "triton"):  # 2-D GEMMs
         e_local, c, d = ex.shape
         full = jnp.full((e_local,), c, dtype=jnp.int32)
         ey = _experts.experts_apply(

@@ -21,6 +21,8 @@ from typing import Any, Literal
 
 from moe import fp8
 from moe.activations import GatedActivation
+from moe.kernels.gmm.api import Backend, canonical_backend, check_backend_available
+from moe.kernels.wire.api import WireKernels, canonical_wire_kernels
 from moe.routing import RouterConfig
 
 __all__ = ["DispatchOptions", "ExpertOptions", "MoEOptions"]
@@ -30,8 +32,6 @@ __all__ = ["DispatchOptions", "ExpertOptions", "MoEOptions"]
 Transport = Literal["auto", "dense", "dropless", "ragged"]
 RaggedImpl = Literal["auto", "native", "emulated"]
 WireDtype = Literal["bf16", "fp8"] | None
-WireKernels = Literal["auto", "xla", "pallas"]
-Backend = Literal["auto", "einsum", "ragged_dot", "pallas", "mosaic"]
 GemmDtype = Literal["bf16", "fp8"]
 SaveZ = Literal["bf16", "fp8", "recompute"]
 
@@ -98,7 +98,8 @@ class DispatchOptions:
         ``'fp8'`` (e4m3 + packed E8M0 block scales).
       combine_grad_dtype: wire format of the combine gradient (same choices).
       wire_kernels: who encodes and lays out the dispatched rows: ``'auto'`` (Pallas kernels on
-        NVIDIA GPUs, XLA elsewhere), ``'xla'`` or ``'pallas'``.
+        NVIDIA GPUs, XLA elsewhere), ``'xla'``, ``'triton'`` or ``'mosaic'``
+        (`moe.kernels.wire.api`; the old ``'pallas'`` warns).
       capacity_multiple: the dense capacity and the dropless buckets are rounded up to a
         multiple of it (8 keeps GPU tiles aligned).
       ragged_impl: ``'ragged'`` only: ``'auto'`` (``ragged_all_to_all`` where XLA has it,
@@ -144,6 +145,7 @@ class DispatchOptions:
         check_choice("transport", self.transport, Transport)
         check_choice("dispatch_dtype", self.dispatch_dtype, WireDtype)
         check_choice("combine_grad_dtype", self.combine_grad_dtype, WireDtype)
+        object.__setattr__(self, "wire_kernels", canonical_wire_kernels(self.wire_kernels))
         check_choice("wire_kernels", self.wire_kernels, WireKernels)
         check_choice("ragged_impl", self.ragged_impl, RaggedImpl)
         m = self.capacity_multiple
@@ -172,7 +174,7 @@ class ExpertOptions:
 
     Attributes:
       backend: grouped-GEMM backend: ``'auto'`` (by layout and platform), ``'einsum'``,
-        ``'mosaic'``, ``'pallas'`` or ``'ragged_dot'`` (see :func:`moe.gated_experts`).
+        ``'mosaic'``, ``'triton'`` or ``'ragged_dot'`` (see :func:`moe.gated_experts`).
       gemm_dtype: precision of the two forward GEMMs, ``'bf16'`` or ``'fp8'`` (e4m3 operands
         on the tensor cores, per-row / per-channel power-of-two scales).
       dgrad_dtype: precision of the two data-gradient GEMMs.
@@ -209,6 +211,7 @@ class ExpertOptions:
     shared_expert_gate: bool = False
 
     def __post_init__(self):
+        object.__setattr__(self, "backend", canonical_backend(self.backend))
         check_choice("backend", self.backend, Backend)
         check_choice("gemm_dtype", self.gemm_dtype, GemmDtype)
         check_choice("dgrad_dtype", self.dgrad_dtype, GemmDtype)
@@ -321,10 +324,8 @@ class MoEOptions:
                 raise ValueError(f"{name} must be a positive int, got {value!r}.")
         for name, width, option in self.fp8_widths(d_model, d_ff):
             fp8.check_width(width, self.fp8_block_size, what=f"{name} (for {option}='fp8')")
-        if self.experts.backend in ("pallas", "mosaic"):
-            from moe import experts  # noqa: PLC0415 - experts imports options
-
-            experts.check_backend_available(self.experts.backend)
+        if self.experts.backend in ("triton", "mosaic"):
+            check_backend_available(self.experts.backend)
         if mesh is not None:
             self.token_axes(mesh)
 

@@ -258,7 +258,7 @@ for wire in ["bf16", "fp8"]:
 # - `transport='auto'` is `'dense'` on a TPU (capacity-padded `all_to_all`); it picks
 #   `'dropless'` only on one Hopper GPU.
 # - `backend='auto'` (expert GEMMs) is `'einsum'` for the dense layout and `'ragged_dot'` for
-#   the ragged one. The `'pallas'` grouped GEMM is written for NVIDIA GPUs (Triton) and
+#   the ragged one. The `'triton'` grouped GEMM is written for NVIDIA GPUs (Triton) and
 #   refuses other accelerators.
 # - `wire_kernels='auto'` encodes, gathers and decodes the wire rows with XLA ops; the Pallas
 #   wire kernels run only when lowered for CUDA. FP8 dispatch works: the rows travel as

@@ -50,7 +50,8 @@ TRITON_DEPRECATED = "ignore:The Pallas Triton backend is deprecated:DeprecationW
 """A ``pytest.mark.filterwarnings`` filter for tests that lower Triton kernels on purpose (they
 test the Triton kernels, which GPUs before Hopper run; jax >= 0.11 deprecates Pallas Triton)."""
 MOSAIC_GPU_CALLS = ("mosaic_gpu", "mosaic_gpu_v2")
-# The suffix of a Triton kernel's Mosaic GPU twin (moe._quant_mosaic, moe._wire_mosaic); jax
+# The suffix of a Triton kernel's Mosaic GPU twin (moe.kernels.quant.mosaic,
+# moe.kernels.wire.mosaic); jax
 # 0.11 numbers a Mosaic GPU module's symbol (``fp8_quantize_rows_mgpu_17``).
 MOSAIC_TWIN = r"_mgpu(?:_\d+)?"
 
@@ -75,7 +76,8 @@ def kernel_calls(text: str, name: str) -> list[str]:
 
 
 def gemm_calls(text: str) -> list[str]:
-    """The custom-call lines of the Mosaic GPU GEMM kernels (`moe._gmm_mosaic`: ``gmm_*``,
+    """The custom-call lines of the Mosaic GPU GEMM kernels (`moe.kernels.gmm.mosaic_kernel`:
+    ``gmm_*``,
     ``tgmm_*``, ``dense_*`` with one group)."""
     pat = _named(r"(?:dense_)?t?gmm_\w+")
     return [line for line in _kernel_lines(text) if TRITON_CALL not in line and pat.search(line)]

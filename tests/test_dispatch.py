@@ -257,7 +257,7 @@ def test_dropless_equals_reference_and_ragged_bit_for_bit(shape, names, skewed):
 def test_dropless_aligned_layout_holds_the_same_rows(mesh):
     """``group_alignment``: every local expert's rows start at a multiple of A with zero rows
     in between; the rows, the outputs and the gradients are the plain layout's."""
-    from moe._grouped import align_map
+    from moe.kernels.gmm.api import align_map
 
     args, ct = init(**SMALL)
     shape, names = mesh

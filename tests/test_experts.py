@@ -15,8 +15,9 @@ import numpy as np
 import optax
 import pytest
 
-from moe import _grouped, fp8
+from moe import fp8
 from moe.experts import gated_experts
+from moe.kernels.gmm import api as gmm_api
 
 E, D, F = 4, 512, 512  # d_model, d_ff: multiples of 128 (save_z='fp8' blocks)
 GROUPS = (50, 0, 97, 60)  # uneven, one empty expert
@@ -210,7 +211,7 @@ def _residual_bytes(backend, save_z):
 def test_saved_residual_bytes(backend):
     total = {s: _residual_bytes(backend, s) for s in ("bf16", "fp8", "recompute")}
     rows = {"ragged_dot": R, "einsum": E * C,
-            "mosaic": _grouped.aligned_rows(R, E, _grouped.GROUP_ALIGNMENT)}[backend]
+            "mosaic": gmm_api.aligned_rows(R, E, gmm_api.GROUP_ALIGNMENT)}[backend]
     z_bf16 = rows * 2 * F * 2
     z_fp8 = {s: total[s][0] - total["recompute"][0] for s in ("bf16", "fp8")}
     for s, (nbytes, leaves) in total.items():

@@ -13,7 +13,10 @@ import pytest
 from _meshes import make_mesh
 
 import moe
-from moe import _experts_combine, _fp8_gemm, _plan_build, _quant_pallas, _transport, _wire_pallas
+from moe import _experts_combine, _fp8_gemm, _plan_build
+from moe.kernels.quant import xla as quant_xla
+from moe.kernels.wire import api as wire_api
+from moe.kernels.wire import triton as wire_triton
 
 
 def _bytes(a):
@@ -32,10 +35,10 @@ def test_weighted_rows_kernel_gives_the_gather_then_quantize_bytes(wire_dtype):
     g = jnp.asarray(g, jnp.bfloat16)
     w = jnp.asarray(rng.uniform(0.01, 1.0, t * k), jnp.float32).at[5].set(0.0)
     slot = jnp.array([0, 3, 12, 5, 7, -1, 2, 11, 6, 40], jnp.int32)  # 12, -1, 40: out of range
-    sent = _transport.gather_weighted_rows(g, w, jnp.where(slot < 0, t * k, slot), top_k=k,
+    sent = wire_api.gather_weighted_rows(g, w, jnp.where(slot < 0, t * k, slot), top_k=k,
                                            wire=jnp.dtype(wire_dtype), block_size=d)
-    want = _quant_pallas.quantize_rows_reference(sent)
-    got = jax.jit(functools.partial(_wire_pallas.gather_weighted_rows_quantized, top_k=k,
+    want = quant_xla.quantize_rows_reference(sent)
+    got = jax.jit(functools.partial(wire_triton.gather_weighted_rows_quantized, top_k=k,
                                     wire_dtype=wire_dtype, interpret=True))(g, w, slot)
     xla = jax.jit(functools.partial(_fp8_gemm.rows_from_weighted, top_k=k,
                                     wire_dtype=wire_dtype))(g, w, slot)

@@ -4,9 +4,9 @@ The MoE layer's forward + backward is exported for CUDA (an abstract H200, no GP
 the StableHLO is read: every grouped GEMM of the ragged layout is a Mosaic GPU call whose two
 matrix operands are ``f8E4M3FN``, every GEMM of the padded layout a ``dot_general`` of two
 ``f8E4M3FN`` operands, and no ``f8E4M3FN`` value is converted back to a wider type anywhere. The
-token operands are quantized by the one-pass Pallas kernels of ``moe._quant_pallas`` (x, dy,
+token operands are quantized by the one-pass Pallas kernels of ``moe.kernels.quant.api`` (x, dy,
 ``act(z)`` and ``dz`` with the activation's backward; their Mosaic GPU twins in
-``moe._quant_mosaic`` on Hopper), not by XLA's reduce + convert passes.
+``moe.kernels.quant.mosaic`` on Hopper), not by XLA's reduce + convert passes.
 """
 
 import functools
@@ -125,8 +125,8 @@ def test_gated_grad_kernel_reads_the_padded_bf16_dh():
     """With d_ff not a multiple of the FP8 GEMM's 256-column tile (384 -> 512), the
     activation-backward kernel reads the data-gradient GEMM's result as written: 512 columns,
     in bf16 (only dz's e4m3 rows are made from it), with no slice copy in between."""
-    from moe._grouped import aligned_rows
     from moe.experts import gated_experts
+    from moe.kernels.gmm.api import aligned_rows
 
     rows, d, f = 256, 256, 384
 

@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe import _fp8_gemm, _grouped
-from moe import _quant_pallas as qp
+from moe import _fp8_gemm
+from moe.kernels.gmm import api as gmm_api
+from moe.kernels.quant import xla as quant_xla
 
 GS = np.array([16, 0, 32, 16], np.int32)  # an empty group; 16 padding rows of zeros follow
 ROWS, K, N = 80, 32, 48
@@ -25,7 +26,7 @@ ROWS, K, N = 80, 32, 48
 
 @functools.cache
 def _wgrad(backend: str):
-    ops = _grouped.BACKENDS[backend]
+    ops = gmm_api.IMPLEMENTATIONS[backend]
     return jax.jit(lambda a, g, gs: _fp8_gemm.wgrad(ops, "fp8", a, g, gs, jnp.float32))
 
 
@@ -95,7 +96,7 @@ def test_exact_operands_give_the_f32_result(backend):
     want = _ragged_reference(a, g, GS)
     if backend == "mosaic":
         a, g = _aligned(a, GS), _aligned(g, GS)
-        gs = _grouped.RowGroups(np.array([128, 0, 128, 128], np.int32), GS)
+        gs = gmm_api.RowGroups(np.array([128, 0, 128, 128], np.int32), GS)
     else:
         gs = GS
     got = _wgrad(backend)(a, g, gs)
@@ -145,7 +146,7 @@ def test_tiny_products_are_not_flushed():
 
 
 _dequantized = jax.jit(lambda x: (lambda q, s: q.astype(jnp.float32) * s[..., None])(
-    *qp.quantize_rows_reference(x)))
+    *quant_xla.quantize_rows_reference(x)))
 
 
 def _rel_rms(x, y):

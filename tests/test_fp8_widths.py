@@ -28,7 +28,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe
-from moe import _transport, _wire_pallas, fp8
+from moe import fp8
+from moe.kernels.wire import api as wire_api
+from moe.kernels.wire import triton as wire_triton
 
 BS = 128
 WIDTHS = (256, 768, 896)  # 2, 6, 7 blocks: one or two scale words, the last one padded
@@ -77,7 +79,7 @@ def assert_fp8_close(got, want, label):
 
 # ----------------------------------------------------------------------------- 1. the wire row
 
-_encode = jax.jit(_transport.encode_rows, static_argnames=("wire", "block_size"))
+_encode = jax.jit(wire_api.encode_rows, static_argnames=("wire", "block_size"))
 
 
 @pytest.mark.parametrize("d,block", [(256, BS), (768, BS), (896, BS), (384, 32), (512, BS)])
@@ -96,10 +98,10 @@ def _round_trips(x, garbage):
     word's free slots), next to ``fp8.quantize``'s own values."""
     d = x.shape[-1]
     q = fp8.quantize(x, BS)
-    buf = _transport.encode_rows(x, wire="fp8", block_size=BS)
-    got = _transport.unpack_fp8_words(buf, d, BS)
+    buf = wire_api.encode_rows(x, wire="fp8", block_size=BS)
+    got = wire_api.unpack_fp8_words(buf, d, BS)
     dirty = buf.at[:, -1].set(buf[:, -1] | jnp.uint32(garbage))
-    dec = [_transport.decode_rows(b, wire="fp8", width=d, block_size=BS, out_dtype=jnp.float32)
+    dec = [wire_api.decode_rows(b, wire="fp8", width=d, block_size=BS, out_dtype=jnp.float32)
            for b in (buf, dirty)]
     bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint8)  # noqa: E731
     return dict(data=bits(got.data), want_data=bits(q.data), scales=fp8.block_scales(got),
@@ -127,7 +129,7 @@ def test_unpack_is_exact_and_ignores_the_padding(d):
 def test_unpack_names_a_wrong_width():
     buf = _encode(jnp.ones((2, 768)), wire="fp8", block_size=BS)
     with pytest.raises(ValueError, match="FP8 wire width"):
-        _transport.unpack_fp8_words(buf, 768, 64)
+        wire_api.unpack_fp8_words(buf, 768, 64)
 
 
 # ----------------------------------------------------------------------------- 2. Pallas kernels
@@ -141,18 +143,18 @@ def _pallas_and_xla(x, index, block):
     """(kernel, XLA) send buffers and (kernel, XLA) decoded rows."""
     d = x.shape[-1]
     safe = jnp.where(index < 0, 10**6, index)
-    ref = _transport.gather_rows(x, safe, wire="fp8", block_size=block)
-    got = _wire_pallas.gather_encode(x, index, fp8_wire=True, block_size=block, interpret=True)
-    want = _transport.decode_rows(jnp.take(ref, safe, axis=0, mode="fill", fill_value=0),
+    ref = wire_api.gather_rows(x, safe, wire="fp8", block_size=block)
+    got = wire_triton.gather_encode(x, index, fp8_wire=True, block_size=block, interpret=True)
+    want = wire_api.decode_rows(jnp.take(ref, safe, axis=0, mode="fill", fill_value=0),
                                   wire="fp8", width=d, block_size=block, out_dtype=jnp.bfloat16)
-    back = _wire_pallas.gather_decode(ref, index, width=d, fp8_wire=True, block_size=block,
+    back = wire_triton.gather_decode(ref, index, width=d, fp8_wire=True, block_size=block,
                                       out_dtype=jnp.bfloat16, interpret=True)
     return got, ref, back.astype(jnp.float32), want.astype(jnp.float32)
 
 
 @pytest.mark.parametrize("d,block", PALLAS_SHAPES)
 def test_pallas_wire_kernels_equal_xla_at_padded_widths(d, block):
-    assert _wire_pallas.supported(d, fp8_wire=True, block_size=block)
+    assert wire_triton.supported(d, fp8_wire=True, block_size=block)
     x = jnp.asarray(_rows(16, d)).astype(jnp.bfloat16)
     got, ref, back, want = map(np.asarray, _pallas_and_xla(x, INDEX, block))
     assert got.shape == ref.shape == (INDEX.shape[0], d // 4 + 1)
@@ -161,18 +163,18 @@ def test_pallas_wire_kernels_equal_xla_at_padded_widths(d, block):
 
 
 def test_pallas_supported_widths():
-    assert _wire_pallas.supported(256, fp8_wire=True, block_size=128)
-    assert _wire_pallas.supported(512, fp8_wire=True, block_size=128)
+    assert wire_triton.supported(256, fp8_wire=True, block_size=128)
+    assert wire_triton.supported(512, fp8_wire=True, block_size=128)
     for d in (768, 896):  # not powers of two: the XLA wire runs
-        assert not _wire_pallas.supported(d, fp8_wire=True, block_size=128)
-    assert not _wire_pallas.supported(256, fp8_wire=True, block_size=96)
+        assert not wire_triton.supported(d, fp8_wire=True, block_size=128)
+    assert not wire_triton.supported(256, fp8_wire=True, block_size=96)
 
 
 @pytest.mark.filterwarnings(TRITON_DEPRECATED)
 def test_pallas_wire_kernels_lower_for_cuda_at_a_padded_width():
     def fn(x, idx):
-        buf = _wire_pallas.gather_encode(x, idx, fp8_wire=True, block_size=BS)
-        return _wire_pallas.gather_decode(buf, idx, width=256, fp8_wire=True, block_size=BS)
+        buf = wire_triton.gather_encode(x, idx, fp8_wire=True, block_size=BS)
+        return wire_triton.gather_decode(buf, idx, width=256, fp8_wire=True, block_size=BS)
 
     text = export_for_cuda(fn, jax.ShapeDtypeStruct((16, 256), jnp.bfloat16),
                            jax.ShapeDtypeStruct((16,), jnp.int32))

@@ -11,8 +11,11 @@ import pytest
 from _meshes import make_mesh
 
 import moe
-from moe import _fp8_gemm, _quant_pallas, _transport
+from moe import _fp8_gemm, _transport
 from moe import layer as moe_layer
+from moe.kernels.quant import api as quant_api
+from moe.kernels.quant import xla as quant_xla
+from moe.kernels.wire import api as wire_api
 
 
 def _bytes(a):
@@ -32,10 +35,10 @@ def test_rows_from_wire_are_the_requantized_decoded_rows():
     x[4, 5], x[5, 9] = np.nan, np.inf
     x[6] *= 1e-30
     x = jnp.asarray(x, jnp.bfloat16)
-    wire = _transport.encode_rows(x, wire="fp8", block_size=block)
-    decoded = _transport.decode_rows(wire, wire="fp8", width=d, block_size=block,
+    wire = wire_api.encode_rows(x, wire="fp8", block_size=block)
+    decoded = wire_api.decode_rows(wire, wire="fp8", width=d, block_size=block,
                                      out_dtype=jnp.bfloat16)
-    want = _quant_pallas.rows(decoded)
+    want = quant_api.rows(decoded)
     got = jax.jit(_fp8_gemm.rows_from_wire, static_argnums=(1, 2))(wire, d, block)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(_bytes(g), _bytes(w))
@@ -115,7 +118,7 @@ def test_with_wire_needs_fp8_tokens_on_a_ragged_layout():
 def test_wire_rows_kernel_gives_the_reference_bytes():
     """The Pallas pass (interpreted here) that gathers wire rows and re-quantizes them per row
     writes the bytes of XLA's gather, decode and quantize_rows, out-of-range rows as zeros."""
-    from moe import _wire_pallas
+    from moe.kernels.wire import triton as wire_triton
 
     rng = np.random.default_rng(1)
     d, block = 512, 128
@@ -123,13 +126,13 @@ def test_wire_rows_kernel_gives_the_reference_bytes():
     x[1] *= np.repeat(2.0 ** np.array([-30, -8, 0, 12]), block)
     x[2] = 0
     x[3, 7] = np.nan
-    wire = _transport.encode_rows(jnp.asarray(x, jnp.bfloat16), wire="fp8", block_size=block)
+    wire = wire_api.encode_rows(jnp.asarray(x, jnp.bfloat16), wire="fp8", block_size=block)
     index = jnp.array([5, 1, -1, 3, 0, 6, 2, 4, 1], jnp.int32)  # -1 and 6: out of range
-    got = jax.jit(functools.partial(_wire_pallas.gather_rows_quantized, width=d,
+    got = jax.jit(functools.partial(wire_triton.gather_rows_quantized, width=d,
                                     block_size=block, interpret=True))(wire, index)
     ok = (index >= 0) & (index < wire.shape[0])
     rows = jnp.where(ok[:, None], wire[jnp.clip(index, 0, wire.shape[0] - 1)], 0)
-    want = _quant_pallas.quantize_rows_reference(_transport.decode_rows(
+    want = quant_xla.quantize_rows_reference(wire_api.decode_rows(
         rows, wire="fp8", width=d, block_size=block, out_dtype=jnp.float32))
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(_bytes(g), _bytes(w))
@@ -144,7 +147,7 @@ def test_local_rows_kernel_gives_the_wire_paths_bytes():
     """With nothing sent, one Pallas pass (interpreted here) makes the GEMM's e4m3 rows from
     the tokens: the bytes of encoding, gathering, decoding and quantizing per row (XLA), out
     of range rows as zeros, a NaN row as a NaN scale; the XLA path agrees."""
-    from moe import _wire_pallas
+    from moe.kernels.wire import triton as wire_triton
 
     rng = np.random.default_rng(2)
     d, block = 512, 128
@@ -156,9 +159,9 @@ def test_local_rows_kernel_gives_the_wire_paths_bytes():
     x[5] *= 1e-30
     x = jnp.asarray(x, jnp.bfloat16)
     index = jnp.array([5, 1, -1, 3, 0, 6, 2, 4, 1, 12], jnp.int32)  # -1, 6, 12: out of range
-    wire = _transport.encode_rows(x, wire="fp8", block_size=block)
+    wire = wire_api.encode_rows(x, wire="fp8", block_size=block)
     want = jax.jit(_fp8_gemm.rows_from_wire, static_argnums=(1, 2))(wire, d, block, index)
-    got = jax.jit(functools.partial(_wire_pallas.gather_local_rows_quantized,
+    got = jax.jit(functools.partial(wire_triton.gather_local_rows_quantized,
                                     block_size=block, interpret=True))(x, index)
     xla = jax.jit(_fp8_gemm.rows_from_tokens, static_argnums=2)(x, index, block)
     for path in (got, xla):

@@ -560,11 +560,11 @@ def test_linen_wrapper_matches_nnx():
     ids=["ragged-2x4-explicit", "dense-1x8-auto"],
 )
 def test_pallas_backend_matches_other_backends_inside_the_layer(mesh_spec, transport, other):
-    """backend='pallas' (interpreted on CPU) inside the layer's shard_map: y, aux and every
+    """backend='triton' (interpreted on CPU) inside the layer's shard_map: y, aux and every
     gradient equal those of the XLA backends in f32."""
     x, ct = inputs()
     results = {}
-    for backend in ("pallas", other):
+    for backend in ("triton", other):
         model = layer(mesh_spec=mesh_spec, transport=transport, backend=backend)
         y, aux, gm, gx = layer_step(model, x, ct)
         results[backend] = (
@@ -572,7 +572,7 @@ def test_pallas_backend_matches_other_backends_inside_the_layer(mesh_spec, trans
              **jax.tree.map(np.asarray, nnx.to_pure_dict(gm))},
             jax.tree.map(np.asarray, aux),
         )
-    (got, aux), (want, raux) = results["pallas"], results[other]
+    (got, aux), (want, raux) = results["triton"], results[other]
     assert set(got) == set(want)
     assert_close(got, want, rtol=1e-5)
     assert_aux(aux, raux)
@@ -580,8 +580,8 @@ def test_pallas_backend_matches_other_backends_inside_the_layer(mesh_spec, trans
 
 def test_pallas_backend_refused_on_tpu(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    with pytest.raises(ValueError, match="backend='pallas' is unavailable"):
-        moe.MoE(64, 32, options=moe.MoEOptions.create(8, 2, backend="pallas"), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="backend='triton' is unavailable"):
+        moe.MoE(64, 32, options=moe.MoEOptions.create(8, 2, backend="triton"), rngs=nnx.Rngs(0))
 
 
 @functools.cache

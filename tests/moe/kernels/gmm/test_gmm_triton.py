@@ -1,4 +1,5 @@
-"""Pallas grouped GEMMs (moe._gmm_pallas) and gated_experts(backend='pallas'), in interpret mode.
+"""Pallas grouped GEMMs (moe.kernels.gmm.triton) and gated_experts(backend='triton'), in interpret
+mode.
 
 On CPU the kernels run through Pallas interpret mode (the same kernel code, executed as XLA
 ops). That they also lower to Triton for a GPU is checked by exporting for 'cuda' here, without
@@ -21,10 +22,10 @@ from _cuda_export import (
 from _meshes import make_mesh
 from jax.sharding import PartitionSpec as P
 
-from moe import _gmm_pallas as gp
-from moe import _vma
 from moe import experts as experts_mod
 from moe.experts import gated_experts
+from moe.kernels import vma
+from moe.kernels.gmm import triton as gp
 
 M, K, N, G = 96, 64, 48, 4
 GS = np.array([30, 0, 41, 13], np.int32)  # an empty group, boundaries inside tiles, 12 pad rows
@@ -164,12 +165,12 @@ def test_refuses_tpu(monkeypatch):
         gp.gmm(lhs, rhs, jnp.asarray(GS))
     x = jnp.ones((8, 64))
     w_gu, w_d = jnp.ones((2, 64, 64)), jnp.ones((2, 32, 64))
-    with pytest.raises(ValueError, match="backend='pallas' is unavailable"):
-        gated_experts(x, jnp.array([4, 4]), w_gu, w_d, backend="pallas")
+    with pytest.raises(ValueError, match="backend='triton' is unavailable"):
+        gated_experts(x, jnp.array([4, 4]), w_gu, w_d, backend="triton")
 
 
 # ----------------------------------------------------------------------------------------------
-# gated_experts(backend='pallas') against backend='ragged_dot'
+# gated_experts(backend='triton') against backend='ragged_dot'
 # ----------------------------------------------------------------------------------------------
 
 R, D, F, E = 96, 64, 32, 4
@@ -195,7 +196,7 @@ def _experts_fn(backend, **opts):
 
 def _compare(dtype, rtol, **opts):
     args = _expert_inputs(dtype)
-    (_, y), grads = _experts_fn("pallas", **opts)(*args)
+    (_, y), grads = _experts_fn("triton", **opts)(*args)
     (_, y_ref), grads_ref = _experts_fn("ragged_dot", **opts)(*args)
     for name, got, want in zip(
         ("y", "dx", "dw_gate_up", "dw_down"), (y, *grads), (y_ref, *grads_ref), strict=True
@@ -232,14 +233,14 @@ def test_gated_experts_pallas_fp8_and_recompute_match_ragged_dot():
 def test_gated_experts_pallas_needs_ragged_x():
     x = jnp.ones((E, 8, D))
     w_gu, w_d = jnp.ones((E, D, 2 * F)), jnp.ones((E, F, D))
-    with pytest.raises(ValueError, match="backend='pallas' takes x as"):
-        gated_experts(x, None, w_gu, w_d, backend="pallas")
+    with pytest.raises(ValueError, match="backend='triton' takes x as"):
+        gated_experts(x, None, w_gu, w_d, backend="triton")
     assert experts_mod.auto_backend(2) == "ragged_dot"  # CPU: auto is unchanged
 
 
 # ----------------------------------------------------------------------------------------------
 # Inside jax.shard_map (check_vma=True): the pallas_call declares its outputs' varying mesh axes
-# (the union of its operands'), and interpret mode runs unchecked (moe._vma.varying_axes).
+# (the union of its operands'), and interpret mode runs unchecked (moe.kernels.vma.varying_axes).
 # Every device owns its own groups; tiny shapes (interpret mode is slow).
 # ----------------------------------------------------------------------------------------------
 
@@ -312,7 +313,7 @@ def test_gmm_inside_shard_map_with_replicated_operands():
     )
     def local(lhs, rhs, gs, dy):
         out = gp.gmm(lhs, rhs, gs, tiling=TILES)
-        assert _vma.varying_axes(out) == {"data", "expert"}
+        assert vma.varying_axes(out) == {"data", "expert"}
         return out, gp.tgmm(lhs, dy, gs, tiling=TILES)
 
     out, out_w = local(
@@ -379,7 +380,7 @@ def test_gated_experts_pallas_inside_shard_map_matches_ragged_dot(dtype, rtol):
         )
     )
     args = (x, jnp.asarray(gs.reshape(-1)), w_gu, w_d, ct)
-    (loss, y), grads = _sharded_experts_fn("pallas")(*args)
+    (loss, y), grads = _sharded_experts_fn("triton")(*args)
     (loss_ref, y_ref), grads_ref = _sharded_experts_fn("ragged_dot")(*args)
     for name, got, want in zip(
         ("y", "dx", "dw_gate_up", "dw_down"), (y, *grads), (y_ref, *grads_ref), strict=True
@@ -409,7 +410,7 @@ def test_gated_experts_pallas_lowers_to_triton_for_cuda():
 
     def step(x, w_gu, w_d, ct, gs):
         def loss(x, w_gu, w_d):
-            y = gated_experts(x, gs, w_gu, w_d, backend="pallas")
+            y = gated_experts(x, gs, w_gu, w_d, backend="triton")
             return jnp.sum(y.astype(jnp.float32) * ct)
 
         return jax.value_and_grad(loss, argnums=(0, 1, 2))(x, w_gu, w_d)
@@ -428,7 +429,7 @@ def test_gated_experts_pallas_lowers_to_triton_inside_shard_map():
 
     def step(x, w_gu, w_d, ct, gs):
         def loss(x, w_gu, w_d):
-            y = gated_experts(x, gs, w_gu, w_d, backend="pallas")
+            y = gated_experts(x, gs, w_gu, w_d, backend="triton")
             return jax.lax.psum(jnp.sum(y.astype(jnp.float32) * ct), "expert")
 
         return jax.value_and_grad(loss, argnums=(0, 1, 2))(x, w_gu, w_d)

@@ -1,7 +1,7 @@
 """The token wire's kernels and the FP8 expert GEMMs' gathered rows, in Pallas Mosaic GPU.
 
-Mosaic GPU twins of the kernels of `moe._wire_pallas` (Triton), with the same contract and
-bytes; the layer lowers these on Hopper (`moe._platform.prefer_mosaic_gpu`):
+Mosaic GPU twins of the kernels of `moe.kernels.wire.triton` (Triton), with the same contract and
+bytes; the layer lowers these on Hopper (`moe.kernels.platform.prefer_mosaic_gpu`):
 
 * :func:`gather_local_rows_quantized`: ``rows(decode(encode(rows[index[i]])))``, the GEMM's
   e4m3 rows from the tokens with the FP8 wire's block rounding;
@@ -9,7 +9,7 @@ bytes; the layer lowers these on Hopper (`moe._platform.prefer_mosaic_gpu`):
   the combine gradient's rows in the expert layout;
 * :func:`gather_encode`, :func:`gather_decode`: the send buffer's rows gathered and encoded
   (FP8: e4m3 bytes and E8M0 block scales packed four to a uint32 word,
-  `moe._transport.pack_fp8_words`; or a float cast), and received rows gathered into a
+  `moe.kernels.wire.api.pack_fp8_words`; or a float cast), and received rows gathered into a
   layout and decoded;
 * :func:`gather_rows_quantized`: received FP8 wire rows gathered and re-quantized per row for
   the FP8 GEMMs.
@@ -44,8 +44,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from moe import _quant_mosaic as qm
 from moe import fp8
+from moe.kernels.quant import mosaic as qm
 
 F8 = jnp.float8_e4m3fn
 pl = qm.pl
@@ -141,7 +141,7 @@ def _rows_out(r: int, width: int):
 
 def gather_local_rows_quantized(rows: jax.Array, index: jax.Array, *,
                                 block_size: int = 128) -> tuple[jax.Array, jax.Array]:
-    """`moe._wire_pallas.gather_local_rows_quantized` in Mosaic GPU (the same bytes).
+    """`moe.kernels.wire.triton.gather_local_rows_quantized` in Mosaic GPU (the same bytes).
 
     Args:
       rows: float tokens ``[T, H]``, ``H`` a multiple of ``4 * block_size``.
@@ -154,7 +154,7 @@ def gather_local_rows_quantized(rows: jax.Array, index: jax.Array, *,
     t, h = rows.shape
     if not supported(h, block_size):
         raise ValueError(f"rows of {h} channels with block_size={block_size} do not fit the "
-                         "Mosaic GPU kernel (see supported()); use moe._wire_pallas.")
+                         "Mosaic GPU kernel (see supported()); use moe.kernels.wire.triton.")
     r, per = index.shape[0], _rows_per_cta(index.shape[0])
     body = functools.partial(_local_rows_body, n_src=t, block_size=block_size, per=per)
     return qm.launch(body, (index.astype(jnp.int32), rows), _rows_out(r, h), grid=r // per,
@@ -163,7 +163,7 @@ def gather_local_rows_quantized(rows: jax.Array, index: jax.Array, *,
 
 def gather_weighted_rows_quantized(rows: jax.Array, weights: jax.Array, slot: jax.Array, *,
                                    top_k: int, wire_dtype=jnp.bfloat16):
-    """`moe._wire_pallas.gather_weighted_rows_quantized` in Mosaic GPU (the same bytes).
+    """`moe.kernels.wire.triton.gather_weighted_rows_quantized` in Mosaic GPU (the same bytes).
 
     Args:
       rows: float ``[T, H]`` token gradients, ``H`` a multiple of 512.
@@ -178,7 +178,7 @@ def gather_weighted_rows_quantized(rows: jax.Array, weights: jax.Array, slot: ja
     t, h = rows.shape
     if not supported(h):
         raise ValueError(f"rows of {h} channels do not fit the Mosaic GPU kernel (a multiple "
-                         f"of {4 * _BLOCK}); use moe._wire_pallas.")
+                         f"of {4 * _BLOCK}); use moe.kernels.wire.triton.")
     r, per = slot.shape[0], _rows_per_cta(slot.shape[0])
     body = functools.partial(_weighted_rows_body, n_slots=weights.shape[0], top_k=top_k,
                              wire_dtype=jnp.dtype(wire_dtype), per=per)
@@ -187,12 +187,13 @@ def gather_weighted_rows_quantized(rows: jax.Array, weights: jax.Array, slot: ja
 
 
 # ----------------------------------------------------------------------------------------------
-# The token wire (`moe._wire_pallas.gather_encode`, `gather_decode`, `gather_rows_quantized`):
+# The token wire (`moe.kernels.wire.triton.gather_encode`, `gather_decode`,
+# `gather_rows_quantized`):
 # FP8 rows as uint32 words, four e4m3 bytes each, then the E8M0 scale words.
 # ----------------------------------------------------------------------------------------------
 
 AVOID_WIRE = "wire_kernels='xla'"
-"""What keeps the dispatch off the wire kernels (`moe._jax_support.check_kernel_lowers`)."""
+"""What keeps the dispatch off the wire kernels (`moe.kernels.lowering.check_kernel_lowers`)."""
 
 WORD = 4
 """e4m3 bytes (or E8M0 scale bytes) per uint32 word of the wire."""
@@ -267,7 +268,7 @@ def _encode_body(idx_ref, x_ref, out_ref, *, n_src, width, block_size, fp8_wire)
     byte, inv = fp8.scales_from_amax_bits(jnp.max(jnp.max(qm.abs_bits(x), axis=3), axis=2))
     inv = _cast(lax.broadcast_in_dim(inv, shape, [0, 1]), layout)
     q = jnp.clip(x * inv, -fp8.E4M3_MAX, fp8.E4M3_MAX).astype(F8)
-    # Byte j of a word in bits 8j..8j+7 (`moe._transport.pack_fp8_words`).
+    # Byte j of a word in bits 8j..8j+7 (`moe.kernels.wire.api.pack_fp8_words`).
     q = lax.bitcast_convert_type(q, jnp.uint8).astype(jnp.uint32)
     words = jnp.sum(q << _shifts(shape, 3, layout), axis=3)  # [G, 4, block / 4]
     zero = jnp.uint32(0)
@@ -335,12 +336,12 @@ def _check_wire(width: int, fp8_wire: bool, block_size: int, itemsizes=(2,)) -> 
         raise ValueError(
             f"rows of {width} channels ({'FP8' if fp8_wire else 'float'} wire, block_size="
             f"{block_size}) do not fit the Mosaic GPU wire kernels (see wire_supported()); use "
-            "moe._wire_pallas.")
+            "moe.kernels.wire.triton.")
 
 
 def gather_encode(rows: jax.Array, index: jax.Array, *, fp8_wire: bool, block_size: int = 128,
                   out_dtype=None) -> jax.Array:
-    """`moe._wire_pallas.gather_encode` in Mosaic GPU (the same bytes): ``out[i] =
+    """`moe.kernels.wire.triton.gather_encode` in Mosaic GPU (the same bytes): ``out[i] =
     encode(rows[index[i]])``, zero where ``index[i]`` is outside ``[0, T)``.
 
     Args:
@@ -351,7 +352,7 @@ def gather_encode(rows: jax.Array, index: jax.Array, *, fp8_wire: bool, block_si
       out_dtype: dtype of the copied rows (default ``rows.dtype``; ignored for FP8).
 
     Returns:
-      FP8: ``uint32[M, H / 4 + H / (4 block_size)]`` (`moe._transport.pack_fp8_words`);
+      FP8: ``uint32[M, H / 4 + H / (4 block_size)]`` (`moe.kernels.wire.api.pack_fp8_words`);
       otherwise ``out_dtype[M, H]``.
     """
     t, h = rows.shape
@@ -370,7 +371,7 @@ def gather_encode(rows: jax.Array, index: jax.Array, *, fp8_wire: bool, block_si
 
 def gather_decode(buf: jax.Array, index: jax.Array, *, width: int, fp8_wire: bool,
                   block_size: int = 128, out_dtype=jnp.bfloat16) -> jax.Array:
-    """`moe._wire_pallas.gather_decode` in Mosaic GPU (the same bytes): ``out[r] =
+    """`moe.kernels.wire.triton.gather_decode` in Mosaic GPU (the same bytes): ``out[r] =
     decode(buf[index[r]])``, zero where ``index[r]`` is outside ``[0, N)``.
 
     Args:
@@ -396,7 +397,7 @@ def gather_decode(buf: jax.Array, index: jax.Array, *, width: int, fp8_wire: boo
 
 def gather_rows_quantized(buf: jax.Array, index: jax.Array, *, width: int,
                           block_size: int = 128) -> tuple[jax.Array, jax.Array]:
-    """`moe._wire_pallas.gather_rows_quantized` in Mosaic GPU (the same bytes):
+    """`moe.kernels.wire.triton.gather_rows_quantized` in Mosaic GPU (the same bytes):
     ``rows(decode(buf[index[r]]))``, FP8 wire rows gathered and re-quantized with one
     power-of-two scale per row (zero rows where ``index`` is out of range).
 

@@ -15,9 +15,10 @@ rows per program, the whole row in registers:
   scale)``, the activation's backward giving ``dz`` in the compute dtype (for a bf16 weight
   gradient) and quantized (for the FP8 data gradient) from one read of ``z`` and ``dh``.
 
-The bytes equal the XLA reference functions here (``*_reference``: the same integer scale
+The bytes equal the XLA references of `moe.kernels.quant.xla` (the same integer scale
 arithmetic, :func:`moe.fp8.scales_from_amax_bits`, and round-to-nearest-even casts), which is
-what runs off NVIDIA GPUs and what the tests compare the kernels against in interpret mode.
+what runs off NVIDIA GPUs and what the tests compare the kernels against in interpret mode;
+`moe.kernels.quant.api` chooses between them.
 Row widths (``K``, ``F``) must be multiples of 16 (:func:`supported`); a row is loaded as its
 power-of-two pieces (Triton block shapes: 1408 = 1024 + 256 + 128).
 """
@@ -25,20 +26,18 @@ power-of-two pieces (Triton block shapes: 1408 = 1024 + 256 + 128).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from moe import _quant_mosaic, _vma, fp8
-from moe._gmm_pallas import PALLAS_IMPORT_ERROR, TritonParams, pl
-from moe._gmm_pallas import plgpu as _plgpu
-from moe._platform import prefer_mosaic_gpu
+from moe import fp8
 from moe.activations import GatedActivation
+from moe.kernels import vma
+from moe.kernels.gmm.triton import PALLAS_IMPORT_ERROR, TritonParams, pl
+from moe.kernels.gmm.triton import plgpu as _plgpu
+from moe.kernels.quant.xla import abs_bits, row_amax_bits, scale_and_cast
 
 F8 = jnp.float8_e4m3fn
-_ABS = 0x7FFFFFFF
 _ELEMS_PER_PROGRAM = 8192  # row elements per program (x bf16: 16 KiB read)
 
 
@@ -56,69 +55,6 @@ def _chunks(width: int) -> list[tuple[int, int]]:
             out.append((off, 1 << bit))
             off += 1 << bit
     return out
-
-
-def _abs_bits(x: jax.Array) -> jax.Array:
-    """int32 bits of ``|x|`` (f32): integer order is magnitude order, NaN above inf."""
-    return lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(_ABS)
-
-
-def scale_and_cast(parts, amax_bits):
-    """Each f32 ``[bm, w]`` of ``parts`` as e4m3 with its row's power-of-two scale, and that
-    scale (f32 ``[bm]``; NaN for a row holding a NaN or an infinity)."""
-    byte, inv = fp8.scales_from_amax_bits(amax_bits)
-    qs = [jnp.clip(p * inv[:, None], -fp8.E4M3_MAX, fp8.E4M3_MAX).astype(F8) for p in parts]
-    return qs, fp8.scale_from_byte(byte)
-
-
-def row_amax_bits(*parts) -> jax.Array:
-    amax = None
-    for p in parts:
-        m = jnp.max(_abs_bits(p), axis=-1)
-        amax = m if amax is None else jnp.maximum(amax, m)
-    return amax
-
-
-# ----------------------------------------------------------------------------------------------
-# XLA references (the fallback off GPU; the kernels give the same bytes).
-# ----------------------------------------------------------------------------------------------
-
-
-def _on_rows(fn, x, *rest):
-    """``fn`` on ``x [..., K]`` (and ``rest``, sharing its leading axes) with the leading axes
-    flattened into one row axis; every output's leading axis is unflattened back."""
-    lead = x.shape[:-1]
-    flat = [a.reshape(-1, *a.shape[len(lead):]) for a in (x, *rest)]
-    return jax.tree.map(lambda o: o.reshape(*lead, *o.shape[1:]), fn(*flat))
-
-
-def _cast_rows(*parts):
-    """:func:`scale_and_cast` of f32 row pieces ``[..., w]`` by their joint row maxima."""
-    return _on_rows(lambda *p: scale_and_cast(list(p), row_amax_bits(*p)), *parts)
-
-
-def quantize_rows_reference(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """:func:`quantize_rows` in XLA ops (any shape ``[..., K]``)."""
-    (q,), s = _cast_rows(x.astype(jnp.float32))
-    return q, s
-
-
-def gated_quantize_rows_reference(z: jax.Array, act: GatedActivation):
-    """:func:`gated_quantize_rows` in XLA ops."""
-    g, u = jnp.split(z, 2, axis=-1)
-    return quantize_rows_reference(act.apply_parts(g, u))
-
-
-def gated_grad_quantize_rows_reference(z: jax.Array, dh: jax.Array, act: GatedActivation,
-                                       out_dtype):
-    """:func:`gated_grad_quantize_rows` in XLA ops."""
-    g, u = jnp.split(z, 2, axis=-1)
-    dg, du = act.grad_parts(g, u, dh[..., :g.shape[-1]])
-    (qg, qu), s = _cast_rows(dg, du)
-    q = jnp.concatenate([qg, qu], axis=-1)
-    if out_dtype is None:
-        return q, s
-    return jnp.concatenate([dg, du], axis=-1).astype(out_dtype), q, s
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,7 +121,7 @@ def block_rows(m: int, width: int) -> int:
 
 def _launch(kernel, operands, outs, *, m, width, interpret, name, **kw):
     """``kernel`` over ``m // bm`` programs; ``outs``: ``(shape, dtype)`` of each output."""
-    varying = _vma.varying_of(*operands)
+    varying = vma.varying_of(*operands)
     bm = block_rows(m, width)
     body = functools.partial(kernel, bm=bm, width=width, **kw)
     warps = 4 if bm * width <= 4096 else 8
@@ -193,7 +129,7 @@ def _launch(kernel, operands, outs, *, m, width, interpret, name, **kw):
     def call(interp, *ops):
         return pl.pallas_call(
             body,
-            out_shape=tuple(_vma.out_struct(s, d, varying) for s, d in outs),
+            out_shape=tuple(vma.out_struct(s, d, varying) for s, d in outs),
             grid=(m // bm,),
             interpret=interp,
             compiler_params=None if interp else TritonParams(num_warps=warps, num_stages=1),
@@ -201,7 +137,7 @@ def _launch(kernel, operands, outs, *, m, width, interpret, name, **kw):
         )(*ops)
 
     if interpret:
-        return _vma.unchecked(functools.partial(call, True), varying, *operands)
+        return vma.unchecked(functools.partial(call, True), varying, *operands)
     return call(False, *operands)
 
 
@@ -209,7 +145,7 @@ def _check(x: jax.Array, width: int, what: str) -> None:
     if x.ndim != 2 or not supported(width):
         raise ValueError(f"{what} must be 2-D with a row width that is a multiple of 16 for the "
                          f"Pallas quantization kernels, got shape {x.shape}; use the "
-                         "*_reference functions for other shapes.")
+                         "references of moe.kernels.quant.xla for other shapes.")
 
 
 def quantize_rows(x: jax.Array, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
@@ -314,11 +250,6 @@ def cols_supported(m: int, n: int) -> bool:
     return PALLAS_IMPORT_ERROR is None and m % bm == 0 and n % bn == 0
 
 
-def quantize_cols_t_reference(a: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """:func:`quantize_cols_t` in XLA ops."""
-    return quantize_rows_reference(jnp.swapaxes(a, -1, -2))
-
-
 def _tile(b, i, j, bm, bn):
     return b, pl.ds(pl.multiple_of(i * bm, bm), bm), pl.ds(pl.multiple_of(j * bn, bn), bn)
 
@@ -326,7 +257,7 @@ def _tile(b, i, j, bm, bn):
 def _col_amax_kernel(a_ref, o_ref, *, bm, bn):
     b, rows, cols = _tile(*(pl.program_id(i) for i in range(3)), bm, bn)
     x = _plgpu.load(a_ref.at[b, rows, cols]).astype(jnp.float32)
-    _plgpu.store(o_ref.at[b, pl.program_id(1), cols], jnp.max(_abs_bits(x), axis=0))
+    _plgpu.store(o_ref.at[b, pl.program_id(1), cols], jnp.max(abs_bits(x), axis=0))
 
 
 def _cols_t_kernel(a_ref, bits_ref, q_ref, *, bm, bn):
@@ -351,12 +282,12 @@ def _tile_passes(a: jax.Array, passes, *, interpret: bool, reference: str):
                          f"{a.shape}; use {reference} for other shapes.")
     nb, m, n = a.shape
     bm, bn = COL_TILE
-    varying = _vma.varying_of(a)
+    varying = vma.varying_of(a)
 
     def run(interp, a):
         def call(kernel, name, out, *ops):
-            structs = (tuple(_vma.out_struct(*o, varying) for o in out)
-                       if isinstance(out[1], tuple) else _vma.out_struct(*out, varying))
+            structs = (tuple(vma.out_struct(*o, varying) for o in out)
+                       if isinstance(out[1], tuple) else vma.out_struct(*out, varying))
             return pl.pallas_call(
                 functools.partial(kernel, bm=bm, bn=bn), out_shape=structs,
                 grid=(nb, m // bm, n // bn), interpret=interp,
@@ -367,7 +298,7 @@ def _tile_passes(a: jax.Array, passes, *, interpret: bool, reference: str):
         return passes(call, a)
 
     if interpret:
-        return _vma.unchecked(functools.partial(run, True), varying, a)
+        return vma.unchecked(functools.partial(run, True), varying, a)
     return run(False, a)
 
 
@@ -400,17 +331,13 @@ def quantize_cols_t(a: jax.Array, *, interpret: bool = False) -> tuple[jax.Array
         q = call(_cols_t_kernel, "fp8_quantize_cols_t", ((nb, n, m), F8), a, bits)
         return q, _scale_of(bits)
 
-    return _tile_passes(a, passes, interpret=interpret, reference="quantize_cols_t_reference")
-
-
-def quantize_cols_t_and_rows_reference(a: jax.Array):
-    """:func:`quantize_cols_t_and_rows` in XLA ops."""
-    return quantize_cols_t_reference(a), quantize_rows_reference(a)
+    return _tile_passes(a, passes, interpret=interpret,
+                        reference="moe.kernels.quant.xla.quantize_cols_t_reference")
 
 
 def _both_amax_kernel(a_ref, col_ref, row_ref, *, bm, bn):
     b, rows, cols = _tile(*(pl.program_id(i) for i in range(3)), bm, bn)
-    bits = _abs_bits(_plgpu.load(a_ref.at[b, rows, cols]).astype(jnp.float32))
+    bits = abs_bits(_plgpu.load(a_ref.at[b, rows, cols]).astype(jnp.float32))
     _plgpu.store(col_ref.at[b, pl.program_id(1), cols], jnp.max(bits, axis=0))
     _plgpu.store(row_ref.at[b, rows, pl.program_id(2)], jnp.max(bits, axis=1))
 
@@ -462,95 +389,4 @@ def quantize_cols_t_and_rows(a: jax.Array, *, interpret: bool = False):
         return (qt, _scale_of(col_bits)), (q, _scale_of(row_bits))
 
     return _tile_passes(a, passes, interpret=interpret,
-                        reference="quantize_cols_t_and_rows_reference")
-
-
-# ----------------------------------------------------------------------------------------------
-# What the expert layer calls: the kernels when lowered for CUDA, the references elsewhere.
-# ----------------------------------------------------------------------------------------------
-
-
-def use_mosaic(m: int, width: int) -> bool:
-    """Whether the row kernels run in Mosaic GPU (`moe._quant_mosaic`): the shape fits them
-    and `moe._platform.prefer_mosaic_gpu`."""
-    return _quant_mosaic.supported(m, width) and prefer_mosaic_gpu()
-
-
-def _on_cuda(kernels, reference_fn, width: int, *args):
-    """On CUDA, ``kernels[0]`` (Mosaic GPU, on Hopper: :func:`use_mosaic`) or ``kernels[1]``
-    (Triton, before Hopper; ``width % 16 == 0``) on ``*args`` with the leading axes flattened
-    into rows; ``reference_fn(*args)`` elsewhere and for shapes the platform's kernel does not
-    take (the same bytes). On Hopper Triton never runs: jax deprecates it."""
-    m = math.prod(args[0].shape[:-1])
-    if prefer_mosaic_gpu():
-        kernel = kernels[0] if use_mosaic(m, width) else None
-    else:
-        kernel = kernels[1] if supported(width) else None
-    if kernel is None:
-        return reference_fn(*args)
-    return lax.platform_dependent(*args, cuda=lambda *a: _on_rows(kernel, *a),
-                                  default=reference_fn)
-
-
-def rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``x [..., K]`` row-wise as ``(e4m3 [..., K], scale f32 [...])``: the row kernel on
-    NVIDIA GPUs (:func:`_on_cuda`), :func:`quantize_rows_reference` elsewhere."""
-    return _on_cuda((_quant_mosaic.quantize_rows, quantize_rows), quantize_rows_reference,
-                    x.shape[-1], x)
-
-
-def gated_rows(z: jax.Array, act: GatedActivation) -> tuple[jax.Array, jax.Array]:
-    """``act(z)`` row-wise quantized: :func:`gated_quantize_rows` (or its Mosaic GPU twin) on
-    NVIDIA GPUs."""
-    kernels = (functools.partial(_quant_mosaic.gated_quantize_rows, act=act),
-               functools.partial(gated_quantize_rows, act=act))
-    return _on_cuda(kernels, functools.partial(gated_quantize_rows_reference, act=act),
-                    z.shape[-1] // 2, z)
-
-
-def gated_grad_rows(z: jax.Array, dh: jax.Array, act: GatedActivation, out_dtype):
-    """``(dz, e4m3(dz), scale)``, or ``(e4m3(dz), scale)`` for ``out_dtype=None``:
-    :func:`gated_grad_quantize_rows` (or its Mosaic GPU twin) on NVIDIA GPUs (``dh`` may be
-    wider than ``F``)."""
-    kernels = tuple(functools.partial(fn, act=act, out_dtype=out_dtype) for fn in
-                    (_quant_mosaic.gated_grad_quantize_rows, gated_grad_quantize_rows))
-    return _on_cuda(kernels, lambda z, dh: gated_grad_quantize_rows_reference(z, dh, act,
-                                                                              out_dtype),
-                    z.shape[-1] // 2, z, dh)
-
-
-def cols_t(a: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``a [..., M, N]`` column-wise quantized and transposed, ``(e4m3 [..., N, M], scale
-    [..., N])``: :func:`quantize_cols_t` (or its Mosaic GPU twin) on NVIDIA GPUs, its reference
-    elsewhere."""
-    return _on_matrices((_quant_mosaic.quantize_cols_t, quantize_cols_t),
-                        quantize_cols_t_reference, a)
-
-
-def cols_t_and_rows(a: jax.Array):
-    """``a [..., M, N]``'s two FP8 copies, ``(cols_t(a), rows(a))``, from two passes over it:
-    :func:`quantize_cols_t_and_rows` (or its Mosaic GPU twin) on NVIDIA GPUs, the references
-    elsewhere."""
-    return _on_matrices((_quant_mosaic.quantize_cols_t_and_rows, quantize_cols_t_and_rows),
-                        quantize_cols_t_and_rows_reference, a)
-
-
-def _on_matrices(kernels, reference_fn, a: jax.Array):
-    """``kernels[0]`` (Mosaic GPU on Hopper, `moe._platform.prefer_mosaic_gpu`, where its tiles
-    fit) or ``kernels[1]`` (Triton, before Hopper), taking ``[B, M, N]``, on ``a [..., M, N]``
-    with its leading axes flattened, then unflattened in every output, when lowered for CUDA;
-    ``reference_fn(a)`` elsewhere and for shapes the platform's kernel does not take (the same
-    bytes)."""
-    if prefer_mosaic_gpu():
-        kernel_fn = kernels[0] if _quant_mosaic.tiles_supported(*a.shape[-2:]) else None
-    else:
-        kernel_fn = kernels[1] if cols_supported(*a.shape[-2:]) else None
-    if kernel_fn is None:
-        return reference_fn(a)
-    lead = a.shape[:-2]
-
-    def kernel(a):
-        out = kernel_fn(a.reshape(-1, *a.shape[-2:]))
-        return jax.tree.map(lambda o: o.reshape(*lead, *o.shape[1:]), out)
-
-    return lax.platform_dependent(a, cuda=kernel, default=reference_fn)
+                        reference="moe.kernels.quant.xla.quantize_cols_t_and_rows_reference")

@@ -1,9 +1,9 @@
-"""The Mosaic GPU wire kernels (`moe._wire_mosaic`: ``gather_encode``, ``gather_decode``,
+"""The Mosaic GPU wire kernels (`moe.kernels.wire.mosaic`: ``gather_encode``, ``gather_decode``,
 ``gather_rows_quantized``) on the CPU.
 
 They run only on a Hopper GPU (``benchmarks/quant_bench.py`` compares their bytes and speed
 with the Triton kernels and XLA there). Here: they lower for CUDA with the Triton kernels'
-output types; the wire's call sites (`moe._transport.gather_rows`, the expert layouts of
+output types; the wire's call sites (`moe.kernels.wire.api.gather_rows`, the expert layouts of
 `moe._movement`, `moe._fp8_gemm.rows_from_wire`) pick them, Triton or XLA by width and
 platform, and off GPU give the reference bytes; and their arithmetic, run by Pallas' Mosaic
 GPU interpreter (layouts ignored), gives the XLA wire's bytes.
@@ -21,12 +21,14 @@ from _cuda_export import TRITON_DEPRECATED, cuda_mesh, export_for_cuda, kernel_c
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe import _fp8_gemm, _gmm_mosaic, _movement, _transport, dispatch
-from moe import _quant_mosaic as qm
-from moe import _quant_pallas as qp
-from moe import _wire_mosaic as wm
-from moe import _wire_pallas as wp
-from moe._platform import prefer_mosaic_gpu
+from moe import _fp8_gemm, _movement, dispatch
+from moe.kernels.gmm import mosaic_kernel as gmm_mosaic
+from moe.kernels.platform import prefer_mosaic_gpu
+from moe.kernels.quant import mosaic as qm
+from moe.kernels.quant import xla as quant_xla
+from moe.kernels.wire import api as wire_api
+from moe.kernels.wire import mosaic as wm
+from moe.kernels.wire import triton as wp
 
 S = jax.ShapeDtypeStruct
 F8, BF16, F32, U32, I32 = jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32, jnp.uint32, jnp.int32
@@ -122,7 +124,7 @@ def test_supported_widths_and_refusals():
     # bf16 rows of 384: 96 channels per warp, a 1-element (2-byte) lane vector; f32 ones fit.
     assert not wm.wire_supported(384, fp8_wire=False)
     assert wm.wire_supported(384, fp8_wire=False, itemsizes=(4, 4))
-    with pytest.raises(ValueError, match="_wire_pallas"):
+    with pytest.raises(ValueError, match="wire.triton"):
         wm.gather_encode(jnp.zeros((4, 256)), jnp.zeros((2,), I32), fp8_wire=True)
     with pytest.raises(ValueError, match="wire rows"):
         wm.gather_decode(jnp.zeros((4, 128), U32), jnp.zeros((2,), I32), width=512,
@@ -139,15 +141,15 @@ def test_supported_widths_and_refusals():
     ("fp8", 1536, "mosaic"), ("fp8", 256, None), ("fp8", 768, None),
     ("bf16", 512, "mosaic"), ("bf16", 384, None), ("bf16", 64, None)])
 def test_gather_rows_dispatch(wire, width, want):
-    """`moe._transport.gather_rows` (the send buffers' gather + encode)."""
+    """`moe.kernels.wire.api.gather_rows` (the send buffers' gather + encode)."""
     assert prefer_mosaic_gpu()  # no GPU here: CUDA lowering picks Mosaic GPU
     codec = "fp8" if wire == "fp8" else jnp.dtype(BF16)
-    fn = functools.partial(_transport.gather_rows, wire=codec, block_size=128, kernels="auto")
+    fn = functools.partial(wire_api.gather_rows, wire=codec, block_size=128, kernels="auto")
     text = export_for_cuda(fn, S((12, width), F32), S(INDEX.shape, I32))
     assert _kernel(text, "wire_gather_encode") == want
     x = _rows(12, width, F32)
     chex.assert_trees_all_equal(jax.jit(fn)(x, INDEX),
-                                _transport.gather_rows(x, INDEX, wire=codec, block_size=128))
+                                wire_api.gather_rows(x, INDEX, wire=codec, block_size=128))
 
 
 @pytest.mark.filterwarnings(TRITON_DEPRECATED)
@@ -155,10 +157,10 @@ def test_gather_rows_dispatch(wire, width, want):
                                              ("bf16", 64, "triton"), ("bf16", 96, None)])
 def test_gather_rows_dispatch_before_hopper(monkeypatch, wire, width, want):
     """On an NVIDIA GPU older than Hopper the Triton kernels run (no Mosaic GPU there)."""
-    monkeypatch.setattr(_transport, "prefer_mosaic_gpu", lambda: False)
+    monkeypatch.setattr(wire_api, "prefer_mosaic_gpu", lambda: False)
     jax.clear_caches()  # the choice is made while tracing: no trace from a Hopper test
     codec = "fp8" if wire == "fp8" else jnp.dtype(BF16)
-    fn = functools.partial(_transport.gather_rows, wire=codec, block_size=128, kernels="auto")
+    fn = functools.partial(wire_api.gather_rows, wire=codec, block_size=128, kernels="auto")
     text = export_for_cuda(fn, S((12, width), F32), S(INDEX.shape, I32))
     jax.clear_caches()
     assert _kernel(text, "wire_gather_encode") == want
@@ -184,7 +186,7 @@ def test_expert_layout_decode_dispatch(wire, width, want):
     dropless = functools.partial(_movement._pairs_to_layout, plan=_plan(p, c, pair_row), c=c, o=0,
                                  w=w, width=width)
     x = _rows(2 * p * c, width, F32)
-    recv = _transport.encode_rows(x, wire=w.codec, block_size=128)
+    recv = wire_api.encode_rows(x, wire=w.codec, block_size=128)
     for fn, ref in ((dense, w.decode(recv, width).reshape(p, 2, c, width).transpose(1, 0, 2, 3)
                      .reshape(2, p * c, width)),
                     (dropless, w.decode(_take(recv, pair_row), width))):
@@ -197,10 +199,10 @@ def test_expert_layout_decode_dispatch(wire, width, want):
 def test_rows_from_wire_dispatch(width, want):
     """`moe._fp8_gemm.rows_from_wire`: the FP8 GEMM's e4m3 rows from received wire rows."""
     fn = functools.partial(_fp8_gemm.rows_from_wire, width=width, block_size=128)
-    buf = _transport.encode_rows(_rows(12, width, F32), wire="fp8", block_size=128)
+    buf = wire_api.encode_rows(_rows(12, width, F32), wire="fp8", block_size=128)
     text = export_for_cuda(lambda b, i: fn(b, index=i), S(buf.shape, U32), S(INDEX.shape, I32))
     assert _kernel(text, "wire_gather_rows_fp8") == want
-    ref = qp.quantize_rows_reference(_transport.decode_rows(
+    ref = quant_xla.quantize_rows_reference(wire_api.decode_rows(
         _take(buf, INDEX), wire="fp8", width=width, block_size=128, out_dtype=F32))
     # Bytes: the NaN row's e4m3 NaNs do not compare equal as values on every numpy.
     chex.assert_trees_all_equal(_bytes(jax.jit(lambda b, i: fn(b, index=i))(buf, INDEX)),
@@ -244,7 +246,7 @@ class _RowView:
 
 @pytest.fixture
 def interpret(monkeypatch):
-    """Runs `moe._wire_mosaic`'s kernels in the Mosaic GPU interpreter: register layouts
+    """Runs `moe.kernels.wire.mosaic`'s kernels in the Mosaic GPU interpreter: register layouts
     dropped (``layout_cast`` and layout loads become plain reads), ref reshapes done on the
     values. So this checks the arithmetic (bit packing, scales, zero rows), not the layouts."""
     try:
@@ -253,7 +255,7 @@ def interpret(monkeypatch):
         pytest.skip("no Mosaic GPU interpret mode in this jax")
     monkeypatch.setattr(qm.plgpu, "layout_cast", lambda x, layout: x)
     monkeypatch.setattr(qm, "load", lambda ref, layout: ref[...].astype(F32))
-    monkeypatch.setattr(_gmm_mosaic, "load", lambda ref, layout, optimized=True: ref[...])
+    monkeypatch.setattr(gmm_mosaic, "load", lambda ref, layout, optimized=True: ref[...])
     monkeypatch.setattr(wm, "_view", _RowView)
 
     def run(fn, *args):
@@ -272,14 +274,14 @@ def test_fp8_kernels_interpreted_give_the_xla_bytes(interpret, width, block):
     """Rows with zeros, inf, NaN and magnitudes 2^-130 .. 2^60; indices out of range."""
     x = _rows(12, width)
     enc, dec, quant = _fp8_kernels(width, block)
-    ref = _transport.gather_rows(x, jnp.where(INDEX < 0, 12, INDEX), wire="fp8",
+    ref = wire_api.gather_rows(x, jnp.where(INDEX < 0, 12, INDEX), wire="fp8",
                                  block_size=block)
     chex.assert_trees_all_equal(_bytes(interpret(enc, x, INDEX)), _bytes(ref))
-    buf = _transport.encode_rows(x, wire="fp8", block_size=block)
-    decoded = _transport.decode_rows(_take(buf, INDEX), wire="fp8", width=width,
+    buf = wire_api.encode_rows(x, wire="fp8", block_size=block)
+    decoded = wire_api.decode_rows(_take(buf, INDEX), wire="fp8", width=width,
                                      block_size=block, out_dtype=BF16)
     chex.assert_trees_all_equal(_bytes(interpret(dec, buf, INDEX)), _bytes(decoded))
-    rows = qp.quantize_rows_reference(_transport.decode_rows(
+    rows = quant_xla.quantize_rows_reference(wire_api.decode_rows(
         _take(buf, INDEX), wire="fp8", width=width, block_size=block, out_dtype=F32))
     chex.assert_trees_all_equal(_bytes(interpret(quant, buf, INDEX)), _bytes(rows))
 

@@ -1,4 +1,4 @@
-"""The Pallas wire kernels (moe/_wire_pallas.py) against the XLA wire path, bit for bit.
+"""The Pallas wire kernels (moe/wire_triton.py) against the XLA wire path, bit for bit.
 
 On CPU the kernels run in Pallas interpret mode; that they also lower to Triton for a GPU is
 checked by exporting for 'cuda' (no GPU needed). benchmarks/dispatch_bench.py --part phases
@@ -16,7 +16,9 @@ from _meshes import make_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe import _transport, _wire_pallas, combine, dispatch
+from moe import combine, dispatch
+from moe.kernels.wire import api as wire_api
+from moe.kernels.wire import triton as wire_triton
 
 D, BS = 512, 128
 
@@ -39,44 +41,17 @@ def _same(a, b) -> bool:
 INDEX = jnp.array([5, 0, 2, 3, 4, 23, -1, 24, 99, 5, 11], jnp.int32)  # repeats, out of range
 
 
-@pytest.mark.parametrize("fp8_wire", [True, False])
-def test_gather_encode_matches_xla(fp8_wire):
-    x = _rows()
-    wire = "fp8" if fp8_wire else jnp.dtype(jnp.bfloat16)
-    ref = _transport.gather_rows(x, jnp.where(INDEX < 0, 10**6, INDEX), wire=wire,
-                                 block_size=BS)
-    got = _wire_pallas.gather_encode(x, INDEX, fp8_wire=fp8_wire, block_size=BS,
-                                     interpret=True)
-    assert got.dtype == ref.dtype and got.shape == ref.shape
-    assert _same(got, ref)
-
-
-@pytest.mark.parametrize("fp8_wire", [True, False])
-def test_gather_decode_matches_xla(fp8_wire):
-    x = _rows()
-    wire = "fp8" if fp8_wire else jnp.dtype(jnp.bfloat16)
-    buf = _transport.encode_rows(x, wire=wire, block_size=BS)
-    perm = jnp.array([23, 1, 4, 3, 2, 30, -5, 0], jnp.int32)
-    ref = _transport.decode_rows(jnp.take(buf, jnp.where(perm < 0, 10**6, perm), axis=0,
-                                          mode="fill", fill_value=0),
-                                 wire=wire, width=D, block_size=BS, out_dtype=jnp.bfloat16)
-    got = _wire_pallas.gather_decode(buf, perm, width=D, fp8_wire=fp8_wire, block_size=BS,
-                                     out_dtype=jnp.bfloat16, interpret=True)
-    assert got.dtype == ref.dtype and got.shape == ref.shape
-    assert _same(got, ref)
-
-
 def test_supported_shapes():
-    assert _wire_pallas.supported(4096, fp8_wire=True, block_size=128)
-    assert _wire_pallas.supported(4096, fp8_wire=False)
-    assert not _wire_pallas.supported(5120, fp8_wire=True, block_size=128)  # 40 blocks
-    assert not _wire_pallas.supported(768, fp8_wire=False)
-    assert not _wire_pallas.supported(1536, fp8_wire=True, block_size=128)  # 12 blocks
+    assert wire_triton.supported(4096, fp8_wire=True, block_size=128)
+    assert wire_triton.supported(4096, fp8_wire=False)
+    assert not wire_triton.supported(5120, fp8_wire=True, block_size=128)  # 40 blocks
+    assert not wire_triton.supported(768, fp8_wire=False)
+    assert not wire_triton.supported(1536, fp8_wire=True, block_size=128)  # 12 blocks
 
 
 def test_bad_wire_kernels_names_the_argument():
     with pytest.raises(ValueError, match="wire_kernels"):
-        _transport.check_wire_kernels("triton")
+        wire_api.check_wire_kernels("cuda")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -118,7 +93,7 @@ def _dispatch_combine_grads(kernels: str, wire: str, transport: str = "dense"):
                                             ("fp8", "dropless")])
 def test_dispatch_with_pallas_wire_kernels_equals_xla(wire, transport):
     ref = _dispatch_combine_grads("xla", wire, transport)
-    got = _dispatch_combine_grads("pallas", wire, transport)
+    got = _dispatch_combine_grads("triton", wire, transport)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
         assert _same(a, b)
 
@@ -126,7 +101,8 @@ def test_dispatch_with_pallas_wire_kernels_equals_xla(wire, transport):
 def test_wire_kernels_lower_for_cuda():
     """The compiled kernels (no interpreter) lower for CUDA inside shard_map(check_vma=True):
     the send gather + encode and the decode into the expert layout, both wires (Mosaic GPU
-    at this width, `tests/test_mosaic_wire.py`; Triton where Mosaic GPU does not fit)."""
+    at this width, `tests/moe/kernels/wire/test_wire_mosaic.py`; Triton where Mosaic GPU does
+    not fit)."""
     mesh = cuda_mesh((N_EP,), ("expert",))
     e = P("expert")
 

@@ -7,14 +7,14 @@ These kernels do each direction in one pass, one program per output row:
 
 * :func:`gather_encode`: ``out[i] = encode(rows[index[i]])`` (a zero row where ``index[i]``
   is out of range): bf16 rows are copied, FP8 rows are quantized (block maxima, E8M0 scales,
-  e4m3 data) and packed into uint32 words exactly as :func:`moe._transport.pack_fp8_words`
+  e4m3 data) and packed into uint32 words exactly as :func:`moe.kernels.wire.api.pack_fp8_words`
   (the same bytes as ``moe.fp8.quantize``: the scales come from the same integer arithmetic,
   :func:`moe.fp8.scales_from_amax_bits`, and the e4m3 cast rounds to nearest even as XLA's).
 * :func:`gather_decode`: ``out[r] = decode(buf[index[r]])`` (zero where out of range): the
   inverse, fused with the row permutation the receiver needs (e.g. source-major -> expert
   layout), so no transpose pass follows.
 * :func:`gather_rows_quantized`: ``rows(decode(buf[index[r]]))``, the decoded row quantized
-  again with one power-of-two scale per row (`moe._quant_pallas.quantize_rows`' bytes): the
+  again with one power-of-two scale per row (`moe.kernels.quant.triton.quantize_rows`' bytes): the
   e4m3 operand of an FP8 expert GEMM straight from the one-byte wire rows, with no decoded
   bf16 copy written and read back.
 * :func:`gather_local_rows_quantized`: the same bytes straight from the token rows when
@@ -24,7 +24,7 @@ These kernels do each direction in one pass, one program per output row:
 
 Compiled through Triton on NVIDIA GPUs; in Pallas interpret mode (``interpret=True``, slow)
 anywhere else, which is how the tests check them on CPU. They work inside ``jax.shard_map``
-(the outputs carry the operands' varying axes; see ``moe._gmm_pallas``). Row widths must be
+(the outputs carry the operands' varying axes; see ``moe.kernels.gmm.triton``). Row widths must be
 powers of two (Triton block shapes): :func:`supported` says whether a shape can use them. A row
 of fewer than four blocks has one scale word, its unused byte slots :data:`moe.fp8.E8M0_PAD`.
 """
@@ -37,9 +37,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from moe import _quant_pallas, _vma, fp8
-from moe._gmm_pallas import PALLAS_IMPORT_ERROR, TritonParams, pl
-from moe._gmm_pallas import plgpu as _plgpu
+from moe import fp8
+from moe.kernels import vma
+from moe.kernels.gmm.triton import PALLAS_IMPORT_ERROR, TritonParams, pl
+from moe.kernels.gmm.triton import plgpu as _plgpu
+from moe.kernels.quant import xla as quant_xla
 
 
 def _pow2(n: int) -> bool:
@@ -96,8 +98,8 @@ def _block_quantize(x: jax.Array, width: int, block_size: int):
 
 def _store_row_quantized(q_ref, s_ref, r, y: jax.Array) -> None:
     """Row ``r`` of ``(q_ref, s_ref)``: f32 ``y [1, width]`` as e4m3 with one power-of-two
-    scale (`moe._quant_pallas.quantize_rows`' bytes)."""
-    (q,), scale = _quant_pallas.scale_and_cast([y], _quant_pallas.row_amax_bits(y))
+    scale (`moe.kernels.quant.triton.quantize_rows`' bytes)."""
+    (q,), scale = quant_xla.scale_and_cast([y], quant_xla.row_amax_bits(y))
     _plgpu.store(q_ref.at[pl.ds(r, 1), pl.ds(0, y.shape[1])], q)
     _plgpu.store(s_ref.at[pl.ds(r, 1)], scale)
 
@@ -203,14 +205,14 @@ def _launch(kernel, index, operand, out_shape, out_dtype, *, name, interpret, ex
     and ``out_dtype`` may be tuples (several outputs); ``extra`` operands come between
     ``index`` and ``operand``."""
     operands = (index, *extra, operand)
-    varying = _vma.varying_of(*operands)
+    varying = vma.varying_of(*operands)
     body = functools.partial(kernel, **kw)
     if isinstance(out_dtype, tuple):
-        outs = tuple(_vma.out_struct(s, d, varying)
+        outs = tuple(vma.out_struct(s, d, varying)
                      for s, d in zip(out_shape, out_dtype, strict=True))
         rows = out_shape[0][0]
     else:
-        outs, rows = _vma.out_struct(out_shape, out_dtype, varying), out_shape[0]
+        outs, rows = vma.out_struct(out_shape, out_dtype, varying), out_shape[0]
 
     def call(interp, *ops):
         return pl.pallas_call(
@@ -224,7 +226,7 @@ def _launch(kernel, index, operand, out_shape, out_dtype, *, name, interpret, ex
         )(*ops)
 
     if interpret:
-        return _vma.unchecked(functools.partial(call, True), varying, *operands)
+        return vma.unchecked(functools.partial(call, True), varying, *operands)
     return call(False, *operands)
 
 
@@ -240,7 +242,7 @@ def gather_encode(
     """``out[i] = encode(rows[index[i]])``, zero where ``index[i]`` is outside ``[0, T)``.
 
     FP8: ``uint32[M, H/4 + ceil(H/(4 block_size))]``, the bytes of ``moe.fp8.quantize``
-    packed as :func:`moe._transport.pack_fp8_words`. Otherwise ``rows`` cast to ``out_dtype``.
+    packed as :func:`moe.kernels.wire.api.pack_fp8_words`. Otherwise ``rows`` cast to ``out_dtype``.
 
     Args:
       rows: float ``[T, H]``.
@@ -325,7 +327,7 @@ def gather_rows_quantized(
 
     Each gathered row is decoded to f32 (exact: e4m3 times a power of two) and quantized with
     one power-of-two scale per row, the bytes of
-    ``moe._quant_pallas.quantize_rows_reference(decode_rows(...))``; out-of-range ``index``
+    ``moe.kernels.quant.xla.quantize_rows_reference(decode_rows(...))``; out-of-range ``index``
     entries give zero rows. One read of the one-byte wire row, one write of the e4m3 row.
 
     Args:
@@ -411,7 +413,7 @@ def gather_weighted_rows_quantized(
 
     The combine's gradient in the expert layout when nothing is sent (one device on the expert
     axis), as the FP8 expert GEMMs read it: each row is the weighted token gradient the
-    combine's backward would send (`moe._transport.gather_weighted_rows`, a float wire of
+    combine's backward would send (`moe.kernels.wire.api.gather_weighted_rows`, a float wire of
     ``wire_dtype``), quantized with one power-of-two scale per row, in one pass with no
     ``[R, H]`` copy written. Slots outside ``[0, weights.size)`` give zero rows.
 

@@ -1,6 +1,7 @@
 """Tile sizes of the grouped-GEMM kernels: checked dataclass fields, and padding to the tiles.
 
-The tiling dataclasses of `moe._gmm_pallas` and `moe._gmm_mosaic` declare each field with
+The tiling dataclasses of `moe.kernels.gmm.triton` and `moe.kernels.gmm.mosaic_kernel` declare each
+field with
 :func:`tile_size` (a power of two) or :func:`count` (a bounded int) and call
 :func:`check_fields` in ``__post_init__``, so one function words every error.
 """

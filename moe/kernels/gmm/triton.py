@@ -36,7 +36,7 @@ default backend): the kernel then runs as ordinary, slow XLA ops, which is how t
 it on CPU. Lowered for a GPU it compiles through Triton. TPUs are refused (ValueError).
 
 Both work inside ``jax.shard_map`` with ``check_vma=True`` (as in `moe.MoE`): the outputs are
-typed as varying over the union of the operands' varying mesh axes (`moe._vma`).
+typed as varying over the union of the operands' varying mesh axes (`moe.kernels.vma`).
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from moe import _vma
-from moe._tiling import check_fields, count, pad_to, tile_size
+from moe.kernels import vma
+from moe.kernels.gmm.base import GroupedGemms, scaled_mm8, scaled_tmm8
+from moe.kernels.tiling import check_fields, count, pad_to, tile_size
 
 try:  # Pallas (and its Triton dialect) ships with jax, but keep CPU-only imports safe.
     from jax.experimental import pallas as pl
@@ -112,13 +113,13 @@ def check_platform() -> None:
 
 def _per_platform(call, interpret: bool | None, *args):
     """``call(interpret, varying, *args)``: interpreted when lowered for CPU if ``interpret``
-    is None. ``varying``: the union of the operands' varying mesh axes (`moe._vma`)."""
+    is None. ``varying``: the union of the operands' varying mesh axes (`moe.kernels.vma`)."""
     check_platform()
-    varying = _vma.varying_of(*args)
+    varying = vma.varying_of(*args)
 
     def run(interp: bool, *operands):
         if interp:
-            return _vma.unchecked(functools.partial(call, True, varying), varying, *operands)
+            return vma.unchecked(functools.partial(call, True, varying), varying, *operands)
         return call(False, varying, *operands)
 
     if interpret is not None:
@@ -126,8 +127,9 @@ def _per_platform(call, interpret: bool | None, *args):
     return lax.platform_dependent(
         *args,
         cpu=functools.partial(run, True),
-        # GPU only: the compiled Triton kernel. CI lowers it for CUDA (tests/test_gmm_pallas.py);
-        # benchmarks/experts_bench.py runs it on GPUs against ragged_dot before timing it.
+        # GPU only: the compiled Triton kernel. CI lowers it for CUDA
+        # (tests/moe/kernels/gmm/test_gmm_triton.py); benchmarks/experts_bench.py runs it on
+        # GPUs against ragged_dot before timing it.
         default=functools.partial(run, False),
     )
 
@@ -307,7 +309,7 @@ def gmm(
     def call(interp, varying, *operands):
         return pl.pallas_call(
             kernel,
-            out_shape=_vma.out_struct((mp, np_), out_dtype, varying),
+            out_shape=vma.out_struct((mp, np_), out_dtype, varying),
             grid=(n_work * n_cols,),
             interpret=interp,
             compiler_params=None if interp else _compiler_params(tiling),
@@ -424,7 +426,7 @@ def tgmm(
     def call(interp, varying, *operands):
         return pl.pallas_call(
             kernel,
-            out_shape=_vma.out_struct((n_groups, kp, np_), out_dtype, varying),
+            out_shape=vma.out_struct((n_groups, kp, np_), out_dtype, varying),
             grid=(n_groups * n_ktiles * n_ntiles,),
             interpret=interp,
             compiler_params=None if interp else _compiler_params(tiling),
@@ -436,3 +438,15 @@ def tgmm(
     if (kp, np_) != (k, n):
         out = out[:, :k, :n]
     return out
+
+
+TRITON = GroupedGemms(
+    2,
+    fwd=lambda a, w, gs, dt: gmm(a, w, gs, out_dtype=dt),
+    dgrad=lambda g, w, gs, dt: gmm(g, w, gs, transpose_rhs=True, out_dtype=dt),
+    wgrad=lambda a, g, gs, dt: tgmm(a, g, gs, out_dtype=dt),
+    mm8=scaled_mm8(lambda a, b, gs, dt: gmm(a, b, gs, transpose_rhs=True, out_dtype=dt)),
+    tmm8=scaled_tmm8(lambda at, bt, gs: tgmm(at.T, bt.T, gs, out_dtype=jnp.float32)),
+)
+"""The 'triton' grouped GEMMs: :func:`gmm` and :func:`tgmm`, compiled for GPUs, interpreted
+when lowered for CPU; FP8 results scaled in XLA."""

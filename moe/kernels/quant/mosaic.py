@@ -1,4 +1,4 @@
-"""The row-wise FP8 quantization kernels of `moe._quant_pallas` in Pallas Mosaic GPU.
+"""The row-wise FP8 quantization kernels of `moe.kernels.quant.api` in Pallas Mosaic GPU.
 
 Same contract and bytes as the Triton kernels there (``quantize_rows``, ``gated_quantize_rows``
 and ``gated_grad_quantize_rows``: one read of the operand, e4m3 rows with one power-of-two
@@ -17,7 +17,7 @@ Global-memory stores follow the rules jax's Mosaic GPU transfer planner enforces
 (rows a multiple of 128 channels), and the per-row scales, 16 bytes per CTA, go through shared
 memory and a TMA copy (:func:`store_small`). Rows must be a multiple of 128 channels and the
 row count a multiple of :data:`BLOCK_ROWS`: :func:`supported`; other shapes take the XLA path
-(`moe._quant_pallas`). The activations' sigmoid is traced
+(`moe.kernels.quant.api`). The activations' sigmoid is traced
 as ``1 / (1 + exp(-x))`` (Mosaic GPU has no ``logistic`` rule), so the activation backward's
 e4m3 bytes may differ from the Triton kernel's by one code, in rare values.
 
@@ -39,8 +39,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from moe import _gmm_mosaic, _jax_support, _vma, fp8
+from moe import fp8
 from moe.activations import GatedActivation
+from moe.kernels import lowering, vma
+from moe.kernels.gmm import mosaic_kernel as gmm_mosaic
 
 try:  # Mosaic GPU ships with jax; keep CPU-only imports safe.
     from jax.experimental import pallas as pl
@@ -92,7 +94,7 @@ def load(ref, layout) -> jax.Array:
 
 def load_raw(ref, layout) -> jax.Array:
     """Registers of a ``ref`` view in ``layout``, in its own dtype (integer bits stay bits)."""
-    return _gmm_mosaic.load(ref, layout=layout, optimized=False)
+    return gmm_mosaic.load(ref, layout=layout, optimized=False)
 
 
 def _sigmoid(x: jax.Array) -> jax.Array:
@@ -189,7 +191,7 @@ def _gated_grad_body(z_ref, dh_ref, *out_refs, width, act):
 
 AVOID_FP8_GEMMS = "bf16 expert GEMMs (gemm_dtype, dgrad_dtype and wgrad_dtype 'bf16')"
 """What keeps the layer off the FP8 operands' quantization kernels (for the error of
-`moe._jax_support.check_kernel_lowers`)."""
+`moe.kernels.lowering.check_kernel_lowers`)."""
 
 
 def launch(body, operands, outs, *, grid: int | tuple[int, ...], name: str,
@@ -197,8 +199,8 @@ def launch(body, operands, outs, *, grid: int | tuple[int, ...], name: str,
     """``body`` over ``grid`` one-warpgroup CTAs (``lax.axis_index(grid_names[i])``), named
     ``name``; ``outs``: ``(shape, dtype)`` of each output; ``scratch``: SMEM scratch types,
     passed after the outputs; ``avoid``: the option that keeps the layer off this kernel,
-    named if it does not lower on an untested jax (`moe._jax_support`)."""
-    varying = _vma.varying_of(*operands)
+    named if it does not lower on an untested jax (`moe.kernels.lowering`)."""
+    varying = vma.varying_of(*operands)
 
     def named(*refs):
         body(*refs)
@@ -208,7 +210,7 @@ def launch(body, operands, outs, *, grid: int | tuple[int, ...], name: str,
     def kernel(varying):
         return plgpu.kernel(
             named,
-            out_type=tuple(_vma.out_struct(s, d, varying) for s, d in outs),
+            out_type=tuple(vma.out_struct(s, d, varying) for s, d in outs),
             scratch_types=tuple(scratch),
             grid=grid if isinstance(grid, tuple) else (grid,),
             grid_names=grid_names,
@@ -216,9 +218,9 @@ def launch(body, operands, outs, *, grid: int | tuple[int, ...], name: str,
                 lowering_semantics=plgpu.LoweringSemantics.Lane),
         )
 
-    _jax_support.check_kernel_lowers(name, kernel(frozenset()), operands, avoid=avoid)
+    lowering.check_kernel_lowers(name, kernel(frozenset()), operands, avoid=avoid)
     out = kernel(varying)(*operands)
-    return tuple(_vma.as_varying(o, varying) for o in out)
+    return tuple(vma.as_varying(o, varying) for o in out)
 
 
 def _check(x: jax.Array, width: int, what: str) -> None:
@@ -226,7 +228,7 @@ def _check(x: jax.Array, width: int, what: str) -> None:
         raise ValueError(
             f"{what} must be 2-D with rows a multiple of {BLOCK_ROWS} and a row width that is "
             f"a multiple of {ROW_MULTIPLE} for the Mosaic GPU quantization kernels, got shape "
-            f"{x.shape}; moe._quant_pallas.rows (and its siblings) take the XLA path for other "
+            f"{x.shape}; moe.kernels.quant.api.rows (and its siblings) take the XLA path for other "
             "shapes.")
 
 
@@ -234,7 +236,7 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Row-wise e4m3 quantization in one pass: ``(q [M, K], scale f32 [M])``.
 
     ``scale = 2^ceil(log2(amax / 448))`` per row, ``q = e4m3(clip(x / scale, -448, 448))``:
-    the bytes of ``moe._quant_pallas.quantize_rows_reference``.
+    the bytes of ``moe.kernels.quant.xla.quantize_rows_reference``.
 
     Args:
       x: float ``[M, K]``, ``M`` a multiple of 4 and ``K`` of 128.
@@ -303,7 +305,7 @@ def gated_grad_quantize_rows(z: jax.Array, dh: jax.Array, act: GatedActivation, 
 
 # ----------------------------------------------------------------------------------------------
 # The weights' copies: column-wise quantization written transposed (K-major), and row-wise, in
-# two tile passes over ``a [B, M, N]`` (`moe._quant_pallas.quantize_cols_t(_and_rows)`).
+# two tile passes over ``a [B, M, N]`` (`moe.kernels.quant.triton.quantize_cols_t(_and_rows)`).
 # ----------------------------------------------------------------------------------------------
 
 TILE = (64, 128)
@@ -386,7 +388,7 @@ def _scale_of(bits: jax.Array) -> jax.Array:
 def _weight_passes(a: jax.Array, *, rows: bool, names: tuple[str, str]):
     if a.ndim != 3 or not tiles_supported(*a.shape[1:]):
         raise ValueError(f"a must be [B, M, N] with M and N multiples of {TILE} for the Mosaic "
-                         f"GPU weight kernels, got {a.shape}; use moe._quant_pallas for other "
+                         f"GPU weight kernels, got {a.shape}; use moe.kernels.quant.api for other "
                          "shapes.")
     nb, m, n = a.shape
     mt, nt = m // TILE[0], n // TILE[1]
@@ -407,7 +409,7 @@ def _weight_passes(a: jax.Array, *, rows: bool, names: tuple[str, str]):
 
 
 def quantize_cols_t(a: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`moe._quant_pallas.quantize_cols_t` in Mosaic GPU (the same bytes): ``a [B, M, N]``
+    """`moe.kernels.quant.triton.quantize_cols_t` in Mosaic GPU (the same bytes): ``a [B, M, N]``
     column-wise as e4m3 written transposed, ``(q [B, N, M], scale f32 [B, N])``.
 
     Two passes of ``[64, 128]`` tiles: the column maxima, then each tile scaled, cast and
@@ -424,7 +426,7 @@ def quantize_cols_t(a: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def quantize_cols_t_and_rows(a: jax.Array):
-    """`moe._quant_pallas.quantize_cols_t_and_rows` in Mosaic GPU (the same bytes): both FP8
+    """`moe.kernels.quant.triton.quantize_cols_t_and_rows` in Mosaic GPU (the same bytes): both FP8
     copies of a weight from two passes, the first taking each tile's column and row maxima,
     the second writing the transposed column copy and the row copy from one read of the tile.
 

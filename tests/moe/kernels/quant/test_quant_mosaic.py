@@ -1,4 +1,4 @@
-"""The Mosaic GPU row kernels (`moe._quant_mosaic`, `moe._wire_mosaic`) on the CPU.
+"""The Mosaic GPU row kernels (`moe.kernels.quant.mosaic`, `moe.kernels.wire.mosaic`) on the CPU.
 
 They run only on a Hopper GPU (``benchmarks/quant_bench.py`` compares their bytes and speed
 with the Triton kernels and XLA there). Here: they lower for CUDA on both supported shapes and
@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 from _cuda_export import TRITON_DEPRECATED, export_for_cuda, gemm_calls, kernel_calls
 
-from moe import _quant_mosaic as qm
-from moe import _quant_pallas as qp
-from moe import _wire_mosaic as wm
-from moe._platform import prefer_mosaic_gpu
 from moe.activations import GatedActivation
+from moe.kernels.platform import prefer_mosaic_gpu
+from moe.kernels.quant import api as qp
+from moe.kernels.quant import mosaic as qm
+from moe.kernels.quant import xla as quant_xla
+from moe.kernels.wire import mosaic as wm
 from xla_comm.breakdown import LM_KERNEL_REGIONS, REST, kernel_category, kernel_region
 
 S = jax.ShapeDtypeStruct
@@ -86,7 +87,7 @@ def test_unsupported_shapes_are_refused_with_the_fix():
         qm.quantize_rows(jnp.zeros((8, 96)))
     with pytest.raises(ValueError, match="rows a multiple of 4"):
         qm.quantize_rows(jnp.zeros((6, 128)))
-    with pytest.raises(ValueError, match="_wire_pallas"):
+    with pytest.raises(ValueError, match="wire.triton"):
         wm.gather_local_rows_quantized(jnp.zeros((4, 384)), jnp.zeros((2,), jnp.int32))
     with pytest.raises(ValueError, match="block_size=64"):
         wm.gather_local_rows_quantized(jnp.zeros((4, 2048)), jnp.zeros((2,), jnp.int32),
@@ -96,9 +97,9 @@ def test_unsupported_shapes_are_refused_with_the_fix():
 @pytest.fixture
 def before_hopper(monkeypatch):
     """Kernel choices as on an NVIDIA GPU older than Hopper (no Mosaic GPU): Triton."""
-    from moe import _transport
+    from moe.kernels.wire import api as wire_api
 
-    for mod in (qp, _transport):
+    for mod in (qp, wire_api):
         monkeypatch.setattr(mod, "prefer_mosaic_gpu", lambda: False)
     jax.clear_caches()  # the choice is made while tracing: no trace from a Hopper test
     yield
@@ -119,7 +120,7 @@ def test_row_dispatch_by_shape(shape, want):
     else:
         assert len(calls) == 1 and "_mgpu" in calls[0]
     x = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(BF16) * 5
-    chex.assert_trees_all_equal(jax.jit(qp.rows)(x), qp.quantize_rows_reference(x))
+    chex.assert_trees_all_equal(jax.jit(qp.rows)(x), quant_xla.quantize_rows_reference(x))
 
 
 @pytest.mark.filterwarnings(TRITON_DEPRECATED)
@@ -134,11 +135,11 @@ def test_row_dispatch_before_hopper(before_hopper, shape, want):
 def test_gemm_kernels_carry_their_names():
     """The Mosaic GPU GEMMs are named by kind, dtype and whether grouped, so traces and the
     lowering tests tell them from the row kernels."""
-    from moe import _gmm_mosaic
+    from moe.kernels.gmm import mosaic_kernel as gmm_mosaic
 
-    assert _gmm_mosaic.kernel_name("gmm", F8, 16) == "gmm_fp8"
-    assert _gmm_mosaic.kernel_name("tgmm", BF16, 1) == "dense_tgmm_bf16"
-    text = export_for_cuda(lambda a, b, g: _gmm_mosaic.gmm(a, b, g), S((256, 256), BF16),
+    assert gmm_mosaic.kernel_name("gmm", F8, 16) == "gmm_fp8"
+    assert gmm_mosaic.kernel_name("tgmm", BF16, 1) == "dense_tgmm_bf16"
+    text = export_for_cuda(lambda a, b, g: gmm_mosaic.gmm(a, b, g), S((256, 256), BF16),
                            S((2, 256, 256), BF16), S((2,), jnp.int32))
     assert len(gemm_calls(text)) == 1 and "gmm_bf16" in gemm_calls(text)[0]
 
@@ -202,7 +203,7 @@ def test_weight_dispatch_by_shape(shape, want):
         assert len(calls) == 1 and "_mgpu" in calls[0]
     a = jax.random.normal(jax.random.key(2), shape, jnp.float32) * 3
     chex.assert_trees_all_equal(jax.jit(qp.cols_t_and_rows)(a),
-                                qp.quantize_cols_t_and_rows_reference(a))
+                                quant_xla.quantize_cols_t_and_rows_reference(a))
 
 
 @pytest.mark.filterwarnings(TRITON_DEPRECATED)
@@ -220,17 +221,17 @@ def test_weight_dispatch_before_hopper(before_hopper):
 
 @pytest.fixture
 def interpret(monkeypatch):
-    """Runs `moe._quant_mosaic`'s kernels in the Mosaic GPU interpreter: register layouts
+    """Runs `moe.kernels.quant.mosaic`'s kernels in the Mosaic GPU interpreter: register layouts
     dropped (``layout_cast`` and layout loads become plain reads). This checks the arithmetic
     and what each store writes where, not the layouts (the CUDA lowerings above do)."""
     try:
         from jax._src.pallas.mosaic_gpu.interpret.params import force_gpu_interpret_mode
     except ImportError:  # pragma: no cover - depends on the installed jax
         pytest.skip("no Mosaic GPU interpret mode in this jax")
-    from moe import _gmm_mosaic
+    from moe.kernels.gmm import mosaic_kernel as gmm_mosaic
 
     monkeypatch.setattr(qm.plgpu, "layout_cast", lambda x, layout: x)
-    monkeypatch.setattr(_gmm_mosaic, "load", lambda ref, layout, optimized=True: ref[...])
+    monkeypatch.setattr(gmm_mosaic, "load", lambda ref, layout, optimized=True: ref[...])
 
     def run(fn, *args):
         with force_gpu_interpret_mode():
@@ -255,13 +256,13 @@ def test_row_kernels_interpreted_give_the_xla_bytes(interpret):
     act = GatedActivation("silu")
     x = _spread((8, 256), 0).astype(BF16)
     chex.assert_trees_all_equal(_bytes(interpret(qm.quantize_rows, x)),
-                                _bytes(qp.quantize_rows_reference(x)))
+                                _bytes(quant_xla.quantize_rows_reference(x)))
     z, dh = _spread((8, 512), 1).astype(BF16), _spread((8, 384), 2).astype(BF16)
     chex.assert_trees_all_equal(
         _bytes(interpret(functools.partial(qm.gated_quantize_rows, act=act), z)),
-        _bytes(qp.gated_quantize_rows_reference(z, act)))
+        _bytes(quant_xla.gated_quantize_rows_reference(z, act)))
     got = interpret(functools.partial(qm.gated_grad_quantize_rows, act=act), z, dh)
-    want = qp.gated_grad_quantize_rows_reference(z, dh, act, jnp.bfloat16)
+    want = quant_xla.gated_grad_quantize_rows_reference(z, dh, act, jnp.bfloat16)
     # dz in bf16 to rounding of the traced sigmoid; its e4m3 rows and scales as the reference.
     chex.assert_trees_all_close(got[0].astype(np.float32), want[0].astype(jnp.float32),
                                 rtol=1e-2, atol=1e-30)
@@ -273,28 +274,28 @@ def test_weight_kernels_interpreted_give_the_xla_bytes(interpret):
         pytest.skip("jax 0.10's Mosaic GPU interpreter has no ref transposes")
     a = _spread((2, 128, 256), 3)
     chex.assert_trees_all_equal(_bytes(interpret(qm.quantize_cols_t_and_rows, a)),
-                                _bytes(qp.quantize_cols_t_and_rows_reference(a)))
+                                _bytes(quant_xla.quantize_cols_t_and_rows_reference(a)))
     chex.assert_trees_all_equal(_bytes(interpret(qm.quantize_cols_t, a)),
-                                _bytes(qp.quantize_cols_t_reference(a)))
+                                _bytes(quant_xla.quantize_cols_t_reference(a)))
 
 
 def test_a_kernel_that_does_not_lower_on_an_untested_jax_names_the_fix(monkeypatch):
     """On a jax outside the tested range each kernel is lowered once at first use; a failure
     is a KernelLoweringError naming the kernel, the jax version and the avoiding option."""
-    from moe import _jax_support
+    from moe.kernels import lowering
 
-    assert _jax_support.is_tested()  # CI's versions
-    monkeypatch.setattr(_jax_support, "_installed_is_tested", lambda: False)
-    monkeypatch.setattr(_jax_support, "_LOWERED", {})
+    assert lowering.is_tested()  # CI's versions
+    monkeypatch.setattr(lowering, "_installed_is_tested", lambda: False)
+    monkeypatch.setattr(lowering, "_LOWERED", {})
     x = S((64, 256), BF16)
     jax.eval_shape(qm.quantize_rows, x)  # lowers here: fine
-    assert any(name == "fp8_quantize_rows_mgpu" for name, _ in _jax_support._LOWERED)
+    assert any(name == "fp8_quantize_rows_mgpu" for name, _ in lowering._LOWERED)
 
     def broken(*args, **kwargs):
         raise NotImplementedError("a planner this jax does not have")
 
-    monkeypatch.setattr(_jax_support.jax.export, "export", broken)
-    with pytest.raises(_jax_support.KernelLoweringError,
+    monkeypatch.setattr(lowering.jax.export, "export", broken)
+    with pytest.raises(lowering.KernelLoweringError,
                        match=r"wire_gather_encode_mgpu does not lower on jax .*wire_kernels='xla'"):
         jax.eval_shape(functools.partial(wm.gather_encode, fp8_wire=True), S((8, 512), BF16),
                        S((8,), jnp.int32))

@@ -38,8 +38,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import DTypeLike
 
-from moe import _jax_support, _vma
-from moe._tiling import check_fields, count, tile_size
+from moe.kernels import lowering, vma
+from moe.kernels.gmm.base import GROUP_ALIGNMENT, group_ends  # noqa: F401 - the layout it takes
+from moe.kernels.tiling import check_fields, count, tile_size
 
 try:  # Mosaic GPU ships with jax; keep CPU-only imports safe.
     from jax.experimental import pallas as pl
@@ -50,8 +51,6 @@ except Exception as e:  # pragma: no cover - depends on the installed jax
     pl = plgpu = None
     MOSAIC_IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
-GROUP_ALIGNMENT = 128
-"""Row alignment of every group in the layout these kernels take (the row/contraction tile)."""
 
 H100_SMS = 132
 
@@ -123,13 +122,13 @@ def kernel_name(kind: str, dtype, n_groups: int) -> str:
 
 
 AVOID = "backend='ragged_dot' (ragged layouts) or 'einsum' (padded)"
-"""What keeps the layer off these GEMMs (for `moe._jax_support.check_kernel_lowers`)."""
+"""What keeps the layer off these GEMMs (for `moe.kernels.lowering.check_kernel_lowers`)."""
 
 
 def _kernel(body, out_shape: tuple[int, ...], out_dtype, varying: frozenset, name: str):
     """``body`` as a persistent kernel named ``name``: one CTA per SM, each of three
     warpgroups ("wg"). Called on its operands, it first checks that it lowers on this jax
-    (`moe._jax_support.check_kernel_lowers`, a no-op on the tested versions)."""
+    (`moe.kernels.lowering.check_kernel_lowers`, a no-op on the tested versions)."""
 
     def named(*refs):
         body(*refs)
@@ -139,7 +138,7 @@ def _kernel(body, out_shape: tuple[int, ...], out_dtype, varying: frozenset, nam
     def kernel(varying):
         return plgpu.kernel(
             named,
-            out_type=_vma.out_struct(out_shape, out_dtype, varying),
+            out_type=vma.out_struct(out_shape, out_dtype, varying),
             grid=(_num_sms(),),
             grid_names=("sm",),
             num_threads=3,
@@ -149,7 +148,7 @@ def _kernel(body, out_shape: tuple[int, ...], out_dtype, varying: frozenset, nam
         )
 
     def call(*operands):
-        _jax_support.check_kernel_lowers(name, kernel(frozenset()), operands, avoid=AVOID)
+        lowering.check_kernel_lowers(name, kernel(frozenset()), operands, avoid=AVOID)
         return kernel(varying)(*operands)
 
     return call
@@ -348,15 +347,6 @@ def _gmm_body(tile_group, a_gmem, b_gmem, *rest, cfg: MosaicTiling, rhs_k_major:
                    out_gmem.dtype, cfg, scaled, tile)
 
 
-def group_ends(group_sizes: jax.Array) -> jax.Array:
-    """Inclusive cumulative sum of the (few) group sizes, as one masked reduction: XLA lowers
-    ``jnp.cumsum`` for CUDA to a scan loop (jax 0.11), which a handful of groups do not need."""
-    gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    n = gs.shape[0]
-    tri = jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]
-    return jnp.sum(jnp.where(tri, gs[None, :], 0), axis=1, dtype=jnp.int32)
-
-
 def tile_groups(group_sizes: jax.Array, m: int, tile_m: int,
                 live_rows: jax.Array | None = None) -> jax.Array:
     """int32 ``[m // tile_m]``: the group of each row tile (``G`` for padding tiles).
@@ -430,7 +420,7 @@ def gmm(
     kernel = _kernel(body, (m, n), out_dtype, varying, kernel_name("gmm", lhs.dtype, n_groups))
     scales = (row_scale.astype(jnp.float32), col_scale.astype(jnp.float32)) if scaled else ()
     out = kernel(tile_groups(group_sizes, m, cfg.tile_m, live_rows), lhs, rhs, *scales)
-    return _vma.as_varying(out, varying)
+    return vma.as_varying(out, varying)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -556,4 +546,4 @@ def tgmm(
     kernel = _kernel(body, (n_groups, n1, n2), out_dtype, varying,
                      kernel_name("tgmm", a.dtype, n_groups))
     scales = (row_scale.astype(jnp.float32), col_scale.astype(jnp.float32)) if scaled else ()
-    return _vma.as_varying(kernel(start_tile, num_tiles, a, b, *scales), varying)
+    return vma.as_varying(kernel(start_tile, num_tiles, a, b, *scales), varying)
