@@ -20,8 +20,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe import fp8
-from moe._plan import DensePlan, dense_capacity
 from moe.dispatch import combine, dispatch
+from moe.dispatch.plan import DensePlan, dense_capacity
 from xla_comm import hlo
 
 AXIS = "expert"

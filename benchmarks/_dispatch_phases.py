@@ -23,11 +23,11 @@ from _dispatch_harness import (
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe import _transport, fp8
-from moe._movement import back_row, sum_slots
-from moe._plan import dropless_buckets
-from moe._plan_build import dense_plan
-from moe.dispatch import combine, dispatch
+from moe import fp8
+from moe.dispatch import collectives, combine, dispatch
+from moe.dispatch.movement import back_row, sum_slots
+from moe.dispatch.plan import dropless_buckets
+from moe.dispatch.plan_build import dense_plan
 from moe.kernels.wire import api as wire_api
 from moe.kernels.wire import triton as wire_triton
 
@@ -145,7 +145,7 @@ def exchange_phases(ph: Phases, send_bf16, send_fp8):
     t, k, d, e, c, el, bs, n_rows, fp8_row, n_dev = ph.dims
     mesh, bench, call = ph.mesh, ph.bench, ph.call
     bf16_buf, fp8_buf, dp_bf16, dp_fp8 = ph.buffers
-    a2a = smap(mesh, lambda b: _transport.dense_exchange(b, AXIS), 1)
+    a2a = smap(mesh, lambda b: collectives.dense_exchange(b, AXIS), 1)
     bench("all_to_all alone", "all_to_all", "bf16", a2a, (send_bf16,),
           buffer_bytes=bf16_buf, deepep_bytes=dp_bf16)
     bench("all_to_all alone", "all_to_all", "fp8", a2a, (send_fp8,),
@@ -203,7 +203,7 @@ def combine_phases(ph: Phases, expert_x, back, send_slot, slot_row, w):
     bench("before: expert layout -> send layout (transpose)", "combine", "bf16",
           smap(mesh, send_layout, 1), (expert_x,))
     bench("before: transpose + all_to_all back", "combine", "bf16",
-          smap(mesh, lambda ey: _transport.dense_exchange(send_layout(ey), AXIS), 1),
+          smap(mesh, lambda ey: collectives.dense_exchange(send_layout(ey), AXIS), 1),
           (expert_x,), buffer_bytes=bf16_buf)
     bench("all_to_all back, split on the layout's axis 1 (library)", "combine", "bf16",
           smap(mesh, lambda ey: jax.lax.all_to_all(ey, AXIS, 1, 1, tiled=True), 1),

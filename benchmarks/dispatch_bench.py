@@ -72,8 +72,8 @@ from bench_util import (  # noqa: E402
 )
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from moe._transport import resolve_ragged_impl  # noqa: E402
 from moe.dispatch import dispatch  # noqa: E402
+from moe.dispatch.collectives import resolve_ragged_impl  # noqa: E402
 from xla_comm import hlo  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

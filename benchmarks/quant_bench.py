@@ -8,7 +8,7 @@ the kernels) and with the one-pass Pallas kernels of `moe.kernels.quant.api`, on
 inputs, medians after warm-up (each sample ten back-to-back calls). It also times the two ways
 of making a weight-gradient operand's K-major FP8 copy: column-wise quantization of the bf16
 rows (``quantize_cols_t``, two passes) and, what the layer does now, the e4m3 rows written
-transposed with a power of two per row (``transpose_rows``, `moe._fp8_gemm.scaled_t`: XLA's
+transposed with a power of two per row (``transpose_rows``, `moe.experts.fp8_gemm.scaled_t`: XLA's
 rescale-and-transpose fusion, one byte read and written per element; measured with the
 multipliers passed in, it was one kernel on an H200). It checks that both give the
 same bytes, counts the kernels each compiled function launches, and reports the rate in GB/s of
@@ -52,9 +52,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_util  # noqa: E402
 
-from moe import _fp8_gemm  # noqa: E402
-from moe._fp8_gemm import scaled_t  # noqa: E402
 from moe.activations import GatedActivation  # noqa: E402
+from moe.experts import fp8_gemm
+from moe.experts.fp8_gemm import scaled_t  # noqa: E402
 from moe.kernels.quant import triton as qt  # noqa: E402
 from moe.kernels.quant import xla as qx  # noqa: E402
 from moe.kernels.wire import api as wire_api  # noqa: E402
@@ -187,7 +187,7 @@ def main(argv=None) -> dict:
             "pallas": lambda w: qt.quantize_cols_t_and_rows(w, interpret=interpret)}),
         # FP8 dispatch with nothing sent: the GEMM's e4m3 rows from the tokens.
         "local_rows": ((tokens, index), {
-            "xla": lambda x, i: _fp8_gemm.rows_from_wire(wire_api.gather_rows(
+            "xla": lambda x, i: fp8_gemm.rows_from_wire(wire_api.gather_rows(
                 x, i, wire="fp8", block_size=block), x.shape[-1], block),
             "pallas_wire": lambda x, i: wire_triton.gather_rows_quantized(
                 wire_triton.gather_encode(x, i, fp8_wire=True, block_size=block,
@@ -199,12 +199,12 @@ def main(argv=None) -> dict:
         # The combine's gradient in the expert layout when nothing is sent, as the FP8
         # GEMMs read it: gathered and weighted (bf16), then quantized, or in one pass.
         "weighted_rows": ((tokens, wts, slots), {
-            "xla": lambda g, w, s: _fp8_gemm.rows(wire_api.gather_weighted_rows(
+            "xla": lambda g, w, s: fp8_gemm.rows(wire_api.gather_weighted_rows(
                 g, w, s, top_k=2, wire=jnp.dtype(jnp.bfloat16), block_size=block)),
             "pallas": lambda g, w, s: wire_triton.gather_weighted_rows_quantized(
                 g, w, s, top_k=2, interpret=interpret)}),
         # A weight-gradient operand that takes no rescaling: XLA's plain transpose, or the
-        # rescaling transpose by 2^-0 (`moe._fp8_gemm.wgrad_operands`).
+        # rescaling transpose by 2^-0 (`moe.experts.fp8_gemm.wgrad_operands`).
         "transpose_plain": ((xq,), {
             "xla": lambda q: jnp.swapaxes(q, 0, 1),
             "xla_zero_shift": lambda q: scaled_t(q, jax.lax.optimization_barrier(

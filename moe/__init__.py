@@ -1,11 +1,14 @@
 """moe: an expert-parallel Mixture-of-Experts layer for Flax NNX with an FP8 wire format.
 
 Functional core: :mod:`moe.fp8` (e4m3 + packed E8M0 block scales), :mod:`moe.routing`
-(top-k router, balancing), :mod:`moe.dispatch` (expert-parallel all-to-all dispatch/combine),
-:mod:`moe.experts` (gated grouped GEMMs), :mod:`moe.fp8_dense` (FP8 dense projections),
-:mod:`moe.activations` (SiLU, GELU, GPT-OSS's clamped SwiGLU); options: :mod:`moe.options`;
-shell: :class:`moe.MoE` (NNX) and :func:`moe.moe_linen` (Linen via ``flax.nnx.bridge``);
-:mod:`moe.convert` loads transformers' MoE blocks (Mixtral, Qwen2/3-MoE, DeepSeek-V3, GPT-OSS).
+(top-k router, balancing), :mod:`moe.dispatch` (expert-parallel all-to-all dispatch/combine and
+the typed plans), :mod:`moe.experts` (gated grouped GEMMs and their custom VJP),
+:mod:`moe.fp8_dense` (FP8 dense projections), :mod:`moe.activations` (SiLU, GELU, GPT-OSS's
+clamped SwiGLU); :mod:`moe.kernels` (one registry per operation: grouped GEMMs, FP8
+quantization, the wire; XLA, Triton and Mosaic GPU implementations); options:
+:mod:`moe.options`; shell: :class:`moe.MoE` (NNX) and :func:`moe.moe_linen` (Linen via
+``flax.nnx.bridge``); :mod:`moe.convert` loads transformers' MoE blocks (Mixtral,
+Qwen2/3-MoE, DeepSeek-V3, GPT-OSS). docs/architecture.md draws the layout.
 """
 
 from moe import activations, convert, fp8, options, routing

@@ -2,17 +2,17 @@
 
 The dense counterpart of the expert layer's FP8 GEMMs, for a model's other linear layers (an
 attention block's QKV and output projections, a dense MLP): the same recipe and kernels as
-`moe.gated_experts` (`moe._fp8_gemm`), on one group of rows. ``x`` is quantized per row (token)
-and ``W`` per output channel along the contraction axis, with power-of-two (E8M0) scales; the
-GEMM runs on the e4m3 payloads with f32 accumulation and applies the exact scales to its result
-(torchao's float8 "rowwise" recipe). ``W``'s FP8 copies are made from the param passed in, on
+`moe.gated_experts` (`moe.experts.fp8_gemm`), on one group of rows. ``x`` is quantized per
+row (token) and ``W`` per output channel along the contraction axis, with power-of-two (E8M0)
+scales; the GEMM runs on the e4m3 payloads with f32 accumulation and applies the exact scales to its
+result (torchao's float8 "rowwise" recipe). ``W``'s FP8 copies are made from the param passed in, on
 every call, in the K-major layout each GEMM reads: never stale after an optimizer step.
 
 The backward is a `jax.custom_vjp`: the data gradient ``dx = dy @ W^T`` in FP8 or bf16
 (``dgrad_dtype``; ``dy`` per row, ``W`` per input channel) and the weight gradient
 ``dW = x^T @ dy`` in bf16 or FP8 (``wgrad_dtype``; the e4m3 rows of ``x`` and ``dy`` that the
 other two GEMMs read, written transposed with their row scales folded into ``dy``'s,
-`moe._fp8_gemm`).
+`moe.experts.fp8_gemm`).
 bf16 weight gradients are the default, as torchao's rowwise recipe keeps them in high precision.
 
 On Hopper GPUs the GEMMs are the Pallas Mosaic GPU wgmma kernels of `moe.kernels.gmm.mosaic_kernel`
@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from moe import _fp8_gemm, _mesh
+from moe import meshes
+from moe.experts import fp8_gemm
 from moe.kernels import vma
 from moe.kernels.gmm import api as gmm_api
 from moe.kernels.tiling import pad_to
@@ -59,10 +60,10 @@ def _rows(m: int) -> jax.Array:
 
 def _forward(o: _DenseOpts, x: jax.Array, w):
     """``(y, x's e4m3 rows)``; ``w``: the kernel as one group, ``[1, K, N]``, or its forward
-    FP8 copy (`moe._fp8_gemm.weights`)."""
-    x_q = _fp8_gemm.rows(x)
+    FP8 copy (`moe.experts.fp8_gemm.weights`)."""
+    x_q = fp8_gemm.rows(x)
     with jax.named_scope("fp8_dense"):
-        y = _fp8_gemm.forward(gmm_api.IMPLEMENTATIONS[o.backend], "fp8", x_q, w, _rows(x.shape[0]),
+        y = fp8_gemm.forward(gmm_api.IMPLEMENTATIONS[o.backend], "fp8", x_q, w, _rows(x.shape[0]),
                               x.dtype)
     return y, x_q
 
@@ -77,7 +78,7 @@ def _dense_fwd(o: _DenseOpts, x, w):
     # gradient's kept for the backward (one byte per weight).
     w_fwd = w_dgrad = w[None]
     if o.dgrad_dtype == "fp8":
-        w_fwd, w_dgrad = _fp8_gemm.weights(w_fwd)
+        w_fwd, w_dgrad = fp8_gemm.weights(w_fwd)
     y, x_q = _forward(o, x, w_fwd)
     # An FP8 weight gradient reads x's e4m3 rows (one byte per element): keep those, not x.
     return y, (x_q if o.wgrad_dtype == "fp8" else x, w, w_dgrad)
@@ -87,12 +88,12 @@ def _dense_bwd(o: _DenseOpts, res, dy):
     x, w, w_dgrad = res
     ops, gs = gmm_api.IMPLEMENTATIONS[o.backend], _rows(dy.shape[0])
     dtype = dy.dtype  # y's dtype: x's
-    dy_q = _fp8_gemm.rows_if("fp8" in (o.dgrad_dtype, o.wgrad_dtype), dy)
+    dy_q = fp8_gemm.rows_if("fp8" in (o.dgrad_dtype, o.wgrad_dtype), dy)
     with jax.named_scope("fp8_dense_dgrad"):
-        dx = _fp8_gemm.dgrad(ops, o.dgrad_dtype, dy_q if o.dgrad_dtype == "fp8" else dy,
+        dx = fp8_gemm.dgrad(ops, o.dgrad_dtype, dy_q if o.dgrad_dtype == "fp8" else dy,
                              w_dgrad, gs, dtype)
     with jax.named_scope("fp8_dense_wgrad"):
-        dw = _fp8_gemm.wgrad(ops, o.wgrad_dtype, x, dy_q if o.wgrad_dtype == "fp8" else dy,
+        dw = fp8_gemm.wgrad(ops, o.wgrad_dtype, x, dy_q if o.wgrad_dtype == "fp8" else dy,
                              gs, w.dtype)[0]
     return dx, dw
 
@@ -178,7 +179,7 @@ def fp8_dense(
     o = _DenseOpts(gmm_api.resolve(backend, 2), dgrad_dtype, wgrad_dtype)
     lead, (k, n) = x.shape[:-1], kernel.shape
     x2 = x.reshape(-1, k)
-    mesh = _mesh.resolve(mesh)
+    mesh = meshes.resolve(mesh)
     if (mesh is None or math.prod(mesh.shape.values()) == 1
             or getattr(mesh, "manual_axes", ())):  # inside a shard_map: x is this device's
         return _local(o, x2, kernel).reshape(*lead, n)
@@ -194,11 +195,11 @@ def fp8_dense(
             f"x has {x2.shape[0]} rows, not divisible by the {shards} shards of "
             f"token_axes={axes}; pad the batch or pass token_axes= fewer axes."
         )
-    out_spec = jax.typeof(x2).sharding.spec if _mesh.is_explicit(mesh) else None
+    out_spec = jax.typeof(x2).sharding.spec if meshes.is_explicit(mesh) else None
     rows = P(axes, None)
     y = jax.shard_map(functools.partial(_local, o), mesh=mesh, in_specs=(rows, P()),
-                      out_specs=rows)(_mesh.reshard(x2, mesh, rows),
-                                      _mesh.reshard(kernel, mesh, P()))
+                      out_specs=rows)(meshes.reshard(x2, mesh, rows),
+                                      meshes.reshard(kernel, mesh, P()))
     if out_spec is not None:  # Explicit axes: y's rows sharded as x's were
-        y = _mesh.reshard(y, mesh, P(*out_spec[:1], None))
+        y = meshes.reshard(y, mesh, P(*out_spec[:1], None))
     return y.reshape(*lead, n)

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from moe import _mesh
 from moe import experts as _experts
+from moe import meshes
 from moe import routing as _routing
 from moe.dispatch import WireRows, dispatch_apply
 from moe.dispatch import combine as combine_fn
@@ -327,8 +327,8 @@ def _pad_rows(a: jax.Array, rows: int, value=0) -> jax.Array:
 def _unpad_rows(a: jax.Array, rows: int, mesh) -> jax.Array:
     """The first ``rows`` rows of ``a`` (on Explicit meshes gathered first: a slice that does
     not split evenly over the devices is not defined there)."""
-    if _mesh.is_explicit(mesh):
-        a = _mesh.reshard(a, mesh, P())
+    if meshes.is_explicit(mesh):
+        a = meshes.reshard(a, mesh, P())
     return a[:rows]
 
 
@@ -350,14 +350,14 @@ def _token_inputs(x, token_mask, jitter_key, ro, mesh, tok_spec: P, t_pad: int):
         mask = _pad_rows(jnp.ones((t,), bool) if mask is None else mask, t_pad - t, False)
         tokens = _pad_rows(tokens, t_pad - t)
         noise = None if noise is None else _pad_rows(noise, t_pad - t, 1.0)
-    tokens = _mesh.reshard(tokens, mesh, tok_spec)
+    tokens = meshes.reshard(tokens, mesh, tok_spec)
     extra, extra_specs = LocalInputs(), LocalInputs()
     if mask is not None:
-        mask = _mesh.reshard(mask, mesh, tok_spec)
+        mask = meshes.reshard(mask, mesh, tok_spec)
         tokens = jnp.where(mask[:, None], tokens, jnp.zeros((), tokens.dtype))
         extra, extra_specs = extra._replace(mask=mask), extra_specs._replace(mask=tok_spec)
     if noise is not None:
-        extra = extra._replace(noise=_mesh.reshard(noise, mesh, tok_spec))
+        extra = extra._replace(noise=meshes.reshard(noise, mesh, tok_spec))
         extra_specs = extra_specs._replace(noise=tok_spec)
     return tokens, mask, extra, extra_specs
 
@@ -451,7 +451,7 @@ def moe_apply(
       Shazeer et al. (2017), GShard (2020), Switch Transformer (2021); DeepSeek-V3 (2024).
     """
     options = _options_argument(options, opts)
-    mesh = _mesh.resolve(mesh)
+    mesh = meshes.resolve(mesh)
     if mesh is None:
         mesh = jax.make_mesh((1,), (options.dispatch.expert_axis,), devices=jax.devices()[:1])
     _check_call(x, router_kernel, w_down, options, mesh, dict(
@@ -471,7 +471,7 @@ def moe_apply(
     t_pad = -(-t // (n_dev * chunks)) * (n_dev * chunks)  # whole chunks on every device
     e, e_pad = ro.num_experts, _padded_experts(ro.num_experts, mesh.shape[axis])
     tok_spec = P(axes)
-    out_spec = jax.typeof(x.reshape(t, d)).sharding.spec if _mesh.is_explicit(mesh) else None
+    out_spec = jax.typeof(x.reshape(t, d)).sharding.spec if meshes.is_explicit(mesh) else None
     tokens, mask, extra, extra_specs = _token_inputs(x, token_mask, jitter_key, ro, mesh,
                                                      tok_spec, t_pad)
     if router_bias is not None:
@@ -487,7 +487,7 @@ def moe_apply(
     def bank(a):  # pad to e_pad experts (zeros, never routed to), then split over the axis
         if e_pad != e:
             a = _pad_rows(a, e_pad - e)
-        return _mesh.reshard(a, mesh, P(axis, *(None,) * (a.ndim - 1)))
+        return meshes.reshard(a, mesh, P(axis, *(None,) * (a.ndim - 1)))
 
     w_gate_up, w_down = bank(w_gate_up), bank(w_down)
     if expert_bias is not None:
@@ -519,8 +519,8 @@ def moe_apply(
         y = _unpad_rows(y, t, mesh)
         routing = {k: _unpad_rows(v, t, mesh) for k, v in routing.items()}
     if out_spec is not None:  # Explicit mesh: give y (and routing) back the tokens' sharding
-        y = _mesh.reshard(y, mesh, out_spec)
-        routing = {k: _mesh.reshard(v, mesh, out_spec) for k, v in routing.items()}
+        y = meshes.reshard(y, mesh, out_spec)
+        routing = {k: meshes.reshard(v, mesh, out_spec) for k, v in routing.items()}
     for name, value in routing.items():
         aux[name] = value.reshape(b, s, -1)
     return y.reshape(b, s, d).astype(x.dtype), aux

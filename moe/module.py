@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from moe import _mesh
+from moe import meshes
 from moe import routing as _routing
 from moe.layer import moe_apply
 from moe.options import MoEOptions
@@ -98,7 +98,7 @@ class MoE(nnx.Module):
                 f"options must be a moe.MoEOptions, got {type(options).__name__}; build it "
                 "with moe.MoEOptions.create(num_experts, top_k, ...)."
             )
-        options.check(d_model=d_model, d_ff=d_ff, mesh=_mesh.resolve(mesh))
+        options.check(d_model=d_model, d_ff=d_ff, mesh=meshes.resolve(mesh))
         self.mesh = mesh
         self.dtype = dtype
         self.options = options
@@ -123,15 +123,15 @@ class MoE(nnx.Module):
         # With an explicit mesh, place the values here (``reshard`` / a sharding constraint):
         # ``jax.set_mesh`` is refused under a trace, and ``moe_linen`` builds the module inside
         # ``apply``, often under ``jax.jit``. With only an ambient mesh, flax places them.
-        eager = mesh is None and _mesh.resolve(mesh) is not None
+        eager = mesh is None and meshes.resolve(mesh) is not None
         # Banks whose expert count does not split over the expert axis stay whole on every
         # device (moe_apply pads and splits them per call).
-        ambient = _mesh.resolve(mesh)
+        ambient = meshes.resolve(mesh)
         split = ambient is None or e % ambient.shape[axis] == 0
         ax = axis if split else None
 
         def place(value, sharding):
-            return value if mesh is None else _mesh.reshard(value, mesh, P(*sharding))
+            return value if mesh is None else meshes.reshard(value, mesh, P(*sharding))
 
         def param(key, shape, fan_in, sharding):
             value = jax.random.normal(key, shape, param_dtype) * fan_in**-0.5
@@ -209,7 +209,7 @@ class MoE(nnx.Module):
         # the layer compiles itself once per shapes (the ambient mesh resolved first, so a
         # later jax.set_mesh gets its own compilation).
         apply = moe_apply if _traced((args, kwargs)) else _eager_apply
-        return apply(*args, options=self.options, mesh=_mesh.resolve(self.mesh), **kwargs)
+        return apply(*args, options=self.options, mesh=meshes.resolve(self.mesh), **kwargs)
 
     def set_view(self, deterministic: bool | None = None):
         """Sets the view attributes of ``nnx.view`` (and ``.eval()`` / ``.train()``).

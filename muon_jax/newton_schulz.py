@@ -102,7 +102,7 @@ def resolve_ns_method(method: NsMethod, m: int, n: int, dtype: jax.typing.DTypeL
     (a symmetric-tile GPU kernel). Where it may later apply it needs: operands narrower than
     32 bits, one repeated triple (``single_triple``: per-step schedules such as
     ``'polar_express'`` open with steep polynomials the Gram form carries less accurately, see
-    ``tests/test_gram_ns.py``), and a GPU (float16 products at the bfloat16 rate).
+    ``tests/muon_jax/test_gram_ns.py``), and a GPU (float16 products at the bfloat16 rate).
 
     >>> resolve_ns_method('standard', 1024, 4096, 'bfloat16')
     'standard'

@@ -10,7 +10,7 @@ AdamW part is NAdamW under ``nesterov=True``; per-step coefficient triples run a
 and run muon_jax's implementation. Extra keyword arguments (``mesh=``, ``chunk_bytes=``, ...)
 go through to :func:`muon_jax.muon` / :func:`muon_jax.scale_by_muon`, so a port can shard
 without other changes. optax's own Muon test file runs against this module
-(``tests/test_optax_port.py``).
+(``tests/muon_jax/test_optax_port.py``).
 
 The README's "Coming from optax.contrib.muon" table maps each argument to its
 :func:`muon_jax.muon` spelling and says where the two defaults differ and why.

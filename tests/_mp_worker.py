@@ -1,5 +1,5 @@
 """One of two processes (4 CPU devices each) joined by jax.distributed over loopback; run by
-tests/test_multiprocess.py:
+tests/integration/test_multiprocess.py:
 
     python tests/_mp_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR
 
@@ -33,7 +33,10 @@ jax.distributed.initialize(
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+# tests/ has a folder named moe (the package's tests): the repository root goes first, so that
+# `import moe` finds the package rather than that folder (a namespace package).
+sys.path[:0] = [os.path.dirname(_TESTS), _TESTS]
 import _tiny_moe as tm  # noqa: E402
 
 STEPS = 3

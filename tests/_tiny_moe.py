@@ -153,7 +153,7 @@ def run(mesh, steps, *, start=0, state=None, seed=0, step_fn=None, **kw):
         for i in range(start, start + steps):
             params, bias, opt_state, ce = step_fn(params, bias, opt_state, tokens(i, seed, mesh))
             # One step at a time: queued steps can deadlock XLA:CPU's in-process collectives
-            # (see tests/test_soak.py).
+            # (see tests/integration/test_soak.py).
             jax.block_until_ready((params, opt_state))
             losses.append(ce)
     return (graphdef, params, bias, opt_state, tx), np.asarray(jax.device_get(losses))

@@ -1,7 +1,7 @@
 """The Mosaic grouped GEMMs' tile maps (`moe.kernels.gmm.mosaic_kernel`), checked row by row on the
 CPU.
 
-The kernels themselves need a Hopper GPU (CI lowers them, tests/test_fp8_lowering.py); which
+The kernels themselves need a Hopper GPU (CI lowers them, tests/moe/test_fp8_lowering.py); which
 tiles they compute is plain index arithmetic: every row that may be nonzero (the first
 ``live_rows[g]`` of group ``g``) must lie in a computed tile of its own group, and a skipped
 tile may hold only rows past ``live_rows``.

@@ -1,6 +1,6 @@
 """The one-pass FP8 quantization kernels (moe.kernels.quant.api) give the bytes of their XLA
 references, run in Pallas interpret mode on CPU; the compiled GPU path is lowered in
-tests/test_fp8_lowering.py."""
+tests/moe/test_fp8_lowering.py."""
 
 import functools
 

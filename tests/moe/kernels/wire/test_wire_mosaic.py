@@ -4,9 +4,9 @@
 They run only on a Hopper GPU (``benchmarks/quant_bench.py`` compares their bytes and speed
 with the Triton kernels and XLA there). Here: they lower for CUDA with the Triton kernels'
 output types; the wire's call sites (`moe.kernels.wire.api.gather_rows`, the expert layouts of
-`moe._movement`, `moe._fp8_gemm.rows_from_wire`) pick them, Triton or XLA by width and
-platform, and off GPU give the reference bytes; and their arithmetic, run by Pallas' Mosaic
-GPU interpreter (layouts ignored), gives the XLA wire's bytes.
+`moe.dispatch.movement`, `moe.experts.fp8_gemm.rows_from_wire`) pick them, Triton or XLA by
+width and platform, and off GPU give the reference bytes; and their arithmetic, run by Pallas'
+Mosaic GPU interpreter (layouts ignored), gives the XLA wire's bytes.
 """
 
 import functools
@@ -21,7 +21,9 @@ from _cuda_export import TRITON_DEPRECATED, cuda_mesh, export_for_cuda, kernel_c
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe import _fp8_gemm, _movement, dispatch
+from moe import dispatch
+from moe.dispatch import movement
+from moe.experts import fp8_gemm
 from moe.kernels.gmm import mosaic_kernel as gmm_mosaic
 from moe.kernels.platform import prefer_mosaic_gpu
 from moe.kernels.quant import mosaic as qm
@@ -167,7 +169,8 @@ def test_gather_rows_dispatch_before_hopper(monkeypatch, wire, width, want):
 
 
 def _plan(p: int, c: int, pair_row=None):
-    """The fields of a `moe._plan.DensePlan` / `DroplessPlan` that the expert layouts read."""
+    """The fields of a `moe.dispatch.plan.DensePlan` / `DroplessPlan` that the expert layouts
+    read."""
     return SimpleNamespace(axis_size=p, num_local_experts=2, capacity=c, pair_width=c,
                            pair_row=pair_row,
                            expert_shape=lambda width: (2, p * c, width))
@@ -179,11 +182,11 @@ def _plan(p: int, c: int, pair_row=None):
 def test_expert_layout_decode_dispatch(wire, width, want):
     """The received rows decoded into the expert layout, dense (a permutation) and dropless
     (a gather by the plan's pair rows)."""
-    w = _movement.wire_for(wire, F32, 128, "auto")
+    w = movement.wire_for(wire, F32, 128, "auto")
     p, c = 2, 4
     pair_row = jnp.array([1, 0, 7, 100, 3, 3, 6, 2, 5, 16, 4, 0, 9, 8, 2, 1], I32)
-    dense = functools.partial(_movement._dense_to_layout, plan=_plan(p, c), w=w, width=width)
-    dropless = functools.partial(_movement._pairs_to_layout, plan=_plan(p, c, pair_row), c=c, o=0,
+    dense = functools.partial(movement._dense_to_layout, plan=_plan(p, c), w=w, width=width)
+    dropless = functools.partial(movement._pairs_to_layout, plan=_plan(p, c, pair_row), c=c, o=0,
                                  w=w, width=width)
     x = _rows(2 * p * c, width, F32)
     recv = wire_api.encode_rows(x, wire=w.codec, block_size=128)
@@ -197,8 +200,8 @@ def test_expert_layout_decode_dispatch(wire, width, want):
 
 @pytest.mark.parametrize("width,want", [(1536, "mosaic"), (256, None), (768, None)])
 def test_rows_from_wire_dispatch(width, want):
-    """`moe._fp8_gemm.rows_from_wire`: the FP8 GEMM's e4m3 rows from received wire rows."""
-    fn = functools.partial(_fp8_gemm.rows_from_wire, width=width, block_size=128)
+    """`moe.experts.fp8_gemm.rows_from_wire`: the FP8 GEMM's e4m3 rows from received wire rows."""
+    fn = functools.partial(fp8_gemm.rows_from_wire, width=width, block_size=128)
     buf = wire_api.encode_rows(_rows(12, width, F32), wire="fp8", block_size=128)
     text = export_for_cuda(lambda b, i: fn(b, index=i), S(buf.shape, U32), S(INDEX.shape, I32))
     assert _kernel(text, "wire_gather_rows_fp8") == want
@@ -299,15 +302,15 @@ def test_float_kernels_interpreted_give_the_xla_bytes(interpret):
 @pytest.mark.parametrize("r", [10, 9])
 def test_local_gathers_interpreted_give_the_xla_bytes(interpret, r):
     """The two gathers where nothing is sent (out-of-range indices and slots, repeats): the
-    bytes of `moe._fp8_gemm`'s XLA paths."""
+    bytes of `moe.experts.fp8_gemm`'s XLA paths."""
     x = _rows(12, 512, F32)
     index = INDEX[:r]
     got = interpret(functools.partial(wm.gather_local_rows_quantized, block_size=128), x,
                     index)
-    want = _fp8_gemm.rows_from_tokens(x, index, 128)  # the XLA path on the CPU
+    want = fp8_gemm.rows_from_tokens(x, index, 128)  # the XLA path on the CPU
     chex.assert_trees_all_equal(_bytes(got), _bytes(want))
     w = jax.random.uniform(jax.random.key(4), (24,), F32)
     slot = jnp.array([23, 0, 5, -1, 24, 7, 7, 12, 1, 3], I32)[:r]
     got = interpret(functools.partial(wm.gather_weighted_rows_quantized, top_k=2), x, w, slot)
-    want = _fp8_gemm.rows_from_weighted(x, w, slot, top_k=2, wire_dtype=BF16)
+    want = fp8_gemm.rows_from_weighted(x, w, slot, top_k=2, wire_dtype=BF16)
     chex.assert_trees_all_equal(_bytes(got), _bytes(want))

@@ -95,7 +95,7 @@ def test_operands_are_quantized_by_the_pallas_kernels(transport, backend):
     gradients read the e4m3 rows of x, h, dy and dz, transposed by XLA (no kernel of these,
     dy's and dz's rescaled by powers of two on the way), with no second quantization. With
     one device and the dropless layout, dy's rows are made as the combine's backward gathers
-    them (``wire_weighted_rows_fp8``, `moe._experts_combine`), not written in bf16 first."""
+    them (``wire_weighted_rows_fp8``, `moe.experts.fused_combine`), not written in bf16 first."""
     text = _layer_grad_text(transport, backend)
     fused = transport == "dropless"
     tokens = (["fp8_gated_grad_quantize_rows", "fp8_gated_quantize_rows"]

@@ -2,7 +2,7 @@
 
 :func:`experts` runs ``y = act(x @ W_gu) @ W_d`` per group of rows (ragged ``[R, d]`` with
 group sizes, or padded ``[E, C, d]``) on one backend of `moe.kernels.gmm.api`, each of its six
-GEMMs at the precision its :class:`Call`'s options ask for (`moe._fp8_gemm`), and keeps for
+GEMMs at the precision its :class:`Call`'s options ask for (`moe.experts.fp8_gemm`), and keeps for
 the backward what ``save_z`` says. `moe.experts.experts_apply` validates the arguments, picks
 the backend and brings other layouts (plain ragged rows for the aligned kernels, padded slots
 as rows) to this one.
@@ -16,7 +16,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moe import _fp8_gemm, fp8
+from moe import fp8
+from moe.experts import fp8_gemm
 from moe.kernels.gmm import api as gmm_api
 from moe.kernels.quant import api as quant_api
 from moe.options import ExpertOptions
@@ -39,16 +40,16 @@ def _gemms(opts: Call) -> gmm_api.GroupedGemms:
 
 
 def _matmul(opts: Call, precision: str, a, w, gs, out_dtype):
-    return _fp8_gemm.forward(_gemms(opts), precision, a, w, gs, out_dtype)
+    return fp8_gemm.forward(_gemms(opts), precision, a, w, gs, out_dtype)
 
 
 def _matmul_t(opts: Call, a, w, gs, out_dtype, *, trim: bool = True):
-    return _fp8_gemm.dgrad(_gemms(opts), opts.experts.dgrad_dtype, a, w, gs, out_dtype,
+    return fp8_gemm.dgrad(_gemms(opts), opts.experts.dgrad_dtype, a, w, gs, out_dtype,
                            trim=trim)
 
 
 def _wgrad(opts: Call, a, g, gs, out_dtype):
-    return _fp8_gemm.wgrad(_gemms(opts), opts.experts.wgrad_dtype, a, g, gs, out_dtype)
+    return fp8_gemm.wgrad(_gemms(opts), opts.experts.wgrad_dtype, a, g, gs, out_dtype)
 
 
 def _gate_up(opts: Call, x, gs: jax.Array, w_gate_up: jax.Array,
@@ -108,13 +109,13 @@ def _forward(opts: Call, x, gs, w_gate_up, w_down, b_gate_up, x_q, w_q=None):
     """Returns (y, z, x_in, h): x_in and h as the two GEMMs took them (the masked x, and
     ``act(z)``; their row-quantized pairs for FP8 GEMMs: ``x_q`` if given, which must equal
     ``rows(masked x)``). ``w_q``: the weights' forward FP8 copies if made elsewhere
-    (`moe._fp8_gemm.weights`). Padding rows of x are zeroed, so they give y = 0 on every
+    (`moe.experts.fp8_gemm.weights`). Padding rows of x are zeroed, so they give y = 0 on every
     backend (without ``b_gate_up``; ``gated_experts`` zeroes them when there are biases)."""
     x = _mask_rows(opts, x, gs)
     if opts.experts.gemm_dtype != "fp8":
         x_in = x
     else:
-        x_in = _fp8_gemm.rows(x) if x_q is None else x_q
+        x_in = fp8_gemm.rows(x) if x_q is None else x_q
     w_gu, w_d = (w_gate_up, w_down) if w_q is None else w_q
     z = _gate_up(opts, x_in, gs, w_gu, b_gate_up, x.dtype)
     if opts.experts.gemm_dtype == "fp8":  # h quantized as it is computed (one read of z)
@@ -145,7 +146,7 @@ def _experts_fwd(opts: Call, x, gs, w_gate_up, w_down, b_gate_up, x_q=None):
     w_q = w_dgrad = None
     eo = opts.experts
     if eo.gemm_dtype == eo.dgrad_dtype == "fp8" and eo.save_z != "recompute":
-        (gu_f, gu_d), (d_f, d_d) = _fp8_gemm.weights(w_gate_up), _fp8_gemm.weights(w_down)
+        (gu_f, gu_d), (d_f, d_d) = fp8_gemm.weights(w_gate_up), fp8_gemm.weights(w_down)
         w_q, w_dgrad = (gu_f, d_f), (gu_d, d_d)
     y, z, x_in, h = _forward(opts, x, gs, w_gate_up, w_down, b_gate_up, x_q, w_q)
     if opts.experts.save_z == "recompute":
@@ -171,7 +172,7 @@ def backward(opts: Call, res, dy, dtype, dy_q=None):
     """The backward from :func:`forward`'s residuals ``res`` and y's cotangent ``dy`` (of
     ``dtype``, y's), or with FP8 data- and weight-gradient GEMMs only its row-quantized pair
     ``dy_q`` (``dy`` None; zero on padding rows), made where ``dy`` is gathered
-    (`moe._experts_combine`). Returns the cotangents of ``experts``' arguments."""
+    (`moe.experts.fused_combine`). Returns the cotangents of ``experts``' arguments."""
     x, gs, w_gate_up, w_down, b_gate_up, z_saved, h, w_dgrad = res
     w_gu_t, w_d_t = (w_gate_up, w_down) if w_dgrad is None else w_dgrad
     if not isinstance(x, tuple):
@@ -191,7 +192,7 @@ def backward(opts: Call, res, dy, dtype, dy_q=None):
     dh_dtype = dtype if dz_kernel and fp8_wgrad else jnp.float32
     if dy_q is None:
         dy = _mask_rows(opts, dy.astype(dtype), gs)
-        dy_q = _fp8_gemm.rows_if(fp8_dgrad or fp8_wgrad, dy)
+        dy_q = fp8_gemm.rows_if(fp8_dgrad or fp8_wgrad, dy)
     elif not fp8_dgrad or not fp8_wgrad:
         raise ValueError("dy_q: only FP8 data- and weight-gradient GEMMs read dy as e4m3 rows "
                          "alone.")
@@ -217,7 +218,7 @@ def backward(opts: Call, res, dy, dtype, dy_q=None):
     else:
         dz32 = opts.experts.activation.grad(z, dh)
         dz = dz32.astype(dtype)
-        dz_q = _fp8_gemm.rows_if(fp8_dgrad or fp8_wgrad, dz)
+        dz_q = fp8_gemm.rows_if(fp8_dgrad or fp8_wgrad, dz)
     with jax.named_scope("experts_gate_up_dgrad"):
         dx = _matmul_t(opts, dz_q if fp8_dgrad else dz, w_gu_t, gs, dtype)
     with jax.named_scope("experts_gate_up_wgrad"):

@@ -14,8 +14,9 @@ import sys
 import _tiny_moe as tm
 import jax
 import numpy as np
+from _paths import TESTS
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = str(TESTS)
 STEPS = 3  # as in _mp_worker.py
 TIMEOUT_S = 300
 

@@ -7,6 +7,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
+from _paths import ROOT
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -162,7 +163,7 @@ def test_enable_overlap_in_fresh_process_sets_flags_xla_accepts():
         "print(os.environ['XLA_FLAGS'])"
     )
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(ROOT)
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
         timeout=120,

@@ -55,9 +55,9 @@ def rows_from_wire(wire: jax.Array, width: int, block_size: int,
 
 def rows_from_tokens(tokens: jax.Array, index: jax.Array,
                      block_size: int) -> tuple[jax.Array, jax.Array]:
-    """FP8 dispatch where nothing is sent (`moe._transport.TokenRows`): the row-quantized pair
-    of ``decode(encode(tokens[index]))``, the bytes :func:`rows_from_wire` gives for the wire
-    rows that the dispatch would have written
+    """FP8 dispatch where nothing is sent (`moe.dispatch.collectives.TokenRows`): the
+    row-quantized pair of ``decode(encode(tokens[index]))``, the bytes :func:`rows_from_wire` gives
+    for the wire rows that the dispatch would have written
     (`moe.kernels.wire.api.gather_local_rows_quantized`)."""
     return wire_api.gather_local_rows_quantized(tokens, index, block_size=block_size)
 

@@ -7,13 +7,13 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from _paths import ROOT
 
 from xla_comm.trace import exposed_comm_fraction, interval_union
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = ROOT
 
 
 def _meta(pid, name, tid=None):

@@ -6,9 +6,10 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from _paths import ROOT
+
+ROOT = ROOT
 SCRIPT = str(ROOT / "benchmarks" / "experts_bench.py")
 
 

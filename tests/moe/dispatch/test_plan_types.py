@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import pytest
 
 import moe
-from moe import _plan, _plan_build
+from moe.dispatch import plan as dispatch_plan
+from moe.dispatch import plan_build
 
-PLANS = (_plan.DensePlan, _plan.RaggedPlan, _plan.DroplessPlan)
+PLANS = (dispatch_plan.DensePlan, dispatch_plan.RaggedPlan, dispatch_plan.DroplessPlan)
 MOE = pathlib.Path(moe.__file__).parent
 MAX_TRANSPORT_STRING_COMPARES = 6  # issue 40's target for all of moe/
 
@@ -70,7 +71,7 @@ def test_transport_string_compares_are_few():
              for line in _transport_string_compares(ast.parse(path.read_text(), str(path)))]
     assert len(found) <= MAX_TRANSPORT_STRING_COMPARES, found
     # The plans, their builders and the movement branch on the plan's type only.
-    owned = ("moe/_plan.py", "moe/_plan_build.py", "moe/_movement.py", "moe/_experts_combine.py")
+    owned = ("moe/dispatch/", "moe/experts/fused_combine.py")
     assert not [f for f in found if f.startswith(owned)], found
 
 
@@ -79,9 +80,9 @@ def _plans():
     ids = jnp.array([[2, 0], [2, 1]], jnp.int32)
     statics = dict(num_experts=4, axis_name="expert", axis_size=1, x_dtype="float32",
                    block_size=128)
-    return (_plan_build.dense_plan(ids, capacity=8, **statics),
-            _plan_build.ragged_plan(ids, ragged_impl="native", **statics),
-            _plan_build.dropless_plan(ids, buckets=(4,), **statics))
+    return (plan_build.dense_plan(ids, capacity=8, **statics),
+            plan_build.ragged_plan(ids, ragged_impl="native", **statics),
+            plan_build.dropless_plan(ids, buckets=(4,), **statics))
 
 
 def test_each_builder_gives_its_plan_type_with_the_shared_properties():

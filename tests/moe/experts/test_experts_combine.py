@@ -1,5 +1,5 @@
 """One device on the expert axis with FP8 gradient GEMMs: the experts and the combine run as
-one custom VJP (moe._experts_combine) whose backward quantizes the experts' output gradient
+one custom VJP (moe.experts.fused_combine) whose backward quantizes the experts' output gradient
 as it gathers it from the token gradients. The rows must be the bytes of gathering then
 quantizing, so the layer's outputs and gradients are bit for bit those of the two VJPs."""
 
@@ -13,7 +13,8 @@ import pytest
 from _meshes import make_mesh
 
 import moe
-from moe import _experts_combine, _fp8_gemm, _plan_build
+from moe.dispatch import plan_build
+from moe.experts import fp8_gemm, fused_combine
 from moe.kernels.quant import xla as quant_xla
 from moe.kernels.wire import api as wire_api
 from moe.kernels.wire import triton as wire_triton
@@ -40,7 +41,7 @@ def test_weighted_rows_kernel_gives_the_gather_then_quantize_bytes(wire_dtype):
     want = quant_xla.quantize_rows_reference(sent)
     got = jax.jit(functools.partial(wire_triton.gather_weighted_rows_quantized, top_k=k,
                                     wire_dtype=wire_dtype, interpret=True))(g, w, slot)
-    xla = jax.jit(functools.partial(_fp8_gemm.rows_from_weighted, top_k=k,
+    xla = jax.jit(functools.partial(fp8_gemm.rows_from_weighted, top_k=k,
                                     wire_dtype=wire_dtype))(g, w, slot)
     for path in (got, xla):
         for a, b in zip(path, want, strict=True):
@@ -69,17 +70,17 @@ def _layer_grads(backend: str, dispatch_dtype, fused: bool, dtype=jnp.bfloat16, 
         return jnp.sum(y.astype(jnp.float32) * jnp.cos(y.astype(jnp.float32))), y
 
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
-    real, seen = _experts_combine.applies, []
+    real, seen = fused_combine.applies, []
 
     def spy(*a):  # fused: the layer must take the one-VJP path; else: two custom VJPs
         seen.append(real(*a))
         return fused and seen[-1]
 
     try:
-        _experts_combine.applies = spy
+        fused_combine.applies = spy
         out = fn(x, router, wgu, wd)
     finally:
-        _experts_combine.applies = real
+        fused_combine.applies = real
     assert seen == [True], seen
     return out
 
@@ -103,22 +104,22 @@ def test_layer_through_the_fused_combine_gives_the_two_vjps_bytes(backend, dispa
 
 def test_applies_only_where_nothing_is_sent_and_dy_is_read_as_fp8():
     from moe import ExpertOptions
-    from moe._experts_vjp import Call
+    from moe.experts.vjp import Call
 
     ids = jnp.array([[0, 1], [2, 3]], jnp.int32)
     statics = dict(num_experts=4, axis_name="expert", axis_size=1, x_dtype="float32",
                    block_size=128)
-    plan = _plan_build.dropless_plan(ids, buckets=(4,), **statics)
+    plan = plan_build.dropless_plan(ids, buckets=(4,), **statics)
     fp8_all = Call(experts=ExpertOptions(backend="mosaic", gemm_dtype="fp8", dgrad_dtype="fp8",
                                          wgrad_dtype="fp8"), fp8_block_size=128, mask_rows=True)
-    assert _experts_combine.applies(fp8_all, plan, None)
-    assert _experts_combine.applies(fp8_all, _plan_build.ragged_plan(
+    assert fused_combine.applies(fp8_all, plan, None)
+    assert fused_combine.applies(fp8_all, plan_build.ragged_plan(
         ids, ragged_impl="native", **statics), None)
-    assert not _experts_combine.applies(fp8_all, _plan_build.dense_plan(
+    assert not fused_combine.applies(fp8_all, plan_build.dense_plan(
         ids, capacity=8, **statics), None)  # the padded layout
-    assert not _experts_combine.applies(fp8_all, plan, "fp8")  # FP8 gradient wire
+    assert not fused_combine.applies(fp8_all, plan, "fp8")  # FP8 gradient wire
     bf16_wgrad = dataclasses.replace(
         fp8_all, experts=dataclasses.replace(fp8_all.experts, wgrad_dtype="bf16"))
-    assert not _experts_combine.applies(bf16_wgrad, plan, None)
+    assert not fused_combine.applies(bf16_wgrad, plan, None)
     plan = dataclasses.replace(plan, axis_size=2)
-    assert not _experts_combine.applies(fp8_all, plan, None)
+    assert not fused_combine.applies(fp8_all, plan, None)

@@ -9,8 +9,9 @@ import subprocess
 import sys
 
 import pytest
+from _paths import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = ROOT
 
 
 def _report(root: pathlib.Path, *args: str) -> subprocess.CompletedProcess:

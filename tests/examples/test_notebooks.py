@@ -1,14 +1,13 @@
 """Each notebooks/<name>.ipynb holds exactly the cells of its jupytext source <name>.py."""
 
-import pathlib
-
 import pytest
+from _paths import ROOT
 
 jupytext = pytest.importorskip(
     "jupytext", reason="jupytext (in the 'test' extra) reads the notebooks' .py sources"
 )
 
-NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = ROOT / "notebooks"
 IPYNBS = sorted(NOTEBOOKS.glob("*.ipynb"))
 
 

@@ -1,6 +1,7 @@
 """FP8 dispatch feeding FP8 expert GEMMs: the forward GEMM reads x's e4m3 rows converted from
-the wire rows (moe._fp8_gemm.rows_from_wire), which must be the bytes of quantizing the decoded
-rows again, so the layer's outputs and gradients are bit for bit those of the decoded path."""
+the wire rows (moe.experts.fp8_gemm.rows_from_wire), which must be the bytes of quantizing the
+decoded rows again, so the layer's outputs and gradients are bit for bit those of the decoded
+path."""
 
 import functools
 
@@ -11,8 +12,9 @@ import pytest
 from _meshes import make_mesh
 
 import moe
-from moe import _fp8_gemm, _transport
 from moe import layer as moe_layer
+from moe.dispatch import collectives
+from moe.experts import fp8_gemm
 from moe.kernels.quant import api as quant_api
 from moe.kernels.quant import xla as quant_xla
 from moe.kernels.wire import api as wire_api
@@ -39,7 +41,7 @@ def test_rows_from_wire_are_the_requantized_decoded_rows():
     decoded = wire_api.decode_rows(wire, wire="fp8", width=d, block_size=block,
                                      out_dtype=jnp.bfloat16)
     want = quant_api.rows(decoded)
-    got = jax.jit(_fp8_gemm.rows_from_wire, static_argnums=(1, 2))(wire, d, block)
+    got = jax.jit(fp8_gemm.rows_from_wire, static_argnums=(1, 2))(wire, d, block)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(_bytes(g), _bytes(w))
     s = np.asarray(got[1])
@@ -108,7 +110,7 @@ def test_with_wire_needs_fp8_tokens_on_a_ragged_layout():
     # One device sends nothing: the tokens and the token of each layout row stand in for
     # the wire rows (the GEMM's rows are made from them, test below).
     local = call("dropless", "fp8")
-    assert isinstance(local, _transport.TokenRows)
+    assert isinstance(local, collectives.TokenRows)
     assert local.tokens.shape == (16, 128) and local.index.dtype == jnp.int32
     for transport, dtype in (("dense", "fp8"), ("dropless", None)):
         with pytest.raises(ValueError, match="with_wire needs"):
@@ -138,7 +140,7 @@ def test_wire_rows_kernel_gives_the_reference_bytes():
         np.testing.assert_array_equal(_bytes(g), _bytes(w))
     assert not np.asarray(got[0][2], np.float32).any()
     assert np.isnan(np.asarray(got[1])[3])
-    xla = jax.jit(_fp8_gemm.rows_from_wire, static_argnums=(1, 2))(wire, d, block, index)
+    xla = jax.jit(fp8_gemm.rows_from_wire, static_argnums=(1, 2))(wire, d, block, index)
     for g, w in zip(xla, want, strict=True):  # the XLA path (what runs on CPU) agrees
         np.testing.assert_array_equal(_bytes(g), _bytes(w))
 
@@ -160,10 +162,10 @@ def test_local_rows_kernel_gives_the_wire_paths_bytes():
     x = jnp.asarray(x, jnp.bfloat16)
     index = jnp.array([5, 1, -1, 3, 0, 6, 2, 4, 1, 12], jnp.int32)  # -1, 6, 12: out of range
     wire = wire_api.encode_rows(x, wire="fp8", block_size=block)
-    want = jax.jit(_fp8_gemm.rows_from_wire, static_argnums=(1, 2))(wire, d, block, index)
+    want = jax.jit(fp8_gemm.rows_from_wire, static_argnums=(1, 2))(wire, d, block, index)
     got = jax.jit(functools.partial(wire_triton.gather_local_rows_quantized,
                                     block_size=block, interpret=True))(x, index)
-    xla = jax.jit(_fp8_gemm.rows_from_tokens, static_argnums=2)(x, index, block)
+    xla = jax.jit(fp8_gemm.rows_from_tokens, static_argnums=2)(x, index, block)
     for path in (got, xla):
         for g, w in zip(path, want, strict=True):
             np.testing.assert_array_equal(_bytes(g), _bytes(w))

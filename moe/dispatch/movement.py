@@ -2,7 +2,7 @@
 ``jax.shard_map``: wire formats, send buffers, the (bucketed) exchanges, the expert layouts, the
 sums over the ``k`` choices, and the custom VJPs whose backward passes are the opposite
 exchange. The layouts, transports and per-call data movement are described in
-:mod:`moe.dispatch`; the plan (who sends which row where) is :mod:`moe._plan`.
+:mod:`moe.dispatch`; the plan (who sends which row where) is :mod:`moe.dispatch.plan`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe import _transport
-from moe._plan import DensePlan, DispatchPlan, DroplessPlan, RaggedPlan
+from moe.dispatch import collectives
+from moe.dispatch.plan import DensePlan, DispatchPlan, DroplessPlan, RaggedPlan
 from moe.kernels.wire import api as wire_api
 from moe.options import WireDtype
 
@@ -170,7 +170,7 @@ def _to_experts(encode, plan: DispatchPlan, w: Wire, width: int, with_wire: bool
     if isinstance(plan, DroplessPlan):
         def exchange(start, size):
             send = encode(_pair_rows(plan.send_slot, plan, start, size))  # [P dst * size, W]
-            return _transport.dense_exchange(send, plan.axis_name)
+            return collectives.dense_exchange(send, plan.axis_name)
 
         return _two_phase(plan, exchange, lambda recv, o: _pairs_to_layout(
             recv, plan, plan.buckets[0], o, w, width, with_wire))
@@ -179,13 +179,13 @@ def _to_experts(encode, plan: DispatchPlan, w: Wire, width: int, with_wire: bool
         if with_wire:
             raise ValueError("the wire rows of the dense transport's padded layout are not "
                              "offered; ask for them with a ragged layout (dropless, ragged).")
-        recv = _transport.dense_exchange(send, plan.axis_name)  # [P src, E_local, C, W]
+        recv = collectives.dense_exchange(send, plan.axis_name)  # [P src, E_local, C, W]
         return _dense_to_layout(recv, plan, w, width)
     if plan.axis_size == 1:  # ragged
         recv = send  # sorted by expert: already the layout (R = T * k rows)
     else:
         recv = jnp.zeros_like(send, shape=(plan.rows, send.shape[-1]))  # varies like send
-        recv = _transport.ragged_exchange(
+        recv = collectives.ragged_exchange(
             send, recv, plan.send_offsets, plan.send_counts, plan.remote_offsets,
             plan.recv_counts.reshape(-1), axis_name=plan.axis_name, impl=plan.ragged_impl,
         )
@@ -207,12 +207,12 @@ def _return_trip(expert_rows: jax.Array, plan: DensePlan | RaggedPlan) -> jax.Ar
     if isinstance(plan, DensePlan):
         p, el, c = plan.axis_size, plan.num_local_experts, plan.capacity
         rows = expert_rows.reshape(el, p * c, width)
-        back = _transport.dense_exchange(rows, plan.axis_name, axis=1)
+        back = collectives.dense_exchange(rows, plan.axis_name, axis=1)
         return back.reshape(-1, width)
     if plan.axis_size == 1:
         return expert_rows  # R = T * k rows in sorted order: the send buffer's rows
     back = jnp.zeros_like(expert_rows, shape=(plan.send_slot.shape[0], width))
-    return _transport.ragged_exchange(
+    return collectives.ragged_exchange(
         expert_rows, back, plan.recv_offsets, plan.recv_counts.reshape(-1),
         plan.return_offsets, plan.send_counts, axis_name=plan.axis_name,
         impl=plan.ragged_impl,
@@ -253,7 +253,7 @@ def _from_experts(expert_rows: jax.Array, plan: DispatchPlan, reduce):
             expert_rows, _pair_rows(plan.layout_row, plan, start, size),
             wire=jnp.dtype(expert_rows.dtype), block_size=plan.block_size,
             kernels=plan.wire_kernels)
-        return _transport.dense_exchange(send, plan.axis_name)
+        return collectives.dense_exchange(send, plan.axis_name)
 
     return _two_phase(plan, exchange, lambda back, o: reduce(
         back, lambda j: _pair_to_row(plan.slot_row[:, j], plan, c0, o)))

@@ -7,7 +7,7 @@ and hands the local experts their rows; :func:`combine` sends expert outputs bac
 them, weights them and sums over the ``k`` choices. Both carry custom VJPs whose backward
 passes are the opposite exchange (the combine gradient optionally in FP8 too).
 
-Layouts (``C`` = per-(source, expert) capacity, ``R`` = :func:`moe._plan.ragged_rows`):
+Layouts (``C`` = per-(source, expert) capacity, ``R`` = :func:`moe.dispatch.plan.ragged_rows`):
 
 * ``'dense'``: ``expert_x[l, p * C + r]`` is the ``r``-th kept slot that source ``p`` routed to
   local expert ``l``; padding rows are zero. Feed a batched einsum ``'ecd,edf->ecf'``.
@@ -21,7 +21,7 @@ Transports: ``'dense'`` exchanges ``[E, C]`` capacity-padded rows with ``all_to_
 the slots past ``C``. ``'ragged'`` sends exactly the routed rows with ``ragged_all_to_all``.
 ``'dropless'`` sends, to every device, its slots in a ``[P, c]`` buffer of ``all_to_all``
 exchanges, ``c`` the smallest of a few static bucket sizes
-(:func:`moe._plan.dropless_buckets`: ``capacity_factor`` times the balanced share, growing
+(:func:`moe.dispatch.plan.dropless_buckets`: ``capacity_factor`` times the balanced share, growing
 1.5x, at most 8, up to the worst case) that holds the fullest (source, destination) pair of
 the step. Each exchange runs in two phases: one ``all_to_all`` of the first bucket's ``c_0``
 rows per pair, outside any branch, so XLA can run it asynchronously under other work (the
@@ -68,17 +68,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe import _movement, _transport, fp8
-from moe._plan import (
+from moe import fp8
+from moe.dispatch import collectives, movement
+from moe.dispatch.plan import (
     AxisName,
     DensePlan,
     DispatchPlan,
     DroplessPlan,
+    RaggedPlan,
     dense_capacity,
     dropless_buckets,
     ragged_rows,
 )
-from moe._plan_build import dense_plan, dropless_plan, ragged_plan
+from moe.dispatch.plan_build import dense_plan, dropless_plan, ragged_plan
 from moe.kernels.wire import api as wire_api
 from moe.options import (
     DispatchOptions,
@@ -90,7 +92,8 @@ from moe.options import (
     check_group_alignment,
 )
 
-__all__ = ["DispatchPlan", "Dispatched", "WireRows", "combine", "dense_capacity", "dispatch",
+__all__ = ["DensePlan", "DispatchPlan", "Dispatched", "DroplessPlan", "RaggedPlan", "WireRows",
+           "combine", "dense_capacity", "dispatch",
            "dispatch_apply", "dispatch_with_wire", "ragged_rows"]
 
 _DROPLESS_CAPACITY_FACTOR = 1.25  # transport="dropless", capacity_factor=None: the first bucket
@@ -155,7 +158,7 @@ class WireRows(NamedTuple):
     """Ragged ``expert_x``'s FP8 wire rows, from which an FP8 forward GEMM reads its e4m3 rows
     instead of quantizing ``expert_x`` again (the same bytes; `moe.experts.experts_apply`)."""
 
-    rows: jax.Array | _transport.TokenRows  # uint32 [R, width / 4 + W] as received, or the
+    rows: jax.Array | collectives.TokenRows  # uint32 [R, width / 4 + W] as received, or the
     # tokens and the token of each row when nothing was sent (one device on the expert axis)
     width: int  # d_model
     block_size: int  # channels per E8M0 scale
@@ -202,7 +205,7 @@ def dispatch(
       axis_name: expert-parallel mesh axis name (or tuple of names).
       transport: ``'dense'`` (capacity-padded ``all_to_all``, drops over capacity),
         ``'dropless'`` (``all_to_all`` of per-(source, destination) buffers sized per step
-        from a few static buckets, :func:`moe._plan.dropless_buckets`; never drops),
+        from a few static buckets, :func:`moe.dispatch.plan.dropless_buckets`; never drops),
         ``'ragged'`` (dropless ``ragged_all_to_all``, emulated where XLA lacks it) or
         ``'auto'`` (= ``'dense'``, the fastest; docs/benchmark_log.md, FP8 wire, dispatch).
         ``'dropless'`` and ``'ragged'`` produce the same expert layout, bit for bit. With one
@@ -280,9 +283,9 @@ def dispatch_with_wire(
     block scales, :func:`moe.kernels.wire.api.unpack_fp8_words`), which take no gradient. An FP8
     GEMM reads its e4m3 operand from them; XLA then drops the decoded rows unless something
     else reads them (their gradient still flows to ``x``). With one device on the expert
-    axis nothing is sent, and ``wire`` is a :class:`moe._transport.TokenRows` (``x`` and the
-    token of each row) instead: the GEMM's rows are then made from the tokens in one pass,
-    the bytes the wire rows would have given, and the wire rows are never written.
+    axis nothing is sent, and ``wire`` is a :class:`moe.dispatch.collectives.TokenRows`
+    (``x`` and the token of each row) instead: the GEMM's rows are then made from the tokens in one
+    pass, the bytes the wire rows would have given, and the wire rows are never written.
     """
     options = DispatchOptions(expert_axis=axis_name, transport=transport,
                               capacity_factor=capacity_factor,
@@ -347,7 +350,7 @@ def dispatch_apply(
 
     def ragged():
         return ragged_plan(expert_ids,
-                           ragged_impl=_transport.resolve_ragged_impl(options.ragged_impl),
+                           ragged_impl=collectives.resolve_ragged_impl(options.ragged_impl),
                            **statics)
 
     def dropless():
@@ -369,12 +372,12 @@ def dispatch_apply(
                          f"{plan.transport!r}.")
     local = with_wire and p == 1  # nothing is sent: the GEMM's rows come from the tokens
     with jax.named_scope("dispatch_exchange"):
-        x = _movement.vary_like(x, plan)
-        wire = _movement.wire_for(dispatch_dtype, x.dtype, block_size, plan.wire_kernels)
-        out = _movement.dispatch_rows(x, plan, wire, with_wire and not local)
+        x = movement.vary_like(x, plan)
+        wire = movement.wire_for(dispatch_dtype, x.dtype, block_size, plan.wire_kernels)
+        out = movement.dispatch_rows(x, plan, wire, with_wire and not local)
     if local:
         tokens = jax.lax.div(plan.send_slot, jnp.int32(k))  # slot T * k: token T, a zero row
-        wire_rows = WireRows(_transport.TokenRows(x, tokens), x.shape[-1], block_size)
+        wire_rows = WireRows(collectives.TokenRows(x, tokens), x.shape[-1], block_size)
         return Dispatched(out, wire_rows, plan.group_sizes, plan)
     if with_wire:
         return Dispatched(out.rows, WireRows(out.wire, x.shape[-1], block_size),
@@ -434,6 +437,6 @@ def combine(
         _check_fp8_width(expert_y.shape[-1], plan.block_size, "expert_y.shape[-1]")
     _axis_size(plan.axis_name, "combine")
     with jax.named_scope("combine"):
-        expert_y, weights = (_movement.vary_like(expert_y, weights, plan),
-                             _movement.vary_like(weights, expert_y, plan))
-        return _movement.combine_rows(expert_y, weights, plan, combine_grad_dtype)
+        expert_y, weights = (movement.vary_like(expert_y, weights, plan),
+                             movement.vary_like(weights, expert_y, plan))
+        return movement.combine_rows(expert_y, weights, plan, combine_grad_dtype)

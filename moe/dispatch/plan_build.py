@@ -2,7 +2,7 @@
 
 One builder per transport (:func:`dense_plan`, :func:`ragged_plan`, :func:`dropless_plan`),
 sharing the sort and the counts (:func:`sort_slots`, :func:`count_slots`,
-:func:`gather_counts`). The plan types and their static sizes are :mod:`moe._plan`.
+:func:`gather_counts`). The plan types and their static sizes are :mod:`moe.dispatch.plan`.
 
 Work: one int32 sort of ``S = T * k`` packed keys (:func:`sort_slots`), one scatter of ``S``
 int32 (each slot's row), a gather of ``N`` int32 (each row's slot, dense and dropless),
@@ -21,7 +21,7 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe._plan import AxisName, DensePlan, DroplessPlan, RaggedPlan
+from moe.dispatch.plan import AxisName, DensePlan, DroplessPlan, RaggedPlan
 from moe.kernels.gmm import api as gmm_api
 
 __all__ = ["CountedSlots", "GatheredCounts", "SortedSlots", "count_slots", "dense_plan",
@@ -57,7 +57,7 @@ class GatheredCounts(NamedTuple):
 
 
 class PairRows(NamedTuple):
-    """The dropless plan's row maps (see :class:`moe._plan.DroplessPlan`)."""
+    """The dropless plan's row maps (see :class:`moe.dispatch.plan.DroplessPlan`)."""
 
     send_slot: jax.Array
     slot_row: jax.Array  # flat [S]
@@ -164,7 +164,8 @@ def dense_plan(
     block_size: int,
     wire_kernels: str = "xla",
 ) -> DensePlan:
-    """The :class:`moe._plan.DensePlan` of ``expert_ids [T, k]``: keep the first ``capacity``.
+    """The :class:`moe.dispatch.plan.DensePlan` of ``expert_ids [T, k]``: keep the first
+    ``capacity``.
 
     ``kept[t, j] = rank of (t, j) among this device's slots of its expert < capacity``, slots
     ranked in (t, j) order; one all-to-all of the counts (none when ``P = 1``).
@@ -172,7 +173,7 @@ def dense_plan(
     Args:
       expert_ids: int ``[T, k]`` global expert ids in ``[0, num_experts)``.
       num_experts, axis_name, axis_size, capacity, x_dtype, block_size, wire_kernels: see
-        :class:`moe._plan.DensePlan` (already validated by ``dispatch``).
+        :class:`moe.dispatch.plan.DensePlan` (already validated by ``dispatch``).
 
     Returns:
       The plan.
@@ -212,7 +213,7 @@ def ragged_plan(
     block_size: int,
     wire_kernels: str = "xla",
 ) -> RaggedPlan:
-    """The :class:`moe._plan.RaggedPlan` of ``expert_ids [T, k]``: every slot, sorted.
+    """The :class:`moe.dispatch.plan.RaggedPlan` of ``expert_ids [T, k]``: every slot, sorted.
 
     The send buffer is the sorted slots; the offsets of each (source, expert) slice on both
     sides come from the all-gathered counts (none gathered when ``P = 1``).
@@ -220,7 +221,7 @@ def ragged_plan(
     Args:
       expert_ids: int ``[T, k]`` global expert ids in ``[0, num_experts)``.
       num_experts, axis_name, axis_size, ragged_impl, x_dtype, block_size, wire_kernels: see
-        :class:`moe._plan.RaggedPlan` (already validated by ``dispatch``).
+        :class:`moe.dispatch.plan.RaggedPlan` (already validated by ``dispatch``).
 
     Returns:
       The plan.
@@ -258,7 +259,7 @@ def dropless_plan(
     wire_kernels: str = "xla",
     alignment: int = 1,
 ) -> DroplessPlan:
-    """The :class:`moe._plan.DroplessPlan` of ``expert_ids [T, k]``: every slot, in pairs.
+    """The :class:`moe.dispatch.plan.DroplessPlan` of ``expert_ids [T, k]``: every slot, in pairs.
 
     Also picks the exchange bucket: the smallest of ``buckets`` that holds the fullest
     (source, destination) pair of the all-gathered counts, the same on every device of the
@@ -267,7 +268,7 @@ def dropless_plan(
     Args:
       expert_ids: int ``[T, k]`` global expert ids in ``[0, num_experts)``.
       num_experts, axis_name, axis_size, buckets, x_dtype, block_size, wire_kernels,
-        alignment: see :class:`moe._plan.DroplessPlan` (already validated by ``dispatch``).
+        alignment: see :class:`moe.dispatch.plan.DroplessPlan` (already validated by ``dispatch``).
 
     Returns:
       The plan.
@@ -294,7 +295,7 @@ def dropless_plan(
 
 
 def _pair_rows(sl: CountedSlots, g: GatheredCounts, *, p, e_local, w, buckets) -> PairRows:
-    """Pair rows of the dropless plan (see :class:`moe._plan.DroplessPlan`)."""
+    """Pair rows of the dropless plan (see :class:`moe.dispatch.plan.DroplessPlan`)."""
     order = sl.order
     s = order.shape[0]
     n = p * w

@@ -5,11 +5,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
+from _paths import ROOT
 from jax.sharding import PartitionSpec as P
 
 import moe
@@ -24,7 +24,7 @@ from xla_comm.breakdown import (
     op_breakdown,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = ROOT
 
 
 def test_op_breakdown_of_a_dropless_dispatch_combine(tmp_path):

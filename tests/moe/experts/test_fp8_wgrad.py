@@ -1,4 +1,4 @@
-"""FP8 weight gradients (`moe._fp8_gemm.wgrad`): ``dW_e = a_e^T g_e`` from the row-quantized
+"""FP8 weight gradients (`moe.experts.fp8_gemm.wgrad`): ``dW_e = a_e^T g_e`` from the row-quantized
 operands, written K-major with the row scales' product folded into ``g``'s payload relative to
 its maximum ``P`` (per leading index), against plain einsums in float64.
 
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe import _fp8_gemm
+from moe.experts import fp8_gemm
 from moe.kernels.gmm import api as gmm_api
 from moe.kernels.quant import xla as quant_xla
 
@@ -27,11 +27,11 @@ ROWS, K, N = 80, 32, 48
 @functools.cache
 def _wgrad(backend: str):
     ops = gmm_api.IMPLEMENTATIONS[backend]
-    return jax.jit(lambda a, g, gs: _fp8_gemm.wgrad(ops, "fp8", a, g, gs, jnp.float32))
+    return jax.jit(lambda a, g, gs: fp8_gemm.wgrad(ops, "fp8", a, g, gs, jnp.float32))
 
 
-_operands = jax.jit(_fp8_gemm.wgrad_operands)
-_rows = jax.jit(_fp8_gemm.rows)
+_operands = jax.jit(fp8_gemm.wgrad_operands)
+_rows = jax.jit(fp8_gemm.rows)
 BF16 = jnp.bfloat16  # numpy arrays of it (ml_dtypes): inputs are built without eager JAX ops
 
 

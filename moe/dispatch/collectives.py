@@ -19,8 +19,9 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from moe.options import RaggedImpl, check_choice
+
 AxisName = str | tuple[str, ...]
-RaggedImpl = Literal["auto", "native", "emulated"]
 
 # Backends whose XLA implements the ragged-all-to-all HLO.
 _NATIVE_RAGGED_BACKENDS = frozenset({"gpu", "cuda", "rocm", "tpu"})
@@ -43,11 +44,7 @@ def resolve_ragged_impl(impl: RaggedImpl) -> Literal["native", "emulated"]:
     References:
       XLA:CPU has no ragged-all-to-all (docs/architecture.md, transports).
     """
-    if impl not in ("auto", "native", "emulated"):
-        raise ValueError(
-            f"ragged_impl must be 'auto', 'native' or 'emulated', got {impl!r}; use 'auto' "
-            "to pick by backend."
-        )
+    check_choice("ragged_impl", impl, RaggedImpl)
     if impl != "auto":
         return impl
     return "native" if jax.default_backend() in _NATIVE_RAGGED_BACKENDS else "emulated"

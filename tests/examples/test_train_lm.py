@@ -10,9 +10,10 @@ import types
 import jax
 import numpy as np
 import pytest
+from _paths import ROOT
 from flax import nnx
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 import lm_checkpoint  # noqa: E402

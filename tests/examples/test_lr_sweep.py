@@ -1,16 +1,17 @@
 """benchmarks/lr_sweep.py, run as a script: table, plot, summary and reuse of runs, at a tiny size.
 
-(examples/ is on the path for train_lm, as in tests/test_train_lm.py; the sweep itself runs as
+(examples/ is on the path for train_lm, as in tests/examples/test_train_lm.py; the sweep itself runs as
 ``python benchmarks/lr_sweep.py``.)"""
 
 import json
 import math
 import os
-import pathlib
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from _paths import ROOT
+
+ROOT = ROOT
 sys.path.insert(0, str(ROOT / "examples"))
 
 import lm_metrics  # noqa: E402

@@ -5,7 +5,7 @@ Slots are ordered by (expert, t, j) with a stable sort; within each expert, the 
 (t, j) order are the ones kept when a capacity limit applies (GShard / Switch rule).
 :class:`DensePlan`, :class:`RaggedPlan` and :class:`DroplessPlan` hold what
 :func:`moe.dispatch.combine` and the backward passes need for their transport
-(:data:`DispatchPlan` is their union); ``moe._plan_build`` builds them, and the static sizes
+(:data:`DispatchPlan` is their union); ``moe.dispatch.plan_build`` builds them, and the static sizes
 (capacity, rows, buckets) come from the functions here.
 
 References: GShard and Switch Transformer (capacity and dropping), DeepEP (count exchange
@@ -183,7 +183,7 @@ class DroplessPlan(RaggedLayoutPlan):
     ``r``-th of this device's slots for device ``q``, in (expert, t, j) order. The exchange
     sends only the first ``c`` rows of each block, ``c`` one of ``buckets``: the first ``c_0``
     in one exchange, the rest (``c - c_0``) in a second one when a pair needs them
-    (``moe._movement``). With one device on the expert axis the send buffer is the expert
+    (``moe.dispatch.movement``). With one device on the expert axis the send buffer is the expert
     layout (aligned, with ``alignment > 1``) and nothing is exchanged. See :class:`PlanBase`
     for the shared fields.
 

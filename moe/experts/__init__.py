@@ -22,7 +22,7 @@ On NVIDIA GPUs the quantization passes are the one-pass Pallas kernels of `moe.k
 ``h = act(z)`` is quantized as it is computed, and ``dz`` comes out of the activation's
 backward both in the compute dtype and quantized; elsewhere the same bytes come from XLA.
 
-The backward is a `jax.custom_vjp` (`moe._experts_vjp`) whose dgrad and wgrad GEMMs are
+The backward is a `jax.custom_vjp` (`moe.experts.vjp`) whose dgrad and wgrad GEMMs are
 written out, so what is kept for it (the SonicMoE options: ``z`` in bf16, ``z`` in FP8, or
 nothing and recompute) and the precision of each GEMM (``gemm_dtype``, ``dgrad_dtype``,
 ``wgrad_dtype``) are the caller's.
@@ -36,12 +36,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe import _experts_combine, _fp8_gemm, _movement, _transport, fp8
-from moe._experts_vjp import Call
-from moe._experts_vjp import experts as _experts
+from moe import fp8
 from moe.activations import GatedActivation
-from moe.dispatch import DispatchPlan, WireRows
+from moe.dispatch import DispatchPlan, WireRows, collectives, movement
 from moe.dispatch import combine as _combine
+from moe.experts import fp8_gemm, fused_combine
+from moe.experts.vjp import Call
+from moe.experts.vjp import experts as _experts
 from moe.kernels.gmm import api as gmm_api
 from moe.kernels.gmm.api import auto_backend, check_backend_available
 from moe.options import (
@@ -143,15 +144,15 @@ _permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
 
 def _wire_rows(x_wire: WireRows, index=None) -> tuple[jax.Array, jax.Array]:
     """The row-quantized pair of x from its FP8 wire rows, gathered by ``index`` first (zero
-    rows out of range) if given; the rows may be `moe._transport.TokenRows` (nothing was
+    rows out of range) if given; the rows may be `moe.dispatch.collectives.TokenRows` (nothing was
     sent: the same bytes from the tokens)."""
     rows, width, block_size = x_wire
-    if isinstance(rows, _transport.TokenRows):
+    if isinstance(rows, collectives.TokenRows):
         tokens = rows.index
         if index is not None:
             tokens = jnp.take(tokens, index, axis=0, mode="fill", fill_value=-1)
-        return _fp8_gemm.rows_from_tokens(rows.tokens, tokens, block_size)
-    return _fp8_gemm.rows_from_wire(rows, width, block_size, index)
+        return fp8_gemm.rows_from_tokens(rows.tokens, tokens, block_size)
+    return fp8_gemm.rows_from_wire(rows, width, block_size, index)
 
 
 def _aligned_call(opts: Call, x, gs, w_gate_up, w_down, b_gate_up, alignment: int,
@@ -263,7 +264,7 @@ def gated_experts(
     the f32-accumulated product. Weight-gradient GEMMs contract the token rows: their
     operands are the e4m3 rows the other GEMMs read (``x``, ``h``, ``dy``, ``dz``) written
     K-major, the product of the two row scales folded into one payload as an exact power of
-    two relative to its maximum, which scales the result (`moe._fp8_gemm.wgrad_operands`).
+    two relative to its maximum, which scales the result (`moe.experts.fp8_gemm.wgrad_operands`).
 
     Args:
       x: expert inputs, ragged ``[R, d_model]`` (rows grouped by expert, as the 'ragged'
@@ -357,7 +358,7 @@ def experts_apply(
       combine: None, or the :class:`CombineArgs` to combine the outputs with
         (:func:`moe.combine`): then the tokens' outputs ``[T, d_model]`` are returned; with
         one device on the expert axis and FP8 gradient GEMMs, experts and combine run as one
-        custom VJP (`moe._experts_combine`).
+        custom VJP (`moe.experts.fused_combine`).
 
     Returns:
       y like x, or with ``combine`` the tokens' outputs.
@@ -398,9 +399,9 @@ def experts_apply(
     else:
         x_q = None if x_wire is None else _wire_rows(x_wire)
         if (combine is not None and b_gate_up is None and b_down is None
-                and _experts_combine.applies(opts, combine.plan, combine.grad_dtype)):
-            weights = _movement.vary_like(combine.weights, x, combine.plan)
-            return _experts_combine.experts_combine(opts, combine.grad_dtype, x, group_sizes,
+                and fused_combine.applies(opts, combine.plan, combine.grad_dtype)):
+            weights = movement.vary_like(combine.weights, x, combine.plan)
+            return fused_combine.experts_combine(opts, combine.grad_dtype, x, group_sizes,
                                                     w_gate_up, w_down, x_q, weights,
                                                     combine.plan)
         y = _experts(opts, x, group_sizes, w_gate_up, w_down, b_gate_up, x_q)

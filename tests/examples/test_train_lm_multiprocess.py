@@ -17,8 +17,9 @@ import time
 
 import numpy as np
 import pytest
+from _paths import ROOT
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 import lm_metrics  # noqa: E402

@@ -12,8 +12,8 @@ import pytest
 from _meshes import make_mesh
 from jax.sharding import PartitionSpec as P
 
-from moe._plan import DroplessPlan, dropless_buckets
 from moe.dispatch import combine, dense_capacity, dispatch
+from moe.dispatch.plan import DroplessPlan, dropless_buckets
 from xla_comm import hlo
 
 E, K = 16, 2  # experts, top-k
