@@ -135,7 +135,7 @@ def test_fp8_gemms_flag_sets_each_expert_gemm(recipe):
                "forward_dgrad": ("fp8", "fp8", "bf16"), "all": ("fp8",) * 3}
     cfg = train_lm.model_config(args)
     model = lm_model.TransformerLM(cfg, rngs=nnx.Rngs(0))
-    eo = model.blocks[0].moe.opts.experts
+    eo = model.blocks[0].moe.options.experts
     assert (eo.gemm_dtype, eo.dgrad_dtype, eo.wgrad_dtype) == recipes[recipe]
     attn = model.blocks[0].attn
     if proj == "none":
