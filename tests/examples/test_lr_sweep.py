@@ -1,7 +1,7 @@
 """benchmarks/lr_sweep.py, run as a script: table, plot, summary and reuse of runs, at a tiny size.
 
-(examples/ is on the path for train_lm, as in tests/examples/test_train_lm.py; the sweep itself runs as
-``python benchmarks/lr_sweep.py``.)"""
+(examples/ is on the path for train_lm, as in tests/examples/test_train_lm.py; the sweep itself runs
+as ``python benchmarks/lr_sweep.py``.)"""
 
 import json
 import math

@@ -4,8 +4,8 @@
 The model learns a fixed next-token map ``x[t+1] = (7 x[t] + 3) mod V`` with 10% of the tokens
 replaced by uniform noise; it sees one token at a time, so the best loss is about 1.11 nats
 (V = 32), not 0. Every step is synchronized (queued multi-device steps can deadlock XLA:CPU's
-in-process collectives). The test runs 40 steps; ``python tests/integration/test_soak.py 2000`` runs a
-long soak and prints its summary.
+in-process collectives). The test runs 40 steps; ``python tests/integration/test_soak.py 2000`` runs
+a long soak and prints its summary.
 """
 
 import json

@@ -305,7 +305,8 @@ def test_layer_fp8_dispatch_and_gemms_match_dense_moe(d, grads):
                                  gemm_dtype="fp8", fp8_block_size=BS)
     model = moe.MoE(d, F, options=opts, mesh=make_mesh((2, 4), ("data", "expert")),
                     dtype=jnp.float32, rngs=nnx.Rngs(0))
-    assert model.options.dispatch.dispatch_dtype == "fp8" and model.options.experts.gemm_dtype == "fp8"
+    options = model.options
+    assert options.dispatch.dispatch_dtype == "fp8" and options.experts.gemm_dtype == "fp8"
     kx, kc = jax.random.split(jax.random.key(1))
     x = jax.random.normal(kx, (4, 16, d), jnp.float32)
     ct = jax.random.normal(kc, (4, 16, d), jnp.float32)
