@@ -153,6 +153,6 @@ def test_private_finder_sees_private_imports(tmp_path, monkeypatch):
     assert _private_uses("pkg") == ["pkg/b.py:1: pkg.a._hidden", "pkg/b.py:3: a._hidden"]
 
 
-@pytest.mark.parametrize("package", ["moe"])
+@pytest.mark.parametrize("package", _PACKAGES)
 def test_no_private_names_across_modules(package):
     assert _private_uses(package) == []

@@ -1,6 +1,7 @@
 """xla_comm: what a compiled JAX program communicates, and XLA flags to overlap it.
 
-`xla_comm.hlo` reads the collectives of an HLO module (kind, bytes, group size, ring cost,
+`xla_comm.parse` reads HLO text into computations and instructions; `xla_comm.hlo` reads the
+collectives of an HLO module (kind, bytes, group size, ring cost,
 while-loop membership, overlap with compute); `xla_comm.overlap` builds the XLA:GPU options
 that let async collectives overlap compute; `xla_comm.schedule` replays a compiled schedule in
 time (exposed communication predicted); `xla_comm.trace` reads `jax.profiler` traces (collective
@@ -17,6 +18,6 @@ Example:
   0
 """
 
-from xla_comm import breakdown, hlo, overlap, schedule, trace
+from xla_comm import breakdown, hlo, overlap, parse, schedule, trace
 
-__all__ = ["breakdown", "hlo", "overlap", "schedule", "trace"]
+__all__ = ["breakdown", "hlo", "overlap", "parse", "schedule", "trace"]

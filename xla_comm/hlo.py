@@ -35,10 +35,19 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any, Literal, get_args
+
+from xla_comm.parse import (
+    HloModule,
+    Instruction,
+    array_nbytes,
+    array_shapes,
+    hlo_text,
+    parse_hlo,
+    shape_nbytes,
+)
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -48,6 +57,7 @@ __all__ = [
     "Instruction",
     "analyze_collectives",
     "array_nbytes",
+    "base_kind",
     "hlo_text",
     "parse_hlo",
     "replica_group_size",
@@ -64,22 +74,12 @@ CollectiveKind = Literal[
 ]
 COLLECTIVE_KINDS: tuple[str, ...] = get_args(CollectiveKind)
 
-_DTYPE_BITS = {
-    "pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16,
-    "s32": 32, "u32": 32, "s64": 64, "u64": 64, "f16": 16, "bf16": 16, "f32": 32, "f64": 64,
-    "c64": 64, "c128": 128, "f8e4m3fn": 8, "f8e5m2": 8, "f8e4m3": 8, "f8e4m3fnuz": 8,
-    "f8e5m2fnuz": 8, "f8e4m3b11fnuz": 8, "f8e3m4": 8, "f8e8m0fnu": 8, "f4e2m1fn": 4,
-}
 # Opcodes that do no compute of their own: not counted as overlapped work.
 _NON_COMPUTE = frozenset({
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
     "add-dependency", "opt-barrier", "async-start", "async-update", "async-done",
     "partition-id", "replica-id",
 })
-_ARRAY_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
-# Compiled text has "name (params) -> result {"; lowered (pre-optimization) text "name {".
-_HEADER_RE = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\))?\s*(->.*)?\{\s*$")
-_INSTR_RE = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _CALLEE_RE = re.compile(
     r"\b(calls|to_apply|body|condition|true_computation|false_computation|"
     r"branch_computations|called_computations)=(\{[^}]*\}|%?[\w.\-]+)"
@@ -263,135 +263,6 @@ class CollectiveReport:
 
 
 
-@dataclasses.dataclass(frozen=True)
-class Instruction:
-    """One HLO instruction, as `parse_hlo` reads it.
-
-    Attributes:
-      name: the instruction's name (without `%`).
-      shape: its result shape text, e.g. `f32[8,16]{1,0}` or a tuple `(f32[8], s32[])`.
-      opcode: e.g. `fusion`, `all-gather-start`, `async-start`.
-      operands: names of its operands.
-      attrs: the text after the operand list (`replica_groups=..., to_apply=...`).
-      computation: name of the computation holding it.
-      index: position in that computation (the schedule order in compiled text).
-
-    Example:
-      >>> from xla_comm.hlo import parse_hlo
-      >>> text = '''HloModule m
-      ... ENTRY %main (x: f32[4,8], w: f32[8,2]) -> f32[4,2] {
-      ...   %x = f32[4,8]{1,0} parameter(0)
-      ...   %w = f32[8,2]{1,0} parameter(1)
-      ...   ROOT %y = f32[4,2]{1,0} dot(%x, %w), lhs_contracting_dims={1}
-      ... }'''
-      >>> ins = parse_hlo(text).computations["main"][2]
-      >>> ins.name, ins.shape, ins.opcode, ins.operands, ins.index, ins.attrs
-      ('y', 'f32[4,2]{1,0}', 'dot', ('x', 'w'), 2, ', lhs_contracting_dims={1}')
-    """
-
-    name: str
-    shape: str
-    opcode: str
-    operands: tuple[str, ...]
-    attrs: str
-    computation: str
-    index: int
-
-
-@dataclasses.dataclass(frozen=True)
-class HloModule:
-    """A parsed HLO module: its computations' instructions in text (schedule) order.
-
-    Attributes:
-      computations: computation name -> its instructions.
-      entry: name of the ENTRY computation (None when the text has none).
-      num_partitions: the module's `num_partitions` (1 when absent).
-      num_devices: `num_partitions * replica_count`.
-
-    Example:
-      >>> from xla_comm.hlo import parse_hlo
-      >>> text = '''HloModule m, replica_count=2, num_partitions=4
-      ... %add (a: f32[], b: f32[]) -> f32[] {
-      ...   %a = f32[] parameter(0)
-      ...   %b = f32[] parameter(1)
-      ...   ROOT %s = f32[] add(%a, %b)
-      ... }
-      ... ENTRY %main (p: f32[8]) -> f32[8] {
-      ...   %p = f32[8]{0} parameter(0)
-      ...   ROOT %ar = f32[8]{0} all-reduce(%p), replica_groups={{0,1,2,3}}, to_apply=%add
-      ... }'''
-      >>> mod = parse_hlo(text)
-      >>> mod.entry, list(mod.computations), mod.num_partitions, mod.num_devices
-      ('main', ['add', 'main'], 4, 8)
-    """
-
-    computations: dict[str, tuple[Instruction, ...]]
-    entry: str | None
-    num_partitions: int = 1
-    num_devices: int = 1
-
-    def instructions(self) -> Iterator[Instruction]:
-        """Every instruction of every computation."""
-        for body in self.computations.values():
-            yield from body
-
-
-def hlo_text(compiled_or_text: Any) -> str:
-    """The HLO text of a compiled or lowered JAX stage (or the string itself).
-
-    Args:
-      compiled_or_text: HLO text, a compiled stage (`jax.jit(f).lower(*a).compile()`: the
-        optimized, scheduled module) or a lowered stage (`jax.jit(f).lower(*a)`, also
-        `nnx.jit`'s: the pre-optimization HLO that JAX hands to XLA, i.e. what any backend
-        is asked to run before XLA's own rewrites).
-
-    Returns:
-      The HLO module text.
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> lowered = jax.jit(lambda x: x * 2).lower(jnp.ones(4))
-      >>> hlo_text(lowered).startswith("HloModule")
-      True
-    """
-    if isinstance(compiled_or_text, str):
-        return compiled_or_text
-    if hasattr(compiled_or_text, "compile") and hasattr(compiled_or_text, "as_text"):
-        return compiled_or_text.as_text(dialect="hlo")  # a lowered stage (jax or nnx.jit)
-    if hasattr(compiled_or_text, "as_text"):
-        text = compiled_or_text.as_text()
-        if isinstance(text, str):
-            return text
-    raise TypeError(
-        f"hlo_text: expected HLO text or a compiled stage with .as_text(), got "
-        f"{type(compiled_or_text).__name__}; pass jax.jit(f).lower(*args).compile()."
-    )
-
-
-def array_nbytes(dtype: str, shape: Iterable[int]) -> int:
-    """Bytes of an HLO array `dtype[shape]`, e.g. `array_nbytes('bf16', (8, 16))`.
-
-    Sub-byte types round up to whole bytes.
-
-    Args:
-      dtype: HLO element type name (`f32`, `bf16`, `f8e4m3fn`, `u32`, `pred`, ...).
-      shape: the dimensions.
-
-    Returns:
-      ceil(prod(shape) * bits(dtype) / 8).
-
-    Example:
-      >>> array_nbytes("bf16", (8, 16))
-      256
-    """
-    if dtype not in _DTYPE_BITS:
-        raise ValueError(
-            f"array_nbytes: unknown HLO element type dtype={dtype!r}; use one of "
-            f"{sorted(_DTYPE_BITS)}."
-        )
-    return (math.prod(shape) * _DTYPE_BITS[dtype] + 7) // 8
-
-
 def replica_group_size(attrs: str, num_devices: int) -> int:
     """Devices per replica group of a collective, from its attribute text.
 
@@ -433,114 +304,6 @@ def replica_group_size(attrs: str, num_devices: int) -> int:
     if m:
         return len(set(re.findall(r"\d+", m.group(1))))
     return num_devices
-
-
-def _split_balanced(s: str, start: int) -> int:
-    """Index just past the parenthesis group opening at s[start]."""
-    depth = 0
-    for i in range(start, len(s)):
-        ch = s[i]
-        if ch in "({[":
-            depth += 1
-        elif ch in ")}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return len(s)
-
-
-def _split_operands(inner: str) -> tuple[str, ...]:
-    """Operand names of a top-level comma-separated operand list (types dropped)."""
-    operands, depth, part = [], 0, ""
-    for ch in inner + ",":
-        if ch == "," and depth == 0:
-            tok = part.strip().split()
-            if tok:
-                operands.append(tok[-1].lstrip("%"))
-            part = ""
-            continue
-        depth += ch in "([{"
-        depth -= ch in ")]}"
-        part += ch
-    return tuple(operands)
-
-
-def _parse_instr(rest: str) -> tuple[str, str, tuple[str, ...], str] | None:
-    """(shape, opcode, operands, attrs) from the text after `name = `."""
-    rest = rest.strip()
-    if rest.startswith("("):
-        end = _split_balanced(rest, 0)
-    else:
-        m = re.match(r"\S+", rest)
-        if m is None:
-            return None
-        end = m.end()
-    shape, tail = rest[:end], rest[end:].lstrip()
-    m = re.match(r"([\w\-]+)\(", tail)
-    if m is None:
-        return None
-    close = _split_balanced(tail, m.end() - 1)
-    return shape, m.group(1), _split_operands(tail[m.end(): close - 1]), tail[close:]
-
-
-def _module_sizes(text: str) -> tuple[int, int]:
-    """(num_partitions, num_partitions * replica_count) from the module header."""
-    m = re.search(r"num_partitions=(\d+)", text)
-    num_partitions = int(m.group(1)) if m else 1
-    m = re.search(r"replica_count=(\d+)", text)
-    return num_partitions, num_partitions * (int(m.group(1)) if m else 1)
-
-
-def parse_hlo(compiled_or_text: Any) -> HloModule:
-    """Parse HLO module text into its computations and instructions.
-
-    Args:
-      compiled_or_text: HLO text, a compiled stage or a lowered stage (see `hlo_text`).
-
-    Returns:
-      An `HloModule`.
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> mod = parse_hlo(jax.jit(lambda x: x * 2).lower(jnp.ones(4)).compile())
-      >>> "multiply" in {ins.opcode for ins in mod.instructions()}
-      True
-    """
-    text = hlo_text(compiled_or_text)
-    comps: dict[str, list[Instruction]] = {}
-    entry, current = None, None
-    for line in text.splitlines():
-        if current is None:
-            m = _HEADER_RE.match(line)
-            if m and not _INSTR_RE.match(line):
-                current = m.group(2)
-                comps[current] = []
-                entry = current if m.group(1) else entry
-            continue
-        if line.strip() == "}":
-            current = None
-            continue
-        m = _INSTR_RE.match(line)
-        parsed = _parse_instr(m.group(3)) if m else None
-        if parsed is None:
-            continue
-        body = comps[current]
-        body.append(Instruction(m.group(2), *parsed, current, len(body)))
-    num_partitions, num_devices = _module_sizes(text)
-    return HloModule({c: tuple(b) for c, b in comps.items()}, entry, num_partitions, num_devices)
-
-
-def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
-    """(dtype, dims) of each array in a shape text."""
-    out = []
-    for dt, dims in _ARRAY_RE.findall(shape):
-        if dt in _DTYPE_BITS:
-            out.append((dt, tuple(int(d) for d in dims.split(",") if d)))
-    return out
-
-
-def _nbytes(arrays: Iterable[tuple[str, tuple[int, ...]]]) -> int:
-    return sum(array_nbytes(dt, dims) for dt, dims in arrays)
 
 
 def _callees(attrs: str) -> list[str]:
@@ -595,8 +358,14 @@ def _loop_computations(mod: HloModule) -> set[str]:
     return seen
 
 
-def _base_kind(opcode: str) -> tuple[str | None, str]:
-    """(kind, role) for an opcode; role is 'sync', 'start', 'done' or ''."""
+def base_kind(opcode: str) -> tuple[str | None, str]:
+    """``(kind, role)`` of an opcode: its collective kind (None: not a collective) and role,
+    ``'sync'``, ``'start'``, ``'done'`` or ``''``.
+
+    Example:
+      >>> base_kind("all-gather-start"), base_kind("fusion")
+      (('all-gather', 'start'), (None, ''))
+    """
     if opcode in COLLECTIVE_KINDS:
         return opcode, "sync"
     for suffix, role in (("-start", "start"), ("-done", "done")):
@@ -609,9 +378,9 @@ def _collective_op(mod: HloModule, ins: Instruction) -> tuple[Instruction, str, 
     """(op holding the attributes, kind, 'sync' | 'start') if `ins` starts a collective."""
     if ins.opcode == "async-start":
         wrapped = [i for c in _ASYNC_CALLS_RE.findall(ins.attrs)
-                   for i in mod.computations.get(c, ()) if _base_kind(i.opcode)[1] == "sync"]
+                   for i in mod.computations.get(c, ()) if base_kind(i.opcode)[1] == "sync"]
         return (wrapped[0], wrapped[0].opcode, "start") if wrapped else None
-    kind, role = _base_kind(ins.opcode)
+    kind, role = base_kind(ins.opcode)
     return (ins, kind, role) if kind is not None and role in ("sync", "start") else None
 
 
@@ -632,7 +401,7 @@ def _find_done(start: Instruction, users: dict[str, list[Instruction]]) -> Instr
             if u.name in seen:
                 continue
             seen.add(u.name)
-            if u.opcode == "async-done" or _base_kind(u.opcode)[1] == "done":
+            if u.opcode == "async-done" or base_kind(u.opcode)[1] == "done":
                 return u
             if u.opcode == "async-update":
                 frontier.append(u)
@@ -647,15 +416,15 @@ def _full_buffer(
     operands = [table[o] for o in ins.operands if o in table]
     if kind == "ragged-all-to-all":
         operands = operands[:1]  # the data; the rest are the output buffer and offsets
-    in_arrays = [a for o in operands for a in _arrays(o.shape)]
+    in_arrays = [a for o in operands for a in array_shapes(o.shape)]
     if done is not None:
-        out_arrays = _arrays(done.shape)
+        out_arrays = array_shapes(done.shape)
     elif role == "sync":
-        out_arrays = _arrays(ins.shape)
+        out_arrays = array_shapes(ins.shape)
     else:
         out_arrays = in_arrays
     in_arrays = in_arrays or out_arrays
-    n_in, n_out = _nbytes(in_arrays), _nbytes(out_arrays)
+    n_in, n_out = shape_nbytes(in_arrays), shape_nbytes(out_arrays)
     return (out_arrays, n_out) if n_out >= n_in else (in_arrays, n_in)
 
 
@@ -667,7 +436,7 @@ def _overlapped(
         return ()
     return tuple(
         (b.opcode, b.name) for b in body[start.index + 1: done.index]
-        if b.opcode not in _NON_COMPUTE and _base_kind(b.opcode)[0] is None
+        if b.opcode not in _NON_COMPUTE and base_kind(b.opcode)[0] is None
     )
 
 

@@ -64,7 +64,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from xla_comm import hlo
+from xla_comm import hlo, parse
 
 __all__ = [
     "Hardware",
@@ -255,11 +255,11 @@ _BACKEND_RE = re.compile(r"backend_config=(\{.*\})")
 
 
 def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
-    return hlo._arrays(shape)  # noqa: SLF001 - one module family
+    return parse.array_shapes(shape)
 
 
 def _bytes(shape: str) -> int:
-    return hlo._nbytes(_arrays(shape))  # noqa: SLF001
+    return parse.shape_nbytes(_arrays(shape))
 
 
 def _is_8bit(shape: str) -> bool:
@@ -394,7 +394,7 @@ def op_cost(ins: hlo.Instruction, mod: hlo.HloModule,
 
 def _instr_cost(ins: hlo.Instruction, mod: hlo.HloModule, table) -> _Cost:
     op = ins.opcode
-    if op in _NO_COST or hlo._base_kind(op)[0] is not None or op in (  # noqa: SLF001
+    if op in _NO_COST or hlo.base_kind(op)[0] is not None or op in (
             "async-start", "async-done", "while", "conditional", "call"):
         return _Cost()
     operands = [table[o] for o in ins.operands if o in table]
@@ -460,7 +460,7 @@ def replica_groups(attrs: str, num_devices: int) -> list[list[int]] | None:
     at = attrs.find("replica_groups={")
     if at >= 0:
         start = at + len("replica_groups=")
-        inner = attrs[start + 1:hlo._split_balanced(attrs, start) - 1].strip()  # noqa: SLF001
+        inner = attrs[start + 1:parse.split_balanced(attrs, start) - 1].strip()
         if not inner:
             return [list(range(num_devices))]
         groups = re.findall(r"\{([\d,\s]*)\}", inner)
@@ -623,7 +623,7 @@ def schedule_report(compiled_or_text: Any, hardware: Hardware, *, branch: int = 
         if ins.opcode == "async-start":  # the wrapped collective holds the groups
             for callee in _CALLS_RE.findall(ins.attrs):
                 for inner in mod.computations.get(callee, ()):
-                    if hlo._base_kind(inner.opcode)[0] is not None:  # noqa: SLF001
+                    if hlo.base_kind(inner.opcode)[0] is not None:
                         attrs[c.name] = inner.attrs
         attrs.setdefault(c.name, ins.attrs)
     replay = _Replay(mod, hardware, table, {c.name: (c, attrs[c.name]) for c in colls},
