@@ -331,22 +331,21 @@ def dispatch_apply(
     """
     if not isinstance(options, DispatchOptions):
         raise TypeError(f"options must be a moe.DispatchOptions, got {type(options).__name__}.")
-    axis_name, capacity_factor = options.expert_axis, options.capacity_factor
-    capacity_multiple, dispatch_dtype = options.capacity_multiple, options.dispatch_dtype
-    block_size, wire_kernels = fp8_block_size, options.wire_kernels
     x, expert_ids = jnp.asarray(x), jnp.asarray(expert_ids)
-    p = _axis_size(axis_name, "dispatch")
-    _check_dispatch_args(x, expert_ids, num_experts, block_size, p, dispatch_dtype)
-    wire_api.check_wire_kernels(wire_kernels)
+    p = _axis_size(options.expert_axis, "dispatch")
+    _check_dispatch_args(x, expert_ids, num_experts, fp8_block_size, p, options.dispatch_dtype)
+    wire_api.check_wire_kernels(options.wire_kernels)
     check_group_alignment(group_alignment)
     t, k = expert_ids.shape
-    statics = dict(num_experts=num_experts, axis_name=axis_name, axis_size=p,
-                   x_dtype=jnp.dtype(x.dtype).name, block_size=block_size,
-                   wire_kernels=wire_kernels)
+    statics = dict(num_experts=num_experts, axis_name=options.expert_axis, axis_size=p,
+                   x_dtype=jnp.dtype(x.dtype).name, block_size=fp8_block_size,
+                   wire_kernels=options.wire_kernels)
+
+    cf, multiple = options.capacity_factor, options.capacity_multiple
 
     def dense():
         return dense_plan(expert_ids, capacity=dense_capacity(
-            t, k, num_experts, capacity_factor, multiple=capacity_multiple), **statics)
+            t, k, num_experts, cf, multiple=multiple), **statics)
 
     def ragged():
         return ragged_plan(expert_ids,
@@ -354,9 +353,9 @@ def dispatch_apply(
                            **statics)
 
     def dropless():
-        factor = _DROPLESS_CAPACITY_FACTOR if capacity_factor is None else capacity_factor
+        factor = _DROPLESS_CAPACITY_FACTOR if cf is None else cf
         return dropless_plan(expert_ids, buckets=dropless_buckets(
-            t, k, num_experts, p, factor, multiple=capacity_multiple),
+            t, k, num_experts, p, factor, multiple=multiple),
             alignment=group_alignment or 1, **statics)
 
     # 'auto' is 'dense' here, the measured default (the layer's 'auto': moe.auto_transport).
@@ -366,21 +365,22 @@ def dispatch_apply(
     if group_alignment is not None and not isinstance(plan, DroplessPlan):
         raise ValueError(f"group_alignment={group_alignment!r} is for transport='dropless' "
                          f"only, got transport={plan.transport!r}; drop it or use 'dropless'.")
-    if with_wire and (dispatch_dtype != "fp8" or isinstance(plan, DensePlan)):
+    if with_wire and (options.dispatch_dtype != "fp8" or isinstance(plan, DensePlan)):
         raise ValueError(f"with_wire needs dispatch_dtype='fp8' and a ragged layout (transport "
-                         f"'dropless' or 'ragged'), got {dispatch_dtype!r} / "
+                         f"'dropless' or 'ragged'), got {options.dispatch_dtype!r} / "
                          f"{plan.transport!r}.")
     local = with_wire and p == 1  # nothing is sent: the GEMM's rows come from the tokens
     with jax.named_scope("dispatch_exchange"):
         x = movement.vary_like(x, plan)
-        wire = movement.wire_for(dispatch_dtype, x.dtype, block_size, plan.wire_kernels)
+        wire = movement.wire_for(options.dispatch_dtype, x.dtype, fp8_block_size,
+                                 plan.wire_kernels)
         out = movement.dispatch_rows(x, plan, wire, with_wire and not local)
     if local:
         tokens = jax.lax.div(plan.send_slot, jnp.int32(k))  # slot T * k: token T, a zero row
-        wire_rows = WireRows(collectives.TokenRows(x, tokens), x.shape[-1], block_size)
+        wire_rows = WireRows(collectives.TokenRows(x, tokens), x.shape[-1], fp8_block_size)
         return Dispatched(out, wire_rows, plan.group_sizes, plan)
     if with_wire:
-        return Dispatched(out.rows, WireRows(out.wire, x.shape[-1], block_size),
+        return Dispatched(out.rows, WireRows(out.wire, x.shape[-1], fp8_block_size),
                           plan.group_sizes, plan)
     return Dispatched(out, None, plan.group_sizes, plan)
 
