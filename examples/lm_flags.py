@@ -1,0 +1,195 @@
+"""The trainer's command line (examples/train_lm.py): its flags, presets and their checks.
+
+`parse_args` reads the flags, fills what a flag leaves unset from the ``--preset`` and the
+learning-rate rule (`default_lrs`), and raises `UsageError` (one line, no traceback) for a bad
+combination.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import get_args
+
+import lm_checkpoint
+
+import muon_jax
+
+DESCRIPTION = "Train a byte-level MoE language model with sharded Muon (and/or AdamW) on real text."
+
+MESH_AXES = ("data", "expert")
+OPTIMIZERS = ("muon", "adamw", "both")
+
+PRESETS: dict[str, dict] = {
+    # 2 CPU cores, 8 simulated devices.
+    "cpu": dict(steps=300, batch=32, seq_len=128, d_model=128, layers=2, heads=4, d_ff=128,
+                experts=8, top_k=2, fp8_block_size=32, dtype="float32"),
+    # One H200 (or any GPU with >= 40 GB): ~70M active of ~430M params, 64k tokens a step.
+    "gpu": dict(steps=300, batch=64, seq_len=1024, d_model=1024, layers=8, heads=8, d_ff=1024,
+                experts=16, top_k=2, fp8_block_size=128, dtype="bfloat16"),
+}
+"""Model, batch and step count per ``--preset``; an explicit flag overrides its entry."""
+
+FP8_GEMMS: dict[str, tuple[str, str, str]] = {  # recipe: forward, dgrad, wgrad GEMM dtypes
+    "none": ("bf16", "bf16", "bf16"),
+    "forward": ("fp8", "bf16", "bf16"),
+    "forward_dgrad": ("fp8", "fp8", "bf16"),
+    "all": ("fp8", "fp8", "fp8"),
+}
+"""``--fp8-gemms`` / ``--fp8-projections`` recipes: which expert / attention-projection GEMMs
+take FP8 operands ('bf16': the compute dtype)."""
+
+class UsageError(ValueError):
+    """A bad flag: reported as one line, without a traceback."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one clear line, exit status 2
+        raise UsageError(message)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` except where the default is ``None`` (set by the preset/rule)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _preset_help(name: str, what: str = "") -> str:
+    vals = ", ".join(f"{p} {PRESETS[p][name]}" for p in PRESETS)
+    return f"{what}{'; ' if what else ''}default from --preset ({vals})"
+
+
+def default_lrs(d_model: int) -> tuple[float, float]:
+    """The default peak learning rates ``(muon_lr, adam_lr)`` for a model of width ``d_model``.
+
+    ``muon_lr = 0.02 * min(1, 128 / d_model)`` and ``adam_lr = 6e-3 * min(1, 128 / d_model)``:
+    both scale as 1 / width from the CPU default (d_model 128), and both go through the
+    optima measured by 300-step sweeps of the two presets (BENCHMARKS.md). CPU preset: Muon
+    best at 0.02 of {0.01, 0.02, 0.04}, AdamW at 6e-3 of {1.5e-3, 3e-3, 6e-3, 1.2e-2}. GPU
+    preset (d_model 1024, one H200): AdamW best at 7.5e-4 of {3.75e-4, 7.5e-4, 1.5e-3, 3e-3},
+    Muon's 2.5e-3 within 0.006 nats/byte of its best, 5e-3, of {1.25e-3, 2.5e-3, 5e-3}; a
+    width-independent Muon 0.02 stalled there. The presets also differ in depth, batch and
+    sequence length, so this is a rule through two measured points, not a width-only law;
+    other sizes are interpolated.
+    """
+    shrink = min(1.0, 128 / d_model)
+    return 0.02 * shrink, 6e-3 * shrink
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = _Parser(description=DESCRIPTION, formatter_class=_HelpFormatter)
+    p.add_argument("--preset", choices=tuple(PRESETS), default="cpu",
+                   help="model, batch and steps for a 2-core CPU or one GPU; flags override")
+    p.add_argument("--optimizer", default="both", help="muon | adamw | both")
+    p.add_argument("--steps", type=int, help=_preset_help("steps"))
+    p.add_argument("--batch", type=int, help=_preset_help("batch", "global batch (sequences)"))
+    p.add_argument("--seq-len", type=int, help=_preset_help("seq_len"))
+    p.add_argument("--d-model", type=int, help=_preset_help("d_model"))
+    p.add_argument("--layers", type=int, help=_preset_help("layers"))
+    p.add_argument("--heads", type=int, help=_preset_help("heads"))
+    p.add_argument("--d-ff", type=int, help=_preset_help("d_ff", "expert hidden width"))
+    p.add_argument("--experts", type=int, help=_preset_help("experts"))
+    p.add_argument("--top-k", type=int, help=_preset_help("top_k"))
+    p.add_argument("--capacity-factor", type=float, default=2.0,
+                   help="expert capacity over the balanced share: the drop limit of the dense "
+                        "transport, the first bucket of the dropless one (which the layer's "
+                        "transport='auto' runs on one Hopper GPU); <= 0: C = all tokens")
+    p.add_argument("--fp8-dispatch", action=argparse.BooleanOptionalAction, default=True,
+                   help="FP8 e4m3 tokens on the expert all-to-all (default on)")
+    p.add_argument("--fp8-gemms", choices=tuple(FP8_GEMMS), default="none",
+                   help="expert GEMMs on FP8 operands (rowwise scales): none; forward; "
+                        "forward_dgrad (+ data gradients); all (+ weight gradients, the fastest "
+                        "measured on one H200)")
+    p.add_argument("--fp8-projections", choices=tuple(FP8_GEMMS), default="none",
+                   help="attention's QKV and output projections on FP8 operands (moe.fp8_dense, "
+                        "rowwise scales), the same recipes as --fp8-gemms")
+    p.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto",
+                   help="attention kernel: cudnn (fused flash attention), xla (einsums) or auto "
+                        "(cudnn on NVIDIA GPUs in bf16)")
+    p.add_argument("--fp8-block-size", type=int, help=_preset_help("fp8_block_size"))
+    p.add_argument("--dtype", choices=("float32", "bfloat16"),
+                   help=_preset_help("dtype", "compute dtype (params stay float32)"))
+    p.add_argument("--tie-embeddings", action="store_true", help="share the embedding and head")
+    p.add_argument("--lr", type=float, help="the Muon run's peak learning rate, shared by its "
+                   "hidden matrices and its AdamW part (embeddings, head, norms); default: "
+                   "0.02 * min(1, 128 / d_model)")
+    p.add_argument("--adam-lr", type=float, help="the AdamW run's peak learning rate; default: "
+                   "6e-3 * min(1, 128 / d_model)")
+    p.add_argument("--muon-adam-lr", type=float, help="the Muon run's AdamW part, if not --lr")
+    p.add_argument("--router-optimizer", choices=("muon", "adamw"), default="muon",
+                   help="which optimizer trains the MoE router kernels in the Muon run (muon ended "
+                        "lower on both presets: BENCHMARKS.md)")
+    p.add_argument("--muon-gather-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="dtype Muon's updates travel back from their owner devices in "
+                        "(muon_jax.muon's gather_dtype; bfloat16 halves those bytes)")
+    p.add_argument("--ns-method", choices=get_args(muon_jax.newton_schulz.NsMethod),
+                   default="auto",
+                   help="Muon's Newton-Schulz: standard, its Gram form, or auto (standard "
+                        "today; muon_jax.muon's ns_method)")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="decoupled, both optimizers")
+    p.add_argument("--warmup", type=int, default=20, help="linear warmup steps, then cosine")
+    p.add_argument("--aux-loss", type=float, default=0.01, help="load-balancing loss weight")
+    p.add_argument("--z-loss", type=float, default=1e-3, help="router z-loss weight")
+    p.add_argument("--mesh", default=None, help="'data,expert' sizes, e.g. 2,4 (default: "
+                   "2,4 on CPU; 1,<all devices> on GPU/TPU)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="dense bf16 peak TFLOP/s per device for MFU (default: by device kind, "
+                   "e.g. 989 on H100/H200; none on CPU, where MFU is n/a)")
+    p.add_argument("--eval-every", type=int, default=50, help="validation every N steps")
+    p.add_argument("--eval-batches", type=int, default=4, help="validation batches")
+    p.add_argument("--ckpt-every", type=int, default=100, help="0: no checkpoints")
+    p.add_argument("--keep-checkpoints", type=int, default=lm_checkpoint.KEEP_CHECKPOINTS,
+                   help="checkpoints kept per optimizer, the newest ones (0: keep all)")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="stop (with a checkpoint) after this step; the learning-rate schedule "
+                   "still spans --steps, so --resume later continues the same run")
+    p.add_argument("--seed", type=int, default=0, help="init and batch order")
+    p.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                   help="jax.distributed: the coordinator (process 0's host and a free port); "
+                        "with --num-processes and --process-id. Without them a cluster "
+                        "environment (SLURM, Open MPI, a Kubernetes indexed Job, a TPU pod) is "
+                        "detected, else one process")
+    p.add_argument("--num-processes", type=int, default=None, help="jax.distributed: processes")
+    p.add_argument("--process-id", type=int, default=None, help="jax.distributed: this one's id")
+    p.add_argument("--init-timeout", type=int, default=300,
+                   help="seconds to wait for every process at start, and without a heartbeat "
+                        "from one before every other exits with an error naming it")
+    p.add_argument("--process-logs", action="store_true",
+                   help="also write each process's output to OUT/logs/process_<id>.log")
+    p.add_argument("--max-corpus-mb", type=float, default=16.0, help="<= 0: all")
+    p.add_argument("--out", default="runs/train_lm", help="output directory")
+    p.add_argument("--no-progress", action="store_true", help="disable the progress bar")
+    args = p.parse_args(argv)
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.optimizer not in OPTIMIZERS:
+        raise UsageError(
+            f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {args.optimizer!r}."
+        )
+    for name in ("steps", "batch", "seq_len", "d_model", "layers", "heads", "experts", "top_k"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
+    if args.top_k > args.experts:
+        raise UsageError(f"--top-k ({args.top_k}) cannot exceed --experts ({args.experts}).")
+    given = [args.coordinator_address, args.num_processes, args.process_id]
+    if any(v is not None for v in given) and any(v is None for v in given):
+        raise UsageError("--coordinator-address, --num-processes and --process-id go together "
+                         "(or give none of them: a cluster environment is detected).")
+    if args.num_processes is not None and not 0 <= args.process_id < args.num_processes:
+        raise UsageError(f"--process-id must be in [0, {args.num_processes}), got "
+                         f"{args.process_id}.")
+    if args.init_timeout < 1:
+        raise UsageError(f"--init-timeout must be >= 1 second, got {args.init_timeout}.")
+    if args.keep_checkpoints < 0:
+        raise UsageError(f"--keep-checkpoints must be >= 0 (0 keeps all), got "
+                         f"{args.keep_checkpoints}.")
+    if args.ckpt_every < 0:
+        raise UsageError(f"--ckpt-every must be >= 0 (0: no checkpoints), got {args.ckpt_every}.")
+    muon_lr, adam_lr = default_lrs(args.d_model)
+    args.lr = muon_lr if args.lr is None else args.lr
+    args.adam_lr = adam_lr if args.adam_lr is None else args.adam_lr
+    return args
