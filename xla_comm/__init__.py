@@ -4,7 +4,9 @@
 collectives of an HLO module (kind, bytes, group size, ring cost,
 while-loop membership, overlap with compute); `xla_comm.overlap` builds the XLA:GPU options
 that let async collectives overlap compute; `xla_comm.schedule` replays a compiled schedule in
-time (exposed communication predicted); `xla_comm.trace` reads `jax.profiler` traces (collective
+time (exposed communication predicted) under `xla_comm.costs`' cost and link models;
+`xla_comm.latency` hands those modeled times to XLA's scheduler (a latency profile) and
+compiles again; `xla_comm.trace` reads `jax.profiler` traces (collective
 time left exposed by compute) and `xla_comm.breakdown` their device time per op category and
 named-scope region.
 Both packages of this distribution (`muon_jax`, `moe`), their tests, benchmarks and notebooks
@@ -18,6 +20,6 @@ Example:
   0
 """
 
-from xla_comm import breakdown, hlo, overlap, parse, schedule, trace
+from xla_comm import breakdown, costs, hlo, latency, overlap, parse, schedule, trace
 
-__all__ = ["breakdown", "hlo", "overlap", "parse", "schedule", "trace"]
+__all__ = ["breakdown", "costs", "hlo", "latency", "overlap", "parse", "schedule", "trace"]

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from xla_comm import hlo, schedule
+from xla_comm import costs, hlo, schedule
 
 # 1 GFLOP/s, 2 for FP8, 1 GB/s of HBM (so 1 byte = 1 ns), 1 GB/s links; no fixed costs.
 HW = schedule.Hardware(gemm_tflops=1e-3, fp8_gemm_tflops=2e-3, hbm_GBps=1.0, link_GBps=1.0,
@@ -99,7 +99,7 @@ ENTRY %main (a: bf16[100,50], b: bf16[50,200], w: bf16[4,200,50], a8: f8e4m3fn[1
         assert (f, fp8, gemm) == (flops, False, True), name
     assert schedule.op_cost(body["gmm8"], mod)[:3:2] == (flops, True)
     assert schedule.op_cost(body["quant"], mod) == (0.0, 10000.0 + 5000.0, False, False)
-    t = schedule._instr_cost(body["dot"], mod, body).time_us(HW)
+    t = costs.instruction_cost(body["dot"], mod, body).time_us(HW)
     assert t == pytest.approx(max(flops / 1e3, (10000 + 20000 + 40000) / 1e3))
 
 
