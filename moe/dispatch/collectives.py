@@ -19,6 +19,7 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from moe.kernels import platform
 from moe.options import RaggedImpl, check_choice
 
 AxisName = str | tuple[str, ...]
@@ -31,7 +32,8 @@ def resolve_ragged_impl(impl: RaggedImpl) -> Literal["native", "emulated"]:
     """Pick the ragged all-to-all implementation: native where XLA has it, else emulated.
 
     Args:
-      impl: ``'auto'`` (native on GPU/TPU, emulated elsewhere, by ``jax.default_backend()``),
+      impl: ``'auto'`` (native on GPU/TPU, emulated elsewhere, by the target platform:
+        ``moe.kernels.platform.target_platform()``),
         ``'native'`` or ``'emulated'``.
 
     Returns:
@@ -47,7 +49,7 @@ def resolve_ragged_impl(impl: RaggedImpl) -> Literal["native", "emulated"]:
     check_choice("ragged_impl", impl, RaggedImpl)
     if impl != "auto":
         return impl
-    return "native" if jax.default_backend() in _NATIVE_RAGGED_BACKENDS else "emulated"
+    return "native" if platform.target_platform() in _NATIVE_RAGGED_BACKENDS else "emulated"
 
 
 class TokenRows(NamedTuple):

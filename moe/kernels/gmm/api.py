@@ -17,8 +17,6 @@ import typing
 import warnings
 from typing import Literal
 
-import jax
-
 from moe.kernels.gmm import mosaic, triton, xla
 from moe.kernels.gmm.base import (
     GROUP_ALIGNMENT,
@@ -30,7 +28,7 @@ from moe.kernels.gmm.base import (
     sizes_of,
     split_groups,
 )
-from moe.kernels.platform import cuda_capability
+from moe.kernels.platform import cuda_capability, target_platform
 
 __all__ = ["GROUP_ALIGNMENT", "IMPLEMENTATIONS", "Backend", "GroupedGemms", "RowGroups",
            "align_map", "aligned_rows", "auto_backend", "canonical_backend",
@@ -138,9 +136,9 @@ def check_backend_available(backend: Backend) -> None:
             ) from None
     if backend == "mosaic":
         cc = cuda_capability()
-        if jax.default_backend() not in ("cpu", "gpu") or (cc is not None and cc[0] != 9):
+        if target_platform() not in ("cpu", "gpu") or (cc is not None and cc[0] != 9):
             raise ValueError(
                 "backend='mosaic' needs an NVIDIA Hopper GPU (wgmma; compute capability 9.x) "
-                f"or the CPU (emulated), not {jax.default_backend()!r} / {cc}; use "
+                f"or the CPU (emulated), not {target_platform()!r} / {cc}; use "
                 "backend='auto'."
             )
