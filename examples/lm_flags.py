@@ -112,6 +112,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("float32", "bfloat16"),
                    help=_preset_help("dtype", "compute dtype (params stay float32)"))
     p.add_argument("--tie-embeddings", action="store_true", help="share the embedding and head")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="token streams each layer runs in turn, so that one stream's expert "
+                        "exchange can run under another's attention and GEMMs (lm_model's "
+                        "micro_batches; for an expert axis of several devices)")
+    p.add_argument("--overlap-chunks", default="auto",
+                   help="chunks each MoE layer pipelines its exchange in (moe's "
+                        "DispatchOptions.overlap_chunks: an int or auto)")
     p.add_argument("--lr", type=float, help="the Muon run's peak learning rate, shared by its "
                    "hidden matrices and its AdamW part (embeddings, head, norms); default: "
                    "0.02 * min(1, 128 / d_model)")
@@ -170,9 +177,21 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise UsageError(
             f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {args.optimizer!r}."
         )
-    for name in ("steps", "batch", "seq_len", "d_model", "layers", "heads", "experts", "top_k"):
+    for name in ("steps", "batch", "seq_len", "d_model", "layers", "heads", "experts", "top_k",
+                 "micro_batches"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
+    if args.overlap_chunks != "auto":
+        try:
+            args.overlap_chunks = int(args.overlap_chunks)
+        except ValueError:
+            raise UsageError(f"--overlap-chunks must be an int >= 1 or 'auto', got "
+                             f"{args.overlap_chunks!r}.") from None
+        if args.overlap_chunks < 1:
+            raise UsageError(f"--overlap-chunks must be >= 1, got {args.overlap_chunks}.")
+    if args.batch % args.micro_batches:
+        raise UsageError(f"--batch ({args.batch}) must be a multiple of --micro-batches "
+                         f"({args.micro_batches}).")
     if args.top_k > args.experts:
         raise UsageError(f"--top-k ({args.top_k}) cannot exceed --experts ({args.experts}).")
     given = [args.coordinator_address, args.num_processes, args.process_id]

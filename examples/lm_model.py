@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe
+from moe.kernels import platform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,10 @@ class LMConfig:
     tie_embeddings: bool = False
     rope_base: float = 10000.0
     dtype: str = "float32"
+    # Independent token streams each layer runs one after another (1: the whole batch at once);
+    # see TransformerLM.__call__.
+    micro_batches: int = 1
+    overlap_chunks: int | str = "auto"  # the MoE layers' DispatchOptions.overlap_chunks
 
     def __post_init__(self):
         if self.d_model % self.num_heads:
@@ -62,6 +67,9 @@ class LMConfig:
                                                         self.proj_wgrad_dtype):
             raise ValueError("FP8 projection gradients need proj_gemm_dtype='fp8' (the "
                              "projections run through moe.fp8_dense, whose forward is FP8).")
+        if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or (
+                self.micro_batches < 1):
+            raise ValueError(f"micro_batches must be an int >= 1, got {self.micro_batches!r}.")
         if self.attention not in ("auto", "xla", "cudnn"):
             raise ValueError(f"attention must be 'auto', 'xla' or 'cudnn', got "
                              f"{self.attention!r}.")
@@ -72,7 +80,7 @@ class LMConfig:
         if self.attention != "auto":
             return self.attention
         head_dim = self.d_model // self.num_heads
-        gpu = jax.default_backend() == "gpu"
+        gpu = platform.target_platform() == "gpu"  # or the GPU a CPU compiles for
         half = jnp.dtype(self.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         return "cudnn" if gpu and half and head_dim <= 128 and head_dim % 8 == 0 else "xla"
 
@@ -171,6 +179,7 @@ class Block(nnx.Module):
             gemm_dtype=cfg.expert_gemm_dtype,
             dgrad_dtype=cfg.expert_dgrad_dtype or cfg.expert_gemm_dtype,
             wgrad_dtype=cfg.expert_wgrad_dtype or cfg.expert_gemm_dtype,
+            overlap_chunks=cfg.overlap_chunks,
         )
         self.moe = moe.MoE(cfg.d_model, cfg.d_ff, options=options, mesh=mesh,
                            dtype=jnp.dtype(cfg.dtype), rngs=rngs)
@@ -204,12 +213,34 @@ class TransformerLM(nnx.Module):
             )
 
     def __call__(self, tokens: jax.Array):
-        """Returns f32 logits [batch, seq, vocab] and the summed MoE auxiliary outputs."""
+        """Returns f32 logits [batch, seq, vocab] and the summed MoE auxiliary outputs.
+
+        With ``cfg.micro_batches = n > 1`` the batch runs as ``n`` token streams (sequences
+        ``j, j + n, j + 2n, ...`` form stream ``j``, so a batch split over devices in blocks
+        leaves every device its own share of each stream: no data moves) that go through each
+        layer one after another and meet only at the head. Nothing ties one stream's layer to
+        another's, so XLA's scheduler can run one stream's expert exchange (dispatch and
+        combine all-to-alls) under another stream's attention and expert GEMMs, forward and
+        backward: the overlap that DeepSeek-V3 gets from two micro-batches. The math is the
+        batch's, except that the MoE load-balancing and z losses are means over each stream
+        (averaged over streams), not over the whole batch.
+        """
+        n = self.cfg.micro_batches
+        b = tokens.shape[0]
+        if b % n:
+            raise ValueError(f"batch {b} is not a multiple of micro_batches={n}; pass a batch "
+                             "of whole micro-batches or lower micro_batches.")
         x = self.embed(tokens).astype(jnp.dtype(self.cfg.dtype))
+        streams = [x] if n == 1 else [x.reshape(b // n, n, *x.shape[1:])[:, j] for j in range(n)]
         aux_sum = None
         for block in self.blocks:
-            x, aux = block(x)
-            aux_sum = aux if aux_sum is None else jax.tree.map(jnp.add, aux_sum, aux)
+            for j in range(n):
+                streams[j], aux = block(streams[j])
+                aux_sum = aux if aux_sum is None else jax.tree.map(jnp.add, aux_sum, aux)
+        x = streams[0] if n == 1 else jnp.stack(streams, axis=1).reshape(x.shape)
+        if n > 1:  # the losses are means per stream: their mean over the streams
+            aux_sum = {k: v / n if k in ("load_balance_loss", "router_z_loss") else v
+                       for k, v in aux_sum.items()}
         x = self.final_norm(x)
         if self.cfg.tie_embeddings:
             logits = self.embed.attend(x)

@@ -146,6 +146,8 @@ def model_config(args) -> lm_model.LMConfig:
         fp8_block_size=args.fp8_block_size,
         tie_embeddings=args.tie_embeddings,
         dtype=args.dtype,
+        micro_batches=args.micro_batches,
+        overlap_chunks=args.overlap_chunks,
     )
 
 

@@ -250,6 +250,8 @@ def test_setup_line_names_only_the_runs_it_trains():
         (["--batch", "12"], "--batch 12 must be divisible by the 8 devices"),
         (["--experts", "6"], "--experts 6 must be divisible by the expert axis size 4"),
         (["--steps", "0"], "--steps must be >= 1"),
+        (["--micro-batches", "3"], "--batch (8) must be a multiple of --micro-batches (3)"),
+        (["--overlap-chunks", "two"], "--overlap-chunks must be an int >= 1 or 'auto'"),
     ],
 )
 def test_bad_flags_one_line(flags, needle, capsys):
