@@ -34,10 +34,12 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -145,6 +147,9 @@ def parse_args(argv=None):
     p.add_argument("--hlo-tar", default=None,
                    help="then pack them into this one tar file (up to 15 MiB, smallest first)")
     p.add_argument("--chunks", default="1,2,4", help="overlap_chunks values of the EP=8 cases")
+    p.add_argument("--train-variants", default="1,2",
+                   help="the trainer step's cases: micro_batches (examples/lm_model.py), "
+                        "optionally xCHUNKS for the MoE layers' overlap_chunks (e.g. 1,2,2x1)")
     p.add_argument("--default-chunks", type=int, default=None,
                    help="the chunk count the headline keys are for (default: the layer's "
                         "moe.layer.OVERLAP_CHUNKS)")
@@ -164,8 +169,28 @@ def parse_args(argv=None):
                    help="async collectives XLA's scheduler may keep in flight at once "
                         "(xla_comm.overlap's parallel_collectives; 1: XLA's default). A "
                         "--replay tar must come from a run with the same value")
+    p.add_argument("--latency-model", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile each multi-GPU step twice: the second time XLA's scheduler "
+                        "plans with this report's modeled times (xla_comm.latency; default on, "
+                        "off with --small); the first compile's figures stay under "
+                        "'xla_estimates'")
+    p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="an extra XLA compiler option for every compile (repeatable)")
     p.add_argument("--only", default=None, help="comma-separated case groups: "
                    "moe8,moe8b,muon,train,moe16,moe64,gpu1")
+    p.add_argument("--target-config", default=None, metavar="TXTPB",
+                   help="compile for the GPU this GpuTargetConfigProto text describes (e.g. "
+                        "benchmarks/targets/h100.txtpb) instead of the local one: no GPU needed, "
+                        "only jax's CUDA plugin; give --rates too where there is no GPU")
+    p.add_argument("--rates", default=None, metavar="BF16,FP8,HBM",
+                   help="the cost model's rates (bf16 and FP8 TFLOP/s, HBM GB/s) instead of "
+                        "measuring them (a CPU-only machine compiling with --target-config)")
+    p.add_argument("--rates-from", default=None, metavar="REPORT_JSON",
+                   help="the rates (and the one-GPU layer's figures) of an earlier run on the GPU, "
+                        "e.g. one with --only gpu1: with --replay, this machine replays the "
+                        "modules at the rates that GPU measured")
+    p.add_argument("--write-target-config", default=None, metavar="TXTPB",
+                   help="write the local GPU's GpuTargetConfigProto text here and exit")
     return p.parse_args(argv)
 
 
@@ -181,6 +206,19 @@ def _commit() -> str:
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
+    if a.latency_model is None:
+        a.latency_model = not a.small
+    if a.write_target_config:
+        sys.path[:0] = [str(ROOT)]
+        from jax._src.lib import _jax  # no public API gives the text (jax 0.10-0.12)
+        from jax.experimental import topologies
+        topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1")
+        text = str(_jax.get_topology_for_devices(topo.devices).target_config)
+        Path(a.write_target_config).write_text(
+            f"# GpuTargetConfigProto of {topo.devices[0].device_kind}, written by\n"
+            f"# benchmarks/schedule_report.py --write-target-config on that GPU.\n{text}")
+        print(f"wrote {a.write_target_config}")
+        return {}
     if a.summarize:
         report = json.loads(Path(a.summarize).read_text())
         if "defaults" in report:
@@ -211,11 +249,15 @@ def main(argv=None) -> dict:
 
     import moe
     import muon_jax
-    from xla_comm import overlap, schedule
+    from xla_comm import latency, overlap, schedule
 
     t0 = time.perf_counter()
     groups = set((a.only or "moe8,moe8b,muon,train,moe16,moe64,gpu1").split(","))
     chunk_list = [int(c) for c in a.chunks.split(",")]
+    train_list = []  # (micro_batches, overlap_chunks) of the trainer's cases
+    for v in a.train_variants.split(","):
+        mb, _, ch = v.partition("x")
+        train_list.append((int(mb), ch or "auto"))
     defaults = dict(moe.layer.OVERLAP_CHUNKS)  # the layer's chunk counts by transport
     if a.default_chunks:
         defaults = {t: a.default_chunks for t in defaults}
@@ -226,18 +268,48 @@ def main(argv=None) -> dict:
                     "date": time.strftime("%Y-%m-%d"), "cases": {}, "skipped": [],
                     "errors": {}}
     hlo_dir = Path(a.hlo_dir) if a.hlo_dir else None
+    target_config = Path(a.target_config).read_text() if a.target_config else None
+    report["target_config"] = a.target_config
+    # Compiled without the GPU, the layer's 'auto' kernel choices must still be that GPU's,
+    # not those of the CPU this process runs on.
+    target = contextlib.nullcontext  # a fresh context per case
+    if target_config is not None:
+        cc = re.search(r"cuda_compute_capability\s*\{([^}]*)\}", target_config)
+        major = re.search(r"major:\s*(\d+)", cc.group(1)) if cc else None
+        minor = re.search(r"minor:\s*(\d+)", cc.group(1)) if cc else None
+        if major is None:
+            raise SystemExit(f"{a.target_config}: no cuda_compute_capability major")
+        cc = (int(major.group(1)), int(minor.group(1)) if minor else 0)
+        target = lambda: moe.kernels.platform.compiling_for_cuda(cc)  # noqa: E731
     if hlo_dir:
         hlo_dir.mkdir(parents=True, exist_ok=True)
 
     # ---------------------------------------------------------------- the measured rates
-    n = 256 if a.small else 8192
-    bf16 = dense_ceiling(n, 2, 5)["tflops"]
-    fp8 = dense_ceiling(n, 2, 5, dtype="fp8")["tflops"]
-    x = jnp.ones(((1 << 16) if a.small else (1 << 29),), jnp.bfloat16)
-    copy = jax.jit(lambda v: v * 2)
-    sec, _ = median_seconds(copy, (x,), 2, 7)
-    hbm = 2 * x.size * 2 / sec / 1e9
-    del x
+    if a.rates_from:  # a GPU run's rates and one-GPU layer, these modules replayed with them
+        device = json.loads(Path(a.rates_from).read_text())
+        h = device["hardware"]
+        bf16, fp8, hbm = h["gemm_tflops"], h["fp8_gemm_tflops"], h["hbm_GBps"]
+        report["rates_source"] = f"measured by the run in {Path(a.rates_from).name}"
+        report["device_run"] = {k: device.get(k) for k in ("env", "commit", "date", "command")}
+        for k in ("chunked_over_unchunked_1gpu", "compute_model_error"):
+            if k in device:
+                report[k] = device[k]
+        if "gpu1_layer" in device.get("cases", {}):
+            report["cases"]["gpu1_layer"] = device["cases"]["gpu1_layer"]
+        groups.discard("gpu1")
+    elif a.rates:
+        bf16, fp8, hbm = (float(v) for v in a.rates.split(","))
+        report["rates_source"] = "--rates"
+    else:
+        n = 256 if a.small else 8192
+        bf16 = dense_ceiling(n, 2, 5)["tflops"]
+        fp8 = dense_ceiling(n, 2, 5, dtype="fp8")["tflops"]
+        x = jnp.ones(((1 << 16) if a.small else (1 << 29),), jnp.bfloat16)
+        copy = jax.jit(lambda v: v * 2)
+        sec, _ = median_seconds(copy, (x,), 2, 7)
+        hbm = 2 * x.size * 2 / sec / 1e9
+        del x
+        report["rates_source"] = "measured in this run"
     hw = schedule.Hardware(gemm_tflops=bf16, fp8_gemm_tflops=fp8, hbm_GBps=hbm,
                            link_GBps=a.link_gbps or schedule.MEASURED_LINK_GBPS,
                            inter_host_GBps=a.inter_host_gbps,
@@ -253,6 +325,11 @@ def main(argv=None) -> dict:
     opts = None if a.small else overlap.overlap_compiler_options(
         parallel_collectives=a.parallel_collectives)
     report["parallel_collectives"] = a.parallel_collectives
+    for kv in a.xla_option:
+        k, _, v = kv.partition("=")
+        opts = dict(opts or {}, **{k: v})
+    report["xla_options"] = a.xla_option
+    report["latency_model"] = a.latency_model
     report_extra: dict[str, dict] = {}  # a replayed case's description
 
     def mesh_for(topology: str, shape, names, explicit=True):
@@ -260,7 +337,8 @@ def main(argv=None) -> dict:
             devs = np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape)
             kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
             return jax.sharding.Mesh(devs, names, axis_types=(kind,) * len(shape))
-        return schedule.topology_mesh(topology, shape, names, explicit=explicit)
+        return schedule.topology_mesh(topology, shape, names, explicit=explicit,
+                                      target_config=target_config)
 
     replay: dict[str, str] = {}
     if a.replay:
@@ -292,16 +370,35 @@ def main(argv=None) -> dict:
             report["hlo_tar"] = {"path": a.hlo_tar, "bytes": total}
         write_json(a.out, summarize(report, defaults))
 
-    def record(name, compiled, extra=None):
+    def summaries(compiled):
         rep = schedule.schedule_report(compiled, hw)
-        out = {"all": rep.summary(), "all_to_all": rep.summary(("all-to-all",)),
-               # the payload exchanges (the counts' tiny all-to-alls left out)
-               "payload_all_to_all": rep.summary(("all-to-all",), min_bytes=PAYLOAD_BYTES),
-               **(extra or {})}
-        report["cases"][name] = out
+        return {"all": rep.summary(), "all_to_all": rep.summary(("all-to-all",)),
+                # the payload exchanges (the counts' tiny all-to-alls left out)
+                "payload_all_to_all": rep.summary(("all-to-all",), min_bytes=PAYLOAD_BYTES)}
+
+    def write_hlo(name, compiled):
         if hlo_dir:
             with gzip.open(hlo_dir / f"{name}.hlo.gz", "wt") as f:
                 f.write(compiled if isinstance(compiled, str) else compiled.as_text())
+
+    def build(lowered):
+        """The compiled step the report reads: with --latency-model, scheduled with the
+        modeled latencies (xla_comm.latency; the first compile, on XLA's own estimates, is
+        kept beside it)."""
+        if not a.latency_model:
+            return compile_with(lowered, opts)[0]
+        return latency.compile_modeled(lowered, hw, compiler_options=opts)
+
+    def record(name, compiled, extra=None):
+        first = None
+        if isinstance(compiled, latency.Modeled):
+            compiled, first = compiled.compiled, compiled.default
+        out = {**summaries(compiled), **(extra or {})}
+        if first is not None:
+            out["xla_estimates"] = summaries(first)
+            write_hlo(f"{name}.xla_estimates", first)
+        report["cases"][name] = out
+        write_hlo(name, compiled)
         pa = out["payload_all_to_all"]
         print(f"[{time.perf_counter() - t0:5.0f}s] {name}: exposed "
               f"{out['all']['exposed_fraction']:.3f} of {out['all']['collective_us']:.0f} us "
@@ -318,7 +415,8 @@ def main(argv=None) -> dict:
             report["skipped"].append(name)
             return None
         try:
-            return fn()
+            with target():
+                return fn()
         except Exception as err:  # record and go on
             report["errors"][name] = f"{type(err).__name__}: {err}"[:3000]
             traceback.print_exc()
@@ -347,7 +445,7 @@ def main(argv=None) -> dict:
                 sds((s.experts, s.d_ff, s.d_model), jnp.bfloat16, P("expert")),
                 sds((ndev, s.tokens, s.d_model), jnp.float32, tok))
         grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
-        return compile_with(grad.lower(*args), opts)[0]
+        return build(grad.lower(*args))
 
     ep8 = mesh_for("1x8x1", (1, 8), ("data", "expert"))
 
@@ -365,7 +463,9 @@ def main(argv=None) -> dict:
         moe8("A")
 
     # ---------------------------------------------------------------- one real GPU
-    if "gpu1" in groups:
+    if "gpu1" in groups and not a.small and jax.default_backend() != "gpu":
+        report["skipped"].append("gpu1_layer (no GPU in this process)")
+    elif "gpu1" in groups:
         def gpu1():
             s = shapes["A"]
             e1 = s.experts // 8  # the local experts of one EP=8 device
@@ -445,7 +545,7 @@ def main(argv=None) -> dict:
             return optax.apply_updates(p, updates), st
 
         with jax.set_mesh(mesh):
-            return compile_with(jax.jit(step).lower(params, state, data), opts)[0]
+            return build(jax.jit(step).lower(params, state, data))
 
     if "muon" in groups:
         dp8 = mesh_for("1x8x1", (8,), ("data",))
@@ -487,14 +587,15 @@ def main(argv=None) -> dict:
                 name, moe_compiled(mesh, shapes["A"], "dense", c), extra))
 
     # ---------------------------------------------------------------- the trainer's step
-    def train_compiled(mesh_shape):
+    def train_compiled(mesh_shape, micro_batches=1, chunks="auto"):
         import lm_model
         import train_lm
         from flax import nnx
 
         mesh = mesh_for("1x8x1", mesh_shape, train_lm.MESH_AXES, explicit=False)  # as the trainer
         argv_ = ["--preset", "cpu" if a.small else "gpu", "--optimizer", "muon",
-                 "--mesh", ",".join(map(str, mesh_shape))]
+                 "--mesh", ",".join(map(str, mesh_shape)), "--micro-batches", str(micro_batches),
+                 "--overlap-chunks", str(chunks)]
         args = train_lm.parse_args(argv_)
         cfg = train_lm.model_config(args)
         with jax.set_mesh(mesh):
@@ -530,13 +631,16 @@ def main(argv=None) -> dict:
                 updates, state = tx.update(grads, state, params)
                 return optax.apply_updates(params, updates), state
 
-            return compile_with(jax.jit(step).lower(params, rest, state, batch), opts)[0]
+            return build(jax.jit(step).lower(params, rest, state, batch))
 
     if "train" in groups:
         for shape in ((1, 8), (2, 4)):
-            name = f"train_step_mesh{shape[0]}x{shape[1]}"
-            run_case(name, lambda shape=shape, name=name: record(name, train_compiled(shape),
-                                                                 {"mesh": list(shape)}))
+            for mb, ch in train_list:
+                name = (f"train_step_mesh{shape[0]}x{shape[1]}" + (f"_micro{mb}" if mb > 1 else "")
+                        + (f"_chunks{ch}" if ch != "auto" else ""))
+                run_case(name, lambda shape=shape, name=name, mb=mb, ch=ch: record(
+                    name, train_compiled(shape, mb, ch),
+                    {"mesh": list(shape), "micro_batches": mb, "overlap_chunks": ch}))
 
     if "moe8b" in groups:  # the second shape set last: the most compile time
         moe8("B")
