@@ -78,7 +78,11 @@ HEADLINE = ("moe_ep8_exposed_fraction", "moe_ep8_dropless_exposed_fraction",
             "muon_dp8_bf16_gather_exposed_fraction", "muon_dp8_chunked_exposed_fraction",
             "muon_dp8_bf16_gather_chunked_exposed_fraction", "train_step_ep8_exposed_fraction",
             "train_step_2x4_exposed_fraction", "moe_ep16_exposed_fraction",
-            "moe_ep64_exposed_fraction", "moe_ep8_windows", "moe_ep8_windows_with_gemm")
+            "moe_ep64_exposed_fraction", "moe_ep8_windows", "moe_ep8_windows_with_gemm",
+            "train_step_ep8_micro2_exposed_fraction", "moe_ep8_exposed_fraction_xla_estimates",
+            "moe_ep8_dropless_exposed_fraction_xla_estimates",
+            "muon_dp8_exposed_fraction_xla_estimates",
+            "train_step_ep8_exposed_fraction_xla_estimates")
 
 
 def summarize(report: dict, defaults: dict[str, int]) -> dict:
@@ -93,6 +97,10 @@ def summarize(report: dict, defaults: dict[str, int]) -> dict:
     def frac(name, part="all"):
         c = cases.get(name)
         return None if c is None or part not in c else c[part]["exposed_fraction"]
+
+    def xla_frac(name):  # the compile on XLA's own latency estimates (--latency-model)
+        c = cases.get(name, {}).get("xla_estimates") or cases.get(f"{name}.xla_estimates")
+        return None if c is None else c["all"]["exposed_fraction"]
 
     dn, dl = defaults["dense"], defaults["dropless"]
     head = {
@@ -109,6 +117,12 @@ def summarize(report: dict, defaults: dict[str, int]) -> dict:
         "train_step_2x4_exposed_fraction": frac("train_step_mesh2x4"),
         "moe_ep16_exposed_fraction": frac(f"moe_ep16_A_dense_chunks{dn}"),
         "moe_ep64_exposed_fraction": frac(f"moe_ep64_A_dense_chunks{dn}"),
+        "train_step_ep8_micro2_exposed_fraction": frac("train_step_mesh1x8_micro2"),
+        "moe_ep8_exposed_fraction_xla_estimates": xla_frac(f"moe_ep8_A_dense_chunks{dn}"),
+        "moe_ep8_dropless_exposed_fraction_xla_estimates": xla_frac(
+            f"moe_ep8_A_dropless_chunks{dl}"),
+        "muon_dp8_exposed_fraction_xla_estimates": xla_frac("muon_dp8_f32_gather"),
+        "train_step_ep8_exposed_fraction_xla_estimates": xla_frac("train_step_mesh1x8"),
     }
     a2a = [cases[k]["payload_all_to_all"] for k in cases
            if (k.startswith("moe_ep8_A_dense") and k.endswith(f"chunks{dn}"))

@@ -106,7 +106,8 @@ _TARGET_RE = re.compile(r'custom_call_target="([^"]+)"')
 _CALLS_RE = re.compile(r"\bcalls=%?([\w.\-]+)")
 _DOT_DIMS_RE = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _BACKEND_RE = re.compile(r"backend_config=(\{.*\})")
-_MESH_GROUPS_RE = re.compile(r"replica_groups=mesh\[([^\]]*)\](,\s*device_ids=[^{]*)?\s*\{([^}]*)\}")
+_MESH_GROUPS_RE = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\](,\s*device_ids=[^{]*)?\s*\{([^}]*)\}")
 _MESH_AXIS_RE = re.compile(r"'([^']+)'=(\d+)")
 
 
