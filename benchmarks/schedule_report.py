@@ -384,8 +384,8 @@ def main(argv=None) -> dict:
             report["hlo_tar"] = {"path": a.hlo_tar, "bytes": total}
         write_json(a.out, summarize(report, defaults))
 
-    def summaries(compiled):
-        rep = schedule.schedule_report(compiled, hw)
+    def summaries(compiled, rows=None):
+        rep = schedule.schedule_report(compiled, hw, grouped_rows=rows)
         return {"all": rep.summary(), "all_to_all": rep.summary(("all-to-all",)),
                 # the payload exchanges (the counts' tiny all-to-alls left out)
                 "payload_all_to_all": rep.summary(("all-to-all",), min_bytes=PAYLOAD_BYTES)}
@@ -395,21 +395,22 @@ def main(argv=None) -> dict:
             with gzip.open(hlo_dir / f"{name}.hlo.gz", "wt") as f:
                 f.write(compiled if isinstance(compiled, str) else compiled.as_text())
 
-    def build(lowered):
+    def build(lowered, rows=None):
         """The compiled step the report reads: with --latency-model, scheduled with the
         modeled latencies (xla_comm.latency; the first compile, on XLA's own estimates, is
         kept beside it)."""
         if not a.latency_model:
             return compile_with(lowered, opts)[0]
-        return latency.compile_modeled(lowered, hw, compiler_options=opts)
+        return latency.compile_modeled(lowered, hw, compiler_options=opts, grouped_rows=rows)
 
     def record(name, compiled, extra=None):
         first = None
         if isinstance(compiled, latency.Modeled):
             compiled, first = compiled.compiled, compiled.default
-        out = {**summaries(compiled), **(extra or {})}
+        rows = (extra or {}).get("grouped_rows")
+        out = {**summaries(compiled, rows), **(extra or {})}
         if first is not None:
-            out["xla_estimates"] = summaries(first)
+            out["xla_estimates"] = summaries(first, rows)
             write_hlo(f"{name}.xla_estimates", first)
         report["cases"][name] = out
         write_hlo(name, compiled)
@@ -437,6 +438,11 @@ def main(argv=None) -> dict:
             return None
 
     # ---------------------------------------------------------------- the MoE layer
+    def grouped_rows(tokens: int, chunks: int, top_k: int) -> int:
+        """The rows a chunk's grouped GEMMs compute under balanced routing (each device gets
+        what it sends): the replay charges them, not the worst-case layout's static rows."""
+        return tokens // chunks * top_k
+
     def moe_compiled(mesh, s: MoeShape, transport, chunks, batch_axes=None):
         axes = tuple(mesh.axis_names)
         kw = {} if batch_axes is None else {"batch_axes": batch_axes}
@@ -459,7 +465,7 @@ def main(argv=None) -> dict:
                 sds((s.experts, s.d_ff, s.d_model), jnp.bfloat16, P("expert")),
                 sds((ndev, s.tokens, s.d_model), jnp.float32, tok))
         grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
-        return build(grad.lower(*args))
+        return build(grad.lower(*args), grouped_rows(s.tokens, chunks, s.top_k))
 
     ep8 = mesh_for("1x8x1", (1, 8), ("data", "expert"))
 
@@ -468,7 +474,8 @@ def main(argv=None) -> dict:
             for c in (chunk_list if tag == "A" else sorted({1, defaults[transport]})):
                 name = f"moe_ep8_{tag}_{transport}_chunks{c}"
                 extra = {"shape": dataclasses.asdict(shapes[tag]), "transport": transport,
-                         "chunks": c}
+                         "chunks": c, "grouped_rows": grouped_rows(shapes[tag].tokens, c,
+                                                                   shapes[tag].top_k)}
                 report_extra[name] = extra
                 run_case(name, lambda s=shapes[tag], t=transport, c=c, name=name, extra=extra:
                          record(name, moe_compiled(ep8, s, t, c), extra))
@@ -515,7 +522,9 @@ def main(argv=None) -> dict:
                     sec, _ = median_seconds(fns[c], args_, 0, 3)
                     times[c].append(sec)
             med = {c: float(np.median(v)) for c, v in times.items()}
-            pred = {c: schedule.schedule_report(fns[c], hw).step_us * 1e-6 for c in (1, 2)}
+            pred = {c: schedule.schedule_report(
+                fns[c], hw, grouped_rows=grouped_rows(s.tokens, c, s.top_k)).step_us * 1e-6
+                for c in (1, 2)}
             out.update(measured_s=med, predicted_s=pred,
                        model_error={c: pred[c] / med[c] - 1 for c in (1, 2)})
             report["chunked_over_unchunked_1gpu"] = med[2] / med[1]
@@ -586,7 +595,8 @@ def main(argv=None) -> dict:
         for c in sorted({1, defaults["dense"], max(chunk_list)}):
             name = f"moe_ep{ndev if not a.small else group[3:]}_A_dense_chunks{c}"
             extra = {"topology": topo, "placement": "expert axis over every host", "chunks": c,
-                     "shape": dataclasses.asdict(s_multi)}
+                     "shape": dataclasses.asdict(s_multi),
+                     "grouped_rows": grouped_rows(s_multi.tokens, c, s_multi.top_k)}
             report_extra[name] = extra
             run_case(name, lambda mesh=mesh, c=c, name=name, extra=extra, s=s_multi: record(
                 name, moe_compiled(mesh, s, "dense", c), extra))
@@ -595,12 +605,23 @@ def main(argv=None) -> dict:
             c = defaults["dense"]
             name = f"moe_ep8x2hosts_A_dense_chunks{c}"
             extra = {"topology": topo, "placement": "expert axis within a host, data across",
-                     "chunks": c, "shape": dataclasses.asdict(shapes["A"])}
+                     "chunks": c, "shape": dataclasses.asdict(shapes["A"]),
+                     "grouped_rows": grouped_rows(shapes["A"].tokens, c, shapes["A"].top_k)}
             report_extra[name] = extra
             run_case(name, lambda mesh=mesh, c=c, name=name, extra=extra: record(
                 name, moe_compiled(mesh, shapes["A"], "dense", c), extra))
 
     # ---------------------------------------------------------------- the trainer's step
+    def train_rows(mesh_shape, micro_batches, chunks):
+        """grouped_rows of the trainer's MoE layers (tokens split over every device)."""
+        import train_lm
+
+        args = train_lm.parse_args(["--preset", "cpu" if a.small else "gpu"])
+        tokens = args.batch * args.seq_len // int(np.prod(mesh_shape)) // micro_batches
+        c = (moe.auto_overlap_chunks(mesh_shape[1], tokens, "dense") if chunks == "auto"
+             else int(chunks))
+        return grouped_rows(tokens, c, args.top_k)
+
     def train_compiled(mesh_shape, micro_batches=1, chunks="auto"):
         import lm_model
         import train_lm
@@ -645,16 +666,19 @@ def main(argv=None) -> dict:
                 updates, state = tx.update(grads, state, params)
                 return optax.apply_updates(params, updates), state
 
-            return build(jax.jit(step).lower(params, rest, state, batch))
+            return build(jax.jit(step).lower(params, rest, state, batch),
+                         train_rows(mesh_shape, micro_batches, chunks))
 
     if "train" in groups:
         for shape in ((1, 8), (2, 4)):
             for mb, ch in train_list:
                 name = (f"train_step_mesh{shape[0]}x{shape[1]}" + (f"_micro{mb}" if mb > 1 else "")
                         + (f"_chunks{ch}" if ch != "auto" else ""))
-                run_case(name, lambda shape=shape, name=name, mb=mb, ch=ch: record(
-                    name, train_compiled(shape, mb, ch),
-                    {"mesh": list(shape), "micro_batches": mb, "overlap_chunks": ch}))
+                extra = {"mesh": list(shape), "micro_batches": mb, "overlap_chunks": ch,
+                         "grouped_rows": train_rows(shape, mb, ch)}
+                report_extra[name] = extra
+                run_case(name, lambda shape=shape, name=name, mb=mb, ch=ch, extra=extra: record(
+                    name, train_compiled(shape, mb, ch), extra))
 
     if "moe8b" in groups:  # the second shape set last: the most compile time
         moe8("B")

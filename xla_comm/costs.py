@@ -173,21 +173,25 @@ def _gemm_flops_from_config(ins: hlo.Instruction, table) -> float:
     return 2.0 * math.prod(out) * math.prod(lhs_dims[d] for d in contract)
 
 
-def _grouped_gemm_flops(operands: list[tuple[int, ...]], out: tuple[int, ...]) -> float:
+def _grouped_gemm_flops(operands: list[tuple[int, ...]], out: tuple[int, ...],
+                        rows: int | None = None) -> float:
     """A Mosaic GPU grouped GEMM's FLOPs from its shapes, or 0 if they do not read as one:
     ``gmm``: ``[M, K] x [G, K, N] (or [G, N, K]) -> [M, N]``; ``tgmm``: ``a [R, N1] (or [N1,
-    R]), b [R, N2] (or [N2, R]) -> [G, N1, N2]``; a plain ``[M, K] x [K, N] -> [M, N]``."""
+    R]), b [R, N2] (or [N2, R]) -> [G, N1, N2]``; a plain ``[M, K] x [K, N] -> [M, N]``.
+    ``rows`` caps the token rows (M, R) computed: the kernels skip row tiles past each group's
+    filled rows, so a layout sized for the worst case costs what is filled."""
     mats = [s for s in operands if len(s) >= 2]
     if len(out) == 2 and len(mats) >= 2:
         m, n = out
         a, b = mats[0], mats[1]
         if len(a) == 2 and a[0] == m and (b[-1] == n or (len(b) == 3 and b[1] == n)):
-            return 2.0 * m * n * a[1]
+            return 2.0 * min(m, rows or m) * n * a[1]
     if len(out) == 3 and len(mats) >= 2:
         _, n1, n2 = out
         a, b = mats[0], mats[1]
         if len(a) == 2 and len(b) == 2 and n1 in a and n2 in b:
-            return 2.0 * math.prod(a) * n2
+            r = a[0] if a[1] == n1 else a[1]  # the shared (token) axis
+            return 2.0 * min(r, rows or r) * n1 * n2
     return 0.0
 
 
@@ -253,9 +257,12 @@ def op_cost(ins: hlo.Instruction, mod: hlo.HloModule,
 
 
 def instruction_cost(ins: hlo.Instruction, mod: hlo.HloModule,
-                     table: dict[str, hlo.Instruction] | None = None) -> Cost:
+                     table: dict[str, hlo.Instruction] | None = None, *,
+                     grouped_rows: int | None = None) -> Cost:
     """The `Cost` of one instruction (control flow, collectives and ops that move nothing:
-    zero); ``table`` maps names to instructions (built from ``mod`` when None)."""
+    zero); ``table`` maps names to instructions (built from ``mod`` when None);
+    ``grouped_rows``: the token rows a Mosaic grouped GEMM computes at most (the rows the
+    routing fills; None: all its static rows)."""
     table = table if table is not None else {i.name: i for i in mod.instructions()}
     op = ins.opcode
     if op in _NO_COST or hlo.base_kind(op)[0] is not None or op in (
@@ -284,7 +291,7 @@ def instruction_cost(ins: hlo.Instruction, mod: hlo.HloModule,
         out = _arrays(ins.shape)
         if out:
             flops = _grouped_gemm_flops([a[1] for o in operands for a in _arrays(o.shape)[:1]],
-                                        out[0][1])
+                                        out[0][1], grouped_rows)
             if flops:
                 return Cost(flops=flops, fp8=fp8, bytes=moved, gemm=True, launches=1)
         return Cost(bytes=moved, launches=1)

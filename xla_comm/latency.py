@@ -67,7 +67,8 @@ def _scheduled_name(ins: hlo.Instruction) -> str:
     return m.group(1) if m else ins.name
 
 
-def latency_profile(compiled_or_text: Any, hardware: costs.Hardware) -> str:
+def latency_profile(compiled_or_text: Any, hardware: costs.Hardware, *,
+                    grouped_rows: int | None = None) -> str:
     """The modeled time of each instruction of a compiled program, as a PGLE profile.
 
     One ``costs { name: ... cost_us: ... }`` line per instruction the cost model charges
@@ -79,6 +80,8 @@ def latency_profile(compiled_or_text: Any, hardware: costs.Hardware) -> str:
     Args:
       compiled_or_text: ``jax.jit(f).lower(*args).compile()`` or its HLO text.
       hardware: the rates of the cost and link models.
+      grouped_rows: the token rows a grouped GEMM computes at most
+        (`xla_comm.schedule.schedule_report`'s argument of that name).
 
     Returns:
       ``ProfiledInstructionsProto`` text (write it to a ``.pbtxt`` file).
@@ -100,7 +103,8 @@ def latency_profile(compiled_or_text: Any, hardware: costs.Hardware) -> str:
                 us, _ = costs.transfer_us(by_start[ins.name], attrs[ins.name], mod.num_devices,
                                           hardware)
             else:
-                us = costs.instruction_cost(ins, mod, table).time_us(hardware)
+                us = costs.instruction_cost(ins, mod, table,
+                                            grouped_rows=grouped_rows).time_us(hardware)
             if us > 0:
                 lines.append(f'costs {{ name: "{_scheduled_name(ins)}" cost_us: {us:.3f} }}')
     return "\n".join(lines) + "\n"
@@ -116,13 +120,15 @@ class Modeled(NamedTuple):
 
 
 def compile_modeled(lowered, hardware: costs.Hardware, *,
-                    compiler_options: dict[str, Any] | None = None) -> Modeled:
+                    compiler_options: dict[str, Any] | None = None,
+                    grouped_rows: int | None = None) -> Modeled:
     """Compile ``lowered`` with XLA's latency estimates, then again with the modeled ones.
 
     Args:
       lowered: ``jax.jit(f).lower(*args)``.
       hardware: the rates of the cost and link models (`costs.Hardware`).
       compiler_options: further XLA options for both compiles.
+      grouped_rows: see `latency_profile`.
 
     Returns:
       A `Modeled`: ``compiled`` runs (or is read by `xla_comm.schedule.schedule_report`) like
@@ -134,7 +140,7 @@ def compile_modeled(lowered, hardware: costs.Hardware, *,
     """
     opts = dict(compiler_options or {})
     default = lowered.compile(compiler_options=opts) if opts else lowered.compile()
-    profile = latency_profile(default, hardware)
+    profile = latency_profile(default, hardware, grouped_rows=grouped_rows)
     fd, path = tempfile.mkstemp(suffix=".pbtxt", prefix="xla_comm_latency_")
     try:
         with os.fdopen(fd, "w") as f:

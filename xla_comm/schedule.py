@@ -206,6 +206,7 @@ class _Replay:
     table: dict[str, hlo.Instruction]
     collectives: dict[str, tuple[hlo.Collective, str]]  # start name -> (collective, attrs)
     branch: int
+    grouped_rows: int | None = None
     windows: list[Window] = dataclasses.field(default_factory=list)
     compute_us: float = 0.0
     started: dict[str, tuple] = dataclasses.field(default_factory=dict)  # (coll, hosts, ex, cond)
@@ -279,14 +280,14 @@ class _Replay:
                 dt, _ = self.run(callee.group(1), executions=executions,
                                  conditional=conditional)
                 return dt, False
-        c = costs.instruction_cost(ins, self.mod, self.table)
+        c = costs.instruction_cost(ins, self.mod, self.table, grouped_rows=self.grouped_rows)
         dt = c.time_us(self.hw)
         self.compute_us += dt * executions
         return dt, c.gemm
 
 
-def schedule_report(compiled_or_text: Any, hardware: Hardware, *, branch: int = 0
-                    ) -> ScheduleReport:
+def schedule_report(compiled_or_text: Any, hardware: Hardware, *, branch: int = 0,
+                    grouped_rows: int | None = None) -> ScheduleReport:
     """Replay a compiled step's schedule and report its exposed communication, in time.
 
     Args:
@@ -294,6 +295,10 @@ def schedule_report(compiled_or_text: Any, hardware: Hardware, *, branch: int = 
       hardware: the rates of the cost and link models.
       branch: which branch of each conditional runs (0: the first, the dropless transport's
         balanced case).
+      grouped_rows: the token rows each Mosaic grouped GEMM computes at most, e.g. a chunk's
+        ``tokens * top_k`` for balanced routing (its kernels skip the row tiles past each
+        group's filled rows, and the dropless layout is sized for every row going to one
+        device); None charges their static rows.
 
     Returns:
       A `ScheduleReport`.
@@ -313,7 +318,7 @@ def schedule_report(compiled_or_text: Any, hardware: Hardware, *, branch: int = 
     table = {ins.name: ins for ins in mod.instructions()}
     attrs = costs.collective_attrs(mod, colls)
     replay = _Replay(mod, hardware, table, {c.name: (c, attrs[c.name]) for c in colls},
-                     branch)
+                     branch, grouped_rows)
     entry = mod.entry or next(iter(mod.computations), None)
     step = replay.run(entry)[0] if entry else 0.0
     return ScheduleReport(tuple(replay.windows), step, replay.compute_us, hardware,

@@ -103,6 +103,35 @@ ENTRY %main (a: bf16[100,50], b: bf16[50,200], w: bf16[4,200,50], a8: f8e4m3fn[1
     assert t == pytest.approx(max(flops / 1e3, (10000 + 20000 + 40000) / 1e3))
 
 
+def test_grouped_gemms_cost_the_rows_the_routing_fills():
+    """grouped_rows caps the token rows of Mosaic grouped GEMMs (gmm's M, tgmm's shared R):
+    their kernels skip row tiles past each group's filled rows; other GEMMs are unaffected."""
+    text = """HloModule m
+ENTRY %main (a: bf16[100,50], w: bf16[4,200,50], c: bf16[100,200], b: bf16[50,200], t: s32[8]) -> bf16[100,200] {
+  %a = bf16[100,50]{1,0} parameter(0)
+  %w = bf16[4,200,50]{2,1,0} parameter(1)
+  %c = bf16[100,200]{1,0} parameter(2)
+  %b = bf16[50,200]{1,0} parameter(3)
+  %t = s32[8]{0} parameter(4)
+  %gmm = bf16[100,200]{1,0} custom-call(%t, %a, %w), custom_call_target="mosaic_gpu_v2"
+  %tgmm = bf16[4,50,200]{2,1,0} custom-call(%t, %a, %c), custom_call_target="mosaic_gpu_v2"
+  ROOT %dot = bf16[100,200]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}"""
+    mod = hlo.parse_hlo(text)
+    body = {i.name: i for i in mod.computations["main"]}
+    flops = 2 * 100 * 200 * 50
+    for name in ("gmm", "tgmm", "dot"):
+        assert costs.instruction_cost(body[name], mod, body).flops == flops, name
+    assert costs.instruction_cost(body["gmm"], mod, body, grouped_rows=25).flops == flops / 4
+    assert costs.instruction_cost(body["tgmm"], mod, body, grouped_rows=25).flops == flops / 4
+    assert costs.instruction_cost(body["gmm"], mod, body, grouped_rows=1000).flops == flops
+    assert costs.instruction_cost(body["dot"], mod, body, grouped_rows=25).flops == flops
+    hw = schedule.Hardware(gemm_tflops=1e-6, fp8_gemm_tflops=2e-6, hbm_GBps=1e6, launch_us=0.0)
+    full = schedule.schedule_report(text, hw).compute_us  # 3 GEMMs of 2 MFLOP at 1 MFLOP/s
+    capped = schedule.schedule_report(text, hw, grouped_rows=25).compute_us
+    assert full == pytest.approx(3 * flops) and capped == pytest.approx(1.5 * flops)
+
+
 def test_fusion_charges_its_dots_and_only_what_a_gather_reads():
     mod = hlo.parse_hlo("""HloModule m
 %fused_gather (p0: f32[100000,10], p1: s32[50]) -> f32[50,10] {
