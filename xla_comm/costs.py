@@ -16,16 +16,15 @@ how long one collective transfers on a GPU, from its shapes and a few measured r
   crosses a host boundary somewhere, run at the inter-host rate).
 
 Example:
-  >>> text = '''HloModule m
-  ... ENTRY %main (x: bf16[128,64], w: bf16[64,32]) -> bf16[128,32] {
-  ...   %x = bf16[128,64]{1,0} parameter(0)
-  ...   %w = bf16[64,32]{1,0} parameter(1)
-  ...   ROOT %y = bf16[128,32]{1,0} dot(%x, %w), lhs_contracting_dims={1}
-  ... }'''
-  >>> mod = hlo.parse_hlo(text)
-  >>> hw = Hardware(gemm_tflops=1e-6, fp8_gemm_tflops=2e-6, hbm_GBps=1e3, launch_us=0.0)
-  >>> round(instruction_cost(mod.computations["main"][2], mod).time_us(hw))  # 524288 FLOPs
-  524288
+  >>> mod = hlo.parse_hlo('''HloModule m
+  ... ENTRY %main (x: f32[1024,256]) -> f32[1024,256] {
+  ...   %x = f32[1024,256]{1,0} parameter(0)
+  ...   ROOT %e = f32[1024,256]{1,0} exponential(%x)
+  ... }''')
+  >>> hw = Hardware(gemm_tflops=600, fp8_gemm_tflops=1200, hbm_GBps=1000, launch_us=2.0)
+  >>> cost = instruction_cost(mod.computations["main"][1], mod)  # 1 MiB read, 1 MiB written
+  >>> cost.bytes, round(cost.time_us(hw), 1)  # 2 MiB at 1 TB/s, plus one launch
+  (2097152, 4.1)
 """
 
 from __future__ import annotations
