@@ -10,62 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from report_figures import BY_NAME, FIGURES
-
-Lines = list[str]
-
-
-def table(header: list[str], rows: list[list]) -> Lines:
-    """A markdown table."""
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return out + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-
-
-def fig(C: dict, name: str) -> str:
-    """A named figure as printed (the same text README.md and docs/ quote)."""
-    f = BY_NAME[name]
-    return f.text(C[f.source]["results"])
-
-
-def ceiling_text(c: dict) -> str:
-    parts = []
-    if "dense_bf16_tflops" in c:
-        parts.append(f"bf16 {c['dense_bf16_tflops']:.0f}")
-    if "dense_fp8_tflops" in c:
-        parts.append(f"FP8 {c['dense_fp8_tflops']:.0f}")
-    if parts:
-        return "ceiling " + " / ".join(parts) + " TFLOP/s (" + c.get("what", "") + ")"
-    if "limit_seconds_f32" in c:
-        return (f"limit {c['limit_seconds_f32']:.3f} s (f32 params) / "
-                f"{c['limit_seconds_bf16']:.3f} s (bf16): {c['what']}")
-    if "gemm_tflops" in c:
-        return (f"replay rates bf16 GEMM {c['gemm_tflops']:.0f}, FP8 {c['fp8_gemm_tflops']:.0f} "
-                f"TFLOP/s, HBM {c['hbm_GBps']:.0f} GB/s "
-                f"({c.get('rates', 'measured in the call')}), links "
-                f"{c['link_GBps']:.0f} GB/s per GPU, {c['inter_host_GBps']:.0f} across hosts "
-                "(assumed)")
-    return "ceiling: " + c.get("what", "not recorded")
-
-
-def source(C: dict, name: str) -> Lines:
-    """The line saying where a section's figures come from."""
-    r = C[name]
-    sw = r["software"]
-    note = f" Note: {r['note']}." if r.get("note") else ""
-    return [f"Source: [`current/{name}.json`](benchmarks/results/current/{name}.json), "
-            f"{r['hardware']}, jax {sw['jax']}, Python {sw['python']}, commit `{r['commit']}`, "
-            f"{r['date']}; {ceiling_text(r['ceiling'])}. Command: `{r['command']}`"
-            + (f" (the scripts since merged: `{r['rerun']}`)" if r.get("rerun") else "")
-            + f".{note}"]
-
-
-def x(v: float, d: int = 2) -> str:
-    return f"{v:.{d}f}x"
-
-
-def ms(v: float, d: int = 2) -> str:
-    return f"{v:.{d}f}"
-
+from report_common import Lines, fig, ms, source, table, x
+from report_figures import FIGURES
+from report_schedules import schedules
 
 # ----------------------------------------------------------------------------- sections
 
@@ -342,99 +289,6 @@ def two_gpus(C: dict) -> Lines:
                f"({off['step_ms']:.1f} ms without).", ""] + source(C, "lm_step_2gpu")
             + ["", "![dispatch ms](benchmarks/results/current/h200x2_dispatch_ms.png) "
                "![moe layer](benchmarks/results/current/h200x2_moe_layer.png)", ""])
-
-
-# (label, ((case, chunks), ...)): the compiled programs of schedule_report.py, in the order
-# the table shows them.
-_SCHEDULE_CASES = (
-    ("MoE EP=8, A, dense", (("moe_ep8_A_dense_chunks1", 1), ("moe_ep8_A_dense_chunks2", 2),
-                            ("moe_ep8_A_dense_chunks4", 4))),
-    ("MoE EP=8, A, dropless", (("moe_ep8_A_dropless_chunks1", 1),
-                               ("moe_ep8_A_dropless_chunks2", 2),
-                               ("moe_ep8_A_dropless_chunks4", 4))),
-    ("MoE EP=8, B, dense", (("moe_ep8_B_dense_chunks1", 1), ("moe_ep8_B_dense_chunks2", 2))),
-    ("MoE EP=8, B, dropless", (("moe_ep8_B_dropless_chunks1", 1),
-                               ("moe_ep8_B_dropless_chunks4", 4))),
-    ("MoE EP=16 (2 hosts), A's per-device work, dense", (("moe_ep16_A_dense_chunks1", 1),
-                                                         ("moe_ep16_A_dense_chunks2", 2),
-                                                         ("moe_ep16_A_dense_chunks4", 4))),
-    ("MoE EP=64 (8 hosts), A's per-device work, dense", (("moe_ep64_A_dense_chunks1", 1),
-                                                         ("moe_ep64_A_dense_chunks2", 2),
-                                                         ("moe_ep64_A_dense_chunks4", 4))),
-    ("EP=8 within a host, 2 hosts data parallel, A", (("moe_ep8x2hosts_A_dense_chunks1", 1),
-                                                      ("moe_ep8x2hosts_A_dense_chunks2", 2))),
-    ("sharded Muon, 8 GPUs, 1.6B f32 params: f32 / bf16 update gathers, then the same with "
-     "`chunk_bytes=1` (one matrix per device per chunk)",
-     (("muon_dp8_f32_gather", "-"), ("muon_dp8_bf16_gather", "-"),
-      ("muon_dp8_f32_gather_chunk1", "-"), ("muon_dp8_bf16_gather_chunk1", "-"))),
-    ("`train_lm.py --preset gpu` step: mesh (1, 8), 1 / 2 micro-batches; mesh (2, 4), 1 / 2",
-     (("train_step_mesh1x8", "auto"), ("train_step_mesh1x8_micro2", "auto"),
-      ("train_step_mesh2x4", "auto"), ("train_step_mesh2x4_micro2", "auto"))),
-)
-
-
-def _xla_estimates(cases: dict, name: str) -> dict | None:
-    """The case compiled on XLA's own latency estimates: kept inside the case by a compile, or
-    as a case of its own (``NAME.xla_estimates``) by a replay of the modules."""
-    c = cases.get(name, {})
-    return c.get("xla_estimates") or cases.get(f"{name}.xla_estimates")
-
-
-def schedules(C: dict) -> Lines:
-    r = C["schedule8"]["results"]
-    cases = r["cases"]
-    rows, missing = [], []
-    for label, named in _SCHEDULE_CASES:
-        got = [(cases[n], k, _xla_estimates(cases, n)) for n, k in named
-               if "all" in cases.get(n, {})]
-        if not got:
-            missing.append(label)
-            continue
-        windows = [c["payload_all_to_all"] for c, _, _ in got]
-        rows.append([label,
-                     " / ".join(f"{e['all']['exposed_fraction']:.1%}" if e else "-"
-                                for _, _, e in got),
-                     " / ".join(f"{c['all']['exposed_fraction']:.1%}" for c, _, _ in got),
-                     " / ".join(str(k) for _, k, _ in got),
-                     ", ".join(f"{w['windows_with_gemm']}/{w['windows']}" for w in windows)
-                     if any(w["windows"] for w in windows) else "-",
-                     " / ".join(f"{c['all']['step_us'] / 1e3:.1f}" for c, _, _ in got)])
-    g = cases["gpu1_layer"]
-    hw = r["hardware"]
-    where = ("compiled on a CPU-only machine for the GPU that "
-             f"`{r['target_config']}` describes, through `topology_mesh(target_config=...)`"
-             if r.get("target_config") else "compiled on the one GPU")
-    return (["## Overlap: 8-GPU programs compiled on one machine", "",
-             "`benchmarks/schedule_report.py` compiles steps for virtual 8-, 16- and 64-GPU "
-             f"topologies ({where}) and replays each schedule with `xla_comm.schedule`: a "
-             "compute stream at rates measured on a GPU "
-             f"(bf16 GEMM {hw['gemm_tflops']:.0f} TFLOP/s, FP8 {hw['fp8_gemm_tflops']:.0f}, "
-             f"HBM {hw['hbm_GBps']:.0f} GB/s) and a communication stream at "
-             f"{hw['link_GBps']:g} GB/s per GPU within a host, {hw['inter_host_GBps']:g} across "
-             "hosts. Exposed = time compute waits for collectives, over their time. Each step "
-             "is compiled twice: first on XLA's own latency estimates, then with the modeled "
-             "times handed to XLA's scheduler as a latency profile (`xla_comm.latency`); the "
-             "other columns are the second compile's. "
-             "A: 8192 tokens/device, d 2048, d_ff 1024, 32 experts, top-2, FP8 wires; B: d 4096, "
-             "d_ff 2048, 64 experts, top-8; over 16 and 64 GPUs A's per-device work (4 local "
-             "experts: 64 and 256 experts). The layer's defaults: dense 2 chunks, dropless 4. "
-             "The grouped GEMMs are charged for the rows balanced routing fills (their kernels "
-             "skip the rest: `schedule_report(grouped_rows=...)`); the dropless programs still "
-             "model longer steps than the dense ones, as their layout is sized for every row "
-             "going to one device and XLA's element-wise passes run over all of it.",
-             ""]
-            + table(["program (fwd + bwd)", "exposed, XLA's estimates", "exposed, modeled "
-                     "latencies", "chunks", "payload all-to-alls with GEMMs", "modeled step ms"],
-                    rows)
-            + ["", (f"Not compiled in this run: {'; '.join(missing)}; their last figures are in "
-                    "docs/benchmark_log.md. " if missing else "")
-               + f"The compute model against the one-GPU layer at A's per-device work: "
-               f"predicted {g['predicted_s']['1'] * 1e3:.3f} ms, measured "
-               f"{g['measured_s']['1'] * 1e3:.3f} ms ({g['model_error']['1']:+.1%}; 2 chunks "
-               f"{g['model_error']['2']:+.1%}). The layer in 2 chunks on one GPU, where "
-               f"nothing is sent: {fig(C, 'chunked_over_unchunked_1gpu')} the unchunked time.",
-               ""]
-            + source(C, "schedule8") + [""])
 
 
 def main_job_table(C: dict) -> Lines:

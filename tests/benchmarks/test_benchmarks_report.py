@@ -35,7 +35,8 @@ def tree(tmp_path):
     for d in ("benchmarks/results/current", "docs"):
         shutil.copytree(ROOT / d, tmp_path / d)
     for f in ("README.md", "BENCHMARKS.md", "benchmarks/report.py",
-              "benchmarks/report_figures.py", "benchmarks/report_sections.py"):
+              "benchmarks/report_figures.py", "benchmarks/report_sections.py",
+              "benchmarks/report_common.py", "benchmarks/report_schedules.py"):
         shutil.copy(ROOT / f, tmp_path / f)
     return tmp_path
 
