@@ -223,7 +223,8 @@ class TransformerLM(nnx.Module):
         combine all-to-alls) under another stream's attention and expert GEMMs, forward and
         backward: the overlap that DeepSeek-V3 gets from two micro-batches. The math is the
         batch's, except that the MoE load-balancing and z losses are means over each stream
-        (averaged over streams), not over the whole batch.
+        (averaged over streams), not over the whole batch, and a capacity limit applies to
+        each stream's tokens.
         """
         n = self.cfg.micro_batches
         b = tokens.shape[0]
