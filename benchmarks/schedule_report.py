@@ -81,7 +81,6 @@ def main(argv=None) -> dict:
     if a.latency_model is None:
         a.latency_model = not a.small
     if a.write_target_config:
-        sys.path[:0] = [str(ROOT)]
         from jax._src.lib import _jax  # no public API gives the text (jax 0.10-0.12)
         from jax.experimental import topologies
         topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1")

@@ -394,10 +394,12 @@ def transfer_us(c: hlo.Collective, attrs: str, num_devices: int, hw: Hardware
 
 
 
-def collective_attrs(mod: hlo.HloModule, colls: Sequence[hlo.Collective]) -> dict[str, str]:
+def collective_attrs(mod: hlo.HloModule, colls: Sequence[hlo.Collective],
+                     table: dict[str, hlo.Instruction] | None = None) -> dict[str, str]:
     """Per collective (by its start's name) the attribute text holding its replica groups: an
-    ``async-start``'s wrapped collective's, else its own."""
-    table = {ins.name: ins for ins in mod.instructions()}
+    ``async-start``'s wrapped collective's, else its own (``table``: names to instructions,
+    built from ``mod`` when None)."""
+    table = table if table is not None else {ins.name: ins for ins in mod.instructions()}
     attrs: dict[str, str] = {}
     for c in colls:
         ins = table[c.name]

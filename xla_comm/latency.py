@@ -90,7 +90,7 @@ def latency_profile(compiled_or_text: Any, hardware: costs.Hardware, *,
     mod = hlo.parse_hlo(text)
     table = {ins.name: ins for ins in mod.instructions()}
     colls = hlo.analyze_collectives(text)
-    attrs = costs.collective_attrs(mod, colls)
+    attrs = costs.collective_attrs(mod, colls, table)
     by_start = {c.name: c for c in colls}
     fused = {callee for ins in mod.instructions() if ins.opcode in ("fusion", "fusion-start")
              for callee in _CALLS_RE.findall(ins.attrs)}

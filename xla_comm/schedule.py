@@ -316,7 +316,7 @@ def schedule_report(compiled_or_text: Any, hardware: Hardware, *, branch: int = 
     mod = hlo.parse_hlo(compiled_or_text)
     colls = hlo.analyze_collectives(hlo.hlo_text(compiled_or_text))
     table = {ins.name: ins for ins in mod.instructions()}
-    attrs = costs.collective_attrs(mod, colls)
+    attrs = costs.collective_attrs(mod, colls, table)
     replay = _Replay(mod, hardware, table, {c.name: (c, attrs[c.name]) for c in colls},
                      branch, grouped_rows)
     entry = mod.entry or next(iter(mod.computations), None)
