@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from moe import experts as _experts
 from moe import meshes
 from moe import routing as _routing
-from moe.dispatch import DroplessPlan, WireRows, dispatch_apply, dispatch_plan
+from moe.dispatch import WireRows, dispatch_apply
 from moe.dispatch import combine as combine_fn
 from moe.kernels.gmm import api as gmm_api
 from moe.options import MoEOptions
@@ -220,41 +220,21 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra: LocalInputs, *,
     # chunk's GEMMs (forward and backward); the shared experts need no exchange and go right
     # after the first dispatch, whose exchange they can cover.
     tc = x.shape[0] // chunks
-    parts = [slice(c * tc, (c + 1) * tc) for c in range(chunks)]
-    plan_kw = dict(num_experts=num_slots, options=do_chunk,
-                   fp8_block_size=options.fp8_block_size, group_alignment=align)
-    plans = [dispatch_plan(x[part], ids[part], **plan_kw) for part in parts]
-
-    def pipeline(plans):
-        ys, ys_shared, dropped = [], None, jnp.zeros((), jnp.int32)
-        for c, (part, plan) in enumerate(zip(parts, plans, strict=True)):
-            ex, wire, group_sizes, plan = dispatch_apply(
-                x[part], ids[part], **plan_kw, with_wire=with_wire, plan=plan)
-            if c == 0 and shared is not None:
-                ys_shared = _shared_experts(x, shared, gate, options, x.dtype)
-                if mask is not None:
-                    ys_shared = jnp.where(mask[:, None], ys_shared, jnp.zeros((), x.dtype))
-            combine = _experts.CombineArgs(r.weights[part], plan, do.combine_grad_dtype)
-            ys.append(_local_experts(ex, group_sizes, w_gate_up, w_down, expert_bias, options,
-                                     wire, align, combine).astype(x.dtype))
-            dropped = dropped + plan.dropped
-        return (ys[0] if chunks == 1 else jnp.concatenate(ys, axis=0)), ys_shared, dropped
-
-    if chunks > 1 and isinstance(plans[0], DroplessPlan) and len(plans[0].buckets) > 1:
-        # Each dropless exchange sends its overflow past the first bucket inside a lax.switch
-        # branch. XLA's latency-hiding scheduler charges a conditional with the collectives
-        # its branches hold, so no other async collective may be in flight across it: the
-        # chunks' exchanges ran one after another, uncovered, ahead of every expert GEMM.
-        # When every chunk fits the first bucket (a balanced step) the pipeline runs with the
-        # first bucket alone, free of conditionals; otherwise as it is. Both branches save
-        # residuals of the same shapes, which the cond shares. The balanced pipeline is the
-        # cond's branch 0 (its false branch), as it is every bucket switch's.
-        overflow = jnp.any(jnp.stack([plan.bucket for plan in plans]) != 0)
-        first = [dataclasses.replace(plan, buckets=plan.buckets[:1]) for plan in plans]
-        y, ys_shared, dropped = jax.lax.cond(overflow, lambda: pipeline(plans),
-                                             lambda: pipeline(first))
-    else:
-        y, ys_shared, dropped = pipeline(plans)
+    ys, ys_shared, dropped = [], None, jnp.zeros((), jnp.int32)
+    for c in range(chunks):
+        part = slice(c * tc, (c + 1) * tc)
+        ex, wire, group_sizes, plan = dispatch_apply(
+            x[part], ids[part], num_experts=num_slots, options=do_chunk,
+            fp8_block_size=options.fp8_block_size, group_alignment=align, with_wire=with_wire)
+        if c == 0 and shared is not None:
+            ys_shared = _shared_experts(x, shared, gate, options, x.dtype)
+            if mask is not None:
+                ys_shared = jnp.where(mask[:, None], ys_shared, jnp.zeros((), x.dtype))
+        combine = _experts.CombineArgs(r.weights[part], plan, do.combine_grad_dtype)
+        ys.append(_local_experts(ex, group_sizes, w_gate_up, w_down, expert_bias, options,
+                                 wire, align, combine).astype(x.dtype))
+        dropped = dropped + plan.dropped
+    y = ys[0] if chunks == 1 else jnp.concatenate(ys, axis=0)
     if ys_shared is not None:
         y = y + ys_shared
     dropped = jax.lax.psum(dropped, all_axes)

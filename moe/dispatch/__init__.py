@@ -28,10 +28,7 @@ rows per pair, outside any branch, so XLA can run it asynchronously under other 
 layer's other chunks, ``overlap_chunks``); then, in the ``lax.switch`` branch of the step's
 bucket ``c_j``, the ``c_j - c_0`` rows past it (nothing in branch 0, which a balanced step
 takes). The plan all-gathers the counts, so every device of the expert axis takes the same
-branch: no slot is ever dropped. A conditional holding a collective keeps XLA's scheduler from
-running any other async collective across it, so the pipelined layer builds its chunks'
-plans first (:func:`dispatch_plan`) and, when every chunk fits the first bucket, dispatches
-them with that bucket alone (no switch). The received rows are laid out into the ragged layout in
+branch: no slot is ever dropped. The received rows are laid out into the ragged layout in
 one gather (+ decode) pass; the same bytes as ``'ragged'``, bit for bit. With one device on
 the expert axis no transport exchanges anything (not even the counts): the send buffer is
 the expert layout.
@@ -97,7 +94,7 @@ from moe.options import (
 
 __all__ = ["DensePlan", "DispatchPlan", "Dispatched", "DroplessPlan", "RaggedPlan", "WireRows",
            "combine", "dense_capacity", "dispatch",
-           "dispatch_apply", "dispatch_plan", "dispatch_with_wire", "ragged_rows"]
+           "dispatch_apply", "dispatch_with_wire", "ragged_rows"]
 
 _DROPLESS_CAPACITY_FACTOR = 1.25  # transport="dropless", capacity_factor=None: the first bucket
 
@@ -301,7 +298,7 @@ def dispatch_with_wire(
     return out.expert_x, None if out.wire is None else out.wire.rows, out.group_sizes, out.plan
 
 
-def dispatch_plan(
+def dispatch_apply(
     x: jax.Array,
     expert_ids: jax.Array,
     *,
@@ -309,18 +306,28 @@ def dispatch_plan(
     options: DispatchOptions,
     fp8_block_size: int = 128,
     group_alignment: int | None = None,
-) -> DispatchPlan:
-    """The plan :func:`dispatch_apply` follows (arguments as there), built on its own, so that
-    a caller can read it (e.g. the dropless ``bucket`` of every chunk) before dispatching.
+    with_wire: bool = False,
+) -> Dispatched:
+    """:func:`dispatch_with_wire` with its options as one :class:`moe.DispatchOptions` (the
+    layer's ``MoEOptions.dispatch``): ``expert_axis``, ``transport`` (``'auto'``: dense),
+    ``capacity_factor``, ``capacity_multiple``, ``dispatch_dtype``, ``wire_kernels`` and
+    ``ragged_impl`` are read; ``batch_axes``, ``overlap_chunks`` and ``combine_grad_dtype``
+    are the layer's.
+
+    Args:
+      x, expert_ids, num_experts, group_alignment, with_wire: as for
+        :func:`dispatch_with_wire`.
+      options: the dispatch options.
+      fp8_block_size: channels per FP8 scale of the wire (``block_size`` of
+        :func:`dispatch`).
 
     Returns:
-      A :class:`moe.dispatch.plan.DensePlan`, ``RaggedPlan`` or ``DroplessPlan``.
+      A :class:`Dispatched`; ``wire`` is a :class:`WireRows` with ``with_wire``, else None.
 
     Example:
       >>> # inside jax.shard_map over 'expert':
-      >>> # plan = dispatch_plan(x, ids, num_experts=8,
-      >>> #                      options=DispatchOptions(transport="dropless"))
-      >>> # ex, wire, sizes, plan = dispatch_apply(x, ids, num_experts=8, options=..., plan=plan)
+      >>> # ex, wire, sizes, plan = dispatch_apply(x, ids, num_experts=8,
+      >>> #     options=DispatchOptions(transport="dropless", dispatch_dtype="fp8"))
     """
     if not isinstance(options, DispatchOptions):
         raise TypeError(f"options must be a moe.DispatchOptions, got {type(options).__name__}.")
@@ -358,48 +365,6 @@ def dispatch_plan(
     if group_alignment is not None and not isinstance(plan, DroplessPlan):
         raise ValueError(f"group_alignment={group_alignment!r} is for transport='dropless' "
                          f"only, got transport={plan.transport!r}; drop it or use 'dropless'.")
-    return plan
-
-
-def dispatch_apply(
-    x: jax.Array,
-    expert_ids: jax.Array,
-    *,
-    num_experts: int,
-    options: DispatchOptions,
-    fp8_block_size: int = 128,
-    group_alignment: int | None = None,
-    with_wire: bool = False,
-    plan: DispatchPlan | None = None,
-) -> Dispatched:
-    """:func:`dispatch_with_wire` with its options as one :class:`moe.DispatchOptions` (the
-    layer's ``MoEOptions.dispatch``): ``expert_axis``, ``transport`` (``'auto'``: dense),
-    ``capacity_factor``, ``capacity_multiple``, ``dispatch_dtype``, ``wire_kernels`` and
-    ``ragged_impl`` are read; ``batch_axes``, ``overlap_chunks`` and ``combine_grad_dtype``
-    are the layer's.
-
-    Args:
-      x, expert_ids, num_experts, group_alignment, with_wire: as for
-        :func:`dispatch_with_wire`.
-      options: the dispatch options.
-      fp8_block_size: channels per FP8 scale of the wire (``block_size`` of
-        :func:`dispatch`).
-      plan: the plan :func:`dispatch_plan` built for these arguments (None: build it here),
-        possibly with its dropless ``buckets`` cut to those the caller knows suffice.
-
-    Returns:
-      A :class:`Dispatched`; ``wire`` is a :class:`WireRows` with ``with_wire``, else None.
-
-    Example:
-      >>> # inside jax.shard_map over 'expert':
-      >>> # ex, wire, sizes, plan = dispatch_apply(x, ids, num_experts=8,
-      >>> #     options=DispatchOptions(transport="dropless", dispatch_dtype="fp8"))
-    """
-    x, expert_ids = jnp.asarray(x), jnp.asarray(expert_ids)
-    if plan is None:
-        plan = dispatch_plan(x, expert_ids, num_experts=num_experts, options=options,
-                             fp8_block_size=fp8_block_size, group_alignment=group_alignment)
-    p, k = plan.axis_size, expert_ids.shape[1]
     if with_wire and (options.dispatch_dtype != "fp8" or isinstance(plan, DensePlan)):
         raise ValueError(f"with_wire needs dispatch_dtype='fp8' and a ragged layout (transport "
                          f"'dropless' or 'ragged'), got {options.dispatch_dtype!r} / "

@@ -8,7 +8,6 @@ runs its own exchanges (the compiled program holds a chunk's worth of all-to-all
 """
 
 import functools
-import re
 
 import chex
 import jax
@@ -18,8 +17,6 @@ import pytest
 from _meshes import make_mesh
 
 import moe
-from moe.dispatch.plan import dropless_buckets
-from xla_comm import hlo
 from xla_comm.hlo import analyze_collectives
 
 E, K, D, F, F_SHARED = 8, 2, 64, 32, 32
@@ -118,75 +115,6 @@ def test_each_chunk_runs_its_own_exchanges():
         payload = [c for c in rep.of_kind("all-to-all") if c.buffer_bytes >= 16 * D]
         counts[chunks] = len(payload)
     assert counts[2] == 2 * counts[1] and counts[1] >= 4, counts
-
-
-def _routed_tokens(skewed: bool, per_device=64, devices=8):
-    """Tokens whose router logits (router = 10 x identity on the first E channels) pick experts
-    ``{i % E, (i + 1) % E}`` for token ``i`` (balanced: every chunk sends each device the
-    same share) or ``{0, 1}`` for all (skewed: two devices receive every slot)."""
-    i = np.arange(devices * per_device) if not skewed else np.zeros(devices * per_device, int)
-    x = np.zeros((1, devices * per_device, D), np.float32)
-    x[0, np.arange(x.shape[1]), i % E] = 1.0
-    x[0, np.arange(x.shape[1]), (i + 1) % E] = 0.5
-    return jnp.asarray(x)
-
-
-@pytest.mark.parametrize("skewed", [False, True], ids=["every-chunk-fits", "a-chunk-overflows"])
-def test_dropless_chunks_with_and_without_overflow_equal_the_unchunked_layer(skewed):
-    """The chunked dropless layer runs without its overflow exchanges when every chunk fits
-    the first bucket (balanced routing: 8 slots per pair against a first bucket of 16) and
-    with them otherwise (skewed: 32 slots per pair, the worst case); both equal the unchunked
-    layer (f32, 1e-5), gradients included."""
-    chunks, opts = 2, dict(transport="dropless", capacity_factor=1.25)
-    c0, *rest = dropless_buckets(32, K, E, 8, 1.25)
-    assert c0 == 16 and rest, (c0, rest)  # several buckets: the layer holds the branch
-    p = _params(shared=True)
-    p["router"] = 10.0 * jnp.eye(D, E)
-    x = _routed_tokens(skewed)
-    ct = jax.random.normal(jax.random.key(7), x.shape)
-    outs = []
-    for c in (1, chunks):
-        (_, (y, aux)), grads = _grad_fn((1, 8), c, **opts)(x, p, ct)
-        outs.append(jax.tree.map(np.asarray, (y, aux, grads)))
-    assert int(outs[1][1]["dropped_tokens"]) == 0
-    chex.assert_trees_all_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
-
-
-def test_chunked_dropless_keeps_its_exchanges_out_of_conditionals_in_a_balanced_step():
-    """Compiled for 8 CPU devices, the chunked dropless layer's forward and backward each hold
-    one two-branch conditional: in one branch (every chunk fits the first bucket) the chunks'
-    payload all-to-alls with no conditional around them, which XLA's scheduler may overlap
-    with other chunks' GEMMs; the per-chunk bucket switches only in the other branch."""
-    fn = _grad_fn((1, 8), 2, transport="dropless", capacity_factor=1.25)
-    x = jnp.zeros((1, 8 * 64, D))
-    mod = hlo.parse_hlo(fn.lower(x, _params(), x).compile().as_text())
-
-    def reach(names):  # the computations called from ``names``, recursively
-        seen, stack = set(), list(names)
-        while stack:
-            c = stack.pop()
-            if c not in seen and c in mod.computations:
-                seen.add(c)
-                stack.extend(n for ins in mod.computations[c]
-                             for n in re.findall(r"%([\w.\-]+)", ins.attrs))
-        return seen
-
-    def ops(comps, opcode):
-        return sum(ins.opcode.removesuffix("-start") == opcode
-                   for c in comps for ins in mod.computations[c])
-
-    layer_conds = [ins for ins in mod.instructions() if ins.opcode == "conditional"
-                   and len(re.findall(r"%[\w.\-]+", ins.attrs.split("branch_computations=")[-1]
-                                      .split("}")[0])) == 2]
-    assert len(layer_conds) == 2, [i.name for i in layer_conds]  # forward, backward
-    for cond in layer_conds:
-        branches = re.findall(r"%([\w.\-]+)",
-                              cond.attrs.split("branch_computations=")[-1].split("}")[0])
-        per_branch = [(ops(reach([b]), "all-to-all"), ops(reach([b]), "conditional"))
-                      for b in branches]
-        # the fast branch: the chunks' payload exchanges (2 chunks x 2 directions), no switch
-        assert any(a >= 4 and n == 0 for a, n in per_branch), per_branch
-        assert any(n > 0 for _, n in per_branch), per_branch
 
 
 def test_overlap_chunks_is_validated():
