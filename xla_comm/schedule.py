@@ -13,7 +13,8 @@ The models (`xla_comm.costs`, all parameters of `Hardware`): each instruction co
 ``max(FLOPs / GEMM rate, bytes / HBM bandwidth)`` plus a launch, each collective transfers for
 a latency plus its ring bytes over the link (within a host, or across hosts). A while loop
 costs its body times its known trip count, a conditional its first branch (the balanced case
-of the dropless transport; `branch` picks another), a call its callee.
+of the dropless transport; a boolean conditional's false branch, index 0 of the `jax.lax.cond`
+it came from; `branch` picks another), a call its callee.
 
 The static shapes are all the model sees: a kernel that skips padding rows at run time (the
 Mosaic GEMMs on a ragged layout whose padding the routing leaves empty) is charged for them.
@@ -269,8 +270,11 @@ class _Replay:
             m = _BRANCHES_RE.search(ins.attrs)
             if m is None:
                 return 0.0, False
+            # A boolean conditional counts as branch 0 = false, 1 = true: the index that
+            # jax.lax.cond lowers to (XLA:GPU rewrites a two-branch index conditional into
+            # this form, so the numbering must survive it).
             names = ([b.strip().lstrip("%") for b in m.group(1).split(",")] if m.group(1)
-                     else [m.group(2), m.group(3)])
+                     else [m.group(3), m.group(2)])
             take = names[min(self.branch, len(names) - 1)]
             dt, _ = self.run(take, executions=executions, conditional=True)
             return dt, False
@@ -294,7 +298,8 @@ def schedule_report(compiled_or_text: Any, hardware: Hardware, *, branch: int = 
       compiled_or_text: ``jax.jit(f).lower(*args).compile()`` (its scheduled HLO) or HLO text.
       hardware: the rates of the cost and link models.
       branch: which branch of each conditional runs (0: the first, the dropless transport's
-        balanced case).
+        balanced case; a boolean conditional numbers its branches as ``jax.lax.cond`` does,
+        0 false, 1 true).
       grouped_rows: the token rows each Mosaic grouped GEMM computes at most, e.g. a chunk's
         ``tokens * top_k`` for balanced routing (its kernels skip the row tiles past each
         group's filled rows, and the dropless layout is sized for every row going to one

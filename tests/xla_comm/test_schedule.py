@@ -162,7 +162,7 @@ ENTRY %main (t: f32[100000,10], i: s32[50], x: f32[64,32], w: f32[32,16]) -> f32
 
 def test_loops_conditionals_and_the_generic_async_form():
     """A loop body's all-to-all (generic async-start wrapping, known trip count 3) counts 3
-    times; a conditional runs its first branch unless told otherwise."""
+    times; a conditional runs its first branch unless told otherwise (a boolean one: false)."""
     text = """HloModule m, num_partitions=2
 %wrapped (a: f32[1000]) -> f32[1000] {
   %a = f32[1000]{0} parameter(0)
@@ -201,6 +201,13 @@ ENTRY %main (p: f32[1000], i: s32[]) -> f32[1000] {
     other = schedule.schedule_report(text, HW, branch=1)
     assert [x.kind for x in other.windows] == ["all-to-all", "all-reduce"]
     assert other.windows[1].conditional
+    # A boolean conditional (XLA:GPU's form of a two-branch jax.lax.cond) numbers its branches
+    # as the cond's index does: 0 is the false branch, here the one without the all-reduce.
+    boolean = text.replace("%i = s32[] parameter(1)", "%i = pred[] parameter(1)").replace(
+        "branch_computations={%b0, %b1}", "true_computation=%b1, false_computation=%b0")
+    assert [x.kind for x in schedule.schedule_report(boolean, HW).windows] == ["all-to-all"]
+    assert [x.kind for x in schedule.schedule_report(boolean, HW, branch=1).windows] == [
+        "all-to-all", "all-reduce"]
 
 
 def test_the_link_model_sends_other_hosts_share_at_the_inter_host_rate():
