@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from _dispatch_harness import dispatch_fns
-from bench_util import interleaved_seconds, median_seconds
+from bench_util import interleaved_seconds, per_call_seconds
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -24,6 +24,10 @@ from xla_comm import hlo as mhlo
 AXES = ("data", "expert")
 ROUTINGS = ("balanced", "zipf")
 DISPATCH_CASES = (("dense", "bf16"), ("dense", "fp8"), ("dropless", "bf16"), ("ragged", "bf16"))
+# Dispatch -> combine alone takes well under a millisecond on one GPU, about what the host needs
+# to launch it and wait: each timed sample is INNER calls issued back to back and blocked once,
+# so the medians measure the device's work rather than launch and sync jitter.
+INNER = 10
 
 
 def make_layer_data(mesh, a, weights: bool = True) -> dict:
@@ -118,8 +122,8 @@ def make_routings(data, a) -> tuple[dict, dict]:
 
 def bench_dispatch(mesh, a, data, biases) -> tuple[list[dict], dict]:
     """Rows per (transport, wire, routing), and the A/B of dense vs dropless (bf16) forward +
-    backward timed interleaved per routing (one call of each per round, so drift during the
-    run hits both alike)."""
+    backward timed interleaved per routing (``INNER`` calls of each per round, so drift during
+    the run hits both alike); every timing is per call."""
     n = mesh.devices.size
     spec = P(tuple(mesh.axis_names))  # tokens over every mesh axis
     sh = NamedSharding(mesh, spec)
@@ -156,8 +160,8 @@ def bench_dispatch(mesh, a, data, biases) -> tuple[list[dict], dict]:
                        and len(c.shapes[0]) > 1]
                 n_a2a, buffer = len(a2a), sum(c.buffer_bytes for c in a2a)
                 sent = sum(c.ring_bytes for c in a2a)
-            fwd_s, _ = median_seconds(fwd, (x, ids, w), a.warmup, a.iters)
-            bwd_s, _ = median_seconds(grad, (x, ids, w, ct), a.warmup, a.iters)
+            fwd_s = per_call_seconds(fwd, (x, ids, w), a.warmup, a.iters, INNER)
+            bwd_s = per_call_seconds(grad, (x, ids, w, ct), a.warmup, a.iters, INNER)
             grads[(transport, wire, routing)] = (grad, (x, ids, w, ct))
             rows.append(dict(transport=transport, wire=wire, routing=routing,
                              capacity_factor=a.capacity_factor if transport == "dense"
@@ -175,8 +179,10 @@ def bench_dispatch(mesh, a, data, biases) -> tuple[list[dict], dict]:
         pair = {t: grads.get((t, "bf16", routing)) for t in ("dense", "dropless")}
         if None in pair.values():
             continue
-        times = interleaved_seconds({t: (lambda fn=fn, args=args: fn(*args))
+        times = interleaved_seconds({t: (lambda fn=fn, args=args: [fn(*args)
+                                                                    for _ in range(INNER)])
                                      for t, (fn, args) in pair.items()}, rounds)
+        times = {t: [s / INNER for s in v] for t, v in times.items()}
         med = {t: float(np.median(v)) for t, v in times.items()}
         ab[routing] = dict(rounds=rounds, dense_ms=med["dense"] * 1e3,
                            dropless_ms=med["dropless"] * 1e3,
