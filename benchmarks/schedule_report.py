@@ -15,7 +15,9 @@ two and eight such hosts), with XLA's overlap options, and replays each schedule
 * sharded Muon on 8 GPUs, the 1.6B set of ``benchmarks/muon_step.py`` (f32 params), with the
   updates gathered in f32 and in bf16, for each ``--muon-chunk-bytes`` value of ``chunk_bytes``
   (0: the library default, one collective per stack and direction);
-* ``examples/train_lm.py``'s step with its GPU preset on meshes (1, 8) and (2, 4).
+* ``examples/train_lm.py``'s step with its GPU preset on meshes (1, 8) and (2, 4), as the
+  trainer runs it: with ``--latency-model`` (standing in for the trainer's ``--pgle``) its MoE
+  layers in ``train_lm.PGLE_OVERLAP_CHUNKS`` chunks.
 
 On the one real GPU it also times the MoE layer at shape A's per-device work (EP=1, the 4
 local experts' worth: 4 experts, 8192 tokens) unchunked and in 2 chunks (interleaved
@@ -43,6 +45,7 @@ import subprocess
 import sys
 import time
 import traceback
+import types
 from pathlib import Path
 
 from _schedule_cli import HEADLINE, parse_args, summarize  # the script's folder is on the path
@@ -473,11 +476,26 @@ def main(argv=None) -> dict:
         """grouped_rows of the trainer's MoE layers (tokens split over every device)."""
         import train_lm
 
-        args = train_lm.parse_args(["--preset", "cpu" if a.small else "gpu"])
+        args = train_lm.parse_args(["--preset", "cpu" if a.small else "gpu",
+                                    "--micro-batches", str(micro_batches)])
         tokens = args.batch * args.seq_len // int(np.prod(mesh_shape)) // micro_batches
-        c = (moe.auto_overlap_chunks(mesh_shape[1], tokens, "dense") if chunks == "auto"
-             else int(chunks))
+        c = train_chunks(mesh_shape, micro_batches, chunks)
+        c = moe.auto_overlap_chunks(mesh_shape[1], tokens, "dense") if c == "auto" else int(c)
         return grouped_rows(tokens, c, args.top_k)
+
+    def train_chunks(mesh_shape, micro_batches, chunks):
+        """The trainer's ``overlap_chunks`` for a case: with ``auto`` what it runs under
+        ``--pgle`` when the step is scheduled on the modeled latencies (they stand in for
+        PGLE's measured ones), else the layer's own ``auto``."""
+        import train_lm
+
+        if chunks != "auto":
+            return chunks
+        args = train_lm.parse_args(["--preset", "cpu" if a.small else "gpu",
+                                    "--micro-batches", str(micro_batches)])
+        mesh = types.SimpleNamespace(shape=dict(zip(train_lm.MESH_AXES, mesh_shape, strict=True)),
+                                     devices=np.zeros(mesh_shape))
+        return train_lm.resolve_overlap_chunks(args, mesh, pgle=bool(a.latency_model))
 
     def train_compiled(mesh_shape, micro_batches=1, chunks="auto"):
         import lm_model
@@ -487,7 +505,7 @@ def main(argv=None) -> dict:
         mesh = mesh_for("1x8x1", mesh_shape, train_lm.MESH_AXES, explicit=False)  # as the trainer
         argv_ = ["--preset", "cpu" if a.small else "gpu", "--optimizer", "muon",
                  "--mesh", ",".join(map(str, mesh_shape)), "--micro-batches", str(micro_batches),
-                 "--overlap-chunks", str(chunks)]
+                 "--overlap-chunks", str(train_chunks(mesh_shape, micro_batches, chunks))]
         args = train_lm.parse_args(argv_)
         cfg = train_lm.model_config(args)
         with jax.set_mesh(mesh):
@@ -531,7 +549,8 @@ def main(argv=None) -> dict:
             for mb, ch in train_list:
                 name = (f"train_step_mesh{shape[0]}x{shape[1]}" + (f"_micro{mb}" if mb > 1 else "")
                         + (f"_chunks{ch}" if ch != "auto" else ""))
-                extra = {"mesh": list(shape), "micro_batches": mb, "overlap_chunks": ch,
+                extra = {"mesh": list(shape), "micro_batches": mb,
+                         "overlap_chunks": train_chunks(shape, mb, ch),
                          "grouped_rows": train_rows(shape, mb, ch)}
                 report_extra[name] = extra
                 run_case(name, lambda shape=shape, name=name, mb=mb, ch=ch, extra=extra: record(

@@ -119,6 +119,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--overlap-chunks", default="auto",
                    help="chunks each MoE layer pipelines its exchange in (moe's "
                         "DispatchOptions.overlap_chunks: an int or auto)")
+    p.add_argument("--pgle", choices=("auto", "on", "off"), default="auto",
+                   help="JAX's profile-guided latency estimation (jax_enable_pgle): the first "
+                        "steps are profiled and the step is compiled again with the measured "
+                        "times, so XLA's scheduler sees how long each exchange takes and hides "
+                        "it; auto: on for a GPU run of one process over several devices")
     p.add_argument("--lr", type=float, help="the Muon run's peak learning rate, shared by its "
                    "hidden matrices and its AdamW part (embeddings, head, norms); default: "
                    "0.02 * min(1, 128 / d_model)")

@@ -85,6 +85,7 @@ from lm_flags import (  # noqa: E402, F401
     parse_args,
 )
 
+import moe  # noqa: E402
 import muon_jax  # noqa: E402
 
 PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
@@ -118,6 +119,51 @@ def build_mesh(spec: str | None) -> jax.sharding.Mesh:
     # about their own layouts (shard_map), so nothing else needs Explicit sharding types.
     auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
     return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
+
+
+PGLE_PROFILING_RUNS = 3
+"""Steps JAX profiles before it compiles the step again with the measured times (--pgle)."""
+PGLE_OVERLAP_CHUNKS = 4
+"""The MoE layers' chunk count under --pgle when the expert axis spans several devices (and
+each chunk keeps ``moe.layer.MIN_CHUNK_TOKENS`` tokens). Scheduled on XLA's own latency
+estimates, 4 chunks made this trainer's 8-GPU step longer than the layer's default of 2; on
+the measured (here: modeled) transfer times they hid more of the exchange at an equal or
+shorter step (docs/benchmark_log.md, Overlap)."""
+
+
+def use_pgle(choice: str, *, backend: str, devices: int, processes: int) -> bool:
+    """Whether a run turns on JAX's profile-guided latency estimation (``--pgle``).
+
+    XLA's latency-hiding scheduler places each async collective by its own estimate of the
+    transfer time, which for the expert all-to-alls is far below what the links take, so it
+    puts little compute under them. With ``jax_enable_pgle`` JAX profiles the first
+    :data:`PGLE_PROFILING_RUNS` steps and compiles the step again with the measured times.
+    ``'auto'`` turns it on for a GPU run of one process over several devices: with one device
+    there is nothing to hide, and each process of a multi-process run would profile (and
+    schedule) on its own.
+
+    >>> use_pgle("auto", backend="gpu", devices=8, processes=1)
+    True
+    >>> use_pgle("auto", backend="cpu", devices=8, processes=1)
+    False
+    """
+    if choice != "auto":
+        return choice == "on"
+    return backend == "gpu" and devices > 1 and processes == 1
+
+
+def resolve_overlap_chunks(args, mesh: jax.sharding.Mesh, pgle: bool) -> int | str:
+    """The MoE layers' ``overlap_chunks`` for a run: ``--overlap-chunks``, or with ``auto``
+    the layer's own choice, except :data:`PGLE_OVERLAP_CHUNKS` under PGLE (see there)."""
+    if args.overlap_chunks != "auto" or not pgle:
+        return args.overlap_chunks
+    ep = mesh.shape["expert"]
+    tokens = args.batch * args.seq_len // mesh.devices.size // args.micro_batches
+    transport = moe.auto_transport(ep)
+    if (moe.auto_overlap_chunks(ep, tokens, transport) == 1 or transport != "dense"
+            or tokens < PGLE_OVERLAP_CHUNKS * moe.layer.MIN_CHUNK_TOKENS):
+        return args.overlap_chunks
+    return PGLE_OVERLAP_CHUNKS
 
 
 def fp8_gemm_config(recipe: str, *, projections: str = "none") -> dict[str, str]:
@@ -323,6 +369,8 @@ def train_one(name, args, mesh, corpus, out: pathlib.Path, metrics_file) -> dict
 
         bar = tqdm(total=args.steps, initial=start, desc=name, unit="step", dynamic_ncols=True)
     last, step_times = {}, []
+    # Steps that compile: the first, and under PGLE the profiled ones and the recompile after.
+    warm_steps = 1 + (PGLE_PROFILING_RUNS + 1 if args.pgle == "on" else 0)
     with jax.set_mesh(mesh):
         for step in range(start + 1, args.steps + 1):
             t0 = time.perf_counter()
@@ -336,8 +384,8 @@ def train_one(name, args, mesh, corpus, out: pathlib.Path, metrics_file) -> dict
             if not math.isfinite(rec["train_loss"]):
                 raise FloatingPointError(f"[{name}] loss became {rec['train_loss']} at step {step}")
             rec["step_s"] = dt
-            if step == start + 1:
-                rec["compiles"] = True  # this process's first step: compilation included
+            if step - start <= warm_steps:
+                rec["compiles"] = True  # compilation (or PGLE's profiling) included
             rec["tokens_per_s"] = tokens_per_step / max(dt, 1e-9)
             if step % args.eval_every == 0 or step == args.steps:
                 rec["val_loss"] = evaluate(model, val, put)
@@ -353,7 +401,7 @@ def train_one(name, args, mesh, corpus, out: pathlib.Path, metrics_file) -> dict
                     save(step)
                 break
             if bar is not None:
-                recent = step_times[1:][-20:] or step_times  # the first step compiles
+                recent = step_times[warm_steps:][-20:] or step_times
                 tok_s = tokens_per_step * len(recent) / sum(recent)
                 mfu = f"{flops_per_step / tokens_per_step * tok_s / peak_total:.3f}" if (
                     peak_total) else "n/a"
@@ -368,7 +416,7 @@ def train_one(name, args, mesh, corpus, out: pathlib.Path, metrics_file) -> dict
         with jax.set_mesh(mesh):
             last["val_loss"] = evaluate(model, val, put)
         last["val_bits_per_byte"] = last["val_loss"] / math.log(2)
-    timed = step_times[1:]  # the first step of a process includes compilation
+    timed = step_times[warm_steps:]  # without the steps that compile
     tok_s = tokens_per_step * len(timed) / sum(timed) if timed else None
     return {
         "final_val_loss": last["val_loss"],
@@ -410,6 +458,13 @@ def setup(args) -> tuple[jax.sharding.Mesh, lm_data.Corpus]:
             f"--d-model {args.d_model} must be a multiple of --fp8-block-size "
             f"({args.fp8_block_size}) with FP8 dispatch; or pass --no-fp8-dispatch."
         )
+    pgle = use_pgle(args.pgle, backend=jax.default_backend(), devices=n_dev,
+                    processes=jax.process_count())
+    if pgle:  # before the first compile
+        jax.config.update("jax_enable_pgle", True)
+        jax.config.update("jax_pgle_profiling_runs", PGLE_PROFILING_RUNS)
+    args.overlap_chunks = resolve_overlap_chunks(args, mesh, pgle)
+    args.pgle = "on" if pgle else "off"
     corpus = lm_data.load_stdlib_corpus(
         max_bytes=int(args.max_corpus_mb * (1 << 20)) if args.max_corpus_mb > 0 else None
     )

@@ -126,6 +126,31 @@ def test_presets_and_explicit_flags():
     assert (mixed.lr, mixed.adam_lr) == (train_lm.default_lrs(256)[0], 1e-4)
 
 
+def test_pgle_choice_and_the_chunks_it_brings():
+    assert train_lm.parse_args([]).pgle == "auto"
+    auto = dict(backend="gpu", devices=8, processes=1)
+    assert train_lm.use_pgle("auto", **auto)
+    assert not train_lm.use_pgle("auto", **{**auto, "devices": 1})  # nothing to hide
+    assert not train_lm.use_pgle("auto", **{**auto, "processes": 2})  # each would profile alone
+    assert not train_lm.use_pgle("auto", **{**auto, "backend": "cpu"})
+    assert train_lm.use_pgle("on", backend="cpu", devices=1, processes=1)
+    assert not train_lm.use_pgle("off", **auto)
+
+    def mesh(data, expert):
+        return types.SimpleNamespace(shape={"data": data, "expert": expert},
+                                     devices=np.zeros((data, expert)))
+
+    gpu = train_lm.parse_args(["--preset", "gpu"])  # 64 x 1024 tokens: 8192 per device of 8
+    assert train_lm.resolve_overlap_chunks(gpu, mesh(1, 8), pgle=False) == "auto"
+    assert train_lm.resolve_overlap_chunks(gpu, mesh(1, 8), pgle=True) == (
+        train_lm.PGLE_OVERLAP_CHUNKS)
+    assert train_lm.resolve_overlap_chunks(gpu, mesh(8, 1), pgle=True) == "auto"  # no exchange
+    small = train_lm.parse_args(["--preset", "gpu", "--batch", "16"])  # 2048 per device
+    assert train_lm.resolve_overlap_chunks(small, mesh(1, 8), pgle=True) == "auto"
+    given = train_lm.parse_args(["--preset", "gpu", "--overlap-chunks", "2"])
+    assert train_lm.resolve_overlap_chunks(given, mesh(1, 8), pgle=True) == 2
+
+
 @pytest.mark.parametrize("recipe", ["none", "forward", "forward_dgrad", "all"])
 def test_fp8_gemms_flag_sets_each_expert_gemm(recipe):
     proj = {"none": "all", "all": "none"}.get(recipe, recipe)
