@@ -254,9 +254,16 @@ FIGURES: tuple[Figure, ...] = (
            lambda r: r["eager_over_jit"], "{:.2f}x", "<= 3", headline=False),
     # The jax-0.12 kernel rewrite.
     Figure("kernels_ab_geomean", "jax-0.12 kernel rewrite: new / base time, fp8_bench rows "
-           "(geomean)", "kernels_ab", lambda r: r["fp8_bench_geomean_new_over_base"], "{:.3f}"),
+           "(geomean)", "kernels_ab", lambda r: r["fp8_bench_geomean_new_over_base"], "{:.3f}",
+           headline=False),
     Figure("kernels_ab_worst", "the same, worst row", "kernels_ab",
            lambda r: r["fp8_bench_worst_new_over_base"], "{:.3f}", headline=False),
+    # The moe redesign.
+    Figure("redesign_ab_geomean", "moe redesign: new / base time, fp8, dropless and LM-step "
+           "rows (geomean)", "redesign_ab", lambda r: r["geomean_new_over_base"], "{:.3f}"),
+    Figure("redesign_ab_range", "the same, every row within", "redesign_ab",
+           lambda r: (r["min_new_over_base"], r["max_new_over_base"]), "{0[0]:.3f}-{0[1]:.3f}",
+           headline=False),
 )
 
 BY_NAME = {f.name: f for f in FIGURES}
