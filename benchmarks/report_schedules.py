@@ -29,9 +29,11 @@ _SCHEDULE_CASES = (
      "`chunk_bytes=1` (one matrix per device per chunk)",
      (("muon_dp8_f32_gather", "-"), ("muon_dp8_bf16_gather", "-"),
       ("muon_dp8_f32_gather_chunk1", "-"), ("muon_dp8_bf16_gather_chunk1", "-"))),
-    ("`train_lm.py --preset gpu` step: mesh (1, 8), 1 / 2 micro-batches; mesh (2, 4), 1 / 2",
-     (("train_step_mesh1x8", "auto"), ("train_step_mesh1x8_micro2", "auto"),
-      ("train_step_mesh2x4", "auto"), ("train_step_mesh2x4_micro2", "auto"))),
+    ("`train_lm.py --preset gpu` step, mesh (1, 8): as `--pgle` runs it (4 chunks), 2 chunks, "
+     "2 micro-batches of 2 chunks; then the same on mesh (2, 4)",
+     (("train_step_mesh1x8", 4), ("train_step_mesh1x8_chunks2", 2),
+      ("train_step_mesh1x8_micro2_chunks2", 2), ("train_step_mesh2x4", 4),
+      ("train_step_mesh2x4_chunks2", 2), ("train_step_mesh2x4_micro2_chunks2", 2))),
 )
 
 
