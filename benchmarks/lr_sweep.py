@@ -58,7 +58,7 @@ import train_lm  # noqa: E402  (examples/train_lm.py; sets up 8 CPU devices befo
 
 # Trainer settings that do not change what a run computes (left out of the reuse key).
 _NOT_IN_KEY = ("out", "no_progress", "resume", "stop_after", "ckpt_every", "optimizer", "lr",
-               "adam_lr", "peak_tflops", "eval_every")
+               "adam_lr", "peak_tflops", "eval_every", "pgle")  # pgle: the schedule, not the math
 
 
 def _lrs(text: str | None, flag: str) -> list[float] | None:

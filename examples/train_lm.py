@@ -177,7 +177,11 @@ def fp8_gemm_config(recipe: str, *, projections: str = "none") -> dict[str, str]
     return fields
 
 
-def model_config(args) -> lm_model.LMConfig:
+def model_config(args, mesh: jax.sharding.Mesh | None = None) -> lm_model.LMConfig:
+    """The model of ``args``; with ``mesh``, ``overlap_chunks`` resolved as the run will use
+    it (:func:`resolve_overlap_chunks`, under the PGLE setting :func:`setup` made)."""
+    chunks = args.overlap_chunks if mesh is None else resolve_overlap_chunks(
+        args, mesh, pgle=bool(jax.config.jax_enable_pgle))
     return lm_model.LMConfig(
         d_model=args.d_model,
         num_layers=args.layers,
@@ -193,7 +197,7 @@ def model_config(args) -> lm_model.LMConfig:
         tie_embeddings=args.tie_embeddings,
         dtype=args.dtype,
         micro_batches=args.micro_batches,
-        overlap_chunks=args.overlap_chunks,
+        overlap_chunks=chunks,
     )
 
 
@@ -243,7 +247,7 @@ def make_tx(name: str, args, mesh) -> optax.GradientTransformation:
 
 def create(name: str, args, mesh):
     """Model and optimizer with params and state placed on the mesh."""
-    return lm_model.create_sharded(model_config(args), make_tx(name, args, mesh), mesh=mesh,
+    return lm_model.create_sharded(model_config(args, mesh), make_tx(name, args, mesh), mesh=mesh,
                                    seed=args.seed)
 
 
@@ -370,7 +374,8 @@ def train_one(name, args, mesh, corpus, out: pathlib.Path, metrics_file) -> dict
         bar = tqdm(total=args.steps, initial=start, desc=name, unit="step", dynamic_ncols=True)
     last, step_times = {}, []
     # Steps that compile: the first, and under PGLE the profiled ones and the recompile after.
-    warm_steps = 1 + (PGLE_PROFILING_RUNS + 1 if args.pgle == "on" else 0)
+    warm_steps = 1 + (jax.config.jax_pgle_profiling_runs + 1 if jax.config.jax_enable_pgle
+                      else 0)
     with jax.set_mesh(mesh):
         for step in range(start + 1, args.steps + 1):
             t0 = time.perf_counter()
@@ -458,13 +463,15 @@ def setup(args) -> tuple[jax.sharding.Mesh, lm_data.Corpus]:
             f"--d-model {args.d_model} must be a multiple of --fp8-block-size "
             f"({args.fp8_block_size}) with FP8 dispatch; or pass --no-fp8-dispatch."
         )
-    pgle = use_pgle(args.pgle, backend=jax.default_backend(), devices=n_dev,
-                    processes=jax.process_count())
-    if pgle:  # before the first compile
+    # Before the first compile. 'on' / 'off' override JAX_ENABLE_PGLE; 'auto' turns it on where
+    # it helps and otherwise leaves it as the environment says. args keep the flags as given
+    # (a sweep's run key compares them), the resolved state lives in jax.config.
+    if use_pgle(args.pgle, backend=jax.default_backend(), devices=n_dev,
+                processes=jax.process_count()):
         jax.config.update("jax_enable_pgle", True)
         jax.config.update("jax_pgle_profiling_runs", PGLE_PROFILING_RUNS)
-    args.overlap_chunks = resolve_overlap_chunks(args, mesh, pgle)
-    args.pgle = "on" if pgle else "off"
+    elif args.pgle == "off":
+        jax.config.update("jax_enable_pgle", False)
     corpus = lm_data.load_stdlib_corpus(
         max_bytes=int(args.max_corpus_mb * (1 << 20)) if args.max_corpus_mb > 0 else None
     )
@@ -579,6 +586,8 @@ def main(argv=None) -> int:
                "processes": jax.process_count(),
                "device_kind": jax.devices()[0].device_kind,
                "params": lm_model.param_counts(model_config(args)),
+               "pgle": bool(jax.config.jax_enable_pgle),
+               "overlap_chunks": model_config(args, mesh).overlap_chunks,
                "wall_s": time.perf_counter() - t0, "results": results,
                "time_to_adamw_final_loss": race}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
