@@ -84,8 +84,14 @@ from lm_flags import (  # noqa: E402, F401
     default_lrs,
     parse_args,
 )
+from lm_schedule import (  # noqa: E402, F401
+    PGLE_OVERLAP_CHUNKS,
+    PGLE_PROFILING_RUNS,
+    configure_pgle,
+    resolve_overlap_chunks,
+    use_pgle,
+)
 
-import moe  # noqa: E402
 import muon_jax  # noqa: E402
 
 PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
@@ -119,51 +125,6 @@ def build_mesh(spec: str | None) -> jax.sharding.Mesh:
     # about their own layouts (shard_map), so nothing else needs Explicit sharding types.
     auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
     return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
-
-
-PGLE_PROFILING_RUNS = 3
-"""Steps JAX profiles before it compiles the step again with the measured times (--pgle)."""
-PGLE_OVERLAP_CHUNKS = 4
-"""The MoE layers' chunk count under --pgle when the expert axis spans several devices (and
-each chunk keeps ``moe.layer.MIN_CHUNK_TOKENS`` tokens). Scheduled on XLA's own latency
-estimates, 4 chunks made this trainer's 8-GPU step longer than the layer's default of 2; on
-the measured (here: modeled) transfer times they hid more of the exchange at an equal or
-shorter step (docs/benchmark_log.md, Overlap)."""
-
-
-def use_pgle(choice: str, *, backend: str, devices: int, processes: int) -> bool:
-    """Whether a run turns on JAX's profile-guided latency estimation (``--pgle``).
-
-    XLA's latency-hiding scheduler places each async collective by its own estimate of the
-    transfer time, which for the expert all-to-alls is far below what the links take, so it
-    puts little compute under them. With ``jax_enable_pgle`` JAX profiles the first
-    :data:`PGLE_PROFILING_RUNS` steps and compiles the step again with the measured times.
-    ``'auto'`` turns it on for a GPU run of one process over several devices: with one device
-    there is nothing to hide, and each process of a multi-process run would profile (and
-    schedule) on its own.
-
-    >>> use_pgle("auto", backend="gpu", devices=8, processes=1)
-    True
-    >>> use_pgle("auto", backend="cpu", devices=8, processes=1)
-    False
-    """
-    if choice != "auto":
-        return choice == "on"
-    return backend == "gpu" and devices > 1 and processes == 1
-
-
-def resolve_overlap_chunks(args, mesh: jax.sharding.Mesh, pgle: bool) -> int | str:
-    """The MoE layers' ``overlap_chunks`` for a run: ``--overlap-chunks``, or with ``auto``
-    the layer's own choice, except :data:`PGLE_OVERLAP_CHUNKS` under PGLE (see there)."""
-    if args.overlap_chunks != "auto" or not pgle:
-        return args.overlap_chunks
-    ep = mesh.shape["expert"]
-    tokens = args.batch * args.seq_len // mesh.devices.size // args.micro_batches
-    transport = moe.auto_transport(ep)
-    if (moe.auto_overlap_chunks(ep, tokens, transport) == 1 or transport != "dense"
-            or tokens < PGLE_OVERLAP_CHUNKS * moe.layer.MIN_CHUNK_TOKENS):
-        return args.overlap_chunks
-    return PGLE_OVERLAP_CHUNKS
 
 
 def fp8_gemm_config(recipe: str, *, projections: str = "none") -> dict[str, str]:
@@ -463,15 +424,7 @@ def setup(args) -> tuple[jax.sharding.Mesh, lm_data.Corpus]:
             f"--d-model {args.d_model} must be a multiple of --fp8-block-size "
             f"({args.fp8_block_size}) with FP8 dispatch; or pass --no-fp8-dispatch."
         )
-    # Before the first compile. 'on' / 'off' override JAX_ENABLE_PGLE; 'auto' turns it on where
-    # it helps and otherwise leaves it as the environment says. args keep the flags as given
-    # (a sweep's run key compares them), the resolved state lives in jax.config.
-    if use_pgle(args.pgle, backend=jax.default_backend(), devices=n_dev,
-                processes=jax.process_count()):
-        jax.config.update("jax_enable_pgle", True)
-        jax.config.update("jax_pgle_profiling_runs", PGLE_PROFILING_RUNS)
-    elif args.pgle == "off":
-        jax.config.update("jax_enable_pgle", False)
+    configure_pgle(args.pgle, devices=n_dev)  # before the first compile
     corpus = lm_data.load_stdlib_corpus(
         max_bytes=int(args.max_corpus_mb * (1 << 20)) if args.max_corpus_mb > 0 else None
     )
