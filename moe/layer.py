@@ -14,6 +14,7 @@ shared experts); experts are split over the expert axis. Inside ``jax.shard_map`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from typing import NamedTuple
@@ -24,9 +25,9 @@ from jax.sharding import PartitionSpec as P
 
 from moe import experts as _experts
 from moe import meshes
+from moe import pipeline as _pipeline
 from moe import routing as _routing
-from moe.dispatch import WireRows, dispatch_apply
-from moe.dispatch import combine as combine_fn
+from moe.dispatch import dispatch_buckets, split_first_bucket
 from moe.kernels.gmm import api as gmm_api
 from moe.options import MoEOptions
 
@@ -138,32 +139,6 @@ def _group_alignment(options: MoEOptions) -> int | None:
     return gmm_api.GROUP_ALIGNMENT if gmm_api.IMPLEMENTATIONS[backend].aligned else None
 
 
-def _local_experts(ex, group_sizes, w_gate_up, w_down, biases, options: MoEOptions,
-                   ex_wire: WireRows | None, group_alignment,
-                   combine: _experts.CombineArgs) -> jax.Array:
-    """The local experts on the layout ``dispatch`` produced (padded ``[E, C, d]`` or ragged,
-    aligned to ``group_alignment``; ``ex_wire``: ragged ``ex``'s FP8 wire rows, which the FP8
-    forward GEMM reads), combined back to the tokens."""
-    eo = options.experts
-    bgu, bd = biases if biases is not None else (None, None)
-    if ex.ndim == 3 and eo.backend in ("ragged_dot", "triton"):  # 2-D GEMMs
-        e_local, c, d = ex.shape
-        full = jnp.full((e_local,), c, dtype=jnp.int32)
-        ey = _experts.experts_apply(
-            ex.reshape(e_local * c, d), full, w_gate_up, w_down, bgu, bd, options=eo,
-            fp8_block_size=options.fp8_block_size).reshape(e_local, c, -1)
-        return combine_fn(ey, combine.weights, combine.plan,
-                          combine_grad_dtype=combine.grad_dtype)
-    # The dense layout interleaves padding per source (row p * C + r), so its valid rows are
-    # not a prefix: run every row (padding rows are zero and are never read back by combine).
-    # ('mosaic' takes the padded layout itself: slots as rows, no gathers.)
-    sizes = None if ex.ndim == 3 else group_sizes
-    return _experts.experts_apply(ex, sizes, w_gate_up, w_down, bgu, bd, options=eo,
-                                  fp8_block_size=options.fp8_block_size,
-                                  group_alignment=group_alignment, x_wire=ex_wire,
-                                  combine=combine)
-
-
 class LocalInputs(NamedTuple):
     """The optional per-call inputs that cross into the layer's ``shard_map`` (None: absent;
     the in_specs mirror it with None in the same places)."""
@@ -222,21 +197,41 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra: LocalInputs, *,
     # chunk's GEMMs (forward and backward); the shared experts need no exchange and go right
     # after the first dispatch, whose exchange they can cover.
     tc = x.shape[0] // chunks
-    ys, ys_shared, dropped = [], None, jnp.zeros((), jnp.int32)
+    banks = _pipeline.Banks(w_gate_up, w_down, expert_bias)
+    body = functools.partial(_pipeline.chunk_experts, options=options,
+                             dispatch_options=do_chunk, num_experts=num_slots,
+                             group_alignment=align, with_wire=with_wire)
+    p = jax.lax.axis_size(do.expert_axis)
+    buckets = (dispatch_buckets(tc, ids.shape[1], num_experts=num_slots, axis_size=p,
+                                options=do_chunk) if do.transport == "dropless" else ())
+    # Pipelined dropless: no chunk's exchange may sit in a conditional (moe.pipeline), so the
+    # chunks send their first-bucket slots and one overflow pass the rest.
+    split = chunks > 1 and len(buckets) > 1
+    ys, over_ids, ys_shared, dropped = [], [], None, jnp.zeros((), jnp.int32)
+    overflowing = jnp.zeros((), jnp.int32)  # chunks of this device with slots past c_0
     for c in range(chunks):
         part = slice(c * tc, (c + 1) * tc)
-        ex, wire, group_sizes, plan = dispatch_apply(
-            x[part], ids[part], num_experts=num_slots, options=do_chunk,
-            fp8_block_size=options.fp8_block_size, group_alignment=align, with_wire=with_wire)
+        ids_c, first = ids[part], None
+        if split:
+            s = split_first_bucket(ids_c, num_experts=num_slots, axis_size=p,
+                                   first_bucket=buckets[0])
+            ids_c, first = s.first_ids, buckets[:1]
+            over_ids.append(s.overflow_ids)
+            overflowing = overflowing + s.overflows.astype(jnp.int32)
+        y_c, plan = body(x[part], ids_c, r.weights[part], banks, buckets=first)
         if c == 0 and shared is not None:
             ys_shared = _shared_experts(x, shared, gate, options, x.dtype)
             if mask is not None:
                 ys_shared = jnp.where(mask[:, None], ys_shared, jnp.zeros((), x.dtype))
-        combine = _experts.CombineArgs(r.weights[part], plan, do.combine_grad_dtype)
-        ys.append(_local_experts(ex, group_sizes, w_gate_up, w_down, expert_bias, options,
-                                 wire, align, combine).astype(x.dtype))
+        ys.append(y_c)
         dropped = dropped + plan.dropped
     y = ys[0] if chunks == 1 else jnp.concatenate(ys, axis=0)
+    if split:  # one branch for the expert axis: its collectives run on every device of it
+        overflows = jax.lax.pmax(overflowing, do.expert_axis) > 0
+        y = y + _pipeline.overflow_experts(
+            x, jnp.concatenate(over_ids, axis=0), r.weights, banks, overflows,
+            num_experts=num_slots, axis_name=do.expert_axis, max_tokens=tc,
+            body=lambda *a: body(*a)[0])
     if ys_shared is not None:
         y = y + ys_shared
     dropped = jax.lax.psum(dropped, all_axes)

@@ -113,7 +113,9 @@ class DispatchOptions:
         padded with masked tokens. With nothing dropped the results equal the unchunked
         layer's; a capacity limit applies per chunk (``C`` from the chunk's tokens), so a
         chunk that overloads an expert drops slots that a whole-batch capacity might have
-        kept.
+        kept. Dropless with several chunks: the chunks send each pair's first bucket, and the
+        slots past it go in one overflow pass after them, on the steps that have any
+        (``moe.pipeline``).
 
     Example:
       >>> from moe import DispatchOptions

@@ -80,7 +80,13 @@ from moe.dispatch.plan import (
     dropless_buckets,
     ragged_rows,
 )
-from moe.dispatch.plan_build import dense_plan, dropless_plan, ragged_plan
+from moe.dispatch.plan_build import (
+    BucketSplit,
+    dense_plan,
+    dropless_plan,
+    ragged_plan,
+    split_first_bucket,
+)
 from moe.kernels.wire import api as wire_api
 from moe.options import (
     DispatchOptions,
@@ -92,9 +98,9 @@ from moe.options import (
     check_group_alignment,
 )
 
-__all__ = ["DensePlan", "DispatchPlan", "Dispatched", "DroplessPlan", "RaggedPlan", "WireRows",
-           "combine", "dense_capacity", "dispatch",
-           "dispatch_apply", "dispatch_with_wire", "ragged_rows"]
+__all__ = ["BucketSplit", "DensePlan", "DispatchPlan", "Dispatched", "DroplessPlan", "RaggedPlan",
+           "WireRows", "combine", "dense_capacity", "dispatch", "dispatch_apply",
+           "dispatch_buckets", "dispatch_with_wire", "ragged_rows", "split_first_bucket"]
 
 _DROPLESS_CAPACITY_FACTOR = 1.25  # transport="dropless", capacity_factor=None: the first bucket
 
@@ -298,6 +304,22 @@ def dispatch_with_wire(
     return out.expert_x, None if out.wire is None else out.wire.rows, out.group_sizes, out.plan
 
 
+def dispatch_buckets(num_tokens: int, top_k: int, *, num_experts: int, axis_size: int,
+                     options: DispatchOptions) -> tuple[int, ...]:
+    """The dropless exchange's buckets under ``options``: :func:`dropless_buckets` with its
+    ``capacity_factor`` (None: 1.25) and ``capacity_multiple``.
+
+    Example:
+      >>> dispatch_buckets(1024, 2, num_experts=16, axis_size=2,
+      ...                  options=DispatchOptions(transport="dropless"))
+      (1280, 1920, 2048)
+    """
+    cf = options.capacity_factor
+    return dropless_buckets(num_tokens, top_k, num_experts, axis_size,
+                            _DROPLESS_CAPACITY_FACTOR if cf is None else cf,
+                            multiple=options.capacity_multiple)
+
+
 def dispatch_apply(
     x: jax.Array,
     expert_ids: jax.Array,
@@ -307,6 +329,7 @@ def dispatch_apply(
     fp8_block_size: int = 128,
     group_alignment: int | None = None,
     with_wire: bool = False,
+    buckets: tuple[int, ...] | None = None,
 ) -> Dispatched:
     """:func:`dispatch_with_wire` with its options as one :class:`moe.DispatchOptions` (the
     layer's ``MoEOptions.dispatch``): ``expert_axis``, ``transport`` (``'auto'``: dense),
@@ -320,6 +343,10 @@ def dispatch_apply(
       options: the dispatch options.
       fp8_block_size: channels per FP8 scale of the wire (``block_size`` of
         :func:`dispatch`).
+      buckets: the dropless exchange's rows per (source, destination) pair, ascending (None:
+        :func:`dispatch_buckets`). The caller guarantees that no pair exceeds the last one
+        (e.g. one bucket for the slots :func:`split_first_bucket` keeps): rows past it are
+        not sent.
 
     Returns:
       A :class:`Dispatched`; ``wire`` is a :class:`WireRows` with ``with_wire``, else None.
@@ -353,11 +380,18 @@ def dispatch_apply(
                            **statics)
 
     def dropless():
-        factor = _DROPLESS_CAPACITY_FACTOR if cf is None else cf
-        return dropless_plan(expert_ids, buckets=dropless_buckets(
-            t, k, num_experts, p, factor, multiple=multiple),
+        return dropless_plan(expert_ids, buckets=buckets or dispatch_buckets(
+            t, k, num_experts=num_experts, axis_size=p, options=options),
             alignment=group_alignment or 1, **statics)
 
+    if buckets is not None:
+        if options.transport != "dropless":
+            raise ValueError(f"buckets={buckets!r} is for transport='dropless' only, got "
+                             f"transport={options.transport!r}; drop it or use 'dropless'.")
+        if not buckets or any(isinstance(c, bool) or not isinstance(c, int) or c < 1
+                              for c in buckets) or list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"buckets must be positive ints, strictly ascending, got "
+                             f"{buckets!r}.")
     # 'auto' is 'dense' here, the measured default (the layer's 'auto': moe.auto_transport).
     builders = {"auto": dense, "dense": dense, "ragged": ragged, "dropless": dropless}
     with jax.named_scope("dispatch_plan"):

@@ -24,8 +24,9 @@ import jax.numpy as jnp
 from moe.dispatch.plan import AxisName, DensePlan, DroplessPlan, RaggedPlan
 from moe.kernels.gmm import api as gmm_api
 
-__all__ = ["CountedSlots", "GatheredCounts", "SortedSlots", "count_slots", "dense_plan",
-           "dropless_plan", "gather_counts", "ragged_plan", "sort_slots"]
+__all__ = ["BucketSplit", "CountedSlots", "GatheredCounts", "SortedSlots", "count_slots",
+           "dense_plan", "dropless_plan", "gather_counts", "ragged_plan", "sort_slots",
+           "split_first_bucket"]
 
 
 class SortedSlots(NamedTuple):
@@ -329,6 +330,63 @@ def _pair_rows(sl: CountedSlots, g: GatheredCounts, *, p, e_local, w, buckets) -
     need = g.counts.reshape(p, p, e_local).sum(axis=2).max()
     bucket = jnp.sum(jnp.asarray(buckets, jnp.int32) < need, dtype=jnp.int32)
     return PairRows(send_slot, slot_row, layout_row.reshape(n), pair_row, bucket)
+
+
+class BucketSplit(NamedTuple):
+    """The slots of ``expert_ids`` split at the dropless exchange's first bucket
+    (:func:`split_first_bucket`).
+
+    Attributes:
+      first_ids: int ``[T, k]``: the slots the first bucket carries; the others (and masked
+        slots) are ``num_experts``, no expert.
+      overflow_ids: int ``[T, k]``: the other slots; the first bucket's are ``num_experts``.
+      overflows: bool ``[]``: this device has a slot past the first bucket (a local flag:
+        reduce it over the expert axis before branching on it).
+    """
+
+    first_ids: jax.Array
+    overflow_ids: jax.Array
+    overflows: jax.Array
+
+
+def split_first_bucket(expert_ids: jax.Array, *, num_experts: int, axis_size: int,
+                       first_bucket: int) -> BucketSplit:
+    """Split the slots of ``expert_ids [T, k]`` into the first ``first_bucket`` of each
+    destination device, in (t, j) order, and the rest.
+
+    ``rank(s) = #{s' < s : dest(s') = dest(s)}`` with ``dest = id // E_local``; a slot is in
+    the first bucket iff ``rank < first_bucket``. No destination then gets more than
+    ``first_bucket`` first-bucket slots from this device, so a dropless exchange with the one
+    bucket ``(first_bucket,)`` carries all of them (no ``lax.switch``), and the rest go by a
+    separate pass. The MoE output is a sum over slots, so the two passes add up to the one
+    (``moe.layer``'s pipelined dropless layer). A cumulative count over ``[T * k, P]``, no
+    sort.
+
+    Args:
+      expert_ids: int ``[T, k]`` expert ids in ``[0, num_experts]`` (``num_experts``: masked).
+      num_experts: ``E`` (a multiple of ``axis_size``).
+      axis_size: devices ``P`` on the expert axis.
+      first_bucket: rows per (source, destination) pair of the first bucket.
+
+    Returns:
+      A :class:`BucketSplit`.
+
+    Example:
+      >>> s = split_first_bucket(jnp.array([[0, 1], [0, 3], [1, 2]]), num_experts=4,
+      ...                        axis_size=2, first_bucket=2)
+      >>> s.first_ids.tolist(), s.overflow_ids.tolist(), bool(s.overflows)
+      ([[0, 1], [4, 3], [4, 2]], [[4, 4], [0, 4], [1, 4]], True)
+    """
+    t, k = expert_ids.shape
+    flat = expert_ids.reshape(t * k).astype(jnp.int32)
+    dest = flat // (num_experts // axis_size)  # masked slots: axis_size, no destination
+    hot = (dest[:, None] == jnp.arange(axis_size, dtype=jnp.int32)[None, :]).astype(jnp.int32)
+    rank = jnp.sum((jnp.cumsum(hot, axis=0) - hot) * hot, axis=1)
+    first = rank < first_bucket
+    none = jnp.int32(num_experts)
+    over = jnp.where(first, none, flat)
+    return BucketSplit(jnp.where(first, flat, none).reshape(t, k), over.reshape(t, k),
+                       jnp.any(over < none))
 
 
 def _aligned(rows: PairRows, group_sizes: jax.Array, *, p: int, alignment: int) -> PairRows:

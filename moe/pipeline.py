@@ -1,0 +1,206 @@
+"""The MoE layer's expert-parallel body per chunk, and the dropless layer's overflow pass.
+
+:func:`chunk_experts` is one chunk of the pipelined layer (``DispatchOptions.overlap_chunks``):
+dispatch, the local experts on the layout it produced, combine. The layer runs it per chunk
+so that XLA's scheduler can put one chunk's async exchanges under another chunk's GEMMs.
+
+The dropless transport sends the rows past its first bucket inside a ``lax.switch`` branch
+(``moe.dispatch``), and XLA's latency-hiding scheduler keeps no async collective in flight
+across a conditional whose branches hold collectives: in a pipeline every chunk's switch
+would be a wall that the other chunks' exchanges cannot cross. So the pipelined dropless
+layer splits each chunk's slots at the first bucket (:func:`moe.dispatch.split_first_bucket`):
+the chunks exchange their first-bucket slots with the one-bucket exchange (no conditional in
+the pipeline), and :func:`overflow_experts` runs the same body on the other slots, all chunks
+in one ``lax.cond`` after the pipeline, taken only on steps where some pair of the expert axis
+overflows the first bucket. The layer's output is a sum over slots, so the two passes add up
+to the one-pass layer.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from moe import experts as _experts
+from moe.dispatch import WireRows, dispatch_apply
+from moe.dispatch import combine as combine_fn
+from moe.options import DispatchOptions, MoEOptions
+
+__all__ = ["Banks", "chunk_experts", "local_experts", "overflow_experts",
+           "overflow_token_counts"]
+
+
+class Banks(NamedTuple):
+    """This device's expert weights.
+
+    Attributes:
+      w_gate_up: ``[E_local, d, 2 f]``.
+      w_down: ``[E_local, f, d]``.
+      bias: ``(b_gate_up [E_local, 2 f], b_down [E_local, d])`` or None.
+    """
+
+    w_gate_up: jax.Array
+    w_down: jax.Array
+    bias: tuple[jax.Array, jax.Array] | None = None
+
+
+def local_experts(ex: jax.Array, group_sizes: jax.Array, banks: Banks, options: MoEOptions,
+                  ex_wire: WireRows | None, group_alignment: int | None,
+                  combine: _experts.CombineArgs) -> jax.Array:
+    """The local experts on the layout ``dispatch`` produced (padded ``[E, C, d]`` or ragged,
+    aligned to ``group_alignment``; ``ex_wire``: ragged ``ex``'s FP8 wire rows, which the FP8
+    forward GEMM reads), combined back to the tokens: ``[T, d]``."""
+    eo = options.experts
+    bgu, bd = banks.bias if banks.bias is not None else (None, None)
+    if ex.ndim == 3 and eo.backend in ("ragged_dot", "triton"):  # 2-D GEMMs
+        e_local, c, d = ex.shape
+        full = jnp.full((e_local,), c, dtype=jnp.int32)
+        ey = _experts.experts_apply(
+            ex.reshape(e_local * c, d), full, banks.w_gate_up, banks.w_down, bgu, bd,
+            options=eo, fp8_block_size=options.fp8_block_size).reshape(e_local, c, -1)
+        return combine_fn(ey, combine.weights, combine.plan,
+                          combine_grad_dtype=combine.grad_dtype)
+    # The dense layout interleaves padding per source (row p * C + r), so its valid rows are
+    # not a prefix: run every row (padding rows are zero and are never read back by combine).
+    # ('mosaic' takes the padded layout itself: slots as rows, no gathers.)
+    sizes = None if ex.ndim == 3 else group_sizes
+    return _experts.experts_apply(ex, sizes, banks.w_gate_up, banks.w_down, bgu, bd,
+                                  options=eo, fp8_block_size=options.fp8_block_size,
+                                  group_alignment=group_alignment, x_wire=ex_wire,
+                                  combine=combine)
+
+
+def chunk_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, banks: Banks, *,
+                  options: MoEOptions, dispatch_options: DispatchOptions, num_experts: int,
+                  group_alignment: int | None, with_wire: bool,
+                  buckets: tuple[int, ...] | None = None):
+    """One chunk: ``y = combine(experts(dispatch(x, expert_ids)), weights)``.
+
+    Args:
+      x: ``[T, d]`` this device's tokens of the chunk.
+      expert_ids: int ``[T, k]`` (``num_experts``: a slot that goes nowhere).
+      weights: ``[T, k]`` the combine weights.
+      banks: this device's expert weights.
+      options: the layer's options (experts, FP8 block size).
+      dispatch_options: the dispatch options of the chunk (its capacity factor).
+      num_experts: experts of the dispatch (the padded count).
+      group_alignment: the dropless layout's group alignment (None: plain).
+      with_wire: the FP8 wire rows go to the FP8 expert GEMMs as they are.
+      buckets: the dropless exchange's buckets (None: the options').
+
+    Returns:
+      ``(y [T, d] in x's dtype, plan)``.
+    """
+    ex, wire, group_sizes, plan = dispatch_apply(
+        x, expert_ids, num_experts=num_experts, options=dispatch_options,
+        fp8_block_size=options.fp8_block_size, group_alignment=group_alignment,
+        with_wire=with_wire, buckets=buckets)
+    combine = _experts.CombineArgs(weights, plan, dispatch_options.combine_grad_dtype)
+    y = local_experts(ex, group_sizes, banks, options, wire, group_alignment, combine)
+    return y.astype(x.dtype), plan
+
+
+# An overflow step runs the overflow pass on the tokens that have a slot past the first
+# bucket, gathered into the first of these shares of the device's tokens that holds them on
+# every device of the expert axis: its cost follows the overflow, not the worst case.
+_OVERFLOW_SHARES = (16, 4, 1)
+
+
+def overflow_token_counts(num_tokens: int) -> tuple[int, ...]:
+    """Token counts the overflow pass can run on, ascending: ``ceil(T / s)`` for ``s`` in
+    16, 4, 1, rounded up to a multiple of 8 below ``T`` (the last is ``T``).
+
+    Example:
+      >>> overflow_token_counts(8192), overflow_token_counts(20)
+      ((512, 2048, 8192), (8, 20))
+    """
+    counts = []
+    for share in _OVERFLOW_SHARES:
+        n = -(-num_tokens // share)
+        n = min(-(-n // 8) * 8, num_tokens)
+        if n not in counts:
+            counts.append(n)
+    return tuple(counts)
+
+
+def overflow_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, banks: Banks,
+                     overflows: jax.Array, *, num_experts: int, axis_name, max_tokens: int,
+                     body: Callable[[jax.Array, jax.Array, jax.Array, Banks], jax.Array]
+                     ) -> jax.Array:
+    """The MoE output of the slots ``expert_ids`` names when ``overflows``, else 0: ``[T, d]``.
+
+    The slots past the first bucket of every chunk (the others are ``num_experts``), in one
+    ``lax.cond`` on ``overflows`` (the same on every device of ``axis_name``, whose
+    collectives the branch holds). In the branch, the tokens with such a slot are gathered
+    into the first of :func:`overflow_token_counts` that holds them on every device of the
+    axis (a ``lax.switch``), run through ``body`` in passes of at most ``max_tokens`` tokens,
+    and scattered back: an overflow step pays for its overflow tokens, not for a worst-case
+    layout of all of them. A custom VJP makes the backward another ``lax.cond`` that
+    recomputes the forward inside its branch: differentiating the ``cond`` itself would make
+    its residuals outputs of both branches, the untaken one filling them with zeros on every
+    step. The untaken backward branch gives zero cotangents (one pass over the expert
+    weights' size).
+
+    Args:
+      x: ``[T, d]`` this device's tokens.
+      expert_ids: int ``[T, k]``.
+      weights: ``[T, k]``.
+      banks: this device's expert weights.
+      overflows: bool ``[]``.
+      num_experts: the "no expert" id.
+      axis_name: the expert axis.
+      max_tokens: the most tokens one pass takes (a chunk's: the pipeline's buffer sizes).
+      body: one pass ``(x, ids, weights, banks) -> y``.
+
+    Returns:
+      ``[T, d]`` in ``x``'s dtype.
+    """
+    counts = overflow_token_counts(x.shape[0])
+
+    def gathered(n, x, weights, banks, expert_ids, order):
+        rows = order[:n]  # the tokens with an overflow slot first, then some without
+        ys = [body(x[rows[i:i + max_tokens]], expert_ids[rows[i:i + max_tokens]],
+                   weights[rows[i:i + max_tokens]], banks) for i in range(0, n, max_tokens)]
+        y = ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=0)
+        return jnp.zeros_like(x).at[rows].add(y, unique_indices=True)
+
+    def run(x, weights, banks, expert_ids):
+        has = jnp.any(expert_ids < num_experts, axis=1)
+        order = jnp.argsort(~has, stable=True).astype(jnp.int32)
+        need = jax.lax.pmax(jnp.sum(has, dtype=jnp.int32), axis_name)
+        which = jnp.sum(jnp.asarray(counts, jnp.int32) < need, dtype=jnp.int32)
+        return jax.lax.switch(which, [functools.partial(gathered, n) for n in counts],
+                              x, weights, banks, expert_ids, order)
+
+    def skip(x, weights, banks, expert_ids):
+        del weights, banks, expert_ids
+        return jnp.zeros_like(x)
+
+    @jax.custom_vjp
+    def over(x, weights, banks, expert_ids, overflows):
+        return jax.lax.cond(overflows, run, skip, x, weights, banks, expert_ids)
+
+    def over_fwd(x, weights, banks, expert_ids, overflows):
+        return over(x, weights, banks, expert_ids, overflows), (x, weights, banks, expert_ids,
+                                                                  overflows)
+
+    def over_bwd(res, dy):
+        x, weights, banks, expert_ids, overflows = res
+
+        def grads(dy, x, weights, banks):
+            _, vjp = jax.vjp(lambda x, w, b: run(x, w, b, expert_ids), x, weights, banks)
+            return vjp(dy)
+
+        def zeros(dy, x, weights, banks):
+            del dy
+            return jax.tree.map(jnp.zeros_like, (x, weights, banks))
+
+        dx, dw, db = jax.lax.cond(overflows, grads, zeros, dy, x, weights, banks)
+        return dx, dw, db, None, None
+
+    over.defvjp(over_fwd, over_bwd)
+    return over(x, weights, banks, expert_ids, overflows)
