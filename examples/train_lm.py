@@ -203,6 +203,7 @@ def make_tx(name: str, args, mesh) -> optax.GradientTransformation:
         mesh=mesh,
         gather_dtype=None if args.muon_gather_dtype == "float32" else jnp.bfloat16,
         ns_method=args.ns_method,
+        ns_symmetric_blocks=args.ns_symmetric_blocks,
     )
 
 
