@@ -22,8 +22,8 @@ if [ "$part" = steps ]; then
 else
   python examples/train_lm.py --preset gpu --optimizer muon --ns-method standard \
     --ns-symmetric-blocks 1 --no-progress --ckpt-every 0 --out "$out/race_standard" 2>&1 | tail -4
-  # a copy of the tree without .git records the commit a COMMIT file names
-  commit=$(git describe --always --dirty 2>/dev/null || cat COMMIT 2>/dev/null)
+  # a copy of the tree records the commit its COMMIT file names (its .git may be older)
+  commit=$(cat COMMIT 2>/dev/null || git describe --always --dirty 2>/dev/null)
   python benchmarks/muon_speed.py --muon-step "$out"/ms_*.json --trainer "$out/race" \
     --trainer-standard "$out/race_standard" ${commit:+--commit "$commit"} \
     --out "$out/muon_speed.json" 2>&1 | tail -30

@@ -1,0 +1,82 @@
+"""Newton-Schulz with symmetric row strips against every tile, by matrix size, on one device.
+
+For each side ``m`` (the Gram matrix's) and aspect ``n / m``, a bank of ``[B, m, n]`` bf16
+matrices (``B`` so that every size does about the same FLOPs) goes through
+``muon_jax.orthogonalize`` (standard form, Jordan's 5 steps) with ``symmetric_blocks`` 1, 2
+and 4; each variant's median seconds (per call over back-to-back calls), and its ratio to the
+plain one's. The strips skip half the tiles of the ``[m, m]`` products but cut them into
+several smaller GEMMs: ``muon_jax.newton_schulz.AUTO_SYMMETRIC_MIN_SIDE`` is where they start
+to win, read off this table.
+
+Usage:
+  python benchmarks/ns_strips.py --out ns_strips.json       # GPU
+  python benchmarks/ns_strips.py --small                    # CPU, small sides
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+DESCRIPTION = __doc__.split("\n\n")[0] + """
+
+JSON (--out): rows of side, aspect, batch, seconds per variant, ratio to plain; the sides."""
+
+
+def main(argv=None) -> dict:
+    from bench_util import cli, env_info, per_call_seconds, write_json
+
+    p = cli(DESCRIPTION)
+    p.add_argument("--sides", default=None, help="comma-separated m (default 512..4096; "
+                   "small: 64,128)")
+    p.add_argument("--aspects", default="1,2.75", help="n / m values")
+    p.add_argument("--blocks", default="1,2,4")
+    p.add_argument("--gflop", type=float, default=None,
+                   help="FLOPs per call of the plain form, in GFLOP (default 4000; small 2)")
+    p.add_argument("--iters", type=int, default=7)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+
+    import muon_jax
+    from muon_jax.newton_schulz import ns_flops
+
+    sides = [int(s) for s in (a.sides or ("64,128" if a.small else
+                                          "512,1024,1536,2048,3072,4096")).split(",")]
+    blocks = [int(b) for b in a.blocks.split(",")]
+    budget = (a.gflop or (2.0 if a.small else 4000.0)) * 1e9
+    t0 = time.perf_counter()
+    report = {"benchmark": "ns_strips", "env": env_info(), "config": vars(a), "rows": []}
+    print(f"{'m':>5} {'n':>6} {'batch':>5} " + " ".join(f"{f'blocks {b}':>10}" for b in blocks)
+          + "   ratio to 1", flush=True)
+    for m in sides:
+        for aspect in (float(v) for v in a.aspects.split(",")):
+            n = int(round(m * aspect))
+            per = ns_flops(m, n, 5, symmetric_blocks=1)
+            batch = max(1, int(budget // per))
+            x = jax.random.normal(jax.random.key(m + n), (batch, m, n), jnp.float32)
+            secs = {}
+            for b in blocks:
+                fn = jax.jit(lambda x, b=b: muon_jax.orthogonalize(x, symmetric_blocks=b))
+                secs[b] = per_call_seconds(fn, (x,), 2, a.iters)
+            ratio = {b: secs[b] / secs[blocks[0]] for b in blocks}
+            report["rows"].append({"m": m, "n": n, "batch": batch,
+                                   "seconds": {str(b): s for b, s in secs.items()},
+                                   "ratio_to_plain": {str(b): r for b, r in ratio.items()}})
+            print(f"{m:5d} {n:6d} {batch:5d} "
+                  + " ".join(f"{1e3 * secs[b]:8.2f}ms" for b in blocks) + "   "
+                  + " ".join(f"{ratio[b]:.3f}" for b in blocks), flush=True)
+            write_json(a.out, report)
+            del x
+    report["seconds"] = time.perf_counter() - t0
+    write_json(a.out, report)
+    return report
+
+
+if __name__ == "__main__":
+    main()
