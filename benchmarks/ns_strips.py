@@ -37,6 +37,9 @@ def main(argv=None) -> dict:
     p.add_argument("--blocks", default="1,2,4")
     p.add_argument("--gflop", type=float, default=None,
                    help="FLOPs per call of the plain form, in GFLOP (default 4000; small 2)")
+    p.add_argument("--batches", default=None,
+                   help="comma-separated bank sizes B to run at every size (default: one, from "
+                        "--gflop)")
     p.add_argument("--iters", type=int, default=7)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
@@ -54,25 +57,29 @@ def main(argv=None) -> dict:
     report = {"benchmark": "ns_strips", "env": env_info(), "config": vars(a), "rows": []}
     print(f"{'m':>5} {'n':>6} {'batch':>5} " + " ".join(f"{f'blocks {b}':>10}" for b in blocks)
           + "   ratio to 1", flush=True)
+
+    def row(m, n, batch):
+        x = jax.random.normal(jax.random.key(m + n), (batch, m, n), jnp.float32)
+        secs = {}
+        for b in blocks:
+            fn = jax.jit(lambda x, b=b: muon_jax.orthogonalize(x, symmetric_blocks=b))
+            secs[b] = per_call_seconds(fn, (x,), 2, a.iters)
+        ratio = {b: secs[b] / secs[blocks[0]] for b in blocks}
+        report["rows"].append({"m": m, "n": n, "batch": batch,
+                               "seconds": {str(b): s for b, s in secs.items()},
+                               "ratio_to_plain": {str(b): r for b, r in ratio.items()}})
+        print(f"{m:5d} {n:6d} {batch:5d} "
+              + " ".join(f"{1e3 * secs[b]:8.2f}ms" for b in blocks) + "   "
+              + " ".join(f"{ratio[b]:.3f}" for b in blocks), flush=True)
+        write_json(a.out, report)
+
     for m in sides:
         for aspect in (float(v) for v in a.aspects.split(",")):
             n = int(round(m * aspect))
             per = ns_flops(m, n, 5, symmetric_blocks=1)
-            batch = max(1, int(budget // per))
-            x = jax.random.normal(jax.random.key(m + n), (batch, m, n), jnp.float32)
-            secs = {}
-            for b in blocks:
-                fn = jax.jit(lambda x, b=b: muon_jax.orthogonalize(x, symmetric_blocks=b))
-                secs[b] = per_call_seconds(fn, (x,), 2, a.iters)
-            ratio = {b: secs[b] / secs[blocks[0]] for b in blocks}
-            report["rows"].append({"m": m, "n": n, "batch": batch,
-                                   "seconds": {str(b): s for b, s in secs.items()},
-                                   "ratio_to_plain": {str(b): r for b, r in ratio.items()}})
-            print(f"{m:5d} {n:6d} {batch:5d} "
-                  + " ".join(f"{1e3 * secs[b]:8.2f}ms" for b in blocks) + "   "
-                  + " ".join(f"{ratio[b]:.3f}" for b in blocks), flush=True)
-            write_json(a.out, report)
-            del x
+            for batch in ([int(v) for v in a.batches.split(",")] if a.batches
+                          else [max(1, int(budget // per))]):
+                row(m, n, batch)
     report["seconds"] = time.perf_counter() - t0
     write_json(a.out, report)
     return report

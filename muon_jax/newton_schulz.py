@@ -9,6 +9,7 @@ matmul work. The sharded optimizer reuses these on the ``[K, m, n]`` stacks it o
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Literal, TypeAlias, get_args
 
@@ -33,9 +34,19 @@ SymmetricBlocks: TypeAlias = int | Literal["auto"]
 """Row strips of the products known to be symmetric (:func:`resolve_symmetric_blocks`)."""
 
 AUTO_SYMMETRIC_BLOCKS: dict[str, int] = {"gpu": 4}
-"""``symmetric_blocks='auto'`` by backend (others: 1, plain matmuls). On a GPU the tiles the
-strips skip pay for their extra, smaller matmuls and the mirroring pass (docs/benchmark_log.md,
-Muon step and Newton-Schulz); 8 strips were no faster than 4. Elsewhere it is not measured."""
+"""``symmetric_blocks='auto'`` by backend for large enough banks
+(:data:`AUTO_SYMMETRIC_MIN_WORK`; others: 1, plain matmuls). On a GPU the tiles the strips
+skip pay for their extra, smaller matmuls and the mirroring pass only when those matmuls are
+large (docs/benchmark_log.md, Muon step and Newton-Schulz); 8 strips were no faster than 4.
+Elsewhere it is not measured."""
+
+AUTO_SYMMETRIC_MIN_WORK = 4e11
+"""``'auto'`` takes the strips for a bank of ``B`` matrices ``[m, n]`` (``m <= n``, the Gram
+side) only if ``B * m^2 * n`` reaches this and ``m >= 2048``. On one H100
+(``benchmarks/ns_strips.py``) 4 strips took 0.86-0.88x the plain time for 8 or 32 matrices
+of 4096 x 4096 and 4096 x 11264 and 0.94x for 32 of 2048 x 5632, but 1.02x for 32 of 2048 x
+2048, 1.01-1.18x for one 4096-row matrix, and 1.1-1.3x (3.4x for one matrix) at 1024 rows,
+where the strips' GEMMs are too small."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,17 +85,28 @@ the default argument of every function that takes them."""
 
 
 def resolve_symmetric_blocks(blocks: SymmetricBlocks, platform: str | None = None, *,
-                             name: str = "symmetric_blocks") -> int:
+                             name: str = "symmetric_blocks",
+                             shape: tuple[int, ...] | None = None) -> int:
     """The row strips :func:`muon_jax.symmetric.symmetric_matmul` uses for ``blocks``.
 
     ``'auto'``: :data:`AUTO_SYMMETRIC_BLOCKS` for ``platform`` (default: JAX's default
-    backend), else 1; an int ``>= 1`` as given. ``name``: the argument the error names.
+    backend) when the bank ``shape`` (``[..., m, n]``; None: any) is large enough
+    (:data:`AUTO_SYMMETRIC_MIN_WORK`), else 1; an int ``>= 1`` as given. ``name``: the
+    argument the error names.
 
     >>> resolve_symmetric_blocks(3), resolve_symmetric_blocks('auto', 'gpu')
     (3, 4)
+    >>> (resolve_symmetric_blocks('auto', 'gpu', shape=(32, 4096, 4096)),
+    ...  resolve_symmetric_blocks('auto', 'gpu', shape=(16, 1024, 2048)))
+    (4, 1)
     """
     if blocks == "auto":
-        return AUTO_SYMMETRIC_BLOCKS.get(platform or jax.default_backend(), 1)
+        auto = AUTO_SYMMETRIC_BLOCKS.get(platform or jax.default_backend(), 1)
+        if shape is not None:
+            m, n = sorted(shape[-2:])
+            if m < 2048 or math.prod(shape[:-2]) * m * m * n < AUTO_SYMMETRIC_MIN_WORK:
+                return 1
+        return auto
     if isinstance(blocks, bool) or not isinstance(blocks, int | np.integer) or blocks < 1:
         raise ValueError(f"{name} must be an int >= 1 or 'auto', got {blocks!r}; "
                          "1 computes every tile (plain matmuls).")
@@ -296,7 +318,7 @@ def orthogonalize(
         in the standard form, every ``[p, p]`` product in the Gram form) are computed from
         one block triangle in this many row strips
         (:func:`muon_jax.symmetric.symmetric_matmul`); 1: plain matmuls; ``'auto'``:
-        :func:`resolve_symmetric_blocks` (4 on a GPU, else 1).
+        :func:`resolve_symmetric_blocks` (4 on a GPU for banks of large matrices, else 1).
 
     Returns:
       Array of the shape and dtype of ``x``.
@@ -353,7 +375,7 @@ def orthogonalize(
 
     if not isinstance(gram, GramOptions):
         raise TypeError(f"gram must be a muon_jax.newton_schulz.GramOptions, got {gram!r}.")
-    blocks = resolve_symmetric_blocks(symmetric_blocks)
+    blocks = resolve_symmetric_blocks(symmetric_blocks, shape=g.shape)
     use_gram = resolve_ns_method(method, g.shape[-2], g.shape[-1], dtype,
                                  single_triple=len(set(steps)) == 1) == "gram"
     if use_gram:

@@ -219,8 +219,9 @@ def scale_by_muon(
       ns_gram: restarts and operand dtype of the Gram form
         (:class:`muon_jax.newton_schulz.GramOptions`).
       ns_symmetric_blocks: Newton-Schulz's symmetric products (``X X^T`` and the polynomial
-        in it) from one block triangle in this many row strips; ``'auto'``: 4 on a GPU,
-        where that is faster, else 1 (plain matmuls). See :func:`muon_jax.orthogonalize`.
+        in it) from one block triangle in this many row strips; ``'auto'``: 4 on a GPU for
+        the banks of large matrices where that is faster, else 1 (plain matmuls). See
+        :func:`muon_jax.orthogonalize`.
 
     Returns:
       An ``optax.GradientTransformation`` with state :class:`MuonState` (``mesh=None``) or

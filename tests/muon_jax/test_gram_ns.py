@@ -126,6 +126,11 @@ def test_auto_rule():
         muon_jax.scale_by_muon(ns_symmetric_blocks="all")
     assert resolve_symmetric_blocks("auto", "cpu") == 1
     assert resolve_symmetric_blocks("auto", "gpu") == 4
+    # on a GPU the strips only for banks of large matrices (AUTO_SYMMETRIC_MIN_WORK)
+    for shape, want in (((8, 4096, 4096), 4), ((32, 11264, 4096), 4), ((32, 2048, 5632), 4),
+                        ((4096, 4096), 1), ((32, 2048, 2048), 1), ((512, 1024, 1024), 1)):
+        assert resolve_symmetric_blocks("auto", "gpu", shape=shape) == want, shape
+        assert resolve_symmetric_blocks("auto", "cpu", shape=shape) == 1
     with pytest.raises(TypeError, match="gram must be a muon_jax.newton_schulz.GramOptions"):
         muon_jax.orthogonalize(jnp.ones((2, 4)), gram=(2,))
     with pytest.raises(ValueError, match="ns_method='x'"):
