@@ -24,11 +24,12 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 DESCRIPTION = __doc__.split("\n\n")[0] + """
 
-JSON (--out): rows of side, aspect, batch, seconds per variant, ratio to plain; the sides."""
+JSON (--out): rows of side, aspect, batch, seconds per variant, ratio to plain; the dense
+bf16 matmul ceiling measured in the same run."""
 
 
 def main(argv=None) -> dict:
-    from bench_util import cli, env_info, per_call_seconds, write_json
+    from bench_util import cli, dense_ceiling, env_info, per_call_seconds, write_json
 
     p = cli(DESCRIPTION)
     p.add_argument("--sides", default=None, help="comma-separated m (default 512..4096; "
@@ -54,7 +55,9 @@ def main(argv=None) -> dict:
     blocks = [int(b) for b in a.blocks.split(",")]
     budget = (a.gflop or (2.0 if a.small else 4000.0)) * 1e9
     t0 = time.perf_counter()
-    report = {"benchmark": "ns_strips", "env": env_info(), "config": vars(a), "rows": []}
+    report = {"benchmark": "ns_strips", "env": env_info(), "config": vars(a), "rows": [],
+              "ceiling": dense_ceiling(256 if a.small else 8192, 2, 5)}
+    print(f"ceiling: dense bf16 {report['ceiling']['tflops']:.0f} TFLOP/s", flush=True)
     print(f"{'m':>5} {'n':>6} {'batch':>5} " + " ".join(f"{f'blocks {b}':>10}" for b in blocks)
           + "   ratio to 1", flush=True)
 

@@ -204,8 +204,35 @@ def muon_1gpu(C: dict) -> Lines:
              f"the dense rate) with plain matmuls and {u['4']:.3f} s ({u['4'] / lim['4']:.2f}x) "
              "with `ns_symmetric_blocks=4`, the GPU default (`X X^T` and `A (cA + bI)` from one "
              f"block triangle in 4 row strips): **{fig(C, 'muon_symmetric_speedup')}**; "
-             f"Newton-Schulz alone {n['1']:.3f} -> {n['4']:.3f} s.", ""]
-            + source(C, "muon_step_1gpu") + [""])
+             f"Newton-Schulz alone {n['1']:.3f} -> {n['4']:.3f} s. "
+             + source(C, "muon_step_1gpu")[0], ""] + _muon_speed(C))
+
+
+def _muon_speed(C: dict) -> Lines:
+    r = C["muon_speed"]["results"]
+    ms, t = r["muon_step"], r["trainer"]["median_step_ms"]
+    plain = r["trainer_standard"]["median_step_ms"]["muon"]
+    race = r["trainer"]["summary"]["time_to_adamw_final_loss"]
+    strips = {(w["m"], w["n"], w["batch"]): w["ratio_to_plain"]["4"]
+              for w in r["ns_strips"]["by_batch"]}
+    return ([f"The issue-36 run (`benchmarks/run_muon_speed.sh`): the 1.62B update took "
+             f"{ms['standard']['update_s']:.3f} s plain, {ms['standard_sym4']['update_s']:.3f} "
+             f"s with 4 strips (**{r['ns_time_ratio_vs_standard']:.3f}x**; "
+             f"{r['ns_time_ratio_vs_54b8671']:.3f}x the H200 0.2905 s of `54b8671`, the target "
+             f"0.6x) and {ms['gram_sym4']['update_s']:.3f} s in the Gram form with 4 strips; "
+             "every variant's distance to the exact polar factor was within "
+             f"{max(r['accuracy']['worst_ratio'].values()):.3f}x the plain form's. In the "
+             f"trainer's GPU preset Muon's step took {t['muon'] / t['adamw']:.3f}x AdamW's with "
+             f"4 strips on its d-1024 expert banks and {plain / t['adamw']:.3f}x plain (target "
+             f"1.08x), at final losses {r['loss_parity_delta']:+.4f} nats/byte apart; Muon "
+             "reached AdamW's final validation loss in "
+             f"{race['muon_time_to_adamw_final_loss_fraction']:.2f}x AdamW's training time "
+             "(target 0.5x). By matrix size (`benchmarks/ns_strips.py`, 4 strips over plain): "
+             + ", ".join(f"{b} x {m}x{n} {strips[(m, n, b)]:.2f}x" for m, n, b in (
+                 (1024, 2816, 32), (2048, 2048, 32), (2048, 5632, 32), (4096, 4096, 1),
+                 (4096, 4096, 8), (4096, 11264, 32)))
+             + "; so `'auto'` takes the strips only where `B m^2 n >= 4e11` and `m >= 2048`. "
+             + source(C, "muon_speed")[0], ""])
 
 
 def two_gpus(C: dict) -> Lines:
@@ -438,6 +465,7 @@ _SHOWN_IN = {"experts": "grouped-gemm-and-gated-experts",
              "dropless": "the-moe-layer-on-one-gpu", "fp8_layer": "the-moe-layer-on-one-gpu",
              "lm_step": "the-lm-train-step-one-gpu",
              "muon_step_1gpu": "muon-on-one-gpu-newton-schulzs-symmetric-products",
+             "muon_speed": "muon-on-one-gpu-newton-schulzs-symmetric-products",
              "dispatch_2gpu": "two-gpus-dispatch-the-layer-at-ep2-sharded-muon",
              "moe_layer_2gpu": "two-gpus-dispatch-the-layer-at-ep2-sharded-muon",
              "muon_step_2gpu": "two-gpus-dispatch-the-layer-at-ep2-sharded-muon",
