@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _branches import outside_branches
 from _meshes import make_mesh
 
 import moe
@@ -166,3 +167,19 @@ def test_pipelined_dropless_sends_overflow_in_its_own_pass(capacity_factor, skew
     chex.assert_trees_all_close(jax.tree.map(lambda a, s: a / s, many, scale),
                                 jax.tree.map(lambda a, s: a / s, one, scale),
                                 rtol=1e-5, atol=1e-5)
+
+
+def test_pipelined_dropless_exchanges_sit_in_no_conditional():
+    """Compiled for 8 CPU devices (2 chunks that split): each chunk's four payload exchanges
+    (dispatch, combine, and their backward passes) lie outside every conditional, and the
+    step holds two top-level conditionals, the overflow pass's forward and backward (a
+    chunk's own bucket switches would add four per chunk); the overflow pass's exchanges sit
+    in their branches."""
+    x = jnp.zeros((4, 128, D))
+    fn = _grad_fn((1, 8), 2, transport="dropless")
+    text = fn.lower(x, _params(), x).compile().as_text()
+    payload = [c for c in analyze_collectives(text).of_kind("all-to-all")
+               if c.buffer_bytes >= 16 * D]
+    assert outside_branches(text, "all-to-all") == 4 * 2
+    assert outside_branches(text, "conditional") == 2
+    assert len(payload) > 4 * 2  # the overflow pass's, inside its branches

@@ -2,17 +2,18 @@
 
 import functools
 import math
-import re
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _branches import outside_branches
 from _meshes import make_mesh
 from jax.sharding import PartitionSpec as P
 
-from moe.dispatch import combine, dense_capacity, dispatch
+from moe import DispatchOptions
+from moe.dispatch import combine, dense_capacity, dispatch, dispatch_apply
 from moe.dispatch.plan import DroplessPlan, dropless_buckets
 from xla_comm import hlo
 
@@ -447,28 +448,6 @@ def test_one_device_expert_axis_exchanges_nothing(shape, names, transport, kw):
         assert hlo_op_counts(text) == {"sort": 1}, hlo_op_counts(text)
 
 
-_BRANCHES_RE = re.compile(r"(?:branch_computations=\{([^}]*)\}|(?:true|false)_computation="
-                          r"%?([\w.\-]+))")
-_CALLS_RE = re.compile(r"\b(?:calls|to_apply)=%?([\w.\-]+)")
-
-
-def _outside_branches(text: str, opcode: str) -> int:
-    """``opcode`` instructions (async halves once) outside every conditional's branches and
-    what those branches call."""
-    mod = hlo.parse_hlo(text)
-    stack = [name.strip().lstrip("%") for ins in mod.instructions() if ins.opcode == "conditional"
-             for group in _BRANCHES_RE.findall(ins.attrs) for part in group if part
-             for name in part.split(",")]
-    inside: set[str] = set()
-    while stack:
-        c = stack.pop()
-        if c not in inside and c in mod.computations:
-            inside.add(c)
-            stack.extend(x for i in mod.computations[c] for x in _CALLS_RE.findall(i.attrs))
-    return sum(ins.opcode.removesuffix("-start") == opcode
-               for c, body in mod.computations.items() if c not in inside for ins in body)
-
-
 def test_plan_sorts_once_and_dropless_exchanges_in_two_phases():
     """EP = 4: one sort serves forward and backward; each of the dropless transport's four
     exchanges (dispatch, combine, and their backward passes) sends the first bucket's rows in
@@ -482,7 +461,7 @@ def test_plan_sorts_once_and_dropless_exchanges_in_two_phases():
             "all-gather": 1}
     for text in _dispatch_combine_grad_hlo(shape, names, "dropless"):
         assert hlo_op_counts(text) == want, hlo_op_counts(text)
-        assert _outside_branches(text, "all-to-all") == 4
+        assert outside_branches(text, "all-to-all") == 4
     # dense: the count exchange and four payload exchanges (compiled: the count exchange only
     # fed group_sizes, unused here, so XLA removed it)
     emitted, compiled = _dispatch_combine_grad_hlo(shape, names, "dense", capacity_factor=1.25)
@@ -515,6 +494,21 @@ def test_bad_input_raises(kwargs, shape, match):
                       in_specs=(P("expert"), P("expert")), out_specs=P("expert"))
     with pytest.raises(ValueError, match=match):
         jax.eval_shape(f, x, ids)
+
+
+@pytest.mark.parametrize("transport,buckets,match", [
+    ("dense", (8,), "is for transport='dropless' only"),
+    ("dropless", (16, 8), "strictly ascending"),
+    ("dropless", (0, 8), "positive ints"),
+])
+def test_bad_buckets_raise(transport, buckets, match):
+    mesh = make_mesh((8,), ("expert",), axis_type="auto")
+    opts = DispatchOptions(transport=transport)
+    f = jax.shard_map(lambda x, ids: dispatch_apply(x, ids, num_experts=16, options=opts,
+                                                    buckets=buckets).expert_x,
+                      mesh=mesh, in_specs=(P("expert"), P("expert")), out_specs=P("expert"))
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(f, jnp.zeros((64, 32)), jnp.zeros((64, K), jnp.int32))
 
 
 def test_unbound_axis_outside_shard_map_raises():
