@@ -202,7 +202,7 @@ FIGURES: tuple[Figure, ...] = (
     Figure("sched_moe_ep8", "MoE layer EP=8, exposed communication (compiled schedule, "
            "defaults: dense, 2 chunks)", "schedule8", lambda r: r["moe_ep8_exposed_fraction"],
            "{:.1%}", "<= 0.15"),
-    Figure("sched_moe_ep8_dropless", "the same, dropless (4 chunks)", "schedule8",
+    Figure("sched_moe_ep8_dropless", "the same, dropless (2 chunks)", "schedule8",
            lambda r: r["moe_ep8_dropless_exposed_fraction"], "{:.1%}", "<= 0.15"),
     Figure("sched_moe_ep8_dropless_unchunked", "the dropless layer EP=8, unchunked",
            "schedule8", lambda r: r["moe_ep8_dropless_unchunked_exposed_fraction"],

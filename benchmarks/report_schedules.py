@@ -16,6 +16,7 @@ _SCHEDULE_CASES = (
                                ("moe_ep8_A_dropless_chunks4", 4))),
     ("MoE EP=8, B, dense", (("moe_ep8_B_dense_chunks1", 1), ("moe_ep8_B_dense_chunks2", 2))),
     ("MoE EP=8, B, dropless", (("moe_ep8_B_dropless_chunks1", 1),
+                               ("moe_ep8_B_dropless_chunks2", 2),
                                ("moe_ep8_B_dropless_chunks4", 4))),
     ("MoE EP=16 (2 hosts), A's per-device work, dense", (("moe_ep16_A_dense_chunks1", 1),
                                                          ("moe_ep16_A_dense_chunks2", 2),

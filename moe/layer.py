@@ -63,7 +63,7 @@ def auto_transport(expert_axis_size: int) -> str:
     return "dense"
 
 
-OVERLAP_CHUNKS = {"dense": 2, "dropless": 4, "ragged": 1}
+OVERLAP_CHUNKS = {"dense": 2, "dropless": 2, "ragged": 1}
 """Chunks of the pipelined layer by transport when the expert axis has more than one device
 (see :func:`auto_overlap_chunks`)."""
 MIN_CHUNK_TOKENS = 1024
@@ -83,8 +83,9 @@ def auto_overlap_chunks(expert_axis_size: int, tokens_per_device: int,
     the shortest step for the layer alone and for the trainer's step
     (``examples/train_lm.py``'s GPU preset) as XLA schedules it on its own estimates; 4 hide
     more of the trainer's exchange but cost more passes, and only with a latency profile
-    (``xla_comm.latency``) does their step come out shorter. Dropless: 4 chunks expose the
-    least. The ragged transport is not pipelined.
+    (``xla_comm.latency``) does their step come out shorter. Dropless: with no bucket switch
+    between its chunks (``moe.pipeline``) 2 chunks hide as much as 4 and take the shorter
+    step. The ragged transport is not pipelined.
 
     Args:
       expert_axis_size: devices on the layer's ``expert_axis``.
@@ -99,7 +100,7 @@ def auto_overlap_chunks(expert_axis_size: int, tokens_per_device: int,
       >>> moe.auto_overlap_chunks(1, 8192, "dropless"), moe.auto_overlap_chunks(8, 64, "dropless")
       (1, 1)
       >>> moe.auto_overlap_chunks(8, 8192, "dropless"), moe.auto_overlap_chunks(8, 8192, "dense")
-      (4, 2)
+      (2, 2)
     """
     chunks = OVERLAP_CHUNKS.get(transport, 1)
     if expert_axis_size == 1 or tokens_per_device < chunks * MIN_CHUNK_TOKENS:
