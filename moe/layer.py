@@ -203,8 +203,8 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra: LocalInputs, *,
                              dispatch_options=do_chunk, num_experts=num_slots,
                              group_alignment=align, with_wire=with_wire)
     p = jax.lax.axis_size(do.expert_axis)
-    buckets = (dispatch_buckets(tc, ids.shape[1], num_experts=num_slots, axis_size=p,
-                                options=do_chunk) if do.transport == "dropless" else ())
+    buckets = dispatch_buckets(tc, ids.shape[1], num_experts=num_slots, axis_size=p,
+                               options=do_chunk)
     # Pipelined dropless: no chunk's exchange may sit in a conditional (moe.pipeline), so the
     # chunks send their first-bucket slots and one overflow pass the rest.
     split = chunks > 1 and len(buckets) > 1

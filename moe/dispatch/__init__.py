@@ -103,6 +103,7 @@ __all__ = ["BucketSplit", "DensePlan", "DispatchPlan", "Dispatched", "DroplessPl
            "dispatch_buckets", "dispatch_with_wire", "ragged_rows", "split_first_bucket"]
 
 _DROPLESS_CAPACITY_FACTOR = 1.25  # transport="dropless", capacity_factor=None: the first bucket
+_BUCKETED_TRANSPORTS = frozenset({"dropless"})  # whose exchanges send a chosen bucket per step
 
 
 # ----------------------------------------------------------------------------- validation
@@ -306,14 +307,19 @@ def dispatch_with_wire(
 
 def dispatch_buckets(num_tokens: int, top_k: int, *, num_experts: int, axis_size: int,
                      options: DispatchOptions) -> tuple[int, ...]:
-    """The dropless exchange's buckets under ``options``: :func:`dropless_buckets` with its
-    ``capacity_factor`` (None: 1.25) and ``capacity_multiple``.
+    """The exchange buckets of ``options``' transport: for ``'dropless'``
+    :func:`dropless_buckets` with its ``capacity_factor`` (None: 1.25) and
+    ``capacity_multiple``; ``()`` for the transports that have none.
 
     Example:
       >>> dispatch_buckets(1024, 2, num_experts=16, axis_size=2,
       ...                  options=DispatchOptions(transport="dropless"))
       (1280, 1920, 2048)
+      >>> dispatch_buckets(1024, 2, num_experts=16, axis_size=2, options=DispatchOptions())
+      ()
     """
+    if options.transport not in _BUCKETED_TRANSPORTS:
+        return ()
     cf = options.capacity_factor
     return dropless_buckets(num_tokens, top_k, num_experts, axis_size,
                             _DROPLESS_CAPACITY_FACTOR if cf is None else cf,
@@ -384,18 +390,17 @@ def dispatch_apply(
             t, k, num_experts=num_experts, axis_size=p, options=options),
             alignment=group_alignment or 1, **statics)
 
-    if buckets is not None:
-        if options.transport != "dropless":
-            raise ValueError(f"buckets={buckets!r} is for transport='dropless' only, got "
-                             f"transport={options.transport!r}; drop it or use 'dropless'.")
-        if not buckets or any(isinstance(c, bool) or not isinstance(c, int) or c < 1
-                              for c in buckets) or list(buckets) != sorted(set(buckets)):
-            raise ValueError(f"buckets must be positive ints, strictly ascending, got "
-                             f"{buckets!r}.")
+    if buckets is not None and (not buckets or any(
+            isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in buckets)
+            or list(buckets) != sorted(set(buckets))):
+        raise ValueError(f"buckets must be positive ints, strictly ascending, got {buckets!r}.")
     # 'auto' is 'dense' here, the measured default (the layer's 'auto': moe.auto_transport).
     builders = {"auto": dense, "dense": dense, "ragged": ragged, "dropless": dropless}
     with jax.named_scope("dispatch_plan"):
         plan = builders[options.transport]()
+    if buckets is not None and not isinstance(plan, DroplessPlan):
+        raise ValueError(f"buckets={buckets!r} is for transport='dropless' only, got "
+                         f"transport={plan.transport!r}; drop it or use 'dropless'.")
     if group_alignment is not None and not isinstance(plan, DroplessPlan):
         raise ValueError(f"group_alignment={group_alignment!r} is for transport='dropless' "
                          f"only, got transport={plan.transport!r}; drop it or use 'dropless'.")

@@ -12,7 +12,7 @@ import pytest
 from _meshes import make_mesh
 
 import moe
-from moe import layer as moe_layer
+from moe import pipeline as moe_pipeline
 from moe.dispatch import collectives
 from moe.experts import fp8_gemm
 from moe.kernels.quant import api as quant_api
@@ -70,12 +70,12 @@ def _layer_grads(backend: str, transport: str, expert_devices: int, with_wire: b
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
     if with_wire:
         return fn(x, wgu, wd)
-    real = moe_layer.dispatch_apply
+    real = moe_pipeline.dispatch_apply
     try:  # the same layer with the decoded rows quantized again
-        moe_layer.dispatch_apply = functools.partial(real, with_wire=False)
+        moe_pipeline.dispatch_apply = functools.partial(real, with_wire=False)
         return fn(x, wgu, wd)
     finally:
-        moe_layer.dispatch_apply = real
+        moe_pipeline.dispatch_apply = real
 
 
 @pytest.mark.parametrize("backend,transport,devices", [
