@@ -143,17 +143,20 @@ def _overflows(x, router, first_bucket, devices=8, chunks=2):
         for part in ids.reshape(devices * chunks, -1, K))
 
 
-@pytest.mark.parametrize("capacity_factor,skew", [(2.0, 0.0), (None, 0.5), (None, 1.0),
-                                                   (None, 3.0)],
-                         ids=["first-bucket", "overflow-8", "overflow-16", "overflow-64"])
-def test_pipelined_dropless_sends_overflow_in_its_own_pass(capacity_factor, skew):
+@pytest.mark.parametrize("capacity_factor,skew,wire", [
+    (2.0, 0.0, "bf16"), (None, 0.5, "bf16"), (None, 1.0, "bf16"), (None, 3.0, "bf16"),
+    (None, 1.0, "fp8")], ids=["first-bucket", "overflow-8", "overflow-16", "overflow-64",
+                              "overflow-16-fp8"])
+def test_pipelined_dropless_sends_overflow_in_its_own_pass(capacity_factor, skew, wire):
     """The pipelined dropless layer splits each chunk's slots at the first exchange bucket
     (``moe.pipeline``): with every pair within it, and with tokens skewed towards one expert
     so that some pair holds more slots than the first bucket (the overflow pass then runs on
     8, 16 or all 64 tokens per device, the last in two passes of a chunk's 32), output and
     every gradient equal the unchunked layer's (f32, 1e-5 of each leaf's largest value: 512
-    tokens summed in another order)."""
+    tokens summed in another order), with the bf16 and the FP8 wire."""
     tokens, opts = (4, 128), dict(transport="dropless", capacity_factor=capacity_factor)
+    if wire == "fp8":
+        opts.update(dispatch_dtype="fp8", combine_grad_dtype="fp8")
     buckets = dispatch_buckets(32, K, num_experts=E, axis_size=8,
                                options=moe.DispatchOptions(**opts))
     assert len(buckets) > 1  # 2 chunks of 32 tokens per device: the layer splits
