@@ -42,11 +42,10 @@ Elsewhere it is not measured."""
 
 AUTO_SYMMETRIC_MIN_WORK = 4e11
 """``'auto'`` takes the strips for a bank of ``B`` matrices ``[m, n]`` (``m <= n``, the Gram
-side) only if ``B * m^2 * n`` reaches this and ``m >= 2048``. On one H100
-(``benchmarks/ns_strips.py``) 4 strips took 0.86-0.88x the plain time for 8 or 32 matrices
-of 4096 x 4096 and 4096 x 11264 and 0.94x for 32 of 2048 x 5632, but 1.02x for 32 of 2048 x
-2048, 1.01-1.18x for one 4096-row matrix, and 1.1-1.3x (3.4x for one matrix) at 1024 rows,
-where the strips' GEMMs are too small."""
+side) only if ``B * m^2 * n`` reaches this and ``m >= 2048``: the strips skip half the tiles
+of the ``[m, m]`` products but cut each into smaller GEMMs plus a mirror pass, which pays
+only when those GEMMs are large and many (``benchmarks/ns_strips.py``, BENCHMARKS.md: below
+this the strips were slower than one plain GEMM)."""
 
 
 @dataclasses.dataclass(frozen=True)
