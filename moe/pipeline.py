@@ -94,6 +94,12 @@ def chunk_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, banks
 
     Returns:
       ``(y [T, d] in x's dtype, plan)``.
+
+    Example:
+      >>> # inside jax.shard_map over the expert axis, as moe.layer runs each chunk:
+      >>> # y, plan = chunk_experts(x, ids, weights, Banks(w_gate_up, w_down), options=opts,
+      >>> #     dispatch_options=opts.dispatch, num_experts=8, group_alignment=None,
+      >>> #     with_wire=False)
     """
     ex, wire, group_sizes, plan = dispatch_apply(
         x, expert_ids, num_experts=num_experts, options=dispatch_options,
@@ -158,6 +164,11 @@ def overflow_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, ba
 
     Returns:
       ``[T, d]`` in ``x``'s dtype.
+
+    Example:
+      >>> # inside jax.shard_map, after the chunks sent their first buckets (moe.layer):
+      >>> # y = y + overflow_experts(x, over_ids, weights, banks, overflows, num_experts=8,
+      >>> #     axis_name="expert", max_tokens=chunk_tokens, body=one_chunk)
     """
     counts = overflow_token_counts(x.shape[0])
 
