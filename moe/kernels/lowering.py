@@ -20,7 +20,7 @@ import jax
 __all__ = ["TESTED_JAX", "KernelLoweringError", "check_kernel_lowers", "is_tested",
            "version_tuple"]
 
-TESTED_JAX = ("0.10.2", "0.12.0.1")
+TESTED_JAX = ("0.10.2", "0.12.1")
 """The lowest and highest jax the test suite passed on (CI runs both)."""
 
 

@@ -8,7 +8,9 @@ is not: it evaluates the kernel's jaxpr with jax ops on the typed operands, and 
 the varying blocks with the grid's invariant program ids fail the check. :func:`unchecked`
 runs such a call in a nested ``shard_map`` over no new axes with ``check_vma=False`` (lowered
 inline, no op of its own) on untyped copies, and types its result back as varying (``pcast``,
-no work at run time).
+no work at run time). jax 0.12.1 refuses a ``shard_map`` over no new axes; there the call
+runs under the flag such a ``shard_map`` would set (an internal of jax, the one place this
+package reads one).
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def unchecked(fn, varying: frozenset, *args):
     if not varying:  # not inside a check_vma shard_map, or nothing varies
         return fn(*args)
     mesh = jax.sharding.get_abstract_mesh()
-    out = jax.shard_map(
+    nested = jax.shard_map(
         lambda *a: fn(*map(_untyped, a)),
         mesh=mesh,
         in_specs=(P(),) * len(args),
@@ -76,5 +78,15 @@ def unchecked(fn, varying: frozenset, *args):
         # shard_map): no new manual axes, so the body is lowered inline, no op of its own.
         axis_names=frozenset(mesh.manual_axes),
         check_vma=False,
-    )(*args)
+    )
+    try:
+        out = nested(*args)
+    except ValueError as err:
+        # jax >= 0.12.1 refuses a shard_map that makes no axis manual; the flag that
+        # shard_map(check_vma=False) sets for its body is then set directly.
+        if "at least one mesh axis name to go manual" not in str(err):
+            raise
+        from jax._src import config as jax_config  # noqa: PLC0415 - only on that path
+        with jax_config._check_vma(False):
+            out = fn(*map(_untyped, args))
     return as_varying(out, varying)
