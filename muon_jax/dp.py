@@ -174,7 +174,9 @@ def _unreduced_sq_norm(leaves: Sequence[jax.Array]) -> jax.Array:
 
     def body(*xs):
         flat = jnp.concatenate([x.reshape(-1) for x in xs])
-        flat = jnp.pad(flat, (0, -flat.size % n))
+        # A zero of flat's type as padding value: jax >= 0.12 requires pad's operand and value
+        # to be unreduced over the same axes (older jax accepts any value).
+        flat = jnp.pad(flat, (0, -flat.size % n), constant_values=jnp.zeros_like(flat, shape=()))
         piece = jax.lax.psum_scatter(flat, u, tiled=True).astype(jnp.float32)
         return jax.lax.psum(jnp.sum(jnp.square(piece)), summed)
 

@@ -272,8 +272,13 @@ def _assemble(pieces: Sequence[jax.Array | int]) -> jax.Array:
         return ref
 
     def zeros(rows: int) -> jax.Array:
-        # Padding of a real piece, so it shares its type (e.g. unreduced).
-        return jnp.pad(ref[:0], ((rows, 0),) + ((0, 0),) * (ref.ndim - 1))
+        # Padding of a real piece, so it shares its type (e.g. unreduced). The padding value
+        # is a zero of that type too: jax >= 0.12 requires pad's operand and value to be
+        # unreduced over the same axes (zeros_like keeps the type there; older jax drops the
+        # unreduced axes but accepts any value).
+        empty = ref[:0]
+        return jnp.pad(empty, ((rows, 0),) + ((0, 0),) * (ref.ndim - 1),
+                       constant_values=jnp.zeros_like(empty, shape=()))
 
     if len(pieces) <= _CONCAT_MAX:
         return jnp.concatenate([zeros(p) if isinstance(p, int) else p for p in pieces], axis=0)
