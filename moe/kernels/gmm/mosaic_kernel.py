@@ -96,7 +96,7 @@ def _num_sms() -> int:
     return H100_SMS
 
 
-def _smem_transforms(minor_elems: int, dtype) -> tuple:
+def smem_transforms(minor_elems: int, dtype) -> tuple:
     """Tiling + swizzle of a shared-memory block whose minor dimension has ``minor_elems``."""
     bits = minor_elems * jnp.dtype(dtype).itemsize * 8
     swizzle = plgpu.find_swizzle(bits)
@@ -106,7 +106,7 @@ def _smem_transforms(minor_elems: int, dtype) -> tuple:
     )
 
 
-def _t(ref):
+def transposed(ref):
     """A transposed view of a 2-D shared-memory ref (the API moved between jax versions)."""
     if hasattr(ref, "transpose"):
         return ref.transpose((1, 0))
@@ -125,10 +125,12 @@ AVOID = "backend='ragged_dot' (ragged layouts) or 'einsum' (padded)"
 """What keeps the layer off these GEMMs (for `moe.kernels.lowering.check_kernel_lowers`)."""
 
 
-def _kernel(body, out_shape: tuple[int, ...], out_dtype, varying: frozenset, name: str):
+def persistent_kernel(body, out_shape: tuple[int, ...], out_dtype, varying: frozenset, name: str,
+                      *, avoid: str = AVOID):
     """``body`` as a persistent kernel named ``name``: one CTA per SM, each of three
     warpgroups ("wg"). Called on its operands, it first checks that it lowers on this jax
-    (`moe.kernels.lowering.check_kernel_lowers`, a no-op on the tested versions)."""
+    (`moe.kernels.lowering.check_kernel_lowers`, a no-op on the tested versions; ``avoid``:
+    the option its error names)."""
 
     def named(*refs):
         body(*refs)
@@ -148,7 +150,7 @@ def _kernel(body, out_shape: tuple[int, ...], out_dtype, varying: frozenset, nam
         )
 
     def call(*operands):
-        lowering.check_kernel_lowers(name, kernel(frozenset()), operands, avoid=AVOID)
+        lowering.check_kernel_lowers(name, kernel(frozenset()), operands, avoid=avoid)
         return kernel(varying)(*operands)
 
     return call
@@ -204,7 +206,7 @@ def _epilogue(acc, out_smem, out_tile, wg, cfg: MosaicTiling):
 
 def _out_smem(out_dtype, cfg: MosaicTiling):
     return plgpu.SMEM((2, 2, cfg.epi_m, cfg.epi_n), out_dtype,
-                      transforms=_smem_transforms(cfg.epi_n, out_dtype))
+                      transforms=smem_transforms(cfg.epi_n, out_dtype))
 
 
 def _zero_tile(out_smem, out_tile, wg, cfg: MosaicTiling):
@@ -217,13 +219,13 @@ def _zero_tile(out_smem, out_tile, wg, cfg: MosaicTiling):
             _epilogue(acc_ref[...], out_smem, out_tile, wg, cfg)
 
 
-def _k_block(shape: tuple[int, int], k_axis: int, transforms) -> Any:
+def k_block(shape: tuple[int, int], k_axis: int, transforms) -> Any:
     """A shared-memory block of ``shape`` that steps along its ``k_axis`` (the contraction)."""
     index = (lambda kk: (0, kk)) if k_axis == 1 else (lambda kk: (kk, 0))
     return plgpu.BlockSpec(shape, index, transforms=transforms, memory_space=plgpu.SMEM)
 
 
-def _pipeline(body, compute_context, steps, in_specs, cfg: MosaicTiling):
+def warp_pipeline(body, compute_context, steps, in_specs, cfg: MosaicTiling):
     """The warp-specialized pipeline over ``steps`` contraction tiles: a memory warpgroup
     streams ``in_specs`` blocks to two compute warpgroups."""
     return plgpu.emit_pipeline_warp_specialized(
@@ -238,7 +240,7 @@ def _pipeline(body, compute_context, steps, in_specs, cfg: MosaicTiling):
     )
 
 
-class _Scope(NamedTuple):
+class TileScope(NamedTuple):
     """What every output tile of a kernel uses: its warpgroup's index and the shared memory."""
 
     wg: jax.Array
@@ -248,7 +250,7 @@ class _Scope(NamedTuple):
     scale_bars: Any
 
 
-def _for_each_tile(loop_shape, alloc_steps, in_specs, alloc_refs, out_dtype, cfg: MosaicTiling,
+def for_each_tile(loop_shape, alloc_steps, in_specs, alloc_refs, out_dtype, cfg: MosaicTiling,
                    scaled: bool, tile):
     """``tile(index, scope)`` for every index of ``loop_shape``, persistently over the SMs,
     with the pipeline's and the epilogue's shared memory allocated once; then wait for the
@@ -259,7 +261,8 @@ def _for_each_tile(loop_shape, alloc_steps, in_specs, alloc_refs, out_dtype, cfg
 
     @functools.partial(
         pl.run_scoped,
-        allocs=_pipeline(ignore, ignore, alloc_steps, in_specs, cfg).get_allocations(*alloc_refs),
+        allocs=warp_pipeline(ignore, ignore, alloc_steps, in_specs,
+                             cfg).get_allocations(*alloc_refs),
         out_smem=_out_smem(out_dtype, cfg),
         scale_smem=(plgpu.SMEM((2, cfg.tile_m), jnp.float32),
                     plgpu.SMEM((2, cfg.tile_n), jnp.float32)) if scaled else None,
@@ -271,12 +274,12 @@ def _for_each_tile(loop_shape, alloc_steps, in_specs, alloc_refs, out_dtype, cfg
 
         @plgpu.nd_loop(loop_shape, collective_axes="sm")
         def _tiles(info):
-            tile(info.index, _Scope(wg, allocs, out_smem, scale_smem, scale_bars))
+            tile(info.index, TileScope(wg, allocs, out_smem, scale_smem, scale_bars))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _compute_context(scope: _Scope, out_tile, scale_refs, cfg: MosaicTiling):
+def tile_context(scope: TileScope, out_tile, scale_refs, cfg: MosaicTiling):
     """The compute warpgroups' context: accumulate the pipeline in f32 registers, multiply by
     ``scale_refs()`` (row and column scale refs; None: unscaled), store into ``out_tile``."""
 
@@ -305,12 +308,12 @@ def _gmm_body(tile_group, a_gmem, b_gmem, *rest, cfg: MosaicTiling, rhs_k_major:
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
     cta_n = 2 * tn
     m_iters, n_iters, k_iters = m // tm, n // cta_n, k // tk
-    in_t = _smem_transforms(tk, a_gmem.dtype)
-    b_t = in_t if rhs_k_major else _smem_transforms(cta_n, b_gmem.dtype)
-    b_spec = _k_block((cta_n, tk), 1, b_t) if rhs_k_major else _k_block((tk, cta_n), 0, b_t)
-    in_specs = [_k_block((tm, tk), 1, in_t), b_spec]
+    in_t = smem_transforms(tk, a_gmem.dtype)
+    b_t = in_t if rhs_k_major else smem_transforms(cta_n, b_gmem.dtype)
+    b_spec = k_block((cta_n, tk), 1, b_t) if rhs_k_major else k_block((tk, cta_n), 0, b_t)
+    in_specs = [k_block((tm, tk), 1, in_t), b_spec]
 
-    def tile(index, scope: _Scope):
+    def tile(index, scope: TileScope):
         (lin,) = index
         mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 1, cfg.snake_width)
         g = tile_group[mi]
@@ -323,11 +326,11 @@ def _gmm_body(tile_group, a_gmem, b_gmem, *rest, cfg: MosaicTiling, rhs_k_major:
             gc = jnp.minimum(g, num_groups - 1)
             return row_s.at[m_sl], col_s.at[gc, n_sl].at[wg_n]
 
-        compute_context = _compute_context(scope, out_tile, scale_refs if scaled else None, cfg)
+        compute_context = tile_context(scope, out_tile, scale_refs if scaled else None, cfg)
 
         def mma(idxs, a_smem, b_smem, acc_ref):
             del idxs
-            b = _t(b_smem.at[wg_n, :]) if rhs_k_major else b_smem.at[:, wg_n]
+            b = transposed(b_smem.at[wg_n, :]) if rhs_k_major else b_smem.at[:, wg_n]
             plgpu.wgmma(acc_ref, a_smem, b)
             plgpu.wgmma_wait(0)
             return acc_ref
@@ -336,14 +339,14 @@ def _gmm_body(tile_group, a_gmem, b_gmem, *rest, cfg: MosaicTiling, rhs_k_major:
         def _():
             gc = jnp.minimum(g, num_groups - 1)
             b_rows = b_gmem.at[gc, n_sl, :] if rhs_k_major else b_gmem.at[gc, :, n_sl]
-            pipeline = _pipeline(mma, compute_context, k_iters, in_specs, cfg)
+            pipeline = warp_pipeline(mma, compute_context, k_iters, in_specs, cfg)
             pipeline(a_gmem.at[m_sl, :], b_rows, allocations=scope.allocs)
 
         @pl.when(g >= num_groups)
         def _():
             _zero_tile(scope.out_smem, out_tile, scope.wg, cfg)
 
-    _for_each_tile((m_iters * n_iters,), k_iters, in_specs, (a_gmem, b_gmem.at[0]),
+    for_each_tile((m_iters * n_iters,), k_iters, in_specs, (a_gmem, b_gmem.at[0]),
                    out_gmem.dtype, cfg, scaled, tile)
 
 
@@ -417,7 +420,8 @@ def gmm(
                          f"{row_scale.shape}, {col_scale.shape}.")
     body = functools.partial(_gmm_body, cfg=cfg, rhs_k_major=rhs_k_major, num_groups=n_groups,
                              scaled=scaled)
-    kernel = _kernel(body, (m, n), out_dtype, varying, kernel_name("gmm", lhs.dtype, n_groups))
+    kernel = persistent_kernel(body, (m, n), out_dtype, varying,
+                               kernel_name("gmm", lhs.dtype, n_groups))
     scales = (row_scale.astype(jnp.float32), col_scale.astype(jnp.float32)) if scaled else ()
     out = kernel(tile_groups(group_sizes, m, cfg.tile_m, live_rows), lhs, rhs, *scales)
     return vma.as_varying(out, varying)
@@ -437,14 +441,14 @@ def _tgmm_body(start_tile, num_tiles, a_gmem, b_gmem, *rest, cfg: MosaicTiling,
     rows = a_gmem.shape[1] if k_major else a_gmem.shape[0]
     m_iters, n_iters = n1 // tm, n2 // cta_n
     if k_major:
-        a_t = b_t = _smem_transforms(tk, a_gmem.dtype)
-        in_specs = [_k_block((tm, tk), 1, a_t), _k_block((cta_n, tk), 1, b_t)]
+        a_t = b_t = smem_transforms(tk, a_gmem.dtype)
+        in_specs = [k_block((tm, tk), 1, a_t), k_block((cta_n, tk), 1, b_t)]
     else:
-        a_t = _smem_transforms(tm, a_gmem.dtype)
-        b_t = _smem_transforms(cta_n, b_gmem.dtype)
-        in_specs = [_k_block((tk, tm), 0, a_t), _k_block((tk, cta_n), 0, b_t)]
+        a_t = smem_transforms(tm, a_gmem.dtype)
+        b_t = smem_transforms(cta_n, b_gmem.dtype)
+        in_specs = [k_block((tk, tm), 0, a_t), k_block((tk, cta_n), 0, b_t)]
 
-    def tile(index, scope: _Scope):
+    def tile(index, scope: TileScope):
         g, lin = index
         mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 1, cfg.snake_width)
         steps = num_tiles[g]
@@ -457,14 +461,14 @@ def _tgmm_body(start_tile, num_tiles, a_gmem, b_gmem, *rest, cfg: MosaicTiling,
         def scale_refs():
             return row_s.at[m_sl], col_s.at[n_sl].at[wg_n]
 
-        compute_context = _compute_context(scope, out_tile, scale_refs if scaled else None, cfg)
+        compute_context = tile_context(scope, out_tile, scale_refs if scaled else None, cfg)
 
         def mma(idxs, a_smem, b_smem, acc_ref):
             del idxs
             if k_major:
-                plgpu.wgmma(acc_ref, a_smem, _t(b_smem.at[wg_n, :]))
+                plgpu.wgmma(acc_ref, a_smem, transposed(b_smem.at[wg_n, :]))
             else:
-                plgpu.wgmma(acc_ref, _t(a_smem), b_smem.at[:, wg_n])
+                plgpu.wgmma(acc_ref, transposed(a_smem), b_smem.at[:, wg_n])
             plgpu.wgmma_wait(0)
             return acc_ref
 
@@ -474,14 +478,14 @@ def _tgmm_body(start_tile, num_tiles, a_gmem, b_gmem, *rest, cfg: MosaicTiling,
                 a_rows, b_rows = a_gmem.at[m_sl, tok], b_gmem.at[n_sl, tok]
             else:
                 a_rows, b_rows = a_gmem.at[tok, m_sl], b_gmem.at[tok, n_sl]
-            pipeline = _pipeline(mma, compute_context, steps, in_specs, cfg)
+            pipeline = warp_pipeline(mma, compute_context, steps, in_specs, cfg)
             pipeline(a_rows, b_rows, allocations=scope.allocs)
 
         @pl.when(steps == 0)
         def _():
             _zero_tile(scope.out_smem, out_tile, scope.wg, cfg)  # scales do not change a zero
 
-    _for_each_tile((n_groups, m_iters * n_iters), 2 * cfg.stages, in_specs, (a_gmem, b_gmem),
+    for_each_tile((n_groups, m_iters * n_iters), 2 * cfg.stages, in_specs, (a_gmem, b_gmem),
                    out_gmem.dtype, cfg, scaled, tile)
 
 
@@ -543,7 +547,7 @@ def tgmm(
         raise ValueError(f"tgmm: row_scale must be [{n1}] and col_scale [{n2}]; got "
                          f"{row_scale.shape}, {col_scale.shape}.")
     body = functools.partial(_tgmm_body, cfg=cfg, k_major=k_major, scaled=scaled)
-    kernel = _kernel(body, (n_groups, n1, n2), out_dtype, varying,
+    kernel = persistent_kernel(body, (n_groups, n1, n2), out_dtype, varying,
                      kernel_name("tgmm", a.dtype, n_groups))
     scales = (row_scale.astype(jnp.float32), col_scale.astype(jnp.float32)) if scaled else ()
     return vma.as_varying(kernel(start_tile, num_tiles, a, b, *scales), varying)
