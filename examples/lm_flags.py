@@ -58,15 +58,16 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _symmetric_blocks(value: str):
-    """``--ns-symmetric-blocks``: 'auto' or an int >= 1."""
-    if value == "auto":
+    """``--ns-symmetric-blocks``: 'auto', 'tiles' or an int >= 1."""
+    if value in ("auto", "tiles"):
         return value
     try:
         blocks = int(value)
     except ValueError:
         blocks = 0
     if blocks < 1:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or an int >= 1, got {value!r}")
+        raise argparse.ArgumentTypeError(f"expected 'auto', 'tiles' or an int >= 1, got "
+                                         f"{value!r}")
     return blocks
 
 def _preset_help(name: str, what: str = "") -> str:
@@ -154,9 +155,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="Muon's Newton-Schulz: standard, its Gram form, or auto (standard "
                         "today; muon_jax.muon's ns_method)")
     p.add_argument("--ns-symmetric-blocks", type=_symmetric_blocks, default="auto",
-                   help="row strips of Newton-Schulz's symmetric products: auto (4 on a GPU, 1 "
-                        "elsewhere) or an int >= 1, 1 computing every tile (muon_jax.muon's "
-                        "ns_symmetric_blocks)")
+                   help="Newton-Schulz's symmetric products: auto, an int >= 1 of row strips "
+                        "(1 computing every tile), or tiles (the symmetric-tile GPU kernel; "
+                        "muon_jax.muon's ns_symmetric_blocks)")
     p.add_argument("--weight-decay", type=float, default=0.01, help="decoupled, both optimizers")
     p.add_argument("--warmup", type=int, default=20, help="linear warmup steps, then cosine")
     p.add_argument("--aux-loss", type=float, default=0.01, help="load-balancing loss weight")

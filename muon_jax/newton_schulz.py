@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from muon_jax.symmetric import symmetric_matmul
+from muon_jax.symmetric import TILES_DTYPES, symmetric_matmul, symmetric_tiles_matmul
 
 Coeffs: TypeAlias = tuple[float, float, float]
 """One Newton-Schulz step ``X -> a X + b (X X^T) X + c (X X^T)^2 X``."""
@@ -30,8 +30,10 @@ Preconditioning = Literal["frobenius", "spectral", "aol", "schatten"]
 PRECONDITIONINGS: tuple[str, ...] = get_args(Preconditioning)
 NsMethod = Literal["auto", "standard", "gram"]
 NS_METHODS: tuple[str, ...] = get_args(NsMethod)
-SymmetricBlocks: TypeAlias = int | Literal["auto"]
-"""Row strips of the products known to be symmetric (:func:`resolve_symmetric_blocks`)."""
+SymmetricBlocks: TypeAlias = int | Literal["auto", "tiles"]
+"""How the products known to be symmetric are computed (:func:`resolve_symmetric_blocks`): in
+that many row strips (1: plain matmuls), or ``'tiles'``: the symmetric-tile GPU kernel
+(:func:`muon_jax.symmetric.symmetric_tiles_matmul`)."""
 
 AUTO_SYMMETRIC_BLOCKS: dict[str, int] = {"gpu": 4}
 """``symmetric_blocks='auto'`` by backend for large enough banks
@@ -39,6 +41,16 @@ AUTO_SYMMETRIC_BLOCKS: dict[str, int] = {"gpu": 4}
 skip pay for their extra, smaller matmuls and the mirroring pass only when those matmuls are
 large (docs/benchmark_log.md, Muon step and Newton-Schulz); 8 strips were no faster than 4.
 Elsewhere it is not measured."""
+
+AUTO_TILES_MIN_SIDE = 2048
+"""``'auto'`` takes the symmetric-tile kernel on Hopper GPUs for banks whose Gram side
+``min(m, n)`` reaches this. It skips about half the tiles of the ``[p, p]`` products but pays
+a mirroring pass over each, which outweighs the skipped tiles' time for small ``p``
+(``benchmarks/ns_strips.py``, BENCHMARKS.md)."""
+
+AUTO_GRAM_MIN_ASPECT = 2.0
+"""``ns_method='auto'`` takes the Gram form (with the symmetric-tile kernel) for matrices at
+least this many times wider than tall (:func:`resolve_ns_method`)."""
 
 AUTO_SYMMETRIC_MIN_WORK = 4e11
 """``'auto'`` takes the strips for a bank of ``B`` matrices ``[m, n]`` (``m <= n``, the Gram
@@ -85,55 +97,84 @@ the default argument of every function that takes them."""
 
 def resolve_symmetric_blocks(blocks: SymmetricBlocks, platform: str | None = None, *,
                              name: str = "symmetric_blocks",
-                             shape: tuple[int, ...] | None = None) -> int:
-    """The row strips :func:`muon_jax.symmetric.symmetric_matmul` uses for ``blocks``.
+                             shape: tuple[int, ...] | None = None,
+                             capability: tuple[int, int] | None = None) -> int | Literal["tiles"]:
+    """How :func:`orthogonalize` computes its symmetric products for ``blocks``.
 
-    ``'auto'``: :data:`AUTO_SYMMETRIC_BLOCKS` for ``platform`` (default: JAX's default
-    backend) when the bank ``shape`` (``[..., m, n]``; None: any) is large enough
-    (:data:`AUTO_SYMMETRIC_MIN_WORK`), else 1; an int ``>= 1`` as given. ``name``: the
-    argument the error names.
+    ``'auto'``: on an NVIDIA Hopper GPU (compute ``capability`` 9.x), ``'tiles'`` for banks
+    whose Gram side ``min(m, n)`` is at least :data:`AUTO_TILES_MIN_SIDE`, else 1; on other
+    platforms :data:`AUTO_SYMMETRIC_BLOCKS` for ``platform`` when the bank ``shape``
+    (``[..., m, n]``; None: any) is large enough (:data:`AUTO_SYMMETRIC_MIN_WORK`), else 1.
+    ``platform`` and ``capability`` default to those programs are compiled for
+    (:mod:`moe.kernels.platform`: the default device, or a declared GPU target). An int
+    ``>= 1`` (row strips, :func:`muon_jax.symmetric.symmetric_matmul`) or ``'tiles'`` (the
+    symmetric-tile kernel, :func:`muon_jax.symmetric.symmetric_tiles_matmul`) is returned as
+    given. ``name``: the argument the error names.
 
     >>> resolve_symmetric_blocks(3), resolve_symmetric_blocks('auto', 'gpu')
     (3, 4)
     >>> (resolve_symmetric_blocks('auto', 'gpu', shape=(32, 4096, 4096)),
     ...  resolve_symmetric_blocks('auto', 'gpu', shape=(16, 1024, 2048)))
     (4, 1)
+    >>> (resolve_symmetric_blocks('auto', 'gpu', shape=(4096, 4096), capability=(9, 0)),
+    ...  resolve_symmetric_blocks('auto', 'gpu', shape=(1024, 4096), capability=(9, 0)))
+    ('tiles', 1)
     """
+    if blocks == "tiles":
+        return "tiles"
     if blocks == "auto":
-        auto = AUTO_SYMMETRIC_BLOCKS.get(platform or jax.default_backend(), 1)
+        if platform is None:
+            # The kernels' notion of the target (it honours a declared GPU target when a CPU
+            # process compiles for GPUs); imported here so other paths never import moe.
+            from moe.kernels import platform as target  # noqa: PLC0415
+
+            platform, capability = target.target_platform(), target.cuda_capability()
+        side = min(shape[-2:]) if shape is not None else None
+        if platform == "gpu" and capability is not None and capability[0] == 9:
+            return "tiles" if side is None or side >= AUTO_TILES_MIN_SIDE else 1
+        auto = AUTO_SYMMETRIC_BLOCKS.get(platform, 1)
         if shape is not None:
             m, n = sorted(shape[-2:])
             if m < 2048 or math.prod(shape[:-2]) * m * m * n < AUTO_SYMMETRIC_MIN_WORK:
                 return 1
         return auto
     if isinstance(blocks, bool) or not isinstance(blocks, int | np.integer) or blocks < 1:
-        raise ValueError(f"{name} must be an int >= 1 or 'auto', got {blocks!r}; "
+        raise ValueError(f"{name} must be an int >= 1, 'auto' or 'tiles', got {blocks!r}; "
                          "1 computes every tile (plain matmuls).")
     return int(blocks)
 
 
 def resolve_ns_method(method: NsMethod, m: int, n: int, dtype: jax.typing.DTypeLike, *,
-                      single_triple: bool = True) -> str:
+                      single_triple: bool = True,
+                      symmetric_blocks: int | Literal["tiles"] = 1) -> str:
     """``'standard'`` or ``'gram'``: what ``method`` means for an ``[m, n]`` matrix.
 
-    ``'auto'`` is the standard iteration for now. The Gram form needs fewer FLOPs exactly when
-    ``max(m, n) > 1.5 min(m, n)`` (:func:`ns_flops`), but with XLA's matmuls its many small
-    ``[p, p]`` products and elementwise passes have not run faster than the standard form on
-    a GPU (BENCHMARKS.md, Muon); ``'auto'`` will take it where a measurement shows it winning
-    (a symmetric-tile GPU kernel). Where it may later apply it needs: operands narrower than
-    32 bits, one repeated triple (``single_triple``: per-step schedules such as
-    ``'polar_express'`` open with steep polynomials the Gram form carries less accurately, see
-    ``tests/muon_jax/test_gram_ns.py``), and a GPU (float16 products at the bfloat16 rate).
+    ``'auto'`` takes the Gram form only with the symmetric-tile kernel
+    (``symmetric_blocks='tiles'``, as :func:`resolve_symmetric_blocks` resolved it), for
+    matrices at least :data:`AUTO_GRAM_MIN_ASPECT` times wider than tall, 16-bit operands and
+    one repeated triple (``single_triple``: per-step schedules such as ``'polar_express'``
+    open with steep polynomials the Gram form carries less accurately, see
+    ``tests/muon_jax/test_gram_ns.py``); otherwise the standard form. The Gram form needs
+    fewer FLOPs exactly when ``max(m, n) > 1.5 min(m, n)`` (:func:`ns_flops`), but with XLA's
+    matmuls its many ``[p, p]`` products and elementwise passes did not run faster than the
+    standard form on a GPU (BENCHMARKS.md, Muon).
 
     >>> resolve_ns_method('standard', 1024, 4096, 'bfloat16')
     'standard'
+    >>> (resolve_ns_method('auto', 4096, 11008, 'bfloat16', symmetric_blocks='tiles'),
+    ...  resolve_ns_method('auto', 4096, 4096, 'bfloat16', symmetric_blocks='tiles'))
+    ('gram', 'standard')
     """
     if method not in NS_METHODS:
         raise ValueError(f"ns_method={method!r} is not supported; use one of {NS_METHODS}.")
     if method != "auto":
         return method
-    del m, n, dtype, single_triple  # the conditions above, for when auto may pick Gram
+    narrow = jnp.dtype(dtype).name in ("bfloat16", "float16")
+    wide = max(m, n) >= AUTO_GRAM_MIN_ASPECT * min(m, n)
+    if symmetric_blocks == "tiles" and narrow and wide and single_triple:
+        return "gram"
     return "standard"
+
 
 JORDAN_COEFFS: Coeffs = (3.4445, -4.7750, 2.0315)
 """Keller Jordan's quintic, used at every step (modded-nanogpt, 2024); optax calls it
@@ -316,8 +357,11 @@ def orthogonalize(
       symmetric_blocks: the products known to be symmetric (``X X^T`` and ``A (c A + b I)``
         in the standard form, every ``[p, p]`` product in the Gram form) are computed from
         one block triangle in this many row strips
-        (:func:`muon_jax.symmetric.symmetric_matmul`); 1: plain matmuls; ``'auto'``:
-        :func:`resolve_symmetric_blocks` (4 on a GPU for banks of large matrices, else 1).
+        (:func:`muon_jax.symmetric.symmetric_matmul`); 1: plain matmuls; ``'tiles'``: a
+        GPU kernel that computes only the output tiles on and above the diagonal
+        (:func:`muon_jax.symmetric.symmetric_tiles_matmul`; Hopper GPUs, emulated on the
+        CPU; 16-bit ``dtype`` only); ``'auto'``: :func:`resolve_symmetric_blocks` (4 on a GPU
+        for banks of large matrices, else 1).
 
     Returns:
       Array of the shape and dtype of ``x``.
@@ -375,21 +419,34 @@ def orthogonalize(
     if not isinstance(gram, GramOptions):
         raise TypeError(f"gram must be a muon_jax.newton_schulz.GramOptions, got {gram!r}.")
     blocks = resolve_symmetric_blocks(symmetric_blocks, shape=g.shape)
+    if symmetric_blocks == "auto" and blocks == "tiles" and (
+            complex_ or jnp.dtype(dtype).name not in TILES_DTYPES):
+        blocks = 1  # the kernel takes 16-bit real operands only
     use_gram = resolve_ns_method(method, g.shape[-2], g.shape[-1], dtype,
-                                 single_triple=len(set(steps)) == 1) == "gram"
+                                 single_triple=len(set(steps)) == 1,
+                                 symmetric_blocks=blocks) == "gram"
     if use_gram:
         if gram.dtype is not None:
             dtype = gram.dtype
         elif not complex_ and jnp.dtype(dtype) == jnp.bfloat16:
             dtype = jnp.float16
 
-    def mms(u, v, out=work):  # a product known to be Hermitian
+    if blocks == "tiles" and (complex_ or jnp.dtype(dtype).name not in TILES_DTYPES):
+        raise ValueError(f"symmetric_blocks='tiles' needs 16-bit real matmul operands "
+                         f"{TILES_DTYPES}, got dtype={jnp.dtype(dtype).name}; pass "
+                         "dtype=jnp.bfloat16, or symmetric_blocks=1 / 'auto'.")
+
+    def mms(u, v, rows, out=work):
+        """``u @ v``, a product known to be Hermitian; ``rows``: the matrix whose conjugate
+        transpose is ``v`` (``v`` itself when it is Hermitian), which the tile kernel reads."""
+        if blocks == "tiles":
+            return symmetric_tiles_matmul(u, rows, dtype=dtype, preferred_element_type=out)
         return symmetric_matmul(u, v, blocks=blocks, dtype=dtype, preferred_element_type=out)
 
     first_gram = None
     if preconditioning in ("aol", "schatten"):
         # The first step is scaled from its own Gram matrix instead of a norm of X.
-        first_gram = mms(g, ht(g))
+        first_gram = mms(g, ht(g), g)
         if preconditioning == "aol":
             rows = jnp.maximum(jnp.sum(jnp.abs(first_gram), axis=-1, keepdims=True), eps)
             s = jax.lax.rsqrt(rows).astype(work)  # [..., m, 1]
@@ -400,7 +457,7 @@ def orthogonalize(
             y, first_gram = g * s, first_gram * (s * s)
         if not use_gram:
             (a, b, c), steps = steps[0], steps[1:]
-            y = a * y + mm(b * first_gram + mms(c * first_gram, first_gram), y)
+            y = a * y + mm(b * first_gram + mms(c * first_gram, first_gram, first_gram), y)
     else:
         if preconditioning == "spectral":
             norm = jnp.linalg.norm(g, ord=2, axis=(-2, -1), keepdims=True)
@@ -412,8 +469,8 @@ def orthogonalize(
         y = _gram_steps(y, first_gram, steps, gram.restarts, mm=mm, mms=mms, ht=ht)
     elif complex_ or jnp.finfo(dtype).bits >= 32:
         for a, b, c in steps:
-            a_ = mms(y, ht(y))
-            poly = b * a_ + mms(c * a_, a_)  # (c A) A, as in the reference implementations
+            a_ = mms(y, ht(y), y)
+            poly = b * a_ + mms(c * a_, a_, a_)  # (c A) A, as in the reference implementations
             y = a * y + mm(poly, y)
     else:
         # Narrow operands: X stays float32 (a X must not be rounded: rounding X itself puts
@@ -426,9 +483,10 @@ def orthogonalize(
         eye = jnp.eye(y.shape[-2], dtype=jnp.float32)
         for a, b, c in steps:
             yn = y.astype(dtype)
-            a_ = mms(yn, jnp.swapaxes(yn, -1, -2), out=dtype)
+            a_ = mms(yn, jnp.swapaxes(yn, -1, -2), yn, out=dtype)
             shifted = (c * a_.astype(jnp.float32) + b * eye).astype(dtype)
-            poly = mms(a_, shifted, out=dtype)  # A, c A + b I commute: the product is symmetric
+            # A, c A + b I commute: the product is symmetric
+            poly = mms(a_, shifted, shifted, out=dtype)
             y = a * y + mm(poly, yn)
     if transposed:
         y = jnp.swapaxes(y, -1, -2)
@@ -453,12 +511,12 @@ def _gram_steps(y, r, steps, restarts, *, mm, mms, ht):
     alpha, w = 1.0, None
     for t, (a, b, c) in enumerate(steps, start=1):
         if r is None:
-            r = mms(y, ht(y))
-        z = b * r + c * mms(r, r)
+            r = mms(y, ht(y), y)
+        z = b * r + c * mms(r, r, r)
         if w is None:
             alpha, w = a, z
         else:  # (alpha I + W)(a I + Z)
-            alpha, w = alpha * a, a * w + alpha * z + mms(w, z)
+            alpha, w = alpha * a, a * w + alpha * z + mms(w, z, z)
         if t in ends:
             # Restart: rebuild X and, for the next segment, its Gram matrix from scratch. R
             # squares X's condition number, and in bf16 its small eigenvalues (sigma^2 of the
@@ -467,13 +525,14 @@ def _gram_steps(y, r, steps, restarts, *, mm, mms, ht):
             y = alpha * y + mm(w, y)
             alpha, w, r = 1.0, None, None
         else:  # R <- P R P = a^2 R + a (R Z + Z R) + Z R Z; R Z = Z R, so it is symmetrized
-            rz = mms(r, z)
-            r = a * a * r + a * (rz + ht(rz)) + mms(z, rz)
+            rz = mms(r, z, z)
+            r = a * a * r + a * (rz + ht(rz)) + mms(z, rz, rz)
     return y
 
 
 def ns_flops(m: int, n: int, ns_steps: int, *, method: Literal["standard", "gram"] = "standard",
-             gram: GramOptions = DEFAULT_GRAM, symmetric_blocks: int = 1) -> int:
+             gram: GramOptions = DEFAULT_GRAM,
+             symmetric_blocks: int | Literal["tiles"] = 1) -> int:
     r"""Matmul FLOPs of :func:`orthogonalize` on one ``[m, n]`` matrix.
 
     With ``p = min(m, n)`` and ``q = max(m, n)`` (the iteration runs on the wide orientation),
@@ -488,7 +547,8 @@ def ns_flops(m: int, n: int, ns_steps: int, *, method: Literal["standard", "gram
 
     So the Gram form needs fewer FLOPs exactly when ``q > 1.5 p``. With
     ``symmetric_blocks = s > 1`` the symmetric products (standard: ``X X^T`` and ``A A``;
-    Gram: all but ``Q X``) count ``(s + 1) / (2 s)`` of their FLOPs, the tiles they compute.
+    Gram: all but ``Q X``) count ``(s + 1) / (2 s)`` of their FLOPs, the tiles they compute;
+    with ``'tiles'``, the kernel's share of ``[128, 256]`` output tiles (about half).
     Elementwise work (``O(p q)`` per step) is left out.
 
     Args:
@@ -497,8 +557,8 @@ def ns_flops(m: int, n: int, ns_steps: int, *, method: Literal["standard", "gram
       ns_steps: Newton-Schulz steps.
       method: ``'standard'`` or ``'gram'`` (what :func:`resolve_ns_method` returns).
       gram: the Gram form's restarts.
-      symmetric_blocks: row strips of the symmetric products (an int, as resolved by
-        :func:`resolve_symmetric_blocks`).
+      symmetric_blocks: row strips of the symmetric products, or ``'tiles'`` (as resolved
+        by :func:`resolve_symmetric_blocks`).
 
     Returns:
       The FLOP count as a Python int (multiply and add counted separately).
@@ -513,11 +573,17 @@ def ns_flops(m: int, n: int, ns_steps: int, *, method: Literal["standard", "gram
             raise ValueError(f"ns_flops: {name} must be a positive int, got {v!r}.")
     p, q, t = min(m, n), max(m, n), int(ns_steps)
     s = resolve_symmetric_blocks(symmetric_blocks)
+    if s == "tiles":  # the kernel's [128, 256] output tiles that touch the upper triangle
+        cols = -(-p // 256)
+        kept = sum(min(-(-p // 128), 2 * (j + 1)) for j in range(cols))
+        num, den = kept, -(-p // 128) * cols
+    else:
+        num, den = s + 1, 2 * s
     if method == "standard":
         sym = t * (2 * p * p * q + 2 * p**3)  # X X^T and A A
-        return t * 2 * p * p * q + (sym * (s + 1)) // (2 * s)
+        return t * 2 * p * p * q + (sym * num) // den
     if method != "gram":
         raise ValueError(f"ns_flops: method must be 'standard' or 'gram', got {method!r}.")
     k = 1 + sum(1 for r in gram.restarts if r < t)
     sym = 2 * k * p * p * q + (8 * t - 6 * k) * p**3  # X X^T and the [p, p] products
-    return 2 * k * p * p * q + (sym * (s + 1)) // (2 * s)
+    return 2 * k * p * p * q + (sym * num) // den

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def symmetric_matmul(
@@ -83,3 +84,121 @@ def symmetric_matmul(
     if jnp.iscomplexobj(lower):
         lower = lower.conj()
     return jnp.where(below, lower, upper)
+
+
+def mirror_upper(c: jax.Array) -> jax.Array:
+    r"""The symmetric matrix whose upper triangle (diagonal included) is ``c``'s.
+
+    .. math::
+      S_{ij} = c_{ij} \ (i \le j), \qquad S_{ij} = c_{ji} \ (i > j) .
+
+    Reads nothing below ``c``'s diagonal, so those entries may be undefined (the unwritten
+    tiles of :func:`symmetric_tiles_matmul`'s kernel). One elementwise pass.
+
+    Args:
+      c: ``[..., p, p]``.
+
+    Returns:
+      ``[..., p, p]``, symmetric.
+
+    >>> import jax.numpy as jnp
+    >>> mirror_upper(jnp.array([[1., 2.], [jnp.nan, 3.]])).tolist()
+    [[1.0, 2.0], [2.0, 3.0]]
+    """
+    i = jnp.arange(c.shape[-1])
+    return jnp.where(i[:, None] <= i[None, :], c, jnp.swapaxes(c, -1, -2))
+
+
+TILES_DTYPES = ("bfloat16", "float16")
+"""Operand dtypes of :func:`symmetric_tiles_matmul` (the kernel's 16-bit wgmma operands)."""
+
+
+def symmetric_tiles_matmul(
+    u: jax.Array,
+    w: jax.Array,
+    *,
+    dtype: jax.typing.DTypeLike | None = None,
+    preferred_element_type: jax.typing.DTypeLike | None = None,
+) -> jax.Array:
+    r"""``u @ w^T`` for operands whose product is known to be symmetric, from a GPU kernel that
+    computes only the tiles on and above the diagonal, then mirrored.
+
+    .. math::
+      C = \mathrm{mirror}\big(\mathrm{upper\ tiles\ of\ } u w^T\big), \qquad
+      C = u w^T \text{ when that is symmetric.}
+
+    Both operands are given as rows (``w``, not ``w^T``): ``X X^T`` is
+    ``symmetric_tiles_matmul(x, x)`` and, for a symmetric ``B``, ``A B`` is
+    ``symmetric_tiles_matmul(a, b)``. On NVIDIA Hopper GPUs this is the Pallas Mosaic GPU
+    kernel :func:`moe.kernels.gmm.mosaic_symmetric.symmetric_upper`, which skips the output
+    tiles wholly below the diagonal (about half of them), plus one mirroring pass
+    (:func:`mirror_upper`). On the CPU it is that kernel's XLA emulation: the full product with
+    the skipped tiles set to NaN, then mirrored, so a result that read them would show it.
+    Nothing checks that the product is symmetric: a non-symmetric one silently becomes the
+    symmetric matrix with the same upper triangle.
+
+    ``p`` and ``r`` that do not fit the kernel's tiles (``p % 256``, ``r % 64`` for 16-bit
+    operands) are padded with zeros (zero rows add zero rows and columns to the product),
+    which costs a copy of both operands.
+
+    Args:
+      u: ``[..., p, r]``.
+      w: ``[..., p, r]``.
+      dtype: cast both operands to this dtype first (None: as given); it must be one of
+        :data:`TILES_DTYPES`.
+      preferred_element_type: result dtype (default: the operands'); accumulation is f32.
+
+    Returns:
+      ``[..., p, p]``, symmetric.
+
+    Raises:
+      ValueError: operands that are not 16-bit floats, or a platform other than a Hopper GPU
+        or the CPU.
+
+    >>> import jax, jax.numpy as jnp
+    >>> x = jax.random.normal(jax.random.key(0), (300, 70)).astype(jnp.bfloat16)
+    >>> c = symmetric_tiles_matmul(x, x, preferred_element_type=jnp.float32)
+    >>> bool(jnp.allclose(c, jnp.matmul(x, x.T, preferred_element_type=jnp.float32),
+    ...                   rtol=1e-5, atol=1e-4))
+    True
+    """
+    # moe.kernels holds this package's GPU kernels with the expert layer's; imported here so
+    # muon_jax's other paths never import it.
+    from moe.kernels import platform  # noqa: PLC0415
+    from moe.kernels.gmm import mosaic_symmetric  # noqa: PLC0415
+
+    if dtype is not None:
+        u, w = u.astype(dtype), w.astype(dtype)
+    if u.dtype != w.dtype or jnp.dtype(u.dtype).name not in TILES_DTYPES:
+        raise ValueError(f"symmetric_tiles_matmul needs operands of one dtype in {TILES_DTYPES}, "
+                         f"got {u.dtype} and {w.dtype}; pass dtype=jnp.bfloat16 (or use "
+                         "symmetric_matmul, which takes any dtype).")
+    if u.ndim < 2 or u.shape != w.shape:
+        raise ValueError(f"symmetric_tiles_matmul needs u and w of one shape [..., p, r]; got "
+                         f"{u.shape} and {w.shape}.")
+    out_dtype = jnp.dtype(preferred_element_type or u.dtype)
+    *batch, p, r = u.shape
+    cap = platform.cuda_capability()
+    on_hopper = cap is not None and cap[0] == 9
+    if not on_hopper and platform.target_platform() != "cpu":
+        raise ValueError(f"symmetric_tiles_matmul runs its kernel on NVIDIA Hopper GPUs and an "
+                         f"emulation on the CPU, not on {platform.target_platform()!r} / {cap}; "
+                         "use symmetric_matmul (symmetric_blocks=1 or more strips).")
+    pp, rp = -(-p // 256) * 256, -(-r // 64) * 64
+
+    def pad(x):
+        x = x.reshape((-1, p, r))
+        return jnp.pad(x, ((0, 0), (0, pp - p), (0, rp - r))) if (pp, rp) != (p, r) else x
+
+    u3, w3 = pad(u), pad(w)
+    if on_hopper:
+        upper = mosaic_symmetric.symmetric_upper(u3, w3, out_dtype=out_dtype)
+    else:  # the kernel's contract: tiles it does not write are undefined (NaN here)
+        full = mosaic_symmetric.symmetric_upper_reference(u3, w3, out_dtype=out_dtype)
+        mi, ni = mosaic_symmetric.upper_tile_map(pp, 128, 256)
+        written = np.zeros((pp // 128, pp // 256), bool)
+        written[mi, ni] = True
+        mask = np.repeat(np.repeat(written, 128, axis=0), 256, axis=1)
+        upper = jnp.where(mask, full, jnp.nan)
+    out = mirror_upper(upper)[:, :p, :p]
+    return out.reshape((*batch, p, p))
