@@ -16,7 +16,8 @@ step() {  # NAME, then muon_step.py flags
 if [ "$part" = steps ]; then
   step standard --ns-method standard --symmetric-blocks 1
   step standard_sym4 --ns-method standard --symmetric-blocks 4
-  step gram_sym4 --ns-method gram --symmetric-blocks 4
+  step standard_tiles --ns-method standard --symmetric-blocks tiles
+  step auto --ns-method auto --symmetric-blocks auto
   python examples/train_lm.py --preset gpu --optimizer both --no-progress \
     --ckpt-every 0 --out "$out/race" 2>&1 | tail -6
 else
