@@ -197,7 +197,19 @@ FIGURES: tuple[Figure, ...] = (
            lambda r: r["bf16_params_muon_step_speedup_vs_optax"], "{:.2f}x"),
     Figure("muon_symmetric_speedup", "Muon update on one GPU, 1.62B f32 params: 4 row strips "
            "of the symmetric products / plain matmuls", "muon_step_1gpu",
-           lambda r: r["symmetric_over_plain_update"], "{:.3f}x"),
+           lambda r: r["symmetric_over_plain_update"], "{:.3f}x", headline=False),
+    Figure("muon_auto_speedup", "Muon update on one GPU, 1.62B f32 params: the Hopper "
+           "defaults (symmetric-tile kernel; Gram form on wide banks) / plain matmuls",
+           "muon_speed", lambda r: r["muon_step"]["auto"]["update_s"]
+           / r["muon_step"]["standard"]["update_s"], "{:.3f}x", headline=False),
+    Figure("muon_ns_vs_54b8671", "Muon update on one GPU, 1.62B f32 params, Hopper defaults "
+           "/ 0.2905 s (one H200, tree 54b8671)",
+           "muon_speed", lambda r: r["ns_time_ratio_vs_54b8671"], "{:.3f}x", "<= 0.6"),
+    Figure("muon_over_adamw_step", "trainer GPU preset: Muon step / AdamW step", "muon_speed",
+           lambda r: r["muon_over_adamw_step_time"], "{:.2f}x", "<= 1.08"),
+    Figure("muon_race_fraction", "trainer GPU preset: Muon's time to AdamW's final loss / "
+           "AdamW's time", "muon_speed",
+           lambda r: r["muon_time_to_adamw_final_loss_fraction"], "{:.2f}x", "<= 0.5"),
     # Compiled 8-GPU schedules.
     Figure("sched_moe_ep8", "MoE layer EP=8, exposed communication (compiled schedule, "
            "defaults: dense, 2 chunks)", "schedule8", lambda r: r["moe_ep8_exposed_fraction"],

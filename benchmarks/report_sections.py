@@ -155,8 +155,8 @@ def layer_1gpu(C: dict) -> Lines:
                ""]
             + table(["transport", "FP8 MFU", "bf16 MFU", "FP8 ms", "bf16 ms", "FP8 speedup"],
                     fp8_rows)
-            + [""] + source(C, "fp8_layer") + ["", "The dense row is from `current/experts.json`"
-               f" (commit `{C['experts']['commit']}`).", ""])
+            + [""] + [source(C, "fp8_layer")[0] + " The dense row is from "
+                      f"`current/experts.json` (commit `{C['experts']['commit']}`).", ""])
 
 
 def lm_step(C: dict) -> Lines:
@@ -202,10 +202,10 @@ def muon_1gpu(C: dict) -> Lines:
              "operands) on one device. The update (momentum, Newton-Schulz, scaling, apply) took "
              f"{u['1']:.3f} s ({u['1'] / lim['1']:.2f}x the plain form's Newton-Schulz FLOPs at "
              f"the dense rate) with plain matmuls and {u['4']:.3f} s ({u['4'] / lim['4']:.2f}x) "
-             "with `ns_symmetric_blocks=4`, the GPU default (`X X^T` and `A (cA + bI)` from one "
+             "with `ns_symmetric_blocks=4` (`X X^T` and `A (cA + bI)` from one "
              f"block triangle in 4 row strips): **{fig(C, 'muon_symmetric_speedup')}**; "
              f"Newton-Schulz alone {n['1']:.3f} -> {n['4']:.3f} s. "
-             + source(C, "muon_step_1gpu")[0], ""] + _muon_speed(C))
+             + source(C, "muon_step_1gpu")[0] + " " + _muon_speed(C)[0], ""])
 
 
 def _muon_speed(C: dict) -> Lines:
@@ -215,24 +215,30 @@ def _muon_speed(C: dict) -> Lines:
     race = r["trainer"]["summary"]["time_to_adamw_final_loss"]
     strips = {(w["m"], w["n"], w["batch"]): w["ratio_to_plain"]["4"]
               for w in r["ns_strips"]["by_batch"]}
+    names = {"standard_sym4": "4 row strips", "standard_tiles": "the tile kernel",
+             "auto": "`'auto'` (the tile kernel, and the Gram form on banks at least twice as "
+                     "wide as tall)", "gram_sym4": "the Gram form with 4 strips"}
+    std = ms["standard"]["update_s"]
+    variants = "; ".join(f"{names.get(k, k)} {v['update_s']:.3f} s ({v['update_s'] / std:.3f}x)"
+                         for k, v in ms.items() if k != "standard")
     return ([f"The issue-36 run (`benchmarks/run_muon_speed.sh`): the 1.62B update took "
-             f"{ms['standard']['update_s']:.3f} s plain, {ms['standard_sym4']['update_s']:.3f} "
-             f"s with 4 strips (**{r['ns_time_ratio_vs_standard']:.3f}x**; "
-             f"{r['ns_time_ratio_vs_54b8671']:.3f}x the H200 0.2905 s of `54b8671`, the target "
-             f"0.6x) and {ms['gram_sym4']['update_s']:.3f} s in the Gram form with 4 strips; "
-             "every variant's distance to the exact polar factor was within "
+             f"{std:.3f} s plain; {variants}. The fastest, {r['fastest_variant']}, is "
+             f"**{r['ns_time_ratio_vs_standard']:.3f}x** plain and "
+             f"{r['ns_time_ratio_vs_54b8671']:.3f}x the H200 0.2905 s of `54b8671` (target "
+             "0.6x). Every variant's distance to the exact polar factor was within "
              f"{max(r['accuracy']['worst_ratio'].values()):.3f}x the plain form's. In the "
-             f"trainer's GPU preset Muon's step took {t['muon'] / t['adamw']:.3f}x AdamW's with "
-             f"4 strips on its d-1024 expert banks and {plain / t['adamw']:.3f}x plain (target "
-             f"1.08x), at final losses {r['loss_parity_delta']:+.4f} nats/byte apart; Muon "
-             "reached AdamW's final validation loss in "
+             f"trainer's GPU preset (its d-1024 expert banks stay on plain matmuls) Muon's step "
+             f"took {t['muon'] / t['adamw']:.3f}x AdamW's with the defaults and "
+             f"{plain / t['adamw']:.3f}x with the plain form forced (target 1.08x), at final "
+             f"losses {r['loss_parity_delta']:+.4f} nats/byte apart; Muon reached AdamW's final "
+             "validation loss in "
              f"{race['muon_time_to_adamw_final_loss_fraction']:.2f}x AdamW's training time "
-             "(target 0.5x). By matrix size (`benchmarks/ns_strips.py`, 4 strips over plain): "
+             "(target 0.5x). By matrix size (`benchmarks/ns_strips.py` at "
+             f"`{r['ns_strips']['commit'].split()[0]}`, 4 strips over plain): "
              + ", ".join(f"{b} x {m}x{n} {strips[(m, n, b)]:.2f}x" for m, n, b in (
                  (1024, 2816, 32), (2048, 2048, 32), (2048, 5632, 32), (4096, 4096, 1),
                  (4096, 4096, 8), (4096, 11264, 32)))
-             + "; so `'auto'` takes the strips only where `B m^2 n >= 4e11` and `m >= 2048`. "
-             + source(C, "muon_speed")[0], ""])
+             + ". " + source(C, "muon_speed")[0], ""])
 
 
 def two_gpus(C: dict) -> Lines:
