@@ -114,13 +114,14 @@ def test_polar_express_is_why_auto_keeps_per_step_schedules_standard():
 def test_auto_rule():
     assert resolve_ns_method("gram", 8, 8, jnp.float32) == "gram"
     assert resolve_ns_method("standard", 8, 64, jnp.bfloat16) == "standard"
-    # auto is the standard form until the Gram form measures faster on some backend.
+    # auto takes the Gram form only with the symmetric-tile kernel, where it measured faster
     assert resolve_ns_method("auto", 8, 64, jnp.bfloat16) == "standard"
+    assert resolve_ns_method("auto", 8, 64, jnp.bfloat16, symmetric_blocks="tiles") == "gram"
     with pytest.raises(ValueError, match="ns_method='fast' is not supported"):
         resolve_ns_method("fast", 8, 8, jnp.float32)
     with pytest.raises(ValueError, match="restarts must be step numbers"):
         GramOptions(restarts=(0,))
-    with pytest.raises(ValueError, match="symmetric_blocks must be an int >= 1 or 'auto'"):
+    with pytest.raises(ValueError, match="symmetric_blocks must be an int >= 1, 'auto' or 'tiles'"):
         muon_jax.orthogonalize(jnp.ones((2, 4)), symmetric_blocks=0)
     with pytest.raises(ValueError, match="ns_symmetric_blocks must be an int"):
         muon_jax.scale_by_muon(ns_symmetric_blocks="all")
