@@ -2,7 +2,7 @@
 
 The top level holds what a training script calls; the building blocks stay in their modules:
 :mod:`muon_jax.newton_schulz` (schedules, the standard and Gram forms, FLOP counts),
-:mod:`muon_jax.symmetric` (products computed from one block triangle),
+:mod:`muon_jax.symmetric` (symmetric products from one triangle: row strips, the tile kernel),
 :mod:`muon_jax.matrices` (leaves as ``[B, m, n]`` batches, shape scaling),
 :mod:`muon_jax.masking` (routing), :mod:`muon_jax.sharded_step` (the update on a mesh),
 :mod:`muon_jax.owner_plan` and :mod:`muon_jax.owners` (sharded owner compute),
