@@ -430,6 +430,9 @@ def orthogonalize(
             dtype = gram.dtype
         elif not complex_ and jnp.dtype(dtype) == jnp.bfloat16:
             dtype = jnp.float16
+    if symmetric_blocks == "auto" and blocks == "tiles" and \
+            jnp.dtype(dtype).name not in TILES_DTYPES:
+        blocks = 1  # a wide GramOptions.dtype (float32): the kernel cannot take its operands
 
     if blocks == "tiles" and (complex_ or jnp.dtype(dtype).name not in TILES_DTYPES):
         raise ValueError(f"symmetric_blocks='tiles' needs 16-bit real matmul operands "
