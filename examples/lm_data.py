@@ -44,7 +44,8 @@ def load_stdlib_corpus(
       val_fraction: fraction of *files* (chosen by a hash of their path, so the split is
         the same on every machine with the same Python) that go to validation.
       max_bytes: cap on the bytes read in total (files in sorted order), to bound memory and
-        start-up time; ``None`` reads everything.
+        start-up time; ``None`` reads everything. Where the files before the cap all fall on
+        one side of the split, the first file of the other side is read past it.
       root: directory to read; defaults to ``sysconfig.get_paths()['stdlib']``.
 
     Returns:
@@ -61,12 +62,19 @@ def load_stdlib_corpus(
     train_parts, val_parts, total = [], [], 0
     sep = bytes([_SEPARATOR])
     for f in files:
-        data = f.read_bytes().replace(sep, b"")
         rel = f.relative_to(base).as_posix()
-        (val_parts if _is_val(rel, val_fraction) else train_parts).append(data + sep)
-        total += len(data) + 1
+        side = val_parts if _is_val(rel, val_fraction) else train_parts
         if max_bytes is not None and total >= max_bytes:
-            break
+            if train_parts and val_parts:
+                break
+            # Past the cap, only the first file of the side still empty: which files hash to
+            # validation depends on the Python version's stdlib (3.13's first 0.5 MB has none),
+            # and a split needs a file on each side.
+            if side:
+                continue
+        data = f.read_bytes().replace(sep, b"")
+        side.append(data + sep)
+        total += len(data) + 1
     if not train_parts or not val_parts:
         raise ValueError("The corpus is too small to split; raise max_bytes or val_fraction.")
     as_array = lambda parts: np.frombuffer(b"".join(parts), dtype=np.uint8)
