@@ -5,13 +5,18 @@ the tests, the packages' doctests and the notebooks (their kernels inherit the e
 """
 
 import os
+from importlib import metadata
 
 # The tests' programs are tiny and compile time dominates: XLA:CPU's backend optimization
-# level 0 compiles about 40% faster (the suite: 15.5 -> 11.3 minutes on 2 cores) and the
-# suite passes either way.
+# level 0 compiles about 40% faster (the suite: 15.5 -> 11.3 minutes on 2 cores). Before jax
+# 0.12 the suite passes either way; jax 0.12's XLA:CPU at level 0 computes the trainer's
+# micro-batched forward wrongly (the same program at the default level matches the one-stream
+# one to 1e-6, at level 0 it is 3e-3 off: tests/examples/test_lm_micro_batches.py), so there
+# the default level stays.
+_JAX_MAJOR_MINOR = tuple(int(v) for v in metadata.version("jax").split(".")[:2])
+_FAST_COMPILE = " --xla_backend_optimization_level=0" if _JAX_MAJOR_MINOR < (0, 12) else ""
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8" + _FAST_COMPILE
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One on-disk compilation cache per checkout, shared by the xdist workers and every process

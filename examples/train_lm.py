@@ -101,6 +101,8 @@ PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
 )
 """Dense bf16 peak TFLOP/s per device, matched as substrings of ``device_kind`` in order."""
 
+_JAX_VERSION = tuple(int(v) for v in jax.__version__.split(".")[:2])
+
 
 def build_mesh(spec: str | None) -> jax.sharding.Mesh:
     """A ('data', 'expert') mesh over the available devices."""
@@ -275,6 +277,14 @@ def init_distributed(args) -> str | None:
         how, kw = f"{found} environment", {}
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU runs across processes
     jax.distributed.initialize(**kw, **timeouts)
+    if (jax.default_backend() == "cpu" and _JAX_VERSION >= (0, 12)
+            and jax.config.jax_compilation_cache_dir):
+        # jax 0.12's CPU processes hang in the first step when their programs come from the
+        # persistent compilation cache (a cold cache runs; the next run, all hits, stalls
+        # after Gloo connects: tests/examples/test_train_lm_multiprocess.py), so such runs
+        # compile instead.
+        jax.config.update("jax_enable_compilation_cache", False)
+        how += "; persistent compilation cache off (jax >= 0.12 on CPU)"
     return how
 
 
