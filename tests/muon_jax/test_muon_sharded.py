@@ -79,7 +79,9 @@ def test_sharded_equals_unsharded_shardings_and_memory(case, reference_updates):
         updates, state = update(grads, state)
         for k, u in updates.items():
             assert u.sharding.is_equivalent_to(params[k].sharding, u.ndim), (k, u.sharding)
-            tol = dict(rtol=2e-2, atol=2e-2) if k == "w9" else dict(rtol=1e-5, atol=1e-6)
+            # f32 1e-5: five Newton-Schulz steps carry the sharded program's own fusion and
+            # reduction order (jax 0.12's XLA:CPU reorders more), a few 1e-6 off
+            tol = dict(rtol=2e-2, atol=2e-2) if k == "w9" else dict(rtol=1e-5, atol=1e-5)
             np.testing.assert_allclose(np.asarray(u, np.float32), ref[k], **tol, err_msg=k)
         for now, before in zip(jax.tree.leaves(state), jax.tree.leaves(state_shardings),
                                strict=True):
@@ -381,7 +383,17 @@ def test_bf16_update_gathers_halve_their_bytes_and_round_once(dp_setup):
     for k in DP_SHAPES:
         assert out[jnp.bfloat16][k].dtype == jnp.float32
         assert out[jnp.bfloat16][k].sharding.is_equivalent_to(params[k].sharding, params[k].ndim)
-        want = np.asarray(out[None][k]).astype(jnp.bfloat16).astype(np.float32)
-        np.testing.assert_array_equal(np.asarray(out[jnp.bfloat16][k]), want, err_msg=k)
+        got, ref = np.asarray(out[jnp.bfloat16][k]), np.asarray(out[None][k])
+        # Carried as bf16 ...
+        np.testing.assert_array_equal(got.astype(jnp.bfloat16).astype(np.float32), got,
+                                      err_msg=k)
+        # ... and rounded once, to nearest: within half a bf16 ulp (2^-9 relative) of the f32
+        # update. The two programs fuse and reduce differently (jax 0.12's XLA:CPU more so),
+        # so their f32 values may differ by up to about 1e-4 relative and an element near a
+        # rounding boundary may round either way; truncation or a second rounding would put
+        # many elements up to a whole ulp away.
+        half_ulp = np.ldexp(np.float32(1), np.frexp(ref)[1] - 9)
+        bad = np.abs(got - ref) > half_ulp + 1e-4 * np.abs(ref)
+        assert not bad.any(), (k, got[bad], ref[bad], half_ulp[bad])
     with pytest.raises(ValueError, match="gather_dtype=int32 is not a float dtype"):
         muon_jax.scale_by_muon(mesh=mesh, gather_dtype=jnp.int32)
