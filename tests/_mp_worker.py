@@ -29,6 +29,11 @@ jax.distributed.initialize(
     process_id=PROCESS_ID,
     initialization_timeout=120,
 )
+if tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 12):
+    # As examples/train_lm.py does: jax 0.12's CPU processes hang in the first step when every
+    # program comes from the persistent compilation cache (the run after a cold one), so these
+    # workers compile instead.
+    jax.config.update("jax_enable_compilation_cache", False)
 
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
