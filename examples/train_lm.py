@@ -93,6 +93,7 @@ from lm_schedule import (  # noqa: E402, F401
 )
 
 import muon_jax  # noqa: E402
+from moe.kernels.lowering import version_tuple  # noqa: E402
 
 PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
     ("H100", 989.0), ("H200", 989.0), ("H800", 989.0), ("B200", 2250.0), ("A100", 312.0),
@@ -101,7 +102,7 @@ PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
 )
 """Dense bf16 peak TFLOP/s per device, matched as substrings of ``device_kind`` in order."""
 
-_JAX_VERSION = tuple(int(v) for v in jax.__version__.split(".")[:2])
+_JAX_VERSION = version_tuple(jax.__version__)[:2]
 
 
 def build_mesh(spec: str | None) -> jax.sharding.Mesh:

@@ -551,7 +551,8 @@ def ns_flops(m: int, n: int, ns_steps: int, *, method: Literal["standard", "gram
     So the Gram form needs fewer FLOPs exactly when ``q > 1.5 p``. With
     ``symmetric_blocks = s > 1`` the symmetric products (standard: ``X X^T`` and ``A A``;
     Gram: all but ``Q X``) count ``(s + 1) / (2 s)`` of their FLOPs, the tiles they compute;
-    with ``'tiles'``, the kernel's share of ``[128, 256]`` output tiles (about half).
+    with ``'tiles'``, the kernel's share of its output tiles for ``p`` padded as it pads it
+    (``moe.kernels.gmm.mosaic_symmetric.upper_tile_share``: about half for large ``p``).
     Elementwise work (``O(p q)`` per step) is left out.
 
     Args:
@@ -576,10 +577,10 @@ def ns_flops(m: int, n: int, ns_steps: int, *, method: Literal["standard", "gram
             raise ValueError(f"ns_flops: {name} must be a positive int, got {v!r}.")
     p, q, t = min(m, n), max(m, n), int(ns_steps)
     s = resolve_symmetric_blocks(symmetric_blocks)
-    if s == "tiles":  # the kernel's [128, 256] output tiles that touch the upper triangle
-        cols = -(-p // 256)
-        kept = sum(min(-(-p // 128), 2 * (j + 1)) for j in range(cols))
-        num, den = kept, -(-p // 128) * cols
+    if s == "tiles":  # the kernel's output tiles that touch the upper triangle, p padded
+        from moe.kernels.gmm import mosaic_symmetric  # noqa: PLC0415 - as symmetric.py does
+
+        num, den = mosaic_symmetric.upper_tile_share(p)
     else:
         num, den = s + 1, 2 * s
     if method == "standard":

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 
 def symmetric_matmul(
@@ -184,7 +183,7 @@ def symmetric_tiles_matmul(
         raise ValueError(f"symmetric_tiles_matmul runs its kernel on NVIDIA Hopper GPUs and an "
                          f"emulation on the CPU, not on {platform.target_platform()!r} / {cap}; "
                          "use symmetric_matmul (symmetric_blocks=1 or more strips).")
-    pp, rp = -(-p // 256) * 256, -(-r // 64) * 64
+    pp, rp = mosaic_symmetric.padded_size(p, r, u.dtype)
 
     def pad(x):
         x = x.reshape((-1, p, r))
@@ -195,10 +194,6 @@ def symmetric_tiles_matmul(
         upper = mosaic_symmetric.symmetric_upper(u3, w3, out_dtype=out_dtype)
     else:  # the kernel's contract: tiles it does not write are undefined (NaN here)
         full = mosaic_symmetric.symmetric_upper_reference(u3, w3, out_dtype=out_dtype)
-        mi, ni = mosaic_symmetric.upper_tile_map(pp, 128, 256)
-        written = np.zeros((pp // 128, pp // 256), bool)
-        written[mi, ni] = True
-        mask = np.repeat(np.repeat(written, 128, axis=0), 256, axis=1)
-        upper = jnp.where(mask, full, jnp.nan)
+        upper = jnp.where(mosaic_symmetric.upper_tile_mask(pp, u.dtype), full, jnp.nan)
     out = mirror_upper(upper)[:, :p, :p]
     return out.reshape((*batch, p, p))

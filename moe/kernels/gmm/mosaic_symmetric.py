@@ -22,6 +22,7 @@ Hopper GPUs (``sm_90a``) only; :func:`symmetric_upper_reference` is the same pro
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +61,48 @@ def upper_tile_map(p: int, tile_m: int, cta_n: int) -> tuple[np.ndarray, np.ndar
         mi.extend(range(rows))
         ni.extend([n] * rows)
     return np.asarray(mi, np.int32), np.asarray(ni, np.int32)
+
+
+def padded_size(p: int, r: int, dtype: DTypeLike = jnp.bfloat16,
+                tiling: mk.MosaicTiling | None = None) -> tuple[int, int]:
+    """The smallest ``(p', r') >= (p, r)`` that :func:`symmetric_upper` takes (zero rows and
+    columns padded to ``u`` and ``w`` change nothing in the top-left ``[p, p]`` block).
+
+    >>> padded_size(300, 100)
+    (512, 128)
+    """
+    cfg = tiling or mk.default_tiling(dtype)
+    step = math.lcm(2 * cfg.tile_n, cfg.tile_m)
+    return -(-p // step) * step, -(-r // cfg.tile_k) * cfg.tile_k
+
+
+def upper_tile_share(p: int, dtype: DTypeLike = jnp.bfloat16,
+                     tiling: mk.MosaicTiling | None = None) -> tuple[int, int]:
+    """``(written, total)``: the output tiles the kernel computes for a ``[p, p]`` product
+    (``p`` padded by :func:`padded_size` first) and the tiles of the full product.
+
+    >>> upper_tile_share(256), upper_tile_share(4096)
+    ((2, 2), (272, 512))
+    """
+    cfg = tiling or mk.default_tiling(dtype)
+    pp, _ = padded_size(p, 1, dtype, cfg)
+    mi, _ = upper_tile_map(pp, cfg.tile_m, 2 * cfg.tile_n)
+    return len(mi), (pp // cfg.tile_m) * (pp // (2 * cfg.tile_n))
+
+
+def upper_tile_mask(p: int, dtype: DTypeLike = jnp.bfloat16,
+                    tiling: mk.MosaicTiling | None = None) -> np.ndarray:
+    """bool ``[p, p]``: the elements :func:`symmetric_upper` writes (``p`` one it takes).
+
+    >>> upper_tile_mask(512)[::128, ::128].astype(int).tolist()
+    [[1, 1, 1, 1], [1, 1, 1, 1], [0, 0, 1, 1], [0, 0, 1, 1]]
+    """
+    cfg = tiling or mk.default_tiling(dtype)
+    tm, cta_n = cfg.tile_m, 2 * cfg.tile_n
+    mi, ni = upper_tile_map(p, tm, cta_n)
+    written = np.zeros((p // tm, p // cta_n), bool)
+    written[mi, ni] = True
+    return np.repeat(np.repeat(written, tm, axis=0), cta_n, axis=1)
 
 
 def _body(tile_mi, tile_ni, u_gmem, w_gmem, out_gmem, *, cfg: mk.MosaicTiling):
