@@ -45,6 +45,8 @@ REGIONS = {
     "dispatch_combine": r"dispatch_\w+|combine\w*|moe_router|router_logits",
     "moe_other": r"shard_map",
 }
+# Mosaic GPU kernels name no HLO instruction in a trace: the weight-gradient GEMMs by name.
+KERNEL_REGIONS = {"experts_wgrad": r"^tgmm", **breakdown.LM_KERNEL_REGIONS}
 
 
 def _commit() -> str:
@@ -106,7 +108,7 @@ def main(argv=None) -> dict:
                 for _ in range(steps):
                     jax.block_until_ready(fns[c](*args))
             br = breakdown.op_breakdown(tdir, hlo[c], steps=steps, top=25, regions=REGIONS,
-                                        kernel_regions=breakdown.LM_KERNEL_REGIONS)
+                                        kernel_regions=KERNEL_REGIONS)
             per_kernel = collections.defaultdict(float)
             count = collections.Counter()
             for _dev, _line, name, _op, _mod, us in trace.op_events(tdir):
