@@ -27,7 +27,7 @@ from moe import experts as _experts
 from moe import meshes
 from moe import pipeline as _pipeline
 from moe import routing as _routing
-from moe.dispatch import dispatch_buckets, split_first_bucket
+from moe.dispatch import dispatch_buckets, plan_dispatch, split_first_bucket
 from moe.kernels.gmm import api as gmm_api
 from moe.options import MoEOptions
 
@@ -210,16 +210,30 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra: LocalInputs, *,
     split = chunks > 1 and len(buckets) > 1
     ys, over_ids, ys_shared, dropped = [], [], None, jnp.zeros((), jnp.int32)
     overflowing = jnp.zeros((), jnp.int32)  # chunks of this device with slots past c_0
+    chunk_ids, first = [], None
     for c in range(chunks):
-        part = slice(c * tc, (c + 1) * tc)
-        ids_c, first = ids[part], None
+        ids_c = ids[c * tc:(c + 1) * tc]
         if split:
             s = split_first_bucket(ids_c, num_experts=num_slots, axis_size=p,
                                    first_bucket=buckets[0])
             ids_c, first = s.first_ids, buckets[:1]
             over_ids.append(s.overflow_ids)
             overflowing = overflowing + s.overflows.astype(jnp.int32)
-        y_c, plan = body(x[part], ids_c, r.weights[part], banks, buckets=first)
+        chunk_ids.append(ids_c)
+    plans = [None] * chunks
+    if chunks > 1:
+        # Every chunk's plan in one batched pass (one sort, one count exchange): the plans
+        # depend on the routing alone, and per chunk their small, latency-bound kernels
+        # would be paid once more per chunk.
+        batched = jax.vmap(functools.partial(
+            plan_dispatch, num_experts=num_slots, options=do_chunk, x_dtype=x.dtype,
+            fp8_block_size=options.fp8_block_size, group_alignment=align, buckets=first))(
+            jnp.stack(chunk_ids))
+        plans = [jax.tree.map(lambda a, c=c: a[c], batched) for c in range(chunks)]
+    for c in range(chunks):
+        part = slice(c * tc, (c + 1) * tc)
+        y_c, plan = body(x[part], chunk_ids[c], r.weights[part], banks, buckets=first,
+                         plan=plans[c])
         if c == 0 and shared is not None:
             ys_shared = _shared_experts(x, shared, gate, options, x.dtype)
             if mask is not None:

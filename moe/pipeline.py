@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from moe import experts as _experts
-from moe.dispatch import WireRows, dispatch_apply
+from moe.dispatch import DispatchPlan, WireRows, dispatch_apply
 from moe.dispatch import combine as combine_fn
 from moe.options import DispatchOptions, MoEOptions
 
@@ -77,7 +77,7 @@ def local_experts(ex: jax.Array, group_sizes: jax.Array, banks: Banks, options: 
 def chunk_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, banks: Banks, *,
                   options: MoEOptions, dispatch_options: DispatchOptions, num_experts: int,
                   group_alignment: int | None, with_wire: bool,
-                  buckets: tuple[int, ...] | None = None):
+                  buckets: tuple[int, ...] | None = None, plan: DispatchPlan | None = None):
     """One chunk: ``y = combine(experts(dispatch(x, expert_ids)), weights)``.
 
     Args:
@@ -91,6 +91,8 @@ def chunk_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, banks
       group_alignment: the dropless layout's group alignment (None: plain).
       with_wire: the FP8 wire rows go to the FP8 expert GEMMs as they are.
       buckets: the dropless exchange's buckets (None: the options').
+      plan: the chunk's dispatch plan, built beforehand (:func:`moe.dispatch.plan_dispatch`;
+        None: built here).
 
     Returns:
       ``(y [T, d] in x's dtype, plan)``.
@@ -104,7 +106,7 @@ def chunk_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, banks
     ex, wire, group_sizes, plan = dispatch_apply(
         x, expert_ids, num_experts=num_experts, options=dispatch_options,
         fp8_block_size=options.fp8_block_size, group_alignment=group_alignment,
-        with_wire=with_wire, buckets=buckets)
+        with_wire=with_wire, buckets=buckets, plan=plan)
     combine = _experts.CombineArgs(weights, plan, dispatch_options.combine_grad_dtype)
     y = local_experts(ex, group_sizes, banks, options, wire, group_alignment, combine)
     return y.astype(x.dtype), plan

@@ -100,7 +100,8 @@ from moe.options import (
 
 __all__ = ["BucketSplit", "DensePlan", "DispatchPlan", "Dispatched", "DroplessPlan", "RaggedPlan",
            "WireRows", "combine", "dense_capacity", "dispatch", "dispatch_apply",
-           "dispatch_buckets", "dispatch_with_wire", "ragged_rows", "split_first_bucket"]
+           "dispatch_buckets", "dispatch_with_wire", "plan_dispatch", "ragged_rows",
+           "split_first_bucket"]
 
 _DROPLESS_CAPACITY_FACTOR = 1.25  # transport="dropless", capacity_factor=None: the first bucket
 _BUCKETED_TRANSPORTS = frozenset({"dropless"})  # whose exchanges send a chosen bucket per step
@@ -326,52 +327,48 @@ def dispatch_buckets(num_tokens: int, top_k: int, *, num_experts: int, axis_size
                             multiple=options.capacity_multiple)
 
 
-def dispatch_apply(
-    x: jax.Array,
+def plan_dispatch(
     expert_ids: jax.Array,
     *,
     num_experts: int,
     options: DispatchOptions,
+    x_dtype: jnp.dtype | str = jnp.float32,
     fp8_block_size: int = 128,
     group_alignment: int | None = None,
-    with_wire: bool = False,
     buckets: tuple[int, ...] | None = None,
-) -> Dispatched:
-    """:func:`dispatch_with_wire` with its options as one :class:`moe.DispatchOptions` (the
-    layer's ``MoEOptions.dispatch``): ``expert_axis``, ``transport`` (``'auto'``: dense),
-    ``capacity_factor``, ``capacity_multiple``, ``dispatch_dtype``, ``wire_kernels`` and
-    ``ragged_impl`` are read; ``batch_axes``, ``overlap_chunks`` and ``combine_grad_dtype``
-    are the layer's.
+) -> DispatchPlan:
+    """The plan :func:`dispatch_apply` builds from ``expert_ids`` (and nothing of the tokens
+    but their dtype): build it apart to batch the plans of several dispatches, e.g. the
+    pipelined layer's chunks under ``jax.vmap`` (one sort for all of them).
 
     Args:
-      x, expert_ids, num_experts, group_alignment, with_wire: as for
-        :func:`dispatch_with_wire`.
-      options: the dispatch options.
-      fp8_block_size: channels per FP8 scale of the wire (``block_size`` of
-        :func:`dispatch`).
-      buckets: the dropless exchange's rows per (source, destination) pair, ascending (None:
-        :func:`dispatch_buckets`). The caller guarantees that no pair exceeds the last one
-        (e.g. one bucket for the slots :func:`split_first_bucket` keeps): rows past it are
-        not sent.
+      expert_ids: int ``[T, k]``.
+      num_experts, options, fp8_block_size, group_alignment, buckets: as for
+        :func:`dispatch_apply`.
+      x_dtype: the dtype of the tokens it will dispatch (combine returns it).
 
     Returns:
-      A :class:`Dispatched`; ``wire`` is a :class:`WireRows` with ``with_wire``, else None.
+      The transport's plan (a :class:`DensePlan`, :class:`RaggedPlan` or
+      :class:`DroplessPlan`).
 
     Example:
-      >>> # inside jax.shard_map over 'expert':
-      >>> # ex, wire, sizes, plan = dispatch_apply(x, ids, num_experts=8,
-      >>> #     options=DispatchOptions(transport="dropless", dispatch_dtype="fp8"))
+      >>> # inside jax.shard_map over 'expert', one plan per chunk in one batched sort:
+      >>> # plans = jax.vmap(lambda ids: plan_dispatch(ids, num_experts=8, options=opts,
+      >>> #     x_dtype=x.dtype))(ids.reshape(chunks, -1, k))
     """
     if not isinstance(options, DispatchOptions):
         raise TypeError(f"options must be a moe.DispatchOptions, got {type(options).__name__}.")
-    x, expert_ids = jnp.asarray(x), jnp.asarray(expert_ids)
+    expert_ids = jnp.asarray(expert_ids)
     p = _axis_size(options.expert_axis, "dispatch")
-    _check_dispatch_args(x, expert_ids, num_experts, fp8_block_size, p, options.dispatch_dtype)
     wire_api.check_wire_kernels(options.wire_kernels)
     check_group_alignment(group_alignment)
+    if buckets is not None and (not buckets or any(
+            isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in buckets)
+            or list(buckets) != sorted(set(buckets))):
+        raise ValueError(f"buckets must be positive ints, strictly ascending, got {buckets!r}.")
     t, k = expert_ids.shape
     statics = dict(num_experts=num_experts, axis_name=options.expert_axis, axis_size=p,
-                   x_dtype=jnp.dtype(x.dtype).name, block_size=fp8_block_size,
+                   x_dtype=jnp.dtype(x_dtype).name, block_size=fp8_block_size,
                    wire_kernels=options.wire_kernels)
 
     cf, multiple = options.capacity_factor, options.capacity_multiple
@@ -390,10 +387,6 @@ def dispatch_apply(
             t, k, num_experts=num_experts, axis_size=p, options=options),
             alignment=group_alignment or 1, **statics)
 
-    if buckets is not None and (not buckets or any(
-            isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in buckets)
-            or list(buckets) != sorted(set(buckets))):
-        raise ValueError(f"buckets must be positive ints, strictly ascending, got {buckets!r}.")
     # 'auto' is 'dense' here, the measured default (the layer's 'auto': moe.auto_transport).
     builders = {"auto": dense, "dense": dense, "ragged": ragged, "dropless": dropless}
     with jax.named_scope("dispatch_plan"):
@@ -404,10 +397,66 @@ def dispatch_apply(
     if group_alignment is not None and not isinstance(plan, DroplessPlan):
         raise ValueError(f"group_alignment={group_alignment!r} is for transport='dropless' "
                          f"only, got transport={plan.transport!r}; drop it or use 'dropless'.")
+    return plan
+
+
+def dispatch_apply(
+    x: jax.Array,
+    expert_ids: jax.Array,
+    *,
+    num_experts: int,
+    options: DispatchOptions,
+    fp8_block_size: int = 128,
+    group_alignment: int | None = None,
+    with_wire: bool = False,
+    buckets: tuple[int, ...] | None = None,
+    plan: DispatchPlan | None = None,
+) -> Dispatched:
+    """:func:`dispatch_with_wire` with its options as one :class:`moe.DispatchOptions` (the
+    layer's ``MoEOptions.dispatch``): ``expert_axis``, ``transport`` (``'auto'``: dense),
+    ``capacity_factor``, ``capacity_multiple``, ``dispatch_dtype``, ``wire_kernels`` and
+    ``ragged_impl`` are read; ``batch_axes``, ``overlap_chunks`` and ``combine_grad_dtype``
+    are the layer's.
+
+    Args:
+      x, expert_ids, num_experts, group_alignment, with_wire: as for
+        :func:`dispatch_with_wire`.
+      options: the dispatch options.
+      fp8_block_size: channels per FP8 scale of the wire (``block_size`` of
+        :func:`dispatch`).
+      buckets: the dropless exchange's rows per (source, destination) pair, ascending (None:
+        :func:`dispatch_buckets`). The caller guarantees that no pair exceeds the last one
+        (e.g. one bucket for the slots :func:`split_first_bucket` keeps): rows past it are
+        not sent.
+      plan: :func:`plan_dispatch` of these ``expert_ids`` with the same arguments, built
+        beforehand (None: built here).
+
+    Returns:
+      A :class:`Dispatched`; ``wire`` is a :class:`WireRows` with ``with_wire``, else None.
+
+    Example:
+      >>> # inside jax.shard_map over 'expert':
+      >>> # ex, wire, sizes, plan = dispatch_apply(x, ids, num_experts=8,
+      >>> #     options=DispatchOptions(transport="dropless", dispatch_dtype="fp8"))
+    """
+    if not isinstance(options, DispatchOptions):
+        raise TypeError(f"options must be a moe.DispatchOptions, got {type(options).__name__}.")
+    x, expert_ids = jnp.asarray(x), jnp.asarray(expert_ids)
+    p = _axis_size(options.expert_axis, "dispatch")
+    _check_dispatch_args(x, expert_ids, num_experts, fp8_block_size, p, options.dispatch_dtype)
+    if plan is None:
+        plan = plan_dispatch(expert_ids, num_experts=num_experts, options=options,
+                             x_dtype=x.dtype, fp8_block_size=fp8_block_size,
+                             group_alignment=group_alignment, buckets=buckets)
+    elif plan.slot_row.shape != expert_ids.shape or plan.x_dtype != jnp.dtype(x.dtype).name:
+        raise ValueError(f"plan is for expert_ids of shape {plan.slot_row.shape} and tokens of "
+                         f"{plan.x_dtype}, got {expert_ids.shape} and {x.dtype}; build it with "
+                         "plan_dispatch from these expert_ids and x.dtype.")
     if with_wire and (options.dispatch_dtype != "fp8" or isinstance(plan, DensePlan)):
         raise ValueError(f"with_wire needs dispatch_dtype='fp8' and a ragged layout (transport "
                          f"'dropless' or 'ragged'), got {options.dispatch_dtype!r} / "
                          f"{plan.transport!r}.")
+    k = expert_ids.shape[1]
     local = with_wire and p == 1  # nothing is sent: the GEMM's rows come from the tokens
     with jax.named_scope("dispatch_exchange"):
         x = movement.vary_like(x, plan)

@@ -108,15 +108,22 @@ def test_capacity_applies_per_chunk():
 
 def test_each_chunk_runs_its_own_exchanges():
     """Compiled for 8 CPU devices: the dense layer's forward + backward holds four payload
-    all-to-alls per chunk (dispatch and combine, each forward and backward)."""
+    all-to-alls per chunk (dispatch and combine, each forward and backward), while the chunks'
+    dispatch plans are built in one batched pass: as many sorts and count exchanges as the
+    unchunked layer's."""
     x = jnp.zeros((4, 32, D))
-    counts = {}
+    counts, gathers, sorts = {}, {}, {}
     for chunks in (1, 2):
         fn = _grad_fn((1, 8), chunks, transport="dense")
-        rep = analyze_collectives(fn.lower(x, _params(), x).compile())
+        compiled = fn.lower(x, _params(), x).compile()
+        rep = analyze_collectives(compiled)
         payload = [c for c in rep.of_kind("all-to-all") if c.buffer_bytes >= 16 * D]
         counts[chunks] = len(payload)
+        gathers[chunks] = len(rep.of_kind("all-gather"))  # the plans' count exchanges
+        sorts[chunks] = sum(" sort(" in line and "dispatch_plan" in line
+                            for line in compiled.as_text().splitlines())
     assert counts[2] == 2 * counts[1] and counts[1] >= 4, counts
+    assert gathers[2] == gathers[1] >= 1 and sorts[2] == sorts[1] == 1, (gathers, sorts)
 
 
 def test_overlap_chunks_is_validated():

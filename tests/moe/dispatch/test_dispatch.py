@@ -13,7 +13,7 @@ from _meshes import make_mesh
 from jax.sharding import PartitionSpec as P
 
 from moe import DispatchOptions
-from moe.dispatch import combine, dense_capacity, dispatch, dispatch_apply
+from moe.dispatch import combine, dense_capacity, dispatch, dispatch_apply, plan_dispatch
 from moe.dispatch.plan import DroplessPlan, dropless_buckets
 from xla_comm import hlo
 
@@ -509,6 +509,33 @@ def test_bad_buckets_raise(transport, buckets, match):
                       mesh=mesh, in_specs=(P("expert"), P("expert")), out_specs=P("expert"))
     with pytest.raises(ValueError, match=match):
         jax.eval_shape(f, jnp.zeros((64, 32)), jnp.zeros((64, K), jnp.int32))
+
+
+def test_a_plan_built_beforehand_dispatches_the_same_rows_and_must_fit():
+    """``plan_dispatch`` then ``dispatch_apply(plan=...)`` gives what ``dispatch_apply`` builds
+    itself; a plan of other expert ids (or another token dtype) is refused, naming the fix."""
+    mesh = make_mesh((8,), ("expert",), axis_type="auto")
+    opts = DispatchOptions(transport="dropless")
+    spec = P("expert")
+
+    def both(x, ids):
+        plan = plan_dispatch(ids, num_experts=E, options=opts, x_dtype=x.dtype)
+        return (dispatch_apply(x, ids, num_experts=E, options=opts, plan=plan).expert_x,
+                dispatch_apply(x, ids, num_experts=E, options=opts).expert_x)
+
+    x = jax.random.normal(jax.random.key(0), (T_ALL, 32))
+    ids = jax.random.randint(jax.random.key(1), (T_ALL, K), 0, E)
+    got, want = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=(spec, spec),
+                                      out_specs=(spec, spec)))(x, ids)
+    chex.assert_trees_all_equal(got, want)
+
+    def other(x, ids):
+        plan = plan_dispatch(ids[:4], num_experts=E, options=opts, x_dtype=x.dtype)
+        return dispatch_apply(x, ids, num_experts=E, options=opts, plan=plan).expert_x
+
+    with pytest.raises(ValueError, match="build it with plan_dispatch"):
+        jax.eval_shape(jax.shard_map(other, mesh=mesh, in_specs=(spec, spec), out_specs=spec),
+                       x, ids)
 
 
 def test_unbound_axis_outside_shard_map_raises():
