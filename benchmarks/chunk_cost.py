@@ -39,12 +39,8 @@ from xla_comm import breakdown, trace  # noqa: E402
 
 # Regions of the layer's step by named scope: the expert GEMMs split by kind, so that a
 # chunking cost in the weight gradients (summed over chunks) shows apart from the data path.
-REGIONS = {
-    "experts_wgrad": r"(?:^|[/(])experts_\w+_wgrad(?:[/)]|$)",
-    "experts": r"(?:^|[/(])experts_\w+(?:[/)]|$)",
-    "dispatch_combine": r"dispatch_\w+|combine\w*|moe_router|router_logits",
-    "moe_other": r"shard_map",
-}
+REGIONS = {"experts_wgrad": breakdown.scope_regex(r"experts_\w+_wgrad"),
+           **{k: breakdown.LM_REGIONS[k] for k in ("experts", "dispatch_combine", "moe_other")}}
 # Mosaic GPU kernels name no HLO instruction in a trace: the weight-gradient GEMMs by name.
 KERNEL_REGIONS = {"experts_wgrad": r"^tgmm", **breakdown.LM_KERNEL_REGIONS}
 

@@ -59,7 +59,7 @@ from xla_comm import trace
 
 __all__ = ["CATEGORIES", "LM_KERNEL_REGIONS", "LM_REGIONS", "REST", "categorize_hlo",
            "format_regions", "format_table", "hlo_regions", "kernel_category",
-           "kernel_region", "op_breakdown"]
+           "kernel_region", "op_breakdown", "scope_regex"]
 
 # ----------------------------------------------------------------------------- categories
 
@@ -68,9 +68,14 @@ CATEGORIES = ("exchange", "sort", "gemm", "combine", "gather_scatter", "plan", "
 REST = "rest"  # the region of what no region's pattern matches
 
 
-def _scope(*names: str) -> str:
+def scope_regex(*names: str) -> str:
     """A regex matching any of ``names`` (regexes) as one component of a named-scope path:
-    bounded by the start / end, ``/``, or the parentheses of a transform (``jvp(attention)``)."""
+    bounded by the start / end, ``/``, or the parentheses of a transform (``jvp(attention)``).
+
+    >>> import re
+    >>> bool(re.search(scope_regex("experts"), "jit(f)/transpose(jvp(experts))/dot"))
+    True
+    """
     return r"(?:^|[/(])(?:" + "|".join(names) + r")(?:[/)]|$)"
 
 
@@ -85,13 +90,13 @@ def _scope(*names: str) -> str:
 # LM head), norms, embedding, rotary, loss, and the (combined) all-reduce of the replicated
 # weights' gradients (most of its merged op_name's parts are dense dot_generals).
 LM_REGIONS: dict[str, str] = {
-    "optimizer": _scope("muon_owner_step", r"jit\(entry\)", r"jit\(exit_fn\)")
+    "optimizer": scope_regex("muon_owner_step", r"jit\(entry\)", r"jit\(exit_fn\)")
                  + r"|^p?jit\([^/()]*\)/(?!.*(?:jvp|transpose)\()",
-    "attention": _scope("attention"),
-    "shared_experts": _scope("moe_shared_experts"),
-    "experts": _scope(r"experts_\w+"),
-    "dispatch_combine": _scope(r"dispatch_\w+", r"combine\w*", "moe_router", "router_logits"),
-    "moe_other": _scope("shard_map"),
+    "attention": scope_regex("attention"),
+    "shared_experts": scope_regex("moe_shared_experts"),
+    "experts": scope_regex(r"experts_\w+"),
+    "dispatch_combine": scope_regex(r"dispatch_\w+", r"combine\w*", "moe_router", "router_logits"),
+    "moe_other": scope_regex("shard_map"),
 }
 # Events that name no HLO instruction (on GPU: Mosaic GPU and cuBLAS kernels, seen with
 # jax 0.11) by kernel name. Mosaic GPU kernels appear as ``<name>_mosaic_gpu_kernel``: the
