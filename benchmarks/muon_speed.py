@@ -64,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _matrices(small: bool):
+def accuracy_matrices(small: bool):
     """(name, matrix) pairs: aspect ratios from 1.5x to 4x, conditions 1e1..1e6, gradient-like."""
     import numpy as np
 
@@ -130,7 +130,7 @@ def accuracy(small: bool) -> dict:
     fns = {name: jax.jit(lambda x, kw=kw: muon_jax.orthogonalize(x, **kw))
            for name, kw in ACCURACY_VARIANTS.items()}
     rows = []
-    for name, x in _matrices(small):
+    for name, x in accuracy_matrices(small):
         u, _, vt = np.linalg.svd(x, full_matrices=False)
         want = u @ vt
         errs = {}
