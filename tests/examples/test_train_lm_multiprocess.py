@@ -100,26 +100,10 @@ def _close_losses(got: dict, want: dict) -> None:
                                    rtol=1e-3, err_msg=name)
 
 
-def test_two_processes_train_the_one_process_run(one_process, tmp_path):
-    out = tmp_path / "run"
-    logs = _run2(["--optimizer", "both", "--out", str(out), "--process-logs"])
-    assert "2 processes (coordinator 127.0.0.1:" in logs[0]
-    assert "final validation loss" not in logs[1]  # process 0 reports, writes the outputs
-    got, want = _final(out), _final(one_process)
-    for name in want:  # gloo vs in-process sums: f32 rounding apart, which Muon's bf16
-        # Newton-Schulz amplifies (AdamW's runs agree to the bit; Muon's by ~2e-4)
-        assert abs(got[name] - want[name]) / want[name] <= 5e-4, (name, got, want)
-    _close_losses(_losses(out), _losses(one_process))
-    assert json.loads((out / "summary.json").read_text())["processes"] == 2
-    assert sorted(p.name for p in (out / "logs").iterdir()) == [
-        "process_0.alive", "process_0.log", "process_1.alive", "process_1.log"]
-    for i in (0, 1):  # each supervisor's last heartbeat says its worker finished
-        assert json.loads((out / "logs" / f"process_{i}.alive").read_text())["state"] == "done"
-
-
-def test_checkpoints_move_between_process_counts(one_process, tmp_path):
-    """2 processes stop at their step-3 checkpoint, 1 process resumes it (and the reverse);
-    both end as the uninterrupted run."""
+def test_two_processes_train_the_one_process_run_and_move_checkpoints(one_process, tmp_path):
+    """2 processes train steps 1-3 and stop at their checkpoint, 1 process resumes it; then 1
+    process stops at step 3 and 2 processes resume it and finish, writing the outputs. Both
+    end as the uninterrupted one-process run (each 2-process leg trains half the steps)."""
     want = _losses(one_process)
     a = tmp_path / "two_then_one"
     _run2(["--optimizer", "both", "--stop-after", "3", "--out", str(a)])
@@ -128,9 +112,20 @@ def test_checkpoints_move_between_process_counts(one_process, tmp_path):
     b = tmp_path / "one_then_two"
     assert train_lm.main([*TINY, "--optimizer", "both", "--stop-after", "3", "--out",
                           str(b)]) == 0
-    logs = _run2(["--optimizer", "both", "--resume", "--out", str(b)])
+    logs = _run2(["--optimizer", "both", "--resume", "--out", str(b), "--process-logs"])
     assert "[muon] resumed at step 3" in logs[0]
+    assert "2 processes (coordinator 127.0.0.1:" in logs[0]
+    assert "final validation loss" not in logs[1]  # process 0 reports, writes the outputs
     _close_losses(_losses(b), want)
+    got, ref = _final(b), _final(one_process)
+    for name in ref:  # gloo vs in-process sums: f32 rounding apart, which Muon's bf16
+        # Newton-Schulz amplifies (AdamW's runs agree to the bit; Muon's by ~2e-4)
+        assert abs(got[name] - ref[name]) / ref[name] <= 5e-4, (name, got, ref)
+    assert json.loads((b / "summary.json").read_text())["processes"] == 2
+    assert sorted(p.name for p in (b / "logs").iterdir()) == [
+        "process_0.alive", "process_0.log", "process_1.alive", "process_1.log"]
+    for i in (0, 1):  # each supervisor's last heartbeat says its worker finished
+        assert json.loads((b / "logs" / f"process_{i}.alive").read_text())["state"] == "done"
 
 
 def test_a_lost_process_stops_the_other_with_an_error_naming_it(tmp_path):
