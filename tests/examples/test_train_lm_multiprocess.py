@@ -128,7 +128,7 @@ def test_two_processes_train_the_one_process_run_and_move_checkpoints(one_proces
         assert json.loads((b / "logs" / f"process_{i}.alive").read_text())["state"] == "done"
 
 
-def test_a_lost_process_stops_the_other_with_an_error_naming_it(tmp_path):
+def test_a_lost_process_stops_the_other_with_an_error_naming_it(tmp_path, capsys):
     """Process 1 killed mid-run: process 0 exits non-zero within --init-timeout + 60 s, naming
     process 1; a --resume then continues from the last committed checkpoint."""
     out, timeout = tmp_path / "run", 10
@@ -155,9 +155,12 @@ def test_a_lost_process_stops_the_other_with_an_error_naming_it(tmp_path):
     # Committed checkpoints survive the crash (the one of step 12 may still have been in
     # flight: asynchronous saves commit later).
     assert steps and steps[-1] >= 8, steps
-    logs = _run2([*flags[:-4], "--resume", "--steps", str(steps[-1] + 2), "--eval-every",
-                  "1000"])
-    assert f"[muon] resumed at step {steps[-1]}" in logs[0]
+    # One process resumes (checkpoints move between process counts: the test above), which
+    # costs half the CPU of two processes compiling the same step.
+    capsys.readouterr()
+    assert train_lm.main([*TINY, *flags[:-4], "--resume", "--steps", str(steps[-1] + 2),
+                          "--eval-every", "1000"]) == 0
+    assert f"[muon] resumed at step {steps[-1]}" in capsys.readouterr().out
     recs = [r for r in lm_metrics.read_metrics(metrics) if r["optimizer"] == "muon"]
     assert [r["step"] for r in recs] == list(range(1, steps[-1] + 3))  # nothing lost, no gap
 
