@@ -81,8 +81,11 @@ def schedules(C: dict) -> Lines:
              "other columns are the second compile's. "
              "A: 8192 tokens/device, d 2048, d_ff 1024, 32 experts, top-2, FP8 wires; B: d 4096, "
              "d_ff 2048, 64 experts, top-8; over 16 and 64 GPUs A's per-device work (4 local "
-             "experts: 64 and 256 experts). The layer's defaults: dense 2 chunks, dropless 4. "
-             "The grouped GEMMs are charged for the rows balanced routing fills (their kernels "
+             "experts: 64 and 256 experts). "
+             + (f"The layer's default chunk counts in this run: dense "
+                f"{r['defaults']['dense']}, dropless {r['defaults']['dropless']}. "
+                if r.get("defaults") else "")
+             + "The grouped GEMMs are charged for the rows balanced routing fills (their kernels "
              "skip the rest: `schedule_report(grouped_rows=...)`); the dropless programs still "
              "model longer steps than the dense ones, as their layout is sized for every row "
              "going to one device and XLA's element-wise passes run over all of it.",
