@@ -19,7 +19,8 @@ summaries and metrics) made just before by the same command line
   standard form's (every variant's under ``accuracy.worst_ratio``);
 - ``muon_over_adamw_step_time``, ``muon_time_to_adamw_final_loss_fraction``: the trainer run
   with both optimizers and the defaults (training seconds, compilation and evaluation
-  excluded);
+  excluded; the fraction at the first evaluation that shows Muon at AdamW's final loss, and
+  ``..._fraction_after`` at the one before it: the crossing lies between);
 - ``loss_parity_delta``: final validation loss of that run's Muon minus that of a Muon run
   with the plain standard iteration (``--ns-symmetric-blocks 1``).
 
@@ -205,6 +206,9 @@ def main(argv=None) -> dict:
         race = t["summary"].get("time_to_adamw_final_loss") or {}
         report["muon_time_to_adamw_final_loss_fraction"] = race.get(
             "muon_time_to_adamw_final_loss_fraction")
+        # the evaluation before the one that shows the crossing: it lies between the two
+        report["muon_time_to_adamw_final_loss_fraction_after"] = race.get(
+            "muon_time_to_adamw_final_loss_fraction_after")
         if args.trainer_standard:  # the same Muon run with the plain standard iteration
             s = _trainer(Path(args.trainer_standard))
             report["trainer_standard"] = s

@@ -233,7 +233,10 @@ def _muon_speed(C: dict) -> Lines:
              f"losses {r['loss_parity_delta']:+.4f} nats/byte apart; Muon reached AdamW's final "
              "validation loss in "
              f"{race['muon_time_to_adamw_final_loss_fraction']:.2f}x AdamW's training time "
-             "(target 0.5x). By matrix size (`benchmarks/ns_strips.py` at "
+             + (f"(after {race['muon_time_to_adamw_final_loss_fraction_after']:.2f}x, the "
+                "evaluation before) "
+                if race.get("muon_time_to_adamw_final_loss_fraction_after") is not None else "")
+             + "(target 0.5x). By matrix size (`benchmarks/ns_strips.py` at "
              f"`{r['ns_strips']['commit'].split()[0]}`, 4 strips over plain): "
              + ", ".join(f"{b} x {m}x{n} {strips[(m, n, b)]:.2f}x" for m, n, b in (
                  (1024, 2816, 32), (2048, 2048, 32), (2048, 5632, 32), (4096, 4096, 1),

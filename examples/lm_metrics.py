@@ -40,17 +40,38 @@ def train_seconds(records: list[dict]) -> np.ndarray:
 def time_to_loss(records: list[dict], target: float) -> float | None:
     """Training seconds (:func:`train_seconds`) at the first evaluation with validation loss
     ``<= target``; ``None`` if none reaches it. Evaluations are ``--eval-every`` steps apart,
-    so this is an upper bound by up to that many steps' time."""
+    so this is an upper bound by up to that many steps' time (:func:`time_to_loss_bracket`
+    gives the lower end)."""
+    bracket = time_to_loss_bracket(records, target)
+    return None if bracket is None else bracket[1]
+
+
+def time_to_loss_bracket(records: list[dict], target: float) -> tuple[float, float] | None:
+    """``(after, by)``: the loss first reached ``target`` after ``after`` training seconds (the
+    last evaluation still above it; 0 if none came before) and by ``by`` (the first at or
+    below it); ``None`` if none reaches it.
+
+    >>> recs = [{"step_s": 1.0, "val_loss": 3.0}, {"step_s": 1.0},
+    ...         {"step_s": 1.0, "val_loss": 1.0}]
+    >>> time_to_loss_bracket(recs, 2.0), time_to_loss_bracket(recs, 0.5)
+    ((1.0, 3.0), None)
+    """
     clock = train_seconds(records)
+    after = 0.0
     for r, t in zip(records, clock, strict=True):
-        if "val_loss" in r and r["val_loss"] <= target:
-            return float(t)
+        if "val_loss" not in r:
+            continue
+        if r["val_loss"] <= target:
+            return after, float(t)
+        after = float(t)
     return None
 
 
 def time_to_adamw_loss(records: list[dict]) -> dict | None:
     """When Muon first reaches AdamW's final validation loss, absolute and as a fraction of
-    AdamW's training time; ``None`` unless both optimizers ran."""
+    AdamW's training time, at the first evaluation that shows it (``..._s``, ``..._fraction``)
+    and at the evaluation before it (``..._after_s``, ``..._fraction_after``: the crossing lies
+    between); ``None`` unless both optimizers ran."""
     by = {n: [r for r in records if r["optimizer"] == n] for n in ("muon", "adamw")}
     if not by["muon"] or not by["adamw"]:
         return None
@@ -58,11 +79,14 @@ def time_to_adamw_loss(records: list[dict]) -> dict | None:
     if not vals:
         return None
     adamw_s = float(train_seconds(by["adamw"])[-1])
-    t = time_to_loss(by["muon"], vals[-1])
+    after, t = time_to_loss_bracket(by["muon"], vals[-1]) or (None, None)
     return {"adamw_final_val_loss": vals[-1], "adamw_train_s": adamw_s,
             "muon_train_s": float(train_seconds(by["muon"])[-1]),
             "muon_time_to_adamw_final_loss_s": t,
-            "muon_time_to_adamw_final_loss_fraction": None if t is None else t / adamw_s}
+            "muon_time_to_adamw_final_loss_fraction": None if t is None else t / adamw_s,
+            "muon_time_to_adamw_final_loss_after_s": after,
+            "muon_time_to_adamw_final_loss_fraction_after":
+                None if after is None else after / adamw_s}
 
 
 def plot(records: list[dict], path: pathlib.Path) -> None:

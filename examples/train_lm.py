@@ -569,8 +569,11 @@ def main(argv=None) -> int:
         print(f"Muon {'beats' if d > 0 else 'trails'} AdamW by {abs(d):.4f} nats/byte at "
               f"{args.steps} steps.")
         if race and race["muon_time_to_adamw_final_loss_s"] is not None:
-            print(f"Muon reached AdamW's final validation loss after "
-                  f"{race['muon_time_to_adamw_final_loss_s']:.1f} s of training, "
+            print(f"Muon reached AdamW's final validation loss between "
+                  f"{race['muon_time_to_adamw_final_loss_after_s']:.1f} and "
+                  f"{race['muon_time_to_adamw_final_loss_s']:.1f} s of training (evaluations "
+                  f"{args.eval_every} steps apart), "
+                  f"{race['muon_time_to_adamw_final_loss_fraction_after']:.2f}-"
                   f"{race['muon_time_to_adamw_final_loss_fraction']:.2f}x AdamW's "
                   f"{race['adamw_train_s']:.1f} s.")
     print(f"wrote {metrics_path}, {out / 'loss.png'}, {out / 'summary.json'}")

@@ -82,6 +82,10 @@ def test_training_clock_excludes_compilation_and_finds_the_crossing():
     race = lm_metrics.time_to_adamw_loss(recs)
     assert race["adamw_train_s"] == 4.0 and race["muon_time_to_adamw_final_loss_s"] == 6.0
     assert race["muon_time_to_adamw_final_loss_fraction"] == 1.5
+    # the crossing lies after the evaluation at step 2 (2.5 s, still above AdamW's 2.0)
+    assert lm_metrics.time_to_loss_bracket(muon, 2.0) == (2.5, 6.0)
+    assert race["muon_time_to_adamw_final_loss_after_s"] == 2.5
+    assert race["muon_time_to_adamw_final_loss_fraction_after"] == 2.5 / 4.0
     assert lm_metrics.time_to_adamw_loss(muon) is None
 
 
