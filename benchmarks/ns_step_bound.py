@@ -4,7 +4,7 @@ Newton-Schulz maps each singular value on its own: after Frobenius normalization
 ``x_i = s_i / ||s||_2``, ``T`` steps of odd quintics give ``g(x_i)`` with ``g`` an odd
 polynomial of degree ``5^T``, and the relative Frobenius distance to the polar factor is
 ``sqrt(mean_i (g(x_i) - 1)^2)`` (exact arithmetic; bf16 operands move it by about 1%).
-If ``g`` stays within ``[-B, B]`` on ``[-1, 1]`` (Jordan's 5 steps peak at 1.21),
+If ``g`` stays within ``[-B, B]`` on ``[-1, 1]`` (Jordan's 5 steps peak at 1.20),
 Bernstein's inequality ``|g'(t)| <= 5^T B / sqrt(1 - t^2)`` gives
 ``g(x) <= min(B, 5^T B arcsin(x))``: whatever the coefficients, a singular value far below
 ``1 / 5^T`` cannot reach 1, so
