@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 
+import jax.numpy as jnp
 from jax import lax
 
 from moe.kernels import vma
@@ -56,14 +57,17 @@ def gmm(a, b, gs, *scales, k_major: bool, out_dtype, trim: bool = True):
     return _on_gpu(kernel, emulated, a, b, *split_groups(gs), *scales)
 
 
-def tgmm(a, b, gs, *scales, k_major: bool, out_dtype):
+def tgmm(a, b, gs, *scales, k_major: bool, out_dtype, acc=None):
     """Per-group ``a_g^T @ b_g``: ``a [R, N1]``, ``b [R, N2]`` or K-major ``[N1, R]``,
-    ``[N2, R]``, times ``scales = (s_a [N1], s_b [N2])`` if given. ``gs``: sizes or
+    ``[N2, R]``, times ``scales = (s_a [N1], s_b [N2])`` if given, plus ``acc [G, N1, N2]``
+    (in ``out_dtype``) if given: the kernel adds it in its epilogue. ``gs``: sizes or
     :class:`~moe.kernels.gmm.base.RowGroups`."""
     n1 = a.shape[0] if k_major else a.shape[1]
     n2 = b.shape[0] if k_major else b.shape[1]
+    prior = () if acc is None else (acc,)
 
-    def kernel(varying, a, b, gs, live, *scales):
+    def kernel(varying, a, b, gs, live, *rest):
+        scales, acc = (rest[:-1], rest[-1]) if prior else (rest, None)
         cfg = mosaic_kernel.default_tiling(a.dtype, out_dtype)
         ax = 0 if k_major else 1
         a_p, b_p = pad_to(a, ax, cfg.tile_m), pad_to(b, ax, 2 * cfg.tile_n)
@@ -71,12 +75,21 @@ def tgmm(a, b, gs, *scales, k_major: bool, out_dtype):
         if scales:
             kw = dict(row_scale=pad_to(scales[0], 0, cfg.tile_m),
                       col_scale=pad_to(scales[1], 0, 2 * cfg.tile_n))
+        if acc is not None:
+            kw["acc"] = pad_to(pad_to(acc, 1, cfg.tile_m), 2, 2 * cfg.tile_n)
         out = mosaic_kernel.tgmm(a_p, b_p, gs, k_major=k_major, out_dtype=out_dtype,
                                  tiling=cfg, varying=varying, live_rows=live, **kw)
         return out[:, :n1, :n2] if out.shape[1:] != (n1, n2) else out
 
-    emulated = functools.partial(emulated_tgmm, k_major=k_major, out_dtype=out_dtype)
-    return _on_gpu(kernel, emulated, a, b, *split_groups(gs), *scales)
+    def emulated(a, b, gs, live, *rest):
+        scales, acc = (rest[:-1], rest[-1]) if prior else (rest, None)
+        if acc is None:
+            return emulated_tgmm(a, b, gs, live, *scales, k_major=k_major, out_dtype=out_dtype)
+        # the kernel adds the prior to its f32 accumulator and rounds once
+        out = emulated_tgmm(a, b, gs, live, *scales, k_major=k_major, out_dtype=jnp.float32)
+        return (out + acc.astype(jnp.float32)).astype(out_dtype)
+
+    return _on_gpu(kernel, emulated, a, b, *split_groups(gs), *scales, *prior)
 
 
 MOSAIC = GroupedGemms(

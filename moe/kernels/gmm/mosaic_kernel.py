@@ -188,9 +188,12 @@ def _scaled(acc, row_scale, col_scale, smem, bars, wg):
             * lax.broadcast_in_dim(cs, acc.shape, [1]))
 
 
-def _epilogue(acc, out_smem, out_tile, wg, cfg: MosaicTiling):
-    """Store a compute warpgroup's ``[tile_m, tile_n]`` accumulator into ``out_tile``."""
-    acc = acc.astype(out_smem.dtype)
+def _epilogue(acc, out_smem, out_tile, wg, cfg: MosaicTiling, prior=None):
+    """Store a compute warpgroup's ``[tile_m, tile_n]`` accumulator into ``out_tile``; with
+    ``prior`` (the same tile of an existing output, and the warpgroup's barrier), store
+    ``acc + prior`` instead."""
+    if prior is None:
+        acc = acc.astype(out_smem.dtype)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     per_row = cfg.tile_n // cfg.epi_n
     for i in range(cfg.tile_m // cfg.epi_m):
@@ -199,7 +202,17 @@ def _epilogue(acc, out_smem, out_tile, wg, cfg: MosaicTiling):
             cols = slice(j * cfg.epi_n, (j + 1) * cfg.epi_n)
             slot = (i * per_row + j) % 2
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            out_smem[wg, slot] = acc[rows, cols]
+            part = acc[rows, cols]
+            if prior is not None:
+                # The slot's last store has been read out (the wait above): the prior block
+                # comes in through it, is added in f32 registers and leaves the same way.
+                prior_tile, bar = prior
+                plgpu.copy_gmem_to_smem(prior_tile.at[rows, cols], out_smem.at[wg, slot], bar)
+                plgpu.barrier_wait(bar)
+                before = load(out_smem.at[wg, slot], layout=plgpu.Layout.WGMMA,
+                              optimized=False)
+                part = (part + before.astype(part.dtype)).astype(out_smem.dtype)
+            out_smem[wg, slot] = part
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_tile.at[rows, cols])
 
@@ -209,14 +222,15 @@ def _out_smem(out_dtype, cfg: MosaicTiling):
                       transforms=smem_transforms(cfg.epi_n, out_dtype))
 
 
-def _zero_tile(out_smem, out_tile, wg, cfg: MosaicTiling):
-    """Compute warpgroups store a zero ``[tile_m, tile_n]`` tile (the memory one idles)."""
+def _zero_tile(out_smem, out_tile, wg, cfg: MosaicTiling, prior=None):
+    """Compute warpgroups store a zero ``[tile_m, tile_n]`` tile, or with ``prior`` a copy of
+    the prior tile (the memory one idles)."""
 
     @pl.when(wg < 2)
     def _():
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((cfg.tile_m, cfg.tile_n)))
         def _(acc_ref):
-            _epilogue(acc_ref[...], out_smem, out_tile, wg, cfg)
+            _epilogue(acc_ref[...], out_smem, out_tile, wg, cfg, prior)
 
 
 def k_block(shape: tuple[int, int], k_axis: int, transforms) -> Any:
@@ -241,17 +255,20 @@ def warp_pipeline(body, compute_context, steps, in_specs, cfg: MosaicTiling):
 
 
 class TileScope(NamedTuple):
-    """What every output tile of a kernel uses: its warpgroup's index and the shared memory."""
+    """What every output tile of a kernel uses: its warpgroup's index and the shared memory
+    (``prior_bars``: one barrier per compute warpgroup for the prior output's blocks, when
+    the kernel accumulates into one)."""
 
     wg: jax.Array
     allocs: Any
     out_smem: Any
     scale_smem: Any
     scale_bars: Any
+    prior_bars: Any = None
 
 
 def for_each_tile(loop_shape, alloc_steps, in_specs, alloc_refs, out_dtype, cfg: MosaicTiling,
-                   scaled: bool, tile):
+                   scaled: bool, tile, *, accumulate: bool = False):
     """``tile(index, scope)`` for every index of ``loop_shape``, persistently over the SMs,
     with the pipeline's and the epilogue's shared memory allocated once; then wait for the
     last stores."""
@@ -267,21 +284,24 @@ def for_each_tile(loop_shape, alloc_steps, in_specs, alloc_refs, out_dtype, cfg:
         scale_smem=(plgpu.SMEM((2, cfg.tile_m), jnp.float32),
                     plgpu.SMEM((2, cfg.tile_n), jnp.float32)) if scaled else None,
         scale_bars=plgpu.Barrier(num_barriers=4) if scaled else None,
+        prior_bars=plgpu.Barrier(num_barriers=2) if accumulate else None,
         collective_axes="wg",
     )
-    def _scope(allocs, out_smem, scale_smem, scale_bars):
+    def _scope(allocs, out_smem, scale_smem, scale_bars, prior_bars):
         wg = lax.axis_index("wg")
 
         @plgpu.nd_loop(loop_shape, collective_axes="sm")
         def _tiles(info):
-            tile(info.index, TileScope(wg, allocs, out_smem, scale_smem, scale_bars))
+            tile(info.index, TileScope(wg, allocs, out_smem, scale_smem, scale_bars,
+                                       prior_bars))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def tile_context(scope: TileScope, out_tile, scale_refs, cfg: MosaicTiling):
+def tile_context(scope: TileScope, out_tile, scale_refs, cfg: MosaicTiling, prior_tile=None):
     """The compute warpgroups' context: accumulate the pipeline in f32 registers, multiply by
-    ``scale_refs()`` (row and column scale refs; None: unscaled), store into ``out_tile``."""
+    ``scale_refs()`` (row and column scale refs; None: unscaled), add ``prior_tile`` (a ref,
+    or None), store into ``out_tile``."""
 
     def compute_context(eval_pipeline):
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((cfg.tile_m, cfg.tile_n)))
@@ -290,7 +310,9 @@ def tile_context(scope: TileScope, out_tile, scale_refs, cfg: MosaicTiling):
             acc = acc_ref[...]
             if scale_refs is not None:
                 acc = _scaled(acc, *scale_refs(), scope.scale_smem, scope.scale_bars, scope.wg)
-            _epilogue(acc, scope.out_smem, out_tile, scope.wg, cfg)
+            prior = None if prior_tile is None else (prior_tile,
+                                                     scope.prior_bars.at[scope.wg])
+            _epilogue(acc, scope.out_smem, out_tile, scope.wg, cfg, prior)
 
     return compute_context
 
@@ -433,8 +455,11 @@ def gmm(
 
 
 def _tgmm_body(start_tile, num_tiles, a_gmem, b_gmem, *rest, cfg: MosaicTiling,
-               k_major: bool, scaled: bool):
-    row_s, col_s, out_gmem = rest if scaled else (None, None, rest[0])
+               k_major: bool, scaled: bool, accumulate: bool):
+    rest = list(rest)
+    out_gmem = rest.pop()
+    prior_gmem = rest.pop() if accumulate else None
+    row_s, col_s = rest if scaled else (None, None)
     n_groups, n1, n2 = out_gmem.shape
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
     cta_n = 2 * tn
@@ -457,11 +482,13 @@ def _tgmm_body(start_tile, num_tiles, a_gmem, b_gmem, *rest, cfg: MosaicTiling,
         n_sl = pl.ds(ni * cta_n, cta_n)
         wg_n = pl.ds(scope.wg * tn, tn)
         out_tile = out_gmem.at[g, m_sl, n_sl].at[:, wg_n]
+        prior_tile = None if prior_gmem is None else prior_gmem.at[g, m_sl, n_sl].at[:, wg_n]
 
         def scale_refs():
             return row_s.at[m_sl], col_s.at[n_sl].at[wg_n]
 
-        compute_context = tile_context(scope, out_tile, scale_refs if scaled else None, cfg)
+        compute_context = tile_context(scope, out_tile, scale_refs if scaled else None, cfg,
+                                       prior_tile)
 
         def mma(idxs, a_smem, b_smem, acc_ref):
             del idxs
@@ -482,11 +509,13 @@ def _tgmm_body(start_tile, num_tiles, a_gmem, b_gmem, *rest, cfg: MosaicTiling,
             pipeline(a_rows, b_rows, allocations=scope.allocs)
 
         @pl.when(steps == 0)
-        def _():
-            _zero_tile(scope.out_smem, out_tile, scope.wg, cfg)  # scales do not change a zero
+        def _():  # scales do not change a zero; a prior output is copied
+            _zero_tile(scope.out_smem, out_tile, scope.wg, cfg,
+                       None if prior_tile is None else (prior_tile,
+                                                        scope.prior_bars.at[scope.wg]))
 
     for_each_tile((n_groups, m_iters * n_iters), 2 * cfg.stages, in_specs, (a_gmem, b_gmem),
-                   out_gmem.dtype, cfg, scaled, tile)
+                   out_gmem.dtype, cfg, scaled, tile, accumulate=accumulate)
 
 
 def contraction_tiles(group_sizes: jax.Array, rows: int, tile_k: int,
@@ -516,8 +545,9 @@ def tgmm(
     row_scale: jax.Array | None = None,
     col_scale: jax.Array | None = None,
     live_rows: jax.Array | None = None,
+    acc: jax.Array | None = None,
 ) -> jax.Array:
-    """Per-group ``a_g^T @ b_g`` on the tile-aligned layout: ``[G, N1, N2]``.
+    """Per-group ``a_g^T @ b_g`` on the tile-aligned layout: ``[G, N1, N2]``, plus ``acc``.
 
     ``a [M, N1]``, ``b [M, N2]`` (rows grouped by ``group_sizes``), or their K-major copies
     ``a [N1, M]``, ``b [N2, M]`` with ``k_major=True`` (required for FP8). Group sizes must
@@ -527,6 +557,10 @@ def tgmm(
     epilogue: ``out[g, i, j] = acc[g, i, j] * row_scale[i] * col_scale[j]``.
     ``live_rows [G]`` (optional): as in :func:`gmm`; the contraction stops after the tiles
     holding group ``g``'s first ``live_rows[g]`` rows (the rest are zero in ``a`` or ``b``).
+    ``acc [G, N1, N2]`` in ``out_dtype`` (optional): added in the epilogue (after the
+    scales), ``out = acc + a_g^T @ b_g``; an empty group gives ``acc[g]``. One kernel reads it
+    where an add after the kernel would read both outputs and write a third: the weight
+    gradients of several token chunks accumulate this way.
     """
     cfg = tiling or default_tiling(a.dtype, out_dtype)
     n1, rows = (a.shape if k_major else a.shape[::-1])
@@ -546,8 +580,14 @@ def tgmm(
     if scaled and (row_scale.shape != (n1,) or col_scale.shape != (n2,)):
         raise ValueError(f"tgmm: row_scale must be [{n1}] and col_scale [{n2}]; got "
                          f"{row_scale.shape}, {col_scale.shape}.")
-    body = functools.partial(_tgmm_body, cfg=cfg, k_major=k_major, scaled=scaled)
+    accumulate = acc is not None
+    if accumulate and (acc.shape != (n_groups, n1, n2) or acc.dtype != jnp.dtype(out_dtype)):
+        raise ValueError(f"tgmm: acc must be [{n_groups}, {n1}, {n2}] {jnp.dtype(out_dtype)} "
+                         f"(the output's shape and dtype); got {acc.shape} {acc.dtype}.")
+    body = functools.partial(_tgmm_body, cfg=cfg, k_major=k_major, scaled=scaled,
+                             accumulate=accumulate)
     kernel = persistent_kernel(body, (n_groups, n1, n2), out_dtype, varying,
                      kernel_name("tgmm", a.dtype, n_groups))
     scales = (row_scale.astype(jnp.float32), col_scale.astype(jnp.float32)) if scaled else ()
-    return vma.as_varying(kernel(start_tile, num_tiles, a, b, *scales), varying)
+    prior = (acc,) if accumulate else ()
+    return vma.as_varying(kernel(start_tile, num_tiles, a, b, *scales, *prior), varying)
