@@ -230,10 +230,14 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra: LocalInputs, *,
             fp8_block_size=options.fp8_block_size, group_alignment=align, buckets=first))(
             jnp.stack(chunk_ids))
         plans = [jax.tree.map(lambda a, c=c: a[c], batched) for c in range(chunks)]
+    chained = banks
     for c in range(chunks):
         part = slice(c * tc, (c + 1) * tc)
-        y_c, plan = body(x[part], chunk_ids[c], r.weights[part], banks, buckets=first,
-                         plan=plans[c])
+        # Each chunk but the last passes the banks on to the next, so that in the backward
+        # (chunks in reverse) a chunk's weight-gradient GEMMs start from the later chunks'
+        # sum instead of XLA adding one full bank per chunk.
+        y_c, plan, chained = body(x[part], chunk_ids[c], r.weights[part], chained,
+                                  buckets=first, plan=plans[c], chain=c < chunks - 1)
         if c == 0 and shared is not None:
             ys_shared = _shared_experts(x, shared, gate, options, x.dtype)
             if mask is not None:

@@ -30,7 +30,7 @@ from moe.dispatch import DispatchPlan, WireRows, dispatch_apply
 from moe.dispatch import combine as combine_fn
 from moe.options import DispatchOptions, MoEOptions
 
-__all__ = ["Banks", "chunk_experts", "local_experts", "overflow_experts",
+__all__ = ["Banks", "ChunkOutput", "chunk_experts", "local_experts", "overflow_experts",
            "overflow_token_counts"]
 
 
@@ -48,36 +48,62 @@ class Banks(NamedTuple):
     bias: tuple[jax.Array, jax.Array] | None = None
 
 
+class ChunkOutput(NamedTuple):
+    """What :func:`chunk_experts` returns.
+
+    Attributes:
+      y: ``[T, d]`` the chunk's tokens' outputs, in their dtype.
+      plan: the chunk's dispatch plan.
+      banks: the expert weights for the next chunk to take: passed through this chunk's
+        experts when it chains them (their gradient then accumulates in this chunk's
+        weight-gradient GEMMs), else the banks it was given.
+    """
+
+    y: jax.Array
+    plan: DispatchPlan
+    banks: Banks
+
+
 def local_experts(ex: jax.Array, group_sizes: jax.Array, banks: Banks, options: MoEOptions,
                   ex_wire: WireRows | None, group_alignment: int | None,
-                  combine: _experts.CombineArgs) -> jax.Array:
+                  combine: _experts.CombineArgs, *, chain: bool = False
+                  ) -> tuple[jax.Array, Banks]:
     """The local experts on the layout ``dispatch`` produced (padded ``[E, C, d]`` or ragged,
     aligned to ``group_alignment``; ``ex_wire``: ragged ``ex``'s FP8 wire rows, which the FP8
-    forward GEMM reads), combined back to the tokens: ``[T, d]``."""
+    forward GEMM reads), combined back to the tokens: ``([T, d], banks)``, the banks passed
+    through the experts' custom VJP when ``chain`` (``experts_apply(chain_weights=True)``), else
+    as they came."""
     eo = options.experts
     bgu, bd = banks.bias if banks.bias is not None else (None, None)
     if ex.ndim == 3 and eo.backend in ("ragged_dot", "triton"):  # 2-D GEMMs
         e_local, c, d = ex.shape
         full = jnp.full((e_local,), c, dtype=jnp.int32)
-        ey = _experts.experts_apply(
+        out = _experts.experts_apply(
             ex.reshape(e_local * c, d), full, banks.w_gate_up, banks.w_down, bgu, bd,
-            options=eo, fp8_block_size=options.fp8_block_size).reshape(e_local, c, -1)
-        return combine_fn(ey, combine.weights, combine.plan,
-                          combine_grad_dtype=combine.grad_dtype)
-    # The dense layout interleaves padding per source (row p * C + r), so its valid rows are
-    # not a prefix: run every row (padding rows are zero and are never read back by combine).
-    # ('mosaic' takes the padded layout itself: slots as rows, no gathers.)
-    sizes = None if ex.ndim == 3 else group_sizes
-    return _experts.experts_apply(ex, sizes, banks.w_gate_up, banks.w_down, bgu, bd,
-                                  options=eo, fp8_block_size=options.fp8_block_size,
-                                  group_alignment=group_alignment, x_wire=ex_wire,
-                                  combine=combine)
+            options=eo, fp8_block_size=options.fp8_block_size, chain_weights=chain)
+        ey, weights = out if chain else (out, None)
+        y = combine_fn(ey.reshape(e_local, c, -1), combine.weights, combine.plan,
+                       combine_grad_dtype=combine.grad_dtype)
+    else:
+        # The dense layout interleaves padding per source (row p * C + r), so its valid rows
+        # are not a prefix: run every row (padding rows are zero and are never read back by
+        # combine). ('mosaic' takes the padded layout itself: slots as rows, no gathers.)
+        sizes = None if ex.ndim == 3 else group_sizes
+        out = _experts.experts_apply(
+            ex, sizes, banks.w_gate_up, banks.w_down, bgu, bd, options=eo,
+            fp8_block_size=options.fp8_block_size, group_alignment=group_alignment,
+            x_wire=ex_wire, combine=combine, chain_weights=chain)
+        y, weights = out if chain else (out, None)
+    if not chain:  # the banks as they came: autodiff sums this call's gradient into them
+        return y, banks
+    return y, Banks(*weights, banks.bias)
 
 
 def chunk_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, banks: Banks, *,
                   options: MoEOptions, dispatch_options: DispatchOptions, num_experts: int,
                   group_alignment: int | None, with_wire: bool,
-                  buckets: tuple[int, ...] | None = None, plan: DispatchPlan | None = None):
+                  buckets: tuple[int, ...] | None = None, plan: DispatchPlan | None = None,
+                  chain: bool = False) -> ChunkOutput:
     """One chunk: ``y = combine(experts(dispatch(x, expert_ids)), weights)``.
 
     Args:
@@ -93,23 +119,26 @@ def chunk_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, banks
       buckets: the dropless exchange's buckets (None: the options').
       plan: the chunk's dispatch plan, built beforehand (:func:`moe.dispatch.plan_dispatch`;
         None: built here).
+      chain: pass the banks through the experts (:class:`ChunkOutput`); every chunk but the
+        last does, so that the backward's weight gradients accumulate from chunk to chunk.
 
     Returns:
-      ``(y [T, d] in x's dtype, plan)``.
+      A :class:`ChunkOutput`.
 
     Example:
       >>> # inside jax.shard_map over the expert axis, as moe.layer runs each chunk:
-      >>> # y, plan = chunk_experts(x, ids, weights, Banks(w_gate_up, w_down), options=opts,
-      >>> #     dispatch_options=opts.dispatch, num_experts=8, group_alignment=None,
-      >>> #     with_wire=False)
+      >>> # y, plan, banks = chunk_experts(x, ids, weights, Banks(w_gate_up, w_down),
+      >>> #     options=opts, dispatch_options=opts.dispatch, num_experts=8,
+      >>> #     group_alignment=None, with_wire=False, chain=True)
     """
     ex, wire, group_sizes, plan = dispatch_apply(
         x, expert_ids, num_experts=num_experts, options=dispatch_options,
         fp8_block_size=options.fp8_block_size, group_alignment=group_alignment,
         with_wire=with_wire, buckets=buckets, plan=plan)
     combine = _experts.CombineArgs(weights, plan, dispatch_options.combine_grad_dtype)
-    y = local_experts(ex, group_sizes, banks, options, wire, group_alignment, combine)
-    return y.astype(x.dtype), plan
+    y, banks = local_experts(ex, group_sizes, banks, options, wire, group_alignment, combine,
+                             chain=chain)
+    return ChunkOutput(y.astype(x.dtype), plan, banks)
 
 
 # An overflow step runs the overflow pass on the tokens that have a slot past the first

@@ -43,6 +43,7 @@ from moe.dispatch import combine as _combine
 from moe.experts import fp8_gemm, fused_combine
 from moe.experts.vjp import Call
 from moe.experts.vjp import experts as _experts
+from moe.experts.vjp import experts_chained as _experts_chained
 from moe.kernels.gmm import api as gmm_api
 from moe.kernels.gmm.api import auto_backend, check_backend_available
 from moe.options import (
@@ -155,26 +156,36 @@ def _wire_rows(x_wire: WireRows, index=None) -> tuple[jax.Array, jax.Array]:
     return fp8_gemm.rows_from_wire(rows, width, block_size, index)
 
 
+def _call(opts: Call, x, gs, w_gate_up, w_down, b_gate_up, x_q=None, *, chain: bool):
+    """``(y, (w_gate_up, w_down))``: the experts' custom VJP, with the weights passed through
+    it when ``chain`` (`moe.experts.vjp.experts_chained`), else as they came."""
+    if chain:
+        y, w_gate_up, w_down = _experts_chained(opts, x, gs, w_gate_up, w_down, b_gate_up, x_q)
+        return y, (w_gate_up, w_down)
+    return _experts(opts, x, gs, w_gate_up, w_down, b_gate_up, x_q), (w_gate_up, w_down)
+
+
 def _aligned_call(opts: Call, x, gs, w_gate_up, w_down, b_gate_up, alignment: int,
-                  x_wire=None):
+                  x_wire=None, *, chain: bool = False):
     """Runs a backend that needs tile-aligned groups on plain ragged x: rows are gathered into
     the aligned layout and the outputs gathered back (row gathers both ways). With ``x_wire``
-    the FP8 GEMMs read x's rows gathered from its one-byte wire rows instead."""
+    the FP8 GEMMs read x's rows gathered from its one-byte wire rows instead. Returns
+    ``(y, weights)`` (:func:`_call`)."""
     src, dst, padded = gmm_api.align_map(gs, x.shape[0], alignment)
     # No mask: src gathers only real rows (padding rows of the aligned layout are filled with
     # zeros) and the cotangent's gather by dst gives zero to x's padding rows.
     x_al = _permute_rows(x, src, dst)
     x_q = None if x_wire is None else _wire_rows(x_wire, src)
-    y_al = _experts(opts, x_al, padded, w_gate_up, w_down, b_gate_up, x_q)
-    return _permute_rows(y_al, dst, src)
+    y_al, banks = _call(opts, x_al, padded, w_gate_up, w_down, b_gate_up, x_q, chain=chain)
+    return _permute_rows(y_al, dst, src), banks
 
 
-def _padded_on_rows(opts: Call, x, gs, w_gate_up, w_down, b_gate_up):
+def _padded_on_rows(opts: Call, x, gs, w_gate_up, w_down, b_gate_up, *, chain: bool = False):
     """Padded ``x [E, C, d]`` on the ragged-layout 'mosaic' kernels: the slots as rows, ``C``
     (rounded up to the 128-row tile) rows per expert, the padding slots zeroed going in and
     coming out (so their cotangents are zero too). The kernels skip the row tiles past an
     expert's filled slots (`moe.kernels.gmm.api.RowGroups`): an under-filled capacity costs only the
-    tiles its tokens occupy."""
+    tiles its tokens occupy. Returns ``(y, weights)`` (:func:`_call`)."""
     n_exp, cap, d = x.shape
     cap_al = -(-cap // gmm_api.GROUP_ALIGNMENT) * gmm_api.GROUP_ALIGNMENT
     if cap_al != cap:
@@ -187,11 +198,12 @@ def _padded_on_rows(opts: Call, x, gs, w_gate_up, w_down, b_gate_up):
         x = jnp.where(valid, x, jnp.zeros((), x.dtype))
         groups = gmm_api.RowGroups(full, live)
     rows_opts = dataclasses.replace(opts, mask_rows=False)
-    y = _experts(rows_opts, x.reshape(n_exp * cap_al, d), groups, w_gate_up, w_down, b_gate_up)
+    y, banks = _call(rows_opts, x.reshape(n_exp * cap_al, d), groups, w_gate_up, w_down,
+                     b_gate_up, chain=chain)
     y = y.reshape(n_exp, cap_al, d)
     if valid is not None:
         y = jnp.where(valid, y, jnp.zeros((), y.dtype))
-    return y[:, :cap] if cap_al != cap else y
+    return (y[:, :cap] if cap_al != cap else y), banks
 
 
 def _bias_epilogue(y, b_down, real_gs, layout_gs, *, masked: bool, aligned: bool):
@@ -343,7 +355,8 @@ def experts_apply(
     group_alignment: int | None = None,
     x_wire: WireRows | None = None,
     combine: CombineArgs | None = None,
-) -> jax.Array:
+    chain_weights: bool = False,
+) -> jax.Array | tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """:func:`gated_experts` with its options as one :class:`moe.ExpertOptions` (the layer's
     ``MoEOptions.experts``; the routed-expert fields are read, the shared-expert ones are the
     layer's), optionally reading x's FP8 wire rows and combining the outputs.
@@ -359,9 +372,15 @@ def experts_apply(
         (:func:`moe.combine`): then the tokens' outputs ``[T, d_model]`` are returned; with
         one device on the expert axis and FP8 gradient GEMMs, experts and combine run as one
         custom VJP (`moe.experts.fused_combine`).
+      chain_weights: also return ``(w_gate_up, w_down)`` passed through the call, for the
+        next call on other tokens to take (the layer's chunks): their cotangent then comes
+        back into this call's backward, whose weight-gradient GEMMs add it to their own (in
+        the 'mosaic' kernel itself) instead of XLA adding two banks. The fused-combine path
+        passes them through untouched (XLA adds there).
 
     Returns:
-      y like x, or with ``combine`` the tokens' outputs.
+      y like x, or with ``combine`` the tokens' outputs; with ``chain_weights``,
+      ``(y, (w_gate_up, w_down))``.
 
     Example:
       >>> import jax.numpy as jnp
@@ -392,22 +411,29 @@ def experts_apply(
     if x.ndim == 2 and group_alignment is not None:
         group_sizes = -(-jnp.maximum(group_sizes, 0) // group_alignment) * group_alignment
     need = gmm_api.GROUP_ALIGNMENT
+    chain = chain_weights  # the internal paths' keyword
+
+    def done(y, banks):
+        return (y, banks) if chain_weights else y
+
     if x.ndim == 3 and resolved == "mosaic":
-        y = _padded_on_rows(opts, x, real_gs, w_gate_up, w_down, b_gate_up)
+        y, banks = _padded_on_rows(opts, x, real_gs, w_gate_up, w_down, b_gate_up, chain=chain)
     elif gmm_api.IMPLEMENTATIONS[resolved].aligned and (group_alignment or 1) % need:
-        y = _aligned_call(opts, x, group_sizes, w_gate_up, w_down, b_gate_up, need, x_wire)
+        y, banks = _aligned_call(opts, x, group_sizes, w_gate_up, w_down, b_gate_up, need,
+                                 x_wire, chain=chain)
     else:
         x_q = None if x_wire is None else _wire_rows(x_wire)
         if (combine is not None and b_gate_up is None and b_down is None
                 and fused_combine.applies(opts, combine.plan, combine.grad_dtype)):
             weights = movement.vary_like(combine.weights, x, combine.plan)
-            return fused_combine.experts_combine(opts, combine.grad_dtype, x, group_sizes,
-                                                    w_gate_up, w_down, x_q, weights,
-                                                    combine.plan)
-        y = _experts(opts, x, group_sizes, w_gate_up, w_down, b_gate_up, x_q)
+            return done(fused_combine.experts_combine(opts, combine.grad_dtype, x, group_sizes,
+                                                         w_gate_up, w_down, x_q, weights,
+                                                         combine.plan), (w_gate_up, w_down))
+        y, banks = _call(opts, x, group_sizes, w_gate_up, w_down, b_gate_up, x_q, chain=chain)
     if b_gate_up is not None or b_down is not None:
         y = _bias_epilogue(y, b_down, real_gs, group_sizes, masked=opts.mask_rows,
                            aligned=x.ndim == 2 and group_alignment is not None)
     if combine is None:
-        return y
-    return _combine(y, combine.weights, combine.plan, combine_grad_dtype=combine.grad_dtype)
+        return done(y, banks)
+    return done(_combine(y, combine.weights, combine.plan,
+                         combine_grad_dtype=combine.grad_dtype), banks)

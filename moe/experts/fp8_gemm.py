@@ -162,11 +162,16 @@ def dgrad(ops: gmm_api.GroupedGemms, precision: str, g, w, gs, out_dtype, *,
     return ops.dgrad(g, w.astype(g.dtype), gs, out_dtype)
 
 
-def wgrad(ops: gmm_api.GroupedGemms, precision: str, a, g, gs, out_dtype) -> jax.Array:
+def wgrad(ops: gmm_api.GroupedGemms, precision: str, a, g, gs, out_dtype,
+          acc: jax.Array | None = None) -> jax.Array:
     """``a_e^T @ g_e`` per group (the weight gradient ``[E, K, N]``), bf16 or FP8 (``a`` and
     ``g`` may be row-quantized pairs; their transposed payloads with the row scales folded in,
-    :func:`wgrad_operands`)."""
+    :func:`wgrad_operands`), plus ``acc`` (``[E, K, N]`` in ``out_dtype``) if given: added by
+    the kernel where the backend's does (``GroupedGemms.accumulates``), else after it."""
+    kw = {"acc": acc} if acc is not None and ops.accumulates else {}
     if precision == "fp8":
         a_t, g_t, s_a, s_g = wgrad_operands(a, g)
-        return ops.tmm8(a_t, g_t, gs, out_dtype, s_a, s_g)
-    return ops.wgrad(a, g, gs, out_dtype)
+        out = ops.tmm8(a_t, g_t, gs, out_dtype, s_a, s_g, **kw)
+    else:
+        out = ops.wgrad(a, g, gs, out_dtype, **kw)
+    return out if acc is None or kw else out + acc

@@ -22,7 +22,7 @@ from moe.kernels.gmm import api as gmm_api
 from moe.kernels.quant import api as quant_api
 from moe.options import ExpertOptions
 
-__all__ = ["Call", "backward", "experts", "forward"]
+__all__ = ["Call", "backward", "experts", "experts_chained", "forward"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,8 +48,8 @@ def _matmul_t(opts: Call, a, w, gs, out_dtype, *, trim: bool = True):
                            trim=trim)
 
 
-def _wgrad(opts: Call, a, g, gs, out_dtype):
-    return fp8_gemm.wgrad(_gemms(opts), opts.experts.wgrad_dtype, a, g, gs, out_dtype)
+def _wgrad(opts: Call, a, g, gs, out_dtype, acc=None):
+    return fp8_gemm.wgrad(_gemms(opts), opts.experts.wgrad_dtype, a, g, gs, out_dtype, acc)
 
 
 def _gate_up(opts: Call, x, gs: jax.Array, w_gate_up: jax.Array,
@@ -168,11 +168,37 @@ def _experts_bwd(opts: Call, res, dy):
     return backward(opts, res, dy, dy.dtype)
 
 
-def backward(opts: Call, res, dy, dtype, dy_q=None):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def experts_chained(opts: Call, x, gs, w_gate_up, w_down, b_gate_up, x_q=None):
+    """``(experts(...), w_gate_up, w_down)``: the weights pass through, so that a later call
+    (the layer's next chunk) takes them from here and their cotangent comes back into this
+    call's backward, whose weight-gradient GEMMs add it to their own (in the kernel where the
+    backend's does: `moe.kernels.gmm.base.GroupedGemms.accumulates`) instead of XLA adding
+    the two banks afterwards."""
+    return experts(opts, x, gs, w_gate_up, w_down, b_gate_up, x_q), w_gate_up, w_down
+
+
+def _chained_fwd(opts: Call, x, gs, w_gate_up, w_down, b_gate_up, x_q=None):
+    y, res = _experts_fwd(opts, x, gs, w_gate_up, w_down, b_gate_up, x_q)
+    return (y, w_gate_up, w_down), res
+
+
+def _chained_bwd(opts: Call, res, cts):
+    dy, d_gate_up, d_down = cts
+    return backward(opts, res, dy, dy.dtype, acc=(d_gate_up, d_down))
+
+
+experts_chained.defvjp(_chained_fwd, _chained_bwd)
+
+
+def backward(opts: Call, res, dy, dtype, dy_q=None, acc=None):
     """The backward from :func:`forward`'s residuals ``res`` and y's cotangent ``dy`` (of
     ``dtype``, y's), or with FP8 data- and weight-gradient GEMMs only its row-quantized pair
     ``dy_q`` (``dy`` None; zero on padding rows), made where ``dy`` is gathered
-    (`moe.experts.fused_combine`). Returns the cotangents of ``experts``' arguments."""
+    (`moe.experts.fused_combine`). ``acc``: None, or ``(d_gate_up, d_down)`` that the weight
+    gradients are added to (:func:`experts_chained`). Returns the cotangents of ``experts``'
+    arguments."""
+    acc_gate_up, acc_down = (None, None) if acc is None else acc
     x, gs, w_gate_up, w_down, b_gate_up, z_saved, h, w_dgrad = res
     w_gu_t, w_d_t = (w_gate_up, w_down) if w_dgrad is None else w_dgrad
     if not isinstance(x, tuple):
@@ -206,7 +232,7 @@ def backward(opts: Call, res, dy, dtype, dy_q=None):
     elif h is None:
         h = opts.experts.activation.apply(z).astype(dtype)
     with jax.named_scope("experts_down_wgrad"):
-        dw_down = _wgrad(opts, h, dy_q if fp8_wgrad else dy, gs, w_down.dtype)
+        dw_down = _wgrad(opts, h, dy_q if fp8_wgrad else dy, gs, w_down.dtype, acc_down)
     if dz_kernel:
         # dz quantized (and in the compute dtype if a bf16 GEMM reads it) from one read of z
         # and dh.
@@ -222,7 +248,8 @@ def backward(opts: Call, res, dy, dtype, dy_q=None):
     with jax.named_scope("experts_gate_up_dgrad"):
         dx = _matmul_t(opts, dz_q if fp8_dgrad else dz, w_gu_t, gs, dtype)
     with jax.named_scope("experts_gate_up_wgrad"):
-        dw_gate_up = _wgrad(opts, x, dz_q if fp8_wgrad else dz, gs, w_gate_up.dtype)
+        dw_gate_up = _wgrad(opts, x, dz_q if fp8_wgrad else dz, gs, w_gate_up.dtype,
+                            acc_gate_up)
     return (
         dx,  # zero on padding rows: dy is masked, so dz is zero there
         None,

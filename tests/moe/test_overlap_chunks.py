@@ -61,11 +61,16 @@ CASES = [
     ((1, 8), dict(transport="dense", dispatch_dtype="fp8", combine_grad_dtype="fp8"), 4),
     ((2, 4), dict(transport="dropless"), 4),
     ((1, 8), dict(transport="dropless", dispatch_dtype="fp8", combine_grad_dtype="fp8"), 2),
+    # the 'mosaic' GEMMs (their XLA emulation on the CPU) add the next chunk's weight
+    # gradient in the weight-gradient GEMM itself
+    ((2, 4), dict(transport="dense", backend="mosaic"), 4),
+    ((1, 8), dict(transport="dropless", backend="mosaic"), 2),
 ]
 
 
 @pytest.mark.parametrize("mesh_shape,options,chunks", CASES,
-                         ids=["dense", "dense-fp8", "dropless", "dropless-fp8"])
+                         ids=["dense", "dense-fp8", "dropless", "dropless-fp8", "dense-mosaic",
+                              "dropless-mosaic"])
 def test_chunked_layer_equals_the_unchunked_one(mesh_shape, options, chunks):
     one = _run(mesh_shape, 1, **options)
     many = _run(mesh_shape, chunks, **options)
@@ -124,6 +129,44 @@ def test_each_chunk_runs_its_own_exchanges():
                             for line in compiled.as_text().splitlines())
     assert counts[2] == 2 * counts[1] and counts[1] >= 4, counts
     assert gathers[2] == gathers[1] >= 1 and sorts[2] == sorts[1] == 1, (gathers, sorts)
+
+
+def test_chunks_accumulate_the_weight_gradients_in_the_kernel():
+    """Lowered for CUDA ('mosaic' GEMMs, bf16, dense transport): the unchunked layer's
+    backward adds no expert bank; the 2-chunk one adds none either (its first chunk's
+    weight-gradient kernels start from the second chunk's), where summing the chunks'
+    gradients adds each bank once. (The pipelined dropless layer's overflow pass, a
+    conditional of its own, still adds its gradient to the chunks'.)"""
+    transport = "dense"
+    from _cuda_export import cuda_mesh, export_for_cuda
+
+    e_local, d, f = 4, 256, 128
+    mesh = cuda_mesh((1, 2), ("data", "expert"))
+    bank_types = (f"tensor<{e_local}x{d}x{2 * f}xbf16>", f"tensor<{e_local}x{f}x{d}xbf16>")
+
+    def bank_adds(chunks):
+        opts = moe.MoEOptions.create(2 * e_local, K, transport=transport, backend="mosaic",
+                                     overlap_chunks=chunks)
+
+        def loss(x, router, w_gate_up, w_down):
+            y, _ = moe.moe_apply(x, router, w_gate_up, w_down, options=opts, mesh=mesh)
+            return jnp.sum(y.astype(jnp.float32))
+
+        def sds(shape, dtype, spec):
+            return jax.ShapeDtypeStruct(shape, dtype,
+                                        sharding=jax.sharding.NamedSharding(mesh, spec))
+
+        P = jax.sharding.PartitionSpec
+        text = export_for_cuda(
+            jax.grad(loss, argnums=(2, 3)), sds((2, 2048, d), jnp.bfloat16, P("expert")),
+            sds((d, 2 * e_local), jnp.float32, P()),
+            sds((2 * e_local, d, 2 * f), jnp.bfloat16, P("expert")),
+            sds((2 * e_local, f, d), jnp.bfloat16, P("expert")))
+        return sum(1 for ln in text.splitlines()
+                   if "stablehlo.add" in ln and any(f": {t} " in ln for t in bank_types))
+
+    assert bank_adds(1) == 0
+    assert bank_adds(2) == 0
 
 
 def test_overlap_chunks_is_validated():

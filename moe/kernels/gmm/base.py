@@ -46,6 +46,9 @@ class GroupedGemms:
     mm8: Callable[..., jax.Array]
     tmm8: Callable[..., jax.Array]
     aligned: bool = False  # needs every group a multiple of GROUP_ALIGNMENT rows
+    # wgrad and tmm8 take acc= (an existing output [G, N1, N2] in out_dtype) and add it in
+    # the kernel; elsewhere the caller adds (moe.experts.fp8_gemm.wgrad).
+    accumulates: bool = False
 
 
 class RowGroups(NamedTuple):
