@@ -411,16 +411,16 @@ def experts_apply(
     if x.ndim == 2 and group_alignment is not None:
         group_sizes = -(-jnp.maximum(group_sizes, 0) // group_alignment) * group_alignment
     need = gmm_api.GROUP_ALIGNMENT
-    chain = chain_weights  # the internal paths' keyword
 
     def done(y, banks):
         return (y, banks) if chain_weights else y
 
     if x.ndim == 3 and resolved == "mosaic":
-        y, banks = _padded_on_rows(opts, x, real_gs, w_gate_up, w_down, b_gate_up, chain=chain)
+        y, banks = _padded_on_rows(opts, x, real_gs, w_gate_up, w_down, b_gate_up,
+                                   chain=chain_weights)
     elif gmm_api.IMPLEMENTATIONS[resolved].aligned and (group_alignment or 1) % need:
         y, banks = _aligned_call(opts, x, group_sizes, w_gate_up, w_down, b_gate_up, need,
-                                 x_wire, chain=chain)
+                                 x_wire, chain=chain_weights)
     else:
         x_q = None if x_wire is None else _wire_rows(x_wire)
         if (combine is not None and b_gate_up is None and b_down is None
@@ -429,7 +429,8 @@ def experts_apply(
             return done(fused_combine.experts_combine(opts, combine.grad_dtype, x, group_sizes,
                                                          w_gate_up, w_down, x_q, weights,
                                                          combine.plan), (w_gate_up, w_down))
-        y, banks = _call(opts, x, group_sizes, w_gate_up, w_down, b_gate_up, x_q, chain=chain)
+        y, banks = _call(opts, x, group_sizes, w_gate_up, w_down, b_gate_up, x_q,
+                         chain=chain_weights)
     if b_gate_up is not None or b_down is not None:
         y = _bias_epilogue(y, b_down, real_gs, group_sizes, masked=opts.mask_rows,
                            aligned=x.ndim == 2 and group_alignment is not None)
