@@ -3,7 +3,8 @@ how long one collective transfers on a GPU, from its shapes and a few measured r
 
 * compute: a dot, convolution, cuBLAS GEMM, a fusion holding dots, or a Mosaic GPU GEMM
   (``custom-call`` whose shapes read as a grouped GEMM) takes ``max(FLOPs / GEMM rate, bytes /
-  HBM bandwidth)`` (the FP8 rate when both operands are 8-bit); everything else ``bytes / HBM
+  HBM bandwidth)`` (the FP8 rate when both operands are 8-bit; a kernel under a
+  `TILES_SCOPE` named scope, that share of the FLOPs); everything else ``bytes / HBM
   bandwidth``, bytes being the operands read plus the results written. An operand that only
   feeds a gather, slice or dynamic-slice inside a fusion counts as what is read of it (at most
   the result's size); an in-place ``dynamic-update-slice`` moves its update only; an async
@@ -40,6 +41,7 @@ from xla_comm import hlo, parse
 __all__ = [
     "INTER_HOST_GBPS",
     "MEASURED_LINK_GBPS",
+    "TILES_SCOPE",
     "Cost",
     "Hardware",
     "collective_attrs",
@@ -108,6 +110,11 @@ _BACKEND_RE = re.compile(r"backend_config=(\{.*\})")
 _MESH_GROUPS_RE = re.compile(
     r"replica_groups=mesh\[([^\]]*)\](,\s*device_ids=[^{]*)?\s*\{([^}]*)\}")
 _MESH_AXIS_RE = re.compile(r"'([^']+)'=(\d+)")
+TILES_SCOPE = "tiles_{written}_of_{total}"
+"""The ``jax.named_scope`` by which a kernel that computes ``written`` of its product's
+``total`` output tiles (e.g. the upper triangle of a symmetric product) tells the cost model
+its share: a custom call whose ``op_name`` holds it is charged that share of its GEMM FLOPs."""
+_TILES_RE = re.compile(r'op_name="[^"]*\btiles_(\d+)_of_(\d+)\b')
 
 
 def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -176,10 +183,17 @@ def _grouped_gemm_flops(operands: list[tuple[int, ...]], out: tuple[int, ...],
                         rows: int | None = None) -> float:
     """A Mosaic GPU grouped GEMM's FLOPs from its shapes, or 0 if they do not read as one:
     ``gmm``: ``[M, K] x [G, K, N] (or [G, N, K]) -> [M, N]``; ``tgmm``: ``a [R, N1] (or [N1,
-    R]), b [R, N2] (or [N2, R]) -> [G, N1, N2]``; a plain ``[M, K] x [K, N] -> [M, N]``.
+    R]), b [R, N2] (or [N2, R]) -> [G, N1, N2]``; a plain ``[M, K] x [K, N] -> [M, N]``; a
+    batch of ``A B^T`` products, ``[B, M, K] x [B, N, K] -> [B, M, N]`` (the symmetric-tile
+    kernel's form; no row cap: its rows are not tokens).
     ``rows`` caps the token rows (M, R) computed: the kernels skip row tiles past each group's
     filled rows, so a layout sized for the worst case costs what is filled."""
     mats = [s for s in operands if len(s) >= 2]
+    if len(out) == 3 and len(mats) >= 2 and len(mats[0]) == 3 and len(mats[1]) == 3:
+        (ba, m, k), (bb, n, k2) = mats[0], mats[1]
+        if ba == bb == out[0] and (m, n) == out[1:] and k == k2:
+            return 2.0 * ba * m * n * k
+        return 0.0
     if len(out) == 2 and len(mats) >= 2:
         m, n = out
         a, b = mats[0], mats[1]
@@ -291,6 +305,9 @@ def instruction_cost(ins: hlo.Instruction, mod: hlo.HloModule,
         if out:
             flops = _grouped_gemm_flops([a[1] for o in operands for a in _arrays(o.shape)[:1]],
                                         out[0][1], grouped_rows)
+            share = _TILES_RE.search(ins.attrs)
+            if share:  # a kernel that computes only some output tiles says which share
+                flops *= int(share.group(1)) / max(int(share.group(2)), 1)
             if flops:
                 return Cost(flops=flops, fp8=fp8, bytes=moved, gemm=True, launches=1)
         return Cost(bytes=moved, launches=1)

@@ -132,6 +132,27 @@ ENTRY %main (a: bf16[100,50], w: bf16[4,200,50], c: bf16[100,200], b: bf16[50,20
     assert full == pytest.approx(3 * flops) and capped == pytest.approx(1.5 * flops)
 
 
+def test_batched_kernel_costs_its_product_and_the_tile_share_its_scope_names():
+    """A custom call [B, M, K] x [B, N, K] -> [B, M, N] (the symmetric-tile kernel's form) is a
+    GEMM of 2 B M N K FLOPs; under a tiles_W_of_T named scope, W / T of them; grouped_rows
+    (token rows) does not cap it."""
+    text = """HloModule m
+ENTRY %main (u: f16[2,256,64], t: s32[3]) -> f32[2,256,256] {
+  %u = f16[2,256,64]{2,1,0} parameter(0)
+  %t = s32[3]{0} parameter(1)
+  %full = f32[2,256,256]{2,1,0} custom-call(%t, %t, %u, %u), custom_call_target="mosaic_gpu_v2"
+  ROOT %upper = f32[2,256,256]{2,1,0} custom-call(%t, %t, %u, %u), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(f)/tiles_3_of_4/symmetric_upper_f16/mpmd_map"}
+}"""
+    mod = hlo.parse_hlo(text)
+    body = {i.name: i for i in mod.computations["main"]}
+    flops = 2 * 2 * 256 * 256 * 64
+    full = costs.instruction_cost(body["full"], mod, body)
+    assert (full.flops, full.gemm) == (flops, True)
+    assert costs.instruction_cost(body["upper"], mod, body).flops == flops * 3 / 4
+    assert costs.instruction_cost(body["full"], mod, body, grouped_rows=8).flops == flops
+    assert costs.TILES_SCOPE.format(written=3, total=4) == "tiles_3_of_4"
+
+
 def test_fusion_charges_its_dots_and_only_what_a_gather_reads():
     mod = hlo.parse_hlo("""HloModule m
 %fused_gather (p0: f32[100000,10], p1: s32[50]) -> f32[50,10] {

@@ -122,6 +122,9 @@ def test_kernel_lowers_for_cuda_to_one_mosaic_call_with_the_tile_list(b, p, r, d
     operand = f"tensor<{b}x{p}x{r}x{elem[jnp.dtype(dtype).name]}>"
     assert ins.replace(" ", "") == f"tensor<{tiles}xi32>,tensor<{tiles}xi32>,{operand},{operand}"
     assert out == f"tensor<{b}x{p}x{p}x{elem[jnp.dtype(out_dtype or dtype).name]}>"
+    # the named scope by which xla_comm's cost model charges the call its share of the FLOPs
+    total = (p // TILE_M) * (p // CTA_N)
+    assert re.search(rf'loc\("[^"]*/tiles_{tiles}_of_{total}/symmetric_upper_{bits}/', text)
 
 
 # ----------------------------------------------------------------------------------------------
