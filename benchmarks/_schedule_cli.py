@@ -16,7 +16,8 @@ HEADLINE = ("moe_ep8_exposed_fraction", "moe_ep8_dropless_exposed_fraction",
             "moe_ep8_dropless_unchunked_exposed_fraction", "moe_ep8_B_exposed_fraction",
             "moe_ep8_B_dropless_exposed_fraction", "muon_dp8_exposed_fraction",
             "muon_dp8_bf16_gather_exposed_fraction", "muon_dp8_chunked_exposed_fraction",
-            "muon_dp8_bf16_gather_chunked_exposed_fraction", "train_step_ep8_exposed_fraction",
+            "muon_dp8_bf16_gather_chunked_exposed_fraction", "muon_dp8_exposed_floor",
+            "muon_dp8_bf16_gather_exposed_floor", "train_step_ep8_exposed_fraction",
             "train_step_2x4_exposed_fraction", "moe_ep16_exposed_fraction",
             "moe_ep64_exposed_fraction", "moe_ep8_windows", "moe_ep8_windows_with_gemm",
             "train_step_ep8_chunks2_exposed_fraction", "train_step_ep8_micro2_exposed_fraction",
@@ -39,6 +40,10 @@ def summarize(report: dict, defaults: dict[str, int]) -> dict:
         c = cases.get(name)
         return None if c is None or part not in c else c[part]["exposed_fraction"]
 
+    def floor(name):  # the least exposed share any order of the step's work reaches
+        c = cases.get(name)
+        return None if c is None else c["all"].get("exposed_floor_fraction")
+
     def xla_frac(name):  # the compile on XLA's own latency estimates (--latency-model)
         c = cases.get(name, {}).get("xla_estimates") or cases.get(f"{name}.xla_estimates")
         return None if c is None else c["all"]["exposed_fraction"]
@@ -54,6 +59,8 @@ def summarize(report: dict, defaults: dict[str, int]) -> dict:
         "muon_dp8_bf16_gather_exposed_fraction": frac("muon_dp8_bf16_gather"),
         "muon_dp8_chunked_exposed_fraction": frac("muon_dp8_f32_gather_chunk1"),
         "muon_dp8_bf16_gather_chunked_exposed_fraction": frac("muon_dp8_bf16_gather_chunk1"),
+        "muon_dp8_exposed_floor": floor("muon_dp8_f32_gather"),
+        "muon_dp8_bf16_gather_exposed_floor": floor("muon_dp8_bf16_gather"),
         "train_step_ep8_exposed_fraction": frac("train_step_mesh1x8"),
         "train_step_2x4_exposed_fraction": frac("train_step_mesh2x4"),
         "moe_ep16_exposed_fraction": frac(f"moe_ep16_A_dense_chunks{dn}"),

@@ -147,6 +147,14 @@ class ScheduleReport:
         """Exposed time over collective time (0 when nothing is sent)."""
         return self.exposed_us / self.collective_us if self.collective_us else 0.0
 
+    @property
+    def exposed_floor_fraction(self) -> float:
+        """``max(0, collective - compute) / collective``: the least exposed fraction any order
+        of this step's work reaches on a link that carries one collective at a time (the step
+        lasts at least its collectives, and exposed = step - compute)."""
+        coll = self.collective_us
+        return max(0.0, coll - self.compute_us) / coll if coll else 0.0
+
     def of_kind(self, *kinds: str) -> tuple[Window, ...]:
         """The windows of collectives of these kinds."""
         return tuple(w for w in self.windows if w.kind in kinds)
@@ -164,6 +172,7 @@ class ScheduleReport:
             "windows_with_gemm": sum(w.is_async and w.gemms > 0 for w in ws),
             "collective_us": coll, "exposed_us": exp,
             "exposed_fraction": exp / coll if coll else 0.0,
+            "exposed_floor_fraction": max(0.0, coll - self.compute_us) / coll if coll else 0.0,
             "bytes_sent": sum(w.bytes_sent * w.executions for w in ws),
             "step_us": self.step_us, "compute_us": self.compute_us,
         }

@@ -55,6 +55,24 @@ def test_nothing_between_start_and_done_is_all_exposed_and_sync_ones_are_too():
     assert rep.exposed_fraction == 1.0 and rep.step_us == pytest.approx(2 + 4 + 12)
 
 
+def test_the_floor_is_what_no_order_can_hide():
+    """20 us of transfer against 1.2 us of compute: whatever the order, 18.8 us stay exposed."""
+    text = """HloModule m, num_partitions=2
+ENTRY %main (p: f32[10000], q: f32[100]) -> (f32[10000], f32[100]) {
+  %p = f32[10000]{0} parameter(0)
+  %q = f32[100]{0} parameter(1)
+  %s = f32[10000]{0} all-to-all-start(%p), replica_groups={{0,1}}, dimensions={0}
+  %a = f32[100]{0} add(%q, %q)
+  %d = f32[10000]{0} all-to-all-done(%s)
+  ROOT %t = (f32[10000]{0}, f32[100]{0}) tuple(%d, %a)
+}"""
+    rep = schedule.schedule_report(text, HW)
+    assert rep.collective_us == pytest.approx(20.0) and rep.compute_us == pytest.approx(1.2)
+    assert rep.exposed_floor_fraction == pytest.approx(18.8 / 20.0)
+    assert rep.exposed_fraction >= rep.exposed_floor_fraction
+    assert rep.summary()["exposed_floor_fraction"] == pytest.approx(0.94)
+
+
 def test_collectives_share_one_stream():
     """Two transfers of 2 us started together under 3 us of compute: the second waits for
     the first (ends at 4 us), so 1 us of it is exposed though 3 us of compute sit in its
