@@ -266,6 +266,10 @@ class TileScope(NamedTuple):
     scale_bars: Any
     prior_bars: Any = None
 
+    def prior(self, prior_tile):
+        """``(prior_tile, this warpgroup's barrier)`` for the epilogue (None: no prior)."""
+        return None if prior_tile is None else (prior_tile, self.prior_bars.at[self.wg])
+
 
 def for_each_tile(loop_shape, alloc_steps, in_specs, alloc_refs, out_dtype, cfg: MosaicTiling,
                    scaled: bool, tile, *, accumulate: bool = False):
@@ -310,9 +314,7 @@ def tile_context(scope: TileScope, out_tile, scale_refs, cfg: MosaicTiling, prio
             acc = acc_ref[...]
             if scale_refs is not None:
                 acc = _scaled(acc, *scale_refs(), scope.scale_smem, scope.scale_bars, scope.wg)
-            prior = None if prior_tile is None else (prior_tile,
-                                                     scope.prior_bars.at[scope.wg])
-            _epilogue(acc, scope.out_smem, out_tile, scope.wg, cfg, prior)
+            _epilogue(acc, scope.out_smem, out_tile, scope.wg, cfg, scope.prior(prior_tile))
 
     return compute_context
 
@@ -510,9 +512,7 @@ def _tgmm_body(start_tile, num_tiles, a_gmem, b_gmem, *rest, cfg: MosaicTiling,
 
         @pl.when(steps == 0)
         def _():  # scales do not change a zero; a prior output is copied
-            _zero_tile(scope.out_smem, out_tile, scope.wg, cfg,
-                       None if prior_tile is None else (prior_tile,
-                                                        scope.prior_bars.at[scope.wg]))
+            _zero_tile(scope.out_smem, out_tile, scope.wg, cfg, scope.prior(prior_tile))
 
     for_each_tile((n_groups, m_iters * n_iters), 2 * cfg.stages, in_specs, (a_gmem, b_gmem),
                    out_gmem.dtype, cfg, scaled, tile, accumulate=accumulate)
