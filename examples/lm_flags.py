@@ -147,9 +147,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--router-optimizer", choices=("muon", "adamw"), default="muon",
                    help="which optimizer trains the MoE router kernels in the Muon run (muon ended "
                         "lower on both presets: BENCHMARKS.md)")
-    p.add_argument("--muon-gather-dtype", choices=("float32", "bfloat16"), default="float32",
+    p.add_argument("--muon-gather-dtype", choices=("auto", "float32", "bfloat16"),
+                   default="auto",
                    help="dtype Muon's updates travel back from their owner devices in "
-                        "(muon_jax.muon's gather_dtype; bfloat16 halves those bytes)")
+                        "(muon_jax.muon's gather_dtype; auto: bfloat16 for float32 params "
+                        "after 16-bit Newton-Schulz, half the bytes of float32)")
     p.add_argument("--ns-method", choices=get_args(muon_jax.newton_schulz.NsMethod),
                    default="auto",
                    help="Muon's Newton-Schulz: standard, its Gram form, or auto (standard "

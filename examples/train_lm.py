@@ -204,7 +204,7 @@ def make_tx(name: str, args, mesh) -> optax.GradientTransformation:
         muon_mask=router_on_adamw if args.router_optimizer == "adamw" else None,
         adam_learning_rate=schedule(muon_adam_lr(args)),
         mesh=mesh,
-        gather_dtype=None if args.muon_gather_dtype == "float32" else jnp.bfloat16,
+        gather_dtype={"auto": "auto", "float32": None}.get(args.muon_gather_dtype, jnp.bfloat16),
         ns_method=args.ns_method,
         ns_symmetric_blocks=args.ns_symmetric_blocks,
     )

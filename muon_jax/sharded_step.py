@@ -10,7 +10,7 @@ specs are the params' own (``param_specs`` or what the placed arrays show).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,9 +20,32 @@ from jax.sharding import PartitionSpec as P
 
 from muon_jax import matrices, owner_plan, owners
 
-__all__ = ["ShardedMuonState", "SpecsLike", "init_sharded", "update_sharded"]
+__all__ = ["GatherDtype", "ShardedMuonState", "SpecsLike", "init_sharded",
+           "resolve_gather_dtype", "update_sharded"]
 
 SpecsLike = Any  # PartitionSpec | tree (prefix) of PartitionSpec / None | callable on params
+GatherDtype = Literal["auto"] | jax.typing.DTypeLike | None
+
+
+def resolve_gather_dtype(gather_dtype: GatherDtype, grad_dtype: Any,
+                         ns_dtype: Any = jnp.bfloat16) -> jnp.dtype:
+    """The dtype a stack's orthogonalized updates travel back in, for gradients of
+    ``grad_dtype`` orthogonalized with ``ns_dtype`` matmul operands.
+
+    ``'auto'``: bfloat16 for float32 gradients when Newton-Schulz runs in a 16-bit dtype
+    (its result is no more precise than that: half the bytes for a rounding below its own),
+    else the gradient dtype; ``None``: the gradient dtype; a dtype: itself.
+
+    >>> resolve_gather_dtype("auto", jnp.float32), resolve_gather_dtype(None, jnp.float32)
+    (dtype(bfloat16), dtype('float32'))
+    >>> resolve_gather_dtype("auto", jnp.float32, jnp.float32)  # f32 Newton-Schulz: kept
+    dtype('float32')
+    """
+    grad_dtype = jnp.dtype(grad_dtype)
+    if isinstance(gather_dtype, str) and gather_dtype == "auto":
+        narrow = jnp.dtype(ns_dtype).itemsize <= 2
+        return jnp.dtype(jnp.bfloat16) if grad_dtype == jnp.float32 and narrow else grad_dtype
+    return grad_dtype if gather_dtype is None else jnp.dtype(gather_dtype)
 
 
 class ShardedMuonState(NamedTuple):
@@ -139,12 +162,14 @@ def _check_sharded_grads(flat: list, plan: owner_plan.OwnerPlan) -> None:
             )
 
 
-def update_sharded(updates: Any, state: ShardedMuonState, step: Callable, gather_dtype=None):
+def update_sharded(updates: Any, state: ShardedMuonState, step: Callable,
+                   gather_dtype: GatherDtype = None, ns_dtype: Any = jnp.bfloat16):
     """The update of :func:`muon_jax.scale_by_muon` on the owner blocks of ``state.plan``.
 
     ``step(g, mu, count, m, n, *, out_dtype)`` is the per-matrix step on ``[k, m, n]`` blocks
-    (momentum, then the direction); the orthogonalized blocks travel back in ``gather_dtype``,
-    if given, and are cast to the gradients' dtype on arrival.
+    (momentum, then the direction); the orthogonalized blocks travel back in
+    :func:`resolve_gather_dtype` of ``gather_dtype`` (and ``ns_dtype``) and are cast to the
+    gradients' dtype on arrival.
     """
     plan = state.plan
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
@@ -156,7 +181,7 @@ def update_sharded(updates: Any, state: ShardedMuonState, step: Callable, gather
     def owner_step(stack, blocks, scalars):
         g, mu = blocks
         mu_new, o = step(g, mu, scalars[0], stack.m, stack.n,
-                         out_dtype=gather_dtype or stack.dtype)
+                         out_dtype=resolve_gather_dtype(gather_dtype, stack.dtype, ns_dtype))
         return mu_new.astype(mu.dtype), o
 
     with jax.named_scope("muon_owner_step"):
@@ -164,7 +189,6 @@ def update_sharded(updates: Any, state: ShardedMuonState, step: Callable, gather
             owner_step, plan, list(zip(owner_grads, mus, strict=True)), (count_inc,)
         )
     out = owners.from_owners([r[1] for r in res], plan)
-    if gather_dtype is not None:
-        out = [o.astype(g.dtype) for o, (_, g) in zip(out, flat, strict=True)]
+    out = [o.astype(g.dtype) for o, (_, g) in zip(out, flat, strict=True)]
     mu = owners.join_chunks([r[0] for r in res], plan)
     return jax.tree.unflatten(treedef, out), ShardedMuonState(count=count_inc, mu=mu, plan=plan)

@@ -25,7 +25,13 @@ from muon_jax.newton_schulz import (
     orthogonalize,
     resolve_ns_coeffs,
 )
-from muon_jax.sharded_step import ShardedMuonState, SpecsLike, init_sharded, update_sharded
+from muon_jax.sharded_step import (
+    GatherDtype,
+    ShardedMuonState,
+    SpecsLike,
+    init_sharded,
+    update_sharded,
+)
 
 MeshArg = jax.sharding.Mesh | jax.sharding.AbstractMesh | None
 
@@ -133,7 +139,7 @@ def scale_by_muon(
     shard_axes: str | tuple[str, ...] | None = None,
     param_specs: SpecsLike = None,
     chunk_bytes: int | None = owner_plan.DEFAULT_CHUNK_BYTES,
-    gather_dtype: jax.typing.DTypeLike | None = None,
+    gather_dtype: GatherDtype = "auto",
     preconditioning: Preconditioning = "frobenius",
     adaptive: bool = False,
     consistent_rms: float | None = None,
@@ -209,9 +215,14 @@ def scale_by_muon(
         place of ``shape_scaling`` (optax's ``consistent_rms``; ``'rms_match'`` is 0.2).
       gather_dtype: with a mesh, the dtype the orthogonalized updates travel in from their
         owners back to the params' shardings (all-gather or all-to-all), cast to the
-        gradient dtype on arrival; ``None``: the gradient dtype. ``jnp.bfloat16`` halves
+        gradient dtype on arrival. ``'auto'`` (default): bfloat16 for float32 gradients
+        when ``ns_dtype`` is 16-bit, else the gradient dtype
+        (:func:`muon_jax.sharded_step.resolve_gather_dtype`); ``None``: the gradient dtype
+        (the sharded update then equals the unsharded one); or a dtype. bfloat16 halves
         those bytes for f32 gradients at a relative rounding of 2^-9 per element of an
-        update whose entries are all about the same size (orthogonal rows).
+        update whose entries are all about the same size (orthogonal rows), no coarser than
+        Newton-Schulz's 16-bit matmuls; 3-seed training runs ended within their seed spread
+        of f32 gathers (docs/benchmark_log.md, The trainer).
       ns_method: ``'standard'`` Newton-Schulz, its ``'gram'`` form (iterates on ``X X^T``,
         fewer FLOPs for matrices more than 1.5x as wide as tall), or ``'auto'`` (today the
         standard form: see :func:`muon_jax.newton_schulz.resolve_ns_method`). Same on the
@@ -253,10 +264,15 @@ def scale_by_muon(
     owner_plan.check_chunk_bytes(chunk_bytes)
     if mesh is not None:
         owner_plan.resolve_shard_axes(mesh, shard_axes, where="scale_by_muon")
-    if gather_dtype is not None:
-        gather_dtype = jax.dtypes.canonicalize_dtype(gather_dtype)
-        if not jnp.issubdtype(gather_dtype, jnp.floating):
-            raise ValueError(f"gather_dtype={gather_dtype} is not a float dtype; pass "
+    if isinstance(gather_dtype, str) and gather_dtype == "auto":
+        pass
+    elif gather_dtype is not None:
+        try:
+            gather_dtype = jax.dtypes.canonicalize_dtype(gather_dtype)
+        except TypeError:  # not a dtype at all, e.g. a misspelled name
+            gather_dtype = str(gather_dtype)
+        if isinstance(gather_dtype, str) or not jnp.issubdtype(gather_dtype, jnp.floating):
+            raise ValueError(f"gather_dtype={gather_dtype} is not a float dtype; pass 'auto', "
                              "jnp.bfloat16, jnp.float32 or None (the gradient dtype).")
     mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
     if mu_dtype is not None and not jnp.issubdtype(mu_dtype, jnp.floating):
@@ -307,7 +323,7 @@ def scale_by_muon(
     def update_fn(updates, state, params=None):
         del params
         if isinstance(state, ShardedMuonState):
-            return update_sharded(updates, state, step, gather_dtype)
+            return update_sharded(updates, state, step, gather_dtype, ns_dtype)
         if not isinstance(state, MuonState):
             raise TypeError(
                 f"scale_by_muon: state must be the MuonState of this transform's init, got "
@@ -376,7 +392,7 @@ def muon(
     shard_axes: str | tuple[str, ...] | None = None,
     param_specs: SpecsLike = None,
     chunk_bytes: int | None = owner_plan.DEFAULT_CHUNK_BYTES,
-    gather_dtype: jax.typing.DTypeLike | None = None,
+    gather_dtype: GatherDtype = "auto",
     preconditioning: Preconditioning = "frobenius",
     adaptive: bool = False,
     consistent_rms: float | None = None,
@@ -439,7 +455,8 @@ def muon(
       chunk_bytes: target bytes of one collective of Muon's stacks (see
         :func:`scale_by_muon`; ``None``: one per stack).
       gather_dtype: the dtype Muon's updates travel back to the params' shardings in (see
-        :func:`scale_by_muon`; ``None``: the gradient dtype).
+        :func:`scale_by_muon`; ``'auto'``: bfloat16 for float32 gradients and a 16-bit
+        ``ns_dtype``; ``None``: the gradient dtype).
       preconditioning: Newton-Schulz's input scaling, ``'frobenius'``, ``'spectral'``,
         ``'aol'`` or ``'schatten'`` (see :func:`muon_jax.orthogonalize`).
       adaptive: scale each orthogonalized matrix by its dual norm (see :func:`scale_by_muon`).

@@ -397,3 +397,26 @@ def test_bf16_update_gathers_halve_their_bytes_and_round_once(dp_setup):
         assert not bad.any(), (k, got[bad], ref[bad], half_ulp[bad])
     with pytest.raises(ValueError, match="gather_dtype=int32 is not a float dtype"):
         muon_jax.scale_by_muon(mesh=mesh, gather_dtype=jnp.int32)
+    with pytest.raises(ValueError, match="gather_dtype=f32 is not a float dtype; pass 'auto'"):
+        muon_jax.scale_by_muon(mesh=mesh, gather_dtype="f32")
+
+
+@pytest.mark.parametrize("ns_dtype,gathered", [(jnp.bfloat16, "bf16"), (jnp.float32, "f32")])
+def test_auto_gathers_bf16_only_after_16_bit_newton_schulz(dp_setup, ns_dtype, gathered):
+    """The default ``gather_dtype='auto'``: f32 updates leave their owners as bf16 when
+    Newton-Schulz ran in 16-bit matmuls (the update is the one ``gather_dtype=jnp.bfloat16``
+    gives), and in f32 after f32 Newton-Schulz (the one ``gather_dtype=None`` gives)."""
+    mesh, _, params, _ = dp_setup
+    grads = jax.tree.map(lambda x: jax.device_put(np.sin(np.asarray(x) * 5), x.sharding),
+                         params)
+    tx = muon_jax.scale_by_muon(ns_dtype=ns_dtype, mesh=mesh)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    gathers = [c for c in hlo.analyze_collectives(update.lower(grads, state))
+               if c.kind == "all-gather" and c.buffer_bytes >= 64]
+    assert gathers and {c.dtypes[0] for c in gathers} == {gathered}
+    same = muon_jax.scale_by_muon(ns_dtype=ns_dtype, mesh=mesh, gather_dtype=(
+        jnp.bfloat16 if gathered == "bf16" else None))
+    chex.assert_trees_all_close(update(grads, state)[0],
+                                jax.jit(same.update)(grads, same.init(params))[0],
+                                rtol=1e-5, atol=1e-6)
