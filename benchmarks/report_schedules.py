@@ -100,8 +100,10 @@ def schedules(C: dict) -> Lines:
                f"{g['measured_s']['1'] * 1e3:.3f} ms ({g['model_error']['1']:+.1%}; 2 chunks "
                f"{g['model_error']['2']:+.1%}). The layer in 2 chunks on one GPU, where "
                f"nothing is sent: {fig(C, 'chunked_over_unchunked_1gpu')} the unchunked time "
-               "(the layer of this record; since its chunks build their dispatch plans in one "
-               "pass and accumulate their weight gradients in the kernel, 1.041-1.045x of "
-               "traced device time on one H100: docs/benchmark_log.md, Overlap).",
+               "(step wall time, median of 15 interleaved rounds; the same layer's traced "
+               "device time: docs/benchmark_log.md, Overlap). Sharded Muon's synthetic step "
+               "has no backward pass: its collectives outlast its compute, so no order of its "
+               f"work exposes less than {fig(C, 'sched_muon_dp8_floor')} of them "
+               "(`ScheduleReport.exposed_floor_fraction`).",
                ""]
             + source(C, "schedule8") + [""])

@@ -395,10 +395,13 @@ def trainer(C: dict) -> Lines:
                "Muon; target within 1%):", ""]
             + table(["preset", "FP8 / bf16 - 1", "FP8", "bf16"], prows)
             + [""] + source(C, "fp8_parity_gpu") + [""] + source(C, "fp8_parity_cpu")
-            + ["", f"Muon's update all-gathers in bf16 (`gather_dtype`): validation loss "
-               f"{gd['final_val_loss']['bfloat16']:.4f} against "
-               f"{gd['final_val_loss']['float32']:.4f} in f32 "
-               f"({fig(C, 'muon_gather_bf16_delta')}), CPU preset.", ""]
+            + ["", "Muon's update all-gathers in bf16 (`gather_dtype`), CPU preset, seeds "
+               + ", ".join(str(x) for x in gd["seeds"]) + ": validation loss "
+               + " / ".join(f"{x:.4f}" for x in gd["final_val_loss"]["bfloat16"])
+               + " against " + " / ".join(f"{x:.4f}" for x in gd["final_val_loss"]["float32"])
+               + f" in f32, {fig(C, 'muon_gather_bf16_delta')} on average with a seed-to-seed "
+               f"spread of {gd['seed_std_float32']:.4f}: the default `'auto'` gathers bf16 "
+               "after bf16 Newton-Schulz.", ""]
             + source(C, "muon_gather_dtype") + [""])
 
 
