@@ -264,16 +264,16 @@ def scale_by_muon(
     owner_plan.check_chunk_bytes(chunk_bytes)
     if mesh is not None:
         owner_plan.resolve_shard_axes(mesh, shard_axes, where="scale_by_muon")
-    if isinstance(gather_dtype, str) and gather_dtype == "auto":
-        pass
-    elif gather_dtype is not None:
+    if gather_dtype is not None and not (isinstance(gather_dtype, str)
+                                         and gather_dtype == "auto"):
         try:
-            gather_dtype = jax.dtypes.canonicalize_dtype(gather_dtype)
+            dt = jax.dtypes.canonicalize_dtype(gather_dtype)
         except TypeError:  # not a dtype at all, e.g. a misspelled name
-            gather_dtype = str(gather_dtype)
-        if isinstance(gather_dtype, str) or not jnp.issubdtype(gather_dtype, jnp.floating):
-            raise ValueError(f"gather_dtype={gather_dtype} is not a float dtype; pass 'auto', "
-                             "jnp.bfloat16, jnp.float32 or None (the gradient dtype).")
+            dt = None
+        if dt is None or not jnp.issubdtype(dt, jnp.floating):
+            raise ValueError(f"gather_dtype={dt or gather_dtype} is not a float dtype; pass "
+                             "'auto', jnp.bfloat16, jnp.float32 or None (the gradient dtype).")
+        gather_dtype = dt
     mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
     if mu_dtype is not None and not jnp.issubdtype(mu_dtype, jnp.floating):
         raise ValueError(

@@ -172,7 +172,7 @@ class ScheduleReport:
             "windows_with_gemm": sum(w.is_async and w.gemms > 0 for w in ws),
             "collective_us": coll, "exposed_us": exp,
             "exposed_fraction": exp / coll if coll else 0.0,
-            "exposed_floor_fraction": max(0.0, coll - self.compute_us) / coll if coll else 0.0,
+            "exposed_floor_fraction": self.exposed_floor_fraction,  # of the whole step
             "bytes_sent": sum(w.bytes_sent * w.executions for w in ws),
             "step_us": self.step_us, "compute_us": self.compute_us,
         }
