@@ -187,8 +187,8 @@ def symmetric_upper(u: jax.Array, w: jax.Array, *, out_dtype: DTypeLike | None =
     # The scope tells a cost model reading the compiled HLO (xla_comm.costs.TILES_SCOPE) that
     # this custom call computes len(mi) of the full product's tiles: its shapes read as the
     # whole batched GEMM.
-    total = (p // cfg.tile_m) * (p // (2 * cfg.tile_n))
-    with jax.named_scope(f"tiles_{len(mi)}_of_{total}"):
+    written, total = upper_tile_share(p, u.dtype, cfg)
+    with jax.named_scope(f"tiles_{written}_of_{total}"):
         out = kernel(jnp.asarray(mi), jnp.asarray(ni), u, w)
     return vma.as_varying(out, varying)
 
