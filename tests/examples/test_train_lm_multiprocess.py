@@ -101,31 +101,31 @@ def _close_losses(got: dict, want: dict) -> None:
 
 
 def test_two_processes_train_the_one_process_run_and_move_checkpoints(one_process, tmp_path):
-    """2 processes train steps 1-3 and stop at their checkpoint, 1 process resumes it; then 1
-    process stops at step 3 and 2 processes resume it and finish, writing the outputs. Both
-    end as the uninterrupted one-process run (each 2-process leg trains half the steps)."""
+    """One run moved twice: 1 process trains steps 1-2 and stops at its checkpoint, 2
+    processes resume it (1 -> 2), train steps 3-4 and stop at theirs, 1 process resumes that
+    (2 -> 1) and finishes. It ends as the uninterrupted one-process run; the 2-process leg
+    writes its outputs from process 0 alone."""
     want = _losses(one_process)
-    a = tmp_path / "two_then_one"
-    _run2(["--optimizer", "both", "--stop-after", "3", "--out", str(a)])
-    assert train_lm.main([*TINY, "--optimizer", "both", "--resume", "--out", str(a)]) == 0
-    _close_losses(_losses(a), want)
-    b = tmp_path / "one_then_two"
-    assert train_lm.main([*TINY, "--optimizer", "both", "--stop-after", "3", "--out",
-                          str(b)]) == 0
-    logs = _run2(["--optimizer", "both", "--resume", "--out", str(b), "--process-logs"])
-    assert "[muon] resumed at step 3" in logs[0]
+    out = tmp_path / "run"
+    assert train_lm.main([*TINY, "--optimizer", "both", "--stop-after", "2", "--out",
+                          str(out)]) == 0
+    logs = _run2(["--optimizer", "both", "--resume", "--stop-after", "4", "--out", str(out),
+                  "--process-logs"])
+    assert "[muon] resumed at step 2" in logs[0]
     assert "2 processes (coordinator 127.0.0.1:" in logs[0]
-    assert "final validation loss" not in logs[1]  # process 0 reports, writes the outputs
-    _close_losses(_losses(b), want)
-    got, ref = _final(b), _final(one_process)
+    assert "muon: stopped at step 4 of 6" in logs[0]
+    assert "validation loss" not in logs[1]  # process 0 reports, writes the outputs
+    assert json.loads((out / "summary.json").read_text())["processes"] == 2
+    assert sorted(p.name for p in (out / "logs").iterdir()) == [
+        "process_0.alive", "process_0.log", "process_1.alive", "process_1.log"]
+    for i in (0, 1):  # each supervisor's last heartbeat says its worker finished
+        assert json.loads((out / "logs" / f"process_{i}.alive").read_text())["state"] == "done"
+    assert train_lm.main([*TINY, "--optimizer", "both", "--resume", "--out", str(out)]) == 0
+    _close_losses(_losses(out), want)
+    got, ref = _final(out), _final(one_process)
     for name in ref:  # gloo vs in-process sums: f32 rounding apart, which Muon's bf16
         # Newton-Schulz amplifies (AdamW's runs agree to the bit; Muon's by ~2e-4)
         assert abs(got[name] - ref[name]) / ref[name] <= 5e-4, (name, got, ref)
-    assert json.loads((b / "summary.json").read_text())["processes"] == 2
-    assert sorted(p.name for p in (b / "logs").iterdir()) == [
-        "process_0.alive", "process_0.log", "process_1.alive", "process_1.log"]
-    for i in (0, 1):  # each supervisor's last heartbeat says its worker finished
-        assert json.loads((b / "logs" / f"process_{i}.alive").read_text())["state"] == "done"
 
 
 def test_a_lost_process_stops_the_other_with_an_error_naming_it(tmp_path, capsys):
