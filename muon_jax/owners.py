@@ -193,7 +193,8 @@ def _check_typed_sharding(x: Any, leaf: LeafPlan, explicit: frozenset[str]) -> N
         )
 
 
-def to_owners(grads: Sequence[jax.Array], plan: OwnerPlan) -> tuple[jax.Array, ...]:
+def to_owners(grads: Sequence[jax.Array], plan: OwnerPlan, *,
+              reduce_dtype: Any = None) -> tuple[jax.Array, ...]:
     """Move gradients (one per Muon leaf) to owner chunks with explicit collectives.
 
     Per chunk (``plan.chunks``) and shard axis: reduce-scatter of unreduced partial sums
@@ -204,6 +205,8 @@ def to_owners(grads: Sequence[jax.Array], plan: OwnerPlan) -> tuple[jax.Array, .
     Args:
       grads: gradient leaves in ``plan.leaves`` order (unreduced over shard axes allowed).
       plan: from :func:`muon_jax.owner_plan.plan_owners`.
+      reduce_dtype: the dtype unreduced gradients are summed in on the way (reduce-scatter,
+        all-reduce), cast back to the gradient dtype after; ``None``: the gradient dtype.
 
     Returns:
       One ``[N * rows, m, n]`` array per ``plan.chunks``, sharded ``P(owner_axes)``; with
@@ -248,7 +251,7 @@ def to_owners(grads: Sequence[jax.Array], plan: OwnerPlan) -> tuple[jax.Array, .
                 # Rows start..start+rows of every owner's block: owner g's block is rows
                 # g*k_owner.. of the (padded) local stack, as each op splits dim 0 evenly.
                 ranges = [(g * s.k_owner + start, g * s.k_owner + start + rows) for g in range(f)]
-                out.append(_entry_ops(s, _take_rows(mats, ranges), u, plan))
+                out.append(_entry_ops(s, _take_rows(mats, ranges), u, plan, reduce_dtype))
         return tuple(out)
 
     out_specs = tuple(plan.owner_spec(plan.stacks[c.stack]) for c in plan.chunks)
@@ -298,9 +301,15 @@ def _take_rows(mats: Sequence[jax.Array], ranges: Sequence[tuple[int, int]]) -> 
                       mats[p[0]][p[1]:p[2]] for p in pieces])
 
 
-def _entry_ops(s: StackPlan, x: jax.Array, u: frozenset[str], plan: OwnerPlan) -> jax.Array:
+def _entry_ops(s: StackPlan, x: jax.Array, u: frozenset[str], plan: OwnerPlan,
+               reduce_dtype: Any = None) -> jax.Array:
     """Device-local: reduce-scatter / slice / all-to-all ``x`` into owner blocks."""
     mesh = plan.mesh
+    dtype = x.dtype
+    if u and reduce_dtype is not None:
+        # The partial sums travel, and are added (by NCCL on GPU), in reduce_dtype; only
+        # unreduced gradients: a replicated or sharded one moves without a sum.
+        x = x.astype(reduce_dtype)
     extra = tuple(a for a in mesh.axis_names if a in u and a not in plan.shard_axes)
     if extra:  # unreduced over an axis that does not shard the stacks: plain all-reduce
         x = jax.lax.psum(x, extra)
@@ -318,7 +327,7 @@ def _entry_ops(s: StackPlan, x: jax.Array, u: frozenset[str], plan: OwnerPlan) -
                     x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(a) * chunk, chunk)
         else:
             x = jax.lax.all_to_all(x, op.axes, 0, 1 if op.entry == "a2a_m" else 2, tiled=True)
-    return x
+    return x.astype(dtype)
 
 
 def owner_map(

@@ -163,19 +163,22 @@ def _check_sharded_grads(flat: list, plan: owner_plan.OwnerPlan) -> None:
 
 
 def update_sharded(updates: Any, state: ShardedMuonState, step: Callable,
-                   gather_dtype: GatherDtype = None, ns_dtype: Any = jnp.bfloat16):
+                   gather_dtype: GatherDtype = None, ns_dtype: Any = jnp.bfloat16,
+                   reduce_dtype: Any = None):
     """The update of :func:`muon_jax.scale_by_muon` on the owner blocks of ``state.plan``.
 
     ``step(g, mu, count, m, n, *, out_dtype)`` is the per-matrix step on ``[k, m, n]`` blocks
     (momentum, then the direction); the orthogonalized blocks travel back in
     :func:`resolve_gather_dtype` of ``gather_dtype`` (and ``ns_dtype``) and are cast to the
-    gradients' dtype on arrival.
+    gradients' dtype on arrival; unreduced gradients are summed on the way in in
+    ``reduce_dtype`` (``None``: their own dtype).
     """
     plan = state.plan
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
     _check_sharded_grads(flat, plan)
     count_inc = optax.safe_increment(state.count)
-    owner_grads = owners.to_owners([g for _, g in flat], plan)  # one per chunk
+    # One per chunk.
+    owner_grads = owners.to_owners([g for _, g in flat], plan, reduce_dtype=reduce_dtype)
     mus = owners.split_chunks(state.mu, plan)
 
     def owner_step(stack, blocks, scalars):

@@ -123,6 +123,20 @@ def _matrix_views(tree: Any, dimension_numbers: matrices.DimNumsLike, what: str)
     return out
 
 
+def _float_dtype_or_none(value: Any, name: str, also: str = "") -> Any:
+    """``value`` as a canonical float dtype, or ``None``; ``ValueError`` naming ``name``."""
+    if value is None:
+        return None
+    try:
+        dt = jax.dtypes.canonicalize_dtype(value)
+    except TypeError:  # not a dtype at all, e.g. a misspelled name
+        dt = None
+    if dt is None or not jnp.issubdtype(dt, jnp.floating):
+        raise ValueError(f"{name}={dt or value} is not a float dtype; pass {also}"
+                         "jnp.bfloat16, jnp.float32 or None (the gradient dtype).")
+    return dt
+
+
 def scale_by_muon(
     ns_coeffs: NsCoeffsLike = "jordan",
     ns_steps: int = 5,
@@ -140,6 +154,7 @@ def scale_by_muon(
     param_specs: SpecsLike = None,
     chunk_bytes: int | None = owner_plan.DEFAULT_CHUNK_BYTES,
     gather_dtype: GatherDtype = "auto",
+    reduce_dtype: jax.typing.DTypeLike | None = None,
     preconditioning: Preconditioning = "frobenius",
     adaptive: bool = False,
     consistent_rms: float | None = None,
@@ -223,6 +238,17 @@ def scale_by_muon(
         update whose entries are all about the same size (orthogonal rows), no coarser than
         Newton-Schulz's 16-bit matmuls; 3-seed training runs ended within their seed spread
         of f32 gathers (docs/benchmark_log.md, The trainer).
+      reduce_dtype: with a mesh, the dtype in which gradients that arrive unreduced
+        (:func:`muon_jax.reduced_view`) are summed on their way to the owners (the
+        reduce-scatter, and the all-reduce over axes that do not shard the stacks), cast
+        back to the gradient dtype after. ``None`` (default): the gradient dtype, exact.
+        ``jnp.bfloat16`` halves those bytes for f32 gradients, the other half of Muon's
+        traffic (the mixed-precision ``reduce_dtype`` of FSDP), at a cost in precision:
+        each device's partial sum rounds to bf16 (and, on GPU, each addition of the ring),
+        and where the partials cancel the error is large relative to their sum (a 5%
+        change of the update in this package's tests, where bf16 Newton-Schulz alone makes
+        1.6%). Not the default: no training run has set it yet. Replicated or sharded
+        gradients move unsummed and keep their dtype.
       ns_method: ``'standard'`` Newton-Schulz, its ``'gram'`` form (iterates on ``X X^T``,
         fewer FLOPs for matrices more than 1.5x as wide as tall), or ``'auto'`` (today the
         standard form: see :func:`muon_jax.newton_schulz.resolve_ns_method`). Same on the
@@ -264,16 +290,9 @@ def scale_by_muon(
     owner_plan.check_chunk_bytes(chunk_bytes)
     if mesh is not None:
         owner_plan.resolve_shard_axes(mesh, shard_axes, where="scale_by_muon")
-    if gather_dtype is not None and not (isinstance(gather_dtype, str)
-                                         and gather_dtype == "auto"):
-        try:
-            dt = jax.dtypes.canonicalize_dtype(gather_dtype)
-        except TypeError:  # not a dtype at all, e.g. a misspelled name
-            dt = None
-        if dt is None or not jnp.issubdtype(dt, jnp.floating):
-            raise ValueError(f"gather_dtype={dt or gather_dtype} is not a float dtype; pass "
-                             "'auto', jnp.bfloat16, jnp.float32 or None (the gradient dtype).")
-        gather_dtype = dt
+    if not (isinstance(gather_dtype, str) and gather_dtype == "auto"):
+        gather_dtype = _float_dtype_or_none(gather_dtype, "gather_dtype", "'auto', ")
+    reduce_dtype = _float_dtype_or_none(reduce_dtype, "reduce_dtype")
     mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
     if mu_dtype is not None and not jnp.issubdtype(mu_dtype, jnp.floating):
         raise ValueError(
@@ -323,7 +342,7 @@ def scale_by_muon(
     def update_fn(updates, state, params=None):
         del params
         if isinstance(state, ShardedMuonState):
-            return update_sharded(updates, state, step, gather_dtype, ns_dtype)
+            return update_sharded(updates, state, step, gather_dtype, ns_dtype, reduce_dtype)
         if not isinstance(state, MuonState):
             raise TypeError(
                 f"scale_by_muon: state must be the MuonState of this transform's init, got "
@@ -393,6 +412,7 @@ def muon(
     param_specs: SpecsLike = None,
     chunk_bytes: int | None = owner_plan.DEFAULT_CHUNK_BYTES,
     gather_dtype: GatherDtype = "auto",
+    reduce_dtype: jax.typing.DTypeLike | None = None,
     preconditioning: Preconditioning = "frobenius",
     adaptive: bool = False,
     consistent_rms: float | None = None,
@@ -457,6 +477,8 @@ def muon(
       gather_dtype: the dtype Muon's updates travel back to the params' shardings in (see
         :func:`scale_by_muon`; ``'auto'``: bfloat16 for float32 gradients and a 16-bit
         ``ns_dtype``; ``None``: the gradient dtype).
+      reduce_dtype: the dtype unreduced Muon gradients are summed in on their way to the
+        owners (see :func:`scale_by_muon`; ``None``: the gradient dtype).
       preconditioning: Newton-Schulz's input scaling, ``'frobenius'``, ``'spectral'``,
         ``'aol'`` or ``'schatten'`` (see :func:`muon_jax.orthogonalize`).
       adaptive: scale each orthogonalized matrix by its dual norm (see :func:`scale_by_muon`).
@@ -537,6 +559,7 @@ def muon(
             param_specs=param_specs,
             chunk_bytes=chunk_bytes,
             gather_dtype=gather_dtype,
+            reduce_dtype=reduce_dtype,
             preconditioning=preconditioning,
             adaptive=adaptive,
             consistent_rms=consistent_rms,
