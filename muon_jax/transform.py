@@ -245,10 +245,10 @@ def scale_by_muon(
         ``jnp.bfloat16`` halves those bytes for f32 gradients, the other half of Muon's
         traffic (the mixed-precision ``reduce_dtype`` of FSDP), at a cost in precision:
         each device's partial sum rounds to bf16 (and, on GPU, each addition of the ring),
-        and where the partials cancel the error is large relative to their sum (a 5%
-        change of the update in this package's tests, where bf16 Newton-Schulz alone makes
-        1.6%). Not the default: no training run has set it yet. Replicated or sharded
-        gradients move unsummed and keep their dtype.
+        and where the partials cancel the error is large relative to their sum, larger
+        than bf16 Newton-Schulz's own (``tests/muon_jax/test_muon_sharded.py``). Not the
+        default: no training run has set it yet. Replicated or sharded gradients move
+        unsummed and keep their dtype.
       ns_method: ``'standard'`` Newton-Schulz, its ``'gram'`` form (iterates on ``X X^T``,
         fewer FLOPs for matrices more than 1.5x as wide as tall), or ``'auto'`` (today the
         standard form: see :func:`muon_jax.newton_schulz.resolve_ns_method`). Same on the
