@@ -17,7 +17,9 @@ HEADLINE = ("moe_ep8_exposed_fraction", "moe_ep8_dropless_exposed_fraction",
             "moe_ep8_B_dropless_exposed_fraction", "muon_dp8_exposed_fraction",
             "muon_dp8_f32_gather_exposed_fraction", "muon_dp8_chunked_exposed_fraction",
             "muon_dp8_f32_gather_chunked_exposed_fraction", "muon_dp8_exposed_floor",
-            "muon_dp8_f32_gather_exposed_floor", "train_step_ep8_exposed_fraction",
+            "muon_dp8_f32_gather_exposed_floor", "muon_dp8_bf16_reduce_exposed_fraction",
+            "muon_dp8_bf16_reduce_chunked_exposed_fraction", "muon_dp8_bf16_reduce_exposed_floor",
+            "train_step_ep8_exposed_fraction",
             "train_step_2x4_exposed_fraction", "moe_ep16_exposed_fraction",
             "moe_ep64_exposed_fraction", "moe_ep8_windows", "moe_ep8_windows_with_gemm",
             "train_step_ep8_chunks2_exposed_fraction", "train_step_ep8_micro2_exposed_fraction",
@@ -62,6 +64,11 @@ def summarize(report: dict, defaults: dict[str, int]) -> dict:
         "muon_dp8_f32_gather_chunked_exposed_fraction": frac("muon_dp8_f32_gather_chunk1"),
         "muon_dp8_exposed_floor": floor("muon_dp8_bf16_gather"),
         "muon_dp8_f32_gather_exposed_floor": floor("muon_dp8_f32_gather"),
+        # and, not by default, gradients reduce-scattered in bf16 (--muon-reduce-dtypes)
+        "muon_dp8_bf16_reduce_exposed_fraction": frac("muon_dp8_bf16_gather_bf16_reduce"),
+        "muon_dp8_bf16_reduce_chunked_exposed_fraction": frac(
+            "muon_dp8_bf16_gather_bf16_reduce_chunk1"),
+        "muon_dp8_bf16_reduce_exposed_floor": floor("muon_dp8_bf16_gather_bf16_reduce"),
         "train_step_ep8_exposed_fraction": frac("train_step_mesh1x8"),
         "train_step_2x4_exposed_fraction": frac("train_step_mesh2x4"),
         "moe_ep16_exposed_fraction": frac(f"moe_ep16_A_dense_chunks{dn}"),
@@ -126,6 +133,9 @@ def parse_args(argv=None):
     p.add_argument("--muon-chunk-bytes", default="0,1",
                    help="chunk_bytes values of the Muon cases (0: the default, one collective "
                         "per stack; 1: one matrix per device per chunk)")
+    p.add_argument("--muon-reduce-dtypes", default="f32",
+                   help="reduce_dtype values of the Muon cases (f32: the default, the gradient "
+                        "dtype; bf16 adds the bf16-gather cases with bf16 reduce-scatters)")
     p.add_argument("--summarize", default=None, metavar="REPORT_JSON",
                    help="compile nothing: recompute the headline keys of a report (e.g. one cut "
                         "short by a time limit) and write it to --out")

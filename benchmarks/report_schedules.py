@@ -29,6 +29,9 @@ _SCHEDULE_CASES = (
      "`chunk_bytes=1` (one matrix per device per chunk)",
      (("muon_dp8_f32_gather", "-"), ("muon_dp8_bf16_gather", "-"),
       ("muon_dp8_f32_gather_chunk1", "-"), ("muon_dp8_bf16_gather_chunk1", "-"))),
+    ("the same with bf16 gathers after bf16 reduce-scatters (`reduce_dtype=jnp.bfloat16`, not "
+     "the default), then with `chunk_bytes=1`",
+     (("muon_dp8_bf16_gather_bf16_reduce", "-"), ("muon_dp8_bf16_gather_bf16_reduce_chunk1", "-"))),
     ("`train_lm.py --preset gpu` step, mesh (1, 8): as `--pgle` runs it (4 chunks), 2 chunks, "
      "2 micro-batches of 2 chunks; then the same on mesh (2, 4)",
      (("train_step_mesh1x8", 4), ("train_step_mesh1x8_chunks2", 2),

@@ -13,7 +13,8 @@ two and eight such hosts), with XLA's overlap options, and replays each schedule
   GPUs, 256 over 64) also over 16 GPUs (2 hosts; the expert axis across both, or within each
   host with the hosts data parallel) and 64 (8 hosts);
 * sharded Muon on 8 GPUs, the 1.6B set of ``benchmarks/muon_step.py`` (f32 params), with the
-  updates gathered in f32 and in bf16, for each ``--muon-chunk-bytes`` value of ``chunk_bytes``
+  updates gathered in f32 and in bf16 (and with ``--muon-reduce-dtypes f32,bf16`` the bf16
+  gathers after bf16 reduce-scatters), for each ``--muon-chunk-bytes`` value of ``chunk_bytes``
   (0: the library default, one collective per stack and direction);
 * ``examples/train_lm.py``'s step with its GPU preset on meshes (1, 8) and (2, 4), as the
   trainer runs it: with ``--latency-model`` (standing in for the trainer's ``--pgle``) its MoE
@@ -401,7 +402,7 @@ def main(argv=None) -> dict:
         run_case("gpu1_layer", gpu1)
 
     # ---------------------------------------------------------------- sharded Muon
-    def muon_compiled(mesh, gather_dtype, chunk_bytes):
+    def muon_compiled(mesh, gather_dtype, chunk_bytes, reduce_dtype=None):
         layers, d, f = (2, 128, 352) if a.small else (8, 4096, 11008)
         shapes_ = {"wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d), "w_gate": (d, f),
                    "w_up": (d, f), "w_down": (f, d)}
@@ -413,7 +414,7 @@ def main(argv=None) -> dict:
         data = jax.tree.map(lambda p: jax.ShapeDtypeStruct((ndev, *p.shape), jnp.float32,
                                                            sharding=dsh), params)
         tx = muon_jax.muon(0.02, mesh=mesh, gather_dtype=gather_dtype,
-                           chunk_bytes=chunk_bytes or None)
+                           chunk_bytes=chunk_bytes or None, reduce_dtype=reduce_dtype)
         state = jax.eval_shape(tx.init, params)
 
         def loss(p, data):
@@ -432,13 +433,18 @@ def main(argv=None) -> dict:
 
     if "muon" in groups:
         dp8 = mesh_for("1x8x1", (8,), ("data",))
+        reduce_bf16 = "bf16" in a.muon_reduce_dtypes.split(",")
+        variants = [(None, "f32", None), (jnp.bfloat16, "bf16", None)] + (
+            [(jnp.bfloat16, "bf16", jnp.bfloat16)] if reduce_bf16 else [])
         for cb in (int(v) for v in a.muon_chunk_bytes.split(",")):
-            for gd, label in ((None, "f32"), (jnp.bfloat16, "bf16")):
-                name = f"muon_dp8_{label}_gather" + (f"_chunk{cb}" if cb else "")
-                extra = {"gather_dtype": label, "chunk_bytes": cb or None}
+            for gd, label, rd in variants:
+                name = (f"muon_dp8_{label}_gather" + ("_bf16_reduce" if rd else "")
+                        + (f"_chunk{cb}" if cb else ""))
+                extra = {"gather_dtype": label, "chunk_bytes": cb or None,
+                         "reduce_dtype": "bf16" if rd else None}
                 report_extra[name] = extra
-                run_case(name, lambda gd=gd, cb=cb, name=name, extra=extra: record(
-                    name, muon_compiled(dp8, gd, cb), extra))
+                run_case(name, lambda gd=gd, cb=cb, rd=rd, name=name, extra=extra: record(
+                    name, muon_compiled(dp8, gd, cb, rd), extra))
 
     # ---------------------------------------------------------------- past one host
     for group, topo, ndev in (("moe16", "2x8x1", 16), ("moe64", "8x8x1", 64)):
