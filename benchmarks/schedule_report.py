@@ -433,7 +433,11 @@ def main(argv=None) -> dict:
 
     if "muon" in groups:
         dp8 = mesh_for("1x8x1", (8,), ("data",))
-        reduce_bf16 = "bf16" in a.muon_reduce_dtypes.split(",")
+        reduce_dtypes = set(a.muon_reduce_dtypes.split(","))
+        if not reduce_dtypes <= {"f32", "bf16"}:
+            raise SystemExit(f"--muon-reduce-dtypes takes f32 and/or bf16, got "
+                             f"{a.muon_reduce_dtypes!r}")
+        reduce_bf16 = "bf16" in reduce_dtypes
         variants = [(None, "f32", None), (jnp.bfloat16, "bf16", None)] + (
             [(jnp.bfloat16, "bf16", jnp.bfloat16)] if reduce_bf16 else [])
         for cb in (int(v) for v in a.muon_chunk_bytes.split(",")):
