@@ -3,8 +3,9 @@
 Orthogonalizes the stacks that `muon_jax.scale_by_muon` forms from `muon_step.py`'s parameter
 set on one device (f32 in, bf16 out, as that step's ``ns`` variant runs them), traces a few
 calls with ``jax.profiler`` and joins each traced kernel to its HLO instruction in the compiled
-program, whose cost `xla_comm.costs.op_cost` gives (FLOPs of GEMMs and of the symmetric-tile
-kernel, bytes of everything else). Prints the device time per step by category:
+program (`xla_comm.breakdown.op_breakdown`), whose cost `xla_comm.costs.op_cost` gives (FLOPs
+of GEMMs and of the symmetric-tile kernel, bytes of everything else). Prints the device time
+per call by category:
 
 - ``gemm``: cuBLAS / XLA GEMMs and the symmetric-tile kernel (``tiles_W_of_T`` scope),
 - ``transpose``: fusions XLA emits with a transposed operand read (``input_transpose_fusion``):
@@ -14,10 +15,9 @@ kernel, bytes of everything else). Prints the device time per step by category:
   combinations),
 - ``other``: everything else (copies, small reductions),
 
-then the slowest ops with their achieved TFLOP/s and GB/s. With ``--step-trace`` it also sums
-a trace of a whole step (e.g. ``muon_step.py --trace-dir``) by op. Command buffers are turned
-off (``--xla_gpu_enable_command_buffer=``) so that the trace shows kernels rather than one
-graph launch.
+then the slowest ops with their achieved TFLOP/s and GB/s. Command buffers are turned off
+(``--xla_gpu_enable_command_buffer=``) so that the trace shows kernels rather than one graph
+launch.
 
 Usage:
   python benchmarks/ns_profile.py --out ns_profile.json          # GPU: the 1.62B set
@@ -27,7 +27,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import sys
@@ -54,40 +53,28 @@ def category(op: str, gemm: bool) -> str:
     return "elementwise" if "fusion" in op else "other"
 
 
-def by_op(trace_dir: str, steps: int) -> dict[str, dict]:
-    """Device time per step of each op in the newest trace under ``trace_dir``:
-    ``{op: {"us": ..., "kernel": name}}`` (op: the HLO instruction, else the kernel name)."""
-    from xla_comm import trace
+def summarize(trace_dir: str, hlo_text: str, calls: int) -> dict:
+    """Device time per call of each instruction of ``hlo_text`` in the trace under
+    ``trace_dir`` (`xla_comm.breakdown.op_breakdown`'s join; kernels that name no instruction
+    count as ``other``), with the cost model's FLOPs and bytes, and the totals per category."""
+    from xla_comm import breakdown, costs, parse
 
-    out: dict[str, dict] = collections.defaultdict(lambda: {"us": 0.0, "kernel": ""})
-    for _dev, _line, name, op, _mod, dur in trace.op_events(trace_dir):
-        row = out[op or name]
-        row["us"] += dur / steps
-        row["kernel"] = name
-    return dict(out)
-
-
-def summarize(ops: dict[str, dict], hlo_text: str | None = None) -> dict:
-    """Totals per category and per op, with the cost model's FLOPs and bytes where the op is
-    an instruction of ``hlo_text``."""
-    from xla_comm import costs, parse
-
-    table = {}
-    if hlo_text is not None:
-        mod = parse.parse_hlo(hlo_text)
-        table = {i.name: i for i in mod.instructions()}
+    mod = parse.parse_hlo(hlo_text)
+    table = {i.name: i for i in mod.instructions()}
+    joined = breakdown.op_breakdown(trace_dir, hlo_text, steps=calls, top=len(table))
     rows, totals = {}, dict.fromkeys(CATEGORIES, 0.0)
-    for op, r in sorted(ops.items(), key=lambda kv: -kv[1]["us"]):
-        flops = nbytes = 0.0
-        gemm = False
-        if op in table:
-            flops, nbytes, _, gemm = costs.op_cost(table[op], mod, table)
+    for op, _, us in joined["top_ops"]:
+        flops, nbytes, _, gemm = costs.op_cost(table[op], mod, table)
         cat = category(op, gemm)
-        totals[cat] += r["us"]
-        us = r["us"]
-        rows[op] = {"us": us, "category": cat, "kernel": r["kernel"], "flops": flops,
-                    "bytes": nbytes, "tflops": flops / us / 1e6 if us else 0.0,
+        totals[cat] += us
+        rows[op] = {"us": us, "category": cat, "flops": flops, "bytes": nbytes,
+                    "tflops": flops / us / 1e6 if us else 0.0,
                     "GBps": nbytes / us / 1e3 if us else 0.0}
+    for name, us in joined["unmatched_kernels"].items():
+        totals["other"] += us
+        rows[name] = {"us": us, "category": "other", "flops": 0.0, "bytes": 0.0,
+                      "tflops": 0.0, "GBps": 0.0}
+    rows = dict(sorted(rows.items(), key=lambda kv: -kv[1]["us"]))
     return {"total_us": sum(totals.values()), "by_category_us": totals, "ops": rows}
 
 
@@ -112,7 +99,6 @@ def main(argv=None) -> dict:
                         "triples as JSON ([[a, b, c], ...], one per step)")
     p.add_argument("--calls", type=int, default=3, help="traced calls")
     p.add_argument("--top", type=int, default=20, help="slowest ops printed")
-    p.add_argument("--step-trace", help="also sum this trace of a whole step (3 calls)")
     p.add_argument("--hlo-out", help="write the compiled Newton-Schulz program's HLO here")
     p.add_argument("--out", help="JSON file")
     a = p.parse_args(argv)
@@ -155,14 +141,11 @@ def main(argv=None) -> dict:
         with jax.profiler.trace(tmp):
             for _ in range(a.calls):
                 jax.block_until_ready(compiled(xs))
-        ns = summarize(by_op(tmp, a.calls), hlo_text)
+        ns = summarize(tmp, hlo_text, a.calls)
     report = {"benchmark": "ns_profile", "env": env_info(), "config": vars(a),
               "stacks": stacks, "ns_seconds": seconds, "ns": ns}
     print(f"stacks {stacks}: {seconds * 1e3:.2f} ms per call (median wall)")
     print_summary("Newton-Schulz", ns, a.top)
-    if a.step_trace:
-        report["step"] = summarize(by_op(a.step_trace, 3))
-        print_summary("step", report["step"], a.top)
     write_json(a.out, report)
     return report
 
