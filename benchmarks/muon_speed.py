@@ -65,6 +65,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _bases(m: int, n: int):
+    """The random orthonormal bases ``U [m, p]``, ``V [n, p]`` of the ``m x n`` accuracy
+    matrices and the generator that drew them (seeded by the shape)."""
+    import numpy as np
+
+    p = min(m, n)
+    rng = np.random.default_rng(m * 7 + n)
+    u, _ = np.linalg.qr(rng.standard_normal((m, p)))
+    v, _ = np.linalg.qr(rng.standard_normal((n, p)))
+    return u, v, rng
+
+
+def gradient_like_matrix(m: int, n: int):
+    """The gradient-like ``m x n`` accuracy matrix: singular values ``k^-1.5`` in the bases of
+    :func:`_bases`, plus ``1e-3`` Gaussian noise."""
+    import numpy as np
+
+    u, v, rng = _bases(m, n)
+    s = np.arange(1, min(m, n) + 1, dtype=np.float64) ** -1.5
+    return (u * s) @ v.T + 1e-3 * rng.standard_normal((m, n))
+
+
 def accuracy_matrices(small: bool):
     """(name, matrix) pairs: aspect ratios from 1.5x to 4x, conditions 1e1..1e6, gradient-like."""
     import numpy as np
@@ -72,14 +94,10 @@ def accuracy_matrices(small: bool):
     base = 64 if small else 1024
     shapes = [(base, int(base * r)) for r in (1.6, 2.69, 4.0)] + [(int(base * 2.69), base)]
     for m, n in shapes:
-        p = min(m, n)
-        rng = np.random.default_rng(m * 7 + n)
-        u, _ = np.linalg.qr(rng.standard_normal((m, p)))
-        v, _ = np.linalg.qr(rng.standard_normal((n, p)))
+        u, v, _ = _bases(m, n)
         for cond in (1e1, 1e3, 1e6):
-            yield f"{m}x{n} cond {cond:g}", (u * np.geomspace(1, 1 / cond, p)) @ v.T
-        s = np.arange(1, p + 1, dtype=np.float64) ** -1.5
-        yield f"{m}x{n} gradient-like", (u * s) @ v.T + 1e-3 * rng.standard_normal((m, n))
+            yield f"{m}x{n} cond {cond:g}", (u * np.geomspace(1, 1 / cond, min(m, n))) @ v.T
+        yield f"{m}x{n} gradient-like", gradient_like_matrix(m, n)
 
 
 # name -> orthogonalize keywords; "standard" (every tile, the 54b8671 iteration) is the one

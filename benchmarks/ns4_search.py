@@ -65,9 +65,9 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-from ns_step_bound import compose, error, greedy_schedule, normalized  # noqa: E402
+from muon_speed import gradient_like_matrix  # noqa: E402
+from ns_step_bound import JORDAN, compose, error, greedy_schedule, normalized  # noqa: E402
 
-JORDAN = (3.4445, -4.7750, 2.0315)
 STEPS = 4
 CONDS = (3.0, 10.0, 100.0, 1e3, 1e4, 1e6)
 SIZES = (256, 512, 1024, 2048, 4096)
@@ -103,16 +103,6 @@ def gradient_like_model(m: int, n: int, *, sigma: float = 1e-3, alpha: float = 1
     spikes = theta[theta > ratio ** 0.25]
     out = np.sqrt((1 + spikes**2) * (ratio + spikes**2)) / spikes
     return scale * np.concatenate([out, mp_quantiles(ratio, p - len(spikes))])
-
-
-def gradient_like_matrix(m: int, n: int) -> np.ndarray:
-    """``muon_speed.py``'s gradient-like matrix itself (same seed rule)."""
-    p = min(m, n)
-    rng = np.random.default_rng(m * 7 + n)
-    u, _ = np.linalg.qr(rng.standard_normal((m, p)))
-    v, _ = np.linalg.qr(rng.standard_normal((n, p)))
-    s = np.arange(1, p + 1, dtype=np.float64) ** -1.5
-    return (u * s) @ v.T + 1e-3 * rng.standard_normal((m, n))
 
 
 def spectrum_family(sizes=SIZES) -> dict[str, np.ndarray]:
