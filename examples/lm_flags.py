@@ -152,6 +152,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="dtype Muon's updates travel back from their owner devices in "
                         "(muon_jax.muon's gather_dtype; auto: bfloat16 for float32 params "
                         "after 16-bit Newton-Schulz, half the bytes of float32)")
+    p.add_argument("--muon-reduce-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="dtype Muon's data-parallel gradients are summed in. float32: XLA "
+                        "all-reduces every gradient in the backward pass, as for AdamW. "
+                        "bfloat16 (--optimizer muon only): an Explicit mesh, and the step "
+                        "differentiates w.r.t. muon_jax.reduced_view of Muon's matrices "
+                        "(router kernels excepted), so their gradients arrive unreduced and "
+                        "Muon reduce-scatters them to their owners in bf16 (muon_jax.muon's "
+                        "reduce_dtype; half the bytes)")
     p.add_argument("--ns-method", choices=get_args(muon_jax.newton_schulz.NsMethod),
                    default="auto",
                    help="Muon's Newton-Schulz: standard, its Gram form, or auto (standard "
@@ -201,6 +209,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.optimizer not in OPTIMIZERS:
         raise UsageError(
             f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {args.optimizer!r}."
+        )
+    if args.muon_reduce_dtype != "float32" and args.optimizer != "muon":
+        raise UsageError(
+            f"--muon-reduce-dtype {args.muon_reduce_dtype} needs --optimizer muon (got "
+            f"{args.optimizer}): it changes how Muon's gradients are summed, and the run then "
+            "uses an Explicit mesh that the AdamW run does not."
         )
     for name in ("steps", "batch", "seq_len", "d_model", "layers", "heads", "experts", "top_k",
                  "micro_batches"):

@@ -231,7 +231,14 @@ class TransformerLM(nnx.Module):
         if b % n:
             raise ValueError(f"batch {b} is not a multiple of micro_batches={n}; pass a batch "
                              "of whole micro-batches or lower micro_batches.")
-        x = self.embed(tokens).astype(jnp.dtype(self.cfg.dtype))
+        sharding = jax.typeof(tokens).sharding
+        if moe.meshes.is_explicit(sharding.mesh):
+            # Explicit axes (train_lm --muon-reduce-dtype bfloat16): the gather's output
+            # sharding is not inferred, so name it (the tokens', features replicated).
+            x = self.embed(tokens, out_sharding=P(*sharding.spec, None))
+        else:
+            x = self.embed(tokens)
+        x = x.astype(jnp.dtype(self.cfg.dtype))
         streams = [x] if n == 1 else [x.reshape(b // n, n, *x.shape[1:])[:, j] for j in range(n)]
         aux_sum = None
         for block in self.blocks:

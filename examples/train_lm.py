@@ -105,8 +105,9 @@ PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
 _JAX_VERSION = version_tuple(jax.__version__)[:2]
 
 
-def build_mesh(spec: str | None) -> jax.sharding.Mesh:
-    """A ('data', 'expert') mesh over the available devices."""
+def build_mesh(spec: str | None, *, explicit: bool = False) -> jax.sharding.Mesh:
+    """A ('data', 'expert') mesh over the available devices; ``explicit``: Explicit axes (the
+    sharding types that let Muon's gradients arrive unreduced, ``--muon-reduce-dtype``)."""
     devices = jax.devices()
     n = len(devices)
     if spec is None:
@@ -124,6 +125,10 @@ def build_mesh(spec: str | None) -> jax.sharding.Mesh:
             f"--mesh {shape[0]},{shape[1]} needs {math.prod(shape)} devices but {n} are "
             f"available ({jax.default_backend()}); choose sizes whose product is {n}."
         )
+    if explicit:
+        # Reduced / unreduced types (muon_jax.reduced_view) exist on Explicit axes only.
+        types = (jax.sharding.AxisType.Explicit,) * len(MESH_AXES)
+        return jax.make_mesh(shape, MESH_AXES, axis_types=types, devices=devices)
     # Auto axes: XLA's partitioner places the dense parts; the MoE layer and Muon are explicit
     # about their own layouts (shard_map), so nothing else needs Explicit sharding types.
     auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
@@ -205,9 +210,43 @@ def make_tx(name: str, args, mesh) -> optax.GradientTransformation:
         adam_learning_rate=schedule(muon_adam_lr(args)),
         mesh=mesh,
         gather_dtype={"auto": "auto", "float32": None}.get(args.muon_gather_dtype, jnp.bfloat16),
+        reduce_dtype=jnp.bfloat16 if unreduced_grads(args) else None,
         ns_method=args.ns_method,
         ns_symmetric_blocks=args.ns_symmetric_blocks,
     )
+
+
+def unreduced_grads(args) -> bool:
+    """Whether Muon's gradients reach it unreduced (``--muon-reduce-dtype bfloat16``): an
+    Explicit mesh, :func:`train_step_unreduced`, and Muon sums them in bf16 itself."""
+    return getattr(args, "muon_reduce_dtype", "float32") != "float32"
+
+
+def reduced_muon_view(params, router_optimizer: str):
+    """``params`` with Muon's matrices cast to ``reduced`` (``muon_jax.reduced_view``, free)
+    over the mesh axes the batch is split over and the leaf is not: their gradients come
+    unreduced, per-device partial sums that sharded Muon reduce-scatters itself.
+
+    The batch is split over both axes, so a replicated matrix (attention) is viewed reduced
+    over ('data', 'expert') and an expert bank (sharded over 'expert') over 'data'. The MoE
+    router kernels stay as they are (their gradients all-reduced by XLA, in f32): ``moe``
+    hands them to its ``shard_map`` as ``P()``, which refuses a reduced input."""
+    mask = (router_on_adamw if router_optimizer == "adamw" else muon_jax.default_muon_mask)(
+        params)
+    is_router = lambda path: any("router" in str(getattr(k, "key", k)) for k in path)
+    axes_of = {}
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        spec = jax.typeof(x).sharding.spec
+        used = {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+        axes_of[path] = tuple(a for a in MESH_AXES if a not in used)
+    for axes in sorted(set(axes_of.values())):
+        if not axes:
+            continue
+        pick = jax.tree_util.tree_map_with_path(
+            lambda path, flag, axes=axes: bool(flag) and not is_router(path)
+            and axes_of[path] == axes, mask)
+        params = muon_jax.reduced_view(params, axes, muon_mask=pick)
+    return params
 
 
 def create(name: str, args, mesh):
@@ -229,6 +268,25 @@ def loss_terms(model, batch, aux_w, z_w):
 def train_step(model, optimizer, batch, aux_w, z_w):
     grad_fn = nnx.value_and_grad(loss_terms, has_aux=True)
     (_, (ce, lb, dropped)), grads = grad_fn(model, batch, aux_w, z_w)
+    optimizer.update(model, grads)
+    return {"loss": ce, "load_balance_loss": lb, "dropped_tokens": dropped}
+
+
+@nnx.jit(static_argnums=(3, 4, 5))
+def train_step_unreduced(model, optimizer, batch, aux_w, z_w, router_optimizer):
+    """:func:`train_step` differentiating w.r.t. :func:`reduced_muon_view` of the params
+    (Explicit mesh): Muon's gradients reach ``optimizer`` unreduced and it sums them in its
+    ``reduce_dtype``; the rest are all-reduced in the backward pass as before."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(p):
+        m = nnx.merge(graphdef, p, rest)
+        value, aux = loss_terms(m, batch, aux_w, z_w)
+        return value, (aux, nnx.state(m, nnx.Not(nnx.Param)))
+
+    (_, ((ce, lb, dropped), rest)), grads = jax.value_and_grad(loss, has_aux=True)(
+        reduced_muon_view(params, router_optimizer))
+    nnx.update(model, rest)  # whatever the forward changed besides the params (as nnx's grad)
     optimizer.update(model, grads)
     return {"loss": ce, "load_balance_loss": lb, "dropped_tokens": dropped}
 
@@ -353,7 +411,11 @@ def train_one(name, args, mesh, corpus, out: pathlib.Path, metrics_file) -> dict
         for step in range(start + 1, args.steps + 1):
             t0 = time.perf_counter()
             batch = put_train(step)
-            m = train_step(model, optimizer, batch, args.aux_loss, args.z_loss)
+            if unreduced_grads(args):
+                m = train_step_unreduced(model, optimizer, batch, args.aux_loss, args.z_loss,
+                                         args.router_optimizer)
+            else:
+                m = train_step(model, optimizer, batch, args.aux_loss, args.z_loss)
             rec = {"optimizer": name, "step": step, "train_loss": _host(m["loss"]),
                    "load_balance_loss": _host(m["load_balance_loss"]),
                    "dropped_tokens": int(_host(m["dropped_tokens"]))}
@@ -419,7 +481,7 @@ def train_one(name, args, mesh, corpus, out: pathlib.Path, metrics_file) -> dict
 
 def setup(args) -> tuple[jax.sharding.Mesh, lm_data.Corpus]:
     """The mesh and the corpus for ``args``; raises :class:`UsageError` on flags that clash."""
-    mesh = build_mesh(args.mesh)
+    mesh = build_mesh(args.mesh, explicit=unreduced_grads(args))
     n_dev = mesh.devices.size
     if args.batch % n_dev:
         raise UsageError(
