@@ -1,8 +1,13 @@
-"""benchmarks/lr_sweep.py, run as a script: table, plot, summary and reuse of runs, at a tiny size.
+"""benchmarks/lr_sweep.py: table, plot, summary and reuse of runs, at a tiny size.
 
 (examples/ is on the path for train_lm, as in tests/examples/test_train_lm.py; the sweep itself runs
-as ``python benchmarks/lr_sweep.py``.)"""
+as ``python benchmarks/lr_sweep.py``.) The sweeps call the script's ``main`` in this process, as
+tests/examples/test_train_lm.py calls the trainer's: a fresh interpreter per command would only
+repeat the imports. The script as a command still runs here: each ``--jobs`` grid point trains in
+a child ``lr_sweep.py``, and a bad flag's one-line error is read from the command's stderr."""
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -13,8 +18,10 @@ from _paths import ROOT
 
 ROOT = ROOT
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import lm_metrics  # noqa: E402
+import lr_sweep  # noqa: E402  (benchmarks/lr_sweep.py)
 import train_lm  # noqa: E402  (examples/train_lm.py)
 
 TINY = [
@@ -24,22 +31,42 @@ TINY = [
 ]
 
 
+def _script_env() -> dict[str, str]:
+    """What a sweep script started from here runs with, over the test session's environment:
+    the session's XLA flags (its compile settings) but for the CPU device count, which the
+    script sets up itself before JAX starts (the children's mesh is checked below)."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    return {"XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
+
+
 def sweep(*argv, timeout=600):
     """``python benchmarks/lr_sweep.py ARGV``: (exit status, stdout, stderr)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lr_sweep.py"), *argv],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+                         cwd=ROOT, env={**os.environ, **_script_env()}, capture_output=True,
+                         text=True, timeout=timeout)
     return res.returncode, res.stdout, res.stderr
 
 
-def test_sweep_cpu_tiny(tmp_path):
+def sweep_here(monkeypatch, *argv):
+    """``lr_sweep.main(ARGV)`` in this process, its child processes (``--jobs``) started with
+    the environment :func:`sweep` gives the script: (exit status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with monkeypatch.context() as m:
+        for k, v in _script_env().items():
+            m.setenv(k, v)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = lr_sweep.main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_sweep_cpu_tiny(tmp_path, monkeypatch):
     out = tmp_path / "sweep"
     default_muon, default_adam = train_lm.default_lrs(64)
     # Muon: the trainer's default and one more; AdamW: its default only (3 tiny runs).
     argv = [*TINY, "--muon-lrs", f"{default_muon / 4}", "--adam-lrs", f"{default_adam}",
             "--out", str(out)]
-    code, text, err = sweep(*argv)
+    code, text, err = sweep_here(monkeypatch, *argv)
     assert code == 0, text[-2000:] + err[-2000:]
     doc = json.loads((out / "lr_sweep.json").read_text())
     runs = doc["runs"]
@@ -73,13 +100,13 @@ def test_sweep_cpu_tiny(tmp_path):
     assert "val loss" in text and "default" in text and "cpu_muon_best_val_loss" in text
 
     # The same command again reuses every run (nothing is trained: the rows are unchanged).
-    code, text, _ = sweep(*argv)
+    code, text, _ = sweep_here(monkeypatch, *argv)
     assert code == 0 and text.count("reused from") == 3
     assert json.loads((out / "lr_sweep.json").read_text())["runs"] == runs
 
     # A sweep split over commands keeps one table: an AdamW-only grid keeps the Muon rows.
-    code, text, _ = sweep(*TINY, "--optimizers", "adamw", "--adam-lrs", f"{default_adam}",
-                          "--no-defaults", "--out", str(out))
+    code, text, _ = sweep_here(monkeypatch, *TINY, "--optimizers", "adamw", "--adam-lrs",
+                               f"{default_adam}", "--no-defaults", "--out", str(out))
     assert code == 0 and text.count("reused from") == 1
     kept = json.loads((out / "lr_sweep.json").read_text())
     assert sorted(map(json.dumps, kept["runs"])) == sorted(map(json.dumps, runs))
@@ -88,8 +115,9 @@ def test_sweep_cpu_tiny(tmp_path):
     # --jobs 2: two new AdamW points train at once in child processes (logs and their own
     # JSON under points/); the parent merges their rows with the kept ones into one table.
     new_lrs = [default_adam / 2, default_adam * 2]
-    code, text, _ = sweep(*TINY, "--optimizers", "adamw", "--jobs", "2", "--no-defaults",
-                          "--adam-lrs", ",".join(map(repr, new_lrs)), "--out", str(out))
+    code, text, _ = sweep_here(monkeypatch, *TINY, "--optimizers", "adamw", "--jobs", "2",
+                               "--no-defaults", "--adam-lrs", ",".join(map(repr, new_lrs)),
+                               "--out", str(out))
     assert code == 0
     assert "2 grid points at a time" in text and "2 runs sharing the devices" in text
     merged = json.loads((out / "lr_sweep.json").read_text())
@@ -111,8 +139,9 @@ def test_sweep_cpu_tiny(tmp_path):
 
     # Other settings (here --seed) are other runs: none is reused, and none kept (checked
     # with --dry-run, which trains and writes nothing).
-    code, text, _ = sweep(*TINY, "--seed", "1", "--muon-lrs", f"{default_muon / 4}",
-                          "--adam-lrs", f"{default_adam}", "--dry-run", "--out", str(out))
+    code, text, _ = sweep_here(monkeypatch, *TINY, "--seed", "1", "--muon-lrs",
+                               f"{default_muon / 4}", "--adam-lrs", f"{default_adam}",
+                               "--dry-run", "--out", str(out))
     assert code == 0 and "would be reused" not in text and "kept from" not in text
     assert f"{len(merged['runs'])} run(s) in" in text and "would be left out" in text
     assert text.count("would be trained") == 3
@@ -120,9 +149,10 @@ def test_sweep_cpu_tiny(tmp_path):
     assert json.loads((out / "lr_sweep.json").read_text()) == merged
 
 
-def test_sweep_bad_grid_is_one_line():
+def test_sweep_bad_grid_is_one_line(monkeypatch):
+    # As the script: the one line is all a user sees on stderr (nothing from the imports).
     code, _, err = sweep(*TINY, "--muon-lrs", "0.01,abc", "--out", "/nonexistent/x", timeout=120)
     err = err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "--muon-lrs must be comma-separated" in err
-    code, _, err = sweep(*TINY, "--jobs", "0", "--out", "/nonexistent/x", timeout=120)
+    code, _, err = sweep_here(monkeypatch, *TINY, "--jobs", "0", "--out", "/nonexistent/x")
     assert code == 2 and "--jobs must be >= 1, got 0" in err
