@@ -34,7 +34,7 @@ import dataclasses
 import json
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from xla_comm import hlo, parse
 
@@ -43,6 +43,7 @@ __all__ = [
     "MEASURED_LINK_GBPS",
     "TILES_SCOPE",
     "Cost",
+    "GroupedRows",
     "Hardware",
     "collective_attrs",
     "instruction_cost",
@@ -114,6 +115,23 @@ TILES_SCOPE = "tiles_{written}_of_{total}"
 """The ``jax.named_scope`` by which a kernel that computes ``written`` of its product's
 ``total`` output tiles (e.g. the upper triangle of a symmetric product) tells the cost model
 its share: a custom call whose ``op_name`` holds it is charged that share of its GEMM FLOPs."""
+GroupedRows = int | Mapping[str, int] | None
+"""The token rows a Mosaic grouped GEMM computes at most: one count for all of them, or by
+named scope, ``{scope: rows}``: the first scope found in a GEMM's ``op_name`` gives its rows
+(``''`` matches every op), e.g. a pass that takes a known share of a chunk's slots; None (or
+no scope found): the static rows."""
+_OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
+
+
+def _rows_of(ins: hlo.Instruction, grouped_rows: GroupedRows) -> int | None:
+    """The row cap of ``ins`` under ``grouped_rows`` (`GroupedRows`)."""
+    if not isinstance(grouped_rows, Mapping):
+        return grouped_rows
+    m = _OP_NAME_RE.search(ins.attrs)
+    name = m.group(1) if m else ""
+    return next((r for scope, r in grouped_rows.items() if scope in name), None)
+
+
 _TILES_RE = re.compile(r'op_name="[^"]*\btiles_(\d+)_of_(\d+)\b')
 
 
@@ -271,11 +289,11 @@ def op_cost(ins: hlo.Instruction, mod: hlo.HloModule,
 
 def instruction_cost(ins: hlo.Instruction, mod: hlo.HloModule,
                      table: dict[str, hlo.Instruction] | None = None, *,
-                     grouped_rows: int | None = None) -> Cost:
+                     grouped_rows: GroupedRows = None) -> Cost:
     """The `Cost` of one instruction (control flow, collectives and ops that move nothing:
     zero); ``table`` maps names to instructions (built from ``mod`` when None);
     ``grouped_rows``: the token rows a Mosaic grouped GEMM computes at most (the rows the
-    routing fills; None: all its static rows)."""
+    routing fills; None: all its static rows; by named scope: `GroupedRows`)."""
     table = table if table is not None else {i.name: i for i in mod.instructions()}
     op = ins.opcode
     if op in _NO_COST or hlo.base_kind(op)[0] is not None or op in (
@@ -304,7 +322,7 @@ def instruction_cost(ins: hlo.Instruction, mod: hlo.HloModule,
         out = _arrays(ins.shape)
         if out:
             flops = _grouped_gemm_flops([a[1] for o in operands for a in _arrays(o.shape)[:1]],
-                                        out[0][1], grouped_rows)
+                                        out[0][1], _rows_of(ins, grouped_rows))
             share = _TILES_RE.search(ins.attrs)
             if share:  # a kernel that computes only some output tiles says which share
                 flops *= int(share.group(1)) / max(int(share.group(2)), 1)

@@ -68,7 +68,7 @@ def _scheduled_name(ins: hlo.Instruction) -> str:
 
 
 def latency_profile(compiled_or_text: Any, hardware: costs.Hardware, *,
-                    grouped_rows: int | None = None) -> str:
+                    grouped_rows: costs.GroupedRows = None) -> str:
     """The modeled time of each instruction of a compiled program, as a PGLE profile.
 
     One ``costs { name: ... cost_us: ... }`` line per instruction the cost model charges
@@ -121,7 +121,7 @@ class Modeled(NamedTuple):
 
 def compile_modeled(lowered, hardware: costs.Hardware, *,
                     compiler_options: dict[str, Any] | None = None,
-                    grouped_rows: int | None = None) -> Modeled:
+                    grouped_rows: costs.GroupedRows = None) -> Modeled:
     """Compile ``lowered`` with XLA's latency estimates, then again with the modeled ones.
 
     Args:

@@ -216,7 +216,7 @@ class _Replay:
     table: dict[str, hlo.Instruction]
     collectives: dict[str, tuple[hlo.Collective, str]]  # start name -> (collective, attrs)
     branch: int
-    grouped_rows: int | None = None
+    grouped_rows: costs.GroupedRows = None
     windows: list[Window] = dataclasses.field(default_factory=list)
     compute_us: float = 0.0
     started: dict[str, tuple] = dataclasses.field(default_factory=dict)  # (coll, hosts, ex, cond)
@@ -300,7 +300,7 @@ class _Replay:
 
 
 def schedule_report(compiled_or_text: Any, hardware: Hardware, *, branch: int = 0,
-                    grouped_rows: int | None = None) -> ScheduleReport:
+                    grouped_rows: costs.GroupedRows = None) -> ScheduleReport:
     """Replay a compiled step's schedule and report its exposed communication, in time.
 
     Args:
@@ -312,7 +312,8 @@ def schedule_report(compiled_or_text: Any, hardware: Hardware, *, branch: int = 
       grouped_rows: the token rows each Mosaic grouped GEMM computes at most, e.g. a chunk's
         ``tokens * top_k`` for balanced routing (its kernels skip the row tiles past each
         group's filled rows, and the dropless layout is sized for every row going to one
-        device); None charges their static rows.
+        device); None charges their static rows; a ``{named scope: rows}`` mapping gives
+        each pass its own (`xla_comm.costs.GroupedRows`).
 
     Returns:
       A `ScheduleReport`.

@@ -150,6 +150,31 @@ ENTRY %main (a: bf16[100,50], w: bf16[4,200,50], c: bf16[100,200], b: bf16[50,20
     assert full == pytest.approx(3 * flops) and capped == pytest.approx(1.5 * flops)
 
 
+def test_grouped_rows_by_named_scope():
+    """A ``{scope: rows}`` mapping caps each grouped GEMM by the first scope its op_name
+    holds ('' matches any): a local pass and the exchanged rest of a chunk each cost their
+    share; a GEMM that no scope matches costs its static rows."""
+    text = """HloModule m
+ENTRY %main (a: bf16[100,50], w: bf16[4,200,50], t: s32[8]) -> bf16[100,200] {
+  %a = bf16[100,50]{1,0} parameter(0)
+  %w = bf16[4,200,50]{2,1,0} parameter(1)
+  %t = s32[8]{0} parameter(2)
+  %loc = bf16[100,200]{1,0} custom-call(%t, %a, %w), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(f)/moe_chunk0/moe_local_first/gmm"}
+  %rem = bf16[100,200]{1,0} custom-call(%t, %a, %w), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(f)/moe_chunk0/gmm"}
+  ROOT %next = bf16[100,200]{1,0} custom-call(%t, %a, %w), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(f)/moe_chunk1/gmm"}
+}"""
+    mod = hlo.parse_hlo(text)
+    body = {i.name: i for i in mod.computations["main"]}
+    per_row = 2 * 200 * 50
+    rows = {"moe_local_first": 10, "moe_chunk0/": 90, "": 100}
+    got = {n: costs.instruction_cost(body[n], mod, body, grouped_rows=rows).flops
+           for n in ("loc", "rem", "next")}
+    assert got == {"loc": 10 * per_row, "rem": 90 * per_row, "next": 100 * per_row}
+    only = {"moe_local_first": 10}  # no default: the others keep their static rows
+    assert costs.instruction_cost(body["rem"], mod, body, grouped_rows=only).flops \
+        == 100 * per_row
+
+
 def test_batched_kernel_costs_its_product_and_the_tile_share_its_scope_names():
     """A custom call [B, M, K] x [B, N, K] -> [B, M, N] (the symmetric-tile kernel's form) is a
     GEMM of 2 B M N K FLOPs; under a tiles_W_of_T named scope, W / T of them; grouped_rows
