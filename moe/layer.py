@@ -210,9 +210,13 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra: LocalInputs, *,
     split = chunks > 1 and len(buckets) > 1
     ys, over_ids, ys_shared, dropped = [], [], None, jnp.zeros((), jnp.int32)
     overflowing = jnp.zeros((), jnp.int32)  # chunks of this device with slots past c_0
-    chunk_ids, first = [], None
+    chunk_ids, first, local_ids = [], None, None
+    local_first = do.local_first and p > 1  # with one device nothing is sent anyway
     for c in range(chunks):
         ids_c = ids[c * tc:(c + 1) * tc]
+        if c == 0 and local_first:  # its own experts' slots stay here (run_local below)
+            local_ids, ids_c = _pipeline.split_local(ids_c, num_experts=num_slots,
+                                                     axis_name=do.expert_axis)
         if split:
             s = split_first_bucket(ids_c, num_experts=num_slots, axis_size=p,
                                    first_bucket=buckets[0])
@@ -233,11 +237,22 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra: LocalInputs, *,
     chained = banks
     for c in range(chunks):
         part = slice(c * tc, (c + 1) * tc)
-        # Each chunk but the last passes the banks on to the next, so that in the backward
-        # (chunks in reverse) a chunk's weight-gradient GEMMs start from the later chunks'
-        # sum instead of XLA adding one full bank per chunk.
-        y_c, plan, chained = body(x[part], chunk_ids[c], r.weights[part], chained,
-                                  buckets=first, plan=plans[c], chain=c < chunks - 1)
+        y_local = None
+        with jax.named_scope(f"moe_chunk{c}"):  # a profile (or a cost model) tells them apart
+            if c == 0 and local_first:
+                local = _pipeline.local_first_pass(
+                    x[part], local_ids, r.weights[part], chained, options=options,
+                    dispatch_options=do_chunk, num_experts=num_slots, group_alignment=align,
+                    with_wire=with_wire)
+                y_local, chained = local.y, local.banks
+                dropped = dropped + local.plan.dropped
+            # Each chunk but the last passes the banks on to the next, so that in the
+            # backward (chunks in reverse) a chunk's weight-gradient GEMMs start from the
+            # later chunks' sum instead of XLA adding one full bank per chunk.
+            y_c, plan, chained = body(x[part], chunk_ids[c], r.weights[part], chained,
+                                      buckets=first, plan=plans[c], chain=c < chunks - 1)
+        if y_local is not None:
+            y_c = (y_c.astype(jnp.float32) + y_local.astype(jnp.float32)).astype(x.dtype)
         if c == 0 and shared is not None:
             ys_shared = _shared_experts(x, shared, gate, options, x.dtype)
             if mask is not None:

@@ -116,6 +116,17 @@ class DispatchOptions:
         kept. Dropless with several chunks: the chunks send each pair's first bucket, and the
         slots past it go in one overflow pass after them, on the steps that have any
         (``moe.pipeline``).
+      local_first: the first chunk's slots that this device's own experts take skip the
+        exchange: they go through the local experts while the chunk's exchange is in
+        flight, the only expert GEMMs that can run under a step's first dispatch (the
+        chunk's output is the sum of the two passes, each rounded to the tokens' dtype).
+        Off by default: the local pass is sized for every slot being local (its passes
+        over the chunk's tokens cost about what its GEMMs do), the dense layout still
+        computes the emptied self block, and in the 8-GPU schedules the other chunks'
+        routing already covered the first dispatch, so it made the modeled step longer
+        (docs/benchmark_log.md, Overlap). For steps whose first dispatch stays exposed
+        (one chunk, exchanges between hosts). No effect with one device on the expert axis.
+        A capacity limit keeps its meaning: the same ``C`` rows per (source, expert).
 
     Example:
       >>> from moe import DispatchOptions
@@ -137,6 +148,7 @@ class DispatchOptions:
     overlap_chunks: int | Literal["auto"] = "auto"
     capacity_multiple: int = 8
     ragged_impl: RaggedImpl = "auto"
+    local_first: bool = False
 
     def __post_init__(self):
         if self.batch_axes is not None and not isinstance(self.batch_axes, tuple):
@@ -157,6 +169,8 @@ class DispatchOptions:
         if n != "auto" and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ValueError(f"overlap_chunks must be 'auto' or an int >= 1, got {n!r}; 1 "
                              "turns the pipelining off.")
+        if not isinstance(self.local_first, bool):
+            raise TypeError(f"local_first must be True or False, got {self.local_first!r}.")
         cf = self.capacity_factor
         if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float))):
             raise TypeError(f"capacity_factor must be a float or None, got {cf!r}.")

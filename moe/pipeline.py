@@ -4,6 +4,10 @@
 dispatch, the local experts on the layout it produced, combine. The layer runs it per chunk
 so that XLA's scheduler can put one chunk's async exchanges under another chunk's GEMMs.
 
+:func:`local_first_pass` runs the first chunk's slots for this device's own experts
+(:func:`split_local`) with no exchange, so their GEMMs can run under the step's first
+all-to-all, which no chunk's experts could cover (``DispatchOptions.local_first``).
+
 The dropless transport sends the rows past its first bucket inside a ``lax.switch`` branch
 (``moe.dispatch``), and XLA's latency-hiding scheduler keeps no async collective in flight
 across a conditional whose branches hold collectives: in a pipeline every chunk's switch
@@ -18,6 +22,7 @@ to the one-pass layer.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import NamedTuple
@@ -26,12 +31,12 @@ import jax
 import jax.numpy as jnp
 
 from moe import experts as _experts
-from moe.dispatch import DispatchPlan, WireRows, dispatch_apply
+from moe.dispatch import DispatchPlan, WireRows, dense_capacity, dispatch_apply, plan_dispatch
 from moe.dispatch import combine as combine_fn
 from moe.options import DispatchOptions, MoEOptions
 
-__all__ = ["Banks", "ChunkOutput", "chunk_experts", "local_experts", "overflow_experts",
-           "overflow_token_counts"]
+__all__ = ["Banks", "ChunkOutput", "LocalSplit", "chunk_experts", "local_experts",
+           "local_first_pass", "overflow_experts", "overflow_token_counts", "split_local"]
 
 
 class Banks(NamedTuple):
@@ -139,6 +144,108 @@ def chunk_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, banks
     y, banks = local_experts(ex, group_sizes, banks, options, wire, group_alignment, combine,
                              chain=chain)
     return ChunkOutput(y.astype(x.dtype), plan, banks)
+
+
+class LocalSplit(NamedTuple):
+    """What :func:`split_local` returns.
+
+    Attributes:
+      local_ids: int ``[T, k]``: the slots this device's own experts take, as local expert
+        ids ``[0, E_local)``; ``E_local`` (no expert) for every other slot.
+      remote_ids: int ``[T, k]``: the other slots' global ids; ``num_experts`` (no expert) for
+        the local ones.
+    """
+
+    local_ids: jax.Array
+    remote_ids: jax.Array
+
+
+def split_local(expert_ids: jax.Array, *, num_experts: int, axis_name) -> LocalSplit:
+    """Split a chunk's slots into those this device's experts take and those sent away.
+
+    Device ``i`` of ``axis_name`` owns global experts ``[i E_local, (i + 1) E_local)``. Its
+    own slots need no exchange: a dispatch over no mesh axis (``expert_axis=()``) hands them
+    to the local experts while the exchange of the others is in flight (``DispatchOptions
+    .local_first``); the layer's output, a sum over slots, is the sum of the two passes.
+
+    Args:
+      expert_ids: int ``[T, k]`` global ids in ``[0, num_experts]`` (``num_experts``: no
+        expert).
+      num_experts: ``E``, a multiple of the axis size.
+      axis_name: the expert axis (bound: call inside ``jax.shard_map``).
+
+    Returns:
+      A :class:`LocalSplit`.
+
+    Example:
+      >>> # inside jax.shard_map over 'expert' (2 devices, 4 experts), on device 1:
+      >>> # split_local(jnp.array([[0, 3], [2, 4]]), num_experts=4, axis_name='expert')
+      >>> # -> local_ids [[2, 1], [0, 2]], remote_ids [[0, 4], [4, 4]]
+    """
+    e_local = num_experts // jax.lax.axis_size(axis_name)
+    me = jax.lax.axis_index(axis_name).astype(expert_ids.dtype)
+    mine = jax.lax.div(expert_ids, jnp.asarray(e_local, expert_ids.dtype)) == me  # none: P
+    return LocalSplit(jnp.where(mine, expert_ids - me * e_local, e_local),
+                      jnp.where(mine, num_experts, expert_ids))
+
+
+def local_first_pass(x: jax.Array, local_ids: jax.Array, weights: jax.Array, banks: Banks, *,
+                     options: MoEOptions, dispatch_options: DispatchOptions, num_experts: int,
+                     group_alignment: int | None, with_wire: bool) -> ChunkOutput:
+    """A chunk's slots for this device's own experts through them, with no exchange.
+
+    ``y = combine(experts(dispatch(x, local_ids)), weights)`` over no mesh axis
+    (``expert_axis=()``), so nothing here waits for the chunk's all-to-all and XLA can run
+    these GEMMs under it (``DispatchOptions.local_first``). Dense keeps the exchange's
+    capacity ``C`` per (source, expert) (``dense_capacity`` of the chunk's tokens over all
+    ``num_experts``), so it keeps exactly the slots the exchange would have kept; dropless
+    drops nothing either way. The banks come back chained (:func:`chunk_experts`): the
+    chunk's exchanged pass takes them next.
+
+    Args:
+      x: ``[T, d]`` the chunk's tokens.
+      local_ids: int ``[T, k]`` local expert ids, ``E_local`` for no expert
+        (:func:`split_local`).
+      weights: ``[T, k]`` the combine weights.
+      banks: this device's expert weights.
+      options: the layer's options.
+      dispatch_options: the chunk's dispatch options (its expert axis bound).
+      num_experts: ``E``, all experts of the expert axis (the padded count).
+      group_alignment: the dropless layout's group alignment (None: plain).
+      with_wire: FP8 GEMMs read the FP8 rows as the wire would carry them.
+
+    Returns:
+      A :class:`ChunkOutput` (its plan is the local dispatch's).
+
+    Example:
+      >>> # inside jax.shard_map over 'expert', before the first chunk's exchanged pass:
+      >>> # local, remote = split_local(ids, num_experts=8, axis_name='expert')
+      >>> # y0, _, banks = local_first_pass(x, local, w, banks, options=opts,
+      >>> #     dispatch_options=opts.dispatch, num_experts=8, group_alignment=None,
+      >>> #     with_wire=False)
+    """
+    t, k = local_ids.shape  # the exchange's capacity counts all k slots of a token
+    e_local = num_experts // jax.lax.axis_size(dispatch_options.expert_axis)
+    if k > e_local:
+        # A token's distinct experts include at most E_local of this device's: keep the
+        # columns that can hold them (its local slots first, ascending). Within one expert
+        # the slots stay in token order, so a capacity keeps the same ones.
+        order = jnp.argsort(local_ids, axis=1, stable=True)[:, :e_local]
+        local_ids = jnp.take_along_axis(local_ids, order, axis=1)
+        weights = jnp.take_along_axis(weights, order, axis=1)
+    local_do = dataclasses.replace(dispatch_options, expert_axis=())
+    capacity = None
+    if dispatch_options.transport in ("auto", "dense"):  # the dispatch's 'auto' is dense
+        capacity = dense_capacity(t, k, num_experts, dispatch_options.capacity_factor,
+                                  multiple=dispatch_options.capacity_multiple)
+    plan = plan_dispatch(local_ids, num_experts=e_local, options=local_do, x_dtype=x.dtype,
+                         fp8_block_size=options.fp8_block_size,
+                         group_alignment=group_alignment, capacity=capacity)
+    with jax.named_scope("moe_local_first"):
+        return chunk_experts(x, local_ids, weights, banks, options=options,
+                             dispatch_options=local_do, num_experts=e_local,
+                             group_alignment=group_alignment, with_wire=with_wire, plan=plan,
+                             chain=True)
 
 
 # An overflow step runs the overflow pass on the tokens that have a slot past the first

@@ -336,6 +336,7 @@ def plan_dispatch(
     fp8_block_size: int = 128,
     group_alignment: int | None = None,
     buckets: tuple[int, ...] | None = None,
+    capacity: int | None = None,
 ) -> DispatchPlan:
     """The plan :func:`dispatch_apply` builds from ``expert_ids`` (and nothing of the tokens
     but their dtype): build it apart to batch the plans of several dispatches, e.g. the
@@ -346,6 +347,9 @@ def plan_dispatch(
       num_experts, options, fp8_block_size, group_alignment, buckets: as for
         :func:`dispatch_apply`.
       x_dtype: the dtype of the tokens it will dispatch (combine returns it).
+      capacity: ``'dense'`` only: the rows per (source, expert), instead of the
+        :func:`dense_capacity` of ``options.capacity_factor`` (e.g. a local pass over this
+        device's own experts that must keep exactly the slots the exchange would keep).
 
     Returns:
       The transport's plan (a :class:`DensePlan`, :class:`RaggedPlan` or
@@ -362,6 +366,9 @@ def plan_dispatch(
     p = _axis_size(options.expert_axis, "dispatch")
     wire_api.check_wire_kernels(options.wire_kernels)
     check_group_alignment(group_alignment)
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
+                                 or capacity < 1):
+        raise ValueError(f"capacity must be None or a positive int, got {capacity!r}.")
     if buckets is not None and (not buckets or any(
             isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in buckets)
             or list(buckets) != sorted(set(buckets))):
@@ -374,7 +381,7 @@ def plan_dispatch(
     cf, multiple = options.capacity_factor, options.capacity_multiple
 
     def dense():
-        return dense_plan(expert_ids, capacity=dense_capacity(
+        return dense_plan(expert_ids, capacity=capacity or dense_capacity(
             t, k, num_experts, cf, multiple=multiple), **statics)
 
     def ragged():
@@ -394,6 +401,9 @@ def plan_dispatch(
     if buckets is not None and not isinstance(plan, DroplessPlan):
         raise ValueError(f"buckets={buckets!r} is for transport='dropless' only, got "
                          f"transport={plan.transport!r}; drop it or use 'dropless'.")
+    if capacity is not None and not isinstance(plan, DensePlan):
+        raise ValueError(f"capacity={capacity!r} is for transport='dense' only, got "
+                         f"transport={plan.transport!r}; drop it or use 'dense'.")
     if group_alignment is not None and not isinstance(plan, DroplessPlan):
         raise ValueError(f"group_alignment={group_alignment!r} is for transport='dropless' "
                          f"only, got transport={plan.transport!r}; drop it or use 'dropless'.")

@@ -3,8 +3,9 @@
 With nothing dropped, the chunked layer's output and every gradient (tokens, router, expert
 banks, shared experts) equal the unchunked layer's on 8 simulated CPU devices (f32, rtol 1e-5),
 for the dense and dropless transports and the bf16 and FP8 wires; a token count that does not
-split into the chunks is padded exactly; a capacity limit applies per chunk; and each chunk
-runs its own exchanges (the compiled program holds a chunk's worth of all-to-alls per chunk).
+split into the chunks is padded exactly; a capacity limit applies per chunk; each chunk
+runs its own exchanges (the compiled program holds a chunk's worth of all-to-alls per chunk);
+and the first chunk's local pass (``local_first``) changes none of it.
 """
 
 import functools
@@ -78,6 +79,33 @@ def test_chunked_layer_equals_the_unchunked_one(mesh_shape, options, chunks):
     chex.assert_trees_all_close(many, one, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("mesh_shape,options,chunks", [CASES[0], CASES[3]],
+                         ids=["dense", "dropless-fp8"])
+def test_local_first_equals_the_exchanged_pass(mesh_shape, options, chunks):
+    """``local_first`` (the first chunk's own-expert slots through the local experts with no
+    exchange) gives the layer's output and gradients of the all-exchanged layer (its
+    default); with E_local = 1 < top_k on the (1, 8) mesh the local pass keeps one column
+    per token."""
+    ref = _run(mesh_shape, chunks, **options)
+    local = _run(mesh_shape, chunks, local_first=True, **options)
+    chex.assert_trees_all_close(local, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_local_first_keeps_the_exchange_capacity():
+    """With a capacity limit that drops slots, the local pass keeps exactly the slots of
+    this device's own experts that the exchange would keep (the same ``C`` per (source,
+    expert)): the same drops, outputs and gradients."""
+    x = jax.random.normal(jax.random.key(5), (1, 8 * 64, D))
+    ct = jax.random.normal(jax.random.key(6), x.shape)
+    p = _params(shared=False)
+    opts = dict(capacity_factor=1.0, transport="dense")
+    (_, (y, aux)), g = _grad_fn((1, 8), 4, **opts)(x, p, ct)
+    (_, (y2, aux2)), g2 = _grad_fn((1, 8), 4, local_first=True, **opts)(x, p, ct)
+    assert int(aux["dropped_tokens"]) > 0
+    assert int(aux2["dropped_tokens"]) == int(aux["dropped_tokens"])
+    chex.assert_trees_all_close((y2, g2), (y, g), rtol=1e-5, atol=1e-5)
+
+
 def test_a_token_count_that_does_not_split_is_padded_exactly():
     """60 tokens over 8 devices and 4 chunks: padded with masked tokens to 64."""
     one = _run((2, 4), 1, tokens=(3, 20), transport="dense")
@@ -115,7 +143,8 @@ def test_each_chunk_runs_its_own_exchanges():
     """Compiled for 8 CPU devices: the dense layer's forward + backward holds four payload
     all-to-alls per chunk (dispatch and combine, each forward and backward), while the chunks'
     dispatch plans are built in one batched pass: as many sorts and count exchanges as the
-    unchunked layer's."""
+    unchunked layer's. With ``local_first`` the first chunk's own-expert pass exchanges
+    nothing: the same all-to-alls."""
     x = jnp.zeros((4, 32, D))
     counts, gathers, sorts = {}, {}, {}
     for chunks in (1, 2):
@@ -129,14 +158,19 @@ def test_each_chunk_runs_its_own_exchanges():
                             for line in compiled.as_text().splitlines())
     assert counts[2] == 2 * counts[1] and counts[1] >= 4, counts
     assert gathers[2] == gathers[1] >= 1 and sorts[2] == sorts[1] == 1, (gathers, sorts)
+    compiled = _grad_fn((1, 8), 2, local_first=True, transport="dense").lower(
+        x, _params(), x).compile()
+    rep = analyze_collectives(compiled)
+    assert len([c for c in rep.of_kind("all-to-all") if c.buffer_bytes >= 16 * D]) == counts[2]
 
 
 def test_chunks_accumulate_the_weight_gradients_in_the_kernel():
     """Lowered for CUDA ('mosaic' GEMMs, bf16, dense transport): the unchunked layer's
     backward adds no expert bank; the 2-chunk one adds none either (its first chunk's
     weight-gradient kernels start from the second chunk's), where summing the chunks'
-    gradients adds each bank once. (The pipelined dropless layer's overflow pass, a
-    conditional of its own, still adds its gradient to the chunks'.)"""
+    gradients adds each bank once; so does the first chunk's local pass (``local_first``).
+    (The pipelined dropless layer's overflow pass, a conditional of its own, still adds its
+    gradient to the chunks'.)"""
     transport = "dense"
     from _cuda_export import cuda_mesh, export_for_cuda
 
@@ -144,9 +178,9 @@ def test_chunks_accumulate_the_weight_gradients_in_the_kernel():
     mesh = cuda_mesh((1, 2), ("data", "expert"))
     bank_types = (f"tensor<{e_local}x{d}x{2 * f}xbf16>", f"tensor<{e_local}x{f}x{d}xbf16>")
 
-    def bank_adds(chunks):
+    def bank_adds(chunks, local_first=False):
         opts = moe.MoEOptions.create(2 * e_local, K, transport=transport, backend="mosaic",
-                                     overlap_chunks=chunks)
+                                     overlap_chunks=chunks, local_first=local_first)
 
         def loss(x, router, w_gate_up, w_down):
             y, _ = moe.moe_apply(x, router, w_gate_up, w_down, options=opts, mesh=mesh)
@@ -167,11 +201,14 @@ def test_chunks_accumulate_the_weight_gradients_in_the_kernel():
 
     assert bank_adds(1) == 0
     assert bank_adds(2) == 0
+    assert bank_adds(2, local_first=True) == 0  # the local pass chains the banks on too
 
 
 def test_overlap_chunks_is_validated():
     with pytest.raises(ValueError, match="overlap_chunks must be 'auto' or an int >= 1"):
         moe.DispatchOptions(overlap_chunks=0)
+    with pytest.raises(TypeError, match="local_first must be True or False"):
+        moe.DispatchOptions(local_first="yes")
     assert moe.auto_overlap_chunks(1, 1 << 20, "dropless") == 1
     assert moe.auto_overlap_chunks(8, 1 << 20, "dropless") == moe.layer.OVERLAP_CHUNKS["dropless"]
 

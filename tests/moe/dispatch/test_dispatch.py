@@ -511,6 +511,20 @@ def test_bad_buckets_raise(transport, buckets, match):
         jax.eval_shape(f, jnp.zeros((64, 32)), jnp.zeros((64, K), jnp.int32))
 
 
+@pytest.mark.parametrize("transport,capacity,match", [
+    ("dropless", 8, "is for transport='dense' only"),
+    ("dense", 0, "positive int"),
+])
+def test_bad_plan_capacity_raises(transport, capacity, match):
+    mesh = make_mesh((8,), ("expert",), axis_type="auto")
+    opts = DispatchOptions(transport=transport)
+    f = jax.shard_map(lambda ids: plan_dispatch(ids, num_experts=16, options=opts,
+                                                capacity=capacity).send_slot,
+                      mesh=mesh, in_specs=P("expert"), out_specs=P("expert"))
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(f, jnp.zeros((64, K), jnp.int32))
+
+
 def test_a_plan_built_beforehand_dispatches_the_same_rows_and_must_fit():
     """``plan_dispatch`` then ``dispatch_apply(plan=...)`` gives what ``dispatch_apply`` builds
     itself; a plan of other expert ids (or another token dtype) is refused, naming the fix."""
