@@ -81,11 +81,25 @@ def summarize(report: dict, defaults: dict[str, int]) -> dict:
         "muon_dp8_exposed_fraction_xla_estimates": xla_frac("muon_dp8_bf16_gather"),
         "train_step_ep8_exposed_fraction_xla_estimates": xla_frac("train_step_mesh1x8"),
     }
-    a2a = [cases[k]["payload_all_to_all"] for k in cases
-           if (k.startswith("moe_ep8_A_dense") and k.endswith(f"chunks{dn}"))
-           or (k.startswith("moe_ep8_A_dropless") and k.endswith(f"chunks{dl}"))]
-    head["moe_ep8_windows"] = sum(x["windows"] for x in a2a) if a2a else None
-    head["moe_ep8_windows_with_gemm"] = sum(x["windows_with_gemm"] for x in a2a) if a2a else None
+    def windows(*names):  # payload all-to-all windows, and those holding expert GEMMs
+        a2a = [cases[k]["payload_all_to_all"] for k in names if k in cases]
+        if not a2a:
+            return None, None
+        return sum(x["windows"] for x in a2a), sum(x["windows_with_gemm"] for x in a2a)
+
+    head["moe_ep8_windows"], head["moe_ep8_windows_with_gemm"] = windows(
+        f"moe_ep8_A_dense_chunks{dn}", f"moe_ep8_A_dropless_chunks{dl}")
+    # the layer with local_first on (not its default: --local-first off,on)
+    lf = {t: f"moe_ep8_A_{t}_local_first_chunks{n}" for t, n in (("dense", dn),
+                                                                  ("dropless", dl))}
+    if all(k in cases for k in lf.values()):
+        for t, k in lf.items():
+            base = cases.get(f"moe_ep8_A_{t}_chunks{defaults[t]}")
+            head[f"moe_ep8_{t}_local_first_exposed_fraction"] = frac(k)
+            head[f"moe_ep8_{t}_local_first_step_over_default"] = (
+                None if base is None else cases[k]["all"]["step_us"] / base["all"]["step_us"])
+        (head["moe_ep8_local_first_windows"],
+         head["moe_ep8_local_first_windows_with_gemm"]) = windows(*lf.values())
     out = {**head, **{k: v for k, v in report.items() if k not in head}}
     out["defaults"] = dict(defaults)
     out["targets"] = {k: f"<= {v}" for k, v in TARGETS.items()} | {
@@ -130,6 +144,9 @@ def parse_args(argv=None):
     p.add_argument("--inter-host-gbps", type=float, default=50.0)
     p.add_argument("--budget", type=float, default=500.0,
                    help="seconds after which the remaining cases are skipped")
+    p.add_argument("--local-first", default="off",
+                   help="local_first values of shape A's EP=8 MoE cases (off: the layer's "
+                        "default; on adds cases named ..._local_first_chunksN)")
     p.add_argument("--muon-chunk-bytes", default="0,1",
                    help="chunk_bytes values of the Muon cases (0: the default, one collective "
                         "per stack; 1: one matrix per device per chunk)")

@@ -104,8 +104,9 @@ def schedules(C: dict) -> Lines:
                f"{g['model_error']['2']:+.1%}). The layer in 2 chunks on one GPU, where "
                f"nothing is sent: {fig(C, 'chunked_over_unchunked_1gpu')} the unchunked time "
                "(step wall time, median of 15 interleaved rounds; the same layer's traced "
-               "device time, and later runs of it: docs/benchmark_log.md, Overlap). Sharded Muon's synthetic step "
-               "has no backward pass: its collectives outlast its compute, so no order of its "
+               "device time, and later runs of it: docs/benchmark_log.md, Overlap). Sharded "
+               "Muon's synthetic step has no backward pass: its collectives outlast its "
+               "compute, so no order of its "
                f"work exposes less than {fig(C, 'sched_muon_dp8_floor')} of them "
                "(`ScheduleReport.exposed_floor_fraction`).",
                ""]

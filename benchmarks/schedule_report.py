@@ -299,14 +299,23 @@ def main(argv=None) -> dict:
             return None
 
     # ---------------------------------------------------------------- the MoE layer
-    def grouped_rows(tokens: int, chunks: int, top_k: int) -> int:
+    def grouped_rows(tokens: int, chunks: int, top_k: int, devices: int = 1,
+                     local_first: bool = False):
         """The rows a chunk's grouped GEMMs compute under balanced routing (each device gets
-        what it sends): the replay charges them, not the worst-case layout's static rows."""
-        return tokens // chunks * top_k
+        what it sends): the replay charges them, not the worst-case layout's static rows.
+        With the first chunk's local pass (``local_first``) that pass takes 1 / devices of
+        its chunk's rows and the chunk's exchanged pass the rest (by named scope,
+        `xla_comm.costs.GroupedRows`)."""
+        rows = tokens // chunks * top_k
+        if not local_first:
+            return rows
+        return {"moe_local_first": rows // devices,
+                "moe_chunk0/": rows - rows // devices, "": rows}
 
-    def moe_compiled(mesh, s: MoeShape, transport, chunks, batch_axes=None):
+    def moe_compiled(mesh, s: MoeShape, transport, chunks, batch_axes=None, local_first=False):
         axes = tuple(mesh.axis_names)
         kw = {} if batch_axes is None else {"batch_axes": batch_axes}
+        kw["local_first"] = local_first
         o = moe.MoEOptions.create(s.experts, s.top_k, transport=transport,
                                   capacity_factor=1.25, dispatch_dtype="fp8",
                                   combine_grad_dtype="fp8", overlap_chunks=chunks, **kw)
@@ -326,20 +335,28 @@ def main(argv=None) -> dict:
                 sds((s.experts, s.d_ff, s.d_model), jnp.bfloat16, P("expert")),
                 sds((ndev, s.tokens, s.d_model), jnp.float32, tok))
         grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
-        return build(grad.lower(*args), grouped_rows(s.tokens, chunks, s.top_k))
+        p = mesh.shape["expert"]
+        return build(grad.lower(*args),
+                     grouped_rows(s.tokens, chunks, s.top_k, p, local_first and p > 1))
 
     ep8 = mesh_for("1x8x1", (1, 8), ("data", "expert"))
+
+    local_firsts = {"off": (False, ""), "on": (True, "_local_first")}
+    local_list = [local_firsts[v] for v in a.local_first.split(",")]
 
     def moe8(tag):
         for transport in ("dense", "dropless"):
             for c in (chunk_list if tag == "A" else sorted({1, defaults[transport]})):
-                name = f"moe_ep8_{tag}_{transport}_chunks{c}"
-                extra = {"shape": dataclasses.asdict(shapes[tag]), "transport": transport,
-                         "chunks": c, "grouped_rows": grouped_rows(shapes[tag].tokens, c,
-                                                                   shapes[tag].top_k)}
-                report_extra[name] = extra
-                run_case(name, lambda s=shapes[tag], t=transport, c=c, name=name, extra=extra:
-                         record(name, moe_compiled(ep8, s, t, c), extra))
+                for lf, suffix in (local_list if tag == "A" else [local_firsts["off"]]):
+                    name = f"moe_ep8_{tag}_{transport}{suffix}_chunks{c}"
+                    extra = {"shape": dataclasses.asdict(shapes[tag]), "transport": transport,
+                             "chunks": c, "local_first": lf,
+                             "grouped_rows": grouped_rows(shapes[tag].tokens, c,
+                                                          shapes[tag].top_k, 8, lf)}
+                    report_extra[name] = extra
+                    run_case(name, lambda s=shapes[tag], t=transport, c=c, lf=lf, name=name,
+                             extra=extra: record(name, moe_compiled(ep8, s, t, c,
+                                                                    local_first=lf), extra))
 
     if "moe8" in groups:
         moe8("A")
