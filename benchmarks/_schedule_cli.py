@@ -145,8 +145,9 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=float, default=500.0,
                    help="seconds after which the remaining cases are skipped")
     p.add_argument("--local-first", default="off",
-                   help="local_first values of shape A's EP=8 MoE cases (off: the layer's "
-                        "default; on adds cases named ..._local_first_chunksN)")
+                   help="local_first values of shape A's EP=8 MoE cases and of the 16- and "
+                        "64-GPU ones (off: the layer's default; on adds cases named "
+                        "..._local_first_chunksN)")
     p.add_argument("--muon-chunk-bytes", default="0,1",
                    help="chunk_bytes values of the Muon cases (0: the default, one collective "
                         "per stack; 1: one matrix per device per chunk)")

@@ -480,13 +480,17 @@ def main(argv=None) -> dict:
         s_multi = dataclasses.replace(shapes["A"],
                                       experts=shapes["A"].experts // 8 * (8 if a.small else ndev))
         for c in sorted({1, defaults["dense"], max(chunk_list)}):
-            name = f"moe_ep{ndev if not a.small else group[3:]}_A_dense_chunks{c}"
-            extra = {"topology": topo, "placement": "expert axis over every host", "chunks": c,
-                     "shape": dataclasses.asdict(s_multi),
-                     "grouped_rows": grouped_rows(s_multi.tokens, c, s_multi.top_k)}
-            report_extra[name] = extra
-            run_case(name, lambda mesh=mesh, c=c, name=name, extra=extra, s=s_multi: record(
-                name, moe_compiled(mesh, s, "dense", c), extra))
+            for lf, suffix in local_list:
+                name = f"moe_ep{ndev if not a.small else group[3:]}_A_dense{suffix}_chunks{c}"
+                p_axis = mesh.shape["expert"]
+                extra = {"topology": topo, "placement": "expert axis over every host",
+                         "chunks": c, "local_first": lf, "shape": dataclasses.asdict(s_multi),
+                         "grouped_rows": grouped_rows(s_multi.tokens, c, s_multi.top_k,
+                                                      p_axis, lf)}
+                report_extra[name] = extra
+                run_case(name, lambda mesh=mesh, c=c, name=name, extra=extra, s=s_multi,
+                         lf=lf: record(name, moe_compiled(mesh, s, "dense", c, local_first=lf),
+                                       extra))
         if group == "moe16":  # experts within a host, the hosts data parallel
             mesh = mesh_for(topo, (2, ndev // 2), ("data", "expert"))
             c = defaults["dense"]
