@@ -32,47 +32,31 @@ import time
 
 CPU_DEVICES = 8
 """Simulated CPU devices of a run, split over its processes (the default mesh stays (2, 4))."""
-_CLUSTER_ENV = {"SLURM_NTASKS": "SLURM", "OMPI_COMM_WORLD_SIZE": "Open MPI",
-                "JAX_COORDINATOR_ADDRESS": "JAX_COORDINATOR_ADDRESS",
-                "TPU_WORKER_HOSTNAMES": "a TPU pod"}
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-def _processes_from(argv: list[str]) -> int:
-    """The process count a command line (or a cluster's environment) asks for, read before
-    JAX starts: each process then simulates ``CPU_DEVICES // N`` CPU devices."""
-    for i, a in enumerate(argv):
-        if a.startswith("--num-processes"):
-            value = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
-            return int(value) if value.isdigit() and int(value) > 0 else 1
-    for var in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
-        if os.environ.get(var, "").isdigit():
-            return max(1, int(os.environ[var]))
-    return 1
-
+from lm_cluster import cluster_environment, init_distributed, processes_from  # noqa: E402
 
 # Before JAX initializes: give the CPU backend its share of 8 devices (harmless on GPU/TPU,
 # where the accelerator is the default backend and these CPU devices go unused).
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
-        f"{max(1, CPU_DEVICES // _processes_from(sys.argv[1:]))}"
+        f"{max(1, CPU_DEVICES // processes_from(sys.argv[1:]))}"
     ).strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-
 import lm_checkpoint  # noqa: E402
 import lm_data  # noqa: E402
 import lm_metrics  # noqa: E402
 import lm_model  # noqa: E402
 import lm_supervise  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 # The flags live in lm_flags.py; the trainer's own names for them stay importable from here.
 from lm_flags import (  # noqa: E402, F401
@@ -93,7 +77,6 @@ from lm_schedule import (  # noqa: E402, F401
 )
 
 import muon_jax  # noqa: E402
-from moe.kernels.lowering import version_tuple  # noqa: E402
 
 PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
     ("H100", 989.0), ("H200", 989.0), ("H800", 989.0), ("B200", 2250.0), ("A100", 312.0),
@@ -101,8 +84,6 @@ PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
     ("TPU v5", 459.0), ("TPU v6 lite", 918.0), ("TPU v6e", 918.0),
 )
 """Dense bf16 peak TFLOP/s per device, matched as substrings of ``device_kind`` in order."""
-
-_JAX_VERSION = version_tuple(jax.__version__)[:2]
 
 
 def build_mesh(spec: str | None, *, explicit: bool = False) -> jax.sharding.Mesh:
@@ -300,51 +281,6 @@ def eval_step(model, batch):
 def evaluate(model, batches, put) -> float:
     """Mean validation loss over ``batches`` (host arrays placed by ``put``)."""
     return float(np.mean([_host(eval_step(model, put(b))) for b in batches]))
-
-
-def cluster_environment() -> str | None:
-    """The multi-process launcher jax.distributed would bootstrap from, or None."""
-    found = [name for var, name in _CLUSTER_ENV.items() if os.environ.get(var)]
-    # Any pod sees KUBERNETES_SERVICE_HOST; only an indexed Job (JobSet) is a cluster of
-    # trainer processes jax can bootstrap (it also needs the `kubernetes` package).
-    if os.environ.get("KUBERNETES_SERVICE_HOST") and "JOB_COMPLETION_INDEX" in os.environ:
-        found.append("Kubernetes")
-    if not found or (os.environ.get("SLURM_NTASKS", "2") == "1" and found == ["SLURM"]):
-        return None
-    return found[0]
-
-
-def init_distributed(args) -> str | None:
-    """Joins the processes of a multi-process run (``jax.distributed``): from the flags, else
-    from a cluster environment jax detects (SLURM, Open MPI, a Kubernetes indexed Job, a
-    TPU pod); returns how, or None for one process. A process that cannot reach the
-    coordinator within ``--init-timeout`` seconds, or loses another one's heartbeat that
-    long, exits with jax's error naming the process (``heartbeat_timeout_seconds``); a peer
-    lost mid-collective is named by this process's supervisor (``lm_supervise``)."""
-    if jax.distributed.is_initialized():
-        return "already initialized"
-    timeouts = dict(initialization_timeout=args.init_timeout,
-                    heartbeat_timeout_seconds=args.init_timeout)
-    if args.coordinator_address is not None:
-        how = f"coordinator {args.coordinator_address}"
-        kw = dict(coordinator_address=args.coordinator_address,
-                  num_processes=args.num_processes, process_id=args.process_id)
-    else:
-        found = cluster_environment()
-        if found is None:
-            return None
-        how, kw = f"{found} environment", {}
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU runs across processes
-    jax.distributed.initialize(**kw, **timeouts)
-    if (jax.default_backend() == "cpu" and _JAX_VERSION >= (0, 12)
-            and jax.config.jax_compilation_cache_dir):
-        # jax 0.12's CPU processes hang in the first step when their programs come from the
-        # persistent compilation cache (a cold cache runs; the next run, all hits, stalls
-        # after Gloo connects: tests/examples/test_train_lm_multiprocess.py), so such runs
-        # compile instead.
-        jax.config.update("jax_enable_compilation_cache", False)
-        how += "; persistent compilation cache off (jax >= 0.12 on CPU)"
-    return how
 
 
 def _host(x) -> float:
