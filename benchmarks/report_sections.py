@@ -373,6 +373,7 @@ def trainer(C: dict) -> Lines:
              ["CPU preset, seed 1", fig(C, "fp8_loss_cpu_seed1"),
               f"{c['seed_1']['fp8_val_loss']:.4f}", f"{c['seed_1']['bf16_val_loss']:.4f}"]]
     gd = C["muon_gather_dtype"]["results"]
+    rd = C["muon_reduce_dtype"]["results"]
     ro = C["lr_sweep_gpu"]["results"]["router_optimizer"]
     return (["## The trainer", "",
              "`examples/train_lm.py`, 300 steps per run, final validation loss in nats/byte on "
@@ -402,7 +403,16 @@ def trainer(C: dict) -> Lines:
                + f" in f32, {fig(C, 'muon_gather_bf16_delta')} on average with a seed-to-seed "
                f"spread of {gd['seed_std_float32']:.4f}: the default `'auto'` gathers bf16 "
                "after bf16 Newton-Schulz.", ""]
-            + source(C, "muon_gather_dtype") + [""])
+            + source(C, "muon_gather_dtype")
+            + ["", "Muon's data-parallel gradients reduce-scattered in bf16 (`reduce_dtype`, "
+               "`--muon-reduce-dtype bfloat16`), CPU preset, seeds "
+               + ", ".join(str(x) for x in rd["seeds"]) + ": validation loss "
+               + " / ".join(f"{x:.4f}" for x in rd["final_val_loss"]["bfloat16"])
+               + " against " + " / ".join(f"{x:.4f}" for x in rd["final_val_loss"]["float32"])
+               + f" in f32, {rd['delta_bf16_minus_f32']:+.4f} on average (standard error "
+               f"{rd['delta_standard_error']:.4f}). The default stays exact: XLA:CPU widens "
+               "bf16 reduce-scatters, so a GPU ring's bf16 additions were not measured.", ""]
+            + source(C, "muon_reduce_dtype") + [""])
 
 
 _KERNELS = {"wire_encode": "wire gather + encode, FP8", "wire_encode_bf16": "the same, bf16",
@@ -486,7 +496,7 @@ _SHOWN_IN = {"experts": "grouped-gemm-and-gated-experts",
              "train_lm_cpu": "the-trainer", "lr_sweep_cpu": "the-trainer",
              "lr_sweep_gpu": "the-trainer", "fp8_parity_gpu": "the-trainer",
              "fp8_parity_cpu": "the-trainer",
-             "muon_gather_dtype": "the-trainer",
+             "muon_gather_dtype": "the-trainer", "muon_reduce_dtype": "the-trainer",
              "kernels_ab": "before-and-after-the-jax-012-kernels-the-moe-redesign",
              "redesign_ab": "before-and-after-the-jax-012-kernels-the-moe-redesign",
              "eager_layer": "cpu-the-layer-called-eagerly"}
