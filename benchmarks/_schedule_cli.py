@@ -29,6 +29,24 @@ HEADLINE = ("moe_ep8_exposed_fraction", "moe_ep8_dropless_exposed_fraction",
             "train_step_ep8_exposed_fraction_xla_estimates")
 
 
+def grouped_rows(tokens: int, chunks: int, top_k: int, devices: int = 1,
+                 local_first: bool = False):
+    """The rows a chunk's grouped GEMMs compute under balanced routing (each device gets
+    what it sends): the replay charges them, not the worst-case layout's static rows. With
+    the first chunk's local pass (``local_first``) that pass takes 1 / devices of its chunk's
+    rows and the chunk's exchanged pass the rest (by named scope,
+    `xla_comm.costs.GroupedRows`).
+
+    >>> grouped_rows(8192, 2, 2), grouped_rows(8192, 2, 2, 8, True)["moe_local_first"]
+    (8192, 1024)
+    """
+    rows = tokens // chunks * top_k
+    if not local_first:
+        return rows
+    return {"moe_local_first": rows // devices,
+            "moe_chunk0/": rows - rows // devices, "": rows}
+
+
 def summarize(report: dict, defaults: dict[str, int]) -> dict:
     """The report with its headline keys first, recomputed from ``report['cases']``.
 

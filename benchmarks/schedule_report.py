@@ -49,7 +49,12 @@ import traceback
 import types
 from pathlib import Path
 
-from _schedule_cli import HEADLINE, parse_args, summarize  # the script's folder is on the path
+from _schedule_cli import (  # the script's folder is on the path
+    HEADLINE,
+    grouped_rows,
+    parse_args,
+    summarize,
+)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -299,19 +304,6 @@ def main(argv=None) -> dict:
             return None
 
     # ---------------------------------------------------------------- the MoE layer
-    def grouped_rows(tokens: int, chunks: int, top_k: int, devices: int = 1,
-                     local_first: bool = False):
-        """The rows a chunk's grouped GEMMs compute under balanced routing (each device gets
-        what it sends): the replay charges them, not the worst-case layout's static rows.
-        With the first chunk's local pass (``local_first``) that pass takes 1 / devices of
-        its chunk's rows and the chunk's exchanged pass the rest (by named scope,
-        `xla_comm.costs.GroupedRows`)."""
-        rows = tokens // chunks * top_k
-        if not local_first:
-            return rows
-        return {"moe_local_first": rows // devices,
-                "moe_chunk0/": rows - rows // devices, "": rows}
-
     def moe_compiled(mesh, s: MoeShape, transport, chunks, batch_axes=None, local_first=False):
         axes = tuple(mesh.axis_names)
         kw = {} if batch_axes is None else {"batch_axes": batch_axes}
