@@ -402,9 +402,8 @@ def trainer(C: dict) -> Lines:
                + " against " + " / ".join(f"{x:.4f}" for x in gd["final_val_loss"]["float32"])
                + f" in f32, {fig(C, 'muon_gather_bf16_delta')} on average with a seed-to-seed "
                f"spread of {gd['seed_std_float32']:.4f}: the default `'auto'` gathers bf16 "
-               "after bf16 Newton-Schulz.", ""]
-            + source(C, "muon_gather_dtype")
-            + ["", "Muon's data-parallel gradients reduce-scattered in bf16 (`reduce_dtype`, "
+               "after bf16 Newton-Schulz. "
+               "Its data-parallel gradients reduce-scattered in bf16 (`reduce_dtype`, "
                "`--muon-reduce-dtype bfloat16`), CPU preset, seeds "
                + ", ".join(str(x) for x in rd["seeds"]) + ": validation loss "
                + " / ".join(f"{x:.4f}" for x in rd["final_val_loss"]["bfloat16"])
@@ -412,7 +411,7 @@ def trainer(C: dict) -> Lines:
                + f" in f32, {rd['delta_bf16_minus_f32']:+.4f} on average (standard error "
                f"{rd['delta_standard_error']:.4f}). The default stays exact: XLA:CPU widens "
                "bf16 reduce-scatters, so a GPU ring's bf16 additions were not measured.", ""]
-            + source(C, "muon_reduce_dtype") + [""])
+            + source(C, "muon_gather_dtype") + source(C, "muon_reduce_dtype") + [""])
 
 
 _KERNELS = {"wire_encode": "wire gather + encode, FP8", "wire_encode_bf16": "the same, bf16",
