@@ -19,7 +19,7 @@ from bench_util import env_info, median_seconds, write_json
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe import fp8
+from accel_kernels import fp8
 from moe.dispatch import combine, dispatch
 from moe.dispatch.plan import DensePlan, dense_capacity
 from xla_comm import hlo

@@ -23,13 +23,13 @@ from _dispatch_harness import (
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe import fp8
+from accel_kernels import fp8
+from accel_kernels.wire import api as wire_api
+from accel_kernels.wire import triton as wire_triton
 from moe.dispatch import collectives, combine, dispatch
 from moe.dispatch.movement import back_row, sum_slots
 from moe.dispatch.plan import dropless_buckets
 from moe.dispatch.plan_build import dense_plan
-from moe.kernels.wire import api as wire_api
-from moe.kernels.wire import triton as wire_triton
 
 
 def old_plan(ids, kw):

@@ -5,8 +5,9 @@ One process, random (never zero) inputs, medians after warm-up, the ceilings mea
 same run (dense bf16 and dense FP8 [8192]^3 matmuls). Rows:
 
 1. ``gmm``: the gate_up forward GEMM alone (tokens x d_model -> 2 d_ff, ``experts`` groups,
-   balanced): bf16 Pallas Triton (`moe.kernels.gmm.triton`, the previous kernel), bf16 and FP8
-   Pallas Mosaic GPU (`moe.kernels.gmm.mosaic_kernel`). Key ``fp8_gmm_over_bf16_rate`` = FP8 Mosaic
+   balanced): bf16 Pallas Triton (`accel_kernels.gmm.triton`, the previous kernel), bf16 and FP8
+   Pallas Mosaic GPU (`accel_kernels.gmm.mosaic_kernel`). Key ``fp8_gmm_over_bf16_rate`` = FP8
+   Mosaic
    rate /
    bf16 Triton rate (and ``..._vs_mosaic_bf16``). GPU only.
 2. ``experts``: `moe.gated_experts` forward + backward (``y`` and the gradients of
@@ -40,9 +41,9 @@ import numpy as np
 from bench_util import accuracy, group_sizes, padded_layout, record
 
 import moe
-from moe.kernels.gmm import api as gmm_api
-from moe.kernels.gmm import mosaic_kernel as gmm_mosaic
-from moe.kernels.gmm import triton as gmm_triton
+from accel_kernels.gmm import api as gmm_api
+from accel_kernels.gmm import mosaic_kernel as gmm_mosaic
+from accel_kernels.gmm import triton as gmm_triton
 from xla_comm.breakdown import op_breakdown
 from xla_comm.trace import trace_steps
 

@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe.kernels.gmm import mosaic_kernel as gmm_mosaic
-from moe.kernels.gmm import triton as gmm_triton
+from accel_kernels.gmm import mosaic_kernel as gmm_mosaic
+from accel_kernels.gmm import triton as gmm_triton
 
 F8 = jnp.float8_e4m3fn
 

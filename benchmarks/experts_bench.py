@@ -69,8 +69,8 @@ from bench_util import (  # noqa: E402
     write_json,
 )
 
+from accel_kernels.gmm import triton as gmm_triton  # noqa: E402
 from moe.experts import gated_experts  # noqa: E402
-from moe.kernels.gmm import triton as gmm_triton  # noqa: E402
 
 DESCRIPTION = """\
 Grouped-GEMM and gated-experts timers on one device, in three parts (--part):

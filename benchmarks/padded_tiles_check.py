@@ -3,7 +3,7 @@ against the 'einsum' backend, bf16 and all-FP8.
 
 `moe.gated_experts` runs padded ``x [E, C, d]`` on the Mosaic GPU kernels with every expert's
 ``C`` slots as rows and skips the row tiles past ``group_sizes[e]``
-(``moe.kernels.gmm.api.RowGroups``).
+(``accel_kernels.gmm.api.RowGroups``).
 The tests check the tile maps on the CPU, where the kernels do not run; this script runs them:
 group sizes from full to empty (0, 1, 128, C - 1, C, ...), y and the three gradients of
 ``sum(y * ct)`` against the einsum backend of the same precision (expected: equal up to f32

@@ -3,8 +3,9 @@
 The FP8 expert GEMMs read e4m3 operands with one power-of-two scale per row. Each row is
 quantized (row maximum, scale, cast) before its GEMM: ``x`` and ``dy`` as given, ``h = act(z)``
 after the gate_up GEMM, ``dz = act'(z) dh`` in the backward. This script times each of those
-passes in XLA (the ``*_reference`` functions of `moe.kernels.quant.api`, what the layer ran before
-the kernels) and with the one-pass Pallas kernels of `moe.kernels.quant.api`, on random (never zero)
+passes in XLA (the ``*_reference`` functions of `accel_kernels.quant.api`, what the layer ran before
+the kernels) and with the one-pass Pallas kernels of `accel_kernels.quant.api`, on random
+(never zero)
 inputs, medians after warm-up (each sample ten back-to-back calls). It also times the two ways
 of making a weight-gradient operand's K-major FP8 copy: column-wise quantization of the bf16
 rows (``quantize_cols_t``, two passes) and, what the layer does now, the e4m3 rows written
@@ -22,9 +23,9 @@ the FP8 dispatch's e4m3 GEMM rows when nothing is sent (wire rows written by
 ``gather_local_rows_quantized``); the combine gradient's rows in the expert layout (gathered
 and weighted in bf16, then ``quantize_rows``, or one pass, ``gather_weighted_rows_quantized``);
 a weight-gradient operand's plain transpose (XLA's, or its rescaling transpose by
-``2^-0``); and, on a GPU, each row kernel in XLA, Pallas Triton (`moe.kernels.quant.api`) and
-Pallas Mosaic GPU (`moe.kernels.quant.mosaic`), the two gathers' Mosaic GPU twins
-(`moe.kernels.wire.mosaic`), the token wire's kernels (gather + encode, gather + decode, gather +
+``2^-0``); and, on a GPU, each row kernel in XLA, Pallas Triton (`accel_kernels.quant.api`) and
+Pallas Mosaic GPU (`accel_kernels.quant.mosaic`), the two gathers' Mosaic GPU twins
+(`accel_kernels.wire.mosaic`), the token wire's kernels (gather + encode, gather + decode, gather +
 re-quantize; ``wire_*``) and the weights' column (and row) tile passes in all three. Where bytes
 differ from the first implementation, a row says how much (``agreement``: the activations'
 ``exp`` may round differently per backend).
@@ -52,13 +53,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_util  # noqa: E402
 
-from moe.activations import GatedActivation  # noqa: E402
+from accel_kernels.activations import GatedActivation  # noqa: E402
+from accel_kernels.quant import triton as qt  # noqa: E402
+from accel_kernels.quant import xla as qx  # noqa: E402
+from accel_kernels.wire import api as wire_api  # noqa: E402
+from accel_kernels.wire import triton as wire_triton  # noqa: E402
 from moe.experts import fp8_gemm
 from moe.experts.fp8_gemm import scaled_t  # noqa: E402
-from moe.kernels.quant import triton as qt  # noqa: E402
-from moe.kernels.quant import xla as qx  # noqa: E402
-from moe.kernels.wire import api as wire_api  # noqa: E402
-from moe.kernels.wire import triton as wire_triton  # noqa: E402
 
 
 def kernels_launched(compiled) -> int:
@@ -210,15 +211,15 @@ def main(argv=None) -> dict:
             "xla_zero_shift": lambda q: scaled_t(q, jax.lax.optimization_barrier(
                 jnp.zeros(q.shape[:1], jnp.int32)))}),
     }
-    if not interpret:  # the row kernels in Triton and in Mosaic GPU (moe.kernels.quant.mosaic)
-        from moe.kernels.quant import mosaic as qm
-        from moe.kernels.wire import mosaic as wm
+    if not interpret:  # the row kernels in Triton and in Mosaic GPU (accel_kernels.quant.mosaic)
+        from accel_kernels.quant import mosaic as qm
+        from accel_kernels.wire import mosaic as wm
         multi["local_rows"][1]["mosaic"] = lambda x, i: wm.gather_local_rows_quantized(
             x, i, block_size=block)
         multi["weighted_rows"][1]["mosaic"] = lambda g, w, s: wm.gather_weighted_rows_quantized(
             g, w, s, top_k=2)
         multi["weight_copies"][1]["mosaic"] = qm.quantize_cols_t_and_rows
-        # The token wire's kernels (moe.kernels.wire.mosaic): the send rows' gather + FP8
+        # The token wire's kernels (accel_kernels.wire.mosaic): the send rows' gather + FP8
         # encode, and received FP8 rows gathered (two rows per token) and decoded, or
         # re-quantized per row.
         wire = wire_api.encode_rows(tokens, wire="fp8", block_size=block)

@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import moe  # noqa: E402
-from moe.kernels.gmm import mosaic  # noqa: E402
+from accel_kernels.gmm import mosaic  # noqa: E402
 
 
 def _rel_rms(got, want) -> float:

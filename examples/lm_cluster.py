@@ -48,8 +48,6 @@ def init_distributed(args) -> str | None:
     # Imported here, not at the top: the trainer calls processes_from before JAX starts.
     import jax
 
-    from moe.kernels.lowering import version_tuple
-
     if jax.distributed.is_initialized():
         return "already initialized"
     timeouts = dict(initialization_timeout=args.init_timeout,
@@ -65,7 +63,8 @@ def init_distributed(args) -> str | None:
         how, kw = f"{found} environment", {}
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU runs across processes
     jax.distributed.initialize(**kw, **timeouts)
-    if (jax.default_backend() == "cpu" and version_tuple(jax.__version__)[:2] >= (0, 12)
+    jax_minor = tuple(int(v) for v in jax.__version__.split(".")[:2])
+    if (jax.default_backend() == "cpu" and jax_minor >= (0, 12)
             and jax.config.jax_compilation_cache_dir):
         # jax 0.12's CPU processes hang in the first step when their programs come from the
         # persistent compilation cache (a cold cache runs; the next run, all hits, stalls

@@ -17,8 +17,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import accel_kernels
 import moe
-from moe.kernels import platform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +80,7 @@ class LMConfig:
         if self.attention != "auto":
             return self.attention
         head_dim = self.d_model // self.num_heads
-        gpu = platform.target_platform() == "gpu"  # or the GPU a CPU compiles for
+        gpu = accel_kernels.target_platform() == "gpu"  # or the GPU a CPU compiles for
         half = jnp.dtype(self.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         return "cudnn" if gpu and half and head_dim <= 128 and head_dim % 8 == 0 else "xla"
 

@@ -1,21 +1,23 @@
 """moe: an expert-parallel Mixture-of-Experts layer for Flax NNX with an FP8 wire format.
 
-Functional core: :mod:`moe.fp8` (e4m3 + packed E8M0 block scales), :mod:`moe.routing`
+Functional core: ``moe.fp8`` (e4m3 + packed E8M0 block scales, :mod:`accel_kernels.fp8`),
+:mod:`moe.routing`
 (top-k router, balancing), :mod:`moe.dispatch` (expert-parallel all-to-all dispatch/combine and
 the typed plans), :mod:`moe.experts` (gated grouped GEMMs and their custom VJP),
 :mod:`moe.fp8_dense` (FP8 dense projections), :mod:`moe.activations` (SiLU, GELU, GPT-OSS's
-clamped SwiGLU); :mod:`moe.kernels` (one registry per operation: grouped GEMMs, FP8
+clamped SwiGLU); :mod:`accel_kernels` (one registry per operation: grouped GEMMs, FP8
 quantization, the wire; XLA, Triton and Mosaic GPU implementations); options:
 :mod:`moe.options`; shell: :class:`moe.MoE` (NNX) and :func:`moe.moe_linen` (Linen via
 ``flax.nnx.bridge``); :mod:`moe.convert` loads transformers' MoE blocks (Mixtral,
 Qwen2/3-MoE, DeepSeek-V3, GPT-OSS). docs/architecture.md draws the layout.
 """
 
-from moe import activations, convert, fp8, options, routing
-from moe.activations import GatedActivation
+from accel_kernels import activations, fp8
+from accel_kernels.activations import GatedActivation
+from accel_kernels.fp8 import Fp8Array, dequantize, quantize
+from moe import convert, options, routing
 from moe.dispatch import DispatchPlan, combine, dispatch
 from moe.experts import gated_experts
-from moe.fp8 import Fp8Array, dequantize, quantize
 from moe.fp8_dense import fp8_dense
 from moe.layer import auto_overlap_chunks, auto_transport, moe_apply
 from moe.linen import moe_linen

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moe.activations import GatedActivation
+from accel_kernels.activations import GatedActivation
 from moe.options import MoEOptions
 
 __all__ = ["FAMILIES", "from_transformers", "load"]

@@ -15,9 +15,10 @@ other two GEMMs read, written transposed with their row scales folded into ``dy`
 `moe.experts.fp8_gemm`).
 bf16 weight gradients are the default, as torchao's rowwise recipe keeps them in high precision.
 
-On Hopper GPUs the GEMMs are the Pallas Mosaic GPU wgmma kernels of `moe.kernels.gmm.mosaic_kernel`
+On Hopper GPUs the GEMMs are the Pallas Mosaic GPU wgmma kernels of
+`accel_kernels.gmm.mosaic_kernel`
 (scales
-in their epilogue) and the quantization passes `moe.kernels.quant.api`'s one-pass kernels; on CPU
+in their epilogue) and the quantization passes `accel_kernels.quant.api`'s one-pass kernels; on CPU
 (tests) their XLA emulation computes the same products.
 """
 
@@ -32,16 +33,16 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from accel_kernels import registry, vma
+from accel_kernels.gmm import api as gmm_api
+from accel_kernels.tiling import pad_to
 from moe import meshes
 from moe.experts import fp8_gemm
-from moe.kernels import vma
-from moe.kernels.gmm import api as gmm_api
-from moe.kernels.tiling import pad_to
 from moe.options import GemmDtype, check_choice
 
 __all__ = ["fp8_dense"]
 
-DenseBackend = Literal["auto", "mosaic", "triton", "ragged_dot"]
+DenseBackend = Literal["auto", "xla", "triton", "mosaic"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +64,7 @@ def _forward(o: _DenseOpts, x: jax.Array, w):
     FP8 copy (`moe.experts.fp8_gemm.weights`)."""
     x_q = fp8_gemm.rows(x)
     with jax.named_scope("fp8_dense"):
-        y = fp8_gemm.forward(gmm_api.IMPLEMENTATIONS[o.backend], "fp8", x_q, w, _rows(x.shape[0]),
+        y = fp8_gemm.forward(gmm_api.gemms(o.backend, 2), "fp8", x_q, w, _rows(x.shape[0]),
                               x.dtype)
     return y, x_q
 
@@ -86,7 +87,7 @@ def _dense_fwd(o: _DenseOpts, x, w):
 
 def _dense_bwd(o: _DenseOpts, res, dy):
     x, w, w_dgrad = res
-    ops, gs = gmm_api.IMPLEMENTATIONS[o.backend], _rows(dy.shape[0])
+    ops, gs = gmm_api.gemms(o.backend, 2), _rows(dy.shape[0])
     dtype = dy.dtype  # y's dtype: x's
     dy_q = fp8_gemm.rows_if("fp8" in (o.dgrad_dtype, o.wgrad_dtype), dy)
     with jax.named_scope("fp8_dense_dgrad"):
@@ -105,7 +106,7 @@ def _local(o: _DenseOpts, x: jax.Array, w: jax.Array) -> jax.Array:
     """One device's rows (``x [M, K]``); rows padded to the kernels' row tiles if needed."""
     w = vma.as_varying(w, vma.varying_of(x))  # its gradient is summed over the row shards
     m = x.shape[0]
-    if gmm_api.IMPLEMENTATIONS[o.backend].aligned and m % gmm_api.GROUP_ALIGNMENT:
+    if gmm_api.gemms(o.backend, 2).aligned and m % gmm_api.GROUP_ALIGNMENT:
         return _dense(o, pad_to(x, 0, gmm_api.GROUP_ALIGNMENT), w)[:m]
     return _dense(o, x, w)
 
@@ -134,8 +135,9 @@ def fp8_dense(
         directly, with no bf16 copy).
       dgrad_dtype: precision of the data-gradient GEMM, 'fp8' or 'bf16' (the compute dtype).
       wgrad_dtype: precision of the weight-gradient GEMM, 'bf16' or 'fp8'.
-      backend: the GEMM kernels: 'auto' ('mosaic' on Hopper GPUs, 'triton' on other NVIDIA
-        GPUs, 'ragged_dot' elsewhere) or one of those.
+      backend: the GEMM kernels, an `accel_kernels.registry.Implementation`: 'auto'
+        ('mosaic' on Hopper GPUs, 'triton' on other NVIDIA GPUs, 'xla' elsewhere) or one of
+        those.
       mesh: the mesh ``x``'s rows are split over (None: the ambient ``jax.set_mesh`` mesh, or
         none). With a mesh the GEMMs run per device in a ``jax.shard_map``: ``x``'s rows
         split over ``token_axes``, ``kernel`` replicated (both moved there if they are not)
@@ -165,8 +167,7 @@ def fp8_dense(
     """
     check_choice("dgrad_dtype", dgrad_dtype, GemmDtype)
     check_choice("wgrad_dtype", wgrad_dtype, GemmDtype)
-    backend = gmm_api.canonical_backend(backend)
-    check_choice("backend", backend, DenseBackend)
+    backend = registry.canonical(backend, "backend")
     if kernel.ndim != 2 or x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
         raise ValueError(
             f"kernel must be [K, N] with K = x.shape[-1]; got x {x.shape} and kernel "
@@ -176,7 +177,7 @@ def fp8_dense(
                                                                         jnp.floating):
         raise TypeError(f"x and kernel must be floating point, got {x.dtype} and "
                         f"{kernel.dtype}.")
-    o = _DenseOpts(gmm_api.resolve(backend, 2), dgrad_dtype, wgrad_dtype)
+    o = _DenseOpts(gmm_api.resolve(backend, 2, "backend"), dgrad_dtype, wgrad_dtype)
     lead, (k, n) = x.shape[:-1], kernel.shape
     x2 = x.reshape(-1, k)
     mesh = meshes.resolve(mesh)

@@ -23,12 +23,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from accel_kernels.gmm import api as gmm_api
 from moe import experts as _experts
 from moe import meshes
 from moe import pipeline as _pipeline
 from moe import routing as _routing
 from moe.dispatch import dispatch_buckets, plan_dispatch, split_first_bucket
-from moe.kernels.gmm import api as gmm_api
 from moe.options import MoEOptions
 
 __all__ = ["auto_overlap_chunks", "auto_transport", "moe_apply"]
@@ -38,7 +38,7 @@ def auto_transport(expert_axis_size: int) -> str:
     """The transport ``transport='auto'`` runs for an expert axis of ``expert_axis_size`` devices.
 
     ``'dropless'`` when the expert axis has one device and the ragged experts run the Mosaic
-    GPU grouped GEMM (``experts.auto_backend(2) == 'mosaic'``, Hopper GPUs): there nothing
+    GPU grouped GEMM (``experts.auto_implementation(2) == 'mosaic'``, Hopper GPUs): there nothing
     crosses a wire, and the dropless layer, which computes only the real rows, is faster than
     the capacity-padded one, balanced and Zipf-skewed, while dropping nothing (BENCHMARKS.md,
     The MoE layer). ``'dense'`` otherwise: neither the dropless exchange between devices nor the
@@ -54,11 +54,11 @@ def auto_transport(expert_axis_size: int) -> str:
       >>> import jax, moe
       >>> moe.auto_transport(8)
       'dense'
-      >>> moe.auto_transport(1) == ('dropless' if moe.experts.auto_backend(2) == 'mosaic'
+      >>> moe.auto_transport(1) == ('dropless' if moe.experts.auto_implementation(2) == 'mosaic'
       ...                           else 'dense')
       True
     """
-    if expert_axis_size == 1 and _experts.auto_backend(2) == "mosaic":
+    if expert_axis_size == 1 and _experts.auto_implementation(2) == "mosaic":
         return "dropless"
     return "dense"
 
@@ -136,8 +136,8 @@ def _group_alignment(options: MoEOptions) -> int | None:
         return None
     backend = options.experts.backend
     if backend == "auto":
-        backend = _experts.auto_backend(2)
-    return gmm_api.GROUP_ALIGNMENT if gmm_api.IMPLEMENTATIONS[backend].aligned else None
+        backend = _experts.auto_implementation(2)
+    return gmm_api.GROUP_ALIGNMENT if gmm_api.gemms(backend, 2).aligned else None
 
 
 class LocalInputs(NamedTuple):

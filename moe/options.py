@@ -19,10 +19,8 @@ import dataclasses
 import typing
 from typing import Any, Literal
 
-from moe import fp8
-from moe.activations import GatedActivation
-from moe.kernels.gmm.api import Backend, canonical_backend, check_backend_available
-from moe.kernels.wire.api import WireKernels, canonical_wire_kernels
+from accel_kernels import fp8, registry
+from accel_kernels.activations import GatedActivation
 from moe.routing import RouterConfig
 
 __all__ = ["DispatchOptions", "ExpertOptions", "MoEOptions"]
@@ -34,6 +32,8 @@ RaggedImpl = Literal["auto", "native", "emulated"]
 WireDtype = Literal["bf16", "fp8"] | None
 GemmDtype = Literal["bf16", "fp8"]
 SaveZ = Literal["bf16", "fp8", "recompute"]
+WireKernels = registry.Implementation
+Backend = registry.Implementation
 
 
 def choices(tp: Any) -> tuple:
@@ -99,7 +99,7 @@ class DispatchOptions:
       combine_grad_dtype: wire format of the combine gradient (same choices).
       wire_kernels: who encodes and lays out the dispatched rows: ``'auto'`` (Pallas kernels on
         NVIDIA GPUs, XLA elsewhere), ``'xla'``, ``'triton'`` or ``'mosaic'``
-        (`moe.kernels.wire.api`; the old ``'pallas'`` warns).
+        (`accel_kernels.wire.api`; the old ``'pallas'`` warns).
       capacity_multiple: the dense capacity and the dropless buckets are rounded up to a
         multiple of it (8 keeps GPU tiles aligned).
       ragged_impl: ``'ragged'`` only: ``'auto'`` (``ragged_all_to_all`` where XLA has it,
@@ -159,8 +159,8 @@ class DispatchOptions:
         check_choice("transport", self.transport, Transport)
         check_choice("dispatch_dtype", self.dispatch_dtype, WireDtype)
         check_choice("combine_grad_dtype", self.combine_grad_dtype, WireDtype)
-        object.__setattr__(self, "wire_kernels", canonical_wire_kernels(self.wire_kernels))
-        check_choice("wire_kernels", self.wire_kernels, WireKernels)
+        object.__setattr__(self, "wire_kernels",
+                           registry.canonical(self.wire_kernels, "wire_kernels"))
         check_choice("ragged_impl", self.ragged_impl, RaggedImpl)
         m = self.capacity_multiple
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
@@ -189,8 +189,9 @@ class ExpertOptions:
     """How the local experts compute (:func:`moe.gated_experts`), and the shared experts.
 
     Attributes:
-      backend: grouped-GEMM backend: ``'auto'`` (by layout and platform), ``'einsum'``,
-        ``'mosaic'``, ``'triton'`` or ``'ragged_dot'`` (see :func:`moe.gated_experts`).
+      backend: the grouped GEMMs' implementation (`accel_kernels.gmm.api`): ``'auto'`` (by
+        layout and platform), ``'xla'``, ``'triton'`` or ``'mosaic'`` (the old ``'einsum'``
+        and ``'ragged_dot'`` mean ``'xla'``, with a DeprecationWarning).
       gemm_dtype: precision of the two forward GEMMs, ``'bf16'`` or ``'fp8'`` (e4m3 operands
         on the tensor cores, per-row / per-channel power-of-two scales).
       dgrad_dtype: precision of the two data-gradient GEMMs.
@@ -227,8 +228,7 @@ class ExpertOptions:
     shared_expert_gate: bool = False
 
     def __post_init__(self):
-        object.__setattr__(self, "backend", canonical_backend(self.backend))
-        check_choice("backend", self.backend, Backend)
+        object.__setattr__(self, "backend", registry.canonical(self.backend, "backend"))
         check_choice("gemm_dtype", self.gemm_dtype, GemmDtype)
         check_choice("dgrad_dtype", self.dgrad_dtype, GemmDtype)
         check_choice("save_z", self.save_z, SaveZ)
@@ -341,7 +341,7 @@ class MoEOptions:
         for name, width, option in self.fp8_widths(d_model, d_ff):
             fp8.check_width(width, self.fp8_block_size, what=f"{name} (for {option}='fp8')")
         if self.experts.backend in ("triton", "mosaic"):
-            check_backend_available(self.experts.backend)
+            registry.check_available(self.experts.backend, "backend")
         if mesh is not None:
             self.token_axes(mesh)
 

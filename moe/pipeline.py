@@ -80,7 +80,7 @@ def local_experts(ex: jax.Array, group_sizes: jax.Array, banks: Banks, options: 
     as they came."""
     eo = options.experts
     bgu, bd = banks.bias if banks.bias is not None else (None, None)
-    if ex.ndim == 3 and eo.backend in ("ragged_dot", "triton"):  # 2-D GEMMs
+    if ex.ndim == 3 and eo.backend == "triton":  # 2-D GEMMs
         e_local, c, d = ex.shape
         full = jnp.full((e_local,), c, dtype=jnp.int32)
         out = _experts.experts_apply(

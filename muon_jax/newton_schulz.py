@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from accel_kernels import platform as target
+from accel_kernels.symmetric import api as symmetric_api
 from muon_jax.symmetric import TILES_DTYPES, symmetric_matmul, symmetric_tiles_matmul
 
 Coeffs: TypeAlias = tuple[float, float, float]
@@ -106,7 +108,7 @@ def resolve_symmetric_blocks(blocks: SymmetricBlocks, platform: str | None = Non
     platforms :data:`AUTO_SYMMETRIC_BLOCKS` for ``platform`` when the bank ``shape``
     (``[..., m, n]``; None: any) is large enough (:data:`AUTO_SYMMETRIC_MIN_WORK`), else 1.
     ``platform`` and ``capability`` default to those programs are compiled for
-    (:mod:`moe.kernels.platform`: the default device, or a declared GPU target). An int
+    (:mod:`accel_kernels.platform`: the default device, or a declared GPU target). An int
     ``>= 1`` (row strips, :func:`muon_jax.symmetric.symmetric_matmul`) or ``'tiles'`` (the
     symmetric-tile kernel, :func:`muon_jax.symmetric.symmetric_tiles_matmul`) is returned as
     given. ``name``: the argument the error names.
@@ -124,10 +126,8 @@ def resolve_symmetric_blocks(blocks: SymmetricBlocks, platform: str | None = Non
         return "tiles"
     if blocks == "auto":
         if platform is None:
-            # The kernels' notion of the target (it honours a declared GPU target when a CPU
-            # process compiles for GPUs); imported here so other paths never import moe.
-            from moe.kernels import platform as target  # noqa: PLC0415
-
+            # The kernels' notion of the target: it honours a declared GPU target when a CPU
+            # process compiles for GPUs.
             platform, capability = target.target_platform(), target.cuda_capability()
         side = min(shape[-2:]) if shape is not None else None
         if platform == "gpu" and capability is not None and capability[0] == 9:
@@ -552,7 +552,7 @@ def ns_flops(m: int, n: int, ns_steps: int, *, method: Literal["standard", "gram
     ``symmetric_blocks = s > 1`` the symmetric products (standard: ``X X^T`` and ``A A``;
     Gram: all but ``Q X``) count ``(s + 1) / (2 s)`` of their FLOPs, the tiles they compute;
     with ``'tiles'``, the kernel's share of its output tiles for ``p`` padded as it pads it
-    (``moe.kernels.gmm.mosaic_symmetric.upper_tile_share``: about half for large ``p``).
+    (:func:`accel_kernels.symmetric.api.tile_share`: about half for large ``p``).
     Elementwise work (``O(p q)`` per step) is left out.
 
     Args:
@@ -578,9 +578,7 @@ def ns_flops(m: int, n: int, ns_steps: int, *, method: Literal["standard", "gram
     p, q, t = min(m, n), max(m, n), int(ns_steps)
     s = resolve_symmetric_blocks(symmetric_blocks)
     if s == "tiles":  # the kernel's output tiles that touch the upper triangle, p padded
-        from moe.kernels.gmm import mosaic_symmetric  # noqa: PLC0415 - as symmetric.py does
-
-        num, den = mosaic_symmetric.upper_tile_share(p)
+        num, den = symmetric_api.tile_share(p)
     else:
         num, den = s + 1, 2 * s
     if method == "standard":

@@ -13,6 +13,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from accel_kernels.symmetric import api as symmetric_api
+from accel_kernels.symmetric.api import mirror_upper
+
 
 def symmetric_matmul(
     u: jax.Array,
@@ -85,30 +88,7 @@ def symmetric_matmul(
     return jnp.where(below, lower, upper)
 
 
-def mirror_upper(c: jax.Array) -> jax.Array:
-    r"""The symmetric matrix whose upper triangle (diagonal included) is ``c``'s.
-
-    .. math::
-      S_{ij} = c_{ij} \ (i \le j), \qquad S_{ij} = c_{ji} \ (i > j) .
-
-    Reads nothing below ``c``'s diagonal, so those entries may be undefined (the unwritten
-    tiles of :func:`symmetric_tiles_matmul`'s kernel). One elementwise pass.
-
-    Args:
-      c: ``[..., p, p]``.
-
-    Returns:
-      ``[..., p, p]``, symmetric.
-
-    >>> import jax.numpy as jnp
-    >>> mirror_upper(jnp.array([[1., 2.], [jnp.nan, 3.]])).tolist()
-    [[1.0, 2.0], [2.0, 3.0]]
-    """
-    i = jnp.arange(c.shape[-1])
-    return jnp.where(i[:, None] <= i[None, :], c, jnp.swapaxes(c, -1, -2))
-
-
-TILES_DTYPES = ("bfloat16", "float16")
+TILES_DTYPES = symmetric_api.DTYPES
 """Operand dtypes of :func:`symmetric_tiles_matmul` (the kernel's 16-bit wgmma operands)."""
 
 
@@ -129,7 +109,7 @@ def symmetric_tiles_matmul(
     Both operands are given as rows (``w``, not ``w^T``): ``X X^T`` is
     ``symmetric_tiles_matmul(x, x)`` and, for a symmetric ``B``, ``A B`` is
     ``symmetric_tiles_matmul(a, b)``. On NVIDIA Hopper GPUs this is the Pallas Mosaic GPU
-    kernel :func:`moe.kernels.gmm.mosaic_symmetric.symmetric_upper`, which skips the output
+    kernel of :func:`accel_kernels.symmetric.api.upper_product`, which skips the output
     tiles wholly below the diagonal (about half of them), plus one mirroring pass
     (:func:`mirror_upper`). On the CPU it is that kernel's XLA emulation: the full product with
     the skipped tiles set to NaN, then mirrored, so a result that read them would show it.
@@ -161,11 +141,6 @@ def symmetric_tiles_matmul(
     ...                   rtol=1e-5, atol=1e-4))
     True
     """
-    # moe.kernels holds this package's GPU kernels with the expert layer's; imported here so
-    # muon_jax's other paths never import it.
-    from moe.kernels import platform  # noqa: PLC0415
-    from moe.kernels.gmm import mosaic_symmetric  # noqa: PLC0415
-
     if dtype is not None:
         u, w = u.astype(dtype), w.astype(dtype)
     if u.dtype != w.dtype or jnp.dtype(u.dtype).name not in TILES_DTYPES:
@@ -175,25 +150,10 @@ def symmetric_tiles_matmul(
     if u.ndim < 2 or u.shape != w.shape:
         raise ValueError(f"symmetric_tiles_matmul needs u and w of one shape [..., p, r]; got "
                          f"{u.shape} and {w.shape}.")
-    out_dtype = jnp.dtype(preferred_element_type or u.dtype)
-    *batch, p, r = u.shape
-    cap = platform.cuda_capability()
-    on_hopper = cap is not None and cap[0] == 9
-    if not on_hopper and platform.target_platform() != "cpu":
-        raise ValueError(f"symmetric_tiles_matmul runs its kernel on NVIDIA Hopper GPUs and an "
-                         f"emulation on the CPU, not on {platform.target_platform()!r} / {cap}; "
-                         "use symmetric_matmul (symmetric_blocks=1 or more strips).")
-    pp, rp = mosaic_symmetric.padded_size(p, r, u.dtype)
-
-    def pad(x):
-        x = x.reshape((-1, p, r))
-        return jnp.pad(x, ((0, 0), (0, pp - p), (0, rp - r))) if (pp, rp) != (p, r) else x
-
-    u3, w3 = pad(u), pad(w)
-    if on_hopper:
-        upper = mosaic_symmetric.symmetric_upper(u3, w3, out_dtype=out_dtype)
-    else:  # the kernel's contract: tiles it does not write are undefined (NaN here)
-        full = mosaic_symmetric.symmetric_upper_reference(u3, w3, out_dtype=out_dtype)
-        upper = jnp.where(mosaic_symmetric.upper_tile_mask(pp, u.dtype), full, jnp.nan)
-    out = mirror_upper(upper)[:, :p, :p]
-    return out.reshape((*batch, p, p))
+    try:
+        upper = symmetric_api.upper_product(u, w, out_dtype=preferred_element_type,
+                                            implementation="mosaic")
+    except ValueError as e:
+        raise ValueError(f"symmetric_tiles_matmul: {e} (symmetric_blocks=1 or more strips "
+                         "take symmetric_matmul, which runs anywhere).") from None
+    return mirror_upper(upper)

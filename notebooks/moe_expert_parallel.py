@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -257,8 +257,8 @@ for wire in ["bf16", "fp8"]:
 #
 # - `transport='auto'` is `'dense'` on a TPU (capacity-padded `all_to_all`); it picks
 #   `'dropless'` only on one Hopper GPU.
-# - `backend='auto'` (expert GEMMs) is `'einsum'` for the dense layout and `'ragged_dot'` for
-#   the ragged one. The `'triton'` grouped GEMM is written for NVIDIA GPUs (Triton) and
+# - `backend='auto'` (expert GEMMs) is `'xla'`: batched einsums for the dense layout,
+#   `ragged_dot` for the ragged one. The `'triton'` grouped GEMM is written for NVIDIA GPUs (Triton) and
 #   refuses other accelerators.
 # - `wire_kernels='auto'` encodes, gathers and decodes the wire rows with XLA ops; the Pallas
 #   wire kernels run only when lowered for CUDA. FP8 dispatch works: the rows travel as

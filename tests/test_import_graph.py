@@ -14,7 +14,7 @@ from typing import NamedTuple
 import pytest
 
 _ROOT = Path(__file__).resolve().parents[1]
-_PACKAGES = ("moe", "muon_jax", "xla_comm")
+_PACKAGES = ("accel_kernels", "moe", "muon_jax", "xla_comm")
 
 
 def _module_name(path: Path) -> str:
@@ -156,3 +156,82 @@ def test_private_finder_sees_private_imports(tmp_path, monkeypatch):
 @pytest.mark.parametrize("package", _PACKAGES)
 def test_no_private_names_across_modules(package):
     assert _private_uses(package) == []
+
+
+# The layers: each package may stand on the kernel layer, none on another package.
+_LIBRARY = ("accel_kernels", "moe", "muon_jax", "xla_comm")
+_MAY_IMPORT = {"accel_kernels": set(), "moe": {"accel_kernels"}, "muon_jax": {"accel_kernels"},
+               "xla_comm": {"accel_kernels"}}
+
+
+def _top_level_imports(path: Path) -> list[tuple[str, str | None, int]]:
+    """``(module, name or None, line)`` of every absolute import in ``path``."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            out += [(a.name, None, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out += [(node.module, a.name, node.lineno) for a in node.names]
+    return out
+
+
+def _cross_imports(package: str) -> list[str]:
+    found = []
+    for path in sorted((_ROOT / package).rglob("*.py")):
+        for module, _, line in _top_level_imports(path):
+            top = module.split(".")[0]
+            if top in _LIBRARY and top != package and top not in _MAY_IMPORT[package]:
+                found.append(f"{path.relative_to(_ROOT).as_posix()}:{line}: {module}")
+    return found
+
+
+@pytest.mark.parametrize("package", _LIBRARY)
+def test_packages_stand_only_on_the_kernel_layer(package):
+    assert _cross_imports(package) == []
+
+
+def test_layer_finder_sees_a_cross_import(tmp_path, monkeypatch):
+    (tmp_path / "moe").mkdir()
+    (tmp_path / "moe" / "a.py").write_text("import accel_kernels\nfrom muon_jax import muon\n")
+    monkeypatch.setitem(globals(), "_ROOT", tmp_path)
+    assert _cross_imports("moe") == ["moe/a.py:2: muon_jax"]
+
+
+def _public(package: str) -> set[str]:
+    """The names of ``package/__init__.py``'s ``__all__``."""
+    tree = ast.parse((_ROOT / package / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__"
+                                                for t in node.targets):
+            return {ast.literal_eval(e) for e in node.value.elts}
+    return set()
+
+
+def _internal_uses(paths) -> list[str]:
+    """Imports of the library reaching past a package's ``__all__``: ``import pkg.sub`` or
+    ``from pkg.sub import x`` for a ``sub`` not in it, or ``from pkg import x`` likewise."""
+    public = {p: _public(p) for p in _LIBRARY}
+    found = []
+    for path in paths:
+        for module, name, line in _top_level_imports(path):
+            parts = module.split(".")
+            if parts[0] not in _LIBRARY:
+                continue
+            first = parts[1] if len(parts) > 1 else name
+            if first is not None and first not in public[parts[0]]:
+                found.append(f"{path.name}:{line}: {module}"
+                             + (f".{name}" if name and len(parts) == 1 else ""))
+    return found
+
+
+def test_examples_and_notebooks_use_public_apis_only():
+    paths = sorted([*(_ROOT / "examples").glob("*.py"), *(_ROOT / "notebooks").glob("*.py")])
+    assert _internal_uses(paths) == []
+
+
+def test_internal_use_finder_sees_an_internal_import(tmp_path):
+    bad = tmp_path / "ex.py"
+    bad.write_text("import moe\nfrom moe import MoE\nfrom accel_kernels.gmm.mosaic_kernel "
+                   "import gmm\nfrom muon_jax import owners\n")
+    assert _internal_uses([bad]) == ["ex.py:3: accel_kernels.gmm.mosaic_kernel",
+                                     "ex.py:4: muon_jax.owners"]

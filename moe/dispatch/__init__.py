@@ -68,7 +68,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe import fp8
+from accel_kernels import fp8
 from moe.dispatch import collectives, movement
 from moe.dispatch.plan import (
     AxisName,
@@ -87,7 +87,6 @@ from moe.dispatch.plan_build import (
     ragged_plan,
     split_first_bucket,
 )
-from moe.kernels.wire import api as wire_api
 from moe.options import (
     DispatchOptions,
     RaggedImpl,
@@ -235,12 +234,12 @@ def dispatch(
       wire_kernels: who builds the send buffer (gather + encode) and, for the dense and
         dropless transports, decodes the received rows into the expert layout (and, for
         dropless, gathers the return trip's rows): ``'auto'`` (the Pallas
-        kernels of ``moe.kernels.wire.triton`` when lowered for NVIDIA GPUs, XLA elsewhere),
+        kernels of ``accel_kernels.wire.triton`` when lowered for NVIDIA GPUs, XLA elsewhere),
         ``'xla'``, ``'triton'`` (interpreted, slowly, on CPU) or ``'mosaic'``
-        (`moe.kernels.wire.api`). Same bytes either way.
+        (`accel_kernels.wire.api`). Same bytes either way.
       group_alignment: ``'dropless'`` only: None, or ``A`` to start every local expert's
         rows at a multiple of ``A`` in the layout (the rows in between are zero; ``R``
-        becomes ``moe.kernels.gmm.api.aligned_rows(R, E_local, A)``), the layout the Mosaic GPU
+        becomes ``accel_kernels.gmm.api.aligned_rows(R, E_local, A)``), the layout the Mosaic GPU
         expert kernels read: pass the same ``group_alignment`` to :func:`moe.gated_experts`,
         which then gathers no aligned copy. Same rows, outputs and gradients. The MoE layer
         does this for 'mosaic' experts.
@@ -288,7 +287,7 @@ def dispatch_with_wire(
     Returns ``(expert_x, wire, group_sizes, plan)``: ``wire`` is None, or with ``with_wire``
     (``dispatch_dtype='fp8'`` and the ragged or dropless transport) the received uint32 wire
     rows ``[R, d_model / 4 + W]`` in the order of ``expert_x`` (e4m3 bytes and packed E8M0
-    block scales, :func:`moe.kernels.wire.api.unpack_fp8_words`), which take no gradient. An FP8
+    block scales, :func:`accel_kernels.wire.api.unpack_fp8_words`), which take no gradient. An FP8
     GEMM reads its e4m3 operand from them; XLA then drops the decoded rows unless something
     else reads them (their gradient still flows to ``x``). With one device on the expert
     axis nothing is sent, and ``wire`` is a :class:`moe.dispatch.collectives.TokenRows`
@@ -364,7 +363,6 @@ def plan_dispatch(
         raise TypeError(f"options must be a moe.DispatchOptions, got {type(options).__name__}.")
     expert_ids = jnp.asarray(expert_ids)
     p = _axis_size(options.expert_axis, "dispatch")
-    wire_api.check_wire_kernels(options.wire_kernels)
     check_group_alignment(group_alignment)
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
                                  or capacity < 1):

@@ -1,7 +1,7 @@
 """Collective transports for expert-parallel token exchange (used inside ``jax.shard_map``).
 
 The exchanges, pure functions on per-device arrays (the wire codec and the gathers that
-build and read the rows they move are `moe.kernels.wire.api`'s):
+build and read the rows they move are `accel_kernels.wire.api`'s):
 
 * ``dense_exchange``: a tiled ``jax.lax.all_to_all`` of a destination-major buffer;
 * ``ragged_exchange``: ``jax.lax.ragged_all_to_all`` on GPU/TPU and, where XLA does not
@@ -19,7 +19,7 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe.kernels import platform
+from accel_kernels import platform
 from moe.options import RaggedImpl, check_choice
 
 AxisName = str | tuple[str, ...]
@@ -33,7 +33,7 @@ def resolve_ragged_impl(impl: RaggedImpl) -> Literal["native", "emulated"]:
 
     Args:
       impl: ``'auto'`` (native on GPU/TPU, emulated elsewhere, by the target platform:
-        ``moe.kernels.platform.target_platform()``),
+        ``accel_kernels.platform.target_platform()``),
         ``'native'`` or ``'emulated'``.
 
     Returns:
@@ -57,7 +57,7 @@ class TokenRows(NamedTuple):
     row ``r`` carries token ``index[r]`` of ``tokens`` (a zero row where out of range). It
     stands in for the wire rows that would be written and read back by the same device; an
     FP8 GEMM quantizes its rows from it as from those wire rows (the same bytes,
-    :func:`moe.kernels.wire.api.gather_local_rows_quantized`)."""
+    :func:`accel_kernels.wire.api.gather_local_rows_quantized`)."""
 
     tokens: jax.Array  # float [T, H]
     index: jax.Array  # int32 [R]

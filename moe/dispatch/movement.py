@@ -14,9 +14,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from accel_kernels.wire import api as wire_api
 from moe.dispatch import collectives
 from moe.dispatch.plan import DensePlan, DispatchPlan, DroplessPlan, RaggedPlan
-from moe.kernels.wire import api as wire_api
 from moe.options import WireDtype
 
 __all__ = ["CombineResiduals", "LayoutWithWire", "Wire", "back_row", "combine_rows",
@@ -28,7 +28,7 @@ __all__ = ["CombineResiduals", "LayoutWithWire", "Wire", "back_row", "combine_ro
 class Wire:
     """Static wire format of one direction: ``'fp8'`` or a dtype name; decoded to ``out``;
     ``kernels``: who encodes/gathers and decodes/lays out the rows
-    (`moe.kernels.wire.api.WireKernels`)."""
+    (`accel_kernels.registry.Implementation`)."""
 
     wire: str
     out: str
@@ -110,10 +110,10 @@ def _take_rows(rows: jax.Array, index: jax.Array) -> jax.Array:
 
 def _gather_decode(buf, index, w: Wire, width: int, fallback=None) -> jax.Array:
     """Wire rows ``buf[index]`` decoded in one pass by the wire kernels ``w.kernels``
-    (`moe.kernels.wire.api.gather_decode`); ``fallback(buf, index)``: the XLA path."""
+    (`accel_kernels.wire.api.gather_decode`); ``fallback(buf, index)``: the XLA path."""
     return wire_api.gather_decode(buf, index, wire=w.codec, width=width,
-                                  block_size=w.block_size, out_dtype=w.out, kernels=w.kernels,
-                                  fallback=fallback)
+                                  block_size=w.block_size, out_dtype=w.out,
+                                  implementation=w.kernels, fallback=fallback)
 
 
 def _dense_to_layout(recv: jax.Array, plan: DensePlan, w: Wire, width: int) -> jax.Array:
@@ -252,7 +252,7 @@ def _from_experts(expert_rows: jax.Array, plan: DispatchPlan, reduce):
         send = wire_api.gather_rows(
             expert_rows, _pair_rows(plan.layout_row, plan, start, size),
             wire=jnp.dtype(expert_rows.dtype), block_size=plan.block_size,
-            kernels=plan.wire_kernels)
+            implementation=plan.wire_kernels)
         return collectives.dense_exchange(send, plan.axis_name)
 
     return _two_phase(plan, exchange, lambda back, o: reduce(
@@ -298,7 +298,7 @@ def dispatch_rows(x: jax.Array, plan: DispatchPlan, w: Wire, with_wire: bool = F
     def encode(slots):
         tok = jax.lax.div(slots, jnp.int32(plan.top_k))  # slots are >= 0
         return wire_api.gather_rows(x, tok, wire=w.codec,
-                                      block_size=w.block_size, kernels=w.kernels)
+                                      block_size=w.block_size, implementation=w.kernels)
 
     return _to_experts(encode, plan, w, x.shape[-1], with_wire)
 

@@ -21,7 +21,7 @@ from typing import ClassVar, Literal
 import jax
 import jax.numpy as jnp
 
-from moe.kernels.gmm import api as gmm_api
+from accel_kernels.gmm import api as gmm_api
 
 AxisName = str | tuple[str, ...]
 PlanTransport = Literal["dense", "ragged", "dropless"]
@@ -54,7 +54,7 @@ class PlanBase:
       x_dtype: dtype name of the dispatched tokens (combine returns this dtype).
       block_size: FP8 block size (used by an FP8 combine gradient).
       wire_kernels: ``'auto'``, ``'xla'``, ``'triton'`` or ``'mosaic'``: who encodes and lays
-        out the rows of both dispatch-direction exchanges (`moe.kernels.wire.api`).
+        out the rows of both dispatch-direction exchanges (`accel_kernels.wire.api`).
     """
 
     transport: ClassVar[PlanTransport]
@@ -197,8 +197,8 @@ class DroplessPlan(RaggedLayoutPlan):
       buckets: the rows per (source, destination) pair that the exchange can send, ascending
         (:func:`dropless_buckets`); the last is ``W``, the worst case.
       alignment: every local expert's rows start at a multiple of it in the expert layout
-        (``moe.kernels.gmm.api.align_map``; the rows in between are zero), which then has
-        ``moe.kernels.gmm.api.aligned_rows(R, E_local, alignment)`` rows. 1: plain ragged.
+        (``accel_kernels.gmm.api.align_map``; the rows in between are zero), which then has
+        ``accel_kernels.gmm.api.aligned_rows(R, E_local, alignment)`` rows. 1: plain ragged.
     """
 
     transport: ClassVar[PlanTransport] = "dropless"

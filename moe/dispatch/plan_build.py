@@ -21,8 +21,8 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from accel_kernels.gmm import api as gmm_api
 from moe.dispatch.plan import AxisName, DensePlan, DroplessPlan, RaggedPlan
-from moe.kernels.gmm import api as gmm_api
 
 __all__ = ["BucketSplit", "CountedSlots", "GatheredCounts", "SortedSlots", "count_slots",
            "dense_plan", "dropless_plan", "gather_counts", "ragged_plan", "sort_slots",
@@ -391,7 +391,7 @@ def split_first_bucket(expert_ids: jax.Array, *, num_experts: int, axis_size: in
 
 def _aligned(rows: PairRows, group_sizes: jax.Array, *, p: int, alignment: int) -> PairRows:
     """The dropless plan's row maps onto the ``alignment``-aligned expert layout: rows of
-    the plain layout move to ``dst`` (``moe.kernels.gmm.api.align_map``), the rows between groups
+    the plain layout move to ``dst`` (``accel_kernels.gmm.api.align_map``), the rows between groups
     carry no slot (a zero row), and "no row" stays out of range."""
     s = rows.slot_row.shape[0]
     n = rows.send_slot.shape[0] if p == 1 else rows.pair_row.shape[0]  # plain layout rows

@@ -6,9 +6,9 @@ gated activation of `moe.activations`, optionally with biases) on the expert inp
 
 - ragged ``x [R, d_model]`` with ``group_sizes [E]`` (rows grouped by expert, rows past
   ``sum(group_sizes)`` are padding): backends 'mosaic' (Pallas Mosaic GPU wgmma kernels for
-  Hopper, `moe.kernels.gmm.mosaic`), 'triton' (Pallas Triton kernels, `moe.kernels.gmm.triton`) and
-  'ragged_dot' (`jax.lax.ragged_dot_general`);
-- padded ``x [E, C, d_model]`` (rows ``c >= group_sizes[e]`` are padding): backend 'einsum',
+  Hopper, `accel_kernels.gmm.mosaic`), 'triton' (Pallas Triton kernels,
+  `accel_kernels.gmm.triton`) and 'xla' (`jax.lax.ragged_dot_general`);
+- padded ``x [E, C, d_model]`` (rows ``c >= group_sizes[e]`` are padding): backend 'xla',
   batched einsums that XLA turns into one large batched GEMM, or 'mosaic', the ragged kernels
   on the slots as rows (``C`` rounded up to 128 per expert, padding slots zeroed).
 
@@ -18,7 +18,7 @@ operand is quantized along its contraction axis with one power-of-two (E8M0) sca
 exact powers of two, multiply its f32-accumulated result (torchao's float8 "rowwise" recipe;
 DeepSeek-V3's 1 x 128 blocks would need a per-block promotion inside the kernel). Weights are
 quantized on every call from the params passed in, in the K-major layout their GEMM reads.
-On NVIDIA GPUs the quantization passes are the one-pass Pallas kernels of `moe.kernels.quant.api`:
+On NVIDIA GPUs the quantization passes are the one-pass Pallas kernels of `accel_kernels.quant.api`:
 ``h = act(z)`` is quantized as it is computed, and ``dz`` comes out of the activation's
 backward both in the compute dtype and quantized; elsewhere the same bytes come from XLA.
 
@@ -36,16 +36,16 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe import fp8
-from moe.activations import GatedActivation
+from accel_kernels import fp8
+from accel_kernels.activations import GatedActivation
+from accel_kernels.gmm import api as gmm_api
+from accel_kernels.gmm.api import auto_implementation
 from moe.dispatch import DispatchPlan, WireRows, collectives, movement
 from moe.dispatch import combine as _combine
 from moe.experts import fp8_gemm, fused_combine
 from moe.experts.vjp import Call
 from moe.experts.vjp import experts as _experts
 from moe.experts.vjp import experts_chained as _experts_chained
-from moe.kernels.gmm import api as gmm_api
-from moe.kernels.gmm.api import auto_backend, check_backend_available
 from moe.options import (
     Backend,
     ExpertOptions,
@@ -55,7 +55,7 @@ from moe.options import (
     check_group_alignment,
 )
 
-__all__ = ["CombineArgs", "WireRows", "auto_backend", "check_backend_available",
+__all__ = ["CombineArgs", "WireRows", "auto_implementation",
            "experts_apply", "gated_experts"]
 
 
@@ -184,7 +184,8 @@ def _padded_on_rows(opts: Call, x, gs, w_gate_up, w_down, b_gate_up, *, chain: b
     """Padded ``x [E, C, d]`` on the ragged-layout 'mosaic' kernels: the slots as rows, ``C``
     (rounded up to the 128-row tile) rows per expert, the padding slots zeroed going in and
     coming out (so their cotangents are zero too). The kernels skip the row tiles past an
-    expert's filled slots (`moe.kernels.gmm.api.RowGroups`): an under-filled capacity costs only the
+    expert's filled slots (`accel_kernels.gmm.api.RowGroups`): an under-filled capacity costs
+    only the
     tiles its tokens occupy. Returns ``(y, weights)`` (:func:`_call`)."""
     n_exp, cap, d = x.shape
     cap_al = -(-cap // gmm_api.GROUP_ALIGNMENT) * gmm_api.GROUP_ALIGNMENT
@@ -291,9 +292,9 @@ def gated_experts(
         ``'gelu'``, ``'gelu_tanh'``, ``'clamped_swiglu'`` with GPT-OSS's alpha and limit).
       backend: ragged x: 'mosaic' (Pallas Mosaic GPU wgmma kernels, Hopper; XLA-emulated on
         CPU), 'triton' (Pallas Triton kernels, NVIDIA GPUs; interpreted on CPU) or
-        'ragged_dot' (`jax.lax.ragged_dot_general`); padded x: 'einsum' or 'mosaic' (the
+        'xla' (`jax.lax.ragged_dot_general`); padded x: 'xla' (batched einsums) or 'mosaic' (the
         slots as rows: ``C`` rounded up to 128 per expert). 'auto' picks by layout and
-        platform (:func:`auto_backend`). All work inside ``jax.shard_map``.
+        platform (:func:`auto_implementation`). All work inside ``jax.shard_map``.
       gemm_dtype: precision of the two forward GEMMs, 'bf16' or 'fp8'.
       dgrad_dtype: precision of the two data-gradient GEMMs (``dy @ W_d^T``,
         ``dz @ W_gu^T``).
@@ -394,7 +395,7 @@ def experts_apply(
     if not isinstance(options, ExpertOptions):
         raise TypeError(f"options must be a moe.ExpertOptions, got {type(options).__name__}.")
     check_group_alignment(group_alignment)
-    resolved = gmm_api.resolve(options.backend, x.ndim)
+    resolved = gmm_api.resolve(options.backend, x.ndim, "backend")
     _check_shapes(x, group_sizes, w_gate_up, w_down)
     _check_biases(b_gate_up, b_down, w_gate_up, w_down)
     opts = Call(experts=dataclasses.replace(options, backend=resolved),
@@ -418,7 +419,7 @@ def experts_apply(
     if x.ndim == 3 and resolved == "mosaic":
         y, banks = _padded_on_rows(opts, x, real_gs, w_gate_up, w_down, b_gate_up,
                                    chain=chain_weights)
-    elif gmm_api.IMPLEMENTATIONS[resolved].aligned and (group_alignment or 1) % need:
+    elif gmm_api.gemms(resolved, x.ndim).aligned and (group_alignment or 1) % need:
         y, banks = _aligned_call(opts, x, group_sizes, w_gate_up, w_down, b_gate_up, need,
                                  x_wire, chain=chain_weights)
     else:

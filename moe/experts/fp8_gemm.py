@@ -4,8 +4,8 @@ Shared by the expert layer (`moe.experts`) and the dense projections (`moe.fp8_d
 GEMM quantizes each operand along its contraction axis with one power-of-two scale per row
 (tokens) or per output channel (weights), runs on the e4m3 payloads with f32 accumulation, and
 multiplies its result by the exact scales (torchao's float8 "rowwise" recipe). The quantization
-passes are `moe.kernels.quant.api`'s (one-pass kernels on NVIDIA GPUs, the same bytes from XLA
-elsewhere); the GEMMs are a `moe.kernels.gmm.api` backend's.
+passes are `accel_kernels.quant.api`'s (one-pass kernels on NVIDIA GPUs, the same bytes from XLA
+elsewhere); the GEMMs are a `accel_kernels.gmm.api` backend's.
 
 The weight gradient ``dW = a^T g`` contracts the token rows, along which the row-wise scales
 vary. It reuses the row-quantized payloads that the forward and data-gradient GEMMs already
@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from moe.kernels.gmm import api as gmm_api
-from moe.kernels.quant import api as quant_api
-from moe.kernels.wire import api as wire_api
+from accel_kernels.gmm import api as gmm_api
+from accel_kernels.quant import api as quant_api
+from accel_kernels.wire import api as wire_api
 
 __all__ = ["dgrad", "forward", "rows", "rows_from_tokens", "rows_from_weighted",
            "rows_from_wire", "rows_if", "scaled_t", "weights", "wgrad", "wgrad_operands"]
@@ -40,16 +40,16 @@ _F32_BIAS = 127
 
 def rows(a) -> tuple[jax.Array, jax.Array]:
     """A token operand as ``(e4m3 rows, f32 scale per row)``: quantized here in one pass
-    (`moe.kernels.quant.api`), or passed in already quantized as that pair."""
+    (`accel_kernels.quant.api`), or passed in already quantized as that pair."""
     return a if isinstance(a, tuple) else quant_api.rows(a)
 
 
 def rows_from_wire(wire: jax.Array, width: int, block_size: int,
                    index: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """FP8 wire rows (e4m3 + E8M0 scales per ``block_size`` channels,
-    `moe.kernels.wire.api.encode_rows`), gathered by ``index`` if given (zero rows out of
+    `accel_kernels.wire.api.encode_rows`), gathered by ``index`` if given (zero rows out of
     range), as the row-quantized pair of their decoded values: the bytes of ``rows(decoded
-    rows)`` (`moe.kernels.wire.api.gather_rows_quantized`: one kernel pass on NVIDIA GPUs)."""
+    rows)`` (`accel_kernels.wire.api.gather_rows_quantized`: one kernel pass on NVIDIA GPUs)."""
     return wire_api.gather_rows_quantized(wire, index, width=width, block_size=block_size)
 
 
@@ -58,7 +58,7 @@ def rows_from_tokens(tokens: jax.Array, index: jax.Array,
     """FP8 dispatch where nothing is sent (`moe.dispatch.collectives.TokenRows`): the
     row-quantized pair of ``decode(encode(tokens[index]))``, the bytes :func:`rows_from_wire` gives
     for the wire rows that the dispatch would have written
-    (`moe.kernels.wire.api.gather_local_rows_quantized`)."""
+    (`accel_kernels.wire.api.gather_local_rows_quantized`)."""
     return wire_api.gather_local_rows_quantized(tokens, index, block_size=block_size)
 
 
@@ -66,7 +66,7 @@ def rows_from_weighted(rows: jax.Array, weights: jax.Array, slot: jax.Array, *, 
                        wire_dtype) -> tuple[jax.Array, jax.Array]:
     """The row-quantized pair of the combine gradient's rows in the expert layout when nothing
     is sent: ``rows(wire_dtype(weights[s] * rows[s // top_k]))`` for each row's slot ``s``
-    (zero rows for slots out of range; `moe.kernels.wire.api.gather_weighted_rows_quantized`)."""
+    (zero rows for slots out of range; `accel_kernels.wire.api.gather_weighted_rows_quantized`)."""
     return wire_api.gather_weighted_rows_quantized(rows, weights, slot, top_k=top_k,
                                                    wire_dtype=wire_dtype)
 
@@ -134,7 +134,7 @@ def _mm8(ops: gmm_api.GroupedGemms, a, w_q, gs, out_dtype, trim: bool = True) ->
 
 def weights(w: jax.Array) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
     """Both FP8 copies of ``w [E, K, N]``, ``(forward's, dgrad's)``, from two passes over it
-    (`moe.kernels.quant.api.cols_t_and_rows`): the K-major copy with a scale per output channel
+    (`accel_kernels.quant.api.cols_t_and_rows`): the K-major copy with a scale per output channel
     (``[E, N, K]``, ``[E, N]``) and the row copy with a scale per ``K`` row (``[E, K, N]``,
     ``[E, K]``), the pairs :func:`forward` and :func:`dgrad` would make one at a time."""
     return quant_api.cols_t_and_rows(w)

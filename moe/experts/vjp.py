@@ -1,7 +1,7 @@
 """The gated experts' custom VJP: forward and hand-written backward on one layout.
 
 :func:`experts` runs ``y = act(x @ W_gu) @ W_d`` per group of rows (ragged ``[R, d]`` with
-group sizes, or padded ``[E, C, d]``) on one backend of `moe.kernels.gmm.api`, each of its six
+group sizes, or padded ``[E, C, d]``) on one backend of `accel_kernels.gmm.api`, each of its six
 GEMMs at the precision its :class:`Call`'s options ask for (`moe.experts.fp8_gemm`), and keeps for
 the backward what ``save_z`` says. `moe.experts.experts_apply` validates the arguments, picks
 the backend and brings other layouts (plain ragged rows for the aligned kernels, padded slots
@@ -16,10 +16,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moe import fp8
+from accel_kernels import fp8
+from accel_kernels.gmm import api as gmm_api
+from accel_kernels.quant import api as quant_api
 from moe.experts import fp8_gemm
-from moe.kernels.gmm import api as gmm_api
-from moe.kernels.quant import api as quant_api
 from moe.options import ExpertOptions
 
 __all__ = ["Call", "backward", "experts", "experts_chained", "forward"]
@@ -35,21 +35,23 @@ class Call:
     mask_rows: bool  # False only for padded x without group_sizes (every row is real)
 
 
-def _gemms(opts: Call) -> gmm_api.GroupedGemms:
-    return gmm_api.IMPLEMENTATIONS[opts.experts.backend]
+def _gemms(opts: Call, a) -> gmm_api.GroupedGemms:
+    """The GEMMs of the resolved backend for the token operand ``a`` (an array, or an FP8
+    pair whose first leaf is the payload in the token layout)."""
+    return gmm_api.gemms(opts.experts.backend, jax.tree.leaves(a)[0].ndim)
 
 
 def _matmul(opts: Call, precision: str, a, w, gs, out_dtype):
-    return fp8_gemm.forward(_gemms(opts), precision, a, w, gs, out_dtype)
+    return fp8_gemm.forward(_gemms(opts, a), precision, a, w, gs, out_dtype)
 
 
 def _matmul_t(opts: Call, a, w, gs, out_dtype, *, trim: bool = True):
-    return fp8_gemm.dgrad(_gemms(opts), opts.experts.dgrad_dtype, a, w, gs, out_dtype,
+    return fp8_gemm.dgrad(_gemms(opts, a), opts.experts.dgrad_dtype, a, w, gs, out_dtype,
                            trim=trim)
 
 
 def _wgrad(opts: Call, a, g, gs, out_dtype, acc=None):
-    return fp8_gemm.wgrad(_gemms(opts), opts.experts.wgrad_dtype, a, g, gs, out_dtype, acc)
+    return fp8_gemm.wgrad(_gemms(opts, a), opts.experts.wgrad_dtype, a, g, gs, out_dtype, acc)
 
 
 def _gate_up(opts: Call, x, gs: jax.Array, w_gate_up: jax.Array,
@@ -173,7 +175,7 @@ def experts_chained(opts: Call, x, gs, w_gate_up, w_down, b_gate_up, x_q=None):
     """``(experts(...), w_gate_up, w_down)``: the weights pass through, so that a later call
     (the layer's next chunk) takes them from here and their cotangent comes back into this
     call's backward, whose weight-gradient GEMMs add it to their own (in the kernel where the
-    backend's does: `moe.kernels.gmm.base.GroupedGemms.accumulates`) instead of XLA adding
+    backend's does: `accel_kernels.gmm.base.GroupedGemms.accumulates`) instead of XLA adding
     the two banks afterwards."""
     return experts(opts, x, gs, w_gate_up, w_down, b_gate_up, x_q), w_gate_up, w_down
 

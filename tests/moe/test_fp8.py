@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from moe.fp8 import (
+from accel_kernels.fp8 import (
     E8M0_PAD,
     Fp8Array,
     dequantize,

@@ -31,7 +31,7 @@ import moe
 
 K, N = 128, 256
 LEAD = (3, 100)  # 300 rows: not a multiple of the 'mosaic' path's 128-row tiles
-BACKENDS = ("mosaic", "ragged_dot")  # 'mosaic': its XLA emulation on CPU
+BACKENDS = ("mosaic", "xla")  # 'mosaic': its XLA emulation on CPU
 DTYPES = ("fp8", "bf16")
 HI = jax.lax.Precision.HIGHEST
 F8 = "f8E4M3FN"
@@ -55,7 +55,7 @@ def _y_and_grads(fn):
 
 
 @functools.cache
-def _dense_run(backend="ragged_dot", dgrad_dtype="fp8", wgrad_dtype="bf16", mesh=None,
+def _dense_run(backend="xla", dgrad_dtype="fp8", wgrad_dtype="bf16", mesh=None,
                token_axes=None):
     return _y_and_grads(functools.partial(
         moe.fp8_dense, backend=backend, dgrad_dtype=dgrad_dtype, wgrad_dtype=wgrad_dtype,
@@ -157,9 +157,9 @@ def _rows_spec(token_axes):
 
 @pytest.mark.parametrize("backend,token_axes,axis_type", [
     ("mosaic", None, "explicit"),
-    ("ragged_dot", None, "auto"),
+    ("xla", None, "auto"),
     ("mosaic", "data", "auto"),
-    ("ragged_dot", ("expert",), "explicit"),
+    ("xla", ("expert",), "explicit"),
 ])
 def test_sharded_equals_unsharded(backend, token_axes, axis_type):
     """Rows split over the mesh: y and dx as on one device (rowwise scales are per row),
@@ -194,9 +194,9 @@ def test_ambient_mesh():
     mesh = make_mesh((2, 4), axis_type="auto")
     x, w, ct = _data(SHARDED_LEAD, seed=1)
     with jax.set_mesh(mesh):
-        got = _dense_run("ragged_dot")(x, w, ct)
+        got = _dense_run("xla")(x, w, ct)
     assert got[0].sharding.spec[0] == ("data", "expert"), got[0].sharding
-    want = _dense_run("ragged_dot", mesh=mesh)(x, w, ct)
+    want = _dense_run("xla", mesh=mesh)(x, w, ct)
     chex.assert_trees_all_close(_f32(got), _f32(want), rtol=0, atol=0)
 
 
@@ -211,8 +211,8 @@ def test_explicit_mesh_reshards_x_and_kernel(operand):
     else:  # rows as token_axes, kernel split over its output channels
         args = (jax.device_put(x, NamedSharding(mesh, P(("data", "expert")))),
                 jax.device_put(w, NamedSharding(mesh, P(None, "expert"))))
-    got = _dense_run("ragged_dot", mesh=mesh)(*args, ct)
-    want = _dense_run("ragged_dot")(x, w, ct)
+    got = _dense_run("xla", mesh=mesh)(*args, ct)
+    want = _dense_run("xla")(x, w, ct)
     chex.assert_trees_all_close(_f32(got[0]), _f32(want[0]), rtol=1e-6, atol=0)
 
 
@@ -221,9 +221,9 @@ def test_inside_shard_map_runs_per_device():
     mesh = make_mesh((8,), ("data",), axis_type="auto")
     x, w, _ = _data(SHARDED_LEAD, seed=1)
     x = x.reshape(-1, K)
-    f = jax.jit(jax.shard_map(lambda x, w: moe.fp8_dense(x, w, backend="ragged_dot"),
+    f = jax.jit(jax.shard_map(lambda x, w: moe.fp8_dense(x, w, backend="xla"),
                               mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data")))
-    want = jax.jit(functools.partial(moe.fp8_dense, backend="ragged_dot"))(x, w)
+    want = jax.jit(functools.partial(moe.fp8_dense, backend="xla"))(x, w)
     chex.assert_trees_all_close(_f32(f(x, w)), _f32(want), rtol=1e-6, atol=0)
 
 

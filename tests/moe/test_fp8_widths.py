@@ -28,9 +28,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe
-from moe import fp8
-from moe.kernels.wire import api as wire_api
-from moe.kernels.wire import triton as wire_triton
+from accel_kernels import fp8
+from accel_kernels.wire import api as wire_api
+from accel_kernels.wire import triton as wire_triton
 
 BS = 128
 WIDTHS = (256, 768, 896)  # 2, 6, 7 blocks: one or two scale words, the last one padded

@@ -96,20 +96,22 @@ def test_experts_apply_takes_the_options_object():
 
 def test_compiling_for_cuda_resolves_auto_as_that_gpu_would():
     """A CPU compiling for a virtual Hopper topology makes the Hopper choices, then goes back."""
+    from accel_kernels import platform
+    from accel_kernels.gmm import api as gmm_api
     from moe.dispatch import collectives
-    from moe.kernels import platform
-    from moe.kernels.gmm import api as gmm_api
 
-    cpu = (gmm_api.auto_backend(2), moe.auto_transport(1), collectives.resolve_ragged_impl("auto"))
-    assert cpu == ("ragged_dot", "dense", "emulated")
+    cpu = (gmm_api.auto_implementation(2), moe.auto_transport(1),
+           collectives.resolve_ragged_impl("auto"))
+    assert cpu == ("xla", "dense", "emulated")
     with platform.compiling_for_cuda((9, 0)):
         assert platform.cuda_capability() == (9, 0) and platform.target_platform() == "gpu"
-        assert gmm_api.auto_backend(2) == gmm_api.auto_backend(3) == "mosaic"
+        assert gmm_api.auto_implementation(2) == gmm_api.auto_implementation(3) == "mosaic"
         assert moe.auto_transport(1) == "dropless"
         assert collectives.resolve_ragged_impl("auto") == "native"
         with platform.compiling_for_cuda((8, 0)):  # an older GPU: Triton, padded einsum
-            assert (gmm_api.auto_backend(2), gmm_api.auto_backend(3)) == ("triton", "einsum")
+            assert (gmm_api.auto_implementation(2),
+                    gmm_api.auto_implementation(3)) == ("triton", "xla")
             assert not platform.prefer_mosaic_gpu()
-        assert gmm_api.auto_backend(2) == "mosaic"
-    assert (gmm_api.auto_backend(2), moe.auto_transport(1),
+        assert gmm_api.auto_implementation(2) == "mosaic"
+    assert (gmm_api.auto_implementation(2), moe.auto_transport(1),
             collectives.resolve_ragged_impl("auto")) == cpu

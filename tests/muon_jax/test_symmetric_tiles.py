@@ -17,8 +17,8 @@ import pytest
 from _cuda_export import export_for_cuda, kernel_calls
 
 import muon_jax
-from moe.kernels import platform
-from moe.kernels.gmm import mosaic_symmetric
+from accel_kernels import platform
+from accel_kernels.symmetric import mosaic as mosaic_symmetric
 from muon_jax import symmetric
 from muon_jax.newton_schulz import (
     AUTO_GRAM_MIN_ASPECT,
@@ -132,7 +132,7 @@ def test_symmetric_tiles_matmul_refuses_what_the_kernel_cannot_take():
         symmetric_tiles_matmul(x.astype(BF16), x.T.astype(BF16))
     # a GPU before Hopper: no kernel, no emulation
     with platform.compiling_for_cuda(AMPERE), pytest.raises(
-            ValueError, match="runs its kernel on NVIDIA Hopper GPUs.*use symmetric_matmul"):
+            ValueError, match="needs an NVIDIA Hopper GPU.*take symmetric_matmul"):
         symmetric_tiles_matmul(x, x, dtype=BF16)
     assert TILES_DTYPES == mosaic_symmetric.DTYPES
 

@@ -15,16 +15,18 @@ import numpy as np
 import optax
 import pytest
 
-from moe import fp8
+from accel_kernels import fp8
+from accel_kernels.gmm import api as gmm_api
 from moe.experts import gated_experts
-from moe.kernels.gmm import api as gmm_api
 
 E, D, F = 4, 512, 512  # d_model, d_ff: multiples of 128 (save_z='fp8' blocks)
 GROUPS = (50, 0, 97, 60)  # uneven, one empty expert
 R = 256  # ragged rows; rows past sum(GROUPS) = 207 are padding
 C = 112  # padded capacity >= max(GROUPS)
+# Cases by the GEMMs they run: 'xla' on ragged rows (ragged_dot) and on padded slots (einsum).
 BACKENDS = ("ragged_dot", "mosaic", "einsum")
 RAGGED = ("ragged_dot", "mosaic")
+IMPLEMENTATION = {"ragged_dot": "xla", "einsum": "xla"}
 HI = jax.lax.Precision.HIGHEST
 # padded x [E, C, d] on the 'mosaic' kernels (slots as rows, C rounded up to 128 rows)
 PADDED_MOSAIC = {"padded_mosaic": "mosaic"}
@@ -97,6 +99,7 @@ def _y_and_grads(fn):
 @functools.cache
 def _experts_run(backend, **opts):
     backend = PADDED_MOSAIC.get(backend, backend)
+    backend = IMPLEMENTATION.get(backend, backend)
     fn = lambda x, w_gu, w_d: gated_experts(x, jnp.asarray(GS), w_gu, w_d, backend=backend, **opts)
     return _y_and_grads(fn)
 
@@ -200,7 +203,8 @@ def test_recompute_equals_saved_z_with_fp8_gemms():
 def _residual_bytes(backend, save_z):
     x, w_gu, w_d, _ = _inputs(backend, jnp.bfloat16)
     fn = jax.jit(
-        lambda x, a, b: gated_experts(x, jnp.asarray(GS), a, b, backend=backend, save_z=save_z)
+        lambda x, a, b: gated_experts(x, jnp.asarray(GS), a, b,
+                                      backend=IMPLEMENTATION.get(backend, backend), save_z=save_z)
     )
     _, vjp = jax.vjp(fn, x, w_gu, w_d)
     leaves = jax.tree.leaves(vjp)  # what the backward keeps: the custom_vjp's residuals
@@ -283,7 +287,7 @@ def _small(d=D, f=F, e=E, rows=8):
         ("w_rank", {}, "w_gate_up"),
         ("padded_experts", {}, "expert slots"),
         ("unknown_backend", {"backend": "cutlass"}, "backend"),
-        ("backend_rank", {"backend": "einsum"}, "backend='einsum'"),
+        ("backend_rank", {"backend": "triton"}, "backend='triton' takes x as"),
         ("gemm_dtype", {"gemm_dtype": "fp16"}, "gemm_dtype"),
         ("save_z", {"save_z": "f32"}, "save_z"),
         ("wgrad_dtype", {"wgrad_dtype": "int8"}, "wgrad_dtype"),
@@ -314,6 +318,8 @@ def test_bad_inputs_raise_value_error(case, kwargs, match):
         w_gu = w_gu[0]
     elif case == "padded_experts":
         x = jnp.ones((E + 1, 4, D))
+    elif case == "backend_rank":  # padded slots for a kernel of ragged rows
+        x, gs = jnp.ones((E, 4, D)), None
     with pytest.raises(ValueError, match=match):
         gated_experts(x, gs, w_gu, w_d, **kwargs)
 

@@ -13,11 +13,11 @@ import pytest
 from _meshes import make_mesh
 
 import moe
+from accel_kernels.quant import xla as quant_xla
+from accel_kernels.wire import api as wire_api
+from accel_kernels.wire import triton as wire_triton
 from moe.dispatch import plan_build
 from moe.experts import fp8_gemm, fused_combine
-from moe.kernels.quant import xla as quant_xla
-from moe.kernels.wire import api as wire_api
-from moe.kernels.wire import triton as wire_triton
 
 
 def _bytes(a):
@@ -87,8 +87,8 @@ def _layer_grads(backend: str, dispatch_dtype, fused: bool, dtype=jnp.bfloat16, 
 
 @pytest.mark.parametrize("backend,dispatch_dtype,dtype,data", [
     ("mosaic", "fp8", jnp.bfloat16, 1),  # the aligned layout, FP8 tokens (what one GPU runs)
-    ("ragged_dot", None, jnp.bfloat16, 1),
-    ("ragged_dot", None, jnp.float32, 1),
+    ("xla", None, jnp.bfloat16, 1),
+    ("xla", None, jnp.float32, 1),
     ("mosaic", "fp8", jnp.bfloat16, 2),  # data parallel, one device per expert group
 ])
 def test_layer_through_the_fused_combine_gives_the_two_vjps_bytes(backend, dispatch_dtype,

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from accel_kernels.gmm import api as gmm_api
+from accel_kernels.quant import xla as quant_xla
 from moe.experts import fp8_gemm
-from moe.kernels.gmm import api as gmm_api
-from moe.kernels.quant import xla as quant_xla
 
 GS = np.array([16, 0, 32, 16], np.int32)  # an empty group; 16 padding rows of zeros follow
 ROWS, K, N = 80, 32, 48
@@ -26,7 +26,10 @@ ROWS, K, N = 80, 32, 48
 
 @functools.cache
 def _wgrad(backend: str):
-    ops = gmm_api.IMPLEMENTATIONS[backend]
+    """The FP8 weight gradient of the GEMMs ``backend`` names: 'ragged_dot' and 'einsum' are
+    the 'xla' implementation's on ragged rows and on padded slots."""
+    layout = {"ragged_dot": ("xla", 2), "einsum": ("xla", 3)}
+    ops = gmm_api.gemms(*layout.get(backend, (backend, 2)))
     return jax.jit(lambda a, g, gs: fp8_gemm.wgrad(ops, "fp8", a, g, gs, jnp.float32))
 
 

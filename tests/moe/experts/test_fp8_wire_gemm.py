@@ -12,12 +12,12 @@ import pytest
 from _meshes import make_mesh
 
 import moe
+from accel_kernels.quant import api as quant_api
+from accel_kernels.quant import xla as quant_xla
+from accel_kernels.wire import api as wire_api
 from moe import pipeline as moe_pipeline
 from moe.dispatch import collectives
 from moe.experts import fp8_gemm
-from moe.kernels.quant import api as quant_api
-from moe.kernels.quant import xla as quant_xla
-from moe.kernels.wire import api as wire_api
 
 
 def _bytes(a):
@@ -80,7 +80,7 @@ def _layer_grads(backend: str, transport: str, expert_devices: int, with_wire: b
 
 @pytest.mark.parametrize("backend,transport,devices", [
     ("mosaic", "dropless", 1),  # the aligned layout, one expert device (no exchange)
-    ("ragged_dot", "dropless", 2),  # plain ragged rows after a dropless exchange
+    ("xla", "dropless", 2),  # plain ragged rows after a dropless exchange
 ])
 def test_layer_through_the_wire_rows_gives_the_decoded_paths_bytes(backend, transport,
                                                                     devices):
@@ -120,7 +120,7 @@ def test_with_wire_needs_fp8_tokens_on_a_ragged_layout():
 def test_wire_rows_kernel_gives_the_reference_bytes():
     """The Pallas pass (interpreted here) that gathers wire rows and re-quantizes them per row
     writes the bytes of XLA's gather, decode and quantize_rows, out-of-range rows as zeros."""
-    from moe.kernels.wire import triton as wire_triton
+    from accel_kernels.wire import triton as wire_triton
 
     rng = np.random.default_rng(1)
     d, block = 512, 128
@@ -149,7 +149,7 @@ def test_local_rows_kernel_gives_the_wire_paths_bytes():
     """With nothing sent, one Pallas pass (interpreted here) makes the GEMM's e4m3 rows from
     the tokens: the bytes of encoding, gathering, decoding and quantizing per row (XLA), out
     of range rows as zeros, a NaN row as a NaN scale; the XLA path agrees."""
-    from moe.kernels.wire import triton as wire_triton
+    from accel_kernels.wire import triton as wire_triton
 
     rng = np.random.default_rng(2)
     d, block = 512, 128

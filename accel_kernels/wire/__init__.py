@@ -1,0 +1,2 @@
+"""The wire codec and gathers: XLA, Triton, Mosaic GPU, and the registry
+(`accel_kernels.wire.api`)."""

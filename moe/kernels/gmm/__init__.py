@@ -1,1 +1,0 @@
-"""Grouped GEMMs: the XLA ones, Triton, Mosaic GPU, and the registry (`moe.kernels.gmm.api`)."""

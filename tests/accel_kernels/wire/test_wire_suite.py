@@ -1,0 +1,85 @@
+"""One suite every wire-kernel implementation of `accel_kernels.wire.api` runs: each gather with
+``implementation`` 'auto', 'xla', 'triton' (interpreted on the CPU) and 'mosaic' (XLA where
+not lowered for CUDA; its kernels lower for CUDA in test_wire_mosaic.py) gives XLA's bytes, with
+repeated and out-of-range indices; a kernel named for a width it does not take is refused. Also
+the deprecated 'pallas'."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from accel_kernels.quant import xla as quant_xla
+from accel_kernels.wire import api
+from moe.options import DispatchOptions
+
+KERNELS = ["auto", "xla", "triton", "mosaic"]
+D, BS = 512, 128
+INDEX = jnp.array([5, 0, 2, 3, 23, 24, 99, 5], jnp.int32)
+
+
+def _rows(t=24):
+    """Rows with per-row magnitudes from 2^-130 to 2^60, a zero row, an inf and a NaN."""
+    k1, k2 = jax.random.split(jax.random.key(3))
+    mag = jnp.exp2(jax.random.randint(k1, (t, 1), -130, 60).astype(jnp.float32))
+    x = (jax.random.normal(k2, (t, D), jnp.float32) * mag).astype(jnp.bfloat16)
+    return x.at[2].set(0).at[3, 7].set(jnp.inf).at[4, 300].set(jnp.nan)
+
+
+def _same(got, want):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        g, w = np.asarray(g), np.asarray(w)
+        if g.dtype.kind not in "iu":
+            g, w = g.astype(np.float32), w.astype(np.float32)
+        np.testing.assert_array_equal(g, w)  # NaNs in the same places
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("wire", ["fp8", "bf16"])
+def test_gather_rows_and_gather_decode(kernels, wire):
+    codec = "fp8" if wire == "fp8" else jnp.dtype(jnp.bfloat16)
+    x = _rows()
+    want = api.gather_rows(x, INDEX, wire=codec, block_size=BS, implementation="xla")
+    _same(api.gather_rows(x, INDEX, wire=codec, block_size=BS, implementation=kernels), want)
+    buf = api.encode_rows(x, wire=codec, block_size=BS)
+    kw = dict(wire=codec, width=D, block_size=BS, out_dtype=jnp.bfloat16)
+    _same(api.gather_decode(buf, INDEX, implementation=kernels, **kw),
+          api.gather_decode(buf, INDEX, implementation="xla", **kw))
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_row_quantized_gathers(kernels):
+    x = _rows()
+    wire = api.encode_rows(x, wire="fp8", block_size=BS)
+    want = quant_xla.quantize_rows_reference(api.gather_decode(
+        wire, INDEX, wire="fp8", width=D, block_size=BS, out_dtype=jnp.float32,
+        implementation="xla"))
+    _same(api.gather_rows_quantized(wire, INDEX, width=D, block_size=BS,
+                                    implementation=kernels), want)
+    _same(api.gather_local_rows_quantized(x, INDEX, block_size=BS, implementation=kernels), want)
+    w = jax.random.uniform(jax.random.key(1), (48,))
+    slot = jnp.array([0, 47, 5, 48, 13], jnp.int32)
+    kw = dict(top_k=2, wire_dtype=jnp.bfloat16)
+    _same(api.gather_weighted_rows_quantized(x, w, slot, implementation=kernels, **kw),
+          api.gather_weighted_rows_quantized(x, w, slot, implementation="xla", **kw))
+
+
+def test_names_and_the_deprecated_pallas():
+    with pytest.raises(ValueError, match="wire_kernels='cuda' is not supported"):
+        DispatchOptions(wire_kernels="cuda")
+    with pytest.raises(ValueError, match="implementation='cuda' is not supported"):
+        api.gather_rows(_rows(), INDEX, wire="fp8", block_size=BS, implementation="cuda")
+    with pytest.warns(DeprecationWarning, match="'pallas' is deprecated; use 'triton'"):
+        assert DispatchOptions(wire_kernels="pallas").wire_kernels == "triton"
+
+
+def test_an_explicit_kernel_that_does_not_take_the_width_is_refused():
+    x = _rows()[:, :96]  # 96 channels: neither the Triton (power of two) nor the Mosaic gathers
+    for kernels in ("triton", "mosaic"):
+        with pytest.raises(ValueError, match=f"implementation='{kernels}' does not take"):
+            api.gather_rows(x, INDEX, wire="fp8", block_size=32, implementation=kernels)
+    want = api.gather_rows(x, INDEX, wire="fp8", block_size=32, implementation="xla")
+    _same(api.gather_rows(x, INDEX, wire="fp8", block_size=32, implementation="auto"), want)
