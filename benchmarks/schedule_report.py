@@ -58,6 +58,7 @@ from _schedule_cli import (  # the script's folder is on the path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+MEASURED_LINK_GBPS = 153.0  # all_to_all per GPU between two H200s of one host (BENCHMARKS.md)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +130,7 @@ def main(argv=None) -> dict:
 
     import moe
     import muon_jax
+    from accel_kernels import platform
     from xla_comm import latency, overlap, schedule
 
     t0 = time.perf_counter()
@@ -160,7 +162,7 @@ def main(argv=None) -> dict:
         if major is None:
             raise SystemExit(f"{a.target_config}: no cuda_compute_capability major")
         cc = (int(major.group(1)), int(minor.group(1)) if minor else 0)
-        target = lambda: moe.kernels.platform.compiling_for_cuda(cc)  # noqa: E731
+        target = lambda: platform.compiling_for_cuda(cc)  # noqa: E731
     if hlo_dir:
         hlo_dir.mkdir(parents=True, exist_ok=True)
 
@@ -191,12 +193,12 @@ def main(argv=None) -> dict:
         del x
         report["rates_source"] = "measured in this run"
     hw = schedule.Hardware(gemm_tflops=bf16, fp8_gemm_tflops=fp8, hbm_GBps=hbm,
-                           link_GBps=a.link_gbps or schedule.MEASURED_LINK_GBPS,
+                           link_GBps=a.link_gbps or MEASURED_LINK_GBPS,
                            inter_host_GBps=a.inter_host_gbps,
                            devices_per_host=4 if a.small else 8)
     report["hardware"] = dataclasses.asdict(hw)
     report["link_GBps_assumed"] = hw.link_GBps
-    report["link_source"] = ("xla_comm.schedule.MEASURED_LINK_GBPS: all_to_all on 2x H200, "
+    report["link_source"] = ("MEASURED_LINK_GBPS: all_to_all on 2x H200, "
                              "jax 0.11.2 (BENCHMARKS.md)" if a.link_gbps is None
                              else "--link-gbps")
     print(f"[{time.perf_counter() - t0:5.0f}s] rates: bf16 {bf16:.0f} TF/s, fp8 {fp8:.0f}, "

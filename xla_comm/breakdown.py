@@ -100,7 +100,7 @@ LM_REGIONS: dict[str, str] = {
 }
 # Events that name no HLO instruction (on GPU: Mosaic GPU and cuBLAS kernels, seen with
 # jax 0.11) by kernel name. Mosaic GPU kernels appear as ``<name>_mosaic_gpu_kernel``: the
-# expert GEMMs (moe.kernels.gmm.mosaic_kernel) as ``gmm_*`` / ``tgmm_*``, ``fp8_*`` quantize their
+# expert GEMMs (accel_kernels.gmm.mosaic_kernel) as ``gmm_*`` / ``tgmm_*``, ``fp8_*`` quantize their
 # operands
 # (Triton or Mosaic GPU, ``*_mgpu``; fp8_dense's row kernels carry the same names). The dense
 # FP8 projections' GEMMs (``dense_gmm_*``, moe.fp8_dense) and cuBLAS kernels (dense

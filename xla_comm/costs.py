@@ -22,7 +22,8 @@ Example:
   ...   %x = f32[1024,256]{1,0} parameter(0)
   ...   ROOT %e = f32[1024,256]{1,0} exponential(%x)
   ... }''')
-  >>> hw = Hardware(gemm_tflops=600, fp8_gemm_tflops=1200, hbm_GBps=1000, launch_us=2.0)
+  >>> hw = Hardware(gemm_tflops=600, fp8_gemm_tflops=1200, hbm_GBps=1000, link_GBps=150,
+  ...               inter_host_GBps=50, launch_us=2.0)
   >>> cost = instruction_cost(mod.computations["main"][1], mod)  # 1 MiB read, 1 MiB written
   >>> cost.bytes, round(cost.time_us(hw), 1)  # 2 MiB at 1 TB/s, plus one launch
   (2097152, 4.1)
@@ -39,8 +40,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from xla_comm import hlo, parse
 
 __all__ = [
-    "INTER_HOST_GBPS",
-    "MEASURED_LINK_GBPS",
     "TILES_SCOPE",
     "Cost",
     "GroupedRows",
@@ -52,38 +51,34 @@ __all__ = [
     "transfer_us",
 ]
 
-# Default link rate: what all_to_all moves per GPU between two H200s of one host
-# (``benchmarks/dispatch_bench.py --part check``; docs/benchmark_log.md, FP8 wire, dispatch
-# and combine).
-MEASURED_LINK_GBPS = 153.0
-INTER_HOST_GBPS = 50.0  # 400 Gb/s InfiniBand per GPU
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Hardware:
     """The rates of the cost model (per GPU).
 
+    Every rate is the caller's: measure it on the machine modeled (a large dense matmul, a large
+    copy, an all_to_all between GPUs of one host and of two hosts).
+
     Attributes:
-      gemm_tflops: dense bf16 GEMM rate (measure it: `measure_hardware`).
+      gemm_tflops: dense bf16 GEMM rate.
       fp8_gemm_tflops: dense FP8 GEMM rate.
       hbm_GBps: memory bandwidth, bytes read plus written per second (a large copy).
-      link_GBps: bytes a GPU sends per second to GPUs of its own host in a collective
-        (default: this repository's 2x H200 all_to_all measurement, `MEASURED_LINK_GBPS`).
-      inter_host_GBps: bytes a GPU sends per second to other hosts (400 Gb/s InfiniBand).
+      link_GBps: bytes a GPU sends per second to GPUs of its own host in a collective.
+      inter_host_GBps: bytes a GPU sends per second to other hosts.
       devices_per_host: GPUs per host (device ``d`` is on host ``d // devices_per_host``).
       latency_us: fixed time of one collective (launch and synchronization).
       launch_us: fixed time of one kernel launch on the compute stream.
 
     Example:
-      >>> Hardware(gemm_tflops=650, fp8_gemm_tflops=1150, hbm_GBps=4300).link_GBps
-      153.0
+      >>> Hardware(gemm_tflops=650, fp8_gemm_tflops=1150, hbm_GBps=4300, link_GBps=150,
+      ...          inter_host_GBps=50).devices_per_host
+      8
     """
 
     gemm_tflops: float
     fp8_gemm_tflops: float
     hbm_GBps: float
-    link_GBps: float = MEASURED_LINK_GBPS
-    inter_host_GBps: float = INTER_HOST_GBPS
+    link_GBps: float
+    inter_host_GBps: float
     devices_per_host: int = 8
     latency_us: float = 10.0
     launch_us: float = 2.0

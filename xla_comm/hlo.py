@@ -58,6 +58,7 @@ __all__ = [
     "analyze_collectives",
     "array_nbytes",
     "base_kind",
+    "count_outside_branches",
     "hlo_text",
     "parse_hlo",
     "replica_group_size",
@@ -311,6 +312,45 @@ def _callees(attrs: str) -> list[str]:
     for _, val in _CALLEE_RE.findall(attrs):
         out.extend(re.findall(r"%?([\w.\-]+)", val.strip("{}")))
     return out
+
+
+_BRANCH_RE = re.compile(r"\b(?:branch_computations|true_computation|false_computation)="
+                        r"(\{[^}]*\}|%?[\w.\-]+)")
+
+
+def count_outside_branches(hlo: str | HloModule, opcode: str) -> int:
+    r"""``opcode`` instructions (an async pair counted once, by its start) outside every
+    conditional's branches and what those branches call: the ones that run on every step.
+
+    Args:
+      hlo: HLO text (``compiled.as_text()``) or a parsed module.
+      opcode: e.g. ``'all-to-all'`` (its ``-start`` half counts too) or ``'conditional'``.
+
+    Returns:
+      The count.
+
+    Example:
+      >>> text = (
+      ...     "HloModule m\n\nb {\n  p = f32[2] parameter(0)\n"
+      ...     "  a = f32[2] all-to-all(p), dimensions={0}\n}\n\n"
+      ...     "ENTRY e {\n  i = s32[] parameter(0)\n  x = f32[2] parameter(1)\n"
+      ...     "  y = f32[2] all-to-all(x), dimensions={0}\n"
+      ...     "  c = f32[2] conditional(i, y), branch_computations={b}\n}\n")
+      >>> count_outside_branches(text, "all-to-all")
+      1
+    """
+    mod = hlo if isinstance(hlo, HloModule) else parse_hlo(hlo)
+    stack = [name for ins in mod.instructions() if ins.opcode == "conditional"
+             for val in _BRANCH_RE.findall(ins.attrs)
+             for name in re.findall(r"%?([\w.\-]+)", val.strip("{}"))]
+    inside: set[str] = set()
+    while stack:
+        c = stack.pop()
+        if c not in inside and c in mod.computations:
+            inside.add(c)
+            stack.extend(x for i in mod.computations[c] for x in _callees(i.attrs))
+    return sum(ins.opcode.removesuffix("-start") == opcode
+               for c, body in mod.computations.items() if c not in inside for ins in body)
 
 
 def _ring_bytes(kind: str, buffer_bytes: int, n: int) -> float:

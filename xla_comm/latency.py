@@ -30,7 +30,7 @@ Example:
   ...   ROOT %e = f32[512,512]{1,0} exponential(%d), metadata={scheduling_name="exp.1"}
   ... }'''
   >>> hw = costs.Hardware(gemm_tflops=1.0, fp8_gemm_tflops=2.0, hbm_GBps=1000.0, link_GBps=1.0,
-  ...                     latency_us=0.0, launch_us=0.0)
+  ...                     inter_host_GBps=1.0, latency_us=0.0, launch_us=0.0)
   >>> print(latency_profile(text, hw))  # 512 KiB at 1 GB/s; 2 MiB through HBM at 1 TB/s
   costs { name: "s" cost_us: 524.288 }
   costs { name: "exp.1" cost_us: 2.097 }

@@ -30,7 +30,7 @@ Example:
   ...   ROOT %o = f32[512,512]{1,0} add(%r, %d)
   ... }'''
   >>> hw = Hardware(gemm_tflops=1.0, fp8_gemm_tflops=2.0, hbm_GBps=1000.0, link_GBps=1.0,
-  ...               latency_us=0.0, launch_us=0.0)
+  ...               inter_host_GBps=1.0, latency_us=0.0, launch_us=0.0)
   >>> rep = schedule_report(text, hw)
   >>> (w,) = rep.windows
   >>> round(w.transfer_us), round(w.covered_us), round(w.exposed_us)  # 512 KiB at 1 GB/s
@@ -54,16 +54,12 @@ from typing import Any
 
 from xla_comm import costs, hlo
 from xla_comm.costs import (
-    INTER_HOST_GBPS,
-    MEASURED_LINK_GBPS,
     Hardware,
     op_cost,
     replica_groups,
 )
 
 __all__ = [
-    "INTER_HOST_GBPS",
-    "MEASURED_LINK_GBPS",
     "Hardware",
     "ScheduleReport",
     "Window",
@@ -320,7 +316,8 @@ def schedule_report(compiled_or_text: Any, hardware: Hardware, *, branch: int = 
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> hw = Hardware(gemm_tflops=600, fp8_gemm_tflops=1200, hbm_GBps=4000)
+      >>> hw = Hardware(gemm_tflops=600, fp8_gemm_tflops=1200, hbm_GBps=4000, link_GBps=150,
+      ...               inter_host_GBps=50)
       >>> rep = schedule_report(jax.jit(lambda x: x @ x).lower(jnp.ones((64, 64))).compile(), hw)
       >>> rep.windows, rep.exposed_fraction, rep.compute_us > 0
       ((), 0.0, True)

@@ -10,7 +10,7 @@ import numpy as np
 from xla_comm import costs, latency
 
 HW = costs.Hardware(gemm_tflops=1.0, fp8_gemm_tflops=2.0, hbm_GBps=1000.0, link_GBps=1.0,
-                    latency_us=0.0, launch_us=0.0)
+                    inter_host_GBps=1.0, latency_us=0.0, launch_us=0.0)
 
 # An async all-to-all, a fusion whose body must stay out of the profile, and names the
 # scheduler knew by another name (metadata scheduling_name).

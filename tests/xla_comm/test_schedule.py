@@ -85,7 +85,8 @@ def test_collectives_share_one_stream():
   %d2 = f32[1000]{0} all-to-all-done(%s2)
   ROOT %b = f32[1000]{0} add(%d1, %d2)""")
     hw = schedule.Hardware(gemm_tflops=1e-3, fp8_gemm_tflops=2e-3, hbm_GBps=8000 / 3 / 1e3,
-                           link_GBps=1.0, latency_us=0.0, launch_us=0.0)  # negate: 3 us
+                           link_GBps=1.0, inter_host_GBps=1.0, latency_us=0.0,
+                           launch_us=0.0)  # negate: 3 us
     w1, w2 = schedule.schedule_report(text, hw).windows
     assert w1.exposed_us == 0.0 and w2.covered_us == pytest.approx(3.0)
     assert w2.exposed_us == pytest.approx(1.0)
@@ -144,7 +145,8 @@ ENTRY %main (a: bf16[100,50], w: bf16[4,200,50], c: bf16[100,200], b: bf16[50,20
     assert costs.instruction_cost(body["tgmm"], mod, body, grouped_rows=25).flops == flops / 4
     assert costs.instruction_cost(body["gmm"], mod, body, grouped_rows=1000).flops == flops
     assert costs.instruction_cost(body["dot"], mod, body, grouped_rows=25).flops == flops
-    hw = schedule.Hardware(gemm_tflops=1e-6, fp8_gemm_tflops=2e-6, hbm_GBps=1e6, launch_us=0.0)
+    hw = schedule.Hardware(gemm_tflops=1e-6, fp8_gemm_tflops=2e-6, hbm_GBps=1e6, link_GBps=1.0,
+                           inter_host_GBps=1.0, launch_us=0.0)
     full = schedule.schedule_report(text, hw).compute_us  # 3 GEMMs of 2 MFLOP at 1 MFLOP/s
     capped = schedule.schedule_report(text, hw, grouped_rows=25).compute_us
     assert full == pytest.approx(3 * flops) and capped == pytest.approx(1.5 * flops)
@@ -301,7 +303,8 @@ def test_replica_groups_forms():
 
 def test_hardware_is_validated():
     with pytest.raises(ValueError, match="Hardware.link_GBps must be a positive number"):
-        schedule.Hardware(gemm_tflops=1, fp8_gemm_tflops=1, hbm_GBps=1, link_GBps=0)
+        schedule.Hardware(gemm_tflops=1, fp8_gemm_tflops=1, hbm_GBps=1, link_GBps=0,
+                          inter_host_GBps=1)
 
 
 def test_a_compiled_program_replays():

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _branches import outside_branches
 from _meshes import make_mesh
 from jax.sharding import PartitionSpec as P
 
@@ -16,6 +15,7 @@ from moe import DispatchOptions
 from moe.dispatch import combine, dense_capacity, dispatch, dispatch_apply, plan_dispatch
 from moe.dispatch.plan import DroplessPlan, dropless_buckets
 from xla_comm import hlo
+from xla_comm.hlo import count_outside_branches
 
 E, K = 16, 2  # experts, top-k
 T_ALL = 64  # tokens over all devices (8 per device on 8 devices)
@@ -258,7 +258,7 @@ def test_dropless_equals_reference_and_ragged_bit_for_bit(shape, names, skewed):
 def test_dropless_aligned_layout_holds_the_same_rows(mesh):
     """``group_alignment``: every local expert's rows start at a multiple of A with zero rows
     in between; the rows, the outputs and the gradients are the plain layout's."""
-    from moe.kernels.gmm.api import align_map
+    from accel_kernels.gmm.api import align_map
 
     args, ct = init(**SMALL)
     shape, names = mesh
@@ -461,7 +461,7 @@ def test_plan_sorts_once_and_dropless_exchanges_in_two_phases():
             "all-gather": 1}
     for text in _dispatch_combine_grad_hlo(shape, names, "dropless"):
         assert hlo_op_counts(text) == want, hlo_op_counts(text)
-        assert outside_branches(text, "all-to-all") == 4
+        assert count_outside_branches(text, "all-to-all") == 4
     # dense: the count exchange and four payload exchanges (compiled: the count exchange only
     # fed group_sizes, unused here, so XLA removed it)
     emitted, compiled = _dispatch_combine_grad_hlo(shape, names, "dense", capacity_factor=1.25)
