@@ -544,7 +544,8 @@ def main(argv=None) -> int:
         return 0
     records = lm_metrics.read_metrics(metrics_path)
     lm_metrics.plot(records, out / "loss.png")
-    race = lm_metrics.time_to_adamw_loss(records)
+    finished = len(results) == 2 and not any(r["stopped_early"] for r in results.values())
+    race, no_race = lm_metrics.adamw_loss_race(records) if finished else (None, None)
     summary = {"args": vars(args), "mesh": dict(mesh.shape), "backend": jax.default_backend(),
                "processes": jax.process_count(),
                "device_kind": jax.devices()[0].device_kind,
@@ -552,7 +553,7 @@ def main(argv=None) -> int:
                "pgle": bool(jax.config.jax_enable_pgle),
                "overlap_chunks": model_config(args, mesh).overlap_chunks,
                "wall_s": time.perf_counter() - t0, "results": results,
-               "time_to_adamw_final_loss": race}
+               "time_to_adamw_final_loss": race, "time_to_adamw_final_loss_note": no_race}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     for name, r in results.items():
         mfu = f"MFU {r['mfu']:.3f}" if r["mfu"] is not None else "MFU n/a"
@@ -562,18 +563,20 @@ def main(argv=None) -> int:
         print(f"{name:>6}: {where} validation loss {r['final_val_loss']:.4f} nats/byte = "
               f"{r['final_val_bits_per_byte']:.4f} bits/byte ({tok_s}, {mfu}, "
               f"{r['wall_s']:.0f} s)")
-    if len(results) == 2 and not any(r["stopped_early"] for r in results.values()):
+    if finished:
         d = results["adamw"]["final_val_loss"] - results["muon"]["final_val_loss"]
         print(f"Muon {'beats' if d > 0 else 'trails'} AdamW by {abs(d):.4f} nats/byte at "
               f"{args.steps} steps.")
-        if race and race["muon_time_to_adamw_final_loss_s"] is not None:
+        if no_race:
+            print(no_race)
+        elif race:
             print(f"Muon reached AdamW's final validation loss between "
-                  f"{race['muon_time_to_adamw_final_loss_after_s']:.1f} and "
-                  f"{race['muon_time_to_adamw_final_loss_s']:.1f} s of training (evaluations "
-                  f"{args.eval_every} steps apart), "
+                  f"{race['muon_time_to_adamw_final_loss_after_s']:.3g} and "
+                  f"{race['muon_time_to_adamw_final_loss_s']:.3g} s of training (evaluations "
+                  f"{args.eval_every} step{'s' if args.eval_every > 1 else ''} apart), "
                   f"{race['muon_time_to_adamw_final_loss_fraction_after']:.2f}-"
                   f"{race['muon_time_to_adamw_final_loss_fraction']:.2f}x AdamW's "
-                  f"{race['adamw_train_s']:.1f} s.")
+                  f"{race['adamw_train_s']:.3g} s.")
     print(f"wrote {metrics_path}, {out / 'loss.png'}, {out / 'summary.json'}")
     return 0
 

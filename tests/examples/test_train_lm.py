@@ -40,7 +40,7 @@ def _losses(out: pathlib.Path, name: str) -> list[tuple[int, float]]:
 
 def test_trainer_writes_metrics_plot_and_summary(tmp_path, capsys):
     out = tmp_path / "run"
-    rc = train_lm.main([*TINY, "--optimizer", "both", "--steps", "4", "--eval-every", "2",
+    rc = train_lm.main([*TINY, "--optimizer", "both", "--steps", "4", "--eval-every", "1",
                         "--ckpt-every", "2", "--peak-tflops", "0.5", "--out", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
@@ -63,10 +63,16 @@ def test_trainer_writes_metrics_plot_and_summary(tmp_path, capsys):
         want = r["flops_per_token"] * r["tokens_per_s"] / (8 * 0.5e12)
         assert math.isclose(r["mfu"], want, rel_tol=1e-9), (name, r)
         assert r["lr"] == (summary["args"]["lr"] if name == "muon" else summary["args"]["adam_lr"])
-    race = summary["time_to_adamw_final_loss"]
     adamw = [r for r in recs if r["optimizer"] == "adamw"]
-    assert race["adamw_final_val_loss"] == adamw[-1]["val_loss"]
-    assert race["adamw_train_s"] == pytest.approx(lm_metrics.train_seconds(adamw)[-1])
+    raw = lm_metrics.time_to_adamw_loss(recs)
+    assert raw["adamw_final_val_loss"] == adamw[-1]["val_loss"]
+    assert raw["adamw_train_s"] == pytest.approx(lm_metrics.train_seconds(adamw)[-1])
+    # The race line and summary.json's record of it appear together, or a note says why not.
+    race, note = lm_metrics.adamw_loss_race(recs)
+    assert (summary["time_to_adamw_final_loss"], summary["time_to_adamw_final_loss_note"]) == (
+        race, note)
+    assert ("Muon reached AdamW's final validation loss between" in text) == (race is not None)
+    assert (race is None) == (note is not None) and (note is None or note in text)
 
 
 def test_training_clock_excludes_compilation_and_finds_the_crossing():
@@ -87,6 +93,25 @@ def test_training_clock_excludes_compilation_and_finds_the_crossing():
     assert race["muon_time_to_adamw_final_loss_after_s"] == 2.5
     assert race["muon_time_to_adamw_final_loss_fraction_after"] == 2.5 / 4.0
     assert lm_metrics.time_to_adamw_loss(muon) is None
+
+
+def test_the_race_is_reported_only_when_evaluations_bracket_the_crossing():
+    def recs(muon_vals, adamw_final=2.0):
+        out = [{"optimizer": "adamw", "step": 1, "step_s": 1.0, "val_loss": adamw_final}]
+        return out + [{"optimizer": "muon", "step": i + 1, "step_s": 1.0, "val_loss": v}
+                      for i, v in enumerate(muon_vals)]
+
+    race, note = lm_metrics.adamw_loss_race(recs([3.0, 2.5, 1.5]))
+    assert note is None and race["muon_time_to_adamw_final_loss_s"] == 3.0
+    assert race["muon_time_to_adamw_final_loss_after_s"] == 2.0
+    # A first evaluation already past AdamW's final loss (e.g. --steps 2 evaluates once) times
+    # nothing: the bracket would be "between 0 s and the end".
+    race, note = lm_metrics.adamw_loss_race(recs([1.5]))
+    assert race is None and note.startswith("Muon's first evaluation (step 1) had already "
+                                            "reached AdamW's final validation loss (2.0000)")
+    race, note = lm_metrics.adamw_loss_race(recs([3.0, 2.5]))
+    assert race is None and "did not reach AdamW's final validation loss (2.0000)" in note
+    assert lm_metrics.adamw_loss_race(recs([3.0])[1:]) == (None, None)  # Muon alone
 
 
 def test_mfu_is_na_on_cpu_without_a_peak():
