@@ -37,6 +37,30 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from lm_cluster import cluster_environment, init_distributed, processes_from  # noqa: E402
 
+# The flags live in lm_flags.py; the trainer's own names for them stay importable from here.
+from lm_flags import (  # noqa: E402, F401
+    FP8_GEMMS,
+    MESH_AXES,
+    OPTIMIZERS,
+    PRESETS,
+    UsageError,
+    default_lrs,
+    parse_args,
+)
+
+
+def usage_error(e: UsageError) -> int:
+    """Reports a bad command line in one line; the exit status (2)."""
+    print(f"train_lm.py: error: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    try:  # before JAX and the rest load (seconds on a cold start): main() checks again
+        parse_args(sys.argv[1:])
+    except UsageError as err:
+        sys.exit(usage_error(err))
+
 # Before JAX initializes: give the CPU backend its share of 8 devices (harmless on GPU/TPU,
 # where the accelerator is the default backend and these CPU devices go unused).
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -57,17 +81,6 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-
-# The flags live in lm_flags.py; the trainer's own names for them stay importable from here.
-from lm_flags import (  # noqa: E402, F401
-    FP8_GEMMS,
-    MESH_AXES,
-    OPTIMIZERS,
-    PRESETS,
-    UsageError,
-    default_lrs,
-    parse_args,
-)
 from lm_schedule import (  # noqa: E402, F401
     PGLE_OVERLAP_CHUNKS,
     PGLE_PROFILING_RUNS,
@@ -429,11 +442,6 @@ def setup(args) -> tuple[jax.sharding.Mesh, lm_data.Corpus]:
             f"--experts {args.experts} must be divisible by the expert axis size "
             f"{mesh.shape['expert']} (set --mesh or --experts)."
         )
-    if args.fp8_dispatch and args.d_model % args.fp8_block_size:
-        raise UsageError(
-            f"--d-model {args.d_model} must be a multiple of --fp8-block-size "
-            f"({args.fp8_block_size}) with FP8 dispatch; or pass --no-fp8-dispatch."
-        )
     configure_pgle(args.pgle, devices=n_dev)  # before the first compile
     corpus = lm_data.load_stdlib_corpus(
         max_bytes=int(args.max_corpus_mb * (1 << 20)) if args.max_corpus_mb > 0 else None
@@ -487,8 +495,7 @@ def main(argv=None) -> int:
     try:
         args = parse_args(argv)
     except UsageError as e:
-        print(f"train_lm.py: error: {e}", file=sys.stderr)
-        return 2
+        return usage_error(e)
     multi = args.coordinator_address is not None or cluster_environment() is not None
     if multi and lm_supervise.WORKER_ENV not in os.environ and (
             not jax.distributed.is_initialized()):
@@ -516,8 +523,7 @@ def main(argv=None) -> int:
     try:
         mesh, corpus = setup(args)
     except UsageError as e:
-        print(f"train_lm.py: error: {e}", file=sys.stderr)
-        return 2
+        return usage_error(e)
     main_process = jax.process_index() == 0
     out.mkdir(parents=True, exist_ok=True)
     if main_process:

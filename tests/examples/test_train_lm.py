@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import pathlib
 import subprocess
 import sys
@@ -17,6 +18,7 @@ EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 import lm_checkpoint  # noqa: E402
+import lm_flags  # noqa: E402
 import lm_metrics  # noqa: E402
 import lm_model  # noqa: E402
 import train_lm  # noqa: E402
@@ -31,6 +33,32 @@ TINY = [
 # What describe() reads of a corpus, without loading one.
 _Corpus = types.SimpleNamespace(train=np.zeros(1000, np.uint8), val=np.zeros(100, np.uint8),
                                 num_train_files=1, num_val_files=1, root="stdlib")
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """``cli(*flags)``: the trainer run as a command whose heavy imports (JAX, Flax, Optax,
+    orbax, NumPy) fail, so whatever it reports came before them; a CompletedProcess."""
+    stubs = tmp_path_factory.mktemp("no_heavy_imports")
+    for name in ("jax", "flax", "optax", "orbax", "numpy"):
+        (stubs / name).mkdir()
+        (stubs / name / "__init__.py").write_text(
+            f"raise ImportError('{name} imported before the command line was checked')\n")
+    env = {**os.environ, "PYTHONPATH": str(stubs)}
+
+    def run(*flags):
+        return subprocess.run([sys.executable, str(EXAMPLES / "train_lm.py"), *flags],
+                              capture_output=True, text=True, timeout=60, env=env)
+
+    return run
+
+
+def _one_line_error(proc) -> str:
+    """The single stderr line of a refused command line (exit status 2)."""
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, proc.stderr)
+    assert lines[0].startswith("train_lm.py: error: ")
+    return lines[0].removeprefix("train_lm.py: error: ")
 
 
 def _losses(out: pathlib.Path, name: str) -> list[tuple[int, float]]:
@@ -300,7 +328,7 @@ def test_setup_line_names_only_the_runs_it_trains():
     [
         (["--keep-checkpoints", "-1"], "--keep-checkpoints must be >= 0"),
         (["--optimizer", "sgd"], "--optimizer must be one of"),
-        (["--mesh", "3,3"], "--mesh 3,3 needs 9 devices"),
+        (["--mesh", "1,4"], "--mesh 1,4 needs 4 devices but 8 are available"),
         (["--batch", "12"], "--batch 12 must be divisible by the 8 devices"),
         (["--experts", "6"], "--experts 6 must be divisible by the expert axis size 4"),
         (["--steps", "0"], "--steps must be >= 1"),
@@ -315,11 +343,33 @@ def test_bad_flags_one_line(flags, needle, capsys):
     assert needle in err and "Traceback" not in err
 
 
-def test_bad_flag_from_the_command_line_is_one_line():
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / "train_lm.py"), "--optimizer", "lion"],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 2
-    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1 and "--optimizer must be one of" in lines[0], proc.stderr
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--d_model", "64"], "unknown flag --d_model (did you mean --d-model? train_lm.py "
+                              "--help lists the flags)."),
+        (["--frobnicate"], "unknown flag --frobnicate (train_lm.py --help lists the flags)."),
+        (["runs/x"], "unexpected argument 'runs/x' (the trainer takes flags only; train_lm.py "
+                     "--help lists them)."),
+        (["--optimizer", "lion"], "--optimizer must be one of muon, adamw, both, got 'lion'."),
+        (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+        (["--eval-every", "0"], "--eval-every must be >= 1, got 0."),
+        (["--heads", "3"], "--d-model 128 must split into --heads 3 heads of an even width "
+                           "(rotary embeddings); choose --heads dividing 128 with an even "
+                           "quotient."),
+        (["--mesh", "2x4"], "--mesh must look like 'data,expert' (e.g. 2,4), got '2x4'."),
+        (["--mesh", "2,4", "--experts", "6"], "--experts 6 must be divisible by the expert axis "
+                                              "size 4 of --mesh 2,4 (set --mesh or --experts)."),
+    ],
+)
+def test_bad_command_line_is_one_line_before_jax_loads(flags, message, cli):
+    assert _one_line_error(cli(*flags)) == message
+
+
+def test_help_before_jax_loads(cli):
+    proc = cli("--help")
+    assert proc.returncode == 0 and "--d-model" in proc.stdout, proc.stderr
+
+
+def test_ns_method_choices_are_muon_jax_ones():
+    assert lm_flags.NS_METHODS == train_lm.muon_jax.newton_schulz.NS_METHODS
