@@ -35,6 +35,7 @@ CPU_DEVICES = 8
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+import lm_checkpoint  # noqa: E402
 from lm_cluster import cluster_environment, init_distributed, processes_from  # noqa: E402
 
 # The flags live in lm_flags.py; the trainer's own names for them stay importable from here.
@@ -49,6 +50,15 @@ from lm_flags import (  # noqa: E402, F401
 )
 
 
+def checked_args(argv=None):
+    """The flags of ``argv`` (:func:`parse_args`), checked against the checkpoints under
+    ``--out`` (``lm_checkpoint.check_checkpoints``); raises :class:`UsageError`. Imports
+    nothing heavy, so a bad command line is reported before JAX loads."""
+    args = parse_args(argv)
+    lm_checkpoint.check_checkpoints(args)
+    return args
+
+
 def usage_error(e: UsageError) -> int:
     """Reports a bad command line in one line; the exit status (2)."""
     print(f"train_lm.py: error: {e}", file=sys.stderr)
@@ -57,7 +67,7 @@ def usage_error(e: UsageError) -> int:
 
 if __name__ == "__main__":
     try:  # before JAX and the rest load (seconds on a cold start): main() checks again
-        parse_args(sys.argv[1:])
+        checked_args(sys.argv[1:])
     except UsageError as err:
         sys.exit(usage_error(err))
 
@@ -71,7 +81,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import lm_checkpoint  # noqa: E402
 import lm_data  # noqa: E402
 import lm_metrics  # noqa: E402
 import lm_model  # noqa: E402
@@ -340,7 +349,8 @@ def train_one(name, args, mesh, corpus, out: pathlib.Path, metrics_file) -> dict
             print(lm_checkpoint.resume_message(name, mngr, start, mesh))
     if start >= args.steps and main_process:
         print(f"[{name}] checkpoint at step {start} already reaches --steps {args.steps}.")
-    save = ((lambda s: lm_checkpoint.save(mngr, s, model, optimizer, mesh))
+    record = lm_checkpoint.settings(name, args)
+    save = ((lambda s: lm_checkpoint.save(mngr, s, model, optimizer, mesh, record))
             if args.ckpt_every else None)
     tokens_per_step = args.batch * args.seq_len
     flops_per_step = lm_model.train_flops_per_token(model_config(args), args.seq_len) * (
@@ -493,7 +503,7 @@ class _Tee:
 
 def main(argv=None) -> int:
     try:
-        args = parse_args(argv)
+        args = checked_args(argv)
     except UsageError as e:
         return usage_error(e)
     multi = args.coordinator_address is not None or cluster_environment() is not None
@@ -530,7 +540,7 @@ def main(argv=None) -> int:
         print(describe(args, mesh, corpus) + (
             f"\n{jax.process_count()} processes ({joined}), {jax.local_device_count()} "
             "devices each" if jax.process_count() > 1 else ""), flush=True)
-    names = ["muon", "adamw"] if args.optimizer == "both" else [args.optimizer]
+    names = lm_checkpoint.run_names(args)
     metrics_path = out / "metrics.jsonl"
     kept = lm_metrics.read_metrics(metrics_path) if args.resume and main_process else []
     results = {}
@@ -539,13 +549,14 @@ def main(argv=None) -> int:
         for name in names:
             resume_step = 0
             if args.resume:
-                ck = out / "ckpt" / name
-                steps = [int(p.name) for p in ck.glob("*") if p.name.isdigit()]
-                resume_step = max(steps, default=0)
+                resume_step = max(lm_checkpoint.saved_steps(out / "ckpt" / name), default=0)
             for r in kept:  # keep the history up to the checkpoint we resume from
                 if r["optimizer"] == name and r["step"] <= resume_step:
                     f.write(json.dumps(r) + "\n")
-            results[name] = train_one(name, args, mesh, corpus, out, f)
+            try:
+                results[name] = train_one(name, args, mesh, corpus, out, f)
+            except UsageError as e:  # a checkpoint from before settings.json that does not fit
+                return usage_error(e)
     if not main_process:  # process 0 writes the metrics, the plot and the summary
         return 0
     records = lm_metrics.read_metrics(metrics_path)

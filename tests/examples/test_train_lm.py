@@ -1,9 +1,12 @@
 """The trainer (examples/train_lm.py): outputs, presets, exact resume, and one-line errors."""
 
+import contextlib
+import io
 import json
 import math
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import types
@@ -276,7 +279,7 @@ def test_resume_message_names_step_path_and_mesh(tmp_path):
     assert "no checkpoint" in lm_checkpoint.resume_message("muon", Manager, 0, mesh)
 
 
-def test_resume_continues_exactly(tmp_path, capsys):
+def test_resume_continues_exactly(tmp_path, capsys, cli):
     """2 x N steps with a restart in between equal N + N uninterrupted (same losses)."""
     common = [*TINY, "--optimizer", "muon", "--fp8-dispatch", "--fp8-gemms", "forward_dgrad",
               "--fp8-projections", "all", "--eval-every", "100",
@@ -292,11 +295,52 @@ def test_resume_continues_exactly(tmp_path, capsys):
     assert "final validation" not in text and "AdamW run" not in text  # only Muon runs
     summary = json.loads((split / "summary.json").read_text())["results"]["muon"]
     assert summary["stopped_early"] and summary["last_step"] == 3
+    _checkpoint_mismatches_are_refused(common, split, cli)
     assert train_lm.main([*common, "--steps", "6", "--resume", "--out", str(split)]) == 0
     assert _losses(split, "muon") == _losses(full, "muon")
     text = capsys.readouterr().out
     assert f"[muon] resumed at step 3 from {(split / 'ckpt' / 'muon' / '3').resolve()}" in text
     assert "same mesh {'data': 2, 'expert': 4}" in text
+
+
+def _checkpoint_mismatches_are_refused(common, out, cli):
+    """A --resume of ``out``'s step-3 Muon checkpoint (d_model 64) that cannot fit is refused
+    in one line, before JAX starts (``cli``); a new mesh, top-k or dtype is not."""
+    ckpt = out / "ckpt" / "muon"
+    assert json.loads((ckpt / "settings.json").read_text())["3"] == {
+        "d_model": 64, "layers": 1, "heads": 2, "d_ff": 32, "experts": 4,
+        "tie_embeddings": False, "router_optimizer": "muon"}
+    resume = [*common, "--steps", "6", "--resume", "--out", str(out)]
+    assert _one_line_error(cli(*resume, "--d-model", "32", "--tie-embeddings")) == (
+        f"--resume: the checkpoint {ckpt / '3'} does not fit the run asked for: it was trained "
+        "with --d-model 64 (asked: 32), --tie-embeddings off (asked: on). To resume it, pass "
+        "--d-model 64 and leave out --tie-embeddings; or start fresh with another --out.")
+    assert "--router-optimizer muon (asked: adamw)" in _one_line_error(
+        cli(*resume, "--router-optimizer", "adamw"))
+    assert _one_line_error(cli(*resume, "--optimizer", "adamw")) == (
+        f"--resume: --out {out} holds checkpoints of muon, not of --optimizer adamw: pass "
+        "--optimizer muon to resume them, or another --out to start fresh.")
+    # A fresh run would save among them (orbax skips steps up to its latest): refused too.
+    assert _one_line_error(cli(*common, "--steps", "6", "--out", str(out))) == (
+        f"--out {out} already holds an earlier run's checkpoints (muon at step 3): pass "
+        f"--resume to continue it, or another --out (or delete {out / 'ckpt'}) to start fresh.")
+    for fits in (["--mesh", "4,2"], ["--top-k", "1"], ["--dtype", "bfloat16"]):
+        train_lm.checked_args([*resume, *fits])  # the Muon state is stored mesh-independently
+    # A checkpoint saved before settings.json existed is compared array by array instead.
+    legacy = out.parent / "legacy"
+    shutil.copytree(out / "ckpt", legacy / "ckpt")
+    (legacy / "ckpt" / "muon" / "settings.json").unlink()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert train_lm.main([*common, "--steps", "6", "--resume", "--d-model", "32",
+                              "--out", str(legacy)]) == 2
+    lines = err.getvalue().strip().splitlines()
+    where = (legacy / "ckpt" / "muon").resolve() / "3"
+    assert len(lines) == 1 and lines[0].startswith(
+        f"train_lm.py: error: --resume: the checkpoint {where} does not fit the run asked for "
+        "(model/"), lines
+    assert "is (64, 64) there, (32, 32) here); it was saved before checkpoints recorded" in (
+        lines[0])
 
 
 def test_checkpoint_retention(tmp_path):
