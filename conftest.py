@@ -43,7 +43,7 @@ _JAX_INTERNALS = frozenset({
 })
 _KERNEL_TESTS = os.path.join("tests", "moe", "kernels")  # every kernel test file
 # The tests of the example trainer and the benchmark scripts check those scripts; the
-# packages' coverage (addopts' --cov-fail-under) is the packages' own tests'. Coverage's
+# packages' coverage (the full run's --cov-fail-under) is the packages' own tests'. Coverage's
 # tracer (sys.settrace on Python 3.11) slows jax's Python-heavy tracing by about half, and
 # these tests trace whole trainers and benchmark steps, so they run untraced (pytest-cov's
 # no_cover marker): it keeps the suite within its time budget.

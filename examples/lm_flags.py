@@ -2,22 +2,25 @@
 
 `parse_args` reads the flags, fills what a flag leaves unset from the ``--preset`` and the
 learning-rate rule (`default_lrs`), and raises `UsageError` (one line, no traceback) for a bad
-combination.
+flag or combination. Nothing here imports JAX (or anything heavy): the trainer checks its
+command line before JAX starts, so a bad flag is reported in a fraction of a second.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import get_args
-
-import lm_checkpoint
-
-import muon_jax
+import difflib
+import pathlib
 
 DESCRIPTION = "Train a byte-level MoE language model with sharded Muon (and/or AdamW) on real text."
 
 MESH_AXES = ("data", "expert")
 OPTIMIZERS = ("muon", "adamw", "both")
+NS_METHODS = ("auto", "standard", "gram")
+"""``--ns-method`` choices: ``muon_jax.newton_schulz.NS_METHODS``, spelled out here so that the
+flags are checked without importing JAX (a test keeps the two equal)."""
+KEEP_CHECKPOINTS = 2
+"""Checkpoints kept per run by default (the newest ones; ``--keep-checkpoints``)."""
 
 PRESETS: dict[str, dict] = {
     # 2 CPU cores, 8 simulated devices.
@@ -46,6 +49,19 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one clear line, exit status 2
         raise UsageError(message)
 
+    def unknown(self, extra: list[str]) -> UsageError:
+        """The error for arguments no flag takes: the first of them, the flag it most likely
+        meant, and where the flags are listed."""
+        word = extra[0]
+        if not word.startswith("-"):
+            return UsageError(f"unexpected argument {word!r} (the trainer takes flags only; "
+                              "train_lm.py --help lists them).")
+        name = word.split("=", 1)[0]
+        flags = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        close = difflib.get_close_matches(name.replace("_", "-"), flags, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}? " if close else ""
+        return UsageError(f"unknown flag {name} ({hint}train_lm.py --help lists the flags).")
+
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows ``(default: X)`` except where the default is ``None`` (set by the preset/rule)."""
@@ -73,6 +89,25 @@ def _symmetric_blocks(value: str):
 def _preset_help(name: str, what: str = "") -> str:
     vals = ", ".join(f"{p} {PRESETS[p][name]}" for p in PRESETS)
     return f"{what}{'; ' if what else ''}default from --preset ({vals})"
+
+
+def _check_mesh(args) -> None:
+    """``--mesh``'s form, and what a given mesh asks of ``--batch`` and ``--experts`` (its
+    device count is checked once JAX has started: ``train_lm.build_mesh``)."""
+    try:
+        shape = tuple(int(s) for s in args.mesh.split(","))
+    except ValueError:
+        raise UsageError(
+            f"--mesh must look like 'data,expert' (e.g. 2,4), got {args.mesh!r}.") from None
+    if len(shape) != 2 or min(shape) < 1:
+        raise UsageError(f"--mesh needs two positive sizes 'data,expert', got {args.mesh!r}.")
+    if args.batch % (shape[0] * shape[1]):
+        raise UsageError(
+            f"--batch {args.batch} must be divisible by the {shape[0] * shape[1]} devices of "
+            f"--mesh {args.mesh}: the batch is split over both axes.")
+    if args.experts % shape[1]:
+        raise UsageError(f"--experts {args.experts} must be divisible by the expert axis size "
+                         f"{shape[1]} of --mesh {args.mesh} (set --mesh or --experts).")
 
 
 def default_lrs(d_model: int) -> tuple[float, float]:
@@ -160,7 +195,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(router kernels excepted), so their gradients arrive unreduced and "
                         "Muon reduce-scatters them to their owners in bf16 (muon_jax.muon's "
                         "reduce_dtype; half the bytes)")
-    p.add_argument("--ns-method", choices=get_args(muon_jax.newton_schulz.NsMethod),
+    p.add_argument("--ns-method", choices=NS_METHODS,
                    default="auto",
                    help="Muon's Newton-Schulz: standard, its Gram form, or auto (standard "
                         "today; muon_jax.muon's ns_method)")
@@ -180,7 +215,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=50, help="validation every N steps")
     p.add_argument("--eval-batches", type=int, default=4, help="validation batches")
     p.add_argument("--ckpt-every", type=int, default=100, help="0: no checkpoints")
-    p.add_argument("--keep-checkpoints", type=int, default=lm_checkpoint.KEEP_CHECKPOINTS,
+    p.add_argument("--keep-checkpoints", type=int, default=KEEP_CHECKPOINTS,
                    help="checkpoints kept per optimizer, the newest ones (0: keep all)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.add_argument("--stop-after", type=int, default=None,
@@ -202,7 +237,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-corpus-mb", type=float, default=16.0, help="<= 0: all")
     p.add_argument("--out", default="runs/train_lm", help="output directory")
     p.add_argument("--no-progress", action="store_true", help="disable the progress bar")
-    args = p.parse_args(argv)
+    args, extra = p.parse_known_args(argv)
+    if extra:
+        raise p.unknown(extra)
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -216,10 +253,29 @@ def parse_args(argv=None) -> argparse.Namespace:
             f"{args.optimizer}): it changes how Muon's gradients are summed, and the run then "
             "uses an Explicit mesh that the AdamW run does not."
         )
-    for name in ("steps", "batch", "seq_len", "d_model", "layers", "heads", "experts", "top_k",
-                 "micro_batches"):
+    for name in ("steps", "batch", "seq_len", "d_model", "layers", "heads", "d_ff", "experts",
+                 "top_k", "micro_batches", "fp8_block_size", "eval_every", "eval_batches"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup must be >= 0 steps, got {args.warmup}.")
+    if args.stop_after is not None and args.stop_after < 1:
+        raise UsageError(f"--stop-after must be a step >= 1, got {args.stop_after}.")
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        raise UsageError(f"--peak-tflops must be > 0, got {args.peak_tflops:g}.")
+    if args.d_model % args.heads or (args.d_model // args.heads) % 2:
+        raise UsageError(f"--d-model {args.d_model} must split into --heads {args.heads} heads of "
+                         "an even width (rotary embeddings); choose --heads dividing "
+                         f"{args.d_model} with an even quotient.")
+    if args.fp8_dispatch and args.d_model % args.fp8_block_size:
+        raise UsageError(
+            f"--d-model {args.d_model} must be a multiple of --fp8-block-size "
+            f"({args.fp8_block_size}) with FP8 dispatch; or pass --no-fp8-dispatch."
+        )
+    if args.mesh is not None:
+        _check_mesh(args)
+    if pathlib.Path(args.out).exists() and not pathlib.Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out} is a file; pass a directory (it is created).")
     if args.overlap_chunks != "auto":
         try:
             args.overlap_chunks = int(args.overlap_chunks)

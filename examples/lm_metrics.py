@@ -3,8 +3,9 @@
 ``metrics.jsonl`` holds one record per step and optimizer (``step``, ``train_loss``,
 ``step_s``, ``load_balance_loss``, and ``val_loss`` at evaluations). These functions read it,
 measure training time without compilation (:func:`train_seconds`), find when Muon reaches
-AdamW's final loss (:func:`time_to_adamw_loss`) and draw ``loss.png`` (:func:`plot`). Nothing
-here imports JAX, so the trainer can use it before JAX starts.
+AdamW's final loss (:func:`time_to_adamw_loss`; :func:`adamw_loss_race`: whether that is worth
+reporting) and draw ``loss.png`` (:func:`plot`). Nothing here imports JAX, so the trainer can
+use it before JAX starts.
 """
 
 from __future__ import annotations
@@ -87,6 +88,31 @@ def time_to_adamw_loss(records: list[dict]) -> dict | None:
             "muon_time_to_adamw_final_loss_after_s": after,
             "muon_time_to_adamw_final_loss_fraction_after":
                 None if after is None else after / adamw_s}
+
+
+def adamw_loss_race(records: list[dict]) -> tuple[dict | None, str | None]:
+    """The race to report, :func:`time_to_adamw_loss`, or ``None`` and a sentence saying why
+    there is none (``(None, None)`` unless both optimizers ran with evaluations).
+
+    A crossing is timed only between two of Muon's evaluations: the last still above AdamW's
+    final validation loss and the first at or below it. When Muon's first evaluation is
+    already there (with evaluations far apart, e.g. ``--steps`` below ``--eval-every``, it is
+    Muon's last one) the bracket would run from 0 s to that evaluation and time nothing.
+    """
+    race = time_to_adamw_loss(records)
+    if race is None:
+        return None, None
+    target = race["adamw_final_val_loss"]
+    muon = [r for r in records if r["optimizer"] == "muon"]
+    if race["muon_time_to_adamw_final_loss_s"] is None:
+        return None, (f"Muon did not reach AdamW's final validation loss ({target:.4f}) at any "
+                      "evaluation: no time to reach it to report.")
+    first = next(r for r in muon if "val_loss" in r)
+    if first["val_loss"] <= target:
+        return None, (f"Muon's first evaluation (step {first['step']}) had already reached "
+                      f"AdamW's final validation loss ({target:.4f}), so the time it took is not "
+                      "measured (evaluate more often with --eval-every to time it).")
+    return race, None
 
 
 def plot(records: list[dict], path: pathlib.Path) -> None:

@@ -35,28 +35,8 @@ CPU_DEVICES = 8
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from lm_cluster import cluster_environment, init_distributed, processes_from  # noqa: E402
-
-# Before JAX initializes: give the CPU backend its share of 8 devices (harmless on GPU/TPU,
-# where the accelerator is the default backend and these CPU devices go unused).
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
-        f"{max(1, CPU_DEVICES // processes_from(sys.argv[1:]))}"
-    ).strip()
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import lm_checkpoint  # noqa: E402
-import lm_data  # noqa: E402
-import lm_metrics  # noqa: E402
-import lm_model  # noqa: E402
-import lm_supervise  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+from lm_cluster import cluster_environment, init_distributed, processes_from  # noqa: E402
 
 # The flags live in lm_flags.py; the trainer's own names for them stay importable from here.
 from lm_flags import (  # noqa: E402, F401
@@ -68,6 +48,48 @@ from lm_flags import (  # noqa: E402, F401
     default_lrs,
     parse_args,
 )
+
+
+def checked_args(argv=None):
+    """The flags of ``argv`` (:func:`parse_args`), checked against the checkpoints under
+    ``--out`` (``lm_checkpoint.check_checkpoints``); raises :class:`UsageError`. Imports
+    nothing heavy, so a bad command line is reported before JAX loads."""
+    args = parse_args(argv)
+    lm_checkpoint.check_checkpoints(args)
+    return args
+
+
+def usage_error(e: UsageError) -> int:
+    """Reports a bad command line in one line; the exit status (2)."""
+    print(f"train_lm.py: error: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    try:  # before JAX and the rest load (seconds on a cold start): main() checks again
+        checked_args(sys.argv[1:])
+    except UsageError as err:
+        sys.exit(usage_error(err))
+
+# Before JAX initializes: give the CPU backend its share of 8 devices (harmless on GPU/TPU,
+# where the accelerator is the default backend and these CPU devices go unused).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
+        f"{max(1, CPU_DEVICES // processes_from(sys.argv[1:]))}"
+    ).strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import lm_data  # noqa: E402
+import lm_metrics  # noqa: E402
+import lm_model  # noqa: E402
+import lm_supervise  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 from lm_schedule import (  # noqa: E402, F401
     PGLE_OVERLAP_CHUNKS,
     PGLE_PROFILING_RUNS,
@@ -327,7 +349,8 @@ def train_one(name, args, mesh, corpus, out: pathlib.Path, metrics_file) -> dict
             print(lm_checkpoint.resume_message(name, mngr, start, mesh))
     if start >= args.steps and main_process:
         print(f"[{name}] checkpoint at step {start} already reaches --steps {args.steps}.")
-    save = ((lambda s: lm_checkpoint.save(mngr, s, model, optimizer, mesh))
+    record = lm_checkpoint.settings(name, args)
+    save = ((lambda s: lm_checkpoint.save(mngr, s, model, optimizer, mesh, record))
             if args.ckpt_every else None)
     tokens_per_step = args.batch * args.seq_len
     flops_per_step = lm_model.train_flops_per_token(model_config(args), args.seq_len) * (
@@ -429,11 +452,6 @@ def setup(args) -> tuple[jax.sharding.Mesh, lm_data.Corpus]:
             f"--experts {args.experts} must be divisible by the expert axis size "
             f"{mesh.shape['expert']} (set --mesh or --experts)."
         )
-    if args.fp8_dispatch and args.d_model % args.fp8_block_size:
-        raise UsageError(
-            f"--d-model {args.d_model} must be a multiple of --fp8-block-size "
-            f"({args.fp8_block_size}) with FP8 dispatch; or pass --no-fp8-dispatch."
-        )
     configure_pgle(args.pgle, devices=n_dev)  # before the first compile
     corpus = lm_data.load_stdlib_corpus(
         max_bytes=int(args.max_corpus_mb * (1 << 20)) if args.max_corpus_mb > 0 else None
@@ -485,10 +503,9 @@ class _Tee:
 
 def main(argv=None) -> int:
     try:
-        args = parse_args(argv)
+        args = checked_args(argv)
     except UsageError as e:
-        print(f"train_lm.py: error: {e}", file=sys.stderr)
-        return 2
+        return usage_error(e)
     multi = args.coordinator_address is not None or cluster_environment() is not None
     if multi and lm_supervise.WORKER_ENV not in os.environ and (
             not jax.distributed.is_initialized()):
@@ -516,15 +533,14 @@ def main(argv=None) -> int:
     try:
         mesh, corpus = setup(args)
     except UsageError as e:
-        print(f"train_lm.py: error: {e}", file=sys.stderr)
-        return 2
+        return usage_error(e)
     main_process = jax.process_index() == 0
     out.mkdir(parents=True, exist_ok=True)
     if main_process:
         print(describe(args, mesh, corpus) + (
             f"\n{jax.process_count()} processes ({joined}), {jax.local_device_count()} "
             "devices each" if jax.process_count() > 1 else ""), flush=True)
-    names = ["muon", "adamw"] if args.optimizer == "both" else [args.optimizer]
+    names = lm_checkpoint.run_names(args)
     metrics_path = out / "metrics.jsonl"
     kept = lm_metrics.read_metrics(metrics_path) if args.resume and main_process else []
     results = {}
@@ -533,18 +549,20 @@ def main(argv=None) -> int:
         for name in names:
             resume_step = 0
             if args.resume:
-                ck = out / "ckpt" / name
-                steps = [int(p.name) for p in ck.glob("*") if p.name.isdigit()]
-                resume_step = max(steps, default=0)
+                resume_step = max(lm_checkpoint.saved_steps(out / "ckpt" / name), default=0)
             for r in kept:  # keep the history up to the checkpoint we resume from
                 if r["optimizer"] == name and r["step"] <= resume_step:
                     f.write(json.dumps(r) + "\n")
-            results[name] = train_one(name, args, mesh, corpus, out, f)
+            try:
+                results[name] = train_one(name, args, mesh, corpus, out, f)
+            except UsageError as e:  # a checkpoint from before settings.json that does not fit
+                return usage_error(e)
     if not main_process:  # process 0 writes the metrics, the plot and the summary
         return 0
     records = lm_metrics.read_metrics(metrics_path)
     lm_metrics.plot(records, out / "loss.png")
-    race = lm_metrics.time_to_adamw_loss(records)
+    finished = len(results) == 2 and not any(r["stopped_early"] for r in results.values())
+    race, no_race = lm_metrics.adamw_loss_race(records) if finished else (None, None)
     summary = {"args": vars(args), "mesh": dict(mesh.shape), "backend": jax.default_backend(),
                "processes": jax.process_count(),
                "device_kind": jax.devices()[0].device_kind,
@@ -552,7 +570,7 @@ def main(argv=None) -> int:
                "pgle": bool(jax.config.jax_enable_pgle),
                "overlap_chunks": model_config(args, mesh).overlap_chunks,
                "wall_s": time.perf_counter() - t0, "results": results,
-               "time_to_adamw_final_loss": race}
+               "time_to_adamw_final_loss": race, "time_to_adamw_final_loss_note": no_race}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     for name, r in results.items():
         mfu = f"MFU {r['mfu']:.3f}" if r["mfu"] is not None else "MFU n/a"
@@ -562,18 +580,20 @@ def main(argv=None) -> int:
         print(f"{name:>6}: {where} validation loss {r['final_val_loss']:.4f} nats/byte = "
               f"{r['final_val_bits_per_byte']:.4f} bits/byte ({tok_s}, {mfu}, "
               f"{r['wall_s']:.0f} s)")
-    if len(results) == 2 and not any(r["stopped_early"] for r in results.values()):
+    if finished:
         d = results["adamw"]["final_val_loss"] - results["muon"]["final_val_loss"]
         print(f"Muon {'beats' if d > 0 else 'trails'} AdamW by {abs(d):.4f} nats/byte at "
               f"{args.steps} steps.")
-        if race and race["muon_time_to_adamw_final_loss_s"] is not None:
+        if no_race:
+            print(no_race)
+        elif race:
             print(f"Muon reached AdamW's final validation loss between "
-                  f"{race['muon_time_to_adamw_final_loss_after_s']:.1f} and "
-                  f"{race['muon_time_to_adamw_final_loss_s']:.1f} s of training (evaluations "
-                  f"{args.eval_every} steps apart), "
+                  f"{race['muon_time_to_adamw_final_loss_after_s']:.3g} and "
+                  f"{race['muon_time_to_adamw_final_loss_s']:.3g} s of training (evaluations "
+                  f"{args.eval_every} step{'s' if args.eval_every > 1 else ''} apart), "
                   f"{race['muon_time_to_adamw_final_loss_fraction_after']:.2f}-"
                   f"{race['muon_time_to_adamw_final_loss_fraction']:.2f}x AdamW's "
-                  f"{race['adamw_train_s']:.1f} s.")
+                  f"{race['adamw_train_s']:.3g} s.")
     print(f"wrote {metrics_path}, {out / 'loss.png'}, {out / 'summary.json'}")
     return 0
 

@@ -1,8 +1,12 @@
 """The trainer (examples/train_lm.py): outputs, presets, exact resume, and one-line errors."""
 
+import contextlib
+import io
 import json
 import math
+import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import types
@@ -17,6 +21,7 @@ EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 import lm_checkpoint  # noqa: E402
+import lm_flags  # noqa: E402
 import lm_metrics  # noqa: E402
 import lm_model  # noqa: E402
 import train_lm  # noqa: E402
@@ -33,6 +38,32 @@ _Corpus = types.SimpleNamespace(train=np.zeros(1000, np.uint8), val=np.zeros(100
                                 num_train_files=1, num_val_files=1, root="stdlib")
 
 
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """``cli(*flags)``: the trainer run as a command whose heavy imports (JAX, Flax, Optax,
+    orbax, NumPy) fail, so whatever it reports came before them; a CompletedProcess."""
+    stubs = tmp_path_factory.mktemp("no_heavy_imports")
+    for name in ("jax", "flax", "optax", "orbax", "numpy"):
+        (stubs / name).mkdir()
+        (stubs / name / "__init__.py").write_text(
+            f"raise ImportError('{name} imported before the command line was checked')\n")
+    env = {**os.environ, "PYTHONPATH": str(stubs)}
+
+    def run(*flags):
+        return subprocess.run([sys.executable, str(EXAMPLES / "train_lm.py"), *flags],
+                              capture_output=True, text=True, timeout=60, env=env)
+
+    return run
+
+
+def _one_line_error(proc) -> str:
+    """The single stderr line of a refused command line (exit status 2)."""
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, proc.stderr)
+    assert lines[0].startswith("train_lm.py: error: ")
+    return lines[0].removeprefix("train_lm.py: error: ")
+
+
 def _losses(out: pathlib.Path, name: str) -> list[tuple[int, float]]:
     recs = lm_metrics.read_metrics(out / "metrics.jsonl")
     return [(r["step"], r["train_loss"]) for r in recs if r["optimizer"] == name]
@@ -40,7 +71,7 @@ def _losses(out: pathlib.Path, name: str) -> list[tuple[int, float]]:
 
 def test_trainer_writes_metrics_plot_and_summary(tmp_path, capsys):
     out = tmp_path / "run"
-    rc = train_lm.main([*TINY, "--optimizer", "both", "--steps", "4", "--eval-every", "2",
+    rc = train_lm.main([*TINY, "--optimizer", "both", "--steps", "4", "--eval-every", "1",
                         "--ckpt-every", "2", "--peak-tflops", "0.5", "--out", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
@@ -63,10 +94,16 @@ def test_trainer_writes_metrics_plot_and_summary(tmp_path, capsys):
         want = r["flops_per_token"] * r["tokens_per_s"] / (8 * 0.5e12)
         assert math.isclose(r["mfu"], want, rel_tol=1e-9), (name, r)
         assert r["lr"] == (summary["args"]["lr"] if name == "muon" else summary["args"]["adam_lr"])
-    race = summary["time_to_adamw_final_loss"]
     adamw = [r for r in recs if r["optimizer"] == "adamw"]
-    assert race["adamw_final_val_loss"] == adamw[-1]["val_loss"]
-    assert race["adamw_train_s"] == pytest.approx(lm_metrics.train_seconds(adamw)[-1])
+    raw = lm_metrics.time_to_adamw_loss(recs)
+    assert raw["adamw_final_val_loss"] == adamw[-1]["val_loss"]
+    assert raw["adamw_train_s"] == pytest.approx(lm_metrics.train_seconds(adamw)[-1])
+    # The race line and summary.json's record of it appear together, or a note says why not.
+    race, note = lm_metrics.adamw_loss_race(recs)
+    assert (summary["time_to_adamw_final_loss"], summary["time_to_adamw_final_loss_note"]) == (
+        race, note)
+    assert ("Muon reached AdamW's final validation loss between" in text) == (race is not None)
+    assert (race is None) == (note is not None) and (note is None or note in text)
 
 
 def test_training_clock_excludes_compilation_and_finds_the_crossing():
@@ -87,6 +124,25 @@ def test_training_clock_excludes_compilation_and_finds_the_crossing():
     assert race["muon_time_to_adamw_final_loss_after_s"] == 2.5
     assert race["muon_time_to_adamw_final_loss_fraction_after"] == 2.5 / 4.0
     assert lm_metrics.time_to_adamw_loss(muon) is None
+
+
+def test_the_race_is_reported_only_when_evaluations_bracket_the_crossing():
+    def recs(muon_vals, adamw_final=2.0):
+        out = [{"optimizer": "adamw", "step": 1, "step_s": 1.0, "val_loss": adamw_final}]
+        return out + [{"optimizer": "muon", "step": i + 1, "step_s": 1.0, "val_loss": v}
+                      for i, v in enumerate(muon_vals)]
+
+    race, note = lm_metrics.adamw_loss_race(recs([3.0, 2.5, 1.5]))
+    assert note is None and race["muon_time_to_adamw_final_loss_s"] == 3.0
+    assert race["muon_time_to_adamw_final_loss_after_s"] == 2.0
+    # A first evaluation already past AdamW's final loss (e.g. --steps 2 evaluates once) times
+    # nothing: the bracket would be "between 0 s and the end".
+    race, note = lm_metrics.adamw_loss_race(recs([1.5]))
+    assert race is None and note.startswith("Muon's first evaluation (step 1) had already "
+                                            "reached AdamW's final validation loss (2.0000)")
+    race, note = lm_metrics.adamw_loss_race(recs([3.0, 2.5]))
+    assert race is None and "did not reach AdamW's final validation loss (2.0000)" in note
+    assert lm_metrics.adamw_loss_race(recs([3.0])[1:]) == (None, None)  # Muon alone
 
 
 def test_mfu_is_na_on_cpu_without_a_peak():
@@ -223,7 +279,7 @@ def test_resume_message_names_step_path_and_mesh(tmp_path):
     assert "no checkpoint" in lm_checkpoint.resume_message("muon", Manager, 0, mesh)
 
 
-def test_resume_continues_exactly(tmp_path, capsys):
+def test_resume_continues_exactly(tmp_path, capsys, cli):
     """2 x N steps with a restart in between equal N + N uninterrupted (same losses)."""
     common = [*TINY, "--optimizer", "muon", "--fp8-dispatch", "--fp8-gemms", "forward_dgrad",
               "--fp8-projections", "all", "--eval-every", "100",
@@ -239,11 +295,52 @@ def test_resume_continues_exactly(tmp_path, capsys):
     assert "final validation" not in text and "AdamW run" not in text  # only Muon runs
     summary = json.loads((split / "summary.json").read_text())["results"]["muon"]
     assert summary["stopped_early"] and summary["last_step"] == 3
+    _checkpoint_mismatches_are_refused(common, split, cli)
     assert train_lm.main([*common, "--steps", "6", "--resume", "--out", str(split)]) == 0
     assert _losses(split, "muon") == _losses(full, "muon")
     text = capsys.readouterr().out
     assert f"[muon] resumed at step 3 from {(split / 'ckpt' / 'muon' / '3').resolve()}" in text
     assert "same mesh {'data': 2, 'expert': 4}" in text
+
+
+def _checkpoint_mismatches_are_refused(common, out, cli):
+    """A --resume of ``out``'s step-3 Muon checkpoint (d_model 64) that cannot fit is refused
+    in one line, before JAX starts (``cli``); a new mesh, top-k or dtype is not."""
+    ckpt = out / "ckpt" / "muon"
+    assert json.loads((ckpt / "settings.json").read_text())["3"] == {
+        "d_model": 64, "layers": 1, "heads": 2, "d_ff": 32, "experts": 4,
+        "tie_embeddings": False, "router_optimizer": "muon"}
+    resume = [*common, "--steps", "6", "--resume", "--out", str(out)]
+    assert _one_line_error(cli(*resume, "--d-model", "32", "--tie-embeddings")) == (
+        f"--resume: the checkpoint {ckpt / '3'} does not fit the run asked for: it was trained "
+        "with --d-model 64 (asked: 32), --tie-embeddings off (asked: on). To resume it, pass "
+        "--d-model 64 and leave out --tie-embeddings; or start fresh with another --out.")
+    assert "--router-optimizer muon (asked: adamw)" in _one_line_error(
+        cli(*resume, "--router-optimizer", "adamw"))
+    assert _one_line_error(cli(*resume, "--optimizer", "adamw")) == (
+        f"--resume: --out {out} holds checkpoints of muon, not of --optimizer adamw: pass "
+        "--optimizer muon to resume them, or another --out to start fresh.")
+    # A fresh run would save among them (orbax skips steps up to its latest): refused too.
+    assert _one_line_error(cli(*common, "--steps", "6", "--out", str(out))) == (
+        f"--out {out} already holds an earlier run's checkpoints (muon at step 3): pass "
+        f"--resume to continue it, or another --out (or delete {out / 'ckpt'}) to start fresh.")
+    for fits in (["--mesh", "4,2"], ["--top-k", "1"], ["--dtype", "bfloat16"]):
+        train_lm.checked_args([*resume, *fits])  # the Muon state is stored mesh-independently
+    # A checkpoint saved before settings.json existed is compared array by array instead.
+    legacy = out.parent / "legacy"
+    shutil.copytree(out / "ckpt", legacy / "ckpt")
+    (legacy / "ckpt" / "muon" / "settings.json").unlink()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert train_lm.main([*common, "--steps", "6", "--resume", "--d-model", "32",
+                              "--out", str(legacy)]) == 2
+    lines = err.getvalue().strip().splitlines()
+    where = (legacy / "ckpt" / "muon").resolve() / "3"
+    assert len(lines) == 1 and lines[0].startswith(
+        f"train_lm.py: error: --resume: the checkpoint {where} does not fit the run asked for "
+        "(model/"), lines
+    assert "is (64, 64) there, (32, 32) here); it was saved before checkpoints recorded" in (
+        lines[0])
 
 
 def test_checkpoint_retention(tmp_path):
@@ -275,7 +372,7 @@ def test_setup_line_names_only_the_runs_it_trains():
     [
         (["--keep-checkpoints", "-1"], "--keep-checkpoints must be >= 0"),
         (["--optimizer", "sgd"], "--optimizer must be one of"),
-        (["--mesh", "3,3"], "--mesh 3,3 needs 9 devices"),
+        (["--mesh", "1,4"], "--mesh 1,4 needs 4 devices but 8 are available"),
         (["--batch", "12"], "--batch 12 must be divisible by the 8 devices"),
         (["--experts", "6"], "--experts 6 must be divisible by the expert axis size 4"),
         (["--steps", "0"], "--steps must be >= 1"),
@@ -290,11 +387,33 @@ def test_bad_flags_one_line(flags, needle, capsys):
     assert needle in err and "Traceback" not in err
 
 
-def test_bad_flag_from_the_command_line_is_one_line():
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / "train_lm.py"), "--optimizer", "lion"],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 2
-    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1 and "--optimizer must be one of" in lines[0], proc.stderr
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--d_model", "64"], "unknown flag --d_model (did you mean --d-model? train_lm.py "
+                              "--help lists the flags)."),
+        (["--frobnicate"], "unknown flag --frobnicate (train_lm.py --help lists the flags)."),
+        (["runs/x"], "unexpected argument 'runs/x' (the trainer takes flags only; train_lm.py "
+                     "--help lists them)."),
+        (["--optimizer", "lion"], "--optimizer must be one of muon, adamw, both, got 'lion'."),
+        (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+        (["--eval-every", "0"], "--eval-every must be >= 1, got 0."),
+        (["--heads", "3"], "--d-model 128 must split into --heads 3 heads of an even width "
+                           "(rotary embeddings); choose --heads dividing 128 with an even "
+                           "quotient."),
+        (["--mesh", "2x4"], "--mesh must look like 'data,expert' (e.g. 2,4), got '2x4'."),
+        (["--mesh", "2,4", "--experts", "6"], "--experts 6 must be divisible by the expert axis "
+                                              "size 4 of --mesh 2,4 (set --mesh or --experts)."),
+    ],
+)
+def test_bad_command_line_is_one_line_before_jax_loads(flags, message, cli):
+    assert _one_line_error(cli(*flags)) == message
+
+
+def test_help_before_jax_loads(cli):
+    proc = cli("--help")
+    assert proc.returncode == 0 and "--d-model" in proc.stdout, proc.stderr
+
+
+def test_ns_method_choices_are_muon_jax_ones():
+    assert lm_flags.NS_METHODS == train_lm.muon_jax.newton_schulz.NS_METHODS
