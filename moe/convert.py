@@ -395,11 +395,18 @@ def load(model: nnx.Module, params: Mapping[str, Any]) -> None:
 
     Raises:
       ValueError: a name the model lacks, a shape mismatch, or a parameter left out.
+      TypeError: ``model`` is not a module or ``params`` not a mapping.
 
     Example:
       >>> # params, opts = from_transformers("qwen3_moe", block, config)
       >>> # layer = moe.MoE(d, f, options=opts, rngs=nnx.Rngs(0)); load(layer, params)
     """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"model must be an nnx.Module (a moe.MoE), got {type(model).__name__}; "
+                        "build it with moe.MoE(d_model, d_ff, options=options, rngs=...).")
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a dict of arrays by variable name (from "
+                        f"from_transformers), got {type(params).__name__}.")
     wanted = {name for name, v in vars(model).items() if isinstance(v, nnx.Param)}
     missing = wanted - set(params)
     if missing:

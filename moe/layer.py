@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from moe import experts as _experts
@@ -294,8 +295,23 @@ def _check_optional(name: str, value, want_shape, enabled: bool, option: str) ->
                          f"{tuple(want_shape)}.")
 
 
-def _check_call(x, router_kernel, w_down, options: MoEOptions, mesh, optional) -> None:
-    """The shape checks of one :func:`moe_apply` call (the options were checked already)."""
+def _check_array(name: str, value, *, ndim: int | None = None, floating: bool = True) -> None:
+    """TypeError / ValueError naming ``name`` unless ``value`` is an array (of a floating
+    dtype, of rank ``ndim``)."""
+    if not isinstance(value, (jax.Array, np.ndarray)):
+        raise TypeError(f"{name} must be a jax or numpy array, got {type(value).__name__}; "
+                        "pass jnp.asarray(...).")
+    if floating and not jnp.issubdtype(value.dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating-point array, got dtype {value.dtype}; "
+                        f"cast it, e.g. {name}.astype(jnp.float32).")
+    if ndim is not None and value.ndim != ndim:
+        raise ValueError(f"{name} must have rank {ndim}, got shape {value.shape}.")
+
+
+def _check_call(x, router_kernel, w_gate_up, w_down, options: MoEOptions, mesh, optional
+                ) -> None:
+    """The argument checks of one :func:`moe_apply` call (the options were checked already)."""
+    _check_array("x", x)
     if x.ndim != 3:
         raise ValueError(
             f"x must be [batch, seq, d_model], got shape {x.shape}; reshape tokens to rank 3."
@@ -307,13 +323,33 @@ def _check_call(x, router_kernel, w_down, options: MoEOptions, mesh, optional) -
             "(skip the layer for empty batches)."
         )
     num_experts = options.router.num_experts
+    _check_array("router_kernel", router_kernel)
     if router_kernel.shape != (d, num_experts):
         raise ValueError(
             f"router_kernel has shape {router_kernel.shape}, expected (d_model, num_experts) = "
             f"({d}, {num_experts}); x's last axis must equal the layer's d_model."
         )
+    _check_array("w_gate_up", w_gate_up, ndim=3)
+    e, d_in, two_f = w_gate_up.shape
+    if (e, d_in) != (num_experts, d) or two_f % 2:
+        raise ValueError(
+            f"w_gate_up has shape {w_gate_up.shape}, expected [num_experts, d_model, 2 * d_ff] "
+            f"= ({num_experts}, {d}, 2 * d_ff) (gate columns, then up columns)."
+        )
+    _check_array("w_down", w_down, ndim=3)
+    if w_down.shape != (num_experts, two_f // 2, d):
+        raise ValueError(
+            f"w_down has shape {w_down.shape}, expected [num_experts, d_ff, d_model] = "
+            f"{(num_experts, two_f // 2, d)} (d_ff from w_gate_up {w_gate_up.shape})."
+        )
     options.check(d_model=d, d_ff=w_down.shape[1], mesh=mesh)
     eo = options.experts
+    bias = optional["bias"]
+    if bias is not None:
+        _check_array("bias", bias)
+        if bias.shape != (num_experts,):
+            raise ValueError(f"bias must have shape [num_experts] = ({num_experts},), got "
+                             f"{bias.shape} (the balancing bias; None: zeros).")
     _check_optional("router_bias", optional["router_bias"], (num_experts,),
                     options.router.router_bias, "router_bias")
     eb = optional["expert_bias"]
@@ -324,14 +360,37 @@ def _check_call(x, router_kernel, w_down, options: MoEOptions, mesh, optional) -
                     (num_experts, 2 * w_down.shape[1]), eo.expert_bias, "expert_bias")
     _check_optional("expert_bias[1] (b_down)", None if eb is None else eb[1],
                     (num_experts, d), eo.expert_bias, "expert_bias")
-    if optional["shared_gate"] is not None and optional["shared"] is None:
+    shared = optional["shared"]
+    if shared is not None:
+        if not isinstance(shared, (tuple, list)) or len(shared) != 2:
+            raise ValueError(f"shared must be a pair (gate_up [d_model, 2 * d_shared], down "
+                             f"[d_shared, d_model]), got {type(shared).__name__}.")
+        gu, dn = shared
+        _check_array("shared[0] (gate_up)", gu, ndim=2)
+        _check_array("shared[1] (down)", dn, ndim=2)
+        if gu.shape[0] != d or gu.shape[1] % 2 or dn.shape != (gu.shape[1] // 2, d):
+            raise ValueError(f"shared has shapes {gu.shape} and {dn.shape}; expected gate_up "
+                             f"[d_model, 2 * d_shared] = ({d}, 2 * d_shared) and down "
+                             f"[d_shared, d_model].")
+    if optional["shared_gate"] is not None and shared is None:
         raise ValueError("shared_gate gates the shared experts; pass shared= too.")
     _check_optional("shared_gate", optional["shared_gate"], (d, 1), eo.shared_expert_gate,
                     "shared_expert_gate")
     mask = optional["token_mask"]
-    if mask is not None and tuple(jnp.shape(mask)) != (b, s):
-        raise ValueError(f"token_mask has shape {tuple(jnp.shape(mask))}; it must be "
-                         f"[batch, seq] = {(b, s)} (False: a padding token).")
+    if mask is not None:
+        _check_array("token_mask", mask, floating=False)
+        if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.integer)):
+            raise TypeError(f"token_mask must be a bool array (False: a padding token), got "
+                            f"dtype {mask.dtype}; pass mask.astype(bool).")
+        if tuple(mask.shape) != (b, s):
+            raise ValueError(f"token_mask has shape {tuple(mask.shape)}; it must be "
+                             f"[batch, seq] = {(b, s)} (False: a padding token).")
+    key = optional["jitter_key"]
+    if key is not None and not (
+            isinstance(key, jax.Array) and (jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+                                            or key.dtype == jnp.uint32 and key.ndim == 1)):
+        raise TypeError(f"jitter_key must be a PRNG key such as jax.random.key(0), got "
+                        f"{key!r}.")
 
 
 def _shared_experts(tokens: jax.Array, shared, gate, options: MoEOptions, dtype) -> jax.Array:
@@ -485,9 +544,9 @@ def moe_apply(
     mesh = meshes.resolve(mesh)
     if mesh is None:
         mesh = jax.make_mesh((1,), (options.dispatch.expert_axis,), devices=jax.devices()[:1])
-    _check_call(x, router_kernel, w_down, options, mesh, dict(
-        router_bias=router_bias, expert_bias=expert_bias, shared=shared,
-        shared_gate=shared_gate, token_mask=token_mask))
+    _check_call(x, router_kernel, w_gate_up, w_down, options, mesh, dict(
+        bias=bias, router_bias=router_bias, expert_bias=expert_bias, shared=shared,
+        shared_gate=shared_gate, token_mask=token_mask, jitter_key=jitter_key))
     ep = mesh.shape[options.dispatch.expert_axis]
     if options.dispatch.transport == "auto":
         options = options.replace(transport=auto_transport(ep))
