@@ -210,6 +210,7 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra: LocalInputs, *,
     # chunks send their first-bucket slots and one overflow pass the rest.
     split = chunks > 1 and len(buckets) > 1
     ys, over_ids, ys_shared, dropped = [], [], None, jnp.zeros((), jnp.int32)
+    lost = []  # per chunk: bool [tc, k], slots routed to an expert that the capacity dropped
     overflowing = jnp.zeros((), jnp.int32)  # chunks of this device with slots past c_0
     chunk_ids, first, local_ids = [], None, None
     local_first = do.local_first and p > 1  # with one device nothing is sent anyway
@@ -238,7 +239,7 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra: LocalInputs, *,
     chained = banks
     for c in range(chunks):
         part = slice(c * tc, (c + 1) * tc)
-        y_local = None
+        y_local = lost_local = None
         with jax.named_scope(f"moe_chunk{c}"):  # a profile (or a cost model) tells them apart
             if c == 0 and local_first:
                 local = _pipeline.local_first_pass(
@@ -247,6 +248,7 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra: LocalInputs, *,
                     with_wire=with_wire)
                 y_local, chained = local.y, local.banks
                 dropped = dropped + local.plan.dropped
+                lost_local = (local_ids < num_slots // p) & ~local.plan.kept
             # Each chunk but the last passes the banks on to the next, so that in the
             # backward (chunks in reverse) a chunk's weight-gradient GEMMs start from the
             # later chunks' sum instead of XLA adding one full bank per chunk.
@@ -260,6 +262,8 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra: LocalInputs, *,
                 ys_shared = jnp.where(mask[:, None], ys_shared, jnp.zeros((), x.dtype))
         ys.append(y_c)
         dropped = dropped + plan.dropped
+        lost_c = (chunk_ids[c] < num_slots) & ~plan.kept  # masked / moved-away slots: not lost
+        lost.append(lost_c if lost_local is None else lost_c | lost_local)
     y = ys[0] if chunks == 1 else jnp.concatenate(ys, axis=0)
     if split:  # one branch for the expert axis: its collectives run on every device of it
         overflows = jax.lax.pmax(overflowing, do.expert_axis) > 0
@@ -270,12 +274,14 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra: LocalInputs, *,
     if ys_shared is not None:
         y = y + ys_shared
     dropped = jax.lax.psum(dropped, all_axes)
+    dropped_tokens = jax.lax.psum(
+        jnp.sum(jnp.any(jnp.concatenate(lost, axis=0), axis=1), dtype=jnp.int32), all_axes)
     routing = {}
     if options.router.return_routing:
         keep = True if mask is None else mask[:, None]
         routing = {"expert_ids": jnp.where(keep, r.expert_ids, -1),
                    "expert_weights": jnp.where(keep, r.weights, 0.0)}
-    return y, (lb, z, counts, dropped), routing
+    return y, (lb, z, counts, dropped, dropped_tokens), routing
 
 
 def _padded_experts(num_experts: int, ep: int) -> int:
@@ -489,7 +495,8 @@ def moe_apply(
     default (``options.experts.activation``; biases only with ``expert_bias``); the router is
     ``moe.routing.route``; the shared experts ``S(x) = act(x Wgu_s) Wd_s``, times
     ``sigmoid(x w_g)`` with ``shared_gate``. Dropped slots (dense transport over capacity)
-    contribute 0 and are counted in ``aux['dropped_tokens']``.
+    contribute 0; ``aux['dropped_slots']`` counts them and ``aux['dropped_tokens']`` the
+    tokens that lost at least one of their ``k`` slots.
 
     Tokens masked out by ``token_mask`` are routed nowhere: they take no capacity, count in no
     ``tokens_per_expert`` or loss, get ``y = 0`` and pass no gradient (their values, even
@@ -521,7 +528,10 @@ def moe_apply(
 
     Returns:
       ``(y, aux)``: ``y`` like ``x``; ``aux`` with ``load_balance_loss``, ``router_z_loss``,
-      ``tokens_per_expert`` (int32 ``[E]``, all tokens) and ``dropped_tokens`` (int32), and
+      ``tokens_per_expert`` (int32 ``[E]``, all tokens), ``dropped_slots`` (int32: routing
+      slots, ``k`` per token, that the capacity dropped) and ``dropped_tokens`` (int32: tokens
+      with at least one slot dropped; ``dropped_tokens <= dropped_slots <= k *
+      dropped_tokens``), and
       with ``options.router.return_routing`` ``expert_ids`` (int32 ``[batch, seq, k]``, -1 for
       masked tokens) and ``expert_weights`` (f32 ``[batch, seq, k]``, 0 for masked tokens).
 
@@ -595,15 +605,16 @@ def moe_apply(
             num_slots=e_pad, chunks=chunks),
         mesh=mesh,
         in_specs=(tok_spec, P(), P(), w_spec, w_spec, extra_specs),
-        out_specs=(tok_spec, (P(), P(), P(), P()), routing_specs),
+        out_specs=(tok_spec, (P(), P(), P(), P(), P()), routing_specs),
     )
-    y, (lb, z, counts, dropped), routing = body(tokens, router_kernel, bias, w_gate_up, w_down,
-                                                extra)
+    y, (lb, z, counts, dropped_slots, dropped_tokens), routing = body(
+        tokens, router_kernel, bias, w_gate_up, w_down, extra)
     aux = {
         "load_balance_loss": lb,
         "router_z_loss": z,
         "tokens_per_expert": counts,
-        "dropped_tokens": dropped,
+        "dropped_slots": dropped_slots,
+        "dropped_tokens": dropped_tokens,
     }
     if t_pad != t:
         y = _unpad_rows(y, t, mesh)
