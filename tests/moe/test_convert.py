@@ -281,6 +281,25 @@ def test_each_spelling_reads_the_same(family, name, spelling):
     assert got == want
 
 
+@pytest.mark.parametrize("family,v4,v5", [
+    ("qwen3_moe", {"num_experts": E}, {"num_local_experts": E}),
+    ("qwen2_moe", {"num_experts": E}, {"num_local_experts": E}),
+    ("mixtral", {"num_local_experts": E}, {"num_experts": E}),
+    ("deepseek_v3", {"n_routed_experts": E}, {"num_local_experts": E}),
+    ("gpt_oss", {"num_local_experts": E, "num_experts_per_tok": K},
+     {"num_experts": E, "experts_per_token": K}),
+])
+def test_the_dicts_of_both_transformers_versions_as_written(family, v4, v5):
+    """Literal dicts: the expert count as transformers 4 writes it and as transformers 5's
+    ``to_dict()`` (or its ``attribute_map``) does."""
+    block, cfg, _ = make_block(family, np.random.default_rng(0))
+    rest = {k: v for k, v in cfg.items() if k not in {*v4, *v5, "num_experts",
+                                                      "num_local_experts", "n_routed_experts"}}
+    _, a = moe.convert.from_transformers(family, block, {**rest, **v4})
+    _, b = moe.convert.from_transformers(family, block, {**rest, **v5})
+    assert a == b and a.router.num_experts == E and a.router.top_k == K
+
+
 REQUIRED = [(family, name) for family, keys in moe.convert.CONFIG_KEYS.items()
             for name, key in keys.items() if key.required]
 
