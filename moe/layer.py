@@ -359,6 +359,10 @@ def _check_call(x, router_kernel, w_gate_up, w_down, options: MoEOptions, mesh, 
     _check_optional("router_bias", optional["router_bias"], (num_experts,),
                     options.router.router_bias, "router_bias")
     eb = optional["expert_bias"]
+    if eb is None and eo.expert_bias:
+        raise ValueError("expert_bias=True in the options needs the expert_bias= argument, "
+                         "(b_gate_up [E, 2 * d_ff], b_down [E, d_model]); pass it (moe.MoE "
+                         "does) or set expert_bias=False.")
     if eb is not None and (not isinstance(eb, (tuple, list)) or len(eb) != 2):
         raise ValueError("expert_bias must be a pair (b_gate_up [E, 2 * d_ff], b_down [E, "
                          "d_model]).")

@@ -50,11 +50,12 @@ def _staged(tree) -> bool:
 def _check_float_dtype(name: str, value: Any) -> None:
     """TypeError naming ``name`` unless ``value`` is a floating-point dtype (or its name)."""
     try:
-        ok = jnp.issubdtype(jnp.dtype(value), jnp.floating)
+        dtype = jnp.dtype(value)
     except TypeError:
-        ok = False
-    if not ok:
-        raise TypeError(f"{name} must be a floating-point dtype, got {value!r}; e.g. "
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        shown = value if dtype is None else dtype.name
+        raise TypeError(f"{name} must be a floating-point dtype, got {shown!r}; e.g. "
                         f"{name}=jnp.bfloat16 or jnp.float32.")
 
 

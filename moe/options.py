@@ -295,9 +295,10 @@ class MoEOptions:
         for part in _PARTS:
             value = getattr(self, part)
             if not isinstance(value, _PART_TYPES[part]):
+                name = _PART_TYPES[part].__name__
                 raise TypeError(
-                    f"MoEOptions.{part} must be a {_PART_TYPES[part].__name__}, got "
-                    f"{type(value).__name__}; build it with MoEOptions.create(...)."
+                    f"MoEOptions.{part} must be {'an' if name[0] in 'AEIOU' else 'a'} {name}, "
+                    f"got {type(value).__name__}; build it with MoEOptions.create(...)."
                 )
         bs = self.fp8_block_size
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
