@@ -260,7 +260,7 @@ def _layer_variants(report, a, variants, transport, args):
         def loss(x, rk, wgu, wd, ct, opts=opts):
             y, aux = moe.moe_apply(x, rk, wgu, wd, options=opts)
             obj = jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32))
-            return obj + aux["load_balance_loss"], aux["dropped_tokens"]
+            return obj + aux["load_balance_loss"], aux["dropped_slots"]
 
         step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
         try:

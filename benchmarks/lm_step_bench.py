@@ -197,7 +197,7 @@ def loss_fn(model, batch):
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
     n = len(model.blocks)
     loss = ce + 0.01 * aux["load_balance_loss"] / n + 1e-3 * aux["router_z_loss"] / n
-    return loss, (ce, aux["dropped_tokens"])
+    return loss, (ce, aux["dropped_slots"])
 
 
 def make_step(graphdef):

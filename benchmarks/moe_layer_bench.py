@@ -242,7 +242,7 @@ def build_layer(name, mesh, a, data):
     else:
         step = step.lower(*args).compile()
     dropped = jax.jit(lambda x, rk, wgu, wd, bias: fwd(x, rk, wgu, wd, bias)[1][
-        "dropped_tokens"])
+        "dropped_slots"])
     return step, dropped, compiler
 
 

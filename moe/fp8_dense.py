@@ -31,6 +31,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from accel_kernels import registry, vma
@@ -168,6 +169,19 @@ def fp8_dense(
     check_choice("dgrad_dtype", dgrad_dtype, GemmDtype)
     check_choice("wgrad_dtype", wgrad_dtype, GemmDtype)
     backend = registry.canonical(backend, "backend")
+    for name, a in (("x", x), ("kernel", kernel)):
+        if not isinstance(a, (jax.Array, np.ndarray)):
+            raise TypeError(f"{name} must be a jax or numpy array, got {type(a).__name__}; "
+                            "pass jnp.asarray(...).")
+    if mesh is not None and not isinstance(mesh, (jax.sharding.Mesh,
+                                                  jax.sharding.AbstractMesh)):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__} "
+                        f"{mesh!r}.")
+    if token_axes is not None and not (isinstance(token_axes, str) or (
+            isinstance(token_axes, (tuple, list)) and all(isinstance(a, str)
+                                                          for a in token_axes))):
+        raise TypeError(f"token_axes must be None, a mesh axis name or a tuple of names, got "
+                        f"{token_axes!r}.")
     if kernel.ndim != 2 or x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
         raise ValueError(
             f"kernel must be [K, N] with K = x.shape[-1]; got x {x.shape} and kernel "

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from accel_kernels.gmm import api as gmm_api
@@ -209,6 +210,7 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra: LocalInputs, *,
     # chunks send their first-bucket slots and one overflow pass the rest.
     split = chunks > 1 and len(buckets) > 1
     ys, over_ids, ys_shared, dropped = [], [], None, jnp.zeros((), jnp.int32)
+    lost = []  # per chunk: bool [tc, k], slots routed to an expert that the capacity dropped
     overflowing = jnp.zeros((), jnp.int32)  # chunks of this device with slots past c_0
     chunk_ids, first, local_ids = [], None, None
     local_first = do.local_first and p > 1  # with one device nothing is sent anyway
@@ -237,7 +239,7 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra: LocalInputs, *,
     chained = banks
     for c in range(chunks):
         part = slice(c * tc, (c + 1) * tc)
-        y_local = None
+        y_local = lost_local = None
         with jax.named_scope(f"moe_chunk{c}"):  # a profile (or a cost model) tells them apart
             if c == 0 and local_first:
                 local = _pipeline.local_first_pass(
@@ -246,6 +248,7 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra: LocalInputs, *,
                     with_wire=with_wire)
                 y_local, chained = local.y, local.banks
                 dropped = dropped + local.plan.dropped
+                lost_local = (local_ids < num_slots // p) & ~local.plan.kept
             # Each chunk but the last passes the banks on to the next, so that in the
             # backward (chunks in reverse) a chunk's weight-gradient GEMMs start from the
             # later chunks' sum instead of XLA adding one full bank per chunk.
@@ -259,6 +262,8 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra: LocalInputs, *,
                 ys_shared = jnp.where(mask[:, None], ys_shared, jnp.zeros((), x.dtype))
         ys.append(y_c)
         dropped = dropped + plan.dropped
+        lost_c = (chunk_ids[c] < num_slots) & ~plan.kept  # masked / moved-away slots: not lost
+        lost.append(lost_c if lost_local is None else lost_c | lost_local)
     y = ys[0] if chunks == 1 else jnp.concatenate(ys, axis=0)
     if split:  # one branch for the expert axis: its collectives run on every device of it
         overflows = jax.lax.pmax(overflowing, do.expert_axis) > 0
@@ -269,12 +274,14 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra: LocalInputs, *,
     if ys_shared is not None:
         y = y + ys_shared
     dropped = jax.lax.psum(dropped, all_axes)
+    dropped_tokens = jax.lax.psum(
+        jnp.sum(jnp.any(jnp.concatenate(lost, axis=0), axis=1), dtype=jnp.int32), all_axes)
     routing = {}
     if options.router.return_routing:
         keep = True if mask is None else mask[:, None]
         routing = {"expert_ids": jnp.where(keep, r.expert_ids, -1),
                    "expert_weights": jnp.where(keep, r.weights, 0.0)}
-    return y, (lb, z, counts, dropped), routing
+    return y, (lb, z, counts, dropped, dropped_tokens), routing
 
 
 def _padded_experts(num_experts: int, ep: int) -> int:
@@ -294,8 +301,23 @@ def _check_optional(name: str, value, want_shape, enabled: bool, option: str) ->
                          f"{tuple(want_shape)}.")
 
 
-def _check_call(x, router_kernel, w_down, options: MoEOptions, mesh, optional) -> None:
-    """The shape checks of one :func:`moe_apply` call (the options were checked already)."""
+def _check_array(name: str, value, *, ndim: int | None = None, floating: bool = True) -> None:
+    """TypeError / ValueError naming ``name`` unless ``value`` is an array (of a floating
+    dtype, of rank ``ndim``)."""
+    if not isinstance(value, (jax.Array, np.ndarray)):
+        raise TypeError(f"{name} must be a jax or numpy array, got {type(value).__name__}; "
+                        "pass jnp.asarray(...).")
+    if floating and not jnp.issubdtype(value.dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating-point array, got dtype {value.dtype}; "
+                        f"cast it, e.g. {name}.astype(jnp.float32).")
+    if ndim is not None and value.ndim != ndim:
+        raise ValueError(f"{name} must have rank {ndim}, got shape {value.shape}.")
+
+
+def _check_call(x, router_kernel, w_gate_up, w_down, options: MoEOptions, mesh, optional
+                ) -> None:
+    """The argument checks of one :func:`moe_apply` call (the options were checked already)."""
+    _check_array("x", x)
     if x.ndim != 3:
         raise ValueError(
             f"x must be [batch, seq, d_model], got shape {x.shape}; reshape tokens to rank 3."
@@ -307,16 +329,40 @@ def _check_call(x, router_kernel, w_down, options: MoEOptions, mesh, optional) -
             "(skip the layer for empty batches)."
         )
     num_experts = options.router.num_experts
+    _check_array("router_kernel", router_kernel)
     if router_kernel.shape != (d, num_experts):
         raise ValueError(
             f"router_kernel has shape {router_kernel.shape}, expected (d_model, num_experts) = "
             f"({d}, {num_experts}); x's last axis must equal the layer's d_model."
         )
+    _check_array("w_gate_up", w_gate_up, ndim=3)
+    e, d_in, two_f = w_gate_up.shape
+    if (e, d_in) != (num_experts, d) or two_f % 2:
+        raise ValueError(
+            f"w_gate_up has shape {w_gate_up.shape}, expected [num_experts, d_model, 2 * d_ff] "
+            f"= ({num_experts}, {d}, 2 * d_ff) (gate columns, then up columns)."
+        )
+    _check_array("w_down", w_down, ndim=3)
+    if w_down.shape != (num_experts, two_f // 2, d):
+        raise ValueError(
+            f"w_down has shape {w_down.shape}, expected [num_experts, d_ff, d_model] = "
+            f"{(num_experts, two_f // 2, d)} (d_ff from w_gate_up {w_gate_up.shape})."
+        )
     options.check(d_model=d, d_ff=w_down.shape[1], mesh=mesh)
     eo = options.experts
+    bias = optional["bias"]
+    if bias is not None:
+        _check_array("bias", bias)
+        if bias.shape != (num_experts,):
+            raise ValueError(f"bias must have shape [num_experts] = ({num_experts},), got "
+                             f"{bias.shape} (the balancing bias; None: zeros).")
     _check_optional("router_bias", optional["router_bias"], (num_experts,),
                     options.router.router_bias, "router_bias")
     eb = optional["expert_bias"]
+    if eb is None and eo.expert_bias:
+        raise ValueError("expert_bias=True in the options needs the expert_bias= argument, "
+                         "(b_gate_up [E, 2 * d_ff], b_down [E, d_model]); pass it (moe.MoE "
+                         "does) or set expert_bias=False.")
     if eb is not None and (not isinstance(eb, (tuple, list)) or len(eb) != 2):
         raise ValueError("expert_bias must be a pair (b_gate_up [E, 2 * d_ff], b_down [E, "
                          "d_model]).")
@@ -324,14 +370,37 @@ def _check_call(x, router_kernel, w_down, options: MoEOptions, mesh, optional) -
                     (num_experts, 2 * w_down.shape[1]), eo.expert_bias, "expert_bias")
     _check_optional("expert_bias[1] (b_down)", None if eb is None else eb[1],
                     (num_experts, d), eo.expert_bias, "expert_bias")
-    if optional["shared_gate"] is not None and optional["shared"] is None:
+    shared = optional["shared"]
+    if shared is not None:
+        if not isinstance(shared, (tuple, list)) or len(shared) != 2:
+            raise ValueError(f"shared must be a pair (gate_up [d_model, 2 * d_shared], down "
+                             f"[d_shared, d_model]), got {type(shared).__name__}.")
+        gu, dn = shared
+        _check_array("shared[0] (gate_up)", gu, ndim=2)
+        _check_array("shared[1] (down)", dn, ndim=2)
+        if gu.shape[0] != d or gu.shape[1] % 2 or dn.shape != (gu.shape[1] // 2, d):
+            raise ValueError(f"shared has shapes {gu.shape} and {dn.shape}; expected gate_up "
+                             f"[d_model, 2 * d_shared] = ({d}, 2 * d_shared) and down "
+                             f"[d_shared, d_model].")
+    if optional["shared_gate"] is not None and shared is None:
         raise ValueError("shared_gate gates the shared experts; pass shared= too.")
     _check_optional("shared_gate", optional["shared_gate"], (d, 1), eo.shared_expert_gate,
                     "shared_expert_gate")
     mask = optional["token_mask"]
-    if mask is not None and tuple(jnp.shape(mask)) != (b, s):
-        raise ValueError(f"token_mask has shape {tuple(jnp.shape(mask))}; it must be "
-                         f"[batch, seq] = {(b, s)} (False: a padding token).")
+    if mask is not None:
+        _check_array("token_mask", mask, floating=False)
+        if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.integer)):
+            raise TypeError(f"token_mask must be a bool array (False: a padding token), got "
+                            f"dtype {mask.dtype}; pass mask.astype(bool).")
+        if tuple(mask.shape) != (b, s):
+            raise ValueError(f"token_mask has shape {tuple(mask.shape)}; it must be "
+                             f"[batch, seq] = {(b, s)} (False: a padding token).")
+    key = optional["jitter_key"]
+    if key is not None and not (
+            isinstance(key, jax.Array) and (jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+                                            or key.dtype == jnp.uint32 and key.ndim == 1)):
+        raise TypeError(f"jitter_key must be a PRNG key such as jax.random.key(0), got "
+                        f"{key!r}.")
 
 
 def _shared_experts(tokens: jax.Array, shared, gate, options: MoEOptions, dtype) -> jax.Array:
@@ -430,7 +499,8 @@ def moe_apply(
     default (``options.experts.activation``; biases only with ``expert_bias``); the router is
     ``moe.routing.route``; the shared experts ``S(x) = act(x Wgu_s) Wd_s``, times
     ``sigmoid(x w_g)`` with ``shared_gate``. Dropped slots (dense transport over capacity)
-    contribute 0 and are counted in ``aux['dropped_tokens']``.
+    contribute 0; ``aux['dropped_slots']`` counts them and ``aux['dropped_tokens']`` the
+    tokens that lost at least one of their ``k`` slots.
 
     Tokens masked out by ``token_mask`` are routed nowhere: they take no capacity, count in no
     ``tokens_per_expert`` or loss, get ``y = 0`` and pass no gradient (their values, even
@@ -462,7 +532,10 @@ def moe_apply(
 
     Returns:
       ``(y, aux)``: ``y`` like ``x``; ``aux`` with ``load_balance_loss``, ``router_z_loss``,
-      ``tokens_per_expert`` (int32 ``[E]``, all tokens) and ``dropped_tokens`` (int32), and
+      ``tokens_per_expert`` (int32 ``[E]``, all tokens), ``dropped_slots`` (int32: routing
+      slots, ``k`` per token, that the capacity dropped) and ``dropped_tokens`` (int32: tokens
+      with at least one slot dropped; ``dropped_tokens <= dropped_slots <= k *
+      dropped_tokens``), and
       with ``options.router.return_routing`` ``expert_ids`` (int32 ``[batch, seq, k]``, -1 for
       masked tokens) and ``expert_weights`` (f32 ``[batch, seq, k]``, 0 for masked tokens).
 
@@ -485,9 +558,9 @@ def moe_apply(
     mesh = meshes.resolve(mesh)
     if mesh is None:
         mesh = jax.make_mesh((1,), (options.dispatch.expert_axis,), devices=jax.devices()[:1])
-    _check_call(x, router_kernel, w_down, options, mesh, dict(
-        router_bias=router_bias, expert_bias=expert_bias, shared=shared,
-        shared_gate=shared_gate, token_mask=token_mask))
+    _check_call(x, router_kernel, w_gate_up, w_down, options, mesh, dict(
+        bias=bias, router_bias=router_bias, expert_bias=expert_bias, shared=shared,
+        shared_gate=shared_gate, token_mask=token_mask, jitter_key=jitter_key))
     ep = mesh.shape[options.dispatch.expert_axis]
     if options.dispatch.transport == "auto":
         options = options.replace(transport=auto_transport(ep))
@@ -536,15 +609,16 @@ def moe_apply(
             num_slots=e_pad, chunks=chunks),
         mesh=mesh,
         in_specs=(tok_spec, P(), P(), w_spec, w_spec, extra_specs),
-        out_specs=(tok_spec, (P(), P(), P(), P()), routing_specs),
+        out_specs=(tok_spec, (P(), P(), P(), P(), P()), routing_specs),
     )
-    y, (lb, z, counts, dropped), routing = body(tokens, router_kernel, bias, w_gate_up, w_down,
-                                                extra)
+    y, (lb, z, counts, dropped_slots, dropped_tokens), routing = body(
+        tokens, router_kernel, bias, w_gate_up, w_down, extra)
     aux = {
         "load_balance_loss": lb,
         "router_z_loss": z,
         "tokens_per_expert": counts,
-        "dropped_tokens": dropped,
+        "dropped_slots": dropped_slots,
+        "dropped_tokens": dropped_tokens,
     }
     if t_pad != t:
         y = _unpad_rows(y, t, mesh)

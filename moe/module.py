@@ -3,11 +3,14 @@ the balancing bias (:class:`BalancingBias`) and calls :func:`moe.moe_apply`."""
 
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.extend.core import concrete_or_error
 from jax.sharding import PartitionSpec as P
@@ -42,6 +45,18 @@ def _staged(tree) -> bool:
         except jax.errors.ConcretizationTypeError:
             return True
     return False
+
+
+def _check_float_dtype(name: str, value: Any) -> None:
+    """TypeError naming ``name`` unless ``value`` is a floating-point dtype (or its name)."""
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        shown = value if dtype is None else dtype.name
+        raise TypeError(f"{name} must be a floating-point dtype, got {shown!r}; e.g. "
+                        f"{name}=jnp.bfloat16 or jnp.float32.")
 
 
 @nnx.register_variable_name("balancing_bias", overwrite=True)  # Linen collection name
@@ -116,6 +131,11 @@ class MoE(nnx.Module):
                 "with moe.MoEOptions.create(num_experts, top_k, ...)."
             )
         options.check(d_model=d_model, d_ff=d_ff, mesh=meshes.resolve(mesh))
+        for name, value in (("dtype", dtype), ("param_dtype", param_dtype)):
+            _check_float_dtype(name, value)
+        if not isinstance(rngs, nnx.Rngs):
+            raise TypeError(f"rngs must be an nnx.Rngs, got {type(rngs).__name__}; pass "
+                            "rngs=nnx.Rngs(0).")
         self.mesh = mesh
         self.dtype = dtype
         self.options = options
@@ -216,6 +236,8 @@ class MoE(nnx.Module):
         expert_bias = None
         if self.b_gate_up is not None:
             expert_bias = (self.b_gate_up[...], self.b_down[...])
+        if deterministic is not None and not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic must be True, False or None, got {deterministic!r}.")
         deterministic = self.deterministic if deterministic is None else deterministic
         key = None
         if self.jitter_rngs is not None and not deterministic:
@@ -240,7 +262,19 @@ class MoE(nnx.Module):
             self.deterministic = deterministic
 
     def update_balancing_bias(self, tokens_per_expert: jax.Array, rate: float = 1e-3) -> None:
-        """Aux-loss-free balancing step: ``bias += rate * sign(mean_load - load)``."""
+        """Aux-loss-free balancing step: ``bias += rate * sign(mean_load - load)``.
+
+        Args:
+          tokens_per_expert: ``[num_experts]`` slots per expert, ``aux['tokens_per_expert']``.
+          rate: the bias update speed, a number ``>= 0`` (DeepSeek-V3: 1e-3, then 0), or an
+            array (e.g. a schedule's value under ``jit``).
+        """
+        number = isinstance(rate, numbers.Real) and not isinstance(rate, bool)
+        if not (number or isinstance(rate, (jax.Array, np.ndarray))):
+            raise TypeError(f"rate must be a number or an array, got {rate!r}.")
+        if number and not 0 <= rate < math.inf:
+            raise ValueError(f"rate must be a finite number >= 0, got {rate!r}; DeepSeek-V3 "
+                             "uses 1e-3.")
         self.balancing_bias[...] = _routing.update_balancing_bias(
             self.balancing_bias[...], tokens_per_expert, rate
         )

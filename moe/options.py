@@ -16,8 +16,11 @@ the single validation pass of the options against a layer's widths and mesh.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from typing import Any, Literal
+
+import jax
 
 from accel_kernels import fp8, registry
 from accel_kernels.activations import GatedActivation
@@ -151,11 +154,20 @@ class DispatchOptions:
     local_first: bool = False
 
     def __post_init__(self):
-        if self.batch_axes is not None and not isinstance(self.batch_axes, tuple):
-            object.__setattr__(self, "batch_axes", tuple(self.batch_axes))
-        if not isinstance(self.expert_axis, (str, tuple)):
+        ba = self.batch_axes
+        if isinstance(ba, str):  # one axis name
+            ba = (ba,)
+        elif ba is not None and isinstance(ba, (list, tuple)):
+            ba = tuple(ba)
+        if ba is not None and not (isinstance(ba, tuple) and all(isinstance(a, str) for a in ba)):
+            raise TypeError(f"batch_axes must be None or a tuple of mesh axis names, got "
+                            f"{self.batch_axes!r}; e.g. batch_axes=('data',).")
+        object.__setattr__(self, "batch_axes", ba)
+        ea = self.expert_axis
+        if not (isinstance(ea, str) or isinstance(ea, tuple)
+                and all(isinstance(a, str) for a in ea)):
             raise TypeError(f"expert_axis must be a mesh axis name (or a tuple of names), got "
-                            f"{self.expert_axis!r}.")
+                            f"{ea!r}; e.g. expert_axis='expert'.")
         check_choice("transport", self.transport, Transport)
         check_choice("dispatch_dtype", self.dispatch_dtype, WireDtype)
         check_choice("combine_grad_dtype", self.combine_grad_dtype, WireDtype)
@@ -174,8 +186,9 @@ class DispatchOptions:
         cf = self.capacity_factor
         if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float))):
             raise TypeError(f"capacity_factor must be a float or None, got {cf!r}.")
-        if cf is not None and not cf > 0:
-            raise ValueError(f"capacity_factor must be > 0 or None, got {cf!r}.")
+        if cf is not None and not 0 < cf < math.inf:
+            raise ValueError(f"capacity_factor must be a finite number > 0 or None, got {cf!r}; "
+                             "None: no drop limit.")
         if cf is not None and self.transport == "ragged":
             raise ValueError(
                 "capacity_factor applies to transport='dense' (a drop limit) and 'dropless' "
@@ -237,6 +250,9 @@ class ExpertOptions:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"num_shared_experts must be an int >= 0, got {n!r}.")
         object.__setattr__(self, "activation", GatedActivation.of(self.activation))
+        for name in ("expert_bias", "shared_expert_gate"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         if self.shared_expert_gate and not n:
             raise ValueError(
                 "shared_expert_gate=True gates the shared experts, but num_shared_experts=0; "
@@ -279,9 +295,10 @@ class MoEOptions:
         for part in _PARTS:
             value = getattr(self, part)
             if not isinstance(value, _PART_TYPES[part]):
+                name = _PART_TYPES[part].__name__
                 raise TypeError(
-                    f"MoEOptions.{part} must be a {_PART_TYPES[part].__name__}, got "
-                    f"{type(value).__name__}; build it with MoEOptions.create(...)."
+                    f"MoEOptions.{part} must be {'an' if name[0] in 'AEIOU' else 'a'} {name}, "
+                    f"got {type(value).__name__}; build it with MoEOptions.create(...)."
                 )
         bs = self.fp8_block_size
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
@@ -334,6 +351,7 @@ class MoEOptions:
           ValueError: a width the FP8 options quantize is not block-aligned, or the mesh lacks
             ``expert_axis`` or a batch axis. (``num_experts`` need not divide the expert axis:
             the layer pads the banks with experts the router never selects.)
+          TypeError: ``mesh`` is not a mesh.
         """
         for name, value in (("d_model", d_model), ("d_ff", d_ff)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -343,6 +361,10 @@ class MoEOptions:
         if self.experts.backend in ("triton", "mosaic"):
             registry.check_available(self.experts.backend, "backend")
         if mesh is not None:
+            if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+                raise TypeError(f"mesh must be a jax.sharding.Mesh (or None: the ambient "
+                                f"jax.set_mesh mesh), got {type(mesh).__name__} {mesh!r}; build "
+                                "one with jax.make_mesh.")
             self.token_axes(mesh)
 
     def token_axes(self, mesh: Any) -> tuple[str, ...]:

@@ -22,6 +22,7 @@ sums to 1), so on the same routing its value is ``top_k`` times ours: multiply
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal, NamedTuple
 
 import jax
@@ -109,11 +110,17 @@ class RouterConfig:
                 "groups hold too few experts; raise topk_groups or lower top_k."
             )
         if self.score_fn not in ("softmax", "sigmoid"):
-            raise ValueError(f"score_fn must be 'softmax' or 'sigmoid', got {self.score_fn!r}.")
-        if not isinstance(self.routed_scaling, (int, float)) or not self.routed_scaling > 0:
+            raise ValueError(f"score_fn must be 'softmax' or 'sigmoid', got {self.score_fn!r}; "
+                             "'sigmoid' is DeepSeek-V3's.")
+        rs = self.routed_scaling
+        if (isinstance(rs, bool) or not isinstance(rs, (int, float)) or not 0 < rs < math.inf):
             raise ValueError(
-                f"routed_scaling must be a positive number, got {self.routed_scaling!r}."
+                f"routed_scaling must be a positive finite number, got {rs!r}; 1.0 leaves the "
+                "weights as they are."
             )
+        for name in ("renormalize", "stop_score_gradient", "router_bias", "return_routing"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         eps = self.router_jitter_noise
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
             raise ValueError(f"router_jitter_noise must be a number in [0, 1), got {eps!r}.")

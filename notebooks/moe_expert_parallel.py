@@ -258,8 +258,8 @@ for wire in ["bf16", "fp8"]:
 # - `transport='auto'` is `'dense'` on a TPU (capacity-padded `all_to_all`); it picks
 #   `'dropless'` only on one Hopper GPU.
 # - `backend='auto'` (expert GEMMs) is `'xla'`: batched einsums for the dense layout,
-#   `ragged_dot` for the ragged one. The `'triton'` grouped GEMM is written for NVIDIA GPUs (Triton) and
-#   refuses other accelerators.
+#   `ragged_dot` for the ragged one. The `'triton'` grouped GEMM is written for NVIDIA GPUs
+#   (Triton) and refuses other accelerators.
 # - `wire_kernels='auto'` encodes, gathers and decodes the wire rows with XLA ops; the Pallas
 #   wire kernels run only when lowered for CUDA. FP8 dispatch works: the rows travel as
 #   `uint32` words, which any backend's `all_to_all` moves.

@@ -7,6 +7,8 @@ family's block, written from transformers' modeling code: router, top-k, weights
 biases, shared experts.
 """
 
+import re
+
 import chex
 import jax
 import numpy as np
@@ -225,10 +227,8 @@ def test_options_follow_the_config():
 
 
 @pytest.mark.parametrize("case,match", [
-    ("family", "family='llama' is not supported"),
     ("missing expert", r"holds experts \[0, 1, 2, 3, 4, 5, 6\]"),
     ("shape", r"'experts.3.w2.weight' has shape \(16, 4\); expected \(16, 8\)"),
-    ("config", "config lacks 'num_local_experts'"),
     ("load", r"the model has no variable 'router_bias'"),
     ("load missing", r"params lack \['w_down'\]"),
 ])
@@ -237,14 +237,10 @@ def test_errors_name_the_key(case, match):
     block, cfg, _ = make_block("mixtral", rng)
     convert = moe.convert.from_transformers
     with pytest.raises(ValueError, match=match):
-        if case == "family":
-            convert("llama", block, cfg)
-        elif case == "missing expert":
+        if case == "missing expert":
             convert("mixtral", {k: v for k, v in block.items() if ".7." not in k}, cfg)
         elif case == "shape":
             convert("mixtral", {**block, "experts.3.w2.weight": np.ones((D, 4))}, cfg)
-        elif case == "config":
-            convert("mixtral", block, {"num_experts_per_tok": K})
         else:
             params, opts = convert("mixtral", block, cfg)
             layer = moe.MoE(D, F, options=opts, rngs=nnx.Rngs(0))
@@ -253,3 +249,134 @@ def test_errors_name_the_key(case, match):
             else:
                 params = {k: v for k, v in params.items() if k != "w_down"}
             moe.convert.load(layer, params)
+
+
+# ------------------------------------------------------------------- config spellings
+
+
+def _spelled(cfg, key, spelling):
+    """``cfg`` with ``key``'s value (whatever spelling held it) under ``spelling`` only."""
+    value = next(cfg[s] for s in key.spellings if s in cfg)
+    return {k: v for k, v in cfg.items() if k not in key.spellings} | {spelling: value}
+
+
+SPELLINGS = [(family, name, s) for family, keys in moe.convert.CONFIG_KEYS.items()
+             for name, key in keys.items() for s in key.spellings if len(key.spellings) > 1]
+
+
+def test_every_family_has_a_spelling_table():
+    assert set(moe.convert.CONFIG_KEYS) == set(moe.convert.FAMILIES)
+    for keys in moe.convert.CONFIG_KEYS.values():
+        assert keys["num_experts"].required and keys["top_k"].required
+
+
+@pytest.mark.parametrize("family,name,spelling", SPELLINGS)
+def test_each_spelling_reads_the_same(family, name, spelling):
+    """transformers 4.x and 5.x names (``to_dict()`` keys, ``attribute_map`` aliases) of one
+    value give the same options: e.g. Qwen3-MoE's ``num_experts`` / ``num_local_experts``."""
+    block, cfg, _ = make_block(family, np.random.default_rng(0))
+    _, want = moe.convert.from_transformers(family, block, cfg)
+    key = moe.convert.CONFIG_KEYS[family][name]
+    _, got = moe.convert.from_transformers(family, block, _spelled(cfg, key, spelling))
+    assert got == want
+
+
+@pytest.mark.parametrize("family,v4,v5", [
+    ("qwen3_moe", {"num_experts": E}, {"num_local_experts": E}),
+    ("qwen2_moe", {"num_experts": E}, {"num_local_experts": E}),
+    ("mixtral", {"num_local_experts": E}, {"num_experts": E}),
+    ("deepseek_v3", {"n_routed_experts": E}, {"num_local_experts": E}),
+    ("gpt_oss", {"num_local_experts": E, "num_experts_per_tok": K},
+     {"num_experts": E, "experts_per_token": K}),
+])
+def test_the_dicts_of_both_transformers_versions_as_written(family, v4, v5):
+    """Literal dicts: the expert count as transformers 4 writes it and as transformers 5's
+    ``to_dict()`` (or its ``attribute_map``) does."""
+    block, cfg, _ = make_block(family, np.random.default_rng(0))
+    rest = {k: v for k, v in cfg.items() if k not in {*v4, *v5, "num_experts",
+                                                      "num_local_experts", "n_routed_experts"}}
+    _, a = moe.convert.from_transformers(family, block, {**rest, **v4})
+    _, b = moe.convert.from_transformers(family, block, {**rest, **v5})
+    assert a == b and a.router.num_experts == E and a.router.top_k == K
+
+
+REQUIRED = [(family, name) for family, keys in moe.convert.CONFIG_KEYS.items()
+            for name, key in keys.items() if key.required]
+
+
+@pytest.mark.parametrize("family,name", REQUIRED)
+def test_a_missing_required_value_is_named_with_its_spellings(family, name):
+    block, cfg, _ = make_block(family, np.random.default_rng(0))
+    key = moe.convert.CONFIG_KEYS[family][name]
+    spellings = " or ".join(repr(s) for s in key.spellings)
+    with pytest.raises(ValueError, match=f"config lacks {re.escape(spellings)}, which a "
+                                         f"{family} block needs"):
+        moe.convert.from_transformers(family, block, {k: v for k, v in cfg.items()
+                                                      if k not in key.spellings})
+
+
+def test_missing_values_take_transformers_defaults():
+    rng = np.random.default_rng(0)
+    block, cfg, _ = make_block("deepseek_v3", rng)
+    bare = {k: cfg[k] for k in ("n_routed_experts", "num_experts_per_tok", "n_group",
+                                "topk_group")}
+    _, opts = moe.convert.from_transformers("deepseek_v3", block, bare)
+    r = opts.router
+    assert (r.score_fn, r.renormalize, r.routed_scaling) == ("sigmoid", True, 2.5)
+    assert opts.experts.num_shared_experts == 1
+    block, cfg, _ = make_block("gpt_oss", rng)
+    _, opts = moe.convert.from_transformers("gpt_oss", block, {"num_local_experts": E,
+                                                               "experts_per_token": K})
+    assert opts.experts.activation == moe.GatedActivation("clamped_swiglu", 1.702, 7.0)
+    block, cfg, _ = make_block("qwen3_moe", rng)
+    _, opts = moe.convert.from_transformers("qwen3_moe", block, {"num_local_experts": E,
+                                                                 "num_experts_per_tok": K})
+    assert not opts.router.renormalize and opts.experts.activation.kind == "silu"
+
+
+def test_deepseek_groups_none_means_no_group_limit():
+    block, cfg, _ = make_block("deepseek_v3", np.random.default_rng(0))
+    _, opts = moe.convert.from_transformers("deepseek_v3", block,
+                                            {**cfg, "n_group": None, "topk_group": None})
+    assert (opts.router.num_groups, opts.router.topk_groups) == (1, None)
+
+
+_CONFIG_CLASSES = {"mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig",
+                   "qwen3_moe": "Qwen3MoeConfig", "deepseek_v3": "DeepseekV3Config",
+                   "gpt_oss": "GptOssConfig"}
+
+
+def _hf_config(family, cfg):
+    """The installed transformers' config class of ``family``, built from ``cfg`` (skips the
+    test where transformers or that class is absent; no torch needed)."""
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers is optional: its config classes are checked where "
+        "it is installed")
+    cls = getattr(transformers, _CONFIG_CLASSES[family], None)
+    if cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {_CONFIG_CLASSES[family]}")
+    return cls(**cfg)  # keys the class lacks (scoring_func, ...) are kept as attributes
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_installed_transformers_configs_convert(family):
+    """The config object and its ``to_dict()`` (transformers 5 writes e.g. Qwen3-MoE's
+    ``num_local_experts``) give the options of the literal dict."""
+    block, cfg, _ = make_block(family, np.random.default_rng(0))
+    hf = _hf_config(family, cfg)
+    _, want = moe.convert.from_transformers(family, block, cfg)
+    for config in (hf, hf.to_dict()):
+        _, got = moe.convert.from_transformers(family, block, config)
+        assert got == want
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_defaults_are_the_installed_transformers_defaults(family):
+    transformers = pytest.importorskip("transformers", reason="transformers is optional")
+    cls = getattr(transformers, _CONFIG_CLASSES[family], None)
+    if cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {_CONFIG_CLASSES[family]}")
+    hf = cls()
+    for name, key in moe.convert.CONFIG_KEYS[family].items():
+        if not key.required and hasattr(hf, key.spellings[0]):
+            assert getattr(hf, key.spellings[0]) == key.default, (family, name)

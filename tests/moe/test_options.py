@@ -52,6 +52,14 @@ def test_dispatch_options_reject_bad_numbers(kw, err):
         mo.DispatchOptions(**kw)
 
 
+def test_axis_names_normalize():
+    """One batch axis may be given as its name; a list of names becomes a tuple (hashable)."""
+    assert mo.DispatchOptions(batch_axes="data").batch_axes == ("data",)
+    assert mo.DispatchOptions(batch_axes=["data", "pipe"]).batch_axes == ("data", "pipe")
+    assert hash(mo.DispatchOptions(batch_axes=["data"])) == hash(
+        mo.DispatchOptions(batch_axes=("data",)))
+
+
 def _layer_inputs():
     k = jax.random.split(jax.random.key(0), 4)
     return (jax.random.normal(k[0], (2, 4, 16)), jax.random.normal(k[1], (16, 4)),

@@ -74,7 +74,7 @@ CASES = [
 def test_chunked_layer_equals_the_unchunked_one(mesh_shape, options, chunks):
     one = _run(mesh_shape, 1, **options)
     many = _run(mesh_shape, chunks, **options)
-    assert int(one[1]["dropped_tokens"]) == int(many[1]["dropped_tokens"]) == 0
+    assert int(one[1]["dropped_slots"]) == int(many[1]["dropped_slots"]) == 0
     chex.assert_trees_all_close(many, one, rtol=1e-5, atol=1e-5)
 
 
@@ -100,8 +100,9 @@ def test_local_first_keeps_the_exchange_capacity():
     opts = dict(capacity_factor=1.0, transport="dense")
     (_, (y, aux)), g = _grad_fn((1, 8), 4, **opts)(x, p, ct)
     (_, (y2, aux2)), g2 = _grad_fn((1, 8), 4, local_first=True, **opts)(x, p, ct)
-    assert int(aux["dropped_tokens"]) > 0
-    assert int(aux2["dropped_tokens"]) == int(aux["dropped_tokens"])
+    assert int(aux["dropped_slots"]) > 0
+    for count in ("dropped_slots", "dropped_tokens"):  # the local pass's drops are counted too
+        assert int(aux2[count]) == int(aux[count]), count
     chex.assert_trees_all_close((y2, g2), (y, g), rtol=1e-5, atol=1e-5)
 
 
@@ -124,18 +125,18 @@ def test_capacity_applies_per_chunk():
     p = _params(shared=False)
     opts = dict(capacity_factor=1.0, transport="dense")
     (_, (y, aux)), _ = _grad_fn((1, 8), chunks, **opts)(x, p, ct)
-    assert int(aux["dropped_tokens"]) > 0
+    assert int(aux["dropped_slots"]) > 0
     # device i's chunk c: tokens [i * 64 + c * 16, ... + 16); the global chunk c is all of them
     parts = x.reshape(8, chunks, per_device // chunks, D)
     y_parts = np.asarray(y).reshape(8, chunks, per_device // chunks, D)
-    dropped = 0
+    dropped = np.zeros(2, int)  # slots, tokens
     for c in range(chunks):
         xc = parts[:, c].reshape(1, -1, D)
         (_, (yc, auxc)), _ = _grad_fn((1, 8), 1, **opts)(xc, p, jnp.zeros_like(xc))
         np.testing.assert_allclose(y_parts[:, c], np.asarray(yc).reshape(8, -1, D),
                                    rtol=1e-5, atol=1e-5)
-        dropped += int(auxc["dropped_tokens"])
-    assert dropped == int(aux["dropped_tokens"])
+        dropped += [int(auxc["dropped_slots"]), int(auxc["dropped_tokens"])]
+    assert dropped.tolist() == [int(aux["dropped_slots"]), int(aux["dropped_tokens"])]
 
 
 def test_each_chunk_runs_its_own_exchanges():

@@ -300,7 +300,7 @@ def test_token_mask(transport, mesh):
     assert np.all(np.asarray(y)[masked] == 0) and np.all(np.asarray(gx)[masked] == 0)
     assert aux["tokens_per_expert"].sum() == 2 * int(np.asarray(mask).sum())
     assert np.all(aux["expert_ids"][masked] == -1) and np.all(aux["expert_weights"][masked] == 0)
-    assert int(aux["dropped_tokens"]) == 0
+    assert int(aux["dropped_slots"]) == int(aux["dropped_tokens"]) == 0
 
 
 def test_token_mask_takes_no_capacity():
@@ -322,11 +322,13 @@ def test_token_mask_takes_no_capacity():
                 if mask.reshape(-1)[t]:
                     kept[t, j] = seen[ids[t, j]] < cap
                     seen[ids[t, j]] += 1
-    n_dropped = int((~kept & mask.reshape(-1)[:, None]).sum())
+    lost = ~kept & mask.reshape(-1)[:, None]
+    n_dropped = int(lost.sum())
     assert n_dropped > 0
     ct = jax.random.normal(jax.random.key(2), x.shape)
     y, aux, _, _ = layer_step(model, x, ct, jnp.asarray(mask))
-    assert int(aux["dropped_tokens"]) == n_dropped
+    assert int(aux["dropped_slots"]) == n_dropped
+    assert int(aux["dropped_tokens"]) == int(lost.any(axis=1).sum())
     # y: the kept slots of the reference (dropped ones contribute nothing).
     p = params_of(model)
     y_all = jnp.einsum("td,edf->tef", flat, p["w_gate_up"], precision=HI)
@@ -390,4 +392,4 @@ def test_uneven_tokens_and_experts(ep, transport):
     assert (model.w_gate_up[...].sharding.spec[0] == "expert") == split
     aux = check_layer(model, tokens(3, 5))
     assert aux["tokens_per_expert"].shape == (6,) and aux["tokens_per_expert"].sum() == 30
-    assert int(aux["dropped_tokens"]) == 0
+    assert int(aux["dropped_slots"]) == int(aux["dropped_tokens"]) == 0
