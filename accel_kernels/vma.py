@@ -65,7 +65,8 @@ def _untyped(x: jax.Array) -> jax.Array:
 
 
 def unchecked(fn, varying: frozenset, *args):
-    """``fn(*args)`` traced and lowered with check_vma=False, its result typed ``varying``."""
+    """``fn(*args)`` traced and lowered with check_vma=False, its results (a pytree) typed
+    ``varying``."""
     if not varying:  # not inside a check_vma shard_map, or nothing varies
         return fn(*args)
     mesh = jax.sharding.get_abstract_mesh()
@@ -89,4 +90,4 @@ def unchecked(fn, varying: frozenset, *args):
         from jax._src import config as jax_config  # noqa: PLC0415 - only on that path
         with jax_config._check_vma(False):
             out = fn(*map(_untyped, args))
-    return as_varying(out, varying)
+    return jax.tree.map(lambda o: as_varying(o, varying), out)

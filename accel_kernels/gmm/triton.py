@@ -51,17 +51,7 @@ from jax import lax
 from accel_kernels import vma
 from accel_kernels.gmm.base import GroupedGemms, scaled_mm8, scaled_tmm8
 from accel_kernels.tiling import check_fields, count, pad_to, tile_size
-
-try:  # Pallas (and its Triton dialect) ships with jax, but keep CPU-only imports safe.
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
-
-    # jax >= 0.7 names it CompilerParams (older: TritonCompilerParams).
-    TritonParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
-    PALLAS_IMPORT_ERROR: str | None = None
-except Exception as e:  # pragma: no cover - depends on the installed jax
-    pl = plgpu = TritonParams = None
-    PALLAS_IMPORT_ERROR = f"{type(e).__name__}: {e}"
+from accel_kernels.triton_gpu import PALLAS_IMPORT_ERROR, TritonParams, pl, plgpu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +75,8 @@ class Tiling:
         check_fields(self)
 
 
-# Defaults for H100/H200 bf16, chosen with benchmarks/experts_bench.py --pallas-sweep
-# (BENCHMARKS.md). A group boundary inside a 128-row tile costs one extra tile of work, so at
+# Defaults for Hopper-class GPUs in bf16, the fastest of a sweep of tile sizes on expert
+# shapes. A group boundary inside a 128-row tile costs one extra tile of work, so at
 # most G extra tiles per GEMM. Read at trace time: assigning these retunes later traces.
 GMM_TILING = Tiling(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
 TGMM_TILING = Tiling(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)

@@ -44,6 +44,7 @@ from accel_kernels import fp8
 from accel_kernels import mosaic_gpu as mg
 from accel_kernels.activations import GatedActivation
 from accel_kernels.mosaic_gpu import F8, WARPS, plgpu, store_small
+from accel_kernels.quant import xla as quant_xla
 
 BLOCK_ROWS = WARPS
 """Rows per CTA: one per warp of its warpgroup."""
@@ -182,12 +183,7 @@ def gated_grad_quantize_rows(z: jax.Array, dh: jax.Array, act: GatedActivation, 
     m, two_f = z.shape
     f = two_f // 2
     _check(z, f, "z")
-    if dh.ndim != 2 or dh.shape[0] != m or dh.shape[1] < f:
-        raise ValueError(f"dh must be [M, F'] with M = {m} and F' >= F = {f} for z {z.shape}, "
-                         f"got {dh.shape}.")
-    outs = (((m, two_f), F8), ((m,), jnp.float32))
-    if out_dtype is not None:
-        outs = (((m, two_f), jnp.dtype(out_dtype)), *outs)
+    outs = quant_xla.gated_grad_outputs(z, dh, out_dtype)
     return launch(functools.partial(_gated_grad_body, width=f, act=act), (z, dh), outs,
                   grid=m // BLOCK_ROWS, name="fp8_gated_grad_quantize_rows_mgpu",
                   scratch=(_scale_smem(),))

@@ -4,9 +4,8 @@ The FP8 expert GEMMs (`moe.experts`) read every token operand as e4m3 with one p
 scale per row (``moe.fp8.quantize`` with ``block_size`` = the row). XLA splits that into a
 row-maximum reduction and a second pass that scales and converts, and where the operand is
 itself computed (``h = act(z)``, ``dz = act'(z) dh``) each pass recomputes it from its
-inputs, so the quantization passes cost a sizeable fraction of the FP8 GEMMs' own time
-(docs/benchmark_log.md, FP8 quantization and GEMMs). These kernels do each in one pass, a block of
-rows per program, the whole row in registers:
+inputs, so the quantization passes read the operand (or its inputs) twice. These kernels do
+each in one pass, a block of rows per program, the whole row in registers:
 
 * :func:`quantize_rows`: ``x [M, K] -> (e4m3 [M, K], scale f32 [M])``;
 * :func:`gated_quantize_rows`: ``z [M, 2F] -> (e4m3(act(z)) [M, F], scale [M])``, the SwiGLU
@@ -30,11 +29,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from accel_kernels import fp8, vma
+from accel_kernels import fp8, triton_gpu
 from accel_kernels.activations import GatedActivation
-from accel_kernels.gmm.triton import PALLAS_IMPORT_ERROR, TritonParams, pl
-from accel_kernels.gmm.triton import plgpu as _plgpu
+from accel_kernels.quant import xla as quant_xla
 from accel_kernels.quant.xla import abs_bits, row_amax_bits, scale_and_cast
+from accel_kernels.triton_gpu import PALLAS_IMPORT_ERROR, pl
+from accel_kernels.triton_gpu import plgpu as _plgpu
 
 F8 = jnp.float8_e4m3fn
 _ELEMS_PER_PROGRAM = 8192  # row elements per program (x bf16: 16 KiB read)
@@ -119,25 +119,11 @@ def block_rows(m: int, width: int) -> int:
 
 
 def _launch(kernel, operands, outs, *, m, width, interpret, name, **kw):
-    """``kernel`` over ``m // bm`` programs; ``outs``: ``(shape, dtype)`` of each output."""
-    varying = vma.varying_of(*operands)
+    """``kernel`` over ``m // bm`` programs of ``bm`` rows (:func:`block_rows`)."""
     bm = block_rows(m, width)
-    body = functools.partial(kernel, bm=bm, width=width, **kw)
-    warps = 4 if bm * width <= 4096 else 8
-
-    def call(interp, *ops):
-        return pl.pallas_call(
-            body,
-            out_shape=tuple(vma.out_struct(s, d, varying) for s, d in outs),
-            grid=(m // bm,),
-            interpret=interp,
-            compiler_params=None if interp else TritonParams(num_warps=warps, num_stages=1),
-            name=name,
-        )(*ops)
-
-    if interpret:
-        return vma.unchecked(functools.partial(call, True), varying, *operands)
-    return call(False, *operands)
+    return triton_gpu.launch(functools.partial(kernel, bm=bm, width=width, **kw), operands, outs,
+                             grid=m // bm, name=name, interpret=interpret,
+                             num_warps=4 if bm * width <= 4096 else 8)
 
 
 def _check(x: jax.Array, width: int, what: str) -> None:
@@ -225,12 +211,7 @@ def gated_grad_quantize_rows(z: jax.Array, dh: jax.Array, act: GatedActivation, 
     m, two_f = z.shape
     f = two_f // 2
     _check(z, f, "z")
-    if dh.ndim != 2 or dh.shape[0] != m or dh.shape[1] < f:
-        raise ValueError(f"dh must be [M, F'] with M = {m} and F' >= F = {f} for z {z.shape}, "
-                         f"got {dh.shape}.")
-    outs = (((m, two_f), F8), ((m,), jnp.float32))
-    if out_dtype is not None:
-        outs = (((m, two_f), jnp.dtype(out_dtype)), *outs)
+    outs = quant_xla.gated_grad_outputs(z, dh, out_dtype)
     return _launch(_gated_grad_kernel, (z, dh), outs, m=m, width=f, interpret=interpret,
                    name="fp8_gated_grad_quantize_rows", act=act)
 
@@ -281,24 +262,15 @@ def _tile_passes(a: jax.Array, passes, *, interpret: bool, reference: str):
                          f"{a.shape}; use {reference} for other shapes.")
     nb, m, n = a.shape
     bm, bn = COL_TILE
-    varying = vma.varying_of(a)
 
-    def run(interp, a):
-        def call(kernel, name, out, *ops):
-            structs = (tuple(vma.out_struct(*o, varying) for o in out)
-                       if isinstance(out[1], tuple) else vma.out_struct(*out, varying))
-            return pl.pallas_call(
-                functools.partial(kernel, bm=bm, bn=bn), out_shape=structs,
-                grid=(nb, m // bm, n // bn), interpret=interp,
-                compiler_params=None if interp else TritonParams(num_warps=4, num_stages=1),
-                name=name,
-            )(*ops)
+    def call(kernel, name, out, *ops):
+        several = isinstance(out[1], tuple)
+        got = triton_gpu.launch(functools.partial(kernel, bm=bm, bn=bn), ops,
+                                out if several else (out,), grid=(nb, m // bm, n // bn),
+                                name=name, interpret=interpret, num_warps=4)
+        return got if several else got[0]
 
-        return passes(call, a)
-
-    if interpret:
-        return vma.unchecked(functools.partial(run, True), varying, a)
-    return run(False, a)
+    return passes(call, a)
 
 
 def quantize_cols_t(a: jax.Array, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:

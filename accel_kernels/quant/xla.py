@@ -56,6 +56,19 @@ def cast_rows(*parts):
     return on_rows(lambda *p: scale_and_cast(list(p), row_amax_bits(*p)), *parts)
 
 
+def gated_grad_outputs(z: jax.Array, dh: jax.Array, out_dtype) -> list:
+    """``(shape, dtype)`` of each output of a gated-gradient quantization kernel (``dz`` if
+    ``out_dtype`` is given, then e4m3 ``dz`` and its row scales), after checking that ``dh``
+    is ``[M, F']`` with ``F' >= F`` for ``z [M, 2F]``."""
+    m, two_f = z.shape
+    f = two_f // 2
+    if dh.ndim != 2 or dh.shape[0] != m or dh.shape[1] < f:
+        raise ValueError(f"dh must be [M, F'] with M = {m} and F' >= F = {f} for z {z.shape}, "
+                         f"got {dh.shape}.")
+    outs = [((m, two_f), F8), ((m,), jnp.float32)]
+    return outs if out_dtype is None else [((m, two_f), jnp.dtype(out_dtype)), *outs]
+
+
 def quantize_rows_reference(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Row-wise e4m3 quantization in XLA ops (any shape ``[..., K]``): ``(q [..., K], scale
     f32 [...])``, ``scale = 2^ceil(log2(amax / 448))`` per row,

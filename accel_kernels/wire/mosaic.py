@@ -74,8 +74,8 @@ def _source(idx_ref, n: int):
 
 ROWS_PER_CTA = 2
 """Output rows one CTA of the local gathers handles (when the row count allows it), both row
-indices loaded first: a little faster than one row per CTA for the local rows, the same for
-the weighted rows (docs/benchmark_log.md, FP8 wire, dispatch and combine)."""
+indices loaded first: a little faster than one row per CTA for the local rows, no slower for
+the weighted rows."""
 
 
 def _rows_per_cta(r: int) -> int:

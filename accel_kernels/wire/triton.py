@@ -37,10 +37,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from accel_kernels import fp8, vma
-from accel_kernels.gmm.triton import PALLAS_IMPORT_ERROR, TritonParams, pl
-from accel_kernels.gmm.triton import plgpu as _plgpu
+from accel_kernels import fp8, triton_gpu
 from accel_kernels.quant import xla as quant_xla
+from accel_kernels.triton_gpu import PALLAS_IMPORT_ERROR, pl
+from accel_kernels.triton_gpu import plgpu as _plgpu
 
 
 def _pow2(n: int) -> bool:
@@ -161,8 +161,7 @@ def _rows_kernel(idx_ref, buf_ref, q_ref, s_ref, *, n_src, width, block_size):
     y = _decoded_row(buf_ref, jnp.where(ok, src, 0), width=width, block_size=block_size)
     # e4m3 bytes, not packed words: packed words would make this kernel's stores a little
     # faster, but XLA fuses their bitcast to e4m3 into the weight gradient's transpose of
-    # these rows, which then costs far more than the stores save (docs/benchmark_log.md,
-    # FP8 wire, dispatch and combine).
+    # these rows, which then costs far more than the stores save.
     _store_row_quantized(q_ref, s_ref, r, jnp.where(ok, y, jnp.float32(0)))
 
 
@@ -193,8 +192,7 @@ def _weighted_rows_kernel(slot_ref, w_ref, x_ref, q_ref, s_ref, *, n_slots, top_
 
 def _row_warps(width: int) -> int:
     """Warps of a one-row program that quantizes the row per block and per row: one warp up
-    to 2048 channels, four above, the faster count at each width (docs/benchmark_log.md, FP8
-    quantization and GEMMs)."""
+    to 2048 channels, four above (the faster count at each width where both were timed)."""
     return 1 if width <= 2048 else 4
 
 
@@ -203,30 +201,12 @@ def _launch(kernel, index, operand, out_shape, out_dtype, *, name, interpret, ex
     """One program per output row; interpret mode where asked (the CPU tests). ``out_shape``
     and ``out_dtype`` may be tuples (several outputs); ``extra`` operands come between
     ``index`` and ``operand``."""
-    operands = (index, *extra, operand)
-    varying = vma.varying_of(*operands)
-    body = functools.partial(kernel, **kw)
-    if isinstance(out_dtype, tuple):
-        outs = tuple(vma.out_struct(s, d, varying)
-                     for s, d in zip(out_shape, out_dtype, strict=True))
-        rows = out_shape[0][0]
-    else:
-        outs, rows = vma.out_struct(out_shape, out_dtype, varying), out_shape[0]
-
-    def call(interp, *ops):
-        return pl.pallas_call(
-            body,
-            out_shape=outs,
-            grid=(rows,),
-            interpret=interp,
-            compiler_params=None if interp else TritonParams(num_warps=num_warps,
-                                                             num_stages=1),
-            name=name,
-        )(*ops)
-
-    if interpret:
-        return vma.unchecked(functools.partial(call, True), varying, *operands)
-    return call(False, *operands)
+    several = isinstance(out_dtype, tuple)
+    outs = tuple(zip(out_shape, out_dtype, strict=True)) if several else ((out_shape, out_dtype),)
+    out = triton_gpu.launch(functools.partial(kernel, **kw), (index, *extra, operand), outs,
+                            grid=outs[0][0][0], name=name, interpret=interpret,
+                            num_warps=num_warps)
+    return out if several else out[0]
 
 
 def gather_encode(

@@ -17,7 +17,6 @@ import numpy as np
 import optax
 import pytest
 from _cuda_export import (
-    assert_no_widened_fp8,
     cuda_mesh,
     export_for_cuda,
     gemm_calls,
@@ -28,6 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe
+from xla_comm.lowered import widened_fp8
 
 K, N = 128, 256
 LEAD = (3, 100)  # 300 rows: not a multiple of the 'mosaic' path's 128-row tiles
@@ -283,7 +283,7 @@ def test_all_fp8_gemms_are_mosaic_calls(sharded):
     assert len(operands) == 3, operands
     for matrices in operands:
         assert len(matrices) == 2 and all(t.endswith(f"x{F8}>") for t in matrices), matrices
-    assert_no_widened_fp8(text)
+    assert widened_fp8(text) == []
     want = ["fp8_quantize_rows"] * 2 + ["fp8_weight_amax", "fp8_weight_quantize"]
     assert _quantize_kernels(text) == sorted(want), _quantize_kernels(text)
 
@@ -296,7 +296,7 @@ def test_bf16_wgrad_is_a_bf16_mosaic_call():
     fp8 = [m for m in operands if len(m) == 2 and all(t.endswith(f"x{F8}>") for t in m)]
     bf16 = [m for m in operands if len(m) == 2 and all(t.endswith("xbf16>") for t in m)]
     assert (len(fp8), len(bf16)) == (2, 1), operands
-    assert_no_widened_fp8(text)
+    assert widened_fp8(text) == []
 
 
 # ----------------------------------------------------------------------------------------------
