@@ -272,9 +272,10 @@ def _warn_guessed(params: Any, guessed: list[int]) -> None:
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     names = [f"{matrices.path_str(flat[i][0])!r} {tuple(flat[i][1].shape)}" for i in guessed]
     listed = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-    leaves = "leaf" if len(names) == 1 else f"{len(names)} leaves"
+    leaves, each = ("leaf", "it gets") if len(names) == 1 else (f"{len(names)} leaves",
+                                                                 "each gets")
     warnings.warn(
-        f"muon_jax: no layer gives the matrix view of Muon {leaves} {listed}: each gets the "
+        f"muon_jax: no layer gives the matrix view of Muon {leaves} {listed}: {each} the "
         "default, its last two axes the matrix and its leading axes a batch. If a leaf is one "
         "map over several axes (attention, conv) or fused, pass dimension_numbers= "
         "(muon_jax.flax_dimension_numbers(model) for a Flax model); "

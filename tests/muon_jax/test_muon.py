@@ -15,6 +15,9 @@ from muon_jax import MuonDimensionNumbers as MDN
 from muon_jax import newton_schulz
 from muon_jax.matrices import path_str
 
+# The stacks here are plain arrays meant as batches of matrices: the default view is right.
+pytestmark = pytest.mark.filterwarnings("ignore:muon_jax. no layer gives the matrix view")
+
 F32 = muon_jax.NewtonSchulzOptions(dtype=jnp.float32)
 
 # Leaves of odd shapes: wide, tall, square, tiny, a stack [L, m, n], a conv kernel, and a leaf

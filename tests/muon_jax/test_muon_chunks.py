@@ -11,6 +11,9 @@ import muon_jax
 from muon_jax import owner_plan
 from xla_comm import hlo
 
+# The stacks here are plain arrays meant as batches of matrices: the default view is right.
+pytestmark = pytest.mark.filterwarnings("ignore:muon_jax. no layer gives the matrix view")
+
 F32_TX = dict(newton_schulz=muon_jax.NewtonSchulzOptions(dtype=jnp.float32), mu_dtype=jnp.float32)
 # Stacks with several matrices per device; 'w*' are 12 separate leaves of one shape (more
 # pieces than one concatenate takes), 'a' an FSDP leaf (all-to-all), 'c' a padded stack.

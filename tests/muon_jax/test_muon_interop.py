@@ -17,6 +17,9 @@ from jax.sharding import PartitionSpec as P
 import muon_jax
 from muon_jax import ShardingOptions
 
+# The stacks here are plain arrays meant as batches of matrices: the default view is right.
+pytestmark = pytest.mark.filterwarnings("ignore:muon_jax. no layer gives the matrix view")
+
 F32 = muon_jax.NewtonSchulzOptions(dtype=jnp.float32)
 
 # ----------------------------------------------------------------------------- torch.optim.Muon

@@ -16,6 +16,9 @@ import muon_jax
 from muon_jax import ShardingOptions, loss_scale, newton_schulz, owner_plan, owners
 from xla_comm import hlo
 
+# The stacks here are plain arrays meant as batches of matrices: the default view is right.
+pytestmark = pytest.mark.filterwarnings("ignore:muon_jax. no layer gives the matrix view")
+
 SHAPES = {  # >= 6 distinct matrix shapes, stack counts not divisible by the axis sizes
     "w1": (16, 32),
     "w2": (3, 16, 32),  # joins w1: K = 4
