@@ -14,7 +14,9 @@ modded-nanogpt splits fused QKV). This module reads the views:
   equation), ``nnx.Conv`` / ``nnx.ConvTranspose`` (grouped convs: one matrix per group),
   ``moe.MoE``; axes a kernel has beyond its layer's own shape are stack axes (batch);
 * from Linen param paths: auto-named ``Dense_N``, ``Conv_N``, ``ConvTranspose_N`` and the
-  ``query``/``key``/``value``/``out`` kernels of ``MultiHeadDotProductAttention_N``;
+  ``query``/``key``/``value``/``out`` kernels of ``MultiHeadDotProductAttention_N`` (a path
+  cannot show where ``DenseGeneral``'s input axes end, nor stack axes before a conv's
+  window, so those take explicit dimension numbers);
 * from ``moe``'s bank names (``w_gate_up``, ``w_down``, ``shared_gate_up``, ``shared_down``)
   anywhere.
 

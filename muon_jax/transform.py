@@ -51,7 +51,7 @@ jax.tree_util.register_static(LeafViews)
 
 
 class MuonState(NamedTuple):
-    """State of :func:`scale_by_muon` without a mesh.
+    """State of :func:`scale_by_muon` without sharding.
 
     Example:
       >>> import jax.numpy as jnp
@@ -67,14 +67,11 @@ class MuonState(NamedTuple):
     views: LeafViews | None = None
 
 
-def _check_options_number(name: str, value: Any, **bounds: Any) -> Any:
-    """An option object's number: a float (checked), a schedule where allowed, or an array
-    (``optax_compat`` passes the ones ``optax.inject_hyperparams`` traced)."""
-    if value is None or callable(value) or isinstance(value, jax.Array):
-        arguments.check_number(name, value, **bounds) if isinstance(value, jax.Array) else None
-        return value
+def _options_number(name: str, value: Any, **bounds: Any) -> Any:
+    """An option object's number, checked: a float, or a JAX array as it came (optax_compat
+    passes on the values ``optax.inject_hyperparams`` traced)."""
     arguments.check_number(name, value, **bounds)
-    return float(value)
+    return value if isinstance(value, jax.Array) else float(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,15 +116,14 @@ class AdamWOptions:
     def __post_init__(self):
         w = "AdamWOptions: "
         for name in ("learning_rate", "weight_decay"):
-            v = getattr(self, name)
-            if v is not None and not callable(v):
-                arguments.check_schedule(w + name, v, fix=f"e.g. {name}=3e-4, a schedule or "
-                                         "None (Muon's).")
+            if getattr(self, name) is not None:
+                arguments.check_schedule(w + name, getattr(self, name),
+                                         fix=f"e.g. {name}=3e-4, a schedule or None (Muon's).")
         for name, fix in (("b1", "e.g. b1=0.9."), ("b2", "e.g. b2=0.95.")):
-            object.__setattr__(self, name, _check_options_number(
+            object.__setattr__(self, name, _options_number(
                 w + name, getattr(self, name), low=0.0, high=1.0, high_open=True, fix=fix))
         for name, example in (("eps", "1e-8"), ("eps_root", "0.0")):
-            object.__setattr__(self, name, _check_options_number(
+            object.__setattr__(self, name, _options_number(
                 w + name, getattr(self, name), low=0.0, fix=f"e.g. {name}={example}."))
         arguments.check_bool(w + "nesterov", self.nesterov)
         object.__setattr__(self, "mu_dtype", arguments.float_dtype(
