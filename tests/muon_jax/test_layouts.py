@@ -92,9 +92,13 @@ def test_flax_dimension_numbers_reads_each_layer():
     assert dims["moe/w_gate_up"] == Split(1, 2, split_axis=2, parts=2)
     assert dims["moe/w_down"] == MDN(1, 2)
     assert dims["lin/bias"] is None
-    # A stack axis elsewhere than first (nnx.vmap's out_axes) is found by shape.
+    # A stack axis elsewhere than first (nnx.vmap's out_axes) is found by shape; nnx.scan
+    # stacks like nnx.vmap.
     inner = nnx.vmap(lambda r: nnx.Linear(8, 12, rngs=r), out_axes=1)(nnx.Rngs(0).split(3))
     assert muon_jax.flax_dimension_numbers(inner)["kernel"] == MDN(0, 2)
+    scanned = nnx.scan(lambda c, r: (c, nnx.Linear(8, 12, rngs=r)), in_axes=(nnx.Carry, 0),
+                       out_axes=(nnx.Carry, 0))(0, nnx.Rngs(0).split(3))[1]
+    assert muon_jax.flax_dimension_numbers(scanned)["kernel"] == MDN(1, 2)
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["unsharded", "sharded"])
