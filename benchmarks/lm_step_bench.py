@@ -166,7 +166,8 @@ def model_config(a, variant: str) -> lm_model.LMConfig:
 def make_tx(a, mesh):
     if a.optimizer == "adamw":
         return optax.adamw(3e-4, b1=0.9, b2=0.95, weight_decay=0.01)
-    return muon_jax.muon(0.02, weight_decay=0.01, adam_learning_rate=3e-4, mesh=mesh)
+    return muon_jax.muon(0.02, weight_decay=0.01, adamw=muon_jax.AdamWOptions(learning_rate=3e-4),
+                         sharding=muon_jax.ShardingOptions(mesh))
 
 
 def active_params(model, cfg) -> dict:

@@ -257,12 +257,13 @@ def main(argv=None) -> dict:
     # muon_jax resolves 'auto' per bank (by its shape and the GPU); recorded as asked.
     blocks = args.symmetric_blocks
     report["ns_symmetric_blocks"] = blocks
-    ns_kw = {"ns_method": args.ns_method, "ns_symmetric_blocks": blocks}
+    ns = muon_jax.NewtonSchulzOptions(method=args.ns_method, symmetric_blocks=blocks)
     for name in args.variants:
         if name in MUON_DP:
-            kw = {"chunk_bytes": args.chunk_bytes} if name == "muon_chunked" else {}
-            tx = muon_jax.scale_by_muon(mu_dtype=jnp.float32, ns_steps=args.ns_steps,
-                                        mesh=mesh, **ns_kw, **kw)
+            chunk_bytes = args.chunk_bytes if name == "muon_chunked" else None
+            tx = muon_jax.scale_by_muon(
+                mu_dtype=jnp.float32, ns_steps=args.ns_steps, newton_schulz=ns,
+                sharding=muon_jax.ShardingOptions(mesh, chunk_bytes=chunk_bytes))
             state = tx.init(params)
             report[f"{name}_chunks"] = [list(s.chunks) for s in state.plan.stacks]
             opts = overlap.overlap_compiler_options() if name == "muon_overlap" else None
@@ -280,8 +281,9 @@ def main(argv=None) -> dict:
                     state = jax.jit(tx.init)(fp)
                     label = "optax_contrib_muon_fsdp"
                 else:
-                    tx = muon_jax.scale_by_muon(mu_dtype=jnp.float32, ns_steps=args.ns_steps,
-                                                mesh=auto_mesh, **ns_kw)
+                    tx = muon_jax.scale_by_muon(
+                        mu_dtype=jnp.float32, ns_steps=args.ns_steps, newton_schulz=ns,
+                        sharding=muon_jax.ShardingOptions(auto_mesh))
                     state = tx.init(fp)
                     label = "muon_fsdp"
                 shardings = shardings_of((fp, state))
@@ -292,14 +294,15 @@ def main(argv=None) -> dict:
         elif name == "ns":
             # Each device's owner share, orthogonalized as in the sharded step (f32 in, bf16
             # out), without momentum or communication.
-            plan = muon_jax.scale_by_muon(mesh=mesh).init(params).plan
+            plan = muon_jax.scale_by_muon(
+                sharding=muon_jax.ShardingOptions(mesh)).init(params).plan
             owner = NamedSharding(mesh, P("data"))
             xs = jax.jit(lambda stacks=plan.stacks: [
                 jnp.ones((n * s.k_owner, s.m, s.n), jnp.float32) for s in stacks],
                 out_shardings=owner)()
             ns_only = jax.shard_map(
                 lambda xs: [muon_jax.orthogonalize(x, ns_steps=args.ns_steps,
-                                                   method=ns_kw["ns_method"],
+                                                   method=args.ns_method,
                                                    symmetric_blocks=blocks)
                             .astype(jnp.bfloat16) for x in xs],
                 mesh=mesh, in_specs=P("data"), out_specs=P("data"))

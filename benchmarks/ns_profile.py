@@ -123,7 +123,7 @@ def main(argv=None) -> dict:
     params = {f"layer_{i}": {k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()}
               for i in range(layers)}
     with jax.set_mesh(mesh):
-        plan = muon_jax.scale_by_muon(mesh=mesh).init(params).plan
+        plan = muon_jax.scale_by_muon(sharding=muon_jax.ShardingOptions(mesh)).init(params).plan
     del params
     stacks = [(s.k_owner, s.m, s.n) for s in plan.stacks]
     keys = jax.random.split(jax.random.key(0), len(stacks))

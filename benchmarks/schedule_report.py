@@ -424,8 +424,9 @@ def main(argv=None) -> dict:
         dsh = NamedSharding(mesh, P("data"))
         data = jax.tree.map(lambda p: jax.ShapeDtypeStruct((ndev, *p.shape), jnp.float32,
                                                            sharding=dsh), params)
-        tx = muon_jax.muon(0.02, mesh=mesh, gather_dtype=gather_dtype,
-                           chunk_bytes=chunk_bytes or None, reduce_dtype=reduce_dtype)
+        tx = muon_jax.muon(0.02, sharding=muon_jax.ShardingOptions(
+            mesh, gather_dtype=gather_dtype, chunk_bytes=chunk_bytes or None,
+            reduce_dtype=reduce_dtype))
         state = jax.eval_shape(tx.init, params)
 
         def loss(p, data):
@@ -552,7 +553,8 @@ def main(argv=None) -> dict:
             rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
                 x.shape, x.dtype, sharding=NamedSharding(mesh, P())), rest)
             param_specs = jax.tree.map(lambda x: x.sharding.spec, params)
-            tx = muon_jax.muon(0.02, weight_decay=0.01, mesh=mesh, param_specs=param_specs)
+            tx = muon_jax.muon(0.02, weight_decay=0.01, sharding=muon_jax.ShardingOptions(
+                mesh, param_specs=param_specs))
             state = jax.eval_shape(tx.init, params)
             batch = jax.ShapeDtypeStruct((args.batch, args.seq_len + 1), jnp.int32,
                                          sharding=NamedSharding(mesh, P(train_lm.MESH_AXES)))

@@ -210,12 +210,14 @@ def make_tx(name: str, args, mesh) -> optax.GradientTransformation:
         schedule(args.lr),
         weight_decay=args.weight_decay,
         muon_mask=router_on_adamw if args.router_optimizer == "adamw" else None,
-        adam_learning_rate=schedule(muon_adam_lr(args)),
-        mesh=mesh,
-        gather_dtype={"auto": "auto", "float32": None}.get(args.muon_gather_dtype, jnp.bfloat16),
-        reduce_dtype=jnp.bfloat16 if unreduced_grads(args) else None,
-        ns_method=args.ns_method,
-        ns_symmetric_blocks=args.ns_symmetric_blocks,
+        adamw=muon_jax.AdamWOptions(learning_rate=schedule(muon_adam_lr(args))),
+        newton_schulz=muon_jax.NewtonSchulzOptions(method=args.ns_method,
+                                                   symmetric_blocks=args.ns_symmetric_blocks),
+        sharding=muon_jax.ShardingOptions(
+            mesh,
+            gather_dtype={"auto": "auto", "float32": None}.get(args.muon_gather_dtype,
+                                                               jnp.bfloat16),
+            reduce_dtype=jnp.bfloat16 if unreduced_grads(args) else None),
     )
 
 

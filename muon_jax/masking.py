@@ -67,8 +67,10 @@ def default_rule(path: Any, leaf: Any, has_dim_nums: bool = False) -> bool:
         return False
     if has_dim_nums:
         return True
-    if len(getattr(leaf, "shape", ())) < 2:
-        return False
+    shape = tuple(getattr(leaf, "shape", ()))
+    if len(shape) < 2 or sum(d > 1 for d in shape) <= 1:
+        return False  # a vector in any view ([1, n], [n, 1], 1x1): Newton-Schulz would
+        # only normalize it (a 1x1 to its sign), with none of a matrix's geometry
     for name in _names(path):
         if name in ADAMW_EXACT_NAMES or any(part in name for part in ADAMW_NAME_PARTS):
             return False
@@ -81,17 +83,19 @@ def default_muon_mask(params: Any, *, dimension_numbers: matrices.DimNumsLike = 
     A float leaf goes to Muon when it has explicit dimension numbers of its own (an entry of a
     tree, or of what a callable returns), or when it has rank >= 2 and no path component names
     an embedding, head, bias or norm (see :data:`ADAMW_EXACT_NAMES` and
-    :data:`ADAMW_NAME_PARTS`). Everything else (embeddings, the output head, biases, norm
-    scales, 1-D and scalar leaves, non-float leaves) goes to AdamW. One
+    :data:`ADAMW_NAME_PARTS`) and more than one of its axes is longer than 1. Everything else
+    (embeddings, the output head, biases, norm scales, 1-D and scalar leaves, vectors stored
+    as ``[1, n]`` / ``[n, 1]`` matrices such as a ``[d, 1]`` gate, non-float leaves) goes to
+    AdamW: Newton-Schulz would only normalize a vector (a ``1 x 1`` matrix to its sign). One
     ``MuonDimensionNumbers`` for the whole tree (e.g. the torch layout of every matrix) is a
     view of the leaves Muon updates and routes nothing: a bias or an embedding still goes to
     AdamW and is never checked against it.
 
     MoE router kernels (``[d_model, E]``) are hidden matrices here and go to Muon, although
     several recipes keep them on AdamW: with this repository's trainer
-    (``examples/train_lm.py --router-optimizer muon|adamw``) the router on Muon ends at a lower
-    validation loss on both presets (docs/benchmark_log.md, The trainer). To put routers on
-    AdamW, pass a mask that is this one with the router leaves set to ``False``.
+    (``examples/train_lm.py --router-optimizer muon|adamw``) the router on Muon ended at a
+    lower validation loss on both presets. To put routers on AdamW, pass a mask that is this
+    one with the router leaves set to ``False``.
 
     Args:
       params: a tree of arrays: a plain dict, an ``nnx.State`` (with or without ``Variable``
@@ -104,8 +108,8 @@ def default_muon_mask(params: Any, *, dimension_numbers: matrices.DimNumsLike = 
 
     >>> import jax.numpy as jnp
     >>> default_muon_mask({'embed': jnp.zeros((8, 4)), 'w': jnp.zeros((4, 4)),
-    ...                    'b': jnp.zeros((4,))})
-    {'b': False, 'embed': False, 'w': True}
+    ...                    'b': jnp.zeros((4,)), 'gate': jnp.zeros((4, 1))})
+    {'b': False, 'embed': False, 'gate': False, 'w': True}
     >>> torch_layout = matrices.MuonDimensionNumbers(reduction_axis=1, output_axis=0)
     >>> default_muon_mask({'w': jnp.zeros((4, 4)), 'b': jnp.zeros((4,))},
     ...                   dimension_numbers=torch_layout)
@@ -116,7 +120,7 @@ def default_muon_mask(params: Any, *, dimension_numbers: matrices.DimNumsLike = 
       <https://kellerjordan.github.io/posts/muon/>`_, 2024.
     """
     # One set for every leaf is a view, not a routing: only per-leaf entries route to Muon.
-    routing = None if isinstance(dimension_numbers, matrices.MuonDimensionNumbers) \
+    routing = None if isinstance(dimension_numbers, matrices.DIM_NUMS_TYPES) \
         else dimension_numbers
     flat_dims = matrices.resolve_dim_nums(routing, params)
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
-from typing import Literal, TypeAlias, get_args
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NamedTuple, TypeAlias, get_args
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +19,7 @@ import numpy as np
 
 from accel_kernels import platform as target
 from accel_kernels.symmetric import api as symmetric_api
+from muon_jax import arguments
 from muon_jax.symmetric import TILES_DTYPES, symmetric_matmul, symmetric_tiles_matmul
 
 Coeffs: TypeAlias = tuple[float, float, float]
@@ -41,14 +42,13 @@ AUTO_SYMMETRIC_BLOCKS: dict[str, int] = {"gpu": 4}
 """``symmetric_blocks='auto'`` by backend for large enough banks
 (:data:`AUTO_SYMMETRIC_MIN_WORK`; others: 1, plain matmuls). On a GPU the tiles the strips
 skip pay for their extra, smaller matmuls and the mirroring pass only when those matmuls are
-large (docs/benchmark_log.md, Muon step and Newton-Schulz); 8 strips were no faster than 4.
-Elsewhere it is not measured."""
+large, and more strips than 4 cut them too small to gain more."""
 
 AUTO_TILES_MIN_SIDE = 2048
 """``'auto'`` takes the symmetric-tile kernel on Hopper GPUs for banks whose Gram side
 ``min(m, n)`` reaches this. It skips about half the tiles of the ``[p, p]`` products but pays
 a mirroring pass over each, which outweighs the skipped tiles' time for small ``p``
-(``benchmarks/ns_strips.py``, BENCHMARKS.md)."""
+(``benchmarks/ns_strips.py`` measures where)."""
 
 AUTO_GRAM_MIN_ASPECT = 2.0
 """``ns_method='auto'`` takes the Gram form (with the symmetric-tile kernel) for matrices at
@@ -58,8 +58,8 @@ AUTO_SYMMETRIC_MIN_WORK = 4e11
 """``'auto'`` takes the strips for a bank of ``B`` matrices ``[m, n]`` (``m <= n``, the Gram
 side) only if ``B * m^2 * n`` reaches this and ``m >= 2048``: the strips skip half the tiles
 of the ``[m, m]`` products but cut each into smaller GEMMs plus a mirror pass, which pays
-only when those GEMMs are large and many (``benchmarks/ns_strips.py``, BENCHMARKS.md: below
-this the strips were slower than one plain GEMM)."""
+only when those GEMMs are large and many; below this one plain GEMM is faster
+(``benchmarks/ns_strips.py`` measures where)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,8 +156,8 @@ def resolve_ns_method(method: NsMethod, m: int, n: int, dtype: jax.typing.DTypeL
     open with steep polynomials the Gram form carries less accurately, see
     ``tests/muon_jax/test_gram_ns.py``); otherwise the standard form. The Gram form needs
     fewer FLOPs exactly when ``max(m, n) > 1.5 min(m, n)`` (:func:`ns_flops`), but with XLA's
-    matmuls its many ``[p, p]`` products and elementwise passes did not run faster than the
-    standard form on a GPU (BENCHMARKS.md, Muon).
+    matmuls its many ``[p, p]`` products and elementwise passes do not outrun the standard
+    form's fewer, larger matmuls.
 
     >>> resolve_ns_method('standard', 1024, 4096, 'bfloat16')
     'standard'
@@ -174,6 +174,65 @@ def resolve_ns_method(method: NsMethod, m: int, n: int, dtype: jax.typing.DTypeL
     if symmetric_blocks == "tiles" and narrow and wide and single_triple:
         return "gram"
     return "standard"
+
+
+@dataclasses.dataclass(frozen=True)
+class NewtonSchulzOptions:
+    """How Muon turns its momentum into an orthogonal direction, beyond the schedule
+    (``ns_coeffs``, ``ns_steps``) and ``eps``, which stay flat arguments as in optax.
+
+    Frozen and hashable: ``optax.inject_hyperparams`` keeps it static. Each field is checked
+    here, naming it.
+
+    Attributes:
+      dtype: matmul operand dtype of the iteration (:func:`orthogonalize`'s ``dtype``):
+        ``jnp.bfloat16`` for tensor-core speed, ``jnp.float32`` to match optax.
+      preconditioning: how the input is scaled: ``'frobenius'``, ``'spectral'``, ``'aol'`` or
+        ``'schatten'`` (:func:`orthogonalize`).
+      method: ``'standard'`` Newton-Schulz, its ``'gram'`` form (iterates on ``X X^T``) or
+        ``'auto'`` (:func:`resolve_ns_method`).
+      gram: restarts and operand dtype of the Gram form (:class:`GramOptions`).
+      symmetric_blocks: the symmetric products from one block triangle in this many row
+        strips, ``'tiles'`` (the GPU kernel) or ``'auto'`` (:func:`resolve_symmetric_blocks`).
+      adaptive: scale each orthogonalized matrix ``O`` by its dual norm ``<G, O> =
+        sum(conj(G) * O)`` with its input ``G``, about the nuclear norm of ``G`` (optax's
+        ``adaptive``, per matrix here).
+
+    Example:
+      >>> NewtonSchulzOptions(dtype='float32').dtype
+      dtype('float32')
+      >>> NewtonSchulzOptions(method='fast')  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      ValueError: NewtonSchulzOptions: method='fast' is not supported; use one of ...
+    """
+
+    dtype: jax.typing.DTypeLike = jnp.bfloat16
+    preconditioning: Preconditioning = "frobenius"
+    method: NsMethod = "auto"
+    gram: GramOptions = DEFAULT_GRAM
+    symmetric_blocks: SymmetricBlocks = "auto"
+    adaptive: bool = False
+
+    def __post_init__(self):
+        where = "NewtonSchulzOptions"
+        object.__setattr__(self, "dtype", arguments.float_dtype(f"{where}: dtype", self.dtype))
+        if self.preconditioning not in PRECONDITIONINGS:
+            raise ValueError(f"{where}: preconditioning={self.preconditioning!r} is not "
+                             f"supported; use one of {PRECONDITIONINGS}.")
+        if self.method not in NS_METHODS:
+            raise ValueError(f"{where}: method={self.method!r} is not supported; use one of "
+                             f"{NS_METHODS}.")
+        if not isinstance(self.gram, GramOptions):
+            raise TypeError(f"{where}: gram={self.gram!r} is not a GramOptions; pass e.g. "
+                            "gram=muon_jax.GramOptions(restarts=(2,)).")
+        resolve_symmetric_blocks(self.symmetric_blocks, "cpu",
+                                 name=f"{where}: symmetric_blocks")
+        arguments.check_bool(f"{where}: adaptive", self.adaptive)
+
+
+DEFAULT_NEWTON_SCHULZ = NewtonSchulzOptions()
+"""Muon's default Newton-Schulz options, the default argument of the transforms."""
 
 
 JORDAN_COEFFS: Coeffs = (3.4445, -4.7750, 2.0315)
@@ -211,6 +270,68 @@ factor: every step but the last evaluates its polynomial at ``x / 1.01``, i.e.
 SCHEDULES: tuple[str, ...] = ("jordan", "standard", "polar_express", "dion")
 
 
+def _base_schedule(ns_coeffs: NsCoeffsLike) -> tuple[tuple[Coeffs, ...], bool]:
+    """``ns_coeffs`` as its triples, and whether they are explicit per-step triples (which
+    must number ``ns_steps``) rather than one triple or a named schedule (whose last triple
+    repeats)."""
+    if isinstance(ns_coeffs, str):
+        named = {"jordan": (JORDAN_COEFFS,), "standard": (JORDAN_COEFFS,),
+                 "polar_express": POLAR_EXPRESS_COEFFS, "dion": DION_COEFFS}
+        if ns_coeffs not in named:
+            raise ValueError(
+                f"Unknown ns_coeffs schedule {ns_coeffs!r}; use one of {SCHEDULES}, one triple "
+                "(a, b, c), or a tuple of per-step triples."
+            )
+        return named[ns_coeffs], False
+    try:
+        arr = np.asarray(ns_coeffs, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"ns_coeffs must be a schedule name {SCHEDULES}, a triple (a, b, c) of numbers "
+            f"or a tuple of per-step triples; got {ns_coeffs!r} ({e})."
+        ) from None
+    _check_coeffs_shape(arr.shape)
+    if not np.all(np.isfinite(arr)):
+        raise ValueError(f"ns_coeffs must be finite, got {ns_coeffs!r}.")
+    rows = arr.reshape(-1, 3)
+    return tuple(tuple(float(v) for v in row) for row in rows), arr.ndim == 2 and len(rows) > 1
+
+
+def _check_coeffs_shape(shape: tuple[int, ...]) -> None:
+    """Raise unless ``shape`` is ``(3,)`` or ``(T, 3)`` with ``T >= 1``."""
+    if not (shape == (3,) or (len(shape) == 2 and shape[1] == 3 and shape[0] >= 1)):
+        raise ValueError(
+            f"ns_coeffs must have shape (3,) or (T, 3) with T >= 1, got shape {shape}; "
+            "pass one triple (a, b, c) or a tuple of per-step triples."
+        )
+
+
+def check_ns_steps(ns_steps: Any) -> int | jax.Array:
+    """``ns_steps`` as a Python int ``>= 1``, or itself when traced (an integer scalar).
+
+    >>> check_ns_steps(np.int32(3)), check_ns_steps(0)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: ns_steps must be >= 1, got 0; pass e.g. ns_steps=5.
+    """
+    if arguments.is_traced(ns_steps):
+        if np.ndim(ns_steps) != 0 or not jnp.issubdtype(ns_steps.dtype, jnp.integer):
+            raise TypeError(f"ns_steps must be an integer scalar, got a traced {ns_steps.dtype}"
+                            f"{list(np.shape(ns_steps))}; pass e.g. ns_steps=5.")
+        return ns_steps
+    if not isinstance(ns_steps, bool) and np.ndim(ns_steps) == 0 and \
+            np.issubdtype(np.asarray(ns_steps).dtype, np.integer):
+        ns_steps = int(ns_steps)  # a 0-d integer array (optax takes ns_steps as ArrayLike)
+    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int):
+        raise TypeError(
+            f"ns_steps must be a Python int >= 1, got {ns_steps!r} ({type(ns_steps).__name__}); "
+            "pass e.g. ns_steps=5."
+        )
+    if ns_steps < 1:
+        raise ValueError(f"ns_steps must be >= 1, got {ns_steps}; pass e.g. ns_steps=5.")
+    return ns_steps
+
+
 def resolve_ns_coeffs(ns_coeffs: NsCoeffsLike, ns_steps: int) -> tuple[Coeffs, ...]:
     """Resolve a schedule to one ``(a, b, c)`` triple per Newton-Schulz step.
 
@@ -238,53 +359,223 @@ def resolve_ns_coeffs(ns_coeffs: NsCoeffsLike, ns_steps: int) -> tuple[Coeffs, .
       Amsel, Persson, Musco, Gower, `The Polar Express: Optimal Matrix Sign Methods and Their
       Application to the Muon Algorithm <https://arxiv.org/abs/2505.16932>`_, 2025.
     """
-    if not isinstance(ns_steps, bool) and np.ndim(ns_steps) == 0 and \
-            np.issubdtype(np.asarray(ns_steps).dtype, np.integer):
-        ns_steps = int(ns_steps)  # a 0-d integer array (optax takes ns_steps as ArrayLike)
-    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int | np.integer):
-        raise TypeError(
-            f"ns_steps must be a Python int >= 1, got {ns_steps!r} ({type(ns_steps).__name__}); "
-            "pass e.g. ns_steps=5."
-        )
-    if ns_steps < 1:
-        raise ValueError(f"ns_steps must be >= 1, got {ns_steps}; pass e.g. ns_steps=5.")
-    if isinstance(ns_coeffs, str):
-        if ns_coeffs in ("jordan", "standard"):
-            schedule: tuple[Coeffs, ...] = (JORDAN_COEFFS,)
-        elif ns_coeffs == "polar_express":
-            schedule = POLAR_EXPRESS_COEFFS
-        elif ns_coeffs == "dion":
-            schedule = DION_COEFFS
-        else:
-            raise ValueError(
-                f"Unknown ns_coeffs schedule {ns_coeffs!r}; use one of {SCHEDULES}, one triple "
-                "(a, b, c), or a tuple of per-step triples."
-            )
-    else:
-        try:
-            arr = np.asarray(ns_coeffs, dtype=np.float64)
-        except (TypeError, ValueError) as e:
-            raise TypeError(
-                f"ns_coeffs must be a schedule name {SCHEDULES}, a triple (a, b, c) of numbers "
-                f"or a tuple of per-step triples; got {ns_coeffs!r} ({e})."
-            ) from None
-        if arr.ndim == 1 and arr.shape == (3,):
-            arr = arr[None]
-        if arr.ndim != 2 or arr.shape[1] != 3 or arr.shape[0] == 0:
-            raise ValueError(
-                f"ns_coeffs must have shape (3,) or (T, 3) with T >= 1, got shape {arr.shape}; "
-                "pass one triple (a, b, c) or a tuple of per-step triples."
-            )
-        if not np.all(np.isfinite(arr)):
-            raise ValueError(f"ns_coeffs must be finite, got {ns_coeffs!r}.")
-        if arr.shape[0] > 1 and arr.shape[0] != ns_steps:
-            raise ValueError(
-                f"ns_coeffs has {arr.shape[0]} per-step triples but ns_steps={ns_steps}; pass "
-                f"ns_steps={arr.shape[0]} (optax runs every triple it is given), or one triple "
-                "to repeat at every step.")
-        schedule = tuple(tuple(float(v) for v in row) for row in arr)  # type: ignore[misc]
+    if arguments.is_traced(ns_steps):
+        raise TypeError("resolve_ns_coeffs needs a concrete ns_steps; orthogonalize runs a "
+                        "traced one as a loop.")
+    ns_steps = check_ns_steps(ns_steps)
+    schedule, explicit = _base_schedule(ns_coeffs)
+    if explicit and len(schedule) != ns_steps:
+        raise ValueError(
+            f"ns_coeffs has {len(schedule)} per-step triples but ns_steps={ns_steps}; pass "
+            f"ns_steps={len(schedule)} (optax runs every triple it is given), or one triple "
+            "to repeat at every step.")
     steps = schedule[:ns_steps]
     return steps + (schedule[-1],) * (ns_steps - len(steps))
+
+
+class LoopSchedule(NamedTuple):
+    """A Newton-Schulz schedule run in a loop: step ``t`` (0-based, from ``start``) uses row
+    ``min(t, T - 1)`` of ``table``; what :func:`schedule_steps` returns for a traced step
+    count or traced coefficients.
+
+    Example:
+      >>> s = LoopSchedule(jnp.ones((1, 3)), 5)
+      >>> s.table.shape, s.steps, s.start
+      ((1, 3), 5, 0)
+    """
+
+    table: jax.Array  # [T, 3] float32
+    steps: Any  # the number of steps: an int or a traced integer scalar
+    start: int = 0  # steps already taken (the first one, fused into the preconditioning)
+
+
+def schedule_steps(ns_coeffs: Any, ns_steps: Any) -> tuple[Coeffs, ...] | LoopSchedule:
+    """The steps of a schedule: the triples of :func:`resolve_ns_coeffs` when ``ns_coeffs``
+    and ``ns_steps`` are concrete, else a :class:`LoopSchedule` (either one traced).
+
+    Explicit per-step triples fix the step count at their number ``T`` (``ns_steps`` must
+    equal it, which is checked when it is concrete).
+
+    >>> schedule_steps('jordan', 1)
+    ((3.4445, -4.775, 2.0315),)
+    >>> shapes = []
+    >>> _ = jax.jit(lambda t: shapes.append(schedule_steps('dion', t).table.shape))(3)
+    >>> shapes  # a traced step count: the five triples, looked up in the loop
+    [(5, 3)]
+    """
+    if not arguments.is_traced(ns_coeffs):
+        if not arguments.is_traced(ns_steps):
+            return resolve_ns_coeffs(ns_coeffs, ns_steps)
+        schedule, explicit = _base_schedule(ns_coeffs)
+        if explicit:  # the triples fix the count
+            return schedule
+        return LoopSchedule(jnp.asarray(schedule, jnp.float32), check_ns_steps(ns_steps))
+    shape = tuple(np.shape(ns_coeffs))
+    _check_coeffs_shape(shape)
+    table = jnp.reshape(ns_coeffs, (-1, 3)).astype(jnp.float32)
+    if len(shape) == 2 and shape[0] > 1:
+        if not arguments.is_traced(ns_steps) and check_ns_steps(ns_steps) != shape[0]:
+            raise ValueError(f"ns_coeffs has {shape[0]} per-step triples but "
+                             f"ns_steps={ns_steps}; pass ns_steps={shape[0]}.")
+        return LoopSchedule(table, shape[0])
+    return LoopSchedule(table, check_ns_steps(ns_steps))
+
+
+class _Products(NamedTuple):
+    """The matmuls of one orthogonalization: operand ``dtype``, accumulation in ``work``, and
+    how the products known to be Hermitian are computed (``blocks``)."""
+
+    dtype: Any
+    work: Any
+    complex_: bool
+    blocks: int | str
+
+    def ht(self, u: jax.Array) -> jax.Array:
+        """``u^H`` (``u^T`` for real ``u``)."""
+        u = jnp.swapaxes(u, -1, -2)
+        return u.conj() if self.complex_ else u
+
+    def mm(self, u: jax.Array, v: jax.Array) -> jax.Array:
+        """``u @ v`` with ``dtype`` operands, accumulated in ``work``."""
+        return jnp.matmul(u.astype(self.dtype), v.astype(self.dtype),
+                          preferred_element_type=self.work)
+
+    def mms(self, u: jax.Array, v: jax.Array, rows: jax.Array, out: Any = None) -> jax.Array:
+        """``u @ v``, a product known to be Hermitian; ``rows``: the matrix whose conjugate
+        transpose is ``v`` (``v`` itself when it is Hermitian), which the tile kernel reads."""
+        out = self.work if out is None else out
+        if self.blocks == "tiles":
+            return symmetric_tiles_matmul(u, rows, dtype=self.dtype, preferred_element_type=out)
+        return symmetric_matmul(u, v, blocks=self.blocks, dtype=self.dtype,
+                                preferred_element_type=out)
+
+
+def _products(shape: tuple[int, ...], dtype: Any, complex_: bool, method: NsMethod,
+              gram: GramOptions, symmetric_blocks: SymmetricBlocks,
+              steps: tuple[Coeffs, ...] | LoopSchedule) -> tuple[_Products, bool]:
+    """The matmuls of an iteration on ``[..., p, q]`` (``p <= q``) matrices, and whether it
+    takes the Gram form: ``method`` and ``symmetric_blocks`` resolved for this shape."""
+    work = jnp.complex64 if complex_ else jnp.float32
+    if complex_:
+        dtype = jnp.complex64
+    if not isinstance(gram, GramOptions):
+        raise TypeError(f"gram must be a muon_jax.newton_schulz.GramOptions, got {gram!r}.")
+    blocks = resolve_symmetric_blocks(symmetric_blocks, shape=shape)
+    if symmetric_blocks == "auto" and blocks == "tiles" and (
+            complex_ or jnp.dtype(dtype).name not in TILES_DTYPES):
+        blocks = 1  # the kernel takes 16-bit real operands only
+    looped = isinstance(steps, LoopSchedule)
+    if looped and method == "gram":
+        raise ValueError("method='gram' needs a concrete ns_steps and ns_coeffs (the restarts "
+                         "fall on fixed steps); under optax.inject_hyperparams pass "
+                         "static_args=('ns_steps',), or use method='auto' / 'standard'.")
+    single = looped and steps.table.shape[0] == 1 or not looped and len(set(steps)) == 1
+    use_gram = not looped and resolve_ns_method(method, shape[-2], shape[-1], dtype,
+                                                single_triple=single,
+                                                symmetric_blocks=blocks) == "gram"
+    if use_gram:
+        if gram.dtype is not None:
+            dtype = gram.dtype
+        elif not complex_ and jnp.dtype(dtype) == jnp.bfloat16:
+            dtype = jnp.float16
+    if symmetric_blocks == "auto" and blocks == "tiles" and \
+            jnp.dtype(dtype).name not in TILES_DTYPES:
+        blocks = 1  # a wide GramOptions.dtype (float32): the kernel cannot take its operands
+    if blocks == "tiles" and (complex_ or jnp.dtype(dtype).name not in TILES_DTYPES):
+        raise ValueError(f"symmetric_blocks='tiles' needs 16-bit real matmul operands "
+                         f"{TILES_DTYPES}, got dtype={jnp.dtype(dtype).name}; pass "
+                         "dtype=jnp.bfloat16, or symmetric_blocks=1 / 'auto'.")
+    return _Products(dtype, work, complex_, blocks), use_gram
+
+
+def _first_step(steps: tuple[Coeffs, ...] | LoopSchedule) -> tuple[Any, Any]:
+    """The first step's triple and the steps after it."""
+    if isinstance(steps, LoopSchedule):
+        return tuple(steps.table[0]), steps._replace(start=1)
+    return steps[0], steps[1:]
+
+
+def _precondition(g: jax.Array, steps: Any, preconditioning: Preconditioning, eps: Any,
+                  ops: _Products, *, fuse_first: bool) -> tuple[jax.Array, Any, Any]:
+    """``X_0`` from ``g`` as ``preconditioning`` says: ``(X_0, A, steps left)``. ``'aol'`` and
+    ``'schatten'`` scale from the Gram matrix ``A``, which the first step then reuses
+    (``fuse_first``: that step is taken here; otherwise ``A`` is returned for the Gram form)."""
+    if preconditioning not in ("aol", "schatten"):
+        if preconditioning == "spectral":
+            norm = jnp.linalg.norm(g, ord=2, axis=(-2, -1), keepdims=True)
+        else:
+            norm = jnp.sqrt(jnp.sum(jnp.abs(g) ** 2, axis=(-2, -1), keepdims=True))
+        return g / (norm + eps).astype(ops.work), None, steps
+    first_gram = ops.mms(g, ops.ht(g), g)
+    if preconditioning == "aol":
+        rows = jnp.maximum(jnp.sum(jnp.abs(first_gram), axis=-1, keepdims=True), eps)
+        s = jax.lax.rsqrt(rows).astype(ops.work)  # [..., m, 1]
+        y, first_gram = g * s, first_gram * s * jnp.swapaxes(s, -1, -2)
+    else:
+        fro = jnp.sqrt(jnp.sum(jnp.abs(first_gram) ** 2, axis=(-2, -1), keepdims=True))
+        s = jax.lax.rsqrt(jnp.maximum(fro, eps)).astype(ops.work)
+        y, first_gram = g * s, first_gram * (s * s)
+    if not fuse_first:
+        return y, first_gram, steps
+    (a, b, c), steps = _first_step(steps)
+    y = a * y + ops.mm(b * first_gram + ops.mms(c * first_gram, first_gram, first_gram), y)
+    return y, None, steps
+
+
+def _run_steps(y: jax.Array, steps: tuple[Coeffs, ...] | LoopSchedule,
+               step: Callable[..., jax.Array]) -> jax.Array:
+    """``step(y, a, b, c)`` over the schedule: unrolled, or as a loop."""
+    if not isinstance(steps, LoopSchedule):
+        for a, b, c in steps:
+            y = step(y, a, b, c)
+        return y
+    last = steps.table.shape[0] - 1
+    return jax.lax.fori_loop(
+        steps.start, steps.steps,
+        lambda t, y: step(y, *steps.table[jnp.minimum(t, last)]), y)
+
+
+def _standard_steps(y: jax.Array, steps: tuple[Coeffs, ...] | LoopSchedule,
+                    ops: _Products) -> jax.Array:
+    """The standard Newton-Schulz steps ``X <- a X + (b A + c A A) X`` with ``A = X X^H``."""
+    if ops.complex_ or jnp.finfo(ops.dtype).bits >= 32:
+        def step(y, a, b, c):
+            a_ = ops.mms(y, ops.ht(y), y)
+            poly = b * a_ + ops.mms(c * a_, a_, a_)  # (c A) A, as in the reference codes
+            return a * y + ops.mm(poly, y)
+
+        return _run_steps(y, steps, step)
+    # Narrow operands: X stays float32 (a X must not be rounded: rounding X itself puts noise
+    # into the directions of small singular values, which later steps amplify), but nothing
+    # else needs float32 storage. One cast of X per step feeds both X-matmuls; the Gram matrix
+    # and the polynomial B = A (c A + b I) leave their matmuls in `dtype` (float32
+    # accumulation on GPU/TPU): over [m, m] one `dtype` pass (c A + b I) instead of a float32
+    # A A written and read back. Per step over the [m, n] iterate: one float32 -> dtype cast
+    # and one fused a X + (B X) update.
+    eye = jnp.eye(y.shape[-2], dtype=jnp.float32)
+
+    def narrow_step(y, a, b, c):
+        yn = y.astype(ops.dtype)
+        a_ = ops.mms(yn, jnp.swapaxes(yn, -1, -2), yn, out=ops.dtype)
+        shifted = (c * a_.astype(jnp.float32) + b * eye).astype(ops.dtype)
+        poly = ops.mms(a_, shifted, shifted, out=ops.dtype)  # A, c A + b I commute: symmetric
+        return (a * y + ops.mm(poly, yn)).astype(jnp.float32)
+
+    return _run_steps(y, steps, narrow_step)
+
+
+def _checked_input(x: jax.typing.ArrayLike) -> jax.Array:
+    """``x`` as an array of rank >= 2 and a float or complex dtype; errors say the fix."""
+    x = jnp.asarray(x)
+    if x.ndim < 2:
+        raise ValueError(
+            f"orthogonalize needs an array of shape [..., m, n], got shape {x.shape}; reshape "
+            "vectors to [1, n] or leave them to AdamW."
+        )
+    if not (jnp.issubdtype(x.dtype, jnp.complexfloating) or jnp.issubdtype(x.dtype, jnp.floating)):
+        raise TypeError(f"orthogonalize needs a float or complex array, got dtype {x.dtype}; "
+                        "cast it first.")
+    return x
 
 
 def orthogonalize(
@@ -346,7 +637,10 @@ def orthogonalize(
       ns_coeffs: ``'jordan'`` (3.4445, -4.7750, 2.0315) at every step; ``'polar_express'``
         (per-step coefficients of Amsel et al. with their 1.01 safety factor); one triple
         ``(a, b, c)``; or a tuple of per-step triples (see :func:`resolve_ns_coeffs`).
-      ns_steps: number of iterations, ``>= 1``.
+      ns_steps: number of iterations, ``>= 1``. Traced (``optax.inject_hyperparams``
+        makes it state), the steps run in a ``jax.lax.fori_loop``; so do traced ``ns_coeffs``
+        (one triple, or per-step triples that then set the step count). The Gram form needs
+        a concrete step count (``'auto'`` then takes the standard form).
       eps: added to the Frobenius norm before dividing, so a zero matrix maps to zero.
       dtype: dtype of the matmul operands (``jnp.bfloat16`` for speed, ``jnp.float32`` for
         accuracy).
@@ -386,114 +680,26 @@ def orthogonalize(
       Grishina et al., `Accelerating Newton-Schulz Iteration for Orthogonalization via
       Chebyshev-type Polynomials <https://arxiv.org/abs/2506.10935>`_, 2025 (Schatten-4).
     """
-    steps = resolve_ns_coeffs(ns_coeffs, ns_steps)
+    steps = schedule_steps(ns_coeffs, ns_steps)
     if preconditioning not in PRECONDITIONINGS:
         raise ValueError(f"preconditioning={preconditioning!r} is not supported; use one of "
                          f"{PRECONDITIONINGS}.")
-    x = jnp.asarray(x)
-    if x.ndim < 2:
-        raise ValueError(
-            f"orthogonalize needs an array of shape [..., m, n], got shape {x.shape}; reshape "
-            "vectors to [1, n] or leave them to AdamW."
-        )
+    x = _checked_input(x)
     complex_ = jnp.issubdtype(x.dtype, jnp.complexfloating)
-    if not (complex_ or jnp.issubdtype(x.dtype, jnp.floating)):
-        raise TypeError(f"orthogonalize needs a float or complex array, got dtype {x.dtype}; "
-                        "cast it first.")
-    work = jnp.complex64 if complex_ else jnp.float32
-    if complex_:
-        dtype = jnp.complex64
     transposed = x.shape[-2] > x.shape[-1]
-    out_dtype = x.dtype
-    g = x.astype(work)
-    if transposed:
+    g = x.astype(jnp.complex64 if complex_ else jnp.float32)
+    if transposed:  # iterate on the wide orientation: X X^H is the small Gram matrix
         g = jnp.swapaxes(g, -1, -2)
-
-    def ht(u):  # u^H (u^T for real u)
-        u = jnp.swapaxes(u, -1, -2)
-        return u.conj() if complex_ else u
-
-    def mm(u, v):
-        return jnp.matmul(u.astype(dtype), v.astype(dtype), preferred_element_type=work)
-
-    if not isinstance(gram, GramOptions):
-        raise TypeError(f"gram must be a muon_jax.newton_schulz.GramOptions, got {gram!r}.")
-    blocks = resolve_symmetric_blocks(symmetric_blocks, shape=g.shape)
-    if symmetric_blocks == "auto" and blocks == "tiles" and (
-            complex_ or jnp.dtype(dtype).name not in TILES_DTYPES):
-        blocks = 1  # the kernel takes 16-bit real operands only
-    use_gram = resolve_ns_method(method, g.shape[-2], g.shape[-1], dtype,
-                                 single_triple=len(set(steps)) == 1,
-                                 symmetric_blocks=blocks) == "gram"
+    ops, use_gram = _products(g.shape, dtype, complex_, method, gram, symmetric_blocks, steps)
+    y, first_gram, steps = _precondition(g, steps, preconditioning, eps, ops,
+                                         fuse_first=not use_gram)
     if use_gram:
-        if gram.dtype is not None:
-            dtype = gram.dtype
-        elif not complex_ and jnp.dtype(dtype) == jnp.bfloat16:
-            dtype = jnp.float16
-    if symmetric_blocks == "auto" and blocks == "tiles" and \
-            jnp.dtype(dtype).name not in TILES_DTYPES:
-        blocks = 1  # a wide GramOptions.dtype (float32): the kernel cannot take its operands
-
-    if blocks == "tiles" and (complex_ or jnp.dtype(dtype).name not in TILES_DTYPES):
-        raise ValueError(f"symmetric_blocks='tiles' needs 16-bit real matmul operands "
-                         f"{TILES_DTYPES}, got dtype={jnp.dtype(dtype).name}; pass "
-                         "dtype=jnp.bfloat16, or symmetric_blocks=1 / 'auto'.")
-
-    def mms(u, v, rows, out=work):
-        """``u @ v``, a product known to be Hermitian; ``rows``: the matrix whose conjugate
-        transpose is ``v`` (``v`` itself when it is Hermitian), which the tile kernel reads."""
-        if blocks == "tiles":
-            return symmetric_tiles_matmul(u, rows, dtype=dtype, preferred_element_type=out)
-        return symmetric_matmul(u, v, blocks=blocks, dtype=dtype, preferred_element_type=out)
-
-    first_gram = None
-    if preconditioning in ("aol", "schatten"):
-        # The first step is scaled from its own Gram matrix instead of a norm of X.
-        first_gram = mms(g, ht(g), g)
-        if preconditioning == "aol":
-            rows = jnp.maximum(jnp.sum(jnp.abs(first_gram), axis=-1, keepdims=True), eps)
-            s = jax.lax.rsqrt(rows).astype(work)  # [..., m, 1]
-            y, first_gram = g * s, first_gram * s * jnp.swapaxes(s, -1, -2)
-        else:
-            fro = jnp.sqrt(jnp.sum(jnp.abs(first_gram) ** 2, axis=(-2, -1), keepdims=True))
-            s = jax.lax.rsqrt(jnp.maximum(fro, eps)).astype(work)
-            y, first_gram = g * s, first_gram * (s * s)
-        if not use_gram:
-            (a, b, c), steps = steps[0], steps[1:]
-            y = a * y + mm(b * first_gram + mms(c * first_gram, first_gram, first_gram), y)
+        y = _gram_steps(y, first_gram, steps, gram.restarts, mm=ops.mm, mms=ops.mms, ht=ops.ht)
     else:
-        if preconditioning == "spectral":
-            norm = jnp.linalg.norm(g, ord=2, axis=(-2, -1), keepdims=True)
-        else:
-            norm = jnp.sqrt(jnp.sum(jnp.abs(g) ** 2, axis=(-2, -1), keepdims=True))
-        y = g / (norm + eps).astype(work)
-
-    if use_gram:
-        y = _gram_steps(y, first_gram, steps, gram.restarts, mm=mm, mms=mms, ht=ht)
-    elif complex_ or jnp.finfo(dtype).bits >= 32:
-        for a, b, c in steps:
-            a_ = mms(y, ht(y), y)
-            poly = b * a_ + mms(c * a_, a_, a_)  # (c A) A, as in the reference implementations
-            y = a * y + mm(poly, y)
-    else:
-        # Narrow operands: X stays float32 (a X must not be rounded: rounding X itself puts
-        # noise into the directions of small singular values, which later steps amplify), but
-        # nothing else needs float32 storage. One cast of X per step feeds both X-matmuls; the
-        # Gram matrix and the polynomial B = A (c A + b I) leave their matmuls in `dtype`
-        # (float32 accumulation on GPU/TPU): over [m, m] one `dtype` pass (c A + b I) instead
-        # of a float32 A A written and read back. Per step over the [m, n] iterate: one
-        # float32 -> dtype cast and one fused a X + (B X) update.
-        eye = jnp.eye(y.shape[-2], dtype=jnp.float32)
-        for a, b, c in steps:
-            yn = y.astype(dtype)
-            a_ = mms(yn, jnp.swapaxes(yn, -1, -2), yn, out=dtype)
-            shifted = (c * a_.astype(jnp.float32) + b * eye).astype(dtype)
-            # A, c A + b I commute: the product is symmetric
-            poly = mms(a_, shifted, shifted, out=dtype)
-            y = a * y + mm(poly, yn)
+        y = _standard_steps(y, steps, ops)
     if transposed:
         y = jnp.swapaxes(y, -1, -2)
-    return y.astype(out_dtype)
+    return y.astype(x.dtype)
 
 
 def _gram_steps(y, r, steps, restarts, *, mm, mms, ht):

@@ -7,10 +7,11 @@ and ``MuonDimensionNumbers`` take optax 0.2.8's arguments with optax's defaults 
 ``None`` entries to AdamW; width scaling unless ``consistent_rms``; the iteration in the
 updates' dtype; ``eps`` for Muon and AdamW; ``mu_dtype`` and ``nesterov`` for both, so the
 AdamW part is NAdamW under ``nesterov=True``; per-step coefficient triples run all of them),
-and run muon_jax's implementation. Extra keyword arguments (``mesh=``, ``chunk_bytes=``, ...)
-go through to :func:`muon_jax.muon` / :func:`muon_jax.scale_by_muon`, so a port can shard
-without other changes. optax's own Muon test file runs against this module
-(``tests/muon_jax/test_optax_port.py``).
+and run muon_jax's implementation. One keyword is added, ``sharding=``
+(:class:`muon_jax.ShardingOptions`), so a port can shard without other changes. optax's own
+Muon test file runs against this module (``tests/muon_jax/test_optax_port.py``), and
+``optax.inject_hyperparams`` takes these functions without ``static_args``, as it takes
+optax's.
 
 The README's "Coming from optax.contrib.muon" table maps each argument to its
 :func:`muon_jax.muon` spelling and says where the two defaults differ and why.
@@ -38,7 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from muon_jax import matrices, newton_schulz, transform
+from muon_jax import arguments, masking, matrices, newton_schulz, transform
+from muon_jax.newton_schulz import NewtonSchulzOptions
+from muon_jax.sharded_step import ShardingOptions
 
 __all__ = ["MuonDimensionNumbers", "compute_muon_reshape", "muon",
            "orthogonalize_via_newton_schulz", "scale_by_muon"]
@@ -46,21 +49,34 @@ __all__ = ["MuonDimensionNumbers", "compute_muon_reshape", "muon",
 MuonDimensionNumbers = matrices.MuonDimensionNumbers
 
 
-def _steps(ns_coeffs: Any, ns_steps: Any) -> tuple[Any, int]:
+def _steps(ns_coeffs: Any, ns_steps: Any) -> tuple[Any, Any]:
     """optax's schedule rule: a name as is; ``T`` per-step triples run all ``T`` (``T <=
-    ns_steps``, else an error, as optax); one triple ``ns_steps`` times."""
-    ns_steps = int(ns_steps)
+    ns_steps``, else an error, as optax); one triple ``ns_steps`` times. Traced values (under
+    ``optax.inject_hyperparams``) pass through to the loop of :func:`muon_jax.orthogonalize`."""
+    if not arguments.is_traced(ns_steps):
+        arguments.check_number("ns_steps", ns_steps, low=1, fix="e.g. ns_steps=5.")
+        ns_steps = int(ns_steps)
     if isinstance(ns_coeffs, str):
         if ns_coeffs not in ("standard", "dion"):
-            raise ValueError(f"Unknown ns_coeff preset string: {ns_coeffs} (optax's presets "
-                             "are 'standard' and 'dion')")
+            raise ValueError(f"Unknown ns_coeffs preset string {ns_coeffs!r}; optax's presets "
+                             "are 'standard' and 'dion' (or pass a triple or per-step triples).")
         if ns_coeffs == "dion":
             ns_coeffs = newton_schulz.DION_COEFFS
         else:
             return "jordan", ns_steps
-    arr = np.asarray(ns_coeffs, dtype=np.float64)
+    if arguments.is_traced(ns_coeffs):
+        shape = tuple(np.shape(ns_coeffs))
+        return ns_coeffs, shape[0] if len(shape) == 2 else ns_steps
+    try:
+        arr = np.asarray(ns_coeffs, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(f"ns_coeffs={ns_coeffs!r} is not a preset name, a triple (a, b, c) or "
+                        "per-step triples; pass e.g. ns_coeffs=(3.4445, -4.775, 2.0315).") from None
+    if arr.shape[-1:] != (3,) or arr.ndim not in (1, 2):
+        raise ValueError(f"ns_coeffs has shape {arr.shape}; pass one triple (3,) or per-step "
+                         "triples (T, 3).")
     if arr.ndim == 2:
-        if arr.shape[0] > ns_steps:
+        if not arguments.is_traced(ns_steps) and arr.shape[0] > ns_steps:
             raise ValueError(f"Not enough coeffs to perform {ns_steps} steps")
         return tuple(map(tuple, arr.tolist())), arr.shape[0]
     return tuple(arr.tolist()), ns_steps
@@ -107,7 +123,7 @@ def orthogonalize_via_newton_schulz(
     schedule, steps = _steps(coeffs, ns_steps if coeffs.ndim == 1 else len(coeffs))
     view = matrices.matrix_view(x.shape, None if x.ndim == 2 else dimension_numbers)
     o = newton_schulz.orthogonalize(matrices.to_matrices(x, view), ns_coeffs=schedule,
-                                    ns_steps=steps, eps=float(eps), dtype=jnp.float32,
+                                    ns_steps=steps, eps=eps, dtype=jnp.float32,
                                     preconditioning=preconditioning)
     return matrices.from_matrices(o, view)
 
@@ -121,6 +137,27 @@ def _two_d_default(dims: Any) -> Callable[[Any], Any]:
     return dims
 
 
+def _check_adam_args(b1: Any, b2: Any, eps_root: Any, weight_decay: Any,
+                     learning_rate: Any) -> None:
+    """optax's AdamW arguments, checked under their own names."""
+    for name, value, example in (("adam_b1", b1, 0.9), ("adam_b2", b2, 0.999)):
+        arguments.check_number(name, value, low=0.0, high=1.0, high_open=True,
+                               fix=f"e.g. {name}={example}.")
+    arguments.check_number("adam_eps_root", eps_root, low=0.0, fix="e.g. adam_eps_root=0.0.")
+    arguments.check_schedule("adam_weight_decay", weight_decay,
+                             fix="e.g. adam_weight_decay=0.0 or a schedule.")
+    if learning_rate is not None:
+        arguments.check_schedule("adam_learning_rate", learning_rate,
+                                 fix="e.g. adam_learning_rate=3e-4, a schedule or None.")
+
+
+def _newton_schulz(adaptive: Any, preconditioning: Any) -> NewtonSchulzOptions:
+    """optax's iteration: float32 matmuls (the updates' dtype), its preconditioning and
+    ``adaptive``."""
+    return NewtonSchulzOptions(dtype=jnp.float32, preconditioning=preconditioning,
+                               adaptive=adaptive)
+
+
 def scale_by_muon(
     ns_coeffs: Any = newton_schulz.JORDAN_COEFFS,
     ns_steps: jax.typing.ArrayLike = 5,
@@ -132,10 +169,13 @@ def scale_by_muon(
     adaptive: bool = False,
     preconditioning: newton_schulz.Preconditioning = "frobenius",
     weight_dimension_numbers: Any = None,
-    **kwargs: Any,
+    sharding: ShardingOptions | None = None,
 ) -> optax.GradientTransformation:
     """optax's ``scale_by_muon`` (no shape scaling; the iteration in the updates' dtype, as
     float32 matmuls): :func:`muon_jax.scale_by_muon` with ``shape_scaling=None``.
+
+    Args are optax's (see ``optax.contrib.scale_by_muon``), and ``sharding``
+    (:class:`muon_jax.ShardingOptions`) shards it.
 
     Example:
       >>> tx = scale_by_muon()
@@ -143,11 +183,13 @@ def scale_by_muon(
       >>> u['w'].shape
       (4, 4)
     """
+    arguments.check_tree("weight_dimension_numbers", weight_dimension_numbers,
+                         "MuonDimensionNumbers, a tree of them or a callable")
     schedule, steps = _steps(ns_coeffs, ns_steps)
     return transform.scale_by_muon(
-        schedule, steps, beta, float(eps), mu_dtype, nesterov=nesterov, adaptive=adaptive,
-        preconditioning=preconditioning, dimension_numbers=weight_dimension_numbers,
-        shape_scaling=None, ns_dtype=jnp.float32, **kwargs)
+        schedule, steps, beta, eps, mu_dtype, nesterov=nesterov, shape_scaling=None,
+        dimension_numbers=weight_dimension_numbers,
+        newton_schulz=_newton_schulz(adaptive, preconditioning), sharding=sharding)
 
 
 def muon(
@@ -169,13 +211,15 @@ def muon(
     adam_weight_decay: jax.typing.ArrayLike = 0.0,
     adam_learning_rate: optax.ScalarOrSchedule | None = None,
     muon_weight_dimension_numbers: Any = None,
-    consistent_rms: float | None = None,
-    **kwargs: Any,
+    consistent_rms: jax.typing.ArrayLike | None = None,
+    sharding: ShardingOptions | None = None,
 ) -> optax.GradientTransformation:
     """``optax.contrib.muon``'s arguments and defaults on :func:`muon_jax.muon`.
 
-    Args are optax's (see ``optax.contrib.muon``); ``kwargs`` go to :func:`muon_jax.muon`
-    (``mesh=``, ``shard_axes=``, ``chunk_bytes=``, ``gather_dtype=``, ...).
+    Args are optax's (see ``optax.contrib.muon``): every 2-D leaf goes to Muon unless
+    ``muon_weight_dimension_numbers`` says otherwise (``None`` entries: AdamW), ``eps``,
+    ``mu_dtype`` and ``nesterov`` serve both parts. ``sharding``
+    (:class:`muon_jax.ShardingOptions`) shards it.
 
     Example:
       >>> tx = muon(1e-3, ns_coeffs="dion", consistent_rms=0.2)
@@ -183,13 +227,25 @@ def muon(
       >>> u['w'].shape
       (4, 4)
     """
+    # Checked here under optax's names: eps, mu_dtype and nesterov also set the AdamW part.
+    arguments.check_number("eps", eps, low=0.0, fix="e.g. eps=1e-8.")
+    arguments.float_dtype("mu_dtype", mu_dtype, none="the params' dtype")
+    arguments.check_bool("nesterov", nesterov)
+    _check_adam_args(adam_b1, adam_b2, adam_eps_root, adam_weight_decay, adam_learning_rate)
+    if consistent_rms is not None:
+        arguments.check_number("consistent_rms", consistent_rms, low=0.0, low_open=True,
+                               fix="e.g. consistent_rms=0.2, or None (width scaling).")
+    arguments.check_tree("muon_weight_dimension_numbers", muon_weight_dimension_numbers,
+                         "MuonDimensionNumbers, a tree of them and None, or a callable")
     schedule, steps = _steps(ns_coeffs, ns_steps)
+    dims = _two_d_default(muon_weight_dimension_numbers)
+    adamw = transform.AdamWOptions(
+        learning_rate=adam_learning_rate, b1=adam_b1, b2=adam_b2, eps=eps,
+        eps_root=adam_eps_root, weight_decay=adam_weight_decay, nesterov=nesterov,
+        mu_dtype=mu_dtype)
     return transform.muon(
-        learning_rate, schedule, steps, beta, float(eps), weight_decay, mu_dtype=mu_dtype,
-        nesterov=nesterov, ns_dtype=jnp.float32,
-        shape_scaling="spectral", consistent_rms=consistent_rms, adaptive=adaptive,
-        preconditioning=preconditioning, weight_decay_mask=weight_decay_mask,
-        adam_learning_rate=adam_learning_rate, adam_b1=adam_b1, adam_b2=adam_b2, adam_eps=eps,
-        adam_eps_root=adam_eps_root, adam_weight_decay=adam_weight_decay,
-        adam_nesterov=nesterov, adam_mu_dtype=mu_dtype,
-        muon_weight_dimension_numbers=_two_d_default(muon_weight_dimension_numbers), **kwargs)
+        learning_rate, schedule, steps, beta, eps, weight_decay, mu_dtype=mu_dtype,
+        nesterov=nesterov, shape_scaling="spectral" if consistent_rms is None else consistent_rms,
+        muon_mask=masking.mask_from_dimension_numbers(dims), dimension_numbers=dims,
+        weight_decay_mask=weight_decay_mask, adamw=adamw,
+        newton_schulz=_newton_schulz(adaptive, preconditioning), sharding=sharding)

@@ -51,8 +51,9 @@ ReplicatedGrads = Literal["slice", "scatter"]
 EntryOp = Literal["split", "a2a_m", "a2a_n"]
 
 DEFAULT_CHUNK_BYTES: int | None = None
-"""Default ``chunk_bytes``: one collective per stack and direction (chunking the stacks did not
-speed up the sharded Muon step: docs/benchmark_log.md, Muon step and Newton-Schulz)."""
+"""Default ``chunk_bytes``: one collective per stack and direction. Chunks let XLA overlap one
+chunk's collectives with another's Newton-Schulz, but each adds its own collectives and
+copies; one per stack is the simpler program, and chunking stays opt-in."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,6 +341,21 @@ def _group_axes(
     return spec[d0]
 
 
+def _view_spec(nspec: tuple[Axes, ...], view: matrices.MatrixView,
+               where: str) -> tuple[Axes, ...]:
+    """Mesh axes per axis of ``view.shape``: the leaf's, with a split (fused) axis, which
+    must not be sharded, as two unsharded parts."""
+    if view.split is None:
+        return nspec
+    s = view.split[0]
+    if nspec[s]:
+        raise ValueError(
+            f"{where}: dim {s} holds {view.split[1]} fused matrices side by side "
+            f"(SplitDimensionNumbers) and is sharded over {nspec[s]}; shard another dim, or "
+            "view the leaf as one matrix with MuonDimensionNumbers.")
+    return nspec[:s] + ((), ()) + nspec[s + 1:]
+
+
 def _leaf_plan(
     path: str, shape: tuple[int, ...], dtype: Any, spec: Any, dim_nums: Any, *,
     mesh: MeshLike, shard: Axes, replicated_grads: ReplicatedGrads,
@@ -353,14 +369,17 @@ def _leaf_plan(
             f"{where}: the param is sharded over mesh axis {a!r}, which is not a shard axis "
             f"(shard_axes={shard}); add {a!r} to shard_axes or replicate the param over it."
         )
-    k_axes = _group_axes(nspec, view.batch_axes, shape, mesh, "batch", where)
-    m_axes = _group_axes(nspec, view.reduction_axes, shape, mesh, "reduction", where)
-    n_axes = _group_axes(nspec, view.output_axes, shape, mesh, "output", where)
+    vspec = _view_spec(nspec, view, where)
+    k_axes = _group_axes(vspec, view.batch_axes, view.shape, mesh, "batch", where)
+    m_axes = _group_axes(vspec, view.reduction_axes, view.shape, mesh, "reduction", where)
+    n_axes = _group_axes(vspec, view.output_axes, view.shape, mesh, "output", where)
     rest = tuple(a for a in shard if a not in k_axes + m_axes + n_axes)
     entry, rest_entry = list(nspec), "split"
     if replicated_grads == "scatter" and rest:
         for group, op in ((view.reduction_axes, "a2a_m"), (view.output_axes, "a2a_n")):
-            d0 = group[0]
+            d0 = view.leaf_axis(group[0])
+            if view.split is not None and d0 == view.split[0]:
+                continue  # a fused axis arrives whole (its parts are separate matrices)
             if (shape[d0] // mesh_size(mesh, nspec[d0])) % mesh_size(mesh, rest) == 0:
                 entry[d0], rest_entry = nspec[d0] + rest, op
                 break

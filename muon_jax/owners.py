@@ -80,8 +80,7 @@ def partition_spec(spec: Sequence[Axes], **kw: Any) -> P:
 def _local_view(leaf: LeafPlan, spec: Sequence[Axes], mesh: MeshLike) -> matrices.MatrixView:
     """The leaf's matrix view of one device's block when it is sharded as ``spec``."""
     shape = tuple(s // mesh_size(mesh, axes) for s, axes in zip(leaf.shape, spec, strict=True))
-    v = leaf.view
-    return matrices.MatrixView(v.batch_axes, v.reduction_axes, v.output_axes, shape)
+    return leaf.view.with_leaf_shape(shape)
 
 
 def _explicit_axes(mesh: MeshLike) -> frozenset[str]:

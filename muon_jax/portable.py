@@ -54,9 +54,11 @@ class PortableMuonState(NamedTuple):
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from muon_jax import portable_state, scale_by_muon
+      >>> from muon_jax import MuonDimensionNumbers, ShardingOptions, scale_by_muon
       >>> mesh = jax.make_mesh((jax.device_count(),), ('data',))
-      >>> state = portable_state(scale_by_muon(mesh=mesh).init({'w': jnp.ones((8, 4, 8))}))
+      >>> tx = scale_by_muon(sharding=ShardingOptions(mesh),
+      ...                    dimension_numbers=MuonDimensionNumbers(1, 2))  # a stack of 8
+      >>> state = portable_state(tx.init({'w': jnp.ones((8, 4, 8))}))
       >>> type(state).__name__, [m.shape for m in state.mu]
       ('PortableMuonState', [(8, 4, 8)])
     """
@@ -114,10 +116,11 @@ def portable_state(opt_state: Any) -> Any:
       (``count``, and ``mu``: one array per Muon leaf in ``plan.leaves`` order, i.e. the
       order of ``jax.tree.leaves`` of the Muon params), which means the same on every mesh.
 
-    >>> from muon_jax import scale_by_muon
+    >>> from muon_jax import MuonDimensionNumbers, ShardingOptions, scale_by_muon
     >>> mesh = jax.make_mesh((jax.device_count(),), ('data',))
+    >>> stack = MuonDimensionNumbers(1, 2)  # 'w' is 4 matrices [8, 8]
     >>> params = jax.device_put({'w': np.ones((4, 8, 8), np.float32)}, NamedSharding(mesh, jax.P()))
-    >>> state = scale_by_muon(mesh=mesh).init(params)
+    >>> state = scale_by_muon(sharding=ShardingOptions(mesh), dimension_numbers=stack).init(params)
     >>> portable = portable_state(state)  # e.g. orbax: ckpt.save(path, portable)
     >>> type(portable).__name__, [m.shape for m in portable.mu]
     ('PortableMuonState', [(4, 8, 8)])
@@ -162,10 +165,11 @@ def restore_state(portable: Any, template: Any) -> Any:
       ValueError: naming the leaf when the portable momentum does not fit the template's
         Muon leaves (another model), or a ``ShardedMuonState`` meets no portable state.
 
-    >>> from muon_jax import scale_by_muon
+    >>> from muon_jax import MuonDimensionNumbers, ShardingOptions, scale_by_muon
     >>> mesh = jax.make_mesh((jax.device_count(),), ('data',))
+    >>> stack = MuonDimensionNumbers(1, 2)  # 'w' is 4 matrices [8, 8]
     >>> params = jax.device_put({'w': np.ones((4, 8, 8), np.float32)}, NamedSharding(mesh, jax.P()))
-    >>> tx = scale_by_muon(mesh=mesh)
+    >>> tx = scale_by_muon(sharding=ShardingOptions(mesh), dimension_numbers=stack)
     >>> _, state = jax.jit(tx.update)(params, tx.init(params))
     >>> back = restore_state(portable_state(state), tx.init(params))  # any mesh
     >>> bool((back.mu[0] == state.mu[0]).all()), int(back.count)
@@ -221,10 +225,12 @@ def portable_target(template: Any) -> Any:
     Returns:
       A tree of ``jax.ShapeDtypeStruct`` shaped like ``portable_state(template)``.
 
-    >>> from muon_jax import scale_by_muon
+    >>> from muon_jax import MuonDimensionNumbers, ShardingOptions, scale_by_muon
     >>> mesh = jax.make_mesh((jax.device_count(),), ('data',))
+    >>> stack = MuonDimensionNumbers(1, 2)  # 'w' is 4 matrices [8, 8]
     >>> params = jax.device_put({'w': np.ones((4, 8, 8), np.float32)}, NamedSharding(mesh, jax.P()))
-    >>> target = portable_target(scale_by_muon(mesh=mesh).init(params))
+    >>> tx = scale_by_muon(sharding=ShardingOptions(mesh), dimension_numbers=stack)
+    >>> target = portable_target(tx.init(params))
     >>> target.mu[0].shape, target.mu[0].sharding.spec == jax.P()  # ckpt.restore(path, target)
     ((4, 8, 8), True)
     """
@@ -291,10 +297,12 @@ def plan_fingerprint(opt_state: Any) -> tuple[tuple[np.ndarray, ...], ...]:
       Per ``ShardedMuonState`` in tree order, a tuple of int32 numpy arrays
       ``[N * k_owner]``, one per stack.
 
-    >>> from muon_jax import scale_by_muon
+    >>> from muon_jax import MuonDimensionNumbers, ShardingOptions, scale_by_muon
     >>> mesh = jax.make_mesh((jax.device_count(),), ('data',))
+    >>> stack = MuonDimensionNumbers(1, 2)  # 'w' is 4 matrices [8, 8]
     >>> params = jax.device_put({'w': np.ones((4, 8, 8), np.float32)}, NamedSharding(mesh, jax.P()))
-    >>> (rows,), = plan_fingerprint(scale_by_muon(mesh=mesh).init(params))
+    >>> tx = scale_by_muon(sharding=ShardingOptions(mesh), dimension_numbers=stack)
+    >>> (rows,), = plan_fingerprint(tx.init(params))
     >>> rows[rows >= 0].tolist()  # e.g. ckpt.save(path, {'opt': state, 'rows': ...})
     [0, 1, 2, 3]
     """
@@ -320,10 +328,11 @@ def check_state(opt_state: Any, fingerprint: Any) -> None:
       ValueError: naming the stack and the first row that holds another matrix, with the fix
         (checkpoint :func:`portable_state` and restore with :func:`restore_state`).
 
-    >>> from muon_jax import scale_by_muon
+    >>> from muon_jax import MuonDimensionNumbers, ShardingOptions, scale_by_muon
     >>> mesh = jax.make_mesh((jax.device_count(),), ('data',))
+    >>> stack = MuonDimensionNumbers(1, 2)  # 'w' is 4 matrices [8, 8]
     >>> params = jax.device_put({'w': np.ones((4, 8, 8), np.float32)}, NamedSharding(mesh, jax.P()))
-    >>> state = scale_by_muon(mesh=mesh).init(params)
+    >>> state = scale_by_muon(sharding=ShardingOptions(mesh), dimension_numbers=stack).init(params)
     >>> check_state(state, plan_fingerprint(state))  # passes: same owner plan
     >>> check_state(state, ((np.arange(8)[::-1],),))  # doctest: +ELLIPSIS
     Traceback (most recent call last):

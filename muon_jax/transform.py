@@ -1,14 +1,21 @@
 """Muon as Optax transforms: ``scale_by_muon`` (the direction) and ``muon`` (the optimizer).
 
-Thin shells over pure functions: :func:`momentum_step` (momentum, bias correction, Nesterov),
-:func:`muon_jax.orthogonalize` on each leaf's ``[B, m, n]`` view, and
-:func:`muon_jax.matrices.shape_scale`. With ``mesh=`` the same per-matrix step runs on the
-owner blocks of :mod:`muon_jax.owners`. ``muon`` routes hidden-layer matrices to Muon and the
-rest to AdamW with :func:`optax.partition`.
+Thin shells over pure functions: :func:`momentum_step` (momentum, bias correction, Nesterov)
+and :func:`muon_direction` (:func:`muon_jax.orthogonalize` on each leaf's ``[B, m, n]`` view,
+then :func:`muon_jax.matrices.shape_scale`). With ``sharding=`` the same per-matrix step runs
+on the owner blocks of :mod:`muon_jax.owners`. ``muon`` routes hidden-layer matrices to Muon
+and the rest to AdamW with :func:`optax.partition`.
+
+Structural options live in frozen option objects (:class:`muon_jax.NewtonSchulzOptions`,
+:class:`muon_jax.ShardingOptions`, :class:`AdamWOptions`), which ``optax.inject_hyperparams``
+keeps static; the numbers stay flat, so it can inject them (``learning_rate``, ``beta``,
+``weight_decay``, ``eps``, ``ns_steps``, a numeric ``shape_scaling``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -16,28 +23,35 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from muon_jax import dp, masking, matrices, newton_schulz, owner_plan
+from muon_jax import arguments, dp, layouts, masking, matrices
 from muon_jax.newton_schulz import (
-    GramOptions,
+    DEFAULT_NEWTON_SCHULZ,
+    NewtonSchulzOptions,
     NsCoeffsLike,
-    NsMethod,
-    Preconditioning,
     orthogonalize,
     resolve_ns_coeffs,
+    schedule_steps,
 )
-from muon_jax.sharded_step import (
-    GatherDtype,
-    ShardedMuonState,
-    SpecsLike,
-    init_sharded,
-    update_sharded,
-)
+from muon_jax.sharded_step import ShardedMuonState, ShardingOptions, init_sharded, update_sharded
 
-MeshArg = jax.sharding.Mesh | jax.sharding.AbstractMesh | None
+
+@dataclasses.dataclass(frozen=True)
+class LeafViews:
+    """The matrix view of each leaf, fixed at ``init`` (a pytree node without leaves).
+
+    Example:
+      >>> LeafViews((matrices.matrix_view((4, 8)),)).views[0].m
+      4
+    """
+
+    views: tuple[matrices.MatrixView, ...]
+
+
+jax.tree_util.register_static(LeafViews)
 
 
 class MuonState(NamedTuple):
-    """State of :func:`scale_by_muon` without a mesh.
+    """State of :func:`scale_by_muon` without sharding.
 
     Example:
       >>> import jax.numpy as jnp
@@ -49,6 +63,75 @@ class MuonState(NamedTuple):
 
     count: jax.Array  # int32 scalar: number of updates so far
     mu: optax.Updates  # momentum, same tree as the params
+    # the leaves' matrix views from init (static; None: read from dimension_numbers)
+    views: LeafViews | None = None
+
+
+def _options_number(name: str, value: Any, **bounds: Any) -> Any:
+    """An option object's number, checked: a float, or a JAX array as it came (optax_compat
+    passes on the values ``optax.inject_hyperparams`` traced)."""
+    arguments.check_number(name, value, **bounds)
+    return value if isinstance(value, jax.Array) else float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamWOptions:
+    """The AdamW part of :func:`muon`, for every leaf that is not a hidden matrix:
+    ``optax.adamw(learning_rate, b1, b2, eps, eps_root, weight_decay=weight_decay,
+    nesterov=nesterov, mu_dtype=mu_dtype)``.
+
+    Frozen: ``optax.inject_hyperparams`` keeps it static, so AdamW's learning rate and weight
+    decay follow :func:`muon`'s (injected) ones unless given here.
+
+    Attributes:
+      learning_rate: AdamW's learning rate, a float or an optax schedule (``None``: Muon's).
+      b1: first-moment decay, in ``[0, 1)``.
+      b2: second-moment decay, in ``[0, 1)``; 0.95 is the usual value for LLM training
+        (optax's default is 0.999).
+      eps: added to the denominator, ``>= 0``.
+      eps_root: added inside the square root, ``>= 0``.
+      weight_decay: decoupled weight decay, a float or a schedule (``None``: Muon's; with
+        ``shape_scaling='rms_match'`` one value serves both).
+      nesterov: NAdamW (what ``optax.contrib.muon(nesterov=True)`` runs for these leaves).
+      mu_dtype: dtype of the first moment (``None``: the params').
+
+    Example:
+      >>> AdamWOptions(learning_rate=3e-4).b2
+      0.95
+      >>> AdamWOptions(b1=1.0)  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      ValueError: AdamWOptions: b1=1.0 is out of range [0.0, 1.0); pass e.g. b1=0.9.
+    """
+
+    learning_rate: optax.ScalarOrSchedule | None = None
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    eps_root: float = 0.0
+    weight_decay: optax.ScalarOrSchedule | None = None
+    nesterov: bool = False
+    mu_dtype: jax.typing.DTypeLike | None = None
+
+    def __post_init__(self):
+        w = "AdamWOptions: "
+        for name in ("learning_rate", "weight_decay"):
+            if getattr(self, name) is not None:
+                arguments.check_schedule(w + name, getattr(self, name),
+                                         fix=f"e.g. {name}=3e-4, a schedule or None (Muon's).")
+        for name, fix in (("b1", "e.g. b1=0.9."), ("b2", "e.g. b2=0.95.")):
+            object.__setattr__(self, name, _options_number(
+                w + name, getattr(self, name), low=0.0, high=1.0, high_open=True, fix=fix))
+        for name, example in (("eps", "1e-8"), ("eps_root", "0.0")):
+            object.__setattr__(self, name, _options_number(
+                w + name, getattr(self, name), low=0.0, fix=f"e.g. {name}={example}."))
+        arguments.check_bool(w + "nesterov", self.nesterov)
+        object.__setattr__(self, "mu_dtype", arguments.float_dtype(
+            w + "mu_dtype", self.mu_dtype, none="the params' dtype"))
+
+
+DEFAULT_ADAMW = AdamWOptions()
+"""The default AdamW part of :func:`muon`."""
 
 
 def momentum_step(
@@ -76,7 +159,7 @@ def momentum_step(
       g: the gradient.
       mu: the previous momentum.
       count_inc: the step number ``t >= 1`` (int32 scalar).
-      beta: momentum decay.
+      beta: momentum decay (a number or a scalar array, e.g. traced).
       nesterov: use the Nesterov form.
       bias_correction: divide by ``1 - beta^k`` (optax) or not (PyTorch, Keller Jordan's and
         Moonlight's references).
@@ -105,62 +188,110 @@ def momentum_step(
     return mu, mu_hat
 
 
-def _matrix_views(tree: Any, dimension_numbers: matrices.DimNumsLike, what: str):
-    """Validated matrix view per leaf; errors name the leaf and the fix."""
-    flat_dims = matrices.resolve_dim_nums(dimension_numbers, tree)
-    leaves_with_path = jax.tree_util.tree_flatten_with_path(tree)[0]
-    out = []
-    for (path, leaf), d in zip(leaves_with_path, flat_dims, strict=True):
-        name = matrices.path_str(path)
-        dtype = getattr(leaf, "dtype", None)
-        if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
-            raise ValueError(
-                f"{what} leaf {name!r} has dtype {dtype}; Muon updates float or complex "
-                "matrices only: route it to AdamW (muon_mask) or keep it out of the optimized "
-                "params."
-            )
-        out.append(matrices.matrix_view(leaf.shape, d, path=f"{what} leaf {name!r}"))
-    return out
+def muon_direction(
+    mats: jax.Array,
+    *,
+    ns_coeffs: NsCoeffsLike = "jordan",
+    ns_steps: Any = 5,
+    eps: Any = 1e-8,
+    shape_scaling: matrices.ShapeScaling = "spectral",
+    newton_schulz: NewtonSchulzOptions = DEFAULT_NEWTON_SCHULZ,
+) -> jax.Array:
+    r"""Muon's direction for a ``[B, m, n]`` batch of (momentum) matrices ``M``:
+
+    .. math::
+      O = s(m, n) \cdot \mathrm{NS}(M) \quad (\text{times } \langle M, \mathrm{NS}(M) \rangle
+      \text{ per matrix with } \texttt{adaptive}),
+
+    NS the Newton-Schulz iteration of :func:`muon_jax.orthogonalize` with ``newton_schulz``'s
+    options and ``s`` :func:`muon_jax.matrices.shape_scale`. The numbers may be traced.
+
+    Args:
+      mats: ``[B, m, n]`` float or complex matrices.
+      ns_coeffs: the schedule (:func:`muon_jax.orthogonalize`).
+      ns_steps: the iterations.
+      eps: added to the norm before Newton-Schulz.
+      shape_scaling: ``'spectral'``, ``'spectral_unclamped'``, ``'rms_match'``, a number
+        ``c`` (``c sqrt(max(m, n))``) or ``None``.
+      newton_schulz: the iteration's options.
+
+    Returns:
+      ``[B, m, n]`` in the dtype of ``mats``.
+
+    >>> o = muon_direction(jnp.eye(4)[None] * 3.0, ns_coeffs='polar_express', ns_steps=8,
+    ...                    shape_scaling=None, newton_schulz=NewtonSchulzOptions(dtype='float32'))
+    >>> bool(jnp.allclose(o, jnp.eye(4), atol=1e-2))
+    True
+    """
+    o = newton_schulz
+    out = orthogonalize(mats, ns_coeffs=ns_coeffs, ns_steps=ns_steps, eps=eps, dtype=o.dtype,
+                        preconditioning=o.preconditioning, method=o.method, gram=o.gram,
+                        symmetric_blocks=o.symmetric_blocks)
+    if o.adaptive:  # the dual norm <M, O> of each matrix
+        out = jnp.sum(mats.conj() * out, axis=(-2, -1), keepdims=True).astype(out.dtype) * out
+    scale = matrices.shape_scale(mats.shape[-2], mats.shape[-1], shape_scaling)
+    if isinstance(scale, float) and scale == 1.0:
+        return out
+    return out * jnp.asarray(scale).astype(out.dtype)
 
 
-def _float_dtype_or_none(value: Any, name: str, also: str = "") -> Any:
-    """``value`` as a canonical float dtype, or ``None``; ``ValueError`` naming ``name``."""
-    if value is None:
-        return None
-    try:
-        dt = jax.dtypes.canonicalize_dtype(value)
-    except TypeError:  # not a dtype at all, e.g. a misspelled name
-        dt = None
-    if dt is None or not jnp.issubdtype(dt, jnp.floating):
-        raise ValueError(f"{name}={dt or value} is not a float dtype; pass {also}"
-                         "jnp.bfloat16, jnp.float32 or None (the gradient dtype).")
-    return dt
+def _muon_step(g: jax.Array, mu: jax.Array, count_inc: jax.Array, numbers: dict, *,
+               out_dtype: Any, nesterov: bool, bias_correction: bool,
+               newton_schulz: NewtonSchulzOptions) -> tuple[jax.Array, jax.Array]:
+    """Momentum and direction of one ``[B, m, n]`` batch: one definition for both paths."""
+    mu_new, mu_hat = momentum_step(g, mu, count_inc, numbers["beta"], nesterov=nesterov,
+                                   bias_correction=bias_correction)
+    o = muon_direction(mu_hat, ns_coeffs=numbers["ns_coeffs"], ns_steps=numbers["ns_steps"],
+                       eps=numbers["eps"], shape_scaling=numbers["shape_scaling"],
+                       newton_schulz=newton_schulz)
+    return mu_new, o.astype(out_dtype)
+
+
+def _check_direction_args(ns_coeffs: Any, ns_steps: Any, beta: Any, eps: Any, mu_dtype: Any,
+                          nesterov: Any, bias_correction: Any, shape_scaling: Any,
+                          dimension_numbers: Any, newton_schulz: Any, sharding: Any) -> Any:
+    """Check :func:`scale_by_muon`'s arguments; returns ``mu_dtype`` canonical."""
+    if arguments.is_traced(ns_coeffs) or arguments.is_traced(ns_steps):
+        schedule_steps(ns_coeffs, ns_steps)
+    else:
+        resolve_ns_coeffs(ns_coeffs, ns_steps)
+    arguments.check_number("beta", beta, low=0.0, high=1.0, high_open=True,
+                           fix="a momentum decay in [0, 1), e.g. beta=0.95.")
+    arguments.check_number("eps", eps, low=0.0, fix="e.g. eps=1e-8.")
+    arguments.check_bool("nesterov", nesterov)
+    arguments.check_bool("bias_correction", bias_correction)
+    if not (shape_scaling is None or isinstance(shape_scaling, str)):
+        arguments.check_number("shape_scaling", shape_scaling, low=0.0, low_open=True,
+                               fix="'spectral', 'rms_match' or a factor c > 0.")
+    elif shape_scaling is not None and shape_scaling not in matrices.SHAPE_SCALINGS:
+        matrices.shape_scale(1, 1, shape_scaling)  # raises, naming the choices
+    arguments.check_tree("dimension_numbers", dimension_numbers,
+                    "MuonDimensionNumbers, a tree of them or a callable on params")
+    if not isinstance(newton_schulz, NewtonSchulzOptions):
+        raise TypeError(f"newton_schulz={newton_schulz!r} is not a muon_jax.NewtonSchulzOptions;"
+                        " pass e.g. newton_schulz=muon_jax.NewtonSchulzOptions(dtype=jnp.float32).")
+    if isinstance(sharding, jax.sharding.Mesh | jax.sharding.AbstractMesh):
+        raise TypeError("sharding= takes a muon_jax.ShardingOptions, not a mesh; pass "
+                        "sharding=muon_jax.ShardingOptions(mesh).")
+    if sharding is not None and not isinstance(sharding, ShardingOptions):
+        raise TypeError(f"sharding={sharding!r} is not a muon_jax.ShardingOptions; pass "
+                        "sharding=muon_jax.ShardingOptions(mesh), or None (unsharded).")
+    return arguments.float_dtype("mu_dtype", mu_dtype, none="the params' dtype")
 
 
 def scale_by_muon(
     ns_coeffs: NsCoeffsLike = "jordan",
     ns_steps: int = 5,
     beta: jax.typing.ArrayLike = 0.95,
-    eps: float = 1e-8,
+    eps: jax.typing.ArrayLike = 1e-8,
     mu_dtype: jax.typing.DTypeLike | None = None,
     *,
     nesterov: bool = True,
     bias_correction: bool = True,
-    ns_dtype: jax.typing.DTypeLike = jnp.bfloat16,
     shape_scaling: matrices.ShapeScaling = "spectral",
     dimension_numbers: matrices.DimNumsLike = None,
-    mesh: MeshArg = None,
-    shard_axes: str | tuple[str, ...] | None = None,
-    param_specs: SpecsLike = None,
-    chunk_bytes: int | None = owner_plan.DEFAULT_CHUNK_BYTES,
-    gather_dtype: GatherDtype = "auto",
-    reduce_dtype: jax.typing.DTypeLike | None = None,
-    preconditioning: Preconditioning = "frobenius",
-    adaptive: bool = False,
-    consistent_rms: float | None = None,
-    ns_method: NsMethod = "auto",
-    ns_gram: GramOptions = newton_schulz.DEFAULT_GRAM,
-    ns_symmetric_blocks: newton_schulz.SymmetricBlocks = "auto",
+    newton_schulz: NewtonSchulzOptions = DEFAULT_NEWTON_SCHULZ,
+    sharding: ShardingOptions | None = None,
 ) -> optax.GradientTransformation:
     r"""Rescale updates to Muon's direction: orthogonalized (Nesterov) momentum.
 
@@ -171,107 +302,57 @@ def scale_by_muon(
       O_t = s(m, n) \cdot \mathrm{NS}(\hat\mu_t),
 
     with ``mu_hat`` the (bias-corrected) Nesterov or plain momentum of :func:`momentum_step`,
-    NS the Newton-Schulz iteration of :func:`muon_jax.orthogonalize` (its ``preconditioning``),
-    and ``s`` the shape scaling of :func:`muon_jax.matrices.shape_scale`, or ``consistent_rms
-    \sqrt{\max(m, n)}``. With ``adaptive`` the orthogonalized matrix is scaled by its dual
-    norm before ``s``: ``O <- <mu_hat, O> O`` with ``<A, B> = sum(conj(A) * B)`` per matrix,
-    about the nuclear norm of ``mu_hat`` (steepest descent under the spectral norm, Bernstein
-    and Newhouse). Every leaf must be a float array of rank
-    >= 2 (``None`` / ``optax.MaskedNode`` leaves pass through); route the rest elsewhere, as
-    :func:`muon` does.
+    NS the Newton-Schulz iteration of :func:`muon_jax.orthogonalize` and ``s`` the shape
+    scaling of :func:`muon_jax.matrices.shape_scale` (:func:`muon_direction`). With
+    ``newton_schulz.adaptive`` the orthogonalized matrix is scaled by its dual norm before
+    ``s``: ``O <- <mu_hat, O> O`` with ``<A, B> = sum(conj(A) * B)`` per matrix, about the
+    nuclear norm of ``mu_hat`` (steepest descent under the spectral norm, Bernstein and
+    Newhouse). Every leaf must be a float array of rank >= 2 (``None`` /
+    ``optax.MaskedNode`` leaves pass through); route the rest elsewhere, as :func:`muon` does.
 
-    The state type follows from the call: :class:`MuonState` without ``mesh``, and
-    :class:`ShardedMuonState` with one (an ambient ``jax.set_mesh`` mesh is not used; pass
-    ``mesh=jax.sharding.get_abstract_mesh()`` to shard over it).
+    Each leaf's matrix view is fixed at ``init``: its ``dimension_numbers`` entry, else the
+    view its Flax layer gives it (:func:`muon_jax.layouts.leaf_dimension_numbers`), else the
+    default (last two axes the matrix, leading axes a batch; a warning names leaves of rank
+    >= 3 that get it).
+
+    The state type follows from the call: :class:`MuonState` without ``sharding``, and
+    :class:`ShardedMuonState` with it.
 
     Args:
-      ns_coeffs: Newton-Schulz schedule: ``'jordan'``, ``'polar_express'``, a triple or
-        per-step triples (see :func:`muon_jax.orthogonalize`).
+      ns_coeffs: Newton-Schulz schedule: ``'jordan'``, ``'polar_express'``, ``'dion'``, a
+        triple or per-step triples (see :func:`muon_jax.orthogonalize`).
       ns_steps: Newton-Schulz iterations, ``>= 1``.
-      beta: momentum decay.
-      eps: added to the Frobenius norm before Newton-Schulz.
+      beta: momentum decay, in ``[0, 1)``.
+      eps: added to the Frobenius norm before Newton-Schulz, ``>= 0``.
       mu_dtype: dtype of the momentum (``None``: the params' dtype).
       nesterov: use Nesterov momentum.
       bias_correction: divide the momentum by ``1 - beta^t`` as optax does; ``False``
         reproduces ``torch.optim.Muon`` (and Keller Jordan's and Moonlight's references).
-      ns_dtype: dtype of the Newton-Schulz matmul operands.
-      shape_scaling: ``'spectral'``, ``'spectral_unclamped'``, ``'rms_match'`` or ``None``.
-      dimension_numbers: ``optax.contrib.MuonDimensionNumbers`` for every leaf, a tree (or
-        prefix) of them, or a callable on params returning one. Entries that are ``None``
-        (or ``MaskedNode``) use the default: the last two axes are the matrix (reduction, output)
-        and leading axes are a batch, so ``[m, n]`` is one matrix and ``[L, m, n]`` a stack.
-        Conv kernels ``[kh, kw, c_in, c_out]`` need ``MuonDimensionNumbers((0, 1, 2), 3)``.
-      mesh: shard the optimizer over this mesh (ZeRO-1 owner compute, see
-        :mod:`muon_jax.owners`); ``None``: unsharded. Matrices of one shape form stacks whose
-        stack axis is split over ``shard_axes``: each device keeps the momentum of, and
-        orthogonalizes, only its own whole matrices; gradients arrive by reduce-scatter when
-        they are unreduced (see :func:`muon_jax.dp.reduced_view`), else by a local slice
-        (replicated) or an all-to-all (FSDP / tensor-parallel leaves); updates leave with the
-        params' shardings, in the gradient dtype.
-      shard_axes: mesh axes that split the stacks (``None``: all mesh axes). Every mesh axis
-        that shards a Muon param must be one of them.
-      param_specs: the params' ``PartitionSpec`` s (a spec for every leaf, a tree or prefix of
-        them with ``None`` for replicated, or a callable on params returning one). ``None``:
-        read at ``init`` from the params: concrete arrays and ``jax.ShapeDtypeStruct`` s carry
-        their sharding, traced ones only their Explicit axes. Needed when ``init`` is traced
-        (``jax.jit``, ``jax.eval_shape``, ``nnx.jit``) on a mesh whose shard axes are Auto.
-      chunk_bytes: with a mesh, split each stack's owned matrices into chunks whose
-        collectives move about this many bytes (full buffer ``N * rows * m * n`` in the
-        gradient dtype; at least one matrix per device per chunk), each moved and
-        orthogonalized on its own so XLA can overlap one chunk's collectives with another's
-        Newton-Schulz. ``None`` (default) or 0: one collective per stack and direction (see
-        :data:`muon_jax.owner_plan.DEFAULT_CHUNK_BYTES`).
-      preconditioning: how Newton-Schulz scales its input (:func:`muon_jax.orthogonalize`):
-        ``'frobenius'``, ``'spectral'``, ``'aol'`` or ``'schatten'``.
-      adaptive: scale each orthogonalized matrix by ``<mu_hat, O>`` (above). optax sums that
-        product over a whole leaf; here each matrix of a batched leaf gets its own (the same
-        for 2-D leaves).
-      consistent_rms: if given, the shape scaling is ``consistent_rms * sqrt(max(m, n))`` in
-        place of ``shape_scaling`` (optax's ``consistent_rms``; ``'rms_match'`` is 0.2).
-      gather_dtype: with a mesh, the dtype the orthogonalized updates travel in from their
-        owners back to the params' shardings (all-gather or all-to-all), cast to the
-        gradient dtype on arrival. ``'auto'`` (default): bfloat16 for float32 gradients
-        when ``ns_dtype`` is 16-bit, else the gradient dtype
-        (:func:`muon_jax.sharded_step.resolve_gather_dtype`); ``None``: the gradient dtype
-        (the sharded update then equals the unsharded one); or a dtype. bfloat16 halves
-        those bytes for f32 gradients at a relative rounding of 2^-9 per element of an
-        update whose entries are all about the same size (orthogonal rows), no coarser than
-        Newton-Schulz's 16-bit matmuls; 3-seed training runs ended within their seed spread
-        of f32 gathers (docs/benchmark_log.md, The trainer).
-      reduce_dtype: with a mesh, the dtype in which gradients that arrive unreduced
-        (:func:`muon_jax.reduced_view`) are summed on their way to the owners (the
-        reduce-scatter, and the all-reduce over axes that do not shard the stacks), cast
-        back to the gradient dtype after. ``None`` (default): the gradient dtype, exact.
-        ``jnp.bfloat16`` halves those bytes for f32 gradients, the other half of Muon's
-        traffic (the mixed-precision ``reduce_dtype`` of FSDP), at a cost in precision:
-        each device's partial sum rounds to bf16 (and, on GPU, each addition of the ring),
-        and where the partials cancel the error is large relative to their sum, larger
-        than bf16 Newton-Schulz's own (``tests/muon_jax/test_muon_sharded.py``). Not the
-        default: no training run has set it yet. Replicated or sharded gradients move
-        unsummed and keep their dtype.
-      ns_method: ``'standard'`` Newton-Schulz, its ``'gram'`` form (iterates on ``X X^T``,
-        fewer FLOPs for matrices more than 1.5x as wide as tall), or ``'auto'`` (today the
-        standard form: see :func:`muon_jax.newton_schulz.resolve_ns_method`). Same on the
-        sharded path: each owner runs it on its own matrices.
-      ns_gram: restarts and operand dtype of the Gram form
-        (:class:`muon_jax.newton_schulz.GramOptions`).
-      ns_symmetric_blocks: Newton-Schulz's symmetric products (``X X^T`` and the polynomial
-        in it) from one block triangle in this many row strips; ``'auto'``: 4 on a GPU for
-        the banks of large matrices where that is faster, else 1 (plain matmuls). See
-        :func:`muon_jax.orthogonalize`.
+      shape_scaling: ``'spectral'``, ``'spectral_unclamped'``, ``'rms_match'``, a factor
+        ``c > 0`` (``c sqrt(max(m, n))``: optax's ``consistent_rms``; ``'rms_match'`` is 0.2)
+        or ``None``.
+      dimension_numbers: ``optax.contrib.MuonDimensionNumbers`` (or
+        :class:`muon_jax.SplitDimensionNumbers` for fused leaves) for every leaf, a tree (or
+        prefix) of them, or a callable on params returning one. Entries that are ``None`` (or
+        ``MaskedNode``) take the leaf's layer view or the default (above). Explicit entries
+        always win.
+      newton_schulz: the iteration's options (:class:`muon_jax.NewtonSchulzOptions`: matmul
+        dtype, preconditioning, standard or Gram form, symmetric products, ``adaptive``).
+      sharding: shard the optimizer ZeRO-1 style (:class:`muon_jax.ShardingOptions`: mesh,
+        shard axes, param specs, chunking, wire dtypes); ``None``: unsharded.
 
     Returns:
-      An ``optax.GradientTransformation`` with state :class:`MuonState` (``mesh=None``) or
-      :class:`ShardedMuonState`.
+      An ``optax.GradientTransformation`` with state :class:`MuonState` (``sharding=None``)
+      or :class:`ShardedMuonState`.
 
     >>> import optax
-    >>> tx = scale_by_muon(ns_dtype=jnp.float32)
-    >>> params = {'w': jnp.ones((4, 8))}
+    >>> tx = scale_by_muon(newton_schulz=NewtonSchulzOptions(dtype=jnp.float32))
+    >>> params = {'w': jnp.zeros((4, 8))}
     >>> updates, state = tx.update({'w': jnp.eye(4, 8)}, tx.init(params))
     >>> updates['w'].shape, int(state.count), type(state).__name__
     ((4, 8), 1, 'MuonState')
     >>> mesh = jax.make_mesh((jax.device_count(),), ('data',))
-    >>> type(scale_by_muon(mesh=mesh).init(params)).__name__
+    >>> type(scale_by_muon(sharding=ShardingOptions(mesh)).init(params)).__name__
     'ShardedMuonState'
 
     References:
@@ -285,97 +366,83 @@ def scale_by_muon(
 
       Rajbhandari et al., `ZeRO <https://arxiv.org/abs/1910.02054>`_, 2020 (owner compute).
     """
-    resolve_ns_coeffs(ns_coeffs, ns_steps)  # fail at construction on a bad schedule
-    matrices.shape_scale(1, 1, shape_scaling)  # and on a bad scaling name
-    owner_plan.check_chunk_bytes(chunk_bytes)
-    if mesh is not None:
-        owner_plan.resolve_shard_axes(mesh, shard_axes, where="scale_by_muon")
-    if not (isinstance(gather_dtype, str) and gather_dtype == "auto"):
-        gather_dtype = _float_dtype_or_none(gather_dtype, "gather_dtype", "'auto', ")
-    reduce_dtype = _float_dtype_or_none(reduce_dtype, "reduce_dtype")
-    mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
-    if mu_dtype is not None and not jnp.issubdtype(mu_dtype, jnp.floating):
-        raise ValueError(
-            f"mu_dtype={mu_dtype} is not a float dtype; pass jnp.float32, jnp.bfloat16 or None "
-            "(the params' dtype)."
-        )
-
-    if preconditioning not in newton_schulz.PRECONDITIONINGS:
-        raise ValueError(f"preconditioning={preconditioning!r} is not supported; use one of "
-                         f"{newton_schulz.PRECONDITIONINGS}.")
-    newton_schulz.resolve_ns_method(ns_method, 1, 1, jnp.float32)  # a bad name fails here
-    if not isinstance(ns_gram, GramOptions):
-        raise TypeError(f"ns_gram must be a muon_jax.newton_schulz.GramOptions, got {ns_gram!r}.")
-    newton_schulz.resolve_symmetric_blocks(ns_symmetric_blocks, name="ns_symmetric_blocks")
-    if consistent_rms is not None and not (isinstance(consistent_rms, int | float)
-                                           and consistent_rms > 0):
-        raise ValueError(f"consistent_rms must be a positive float or None, got "
-                         f"{consistent_rms!r}; 0.2 matches AdamW's update RMS.")
-
-    def direction(mats, m, n):
-        """Orthogonalized, shape-scaled ``[B, m, n]`` matrices: one definition for both paths."""
-        o = orthogonalize(mats, ns_coeffs=ns_coeffs, ns_steps=ns_steps, eps=eps, dtype=ns_dtype,
-                          preconditioning=preconditioning, method=ns_method, gram=ns_gram,
-                          symmetric_blocks=ns_symmetric_blocks)
-        if adaptive:  # the dual norm <mu_hat, O> of each matrix
-            o = jnp.sum(mats.conj() * o, axis=(-2, -1), keepdims=True).astype(o.dtype) * o
-        if consistent_rms is not None:
-            scale = float(consistent_rms) * max(m, n) ** 0.5
-        else:
-            scale = matrices.shape_scale(m, n, shape_scaling)
-        return o * jnp.asarray(scale, o.dtype) if scale != 1.0 else o
-
-    def step(g, mu, count_inc, m, n, *, out_dtype):
-        """Momentum and direction of one ``[B, m, n]`` batch."""
-        mu_new, mu_hat = momentum_step(g, mu, count_inc, beta, nesterov=nesterov,
-                                       bias_correction=bias_correction)
-        return mu_new, direction(mu_hat, m, n).astype(out_dtype)
+    mu_dtype = _check_direction_args(ns_coeffs, ns_steps, beta, eps, mu_dtype, nesterov,
+                                     bias_correction, shape_scaling, dimension_numbers,
+                                     newton_schulz, sharding)
+    numbers = {"beta": beta, "eps": eps, "ns_steps": ns_steps, "ns_coeffs": ns_coeffs,
+               "shape_scaling": shape_scaling}
+    step = functools.partial(_muon_step, nesterov=nesterov, bias_correction=bias_correction,
+                             newton_schulz=newton_schulz)
 
     def init_fn(params):
-        _matrix_views(params, dimension_numbers, "params")
-        if mesh is not None:
-            return init_sharded(params, mesh, shard_axes, param_specs, dimension_numbers,
-                                 mu_dtype, chunk_bytes)
+        dims = layouts.leaf_dimension_numbers(params, dimension_numbers)
+        views = _matrix_views(params, dims, "params")
+        if sharding is not None:
+            return init_sharded(params, sharding, dims, mu_dtype)
         mu = optax.tree.zeros_like(params, dtype=mu_dtype)
-        return MuonState(count=jnp.zeros([], jnp.int32), mu=mu)
+        return MuonState(count=jnp.zeros([], jnp.int32), mu=mu, views=LeafViews(tuple(views)))
 
     def update_fn(updates, state, params=None):
         del params
         if isinstance(state, ShardedMuonState):
-            return update_sharded(updates, state, step, gather_dtype, ns_dtype, reduce_dtype)
+            if sharding is None:
+                raise TypeError("scale_by_muon: got a ShardedMuonState, but this transform "
+                                "has sharding=None; update with the transform that made it.")
+            return update_sharded(updates, state, step, numbers, sharding, newton_schulz.dtype)
         if not isinstance(state, MuonState):
             raise TypeError(
                 f"scale_by_muon: state must be the MuonState of this transform's init, got "
                 f"{type(state).__name__}."
             )
-        views = _matrix_views(updates, dimension_numbers, "updates")
-        return _unsharded_update(updates, state, views, step, mu_dtype)
+        views = state.views.views if state.views is not None else _matrix_views(
+            updates, matrices.resolve_dim_nums(dimension_numbers, updates), "updates")
+        return _unsharded_update(updates, state, views, step, numbers)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+def _matrix_views(tree: Any, dims: list[Any], what: str) -> list[matrices.MatrixView]:
+    """Validated matrix view per leaf; errors name the leaf and the fix."""
+    leaves_with_path = jax.tree_util.tree_flatten_with_path(tree)[0]
+    out = []
+    for (path, leaf), d in zip(leaves_with_path, dims, strict=True):
+        name = matrices.path_str(path)
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
+            raise ValueError(
+                f"{what} leaf {name!r} has dtype {dtype}; Muon updates float or complex "
+                "matrices only: route it to AdamW (muon_mask) or keep it out of the optimized "
+                "params."
+            )
+        out.append(matrices.matrix_view(leaf.shape, d, path=f"{what} leaf {name!r}"))
+    return out
+
+
 def _unsharded_update(updates: Any, state: MuonState, views: list, step: Callable,
-                      mu_dtype: Any) -> tuple[Any, MuonState]:
+                      numbers: dict) -> tuple[Any, MuonState]:
     """The per-leaf update of :func:`scale_by_muon` without a mesh."""
     count_inc = optax.safe_increment(state.count)
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
     mus = treedef.flatten_up_to(state.mu)
-    new_mu, out = [], []
-    for (path, g), m in zip(flat, mus, strict=True):
-        if tuple(g.shape) != tuple(m.shape):
+    if len(views) != len(flat):
+        raise ValueError(f"scale_by_muon: got {len(flat)} gradient leaves but the state was "
+                         f"initialized for {len(views)}; pass gradients with the structure of "
+                         "the params.")
+    for (path, g), m, view in zip(flat, mus, views, strict=True):
+        if tuple(g.shape) != tuple(m.shape) or tuple(g.shape) != view.leaf_shape:
             raise ValueError(
                 f"scale_by_muon: gradient leaf {matrices.path_str(path)!r} has shape {g.shape}, "
                 f"but its momentum (from the params at init) has {m.shape}; pass the "
                 "gradients of the params."
             )
+    new_mu, out = [], []
     for (_, g), m, view in zip(flat, mus, views, strict=True):
-        m, o = step(matrices.to_matrices(g, view), matrices.to_matrices(m, view), count_inc,
-                    view.m, view.n, out_dtype=g.dtype)
-        m = matrices.from_matrices(m, view)
-        new_mu.append(m if mu_dtype is None else m.astype(mu_dtype))
+        m_new, o = step(matrices.to_matrices(g, view), matrices.to_matrices(m, view), count_inc,
+                        numbers, out_dtype=g.dtype)
+        new_mu.append(matrices.from_matrices(m_new, view).astype(m.dtype))
         out.append(matrices.from_matrices(o, view))
     mu = jax.tree.unflatten(treedef, new_mu)
-    return jax.tree.unflatten(treedef, out), MuonState(count=count_inc, mu=mu)
+    return jax.tree.unflatten(treedef, out), state._replace(count=count_inc, mu=mu)
 
 
 def _reducing(tx: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -387,43 +454,41 @@ def _reducing(tx: optax.GradientTransformation) -> optax.GradientTransformation:
     return optax.GradientTransformation(tx.init, update_fn)
 
 
+def _check_optimizer_args(learning_rate: Any, weight_decay: Any, muon_mask: Any,
+                          weight_decay_mask: Any, adamw: Any) -> None:
+    """Check the arguments :func:`muon` adds to :func:`scale_by_muon`'s."""
+    arguments.check_schedule("learning_rate", learning_rate,
+                             fix="e.g. learning_rate=0.02 or an optax schedule.")
+    arguments.check_schedule("weight_decay", weight_decay,
+                             fix="e.g. weight_decay=0.01 or an optax schedule.")
+    arguments.check_tree("muon_mask", muon_mask, "a tree of bools or a callable on params "
+                         "returning one (None: muon_jax.default_muon_mask)")
+    arguments.check_tree("weight_decay_mask", weight_decay_mask,
+                         "a tree of bools or a callable on params returning one (None: every "
+                         "leaf)")
+    if not isinstance(adamw, AdamWOptions):
+        raise TypeError(f"adamw={adamw!r} is not a muon_jax.AdamWOptions; pass e.g. "
+                        "adamw=muon_jax.AdamWOptions(learning_rate=3e-4).")
+
+
 def muon(
     learning_rate: optax.ScalarOrSchedule,
     ns_coeffs: NsCoeffsLike = "jordan",
     ns_steps: int = 5,
     beta: jax.typing.ArrayLike = 0.95,
-    eps: float = 1e-8,
-    weight_decay: jax.typing.ArrayLike = 0.0,
+    eps: jax.typing.ArrayLike = 1e-8,
+    weight_decay: optax.ScalarOrSchedule = 0.0,
     *,
     mu_dtype: jax.typing.DTypeLike | None = None,
     nesterov: bool = True,
     bias_correction: bool = True,
-    ns_dtype: jax.typing.DTypeLike = jnp.bfloat16,
     shape_scaling: matrices.ShapeScaling = "rms_match",
     muon_mask: masking.MaskLike | None = None,
     dimension_numbers: matrices.DimNumsLike = None,
-    adam_learning_rate: optax.ScalarOrSchedule | None = None,
-    adam_b1: jax.typing.ArrayLike = 0.9,
-    adam_b2: jax.typing.ArrayLike = 0.95,
-    adam_eps: jax.typing.ArrayLike = 1e-8,
-    adam_weight_decay: jax.typing.ArrayLike | None = None,
-    mesh: MeshArg = None,
-    shard_axes: str | tuple[str, ...] | None = None,
-    param_specs: SpecsLike = None,
-    chunk_bytes: int | None = owner_plan.DEFAULT_CHUNK_BYTES,
-    gather_dtype: GatherDtype = "auto",
-    reduce_dtype: jax.typing.DTypeLike | None = None,
-    preconditioning: Preconditioning = "frobenius",
-    adaptive: bool = False,
-    consistent_rms: float | None = None,
     weight_decay_mask: Any = None,
-    adam_eps_root: jax.typing.ArrayLike = 0.0,
-    adam_nesterov: bool = False,
-    adam_mu_dtype: jax.typing.DTypeLike | None = None,
-    muon_weight_dimension_numbers: Any = None,
-    ns_method: NsMethod = "auto",
-    ns_gram: GramOptions = newton_schulz.DEFAULT_GRAM,
-    ns_symmetric_blocks: newton_schulz.SymmetricBlocks = "auto",
+    adamw: AdamWOptions = DEFAULT_ADAMW,
+    newton_schulz: NewtonSchulzOptions = DEFAULT_NEWTON_SCHULZ,
+    sharding: ShardingOptions | None = None,
 ) -> optax.GradientTransformation:
     r"""Muon for hidden-layer matrices, AdamW for every other leaf.
 
@@ -433,82 +498,59 @@ def muon(
       W \leftarrow W - \eta_t \, (O_t + \lambda W), \qquad O_t = \text{scale\_by\_muon}(G_t),
 
     with decoupled weight decay ``lambda = weight_decay``. Other leaves get
-    ``optax.adamw(adam_learning_rate, adam_b1, adam_b2, adam_eps, adam_weight_decay)``.
-    With the default ``shape_scaling='rms_match'`` Muon's updates have the RMS of AdamW's
-    (~0.2), so one learning rate and weight decay can serve both. ``torch.optim.Muon`` is
-    ``bias_correction=False, shape_scaling='spectral'`` (its default ``adjust_lr_fn``), see
-    the README's "Coming from PyTorch / optax.contrib".
+    ``optax.adamw`` with ``adamw``'s options (its learning rate and weight decay default to
+    Muon's). With the default ``shape_scaling='rms_match'`` Muon's updates have the RMS of
+    AdamW's (~0.2), so one learning rate and weight decay can serve both.
+    ``torch.optim.Muon`` is ``bias_correction=False, shape_scaling='spectral'`` (its default
+    ``adjust_lr_fn``), see the README's "Coming from PyTorch / optax.contrib";
+    :func:`muon_jax.optax_compat.muon` takes ``optax.contrib.muon``'s arguments.
+
+    Flax models need no dimension numbers: ``init`` on an ``nnx.State`` of the model's own
+    variables (what ``nnx.Optimizer`` passes) reads each kernel's view from its layer, and
+    Linen param trees from their auto-named modules
+    (:func:`muon_jax.layouts.leaf_dimension_numbers`).
+
+    Every argument is checked here; the numbers may also be traced (``optax.inject_hyperparams``
+    needs no ``static_args`` for the defaults).
 
     Args:
       learning_rate: Muon's learning rate, a float or an ``optax`` schedule.
       ns_coeffs: Newton-Schulz schedule (see :func:`muon_jax.orthogonalize`).
       ns_steps: Newton-Schulz iterations, ``>= 1``.
-      beta: Muon momentum decay.
+      beta: Muon momentum decay, in ``[0, 1)``.
       eps: added to the Frobenius norm before Newton-Schulz.
-      weight_decay: decoupled weight decay of the Muon leaves (multiplied by the learning rate).
+      weight_decay: decoupled weight decay of the Muon leaves (multiplied by the learning
+        rate), a float or a schedule.
       mu_dtype: dtype of Muon's momentum (``None``: the params' dtype).
       nesterov: Nesterov momentum for Muon.
       bias_correction: bias-corrected momentum (optax) or not (PyTorch); see
         :func:`scale_by_muon`.
-      ns_dtype: dtype of the Newton-Schulz iteration.
-      shape_scaling: ``'rms_match'``, ``'spectral'``, ``'spectral_unclamped'`` or ``None``
-        (see :func:`muon_jax.matrices.shape_scale`).
+      shape_scaling: ``'rms_match'``, ``'spectral'``, ``'spectral_unclamped'``, a factor
+        ``c > 0`` (optax's ``consistent_rms``) or ``None`` (see
+        :func:`muon_jax.matrices.shape_scale`).
       muon_mask: ``None`` for the default rule, or a tree (prefix) of bools or a callable on
         params returning one (``True``: Muon); it replaces the default rule entirely.
       dimension_numbers: as in :func:`scale_by_muon`, for the leaves Muon updates. Under the
         default rule, leaves with entries of their own (a tree of them) go to Muon; one
         ``MuonDimensionNumbers`` for the whole tree routes nothing (a bias still goes to
-        AdamW and is not checked against it). Unlike
-        ``optax.contrib.muon``, ``None`` here means "default view", not "AdamW"; routing is
-        ``muon_mask``'s job.
-      adam_learning_rate: AdamW's learning rate (``None``: ``learning_rate``).
-      adam_b1: AdamW's first-moment decay.
-      adam_b2: AdamW's second-moment decay.
-      adam_eps: AdamW's epsilon.
-      adam_weight_decay: AdamW's decoupled weight decay (``None``: ``weight_decay``).
-      mesh: shard Muon's state and work over this mesh (see :func:`scale_by_muon`);
-        ``None``: unsharded. AdamW leaves keep the params' shardings; their gradients are
-        all-reduced first if they arrive unreduced.
-      shard_axes: mesh axes that split Muon's stacks (``None``: all mesh axes).
-      param_specs: the params' PartitionSpecs, for an ``init`` traced on Auto mesh axes (see
-        :func:`scale_by_muon`).
-      chunk_bytes: target bytes of one collective of Muon's stacks (see
-        :func:`scale_by_muon`; ``None``: one per stack).
-      gather_dtype: the dtype Muon's updates travel back to the params' shardings in (see
-        :func:`scale_by_muon`; ``'auto'``: bfloat16 for float32 gradients and a 16-bit
-        ``ns_dtype``; ``None``: the gradient dtype).
-      reduce_dtype: the dtype unreduced Muon gradients are summed in on their way to the
-        owners (see :func:`scale_by_muon`; ``None``: the gradient dtype).
-      preconditioning: Newton-Schulz's input scaling, ``'frobenius'``, ``'spectral'``,
-        ``'aol'`` or ``'schatten'`` (see :func:`muon_jax.orthogonalize`).
-      adaptive: scale each orthogonalized matrix by its dual norm (see :func:`scale_by_muon`).
-      ns_method: ``'auto'``, ``'standard'`` or ``'gram'`` Newton-Schulz (see
-        :func:`scale_by_muon`).
-      ns_gram: options of the Gram form (:class:`muon_jax.newton_schulz.GramOptions`).
-      ns_symmetric_blocks: row strips of Newton-Schulz's symmetric products (see
-        :func:`scale_by_muon`).
-      consistent_rms: the factor of the ``'rms_match'``-style scaling ``consistent_rms *
-        sqrt(max(m, n))``; given, it replaces ``shape_scaling`` (``None``: ``shape_scaling``,
-        whose ``'rms_match'`` is 0.2).
+        AdamW and is not checked against it). Unlike ``optax.contrib.muon``, ``None`` here
+        means "the layer's or the default view", not "AdamW"; routing is ``muon_mask``'s job.
       weight_decay_mask: which Muon leaves decay (a tree / prefix of bools or a callable, as
         ``optax.add_decayed_weights``' mask); ``None``: all of them.
-      adam_eps_root: AdamW's ``eps_root``.
-      adam_nesterov: the AdamW part is NAdamW (``optax.adamw(..., nesterov=True)``), which is
-        what ``optax.contrib.muon(nesterov=True)`` runs; ``nesterov`` here is Muon's only.
-      adam_mu_dtype: dtype of AdamW's first moment (``None``: the params'; optax's
-        ``mu_dtype`` sets both Muon's and AdamW's).
-      muon_weight_dimension_numbers: ``optax.contrib.muon``'s argument with its meaning: a tree
-        (prefix) of ``MuonDimensionNumbers`` or ``None``, or a callable on params returning
-        one; an entry sends its leaves to Muon with that matrix view, ``None`` to AdamW. It
-        replaces ``muon_mask`` and ``dimension_numbers`` (pass neither with it).
+      adamw: the AdamW part (:class:`AdamWOptions`: learning rate, betas, eps, weight decay,
+        Nesterov, moment dtype).
+      newton_schulz: Muon's Newton-Schulz options (:class:`muon_jax.NewtonSchulzOptions`).
+      sharding: shard Muon's state and work over a mesh (:class:`muon_jax.ShardingOptions`);
+        ``None``: unsharded. AdamW leaves keep the params' shardings; their gradients are
+        all-reduced first if they arrive unreduced.
 
     Returns:
-      An ``optax.GradientTransformation`` (an ``optax.partition`` with labels ``'muon'`` and
-      ``'adamw'``).
+      An ``optax.GradientTransformation`` whose state is an ``optax.partition``'s, with
+      labels ``'muon'`` and ``'adamw'``.
 
     >>> import optax
     >>> params = {'embed': jnp.ones((16, 8)), 'w': jnp.ones((8, 8)), 'b': jnp.zeros(8)}
-    >>> tx = muon(0.02, weight_decay=0.1)
+    >>> tx = muon(0.02, weight_decay=0.1, adamw=AdamWOptions(learning_rate=3e-3))
     >>> state = tx.init(params)
     >>> grads = jax.tree.map(jnp.ones_like, params)
     >>> updates, state = tx.update(grads, state, params)
@@ -524,62 +566,36 @@ def muon(
       Loshchilov and Hutter, `Decoupled Weight Decay Regularization
       <https://arxiv.org/abs/1711.05101>`_, 2019.
     """
-    if adam_learning_rate is None:
-        adam_learning_rate = learning_rate
-    if adam_weight_decay is None:
-        adam_weight_decay = weight_decay
-    if muon_weight_dimension_numbers is not None:
-        if muon_mask is not None or dimension_numbers is not None:
-            raise ValueError(
-                "muon_weight_dimension_numbers (optax's routing: None entries go to AdamW) "
-                "replaces muon_mask and dimension_numbers; pass it alone, or use muon_mask= and "
-                "dimension_numbers= instead.")
-        muon_mask = masking.mask_from_dimension_numbers(muon_weight_dimension_numbers)
-        dimension_numbers = muon_weight_dimension_numbers
+    _check_optimizer_args(learning_rate, weight_decay, muon_mask, weight_decay_mask, adamw)
+    direction = functools.partial(
+        scale_by_muon, ns_coeffs, ns_steps, beta, eps, mu_dtype, nesterov=nesterov,
+        bias_correction=bias_correction, shape_scaling=shape_scaling,
+        newton_schulz=newton_schulz, sharding=sharding)
+    direction(dimension_numbers=dimension_numbers)  # its arguments are checked now
+    adamw_tx = _reducing(optax.adamw(
+        learning_rate if adamw.learning_rate is None else adamw.learning_rate,
+        b1=adamw.b1, b2=adamw.b2, eps=adamw.eps, eps_root=adamw.eps_root,
+        weight_decay=weight_decay if adamw.weight_decay is None else adamw.weight_decay,
+        mu_dtype=adamw.mu_dtype, nesterov=adamw.nesterov))
 
-    def param_labels(params):
+    def labels(params):
         flags = masking.resolve_muon_mask(muon_mask, params, dimension_numbers=dimension_numbers)
-        treedef = jax.tree.structure(params)
-        return jax.tree.unflatten(treedef, ["muon" if f else "adamw" for f in flags])
+        return jax.tree.unflatten(jax.tree.structure(params),
+                                  ["muon" if f else "adamw" for f in flags])
 
-    muon_tx = optax.chain(
-        scale_by_muon(
-            ns_coeffs,
-            ns_steps,
-            beta,
-            eps,
-            mu_dtype,
-            nesterov=nesterov,
-            bias_correction=bias_correction,
-            ns_dtype=ns_dtype,
-            shape_scaling=shape_scaling,
-            dimension_numbers=dimension_numbers,
-            mesh=mesh,
-            shard_axes=shard_axes,
-            param_specs=param_specs,
-            chunk_bytes=chunk_bytes,
-            gather_dtype=gather_dtype,
-            reduce_dtype=reduce_dtype,
-            preconditioning=preconditioning,
-            adaptive=adaptive,
-            consistent_rms=consistent_rms,
-            ns_method=ns_method,
-            ns_gram=ns_gram,
-            ns_symmetric_blocks=ns_symmetric_blocks,
-        ),
-        optax.add_decayed_weights(weight_decay, weight_decay_mask),
-        optax.scale_by_learning_rate(learning_rate),
-    )
-    adamw_tx = _reducing(
-        optax.adamw(
-            adam_learning_rate,
-            b1=adam_b1,
-            b2=adam_b2,
-            eps=adam_eps,
-            eps_root=adam_eps_root,
-            weight_decay=adam_weight_decay,
-            mu_dtype=adam_mu_dtype,
-            nesterov=adam_nesterov,
-        )
-    )
-    return optax.partition({"muon": muon_tx, "adamw": adamw_tx}, param_labels)
+    def partitioned(view_dims: Any) -> optax.GradientTransformation:
+        muon_tx = optax.chain(direction(dimension_numbers=view_dims),
+                              optax.add_decayed_weights(weight_decay, weight_decay_mask),
+                              optax.scale_by_learning_rate(learning_rate))
+        return optax.partition({"muon": muon_tx, "adamw": adamw_tx}, labels)
+
+    def init_fn(params):
+        # The views are read here, where the model's own variables are seen (the partition
+        # hands Muon's transform copies); the update reads them from Muon's state.
+        flags = masking.resolve_muon_mask(muon_mask, params, dimension_numbers=dimension_numbers)
+        return partitioned(layouts.views_by_path(params, dimension_numbers, flags)).init(params)
+
+    def update_fn(updates, state, params=None):
+        return partitioned(dimension_numbers).update(updates, state, params)
+
+    return optax.GradientTransformation(init_fn, update_fn)

@@ -144,10 +144,12 @@ def loss_fn(model, tokens, target):
 # %% [markdown]
 # ## 3. Muon in `optax.chain` and `nnx.Optimizer`
 #
-# `muon_jax.muon(learning_rate, ..., mesh=mesh)` is an ordinary Optax transform, so it
-# composes with gradient clipping and goes into `nnx.Optimizer` like AdamW would. With
-# the default `shape_scaling='rms_match'`, Muon's updates have AdamW's RMS, so one
-# learning rate and weight decay serve both halves.
+# `muon_jax.muon(learning_rate, ..., sharding=muon_jax.ShardingOptions(mesh))` is an
+# ordinary Optax transform, so it composes with gradient clipping and goes into
+# `nnx.Optimizer` like AdamW would. With the default `shape_scaling='rms_match'`, Muon's
+# updates have AdamW's RMS, so one learning rate and weight decay serve both halves.
+# `nnx.Optimizer` hands it the model's own variables, so each kernel's matrix view comes
+# from its layer (here `nnx.Linear`: `[in, out]`).
 
 # %%
 STEPS = 300
@@ -157,7 +159,7 @@ with jax.set_mesh(mesh):  # parameters are created replicated on the mesh
     model = MLP(rngs=nnx.Rngs(0))
     tx = optax.chain(
         optax.clip_by_global_norm(1.0),
-        muon_jax.muon(schedule, weight_decay=0.01, mesh=mesh),
+        muon_jax.muon(schedule, weight_decay=0.01, sharding=muon_jax.ShardingOptions(mesh)),
     )
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
@@ -274,8 +276,10 @@ plt.show()
 # %% [markdown]
 # ## Next steps
 #
-# - `muon_jax.muon(..., shard_axes=...)` picks the mesh axes the stacks are split over
-#   (default: all axes of the mesh).
+# - `muon_jax.ShardingOptions(mesh, shard_axes=...)` picks the mesh axes the stacks are
+#   split over (default: all axes of the mesh).
+# - The README's "Muon on Flax models" lists the view each Flax layer's kernel gets
+#   (attention, convolutions, layer stacks, `moe.MoE`'s expert banks).
 # - `examples/quickstart.py` is a one-device version of this recipe as a script;
 #   `examples/train_lm.py` trains a small MoE language model with sharded Muon.
 # - `moe_expert_parallel.ipynb` shows the expert-parallel MoE layer.
@@ -290,8 +294,9 @@ plt.show()
 # devices.
 #
 # `muon_jax` has no TPU-specific kernels: Newton-Schulz is plain matmuls (in bf16 by default,
-# `ns_dtype`). One choice follows the mesh's platform: on GPU and TPU meshes the gradients
-# of replicated params are moved to their owners as an all-reduce followed by a slice, which
+# `NewtonSchulzOptions(dtype=)`). One choice follows the mesh's platform: on GPU and TPU
+# meshes the gradients of replicated params are moved to their owners as an all-reduce
+# followed by a slice, which
 # XLA:GPU/TPU turn into a reduce-scatter (XLA:CPU does not, so on CPU Muon slices the
 # all-reduced gradients itself). This has not been timed on a TPU here; the cell below prints
 # what the compiled step of section 5 communicates on the mesh this notebook ran on.

@@ -64,7 +64,9 @@ class TinyMoE(nnx.Module):
 
 
 def make_tx(mesh):
-    return muon_jax.muon(0.02, weight_decay=0.01, ns_dtype=jnp.float32, mesh=mesh)
+    return muon_jax.muon(0.02, weight_decay=0.01,
+                         newton_schulz=muon_jax.NewtonSchulzOptions(dtype=jnp.float32),
+                         sharding=muon_jax.ShardingOptions(mesh))
 
 
 def _shardings(tree, mesh):

@@ -10,7 +10,6 @@ nothing is assembled on one device. Raw owner stacks (mesh-specific) are caught 
 ``check_state``.
 """
 
-import inspect
 import math
 
 import _tiny_moe as tm
@@ -150,12 +149,10 @@ def test_portable_form_is_the_owner_stacks_reordered(runs):
             assert not stack[r < 0].any()
         chex.assert_trees_all_equal(from_portable(port, o5), o5, custom_message=str(shape))
         chex.assert_trees_all_close(port, runs[(8,)]["port5"], **TOL, custom_message=str(shape))
-    # A plan with several chunks per stack (moved by chunk, stored by stack), where the
-    # installed muon_jax has chunked collectives.
-    if "chunk_bytes" not in inspect.signature(muon_jax.muon).parameters:
-        return
+    # A plan with several chunks per stack (moved by chunk, stored by stack).
     run = runs[(2, 4)]
-    chunked = muon_jax.muon(0.02, mesh=run["mesh"], chunk_bytes=1).init(run["state5"][1])
+    chunked = muon_jax.muon(0.02, sharding=muon_jax.ShardingOptions(
+        run["mesh"], chunk_bytes=1)).init(run["state5"][1])
     assert any(len(s.chunks) > 1 for s in _muon(chunked).plan.stacks)
     back = jax.block_until_ready(from_portable(run["port5"], chunked))
     chex.assert_trees_all_equal(to_portable(back), run["port5"])
@@ -263,7 +260,8 @@ class _Banks(nnx.Module):
 def _optimizer(shape):
     mesh = tm.make_mesh(shape)
     model = _Banks(mesh, nnx.Rngs(0))
-    tx = muon_jax.muon(0.02, ns_dtype=jnp.float32, mesh=mesh)
+    tx = muon_jax.muon(0.02, newton_schulz=muon_jax.NewtonSchulzOptions(dtype=jnp.float32),
+                       sharding=muon_jax.ShardingOptions(mesh))
     return mesh, model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 

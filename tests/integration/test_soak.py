@@ -39,7 +39,8 @@ def soak(steps: int, *, lr: float = 0.02, seed: int = 0) -> dict:
     mesh = tm.make_mesh((2, 4))
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(100, steps // 10), steps,
                                                   end_value=0.1 * lr)
-    tx = optax.apply_if_finite(muon_jax.muon(schedule, weight_decay=0.01, mesh=mesh),
+    tx = optax.apply_if_finite(muon_jax.muon(schedule, weight_decay=0.01,
+                                             sharding=muon_jax.ShardingOptions(mesh)),
                                max_consecutive_errors=5)
     graphdef, params, bias, opt_state, tx = tm.build(mesh, seed, dispatch_dtype="fp8", tx=tx)
     step = tm.make_step(graphdef, tx)

@@ -41,7 +41,7 @@ def _params():
 
 
 def _sharded_update(grads):
-    tx = muon_jax.scale_by_muon(mesh=_mesh())
+    tx = muon_jax.scale_by_muon(sharding=muon_jax.ShardingOptions(_mesh()))
     params = _params()
     return jax.eval_shape(lambda g: tx.update(g, tx.init(params)), grads)  # trace, no compile
 
@@ -82,7 +82,7 @@ CASES = {
                         lambda: muon_jax.scale_by_muon(ns_coeffs=(1.0, 2.0))),
     "ns_coeffs strings": (TypeError, "ns_coeffs must be a schedule name",
                           lambda: muon_jax.scale_by_muon(ns_coeffs=("a", "b", "c"))),
-    "shape_scaling": (ValueError, "shape_scaling must be",
+    "shape_scaling": (ValueError, "shape_scaling='moonlight' is not supported",
                       lambda: muon_jax.muon(0.1, shape_scaling="moonlight")),
     "ns_flops m=0": (ValueError, "m must be a positive int",
                      lambda: newton_schulz.ns_flops(0, 4, 5)),
@@ -100,21 +100,24 @@ CASES = {
     "mask not bool": (TypeError, "muon_mask leaves must be Python bools",
                       lambda: muon_jax.muon(0.1, muon_mask={"w": 1}).init(_params())),
     # ---------------------------------------------------------------- muon_jax: meshes
-    "shard axis missing": (ValueError, r"scale_by_muon: shard axis 'model' is not an axis of",
-                           lambda: muon_jax.muon(0.1, mesh=_mesh(), shard_axes="model")),
+    "shard axis missing": (ValueError, r"ShardingOptions: shard axis 'model' is not an axis of",
+                           lambda: muon_jax.ShardingOptions(_mesh(), shard_axes="model")),
     "shard axes repeated": (ValueError, r"shard_axes=\('data', 'data'\) must be distinct",
-                            lambda: muon_jax.muon(0.1, mesh=_mesh(), shard_axes=("data", "data"))),
+                            lambda: muon_jax.ShardingOptions(_mesh(), ("data", "data"))),
     "param sharded off shard_axes": (
         ValueError, r"leaf 'w': .*mesh axis 'expert', which is not a shard axis",
-        lambda: muon_jax.scale_by_muon(mesh=_mesh(), shard_axes="data").init(
+        lambda: muon_jax.scale_by_muon(
+            sharding=muon_jax.ShardingOptions(_mesh(), shard_axes="data")).init(
             {"w": _put(jnp.ones((8, 16)), P("expert", None))})),
     "param on another mesh": (
         ValueError, r"leaf 'w': .*'expert', which is not in the optimizer's mesh",
-        lambda: muon_jax.scale_by_muon(mesh=jax.make_mesh((8,), ("d",))).init(
+        lambda: muon_jax.scale_by_muon(
+            sharding=muon_jax.ShardingOptions(jax.make_mesh((8,), ("d",)))).init(
             {"w": _put(jnp.ones((8, 16)), P("expert", None))})),
     "non-leading merged dim sharded": (
         ValueError, r"leaf 'w': dim 1 is sharded over \('expert',\) but is not the leading dim",
-        lambda: muon_jax.scale_by_muon(mesh=_mesh(), dimension_numbers=MDN((0, 1), 2)).init(
+        lambda: muon_jax.scale_by_muon(sharding=muon_jax.ShardingOptions(_mesh()),
+                                       dimension_numbers=MDN((0, 1), 2)).init(
             {"w": _put(jnp.ones((4, 8, 16)), P(None, "expert", None))})),
     "sharded grad shape": (ValueError, r"gradient leaf 'w' has shape \(8, 4\)",
                            lambda: _sharded_update({"w": _put(jnp.ones((8, 4)))})),
@@ -488,7 +491,7 @@ def test_bad_input_raises_naming_the_argument(case):
 
 def test_empty_trees_are_fine():
     """Empty param trees are not an error: init/update give empty updates (sharded too)."""
-    for tx in (muon_jax.muon(0.1), muon_jax.muon(0.1, mesh=_mesh()),
+    for tx in (muon_jax.muon(0.1), muon_jax.muon(0.1, sharding=muon_jax.ShardingOptions(_mesh())),
                loss_scale.dynamic_loss_scale(muon_jax.muon(0.1))):
         updates, _ = tx.update({}, tx.init({}), {})
         assert updates == {}

@@ -123,8 +123,8 @@ def test_auto_rule():
         GramOptions(restarts=(0,))
     with pytest.raises(ValueError, match="symmetric_blocks must be an int >= 1, 'auto' or 'tiles'"):
         muon_jax.orthogonalize(jnp.ones((2, 4)), symmetric_blocks=0)
-    with pytest.raises(ValueError, match="ns_symmetric_blocks must be an int"):
-        muon_jax.scale_by_muon(ns_symmetric_blocks="all")
+    with pytest.raises(ValueError, match="symmetric_blocks must be an int"):
+        muon_jax.NewtonSchulzOptions(symmetric_blocks="all")
     assert resolve_symmetric_blocks("auto", "cpu") == 1
     assert resolve_symmetric_blocks("auto", "gpu") == 4
     # on a GPU the strips only for banks of large matrices (AUTO_SYMMETRIC_MIN_WORK)
@@ -134,8 +134,8 @@ def test_auto_rule():
         assert resolve_symmetric_blocks("auto", "cpu", shape=shape) == 1
     with pytest.raises(TypeError, match="gram must be a muon_jax.newton_schulz.GramOptions"):
         muon_jax.orthogonalize(jnp.ones((2, 4)), gram=(2,))
-    with pytest.raises(ValueError, match="ns_method='x'"):
-        muon_jax.scale_by_muon(ns_method="x")
+    with pytest.raises(ValueError, match="method='x'"):
+        muon_jax.NewtonSchulzOptions(method="x")
 
 
 @pytest.mark.parametrize("blocks", [2, 3, 5])
@@ -185,9 +185,10 @@ def test_sharded_muon_runs_gram_on_each_owner():
     params = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     grads = [{k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
              for _ in range(2)]
-    kw = dict(ns_method="gram", ns_dtype=jnp.float32, mu_dtype=jnp.float32)
+    kw = dict(newton_schulz=muon_jax.NewtonSchulzOptions(dtype=jnp.float32, method="gram"),
+              mu_dtype=jnp.float32, dimension_numbers=muon_jax.MuonDimensionNumbers(-2, -1))
     ref_tx = muon_jax.scale_by_muon(**kw)
-    tx = muon_jax.scale_by_muon(**kw, mesh=mesh)
+    tx = muon_jax.scale_by_muon(**kw, sharding=muon_jax.ShardingOptions(mesh))
     ref_state, state = ref_tx.init(params), tx.init(
         {k: jax.device_put(v, NamedSharding(mesh, P())) for k, v in params.items()})
     ref_update, update = jax.jit(ref_tx.update), jax.jit(tx.update)
@@ -198,7 +199,8 @@ def test_sharded_muon_runs_gram_on_each_owner():
         # atol: the Gram form's float32 rounding (test_gram_equals_standard_in_float32), which
         # differently batched matmuls on the owners round differently.
         chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-4)
-    std, _ = jax.jit(muon_jax.scale_by_muon(ns_dtype=jnp.float32).update)(
+    f32 = muon_jax.NewtonSchulzOptions(dtype=jnp.float32)
+    std, _ = jax.jit(muon_jax.scale_by_muon(newton_schulz=f32).update)(
         grads[0], ref_tx.init(params))
     chex.assert_trees_all_close(std, jax.jit(ref_tx.update)(grads[0], ref_tx.init(params))[0],
                                 atol=1e-4)  # and Gram equals standard in float32

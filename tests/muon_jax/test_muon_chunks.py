@@ -11,7 +11,10 @@ import muon_jax
 from muon_jax import owner_plan
 from xla_comm import hlo
 
-F32_TX = dict(ns_dtype=jnp.float32, mu_dtype=jnp.float32)
+# The stacks here are plain arrays meant as batches of matrices: the default view is right.
+pytestmark = pytest.mark.filterwarnings("ignore:muon_jax. no layer gives the matrix view")
+
+F32_TX = dict(newton_schulz=muon_jax.NewtonSchulzOptions(dtype=jnp.float32), mu_dtype=jnp.float32)
 # Stacks with several matrices per device; 'w*' are 12 separate leaves of one shape (more
 # pieces than one concatenate takes), 'a' an FSDP leaf (all-to-all), 'c' a padded stack.
 SHAPES = {"a": (24, 16, 32), "c": (20, 8, 8), **{f"w{i}": (16, 32) for i in range(12)}}
@@ -37,7 +40,8 @@ def test_chunked_equals_unchunked_and_reference_with_same_bytes(axis_type):
         refs.append(u)
     runs = {}
     for chunk_bytes in (None, 1):  # 1 byte: one matrix per device per chunk
-        tx = muon_jax.scale_by_muon(**F32_TX, mesh=mesh, chunk_bytes=chunk_bytes)
+        tx = muon_jax.scale_by_muon(
+            **F32_TX, sharding=muon_jax.ShardingOptions(mesh, chunk_bytes=chunk_bytes))
         state = tx.init(params)
         update = jax.jit(tx.update)
         rep = hlo.analyze_collectives(update.lower(grads[0], state).compile())
@@ -83,7 +87,8 @@ def test_chunked_data_parallel_step_reduce_scatters_same_bytes():
 
     results = {}
     for chunk_bytes in (None, 1):
-        tx = muon_jax.scale_by_muon(**F32_TX, mesh=mesh, chunk_bytes=chunk_bytes)
+        tx = muon_jax.scale_by_muon(
+            **F32_TX, sharding=muon_jax.ShardingOptions(mesh, chunk_bytes=chunk_bytes))
         state = tx.init(params)
 
         @jax.jit
@@ -106,6 +111,7 @@ def test_chunk_sizes_and_bad_chunk_bytes():
     assert owner_plan.chunk_sizes(10, 1, 3) == (2, 2, 3, 3)
     assert owner_plan.chunk_sizes(5, 1, None) == (5,) == owner_plan.chunk_sizes(5, 1, 0)
     assert owner_plan.chunk_sizes(5, 100, 1) == (1,) * 5  # at least one matrix per chunk
+    mesh = jax.make_mesh((8,), ("d",))
     for bad in (-1, 1.5, True, "1M"):
         with pytest.raises(ValueError, match="chunk_bytes"):
-            muon_jax.scale_by_muon(chunk_bytes=bad)
+            muon_jax.ShardingOptions(mesh, chunk_bytes=bad)

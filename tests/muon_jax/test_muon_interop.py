@@ -15,6 +15,12 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import muon_jax
+from muon_jax import ShardingOptions
+
+# The stacks here are plain arrays meant as batches of matrices: the default view is right.
+pytestmark = pytest.mark.filterwarnings("ignore:muon_jax. no layer gives the matrix view")
+
+F32 = muon_jax.NewtonSchulzOptions(dtype=jnp.float32)
 
 # ----------------------------------------------------------------------------- torch.optim.Muon
 
@@ -80,7 +86,7 @@ def _torch_problem(steps=4):
 def _torch_tx(adjust_lr_fn, nesterov, **kw):
     return muon_jax.muon(0.05, ns_coeffs=JORDAN, beta=0.9, eps=1e-7, weight_decay=0.1,
                          nesterov=nesterov, shape_scaling=SCALING[adjust_lr_fn],
-                         ns_dtype=jnp.float32, muon_mask=lambda p: jax.tree.map(lambda _: True, p),
+                         newton_schulz=F32, muon_mask=lambda p: jax.tree.map(lambda _: True, p),
                          **kw)
 
 
@@ -117,7 +123,7 @@ def test_torch_conventions_on_a_mesh(shape, names, specs, adjust_lr_fn):
         return {k: jax.device_put(x, NamedSharding(mesh, specs.get(k, P())))
                 for k, x in tree.items()}
 
-    tx = _torch_tx(adjust_lr_fn, True, bias_correction=False, mesh=mesh)
+    tx = _torch_tx(adjust_lr_fn, True, bias_correction=False, sharding=ShardingOptions(mesh))
     got = _flax_run(tx, kernels, grads, place)
     chex.assert_trees_all_close(got, [{k: w.T for k, w in r.items()} for r in ref],
                                 rtol=1e-5, atol=1e-5)
@@ -128,7 +134,7 @@ def test_spectral_unclamped_scales_tall_and_wide_matrices():
          "tall": jnp.asarray(np.random.default_rng(2).standard_normal((16, 4)), jnp.float32)}
 
     def direction(scaling):
-        tx = muon_jax.scale_by_muon(ns_dtype=jnp.float32, shape_scaling=scaling)
+        tx = muon_jax.scale_by_muon(newton_schulz=F32, shape_scaling=scaling)
         return jax.jit(tx.update)(g, tx.init(g))[0]
 
     plain, clamped, unclamped = (direction(s) for s in (None, "spectral", "spectral_unclamped"))
@@ -164,8 +170,8 @@ def _sharding_problem(case):
     grads = {k: rng.standard_normal(SHARD_SHAPES[k]).astype(np.float32) for k in keys}
     matrices = {k: v for k, v in host.items() if k != "bias"}
     refs = {}
-    for with_bias, tx in ((True, muon_jax.muon(0.1, ns_dtype=jnp.float32)),
-                          (False, muon_jax.scale_by_muon(ns_dtype=jnp.float32))):
+    for with_bias, tx in ((True, muon_jax.muon(0.1, newton_schulz=F32)),
+                          (False, muon_jax.scale_by_muon(newton_schulz=F32))):
         p = host if with_bias else matrices
         g = {k: grads[k] for k in p}
         refs[with_bias] = jax.tree.map(np.asarray, jax.jit(tx.update)(g, tx.init(p), p)[0])
@@ -187,13 +193,14 @@ def test_updates_keep_param_shardings(case, axis_type):
 
     params, grads = place(host), place(grads_host)
     auto = axis_type == AxisType.Auto
-    kw = dict(ns_dtype=jnp.float32, mesh=mesh, shard_axes=shard_axes)
+    sharding = ShardingOptions(mesh, shard_axes)
     cases = {
         "scale_by_muon eager init": (
-            muon_jax.scale_by_muon(**kw), lambda tx: tx.init({k: params[k] for k in specs
-                                                               if k != "bias"}), False),
+            muon_jax.scale_by_muon(newton_schulz=F32, sharding=sharding),
+            lambda tx: tx.init({k: params[k] for k in specs if k != "bias"}), False),
         "muon jitted init": (
-            muon_jax.muon(0.1, param_specs=specs if auto else None, **kw),
+            muon_jax.muon(0.1, newton_schulz=F32, sharding=ShardingOptions(
+                mesh, shard_axes, param_specs=specs if auto else None)),
             lambda tx: jax.jit(tx.init)(params), True),
     }
     for name, (tx, init, with_bias) in cases.items():
@@ -222,10 +229,10 @@ def test_traced_init_on_auto_axes_needs_param_specs():
     params = {"w": jax.device_put(np.ones((16, 32), np.float32),
                                   NamedSharding(mesh, P("data", None)))}
     with pytest.raises(ValueError, match=r"'w' is traced .*Auto.*param_specs="):
-        jax.jit(muon_jax.scale_by_muon(mesh=mesh).init)(params)
+        jax.jit(muon_jax.scale_by_muon(sharding=ShardingOptions(mesh)).init)(params)
     with pytest.raises(ValueError, match=r"'w' is sharded .*param_specs gives"):
-        muon_jax.scale_by_muon(mesh=mesh, param_specs=P()).init(params)
-    tx = muon_jax.scale_by_muon(mesh=mesh, param_specs={"w": P("data")})
+        muon_jax.scale_by_muon(sharding=ShardingOptions(mesh, param_specs=P())).init(params)
+    tx = muon_jax.scale_by_muon(sharding=ShardingOptions(mesh, param_specs={"w": P("data")}))
     for state in (jax.jit(tx.init)(params), tx.init({"w": np.ones((16, 32), np.float32)})):
         assert state.plan.leaves[0].spec == (("data",), ())  # traced, or host data
 
@@ -264,7 +271,7 @@ def test_clip_by_global_norm_on_reduced_view_gradients():
     params = jax.device_put(host, NamedSharding(mesh, P()))
     sharded_batch = jax.device_put(batch, NamedSharding(mesh, P("d")))
 
-    muon = muon_jax.muon(0.02, ns_dtype=jnp.float32, mesh=mesh)
+    muon = muon_jax.muon(0.02, newton_schulz=F32, sharding=ShardingOptions(mesh))
     state = muon.init(params)
 
     @jax.jit
@@ -280,7 +287,7 @@ def test_clip_by_global_norm_on_reduced_view_gradients():
     @jax.jit
     def reference(p, batch, max_norm):  # optax's clip on the all-reduced gradients
         clip, muon_ref = optax.clip_by_global_norm(max_norm), muon_jax.muon(0.02,
-                                                                           ns_dtype=jnp.float32)
+                                                                           newton_schulz=F32)
         clipped, _ = clip.update(jax.grad(_mlp_loss)(p, batch), clip.init(p))
         return clipped, muon_ref.update(clipped, muon_ref.init(p), p)[0]
 
@@ -313,7 +320,7 @@ def test_sharded_step_exports_for_tpu(shape, names, axis_type):
     batch = (jax.ShapeDtypeStruct((32, 8), jnp.float32, sharding=batch_sharding),) * 2
     explicit = axis_type == AxisType.Explicit
     tx = optax.chain(muon_jax.clip_by_global_norm(1.0),
-                     muon_jax.muon(0.02, mesh=mesh, param_specs=specs))
+                     muon_jax.muon(0.02, sharding=ShardingOptions(mesh, param_specs=specs)))
 
     def loss(p, batch):
         if explicit:  # FSDP on Explicit axes: the model gathers the sharded weights it uses

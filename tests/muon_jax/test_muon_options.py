@@ -20,9 +20,18 @@ PARAMS = {"w1": jnp.asarray(RNG.standard_normal((16, 24)), jnp.float32),
           "b": jnp.asarray(RNG.standard_normal((16,)), jnp.float32)}
 GRADS = [jax.tree.map(lambda x: jnp.asarray(RNG.standard_normal(x.shape), x.dtype), PARAMS)
          for _ in range(3)]
-# optax's defaults, spelled for muon_jax (its routing: 2-D leaves to Muon, here w1 and w2).
-OPTAX_LIKE = dict(ns_dtype=jnp.float32, shape_scaling="spectral", adam_b2=0.999,
-                  adam_weight_decay=0.0)
+
+
+def _ours(lr=1e-2, *, preconditioning="frobenius", adaptive=False, consistent_rms=None,
+          adam_eps_root=0.0, adam_nesterov=False, adam_mu_dtype=None, **kw):
+    """optax's defaults and option names, spelled for muon_jax.muon (its routing: 2-D leaves
+    to Muon, here w1 and w2)."""
+    return muon_jax.muon(
+        lr, shape_scaling="spectral" if consistent_rms is None else consistent_rms,
+        newton_schulz=muon_jax.NewtonSchulzOptions(
+            dtype=jnp.float32, preconditioning=preconditioning, adaptive=adaptive),
+        adamw=muon_jax.AdamWOptions(b2=0.999, weight_decay=0.0, eps_root=adam_eps_root,
+                                    nesterov=adam_nesterov, mu_dtype=adam_mu_dtype), **kw)
 
 
 def _run(tx, params=PARAMS, grads=GRADS):
@@ -55,7 +64,7 @@ def test_each_option_matches_optax(kw):
         ours_kw["adam_mu_dtype"] = kw["mu_dtype"]
     if "ns_coeffs" in kw:
         ours_kw["ns_coeffs"] = "dion"
-    ours = muon_jax.muon(1e-2, nesterov=False, **OPTAX_LIKE, **ours_kw)
+    ours = _ours(1e-2, nesterov=False, **ours_kw)
     rtol = 1e-2 if "mu_dtype" in kw else 1e-5  # bf16 momentum, rounded alike
     _close(_run(ours), _run(ref), rtol=rtol, atol=1e-5 if rtol > 1e-5 else 1e-6)
 
@@ -63,9 +72,9 @@ def test_each_option_matches_optax(kw):
 def test_nesterov_adamw_part_is_nadamw_when_asked():
     """optax's nesterov=True makes its AdamW part NAdamW: adam_nesterov=True gives that."""
     ref = optax_muon.muon(1e-2)
-    ours = muon_jax.muon(1e-2, **OPTAX_LIKE, adam_nesterov=True)
+    ours = _ours(1e-2, adam_nesterov=True)
     _close(_run(ours), _run(ref))
-    plain = _run(muon_jax.muon(1e-2, **OPTAX_LIKE))
+    plain = _run(_ours(1e-2))
     assert not np.allclose(plain[-1]["b"], _run(ref)[-1]["b"])  # the default: plain AdamW
 
 
@@ -75,23 +84,21 @@ def test_complex_matrices_are_orthogonalized_as_optax_does():
     grads = [jax.tree.map(lambda x, i=i: x * (i + 1) + 0.5j, c) for i in range(2)]
     for adaptive in (False, True):
         ref = optax_muon.muon(1e-2, adaptive=adaptive)
-        ours = muon_jax.muon(1e-2, adaptive=adaptive, **OPTAX_LIKE)
+        ours = _ours(1e-2, adaptive=adaptive)
         _close(_run(ours, c, grads), _run(ref, c, grads))
     assert muon_jax.default_muon_mask(c) == {"w": True}
 
 
 def test_optax_style_dimension_numbers_route_none_to_adamw():
-    """optax's muon_weight_dimension_numbers: None entries mean AdamW (not 'default view')."""
+    """optax's muon_weight_dimension_numbers (optax_compat): None entries mean AdamW (not
+    'default view' as in muon_jax.muon's dimension_numbers)."""
     dn = muon_jax.MuonDimensionNumbers(reduction_axis=1, output_axis=0)
     dims = {"w1": dn, "w2": None, "b": None}
     ref = optax_muon.muon(1e-2, muon_weight_dimension_numbers=dims)
-    ours = muon_jax.muon(1e-2, muon_weight_dimension_numbers=dims, adam_nesterov=True,
-                         **OPTAX_LIKE)
+    ours = optax_compat.muon(1e-2, muon_weight_dimension_numbers=dims)
     _close(_run(ours), _run(ref))
     state = ours.init(PARAMS)
     assert isinstance(state.inner_states["muon"].inner_state[0].mu["w2"], optax.MaskedNode)
-    with pytest.raises(ValueError, match="muon_weight_dimension_numbers .* replaces muon_mask"):
-        muon_jax.muon(1e-2, muon_weight_dimension_numbers=dims, dimension_numbers=dn)
 
 
 def test_per_step_coefficients_that_do_not_match_ns_steps_are_an_error():
@@ -103,6 +110,16 @@ def test_per_step_coefficients_that_do_not_match_ns_steps_are_an_error():
     # optax_compat keeps optax's rule: all 5 triples run when ns_steps >= 5.
     ref = optax_muon.muon(1e-2, ns_coeffs=five, ns_steps=7)
     _close(_run(optax_compat.muon(1e-2, ns_coeffs=five, ns_steps=7)), _run(ref))
+
+
+def _direction(sharding=None, *, preconditioning="frobenius", adaptive=False,
+               consistent_rms=None):
+    return muon_jax.scale_by_muon(
+        shape_scaling="spectral" if consistent_rms is None else consistent_rms,
+        dimension_numbers=muon_jax.MuonDimensionNumbers(1, 2), sharding=sharding,
+        newton_schulz=muon_jax.NewtonSchulzOptions(dtype=jnp.float32,
+                                                   preconditioning=preconditioning,
+                                                   adaptive=adaptive))
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +134,8 @@ def test_sharded_muon_takes_the_new_options(mesh8, kw):
     stack = {"w": jnp.asarray(RNG.standard_normal((8, 16, 24)), jnp.float32)}
     grads = [jax.tree.map(lambda x, i=i: x * (i + 1), stack) for i in range(2)]
     placed = jax.device_put(stack, NamedSharding(mesh8, P()))
-    ours = muon_jax.scale_by_muon(ns_dtype=jnp.float32, mesh=mesh8, **kw)
-    ref = muon_jax.scale_by_muon(ns_dtype=jnp.float32, **kw)
+    ours = _direction(muon_jax.ShardingOptions(mesh8), **kw)
+    ref = _direction(**kw)
     state, update = ours.init(placed), jax.jit(ours.update)
     got = []
     for g in grads:
@@ -131,7 +148,7 @@ def test_sharded_muon_orthogonalizes_complex_stacks(mesh8):
     c = {"w": jnp.asarray(RNG.standard_normal((8, 6, 4)) + 1j * RNG.standard_normal((8, 6, 4)),
                           jnp.complex64)}
     placed = jax.device_put(c, NamedSharding(mesh8, P()))
-    ours = muon_jax.scale_by_muon(ns_dtype=jnp.float32, mesh=mesh8, adaptive=True)
-    ref = muon_jax.scale_by_muon(ns_dtype=jnp.float32, adaptive=True)
+    ours = _direction(muon_jax.ShardingOptions(mesh8), adaptive=True)
+    ref = _direction(adaptive=True)
     got, _ = jax.jit(ours.update)(placed, ours.init(placed))
     _close([got], _run(ref, c, [c]))

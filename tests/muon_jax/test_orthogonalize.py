@@ -160,3 +160,21 @@ def test_bad_input_raises():
         muon_jax.orthogonalize(jnp.ones((2, 3), jnp.int32))
     with pytest.raises(ValueError, match="preconditioning='newton' is not supported"):
         muon_jax.orthogonalize(jnp.ones((2, 3)), preconditioning="newton")
+
+
+def test_traced_schedules_run_as_a_loop_with_the_unrolled_result():
+    """optax.inject_hyperparams traces ns_steps (and array coefficients): the steps then run
+    in a fori_loop over a coefficient table, step t taking row min(t, T - 1), as unrolled."""
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((3, 8, 12)), jnp.float32)
+    f32 = functools.partial(muon_jax.orthogonalize, dtype=jnp.float32)
+    for coeffs, steps, pre in (("polar_express", 9, "frobenius"), ("jordan", 5, "aol")):
+        got = jax.jit(lambda t, c=coeffs, p=pre: f32(x, ns_coeffs=c, ns_steps=t,
+                                                     preconditioning=p))(steps)
+        want = f32(x, ns_coeffs=coeffs, ns_steps=steps, preconditioning=pre)
+        chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+    dion = np.asarray(muon_jax.newton_schulz.DION_COEFFS, np.float32)  # traced per-step rows
+    got = jax.jit(lambda c: f32(x, ns_coeffs=c, ns_steps=5))(dion)
+    chex.assert_trees_all_close(got, f32(x, ns_coeffs="dion", ns_steps=5), rtol=1e-5,
+                                atol=1e-6)
+    with pytest.raises(ValueError, match="method='gram' needs a concrete ns_steps"):
+        jax.jit(lambda t: f32(x, ns_steps=t, method="gram"))(5)
