@@ -252,6 +252,27 @@ class MoE(nnx.Module):
         apply = moe_apply if _staged((args, kwargs)) else _eager_apply
         return apply(*args, options=self.options, mesh=meshes.resolve(self.mesh), **kwargs)
 
+    def matrix_views(self) -> dict[str, tuple[int, int, int]]:
+        """The linear maps each kernel holds: ``{attribute: (input axis, output axis, parts)}``
+        on the kernel's own axes, ``parts`` the maps side by side along the output axis.
+
+        ``w_gate_up [E, d_model, 2 d_ff]`` holds ``2 E`` maps ``[d_model, d_ff]`` (the gate's
+        and the up projection's columns, whose outputs meet only after the nonlinearity),
+        ``w_down [E, d_ff, d_model]`` ``E`` maps, the shared experts' kernels one or two, the
+        router kernel one. For optimizers that treat kernels as matrices (``muon_jax`` reads
+        this method when it meets the layer's variables).
+
+        Example:
+          >>> from flax import nnx
+          >>> layer = MoE(64, 32, options=MoEOptions.create(4, 2), rngs=nnx.Rngs(0))
+          >>> layer.matrix_views()["w_gate_up"]
+          (1, 2, 2)
+        """
+        views = {"router_kernel": (0, 1, 1), "w_gate_up": (1, 2, 2), "w_down": (1, 2, 1)}
+        if self.shared_gate_up is not None:
+            views.update(shared_gate_up=(0, 1, 2), shared_down=(0, 1, 1))
+        return views
+
     def set_view(self, deterministic: bool | None = None):
         """Sets the view attributes of ``nnx.view`` (and ``.eval()`` / ``.train()``).
 

@@ -12,7 +12,8 @@ modded-nanogpt splits fused QKV). This module reads the views:
 * from an NNX module graph (:func:`flax_dimension_numbers` on a module): ``nnx.Linear``,
   ``nnx.LinearGeneral`` (``nnx.MultiHeadAttention``'s projections), ``nnx.Einsum`` (from its
   equation), ``nnx.Conv`` / ``nnx.ConvTranspose`` (grouped convs: one matrix per group),
-  ``moe.MoE``; axes a kernel has beyond its layer's own shape are stack axes (batch);
+  and any layer that declares its views (:data:`VIEWS_METHOD`: ``moe.MoE`` does); axes a
+  kernel has beyond its layer's own shape are stack axes (batch);
 * from Linen param paths: auto-named ``Dense_N``, ``Conv_N``, ``ConvTranspose_N`` and the
   ``query``/``key``/``value``/``out`` kernels of ``MultiHeadDotProductAttention_N`` (a path
   cannot show where ``DenseGeneral``'s input axes end, nor stack axes before a conv's
@@ -49,8 +50,12 @@ Split = matrices.SplitDimensionNumbers
 # A layer's view of its own kernel: (expected shape, dimension numbers on that shape).
 _OwnView = tuple[tuple[int, ...], Any]
 
-MOE_CLASS = "moe.module.MoE"
-"""The qualified name of ``moe``'s NNX layer, matched by name so muon_jax does not import moe."""
+VIEWS_METHOD = "matrix_views"
+"""The method by which a layer declares its kernels' matrices (any NNX module may define it):
+``layer.matrix_views() -> {attribute: (reduction_axes, output_axes, parts)}``, axes of the
+kernel as the layer itself shapes it (stack axes that ``nnx.scan`` / ``nnx.vmap`` add are
+found from the shapes), ``parts`` how many matrices lie side by side along the output axis (a
+fused gate/up bank: 2). ``moe.MoE`` defines it; so can a user's layer."""
 
 _LINEN_ATTENTION = re.compile(
     r"(MultiHeadDotProductAttention|MultiHeadAttention|SelfAttention)_\d+")
@@ -63,18 +68,17 @@ def _nnx() -> Any:
     return sys.modules.get("flax.nnx")
 
 
-def _moe_views(layer: Any) -> dict[str, _OwnView]:
-    """``moe.MoE``'s kernels: the fused gate/up banks as two matrices per expert."""
+def _declared_views(layer: Any) -> dict[str, _OwnView]:
+    """The views a layer declares with :data:`VIEWS_METHOD`, on its kernels' own shapes."""
     out = {}
-    for name, fused in (("w_gate_up", True), ("w_down", False), ("shared_gate_up", True),
-                        ("shared_down", False), ("router_kernel", False)):
+    for name, (red, out_ax, parts) in getattr(layer, VIEWS_METHOD)().items():
         var = getattr(layer, name, None)
         if var is None or not hasattr(var, "shape"):
             continue
-        rank = 3 if name.startswith("w_") else 2
-        shape = tuple(var.shape)[-rank:]
-        red, out_ax = rank - 2, rank - 1
-        out[name] = (shape, Split(red, out_ax, split_axis=out_ax, parts=2) if fused
+        axes = [a for a in (*(red if isinstance(red, tuple) else (red,)),
+                            *(out_ax if isinstance(out_ax, tuple) else (out_ax,)))]
+        shape = tuple(var.shape)[len(var.shape) - 1 - max(axes):]
+        out[name] = (shape, Split(red, out_ax, split_axis=out_ax, parts=parts) if parts > 1
                      else MDN(red, out_ax))
     return out
 
@@ -98,8 +102,8 @@ def _einsum_view(equation: str, kernel_shape: Sequence[int]) -> Any:
 
 def _nnx_views(nnx: Any, layer: Any) -> dict[str, _OwnView]:
     """The kernels of one NNX layer of a known type, in the layer's own coordinates."""
-    if f"{type(layer).__module__}.{type(layer).__qualname__}" == MOE_CLASS:
-        return _moe_views(layer)
+    if callable(getattr(layer, VIEWS_METHOD, None)):
+        return _declared_views(layer)
     if isinstance(layer, nnx.LinearGeneral):
         nb, ni = len(layer.batch_axis), len(layer.in_features)
         shape = (*layer.batch_axis.values(), *layer.in_features, *layer.out_features)
