@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 # Default link rate: what all_to_all moves per GPU between two H200s of one host
-# (``benchmarks/dispatch_bench.py --part check``; docs/benchmark_log.md, FP8 wire, dispatch
+# (``benchmarks/dispatch.py``; docs/benchmark_log.md, FP8 wire, dispatch
 # and combine).
 MEASURED_LINK_GBPS = 153.0
 INTER_HOST_GBPS = 50.0  # 400 Gb/s InfiniBand per GPU

@@ -1,9 +1,7 @@
-"""benchmarks/moe_layer_bench.py --small end to end (CPU), and xla_comm.breakdown's op breakdown on
-a real trace."""
+"""benchmarks/layer.py --small end to end (CPU, the session's 8 devices): the transports under
+balanced and Zipf routing, the summary keys, the FP8 layer keys, the eager call; and
+xla_comm.breakdown's op breakdown on a real trace."""
 
-import json
-import os
-import subprocess
 import sys
 
 import jax
@@ -24,7 +22,9 @@ from xla_comm.breakdown import (
     op_breakdown,
 )
 
-ROOT = ROOT
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import layer  # noqa: E402  (benchmarks/layer.py)
 
 
 def test_op_breakdown_of_a_dropless_dispatch_combine(tmp_path):
@@ -129,27 +129,34 @@ def test_hlo_regions_of_the_lm_scopes():
 
 
 @pytest.mark.slow
-def test_moe_layer_bench_small_writes_the_dropless_keys(tmp_path):
-    """The --small run (2 CPU devices): dense capacity and dropless layers under balanced and
-    Zipf routing, dispatch+combine timings, the op breakdown, and the summary keys."""
-    out, summary = tmp_path / "r.json", tmp_path / "dropless.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "moe_layer_bench.py"), "--small",
-           "--variants", "dense_einsum_bf16", "dropless_bf16", "--out", str(out),
-           "--dropless-out", str(summary)]
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    report, s = json.loads(out.read_text()), json.loads(summary.read_text())
-    assert not report["errors"], report["errors"]
-    assert {r["variant"] for r in report["layer"]} == {
+def test_layer_small_writes_the_summary_keys(tmp_path):
+    """Dense capacity and dropless layers, both routings, traced: the keys the report reads."""
+    out = tmp_path / "r.json"
+    r = layer.main(["--small", "--variants", "dense_einsum_bf16", "dropless_bf16",
+                    "--profile", str(tmp_path / "traces"), "--out", str(out)])
+    assert out.exists() and not r["errors"], r["errors"]
+    assert {row["variant"] for row in r["layer"]} == {
         "dense_einsum_bf16", "dense_einsum_bf16_zipf", "dropless_bf16", "dropless_bf16_zipf"}
-    zipf = report["routing"]["zipf"]
+    zipf = r["routing"]["zipf"]
     assert zipf["l1_error"] < 0.15 and zipf["max_over_mean"] > 3.0, zipf
-    for key in ("dropless_over_capacity_time_2cpu", "dropless_over_capacity_time_2cpu_zipf",
-                "dropless_dispatch_combine_over_dense_2cpu", "dropless_layer_mfu_2cpu"):
-        assert s[key] > 0, key
-    assert s["dropless_dropped_slots_2cpu"] == s["dropless_dropped_slots_2cpu_zipf"] == 0
-    assert s["capacity_dropped_frac_2cpu_zipf"] > 0.05  # capacity 1.25 drops under Zipf
-    bd = s["breakdown"]["dropless_bf16"]
+    tag = f"{jax.device_count()}cpu"
+    for key in (f"dropless_over_capacity_time_{tag}", f"dropless_over_capacity_time_{tag}_zipf",
+                f"dropless_layer_mfu_{tag}", f"capacity_layer_ms_{tag}"):
+        assert r[key] > 0, key
+    assert r[f"dropless_dropped_slots_{tag}"] == r[f"dropless_dropped_slots_{tag}_zipf"] == 0
+    assert r[f"capacity_dropped_frac_{tag}_zipf"] > 0.05  # capacity 1.25 drops under Zipf
+    assert r["moe_layer_mfu_by_variant"]["dropless_bf16"] > 0
+    bd = next(row for row in r["layer"] if row["variant"] == "dropless_bf16")["breakdown"]
     assert bd["us_per_step"]["exchange"] > 0 and bd["us_per_step"]["gemm"] > 0, bd
+
+
+@pytest.mark.slow
+def test_layer_small_fp8_preset_and_eager_call():
+    r = layer.main(["--small", "--preset", "fp8", "--routing", "balanced"])
+    tag = f"{jax.device_count()}cpu"
+    assert not r["errors"], r["errors"]
+    for k in ("bf16", "fp8"):
+        for transport in ("dense", "dropless"):
+            assert r[f"moe_layer_{k}_mfu_{tag}_{transport}"] > 0
+    e = layer.main(["--small", "--eager"])
+    assert e["eager_over_jit"] > 0 and e["tokens"] == 128
