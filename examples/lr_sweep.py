@@ -10,8 +10,8 @@ trainer's default learning rates (its width rule) are added to each grid unless
 
 Usage::
 
-    python benchmarks/lr_sweep.py --out runs/sweep                      # CPU preset
-    python benchmarks/lr_sweep.py --preset gpu --muon-lrs 1e-3,3e-3,8e-3 \\
+    python examples/lr_sweep.py --out runs/sweep                      # CPU preset
+    python examples/lr_sweep.py --preset gpu --muon-lrs 1e-3,3e-3,8e-3 \\
         --adam-lrs 1e-3,2e-3,4e-3 --steps 300 --out $OUT                 # one GPU
 
 Any other flag goes to the trainer (e.g. ``--d-model 256 --layers 4 --batch 16``).
