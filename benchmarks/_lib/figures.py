@@ -1,10 +1,9 @@
-"""The named figures of the benchmark reference: where each comes from and how it is printed.
+"""The named figures of the benchmark report: where each comes from and how it is printed.
 
-Every figure that BENCHMARKS.md's headline table, README.md or docs/architecture.md quotes is
-one `Figure`: a current result file (``benchmarks/results/current/<source>.json``), a function
-of its ``results``, a format, and, where a target was agreed, the target as data so that
-"met" is computed from the value. ``report.py`` prints them; the markdown files quote them as
-``<!--fig:NAME-->value<!--/fig-->`` and ``report.py`` rewrites the values between the markers.
+Every figure that BENCHMARKS.md's headline table, README.md or docs/ quote is one `Figure`: a
+current record (``benchmarks/results/current/<source>.json``), a function of its ``results``, a
+format, and, where a target was agreed, the target as data, so that "met" is computed. The
+markdown files quote them as ``<!--fig:NAME-->value<!--/fig-->``; ``report.py`` rewrites them.
 """
 
 from __future__ import annotations
@@ -64,12 +63,11 @@ class Figure:
         return _OPS[op](self.value(results), float(number))
 
 
-def _experts_row(r: dict, layout: str, routing: str, recipe: str) -> dict:
-    rows = [e for e in r["experts"] if (e["layout"], e["routing"], e["recipe"])
-            == (layout, routing, recipe)]
-    if not rows:
-        raise KeyError(f"no experts row {layout}/{routing}/{recipe}")
-    return rows[0]
+def gmm_row(r: dict, kernel: str) -> dict:
+    """The forward, balanced row of one grouped-GEMM kernel (records before gmm.py have no
+    op or routing: their rows are those)."""
+    return next(g for g in r["gmm"] if g["kernel"] == kernel and g.get("op", "fwd") == "fwd"
+                and g.get("routing", "balanced") == "balanced")
 
 
 def _layer_row(r: dict, transport: str, variant: str) -> dict:
@@ -93,12 +91,12 @@ QKV, OUT = [65536, 2048, 6144], [65536, 2048, 2048]
 FIGURES: tuple[Figure, ...] = (
     # Grouped GEMM and gated experts, one H200.
     Figure("gmm_fp8_over_triton_bf16", "FP8 grouped GEMM rate / bf16 Triton rate (gate_up, "
-           "32k rows)", "experts", lambda r: r["fp8_gmm_over_bf16_rate"], "{:.2f}", ">= 1.6"),
-    Figure("gmm_fp8_over_mosaic_bf16", "FP8 grouped GEMM rate / bf16 Mosaic rate", "experts",
+           "32k rows)", "gmm", lambda r: r["fp8_gmm_over_bf16_rate"], "{:.2f}", ">= 1.6"),
+    Figure("gmm_fp8_over_mosaic_bf16", "FP8 grouped GEMM rate / bf16 Mosaic rate", "gmm",
            lambda r: r["fp8_gmm_over_bf16_rate_vs_mosaic_bf16"], "{:.2f}", headline=False),
     Figure("gmm_mosaic_bf16_over_dense", "Mosaic bf16 grouped GEMM / dense bf16 rate",
-           "experts", lambda r: r["gmm"][1]["tflops"] / r["dense_bf16_tflops"], "{:.2f}",
-           headline=False),
+           "gmm", lambda r: gmm_row(r, "mosaic_bf16")["tflops"] / r["dense_bf16_tflops"],
+           "{:.2f}", headline=False),
     Figure("experts_fp8_ragged", "gated experts fwd+bwd, all GEMMs FP8 / bf16, ragged, "
            "balanced", "experts", lambda r: r["experts_fp8_speedup_ragged"], "{:.2f}x",
            ">= 1.35"),
@@ -112,8 +110,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure("experts_fp8_worst_cos", "worst cosine of FP8 outputs and gradients against bf16",
            "experts", lambda r: min(e.get("worst_cos_vs_bf16", 1.0) for e in r["experts"]),
            "{:.4f}", ">= 0.99", headline=False),
-    Figure("gmm_mosaic_fp8_tflops", "Mosaic FP8 grouped GEMM, TFLOP/s", "experts",
-           lambda r: r["gmm"][2]["tflops"], "{:.0f}", headline=False),
+    Figure("gmm_mosaic_fp8_tflops", "Mosaic FP8 grouped GEMM, TFLOP/s", "gmm",
+           lambda r: gmm_row(r, "mosaic_fp8")["tflops"], "{:.0f}", headline=False),
     # The MoE layer on one GPU.
     Figure("layer_fp8_mfu_dropless", "MoE layer fwd+bwd MFU, FP8 dispatch + FP8 GEMMs, one GPU "
            "(dropless)", "fp8_layer", lambda r: r["moe_layer_fp8_mfu_1gpu_dropless"], "{:.3f}",
@@ -274,6 +272,17 @@ FIGURES: tuple[Figure, ...] = (
            headline=False),
     Figure("kernels_ab_worst", "the same, worst row", "kernels_ab",
            lambda r: r["fp8_bench_worst_new_over_base"], "{:.3f}", headline=False),
+    # The peer comparison (benchmarks/vs_transformers.py).
+    Figure("vs_hf_bf16_qwen3", "MoE layer fwd+bwd, bf16: the faster transformers block "
+           "(grouped_mm, eager or compiled) / moe, Qwen3-30B-A3B shape", "layer_vs_transformers",
+           lambda r: r["bf16_over_best_hf_qwen3_30b_a3b"], "{:.2f}x"),
+    Figure("vs_hf_fp8_qwen3", "the same, moe in FP8", "layer_vs_transformers",
+           lambda r: r["fp8_over_best_hf_qwen3_30b_a3b"], "{:.2f}x"),
+    Figure("vs_hf_bf16_mixtral", "the same in bf16, Mixtral-8x7B shape",
+           "layer_vs_transformers", lambda r: r["bf16_over_best_hf_mixtral_8x7b"], "{:.2f}x"),
+    Figure("vs_hf_unaligned", "moe bf16 MFU, widths multiples of 16 (2064 / 784) / of 128",
+           "layer_vs_transformers", lambda r: r["unaligned_mfu_over_aligned"], "{:.2f}",
+           headline=False),
     # The moe redesign.
     Figure("redesign_ab_geomean", "moe redesign: new / base time, fp8, dropless and LM-step "
            "rows (geomean)", "redesign_ab", lambda r: r["geomean_new_over_base"], "{:.3f}"),
