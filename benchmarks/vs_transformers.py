@@ -203,8 +203,8 @@ def hf_block(name, shape, weights):
         from transformers.models.qwen3_moe.modeling_qwen3_moe import (
             Qwen3MoeSparseMoeBlock as Block,
         )
-    config = Config(**hf_config(name, shape), num_hidden_layers=1,
-                    experts_implementation="grouped_mm")
+    config = Config(**hf_config(name, shape), num_hidden_layers=1, num_attention_heads=16,
+                    num_key_value_heads=16, experts_implementation="grouped_mm")
     config._experts_implementation = "grouped_mm"  # transformers 5: what the experts read
     block = Block(config).to(device=torch_device(), dtype=torch.bfloat16)
     block.load_state_dict({k: torch.tensor(v) for k, v in weights.items()}, strict=True)
@@ -260,16 +260,27 @@ def variants(name, shape, a, data, report):
     weights = block_weights(shape, a.seed)
     params, opts = moe_side(name, shape, weights, a)
     report["shapes"][name]["fp8_block_size"] = opts.fp8_block_size
-    out = {}
+    out, cts = {}, {}
+
+    def on_device(ct, torch_side: bool):
+        """A cotangent on the device, once per array (kept alive, so ids stay unique)."""
+        key = (id(ct), torch_side)
+        if key not in cts:
+            if torch_side:
+                import torch
+                dev = torch.tensor(ct, device=torch_device(), dtype=torch.bfloat16)
+            else:
+                dev = jnp.asarray(ct, jnp.bfloat16)[None]
+            cts[key] = (ct, dev)
+        return cts[key][1]
+
     if not a.moe_only:
         import torch
         blk = hf_block(name, shape, weights)
         x = torch.tensor(data["x"], device=torch_device(), dtype=torch.bfloat16)
-        cts = {}
 
         def hf(block):
-            return lambda ct: hf_step(block, x, cts.setdefault(id(ct), torch.tensor(
-                ct, device=torch_device(), dtype=torch.bfloat16)))()
+            return lambda ct: hf_step(block, x, on_device(ct, True))()
 
         out["hf_eager"] = (hf(blk), "bf16", None)
         out["hf_compiled"] = (hf(torch.compile(blk)), "bf16", None)
@@ -280,7 +291,7 @@ def variants(name, shape, a, data, report):
             c = cf if transport == "dense" else None
             step, args = moe_variant(params, opts, data["x"], transport, recipe, c)
             out[f"moe_{recipe}_{transport}"] = (
-                lambda ct, step=step, args=args: step(*args, jnp.asarray(ct, jnp.bfloat16)[None]),
+                lambda ct, step=step, args=args: step(*args, on_device(ct, False)),
                 "fp8" if recipe != "bf16" else "bf16", c)
     data["moe_ids"] = np.asarray(moe.route(jnp.asarray(data["x"], jnp.bfloat16), jnp.asarray(
         params["router_kernel"]), config=opts.router).expert_ids)
@@ -399,6 +410,9 @@ def main(argv=None) -> dict:
             report["checks"][name] = {"error": f"{type(err).__name__}: {err}"[:2000]}
             print(f"{name}: FAILED {err!r}"[:1000], flush=True)
         jax.clear_caches()
+        if not a.moe_only:
+            import torch
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
     report.update(summarize(report["rows"]))
     bench.print_table(report["rows"], ["shape", "variant", "ms", "mfu", "capacity_factor", "ok"])
     print({k: round(v, 3) for k, v in report.items() if "_over_" in k or "_mfu_" in k})
