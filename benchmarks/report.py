@@ -286,13 +286,12 @@ def main_job() -> int:
 
 
 def run_suite(out: pathlib.Path, only: list[str] | None, small: bool, timeout: int) -> int:
-    """``--run``: each benchmark of :data:`SUITE` (``only``; default those this machine's GPU
-    count serves) as ``OUT/NAME.json`` and ``OUT/NAME.log``, each under ``timeout`` seconds;
-    then the ``--adopt`` command of each run that wrote its JSON."""
+    """``--run``: each benchmark of :data:`SUITE` (``only``; default those made for this
+    machine's GPU count: 0, 1 or 2) as ``OUT/NAME.json`` and ``OUT/NAME.log``, each under
+    ``timeout`` seconds; then the ``--adopt`` command of each run that wrote its JSON."""
     import jax
     gpus = 0 if small or jax.default_backend() == "cpu" else len(jax.devices())
-    chosen = [s for s in SUITE if (s[0] in only if only else (s[1] <= gpus and
-                                                               (s[1] > 0) == (gpus > 0)))]
+    chosen = [s for s in SUITE if (s[0] in only if only else s[1] == gpus)]
     out.mkdir(parents=True, exist_ok=True)
     done = []
     for name, _, command in chosen:
