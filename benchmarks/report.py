@@ -221,8 +221,9 @@ def adopt(name: str, result: pathlib.Path, *, commit=None, command=None, hardwar
     command = command or " ".join(env.get("argv", []))
     old = json.loads(target.read_text()) if target.exists() else {}
     measures = measures or script_measures(command) or old.get("measures")
-    ceiling = ceiling or run_ceiling(res)
-    missing = [k for k, v in (("a measured ceiling ('ceilings' or 'ceiling')", len(ceiling) > 1),
+    given, ceiling = ceiling is not None, ceiling or run_ceiling(res)  # given: a loss run's
+    missing = [k for k, v in (("a measured ceiling ('ceilings' or 'ceiling')",
+                               given or len(ceiling) > 1),
                               ("--commit", commit or env.get("commit")), ("--command", command),
                               ("--measures", measures)) if not v]
     if missing:
@@ -263,9 +264,10 @@ def main_job() -> int:
         return 1
     commit = git._git("rev-parse", "--short=7", "HEAD")
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, *MAIN_JOB.split()[1:]], cwd=ROOT, check=True)
+    subprocess.run([sys.executable, *MAIN_JOB.split()[1:]], cwd=ROOT, check=True,
+                   env=dict(os.environ, PYTHONPATH=str(ROOT)))  # this tree, not an installed one
     wall = time.perf_counter() - t0
-    s = json.loads((ROOT / "runs/first/summary.json").read_text())
+    s = json.loads((ROOT / MAIN_JOB.split("--out ")[1].split()[0] / "summary.json").read_text())
     mesh = tuple(s["mesh"].values())
     res = {"benchmark": "examples/train_lm.py, CPU preset, both optimizers (the README's main "
                         "job)", "date": datetime.date.today().isoformat(),

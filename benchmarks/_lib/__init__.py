@@ -2,14 +2,17 @@
 ``sections``, ``records``). Private: the scripts and ``report.py`` beside this folder are the
 commands; nothing here has a command line of its own.
 
-The repository root is appended to ``sys.path`` (after ``PYTHONPATH``), so a script finds the
-packages it measures when run as ``python3 benchmarks/NAME.py`` from anywhere, and an A/B run
-can point ``PYTHONPATH`` at another tree's packages (``report.py --ab``).
+The repository root goes on ``sys.path`` right after the ``PYTHONPATH`` entries, ahead of any
+installed copy of the packages: a script measures this tree's packages when run as ``python3
+benchmarks/NAME.py`` from anywhere, and an A/B run can still point ``PYTHONPATH`` at another
+tree's (``report.py --ab``).
 """
 
+import os
 import pathlib
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
-    sys.path.append(str(ROOT))
+    sys.path.insert(1 + sum(1 for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p),
+                    str(ROOT))

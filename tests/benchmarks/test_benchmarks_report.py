@@ -4,6 +4,7 @@ name and an incomplete record are each caught; a record whose measured code chan
 commit is shown as dated (named by ``--stale``) until a run or a validation makes it current."""
 
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -178,3 +179,27 @@ def test_the_runner_runs_a_benchmark_and_its_run_is_adoptable(tmp_path):
     assert f"--adopt eager_layer {tmp_path / 'eager_layer.json'}" in r.stdout
     run = json.loads((tmp_path / "eager_layer.json").read_text())
     assert run["eager_over_jit"] > 0 and run["env"]["argv"][1] == "benchmarks/layer.py"
+
+
+@pytest.mark.slow
+def test_main_job_reruns_the_trainer_and_makes_it_current(tmp_path, monkeypatch):
+    """``report.py --main-job`` at a tiny size: the trainer's summary becomes the record the
+    README quotes, at the commit of the tree (the git side stubbed: any checkout passes)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import report
+
+    shutil.copytree(ROOT / "benchmarks/results/current", tmp_path / "current")
+    monkeypatch.setattr(report.records, "CURRENT", tmp_path / "current")
+    monkeypatch.setattr(report, "MAIN_JOB", f"python3 examples/train_lm.py --out {tmp_path}/run "
+                        "--no-progress --d-model 64 --layers 1 --heads 2 --d-ff 32 --experts 4 "
+                        "--batch 8 --seq-len 16 --eval-batches 1 --max-corpus-mb 0.5 "
+                        "--fp8-block-size 16 --warmup 1 --steps 3")
+    monkeypatch.setattr(report, "write_documents", lambda check: 0)
+    monkeypatch.setattr(report.records, "Git", type("Stub", (), {
+        "_git": lambda self, *a: "" if a[0] == "status" else "abc1234"}))
+    assert report.main_job() == 0
+    rec = json.loads((tmp_path / "current/train_lm_cpu.json").read_text())
+    assert rec["commit"] == "abc1234" and rec["command"] == report.MAIN_JOB
+    muon = rec["results"]["results"]["muon"]
+    assert math.isfinite(muon["final_val_loss"]) and rec["results"]["wall_s_total"] > 0
+    assert rec["ceiling"]["what"].startswith("none")
