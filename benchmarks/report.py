@@ -232,7 +232,8 @@ def adopt(name: str, result: pathlib.Path, *, commit=None, command=None, hardwar
     rec = {"benchmark": name, "commit": commit or env["commit"],
            "date": date or env.get("date") or datetime.date.today().isoformat(),
            "hardware": hardware or hardware_of(env),
-           "software": {"python": env["python"], "jax": env["jax"]}, "command": command,
+           "software": {"python": env["python"], "jax": env["jax"], **res.get("software", {})},
+           "command": command,
            "ceiling": ceiling, "measures": measures, "source": result.name, "results": res}
     target.write_text(json.dumps(rec, indent=1) + "\n")
     return target

@@ -54,7 +54,9 @@ def source(C: dict, name: str) -> Lines:
     sw = r["software"]
     note = f" Note: {r['note']}." if r.get("note") else ""
     return [f"Source: [`current/{name}.json`](benchmarks/results/current/{name}.json), "
-            f"{r['hardware']}, jax {sw['jax']}, Python {sw['python']}, commit `{r['commit']}`, "
+            f"{r['hardware']}, jax {sw['jax']}, Python {sw['python']}, "
+            + "".join(f"{k} {v}, " for k, v in sw.items() if k not in ("jax", "python"))
+            + f"commit `{r['commit']}`, "
             f"{r['date']}; {ceiling_text(r['ceiling'])}. Command: `{r['command']}`"
             + (f" (today: `{r['rerun']}`)" if r.get("rerun") else "")
             + f".{note}{r['_status'].text(r)}"]
