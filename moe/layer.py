@@ -80,7 +80,7 @@ def auto_overlap_chunks(expert_axis_size: int, tokens_per_device: int,
     chunks only add their own cost) and for small batches (fewer than
     :data:`MIN_CHUNK_TOKENS` tokens per device per chunk); else :data:`OVERLAP_CHUNKS` of the
     transport, read off 8-GPU schedules compiled on one GPU and replayed in time
-    (``benchmarks/schedule_report.py``; docs/benchmark_log.md, Overlap). Dense: 2 chunks model
+    (``benchmarks/schedule8.py``; docs/benchmark_log.md, Overlap). Dense: 2 chunks model
     the shortest step for the layer alone and for the trainer's step
     (``examples/train_lm.py``'s GPU preset) as XLA schedules it on its own estimates; 4 hide
     more of the trainer's exchange but cost more passes, and only with a latency profile

@@ -47,8 +47,8 @@ large, and more strips than 4 cut them too small to gain more."""
 AUTO_TILES_MIN_SIDE = 2048
 """``'auto'`` takes the symmetric-tile kernel on Hopper GPUs for banks whose Gram side
 ``min(m, n)`` reaches this. It skips about half the tiles of the ``[p, p]`` products but pays
-a mirroring pass over each, which outweighs the skipped tiles' time for small ``p``
-(``benchmarks/ns_strips.py`` measures where)."""
+a mirroring pass over each, which outweighs the skipped tiles' time for small ``p`` (this
+side is where the two were timed even)."""
 
 AUTO_GRAM_MIN_ASPECT = 2.0
 """``ns_method='auto'`` takes the Gram form (with the symmetric-tile kernel) for matrices at
@@ -58,8 +58,8 @@ AUTO_SYMMETRIC_MIN_WORK = 4e11
 """``'auto'`` takes the strips for a bank of ``B`` matrices ``[m, n]`` (``m <= n``, the Gram
 side) only if ``B * m^2 * n`` reaches this and ``m >= 2048``: the strips skip half the tiles
 of the ``[m, m]`` products but cut each into smaller GEMMs plus a mirror pass, which pays
-only when those GEMMs are large and many; below this one plain GEMM is faster
-(``benchmarks/ns_strips.py`` measures where)."""
+only when those GEMMs are large and many; below this one plain GEMM was faster where
+the two were timed."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,7 @@ first scope inside it: ``jit(step)/jvp(attention)/...`` (forward),
 carry its own scopes without the ``jit(step)/`` prefix (``moe_router/reduce_sum``). So a scope
 is matched as a path component, bounded by ``/``, ``(`` or ``)``. Region and category together
 split e.g. the experts' time into GEMMs and the rest (quantization, casts). `LM_REGIONS`
-suits the train step of examples/lm_model.py (benchmarks/lm_step_bench.py).
+suits the train step of examples/lm_model.py (benchmarks/lm_step.py).
 
 The events come from `xla_comm.trace.op_events`.
 
@@ -80,7 +80,7 @@ def scope_regex(*names: str) -> str:
 
 
 # The regions of the LM train step (examples/lm_model.py + moe + muon_jax; see
-# benchmarks/lm_step_bench.py), first match wins. The optimizer update runs outside
+# benchmarks/lm_step.py), first match wins. The optimizer update runs outside
 # value_and_grad, so its ops carry no jvp / transpose in their path: ``jit(step)/mul``,
 # ``jit(step)/sqrt`` (optax's AdamW), ``jit(step)/jit(entry)/shard_map/...`` and
 # ``jit(step)/jit(exit_fn)/shard_map/...`` (muon_jax.owners' moves to and from the owners),

@@ -4,7 +4,7 @@ again.
 XLA's latency-hiding scheduler places each async collective's start and done by its own
 estimate of how long the collective takes. For the expert-parallel all-to-alls of a GPU
 program that estimate is far below what the links move (in the 8-GPU schedules of
-``benchmarks/schedule_report.py`` it started one all-to-all right after another, with only
+``benchmarks/schedule8.py`` it started one all-to-all right after another, with only
 small ops between them): the exchange is async, but the scheduler sees nothing worth hiding.
 Given the modeled times it does hide it.
 

@@ -353,7 +353,7 @@ def topology_mesh(topology: str, axis_shape: Sequence[int], axis_names: Sequence
     ``target_config``, of the kind that text describes: then only the platform's plugin is
     needed (``jax[cuda13]`` on a CPU-only machine), not a GPU, and XLA compiles as it would
     for that GPU (without autotuning, which needs the device: GEMMs keep their default
-    kernels). ``benchmarks/schedule_report.py --write-target-config`` reads one off a
+    kernels). ``benchmarks/schedule8.py --write-target-config`` reads one off a
     machine that has the GPU.
 
     Args:

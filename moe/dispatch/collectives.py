@@ -151,7 +151,7 @@ def ragged_exchange(
       ``jax.lax.ragged_all_to_all`` docstring; MaxText ragged MoE dispatch.
     """
     if impl == "native":
-        # GPU/TPU only (XLA:CPU lacks the op; CI lowers it, benchmarks/dispatch_bench.py runs it
+        # GPU/TPU only (XLA:CPU lacks the op; CI lowers it, benchmarks/dispatch.py runs it
         # on GPUs and checks it equals the emulation bit for bit).
         return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes,
                                          output_offsets, recv_sizes, axis_name=axis_name)

@@ -1,7 +1,7 @@
-"""benchmarks/lr_sweep.py: table, plot, summary and reuse of runs, at a tiny size.
+"""examples/lr_sweep.py: table, plot, summary and reuse of runs, at a tiny size.
 
 (examples/ is on the path for train_lm, as in tests/examples/test_train_lm.py; the sweep itself runs
-as ``python benchmarks/lr_sweep.py``.) The sweeps call the script's ``main`` in this process, as
+as ``python examples/lr_sweep.py``.) The sweeps call the script's ``main`` in this process, as
 tests/examples/test_train_lm.py calls the trainer's: a fresh interpreter per command would only
 repeat the imports. The script as a command still runs here: each ``--jobs`` grid point trains in
 a child ``lr_sweep.py``, and a bad flag's one-line error is read from the command's stderr."""
@@ -18,10 +18,9 @@ from _paths import ROOT
 
 ROOT = ROOT
 sys.path.insert(0, str(ROOT / "examples"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import lm_metrics  # noqa: E402
-import lr_sweep  # noqa: E402  (benchmarks/lr_sweep.py)
+import lr_sweep  # noqa: E402  (examples/lr_sweep.py)
 import train_lm  # noqa: E402  (examples/train_lm.py)
 
 TINY = [
@@ -41,8 +40,8 @@ def _script_env() -> dict[str, str]:
 
 
 def sweep(*argv, timeout=600):
-    """``python benchmarks/lr_sweep.py ARGV``: (exit status, stdout, stderr)."""
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lr_sweep.py"), *argv],
+    """``python examples/lr_sweep.py ARGV``: (exit status, stdout, stderr)."""
+    res = subprocess.run([sys.executable, str(ROOT / "examples" / "lr_sweep.py"), *argv],
                          cwd=ROOT, env={**os.environ, **_script_env()}, capture_output=True,
                          text=True, timeout=timeout)
     return res.returncode, res.stdout, res.stderr

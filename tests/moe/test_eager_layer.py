@@ -1,6 +1,6 @@
 """moe.MoE called outside a jit compiles its functional core once per shape (then runs it as a
 compiled program), and so do its gradients outside a jit; inside a jit it stays part of the
-caller's program; same results. (benchmarks/eager_layer.py times the eager calls.)"""
+caller's program; same results. (``benchmarks/layer.py --eager`` times the eager calls.)"""
 
 import chex
 import jax

@@ -1,5 +1,5 @@
 """xla_comm.trace's exposed-collective figures on small synthetic jax.profiler-style traces (no
-GPU needed), and benchmarks/trace_breakdown.py, its command line, on one of them."""
+GPU needed), and ``benchmarks/lm_step.py --read-trace``, its command line, on one of them."""
 
 import gzip
 import json
@@ -118,13 +118,13 @@ def test_op_level_fallback(tmp_path):
 
 
 def test_command_line_prints_the_overlap(tmp_path):
-    """``python benchmarks/trace_breakdown.py TRACE_DIR`` (no HLO file): the library's figures
-    as JSON."""
+    """``python benchmarks/lm_step.py --read-trace TRACE_DIR`` (no HLO file): the library's
+    figures as JSON."""
     _write(tmp_path / "plugins" / "profile" / "run" / "h.trace.json.gz", synthetic_events())
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    script = str(ROOT / "benchmarks" / "trace_breakdown.py")
-    res = subprocess.run([sys.executable, script, str(tmp_path)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
+    script = str(ROOT / "benchmarks" / "lm_step.py")
+    res = subprocess.run([sys.executable, script, "--read-trace", str(tmp_path)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads(res.stdout) == json.loads(json.dumps(exposed_comm_fraction(tmp_path)))
     assert json.loads(res.stdout)["exposed_fraction"] == pytest.approx(75 / 90)

@@ -3,7 +3,7 @@ mode.
 
 On CPU the kernels run through Pallas interpret mode (the same kernel code, executed as XLA
 ops). That they also lower to Triton for a GPU is checked by exporting for 'cuda' here, without
-a GPU; compiling and timing them needs one (benchmarks/experts_bench.py).
+a GPU; compiling and timing them needs one (benchmarks/gmm.py).
 """
 
 import functools

@@ -1,7 +1,7 @@
 """The Mosaic GPU row kernels (`accel_kernels.quant.mosaic`, `accel_kernels.wire.mosaic`) on
 the CPU.
 
-They run only on a Hopper GPU (``benchmarks/quant_bench.py`` compares their bytes and speed
+They run only on a Hopper GPU (``benchmarks/quant_bench.py``, at 8b11414: their bytes, speed
 with the Triton kernels and XLA there). Here: they lower for CUDA on both supported shapes and
 dtypes, the expert layer picks them (or Triton, or XLA) by shape and platform, off GPU the
 dispatch gives the reference bytes, the activations' traceable sigmoid matches

@@ -1,7 +1,7 @@
 """The Mosaic GPU wire kernels (`accel_kernels.wire.mosaic`: ``gather_encode``, ``gather_decode``,
 ``gather_rows_quantized``) on the CPU.
 
-They run only on a Hopper GPU (``benchmarks/quant_bench.py`` compares their bytes and speed
+They run only on a Hopper GPU (``benchmarks/quant_bench.py``, at 8b11414: their bytes, speed
 with the Triton kernels and XLA there). Here: they lower for CUDA with the Triton kernels'
 output types; the wire's call sites (`accel_kernels.wire.api.gather_rows`, the expert layouts of
 `moe.dispatch.movement`, `moe.experts.fp8_gemm.rows_from_wire`) pick them, Triton or XLA by

@@ -1,0 +1,671 @@
+"""How much communication do 8-, 16- and 64-GPU steps leave exposed? (Compiled, not run.)
+
+Compiles programs for virtual topologies of a GPU (``xla_comm.schedule.topology_mesh``:
+``1x8x1`` is 8 GPUs of one host, ``2x8x1`` / ``8x8x1`` two / eight such hosts; with
+``--target-config`` on a machine with no GPU at all) and replays each compiled schedule with
+``xla_comm.schedule.schedule_report``: compute at rates measured on a GPU, transfers at
+``--link-gbps`` per GPU within a host and ``--inter-host-gbps`` across. Exposed = the time
+compute waits for collectives, over their time. With ``--latency-model`` (default off CPU)
+each step compiles twice: on XLA's own latency estimates (kept as ``xla_estimates``), then with
+the modeled times handed to XLA's scheduler (``xla_comm.latency``). Cases (``--only``):
+
+* ``moe8`` / ``moe8b``: the MoE layer's train step (FP8 wires, capacity 1.25) at EP=8, shape A
+  (8192 tokens per device, d 2048, d_ff 1024, 32 experts, top-2) / B (d 4096, d_ff 2048, 64
+  experts, top-8), dense and dropless, per ``--chunks`` count of ``overlap_chunks``;
+* ``moe16`` / ``moe64``: A's per-device work over 16 GPUs (2 hosts; also with the expert axis
+  within a host and the hosts data parallel) and 64 (8 hosts);
+* ``muon``: sharded Muon on 8 GPUs, the 1.6B set of ``benchmarks/muon_step.py`` (f32 params),
+  updates gathered in f32 and in bf16 (``--muon-reduce-dtypes``: also bf16 reduce-scatters), per
+  ``--muon-chunk-bytes``;
+* ``train``: ``examples/train_lm.py``'s GPU-preset step on meshes (1, 8) and (2, 4), as its
+  ``--pgle`` runs it (``--train-variants``: micro-batches x chunks);
+* ``gpu1``: on a real GPU, the layer at A's per-device work (EP=1, 4 experts) unchunked and in
+  2 chunks, timed interleaved, and the compute model checked against it.
+
+    python3 benchmarks/schedule8.py --out schedule8.json                   # on one GPU
+    python3 benchmarks/schedule8.py --target-config benchmarks/targets/h100.txtpb \\
+        --rates 659.3,1170.2,1999.1 --hlo-dir HLO --out schedule8.json       # on a CPU
+    python3 benchmarks/schedule8.py --replay HLO --rates-from gpu1.json --out s.json
+    python3 benchmarks/schedule8.py --small                  # CPU, 8 simulated devices
+
+JSON: the headline keys first (``moe_ep8_exposed_fraction``, ``..._dropless_...``,
+``muon_dp8_exposed_fraction``, ``train_step_ep8_exposed_fraction``, ``moe_ep16/64_...``, their
+``..._xla_estimates``; ``targets``, ``met``), then ``cases`` (each program's summary),
+``hardware``; ``--hlo-dir``: every compiled module (gzip), which ``--replay`` reads back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gzip
+import json
+import re
+import tarfile
+import time
+import traceback
+import types
+from pathlib import Path
+
+from _lib import bench
+
+MEASURES = ("moe/", "muon_jax/", "xla_comm/", "examples/", "accel_kernels/",
+            "benchmarks/targets/")
+MEASURED_LINK_GBPS = 153.0  # all_to_all per GPU between two H200s of one host (BENCHMARKS.md)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeShape:
+    tokens: int  # per device
+    d_model: int
+    d_ff: int
+    experts: int
+    top_k: int
+
+
+PAYLOAD_BYTES = 64 * 1024  # all-to-alls of at least this many bytes per device: payloads
+SHAPES = {"A": MoeShape(8192, 2048, 1024, 32, 2), "B": MoeShape(8192, 4096, 2048, 64, 8)}
+SMALL_SHAPES = {"A": MoeShape(512, 256, 128, 16, 2), "B": MoeShape(512, 512, 256, 16, 4)}
+TARGETS = {"moe_ep8_exposed_fraction": 0.15, "moe_ep8_dropless_exposed_fraction": 0.15,
+           "moe_ep8_B_exposed_fraction": 0.15, "moe_ep8_B_dropless_exposed_fraction": 0.15,
+           "muon_dp8_exposed_fraction": 0.10, "train_step_ep8_exposed_fraction": 0.20,
+           "chunked_over_unchunked_1gpu": 1.05}
+GROUPS = "moe8,moe8b,muon,train,moe16,moe64,gpu1"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = p.add_argument
+    add("--small", action="store_true", help="CPU, 8 simulated devices")
+    add("--out", default=None)
+    add("--only", default=GROUPS, help=f"case groups: {GROUPS}")
+    add("--chunks", default="1,2,4", help="overlap_chunks of the EP=8 A cases")
+    add("--default-chunks", type=int, help="chunks the headline keys are for (the layer's)")
+    add("--local-first", default="off", help="off and/or on: the layer's local_first")
+    add("--train-variants", default="1,2", help="micro-batches[xCHUNKS] of the train cases")
+    add("--muon-chunk-bytes", default="0,1", help="chunk_bytes of the Muon cases (0: default)")
+    add("--muon-reduce-dtypes", default="f32", help="f32 and/or bf16 reduce-scatters")
+    add("--link-gbps", type=float, help="per GPU within a host (default: xla_comm.schedule's)")
+    add("--inter-host-gbps", type=float, default=50.0)
+    add("--parallel-collectives", type=int, default=1, help="async collectives in flight")
+    add("--latency-model", action=argparse.BooleanOptionalAction, default=None)
+    add("--budget", type=float, default=500.0, help="seconds; later cases are skipped")
+    add("--target-config", metavar="TXTPB", help="compile for the GPU this describes")
+    add("--rates", metavar="BF16,FP8,HBM", help="TFLOP/s, TFLOP/s, GB/s instead of measuring")
+    add("--rates-from", metavar="JSON", help="the rates and gpu1 figures of a GPU run")
+    add("--hlo-dir", help="write every compiled module here (gzip)")
+    add("--hlo-tar", help="and pack them into this tar (15 MiB at most, smallest first)")
+    add("--replay", help="a folder or tar of modules (--hlo-dir): replayed, not compiled")
+    add("--summarize", metavar="JSON", help="recompute the headline keys of a report")
+    add("--write-target-config", metavar="TXTPB", help="write the local GPU's and exit")
+    a = p.parse_args(argv)
+    if a.latency_model is None:
+        a.latency_model = not a.small
+    if a.small:
+        bench.simulate_cpu(8)
+    return a
+
+
+def grouped_rows(tokens: int, chunks: int, top_k: int, devices: int = 1,
+                 local_first: bool = False):
+    """The rows a chunk's grouped GEMMs compute under balanced routing, which the replay
+    charges (not the worst-case layout's); with ``local_first`` the first chunk's local pass
+    takes 1 / devices of them (by named scope, ``xla_comm.costs.GroupedRows``)."""
+    rows = tokens // chunks * top_k
+    if not local_first:
+        return rows
+    return {"moe_local_first": rows // devices, "moe_chunk0/": rows - rows // devices, "": rows}
+
+
+class Run:
+    """One run's settings, rates, report and case bookkeeping."""
+
+    def __init__(self, a, defaults: dict, argv=None):
+        import jax
+
+        from xla_comm import overlap
+        self.a, self.defaults, self.t0 = a, defaults, time.perf_counter()
+        self.shapes = SMALL_SHAPES if a.small else SHAPES
+        self.report = {"benchmark": "schedule8", "env": bench.env(), "cases": {}, "skipped": [],
+                       "errors": {}, "target_config": a.target_config,
+                       "latency_model": a.latency_model,
+                       "parallel_collectives": a.parallel_collectives,
+                       "commit": bench.commit(), "date": time.strftime("%Y-%m-%d"),
+                       "command": " ".join(["python3 benchmarks/schedule8.py", *(argv or [])])}
+        self.hlo_dir = Path(a.hlo_dir) if a.hlo_dir else None
+        if self.hlo_dir:
+            self.hlo_dir.mkdir(parents=True, exist_ok=True)
+        self.target_text = Path(a.target_config).read_text() if a.target_config else None
+        self.opts = None if a.small else overlap.overlap_compiler_options(
+            parallel_collectives=a.parallel_collectives)
+        self.extra: dict[str, dict] = {}  # each case's description, for a replay of it
+        self.replay = read_modules(a.replay) if a.replay else {}
+        self.report["replayed"] = sorted(self.replay)
+        self.hw = self.hardware()
+        self.gpu = jax.default_backend() == "gpu"
+
+    def hardware(self):
+        """``schedule.Hardware`` at the rates measured here, given, or of an earlier GPU run."""
+        from xla_comm import schedule
+        a, rep = self.a, self.report
+        if a.rates_from:
+            device = json.loads(Path(a.rates_from).read_text())
+            h = device["hardware"]
+            bf16, fp8, hbm = h["gemm_tflops"], h["fp8_gemm_tflops"], h["hbm_GBps"]
+            rep["rates_source"] = f"measured by the run in {Path(a.rates_from).name}"
+            rep["device_run"] = {k: device.get(k) for k in ("env", "commit", "date", "command")}
+            for k in ("chunked_over_unchunked_1gpu", "compute_model_error"):
+                if k in device:
+                    rep[k] = device[k]
+            if "gpu1_layer" in device.get("cases", {}):
+                rep["cases"]["gpu1_layer"] = device["cases"]["gpu1_layer"]
+        elif a.rates:
+            bf16, fp8, hbm = (float(v) for v in a.rates.split(","))
+            rep["rates_source"] = "--rates"
+        else:
+            bf16, fp8, hbm = measure_rates(a.small)
+            rep["rates_source"] = "measured in this run"
+        rep["link_GBps_assumed"] = a.link_gbps or MEASURED_LINK_GBPS
+        hw = schedule.Hardware(gemm_tflops=bf16, fp8_gemm_tflops=fp8, hbm_GBps=hbm,
+                               link_GBps=a.link_gbps or MEASURED_LINK_GBPS,
+                               inter_host_GBps=a.inter_host_gbps,
+                               devices_per_host=4 if a.small else 8)
+        rep["hardware"] = dataclasses.asdict(hw)
+        rep["link_source"] = "--link-gbps" if a.link_gbps else (
+            "MEASURED_LINK_GBPS: all_to_all on 2x H200, jax 0.11.2")
+        return hw
+
+    def target(self):
+        """Where compiled for a GPU described by a target config, the layer's 'auto' kernel
+        choices are that GPU's, not those of the CPU this runs on."""
+        if self.target_text is None:
+            return contextlib.nullcontext()
+        import accel_kernels
+        cc = re.search(r"cuda_compute_capability\s*\{([^}]*)\}", self.target_text)
+        major = re.search(r"major:\s*(\d+)", cc.group(1)) if cc else None
+        if major is None:
+            raise SystemExit(f"{self.a.target_config}: no cuda_compute_capability major")
+        minor = re.search(r"minor:\s*(\d+)", cc.group(1))
+        return accel_kernels.compiling_for_cuda(
+            (int(major.group(1)), int(minor.group(1)) if minor else 0))
+
+    def mesh(self, topology: str, shape, names, explicit=True):
+        import jax
+        import numpy as np
+
+        from xla_comm import schedule
+        if self.a.small:
+            devs = np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape)
+            kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
+            return jax.sharding.Mesh(devs, names, axis_types=(kind,) * len(shape))
+        return schedule.topology_mesh(topology, shape, names, explicit=explicit,
+                                      target_config=self.target_text)
+
+    def build(self, lowered, rows=None):
+        """The compiled step the report reads (with --latency-model: compiled again on the
+        modeled latencies, the first compile kept beside it)."""
+        from xla_comm import latency
+        if not self.a.latency_model:
+            return bench.compile_with(lowered, self.opts)[0]
+        return latency.compile_modeled(lowered, self.hw, compiler_options=self.opts,
+                                       grouped_rows=rows)
+
+    def summaries(self, compiled, rows):
+        from xla_comm import schedule
+        rep = schedule.schedule_report(compiled, self.hw, grouped_rows=rows)
+        return {"all": rep.summary(), "all_to_all": rep.summary(("all-to-all",)),
+                "payload_all_to_all": rep.summary(("all-to-all",), min_bytes=PAYLOAD_BYTES)}
+
+    def record(self, name, compiled, extra):
+        from xla_comm import latency
+        first = None
+        if isinstance(compiled, latency.Modeled):
+            compiled, first = compiled.compiled, compiled.default
+        rows = extra.get("grouped_rows")
+        out = {**self.summaries(compiled, rows), **extra}
+        if first is not None:
+            out["xla_estimates"] = self.summaries(first, rows)
+            self.write_hlo(f"{name}.xla_estimates", first)
+        self.report["cases"][name] = out
+        self.write_hlo(name, compiled)
+        pa = out["payload_all_to_all"]
+        print(f"[{time.perf_counter() - self.t0:5.0f}s] {name}: exposed "
+              f"{out['all']['exposed_fraction']:.3f} of {out['all']['collective_us']:.0f} us "
+              f"(payload all-to-alls with GEMMs {pa['windows_with_gemm']}/{pa['windows']}); "
+              f"step {out['all']['step_us']:.0f} us", flush=True)
+        self.save()
+
+    def case(self, name, compile_fn, extra):
+        """Compile (or replay) and record one case; errors and the time budget recorded."""
+        self.extra[name] = extra
+        if name in self.replay:
+            return self.record(name, self.replay[name], extra | {"replayed": True})
+        if time.perf_counter() - self.t0 > self.a.budget:
+            return self.report["skipped"].append(name)
+        try:
+            with self.target():
+                self.record(name, compile_fn(), extra)
+        except Exception as err:  # noqa: BLE001  (record and go on)
+            self.report["errors"][name] = f"{type(err).__name__}: {err}"[:3000]
+            traceback.print_exc()
+
+    def write_hlo(self, name, compiled):
+        if self.hlo_dir:
+            with gzip.open(self.hlo_dir / f"{name}.hlo.gz", "wt") as f:
+                f.write(compiled if isinstance(compiled, str) else compiled.as_text())
+
+    def save(self):
+        """The report so far, summary keys included, and the modules packed: a run cut short
+        keeps everything up to its last case."""
+        if self.hlo_dir and self.a.hlo_tar:
+            total = 0
+            with tarfile.open(self.a.hlo_tar, "w") as tar:
+                for f in sorted(self.hlo_dir.glob("*.hlo.gz"), key=lambda f: f.stat().st_size):
+                    if total + f.stat().st_size > 15 * 2**20:
+                        break
+                    tar.add(f, arcname=f.name)
+                    total += f.stat().st_size
+        bench.write_json(self.a.out, summarize(self.report, self.defaults))
+
+
+def read_modules(src: str) -> dict[str, str]:
+    """``{case: HLO text}`` of a folder or tar of ``NAME.hlo.gz`` modules."""
+    src = Path(src)
+    if src.is_dir():
+        files = {f.name: f.read_bytes() for f in src.glob("*.hlo.gz")}
+    else:
+        with tarfile.open(src) as tar:
+            files = {m.name: tar.extractfile(m).read() for m in tar.getmembers()
+                     if m.name.endswith(".hlo.gz")}
+    return {k.removesuffix(".hlo.gz"): gzip.decompress(v).decode() for k, v in files.items()}
+
+
+def measure_rates(small: bool) -> tuple[float, float, float]:
+    """The dense bf16 and FP8 rates and the HBM bandwidth of this process's device."""
+    import jax
+    import jax.numpy as jnp
+    n = 256 if small else 8192
+    bf16 = bench.dense_ceiling(n, 2, 5)["tflops"]
+    fp8 = bench.dense_ceiling(n, 2, 5, dtype="fp8")["tflops"]
+    x = jnp.ones(((1 << 16) if small else (1 << 29),), jnp.bfloat16)
+    sec = bench.median_seconds(jax.jit(lambda v: v * 2), (x,), 2, 7)
+    return bf16, fp8, 2 * x.size * 2 / sec / 1e9
+
+
+# ----------------------------------------------------------------------------- the MoE layer
+
+
+def moe_compiled(run, mesh, s: MoeShape, transport, chunks, local_first=False):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import moe
+    o = moe.MoEOptions.create(s.experts, s.top_k, transport=transport, capacity_factor=1.25,
+                              dispatch_dtype="fp8", combine_grad_dtype="fp8",
+                              overlap_chunks=chunks, local_first=local_first)
+    ndev = int(np.prod(mesh.devices.shape))
+
+    def loss(x, router, wgu, wd, ct):
+        y, aux = moe.moe_apply(x, router, wgu, wd, options=o, mesh=mesh)
+        return jnp.sum(y.astype(jnp.float32) * ct) + 0.01 * aux["load_balance_loss"]
+
+    def sds(shape, dtype, spec):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    tok = P(tuple(mesh.axis_names))
+    args = (sds((ndev, s.tokens, s.d_model), jnp.bfloat16, tok),
+            sds((s.d_model, s.experts), jnp.float32, P()),
+            sds((s.experts, s.d_model, 2 * s.d_ff), jnp.bfloat16, P("expert")),
+            sds((s.experts, s.d_ff, s.d_model), jnp.bfloat16, P("expert")),
+            sds((ndev, s.tokens, s.d_model), jnp.float32, tok))
+    p = mesh.shape["expert"]
+    return run.build(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(*args),
+                     grouped_rows(s.tokens, chunks, s.top_k, p, local_first and p > 1))
+
+
+def moe_cases(run, tag: str, mesh, chunk_list, local_list):
+    s = run.shapes[tag]
+    for transport in ("dense", "dropless"):
+        counts = chunk_list if tag == "A" else sorted({1, run.defaults[transport]})
+        for c in counts:
+            for lf in (local_list if tag == "A" else [False]):
+                name = f"moe_ep8_{tag}_{transport}{'_local_first' if lf else ''}_chunks{c}"
+                extra = {"shape": dataclasses.asdict(s), "transport": transport, "chunks": c,
+                         "local_first": lf,
+                         "grouped_rows": grouped_rows(s.tokens, c, s.top_k, 8, lf)}
+                run.case(name, lambda t=transport, c=c, lf=lf: moe_compiled(
+                    run, mesh, s, t, c, lf), extra)
+
+
+def multi_host_cases(run, group, chunk_list, local_list):
+    """A's per-device work (4 local experts, 8192 tokens) over 16 or 64 GPUs."""
+    topo, ndev = ("2x8x1", 16) if group == "moe16" else ("8x8x1", 64)
+    if run.a.small:  # 8 CPU devices as 2 "hosts" of 4 (devices_per_host)
+        topo, ndev = "cpu", 8
+    mesh = run.mesh(topo, (1, ndev), ("data", "expert"))
+    a_shape = run.shapes["A"]
+    s = dataclasses.replace(a_shape, experts=a_shape.experts // 8 * ndev)
+    for c in sorted({1, run.defaults["dense"], max(chunk_list)}):
+        for lf in local_list:
+            name = (f"moe_ep{ndev if not run.a.small else group[3:]}_A_dense"
+                    f"{'_local_first' if lf else ''}_chunks{c}")
+            extra = {"topology": topo, "placement": "expert axis over every host", "chunks": c,
+                     "local_first": lf, "shape": dataclasses.asdict(s),
+                     "grouped_rows": grouped_rows(s.tokens, c, s.top_k, mesh.shape["expert"],
+                                                  lf)}
+            run.case(name, lambda c=c, lf=lf: moe_compiled(run, mesh, s, "dense", c, lf), extra)
+    if group == "moe16":  # the experts within a host, the hosts data parallel
+        mesh2, c = run.mesh(topo, (2, ndev // 2), ("data", "expert")), run.defaults["dense"]
+        extra = {"topology": topo, "placement": "expert axis within a host, data across",
+                 "chunks": c, "shape": dataclasses.asdict(a_shape),
+                 "grouped_rows": grouped_rows(a_shape.tokens, c, a_shape.top_k)}
+        run.case(f"moe_ep8x2hosts_A_dense_chunks{c}",
+                 lambda: moe_compiled(run, mesh2, a_shape, "dense", c), extra)
+
+
+def gpu1(run):
+    """The layer at A's per-device work on one real GPU, 1 and 2 chunks, timed interleaved,
+    against the replay's prediction of the same programs."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import moe
+    from xla_comm import schedule
+    s = run.shapes["A"]
+    e1 = s.experts // 8
+    mesh = jax.make_mesh((1, 1), ("data", "expert"), devices=jax.devices()[:1],
+                         axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    k = jax.random.split(jax.random.key(0), 5)
+    args = jax.device_put((
+        bench.normal(k[0], (1, s.tokens, s.d_model)),
+        bench.normal(k[1], (s.d_model, e1), 1.0, jnp.float32),
+        bench.normal(k[2], (e1, s.d_model, 2 * s.d_ff), 0.02),
+        bench.normal(k[3], (e1, s.d_ff, s.d_model), 0.02),
+        bench.normal(k[4], (1, s.tokens, s.d_model), 1.0, jnp.float32)), NamedSharding(mesh, P()))
+    fns = {}
+    for c in (1, 2):
+        o = moe.MoEOptions.create(e1, s.top_k, dispatch_dtype="fp8", combine_grad_dtype="fp8",
+                                  overlap_chunks=c)
+
+        def loss(x, router, wgu, wd, ct, o=o):
+            y, aux = moe.moe_apply(x, router, wgu, wd, options=o, mesh=mesh)
+            return jnp.sum(y.astype(jnp.float32) * ct) + 0.01 * aux["load_balance_loss"]
+
+        fns[c] = bench.compile_with(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(*args),
+                                    run.opts)[0]
+    med = bench.medians(bench.interleaved({c: (lambda f=f: f(*args)) for c, f in fns.items()},
+                                          3 if run.a.small else 15, inner=3, warmup=2))
+    pred = {c: schedule.schedule_report(fns[c], run.hw, grouped_rows=grouped_rows(
+        s.tokens, c, s.top_k)).step_us * 1e-6 for c in (1, 2)}
+    run.report.update(chunked_over_unchunked_1gpu=med[2] / med[1],
+                      compute_model_error=pred[1] / med[1] - 1)
+    run.report["cases"]["gpu1_layer"] = {
+        "shape": dataclasses.asdict(s) | {"experts": e1}, "measured_s": med, "predicted_s": pred,
+        "model_error": {c: pred[c] / med[c] - 1 for c in (1, 2)}}
+    run.write_hlo("gpu1_layer_chunks1", fns[1])
+    print(f"1 GPU: 2 chunks / 1 = {med[2] / med[1]:.3f}; model error "
+          f"{pred[1] / med[1] - 1:+.1%}", flush=True)
+    run.save()
+
+
+# ----------------------------------------------------------------------------- sharded Muon
+
+
+def muon_compiled(run, mesh, gather_dtype, chunk_bytes, reduce_dtype=None):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import muon_jax
+    layers, d, f = (2, 128, 352) if run.a.small else (8, 4096, 11008)
+    shapes = {"wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d), "w_gate": (d, f),
+              "w_up": (d, f), "w_down": (f, d)}
+    rep, dsh = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    params = {f"layer_{i}": {k: jax.ShapeDtypeStruct(v, jnp.float32, sharding=rep)
+                             for k, v in shapes.items()} for i in range(layers)}
+    ndev = int(np.prod(mesh.devices.shape))
+    data = jax.tree.map(lambda p: jax.ShapeDtypeStruct((ndev, *p.shape), jnp.float32,
+                                                       sharding=dsh), params)
+    tx = muon_jax.muon(0.02, sharding=muon_jax.ShardingOptions(
+        mesh, gather_dtype=gather_dtype, chunk_bytes=chunk_bytes or None,
+        reduce_dtype=reduce_dtype))
+    state = jax.eval_shape(tx.init, params)
+
+    def loss(p, data):
+        return sum(jax.tree.leaves(jax.tree.map(lambda w, x: jnp.einsum(
+            "dmn,mn->d", x, w, preferred_element_type=jnp.float32, out_sharding=dsh).sum(),
+            p, data)))
+
+    def step(p, st, data):
+        grads = jax.grad(loss)(muon_jax.reduced_view(p, "data"), data)
+        updates, st = tx.update(grads, st, p)
+        return optax.apply_updates(p, updates), st
+
+    with jax.set_mesh(mesh):
+        return run.build(jax.jit(step).lower(params, state, data))
+
+
+def muon_cases(run):
+    import jax.numpy as jnp
+    mesh = run.mesh("1x8x1", (8,), ("data",))
+    reduce = set(run.a.muon_reduce_dtypes.split(","))
+    if not reduce <= {"f32", "bf16"}:
+        raise SystemExit(f"--muon-reduce-dtypes takes f32 and/or bf16, got {reduce}")
+    variants = [(None, "f32", None), (jnp.bfloat16, "bf16", None)] + (
+        [(jnp.bfloat16, "bf16", jnp.bfloat16)] if "bf16" in reduce else [])
+    for cb in (int(v) for v in run.a.muon_chunk_bytes.split(",")):
+        for gd, label, rd in variants:
+            name = (f"muon_dp8_{label}_gather" + ("_bf16_reduce" if rd else "")
+                    + (f"_chunk{cb}" if cb else ""))
+            run.case(name, lambda gd=gd, cb=cb, rd=rd: muon_compiled(run, mesh, gd, cb, rd),
+                     {"gather_dtype": label, "chunk_bytes": cb or None,
+                      "reduce_dtype": "bf16" if rd else None})
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+def train_setup(run, mesh_shape, micro_batches, chunks):
+    """The trainer's arguments for a case, its chunks (``auto``: what ``--pgle`` runs when the
+    step is scheduled on the modeled latencies, else the layer's own) and grouped rows."""
+    import numpy as np
+    import train_lm
+
+    import moe
+    preset = ["--preset", "cpu" if run.a.small else "gpu", "--micro-batches", str(micro_batches)]
+    args = train_lm.parse_args(preset)
+    if chunks == "auto":
+        mesh = types.SimpleNamespace(shape=dict(zip(train_lm.MESH_AXES, mesh_shape, strict=True)),
+                                     devices=np.zeros(mesh_shape))
+        chunks = train_lm.resolve_overlap_chunks(args, mesh, pgle=bool(run.a.latency_model))
+    tokens = args.batch * args.seq_len // int(np.prod(mesh_shape)) // micro_batches
+    c = moe.auto_overlap_chunks(mesh_shape[1], tokens, "dense") if chunks == "auto" else int(
+        chunks)
+    argv = [*preset, "--optimizer", "muon", "--mesh", ",".join(map(str, mesh_shape)),
+            "--overlap-chunks", str(chunks)]
+    return train_lm.parse_args(argv), chunks, grouped_rows(tokens, c, args.top_k)
+
+
+def train_compiled(run, mesh_shape, args, rows):
+    import jax
+    import jax.numpy as jnp
+    import lm_model
+    import optax
+    import train_lm
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import muon_jax
+    mesh = run.mesh("1x8x1", mesh_shape, train_lm.MESH_AXES, explicit=False)  # as the trainer
+    cfg = train_lm.model_config(args)
+    with jax.set_mesh(mesh):
+        abstract = nnx.eval_shape(lambda: lm_model.TransformerLM(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
+        gdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+
+        def placed(x, spec):
+            spec = spec.get_value() if hasattr(spec, "get_value") else getattr(spec, "value", spec)
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
+                mesh, spec if isinstance(spec, P) else P()))
+
+        params = jax.tree.map(placed, params, nnx.get_partition_spec(params),
+                              is_leaf=lambda v: isinstance(v, nnx.Variable))
+        rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=NamedSharding(mesh, P())), rest)
+        tx = muon_jax.muon(0.02, weight_decay=0.01, sharding=muon_jax.ShardingOptions(
+            mesh, param_specs=jax.tree.map(lambda x: x.sharding.spec, params)))
+        state = jax.eval_shape(tx.init, params)
+        batch = jax.ShapeDtypeStruct((args.batch, args.seq_len + 1), jnp.int32,
+                                     sharding=NamedSharding(mesh, P(train_lm.MESH_AXES)))
+
+        def step(params, rest, state, batch):
+            grads = jax.grad(lambda p: train_lm.loss_terms(
+                nnx.merge(gdef, p, rest), batch, 0.01, 1e-3)[0])(params)
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        return run.build(jax.jit(step).lower(params, rest, state, batch), rows)
+
+
+def train_cases(run):
+    import sys
+    sys.path.append(str(bench.library_root() / "examples"))
+    for shape in ((1, 8), (2, 4)):
+        for v in run.a.train_variants.split(","):
+            mb, _, ch = v.partition("x")
+            mb, ch = int(mb), ch or "auto"
+            name = (f"train_step_mesh{shape[0]}x{shape[1]}" + (f"_micro{mb}" if mb > 1 else "")
+                    + (f"_chunks{ch}" if ch != "auto" else ""))
+            args, chunks, rows = train_setup(run, shape, mb, ch)
+            run.case(name, lambda s=shape, args=args, rows=rows: train_compiled(
+                run, s, args, rows), {"mesh": list(shape), "micro_batches": mb,
+                                      "overlap_chunks": chunks, "grouped_rows": rows})
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+def summarize(report: dict, defaults: dict[str, int]) -> dict:
+    """The report with its headline keys first, recomputed from its cases (None for a case
+    not compiled), ``targets`` and ``met``."""
+    cases = report["cases"]
+
+    def frac(name):
+        return cases[name]["all"]["exposed_fraction"] if "all" in cases.get(name, {}) else None
+
+    def floor(name):  # the least exposed share any order of the step's work reaches
+        return cases[name]["all"].get("exposed_floor_fraction") if name in cases else None
+
+    def xla(name):  # the compile on XLA's own latency estimates
+        c = cases.get(name, {}).get("xla_estimates") or cases.get(f"{name}.xla_estimates")
+        return None if c is None else c["all"]["exposed_fraction"]
+
+    dn, dl = defaults["dense"], defaults["dropless"]
+    m8, m8d, mu, tr = (f"moe_ep8_A_dense_chunks{dn}", f"moe_ep8_A_dropless_chunks{dl}",
+                       "muon_dp8_bf16_gather", "train_step_mesh1x8")
+    head = {"moe_ep8_exposed_fraction": frac(m8), "moe_ep8_dropless_exposed_fraction": frac(m8d),
+            "moe_ep8_dropless_unchunked_exposed_fraction": frac("moe_ep8_A_dropless_chunks1"),
+            "moe_ep8_B_exposed_fraction": frac(f"moe_ep8_B_dense_chunks{dn}"),
+            "moe_ep8_B_dropless_exposed_fraction": frac(f"moe_ep8_B_dropless_chunks{dl}")}
+    for key, case in (("", mu), ("f32_gather_", "muon_dp8_f32_gather"),
+                      ("bf16_reduce_", "muon_dp8_bf16_gather_bf16_reduce")):
+        head[f"muon_dp8_{key}exposed_fraction"] = frac(case)
+        head[f"muon_dp8_{key}chunked_exposed_fraction"] = frac(
+            f"{case}_chunk1")
+        head[f"muon_dp8_{key}exposed_floor"] = floor(case)
+    head.update({"train_step_ep8_exposed_fraction": frac(tr),
+                 "train_step_2x4_exposed_fraction": frac("train_step_mesh2x4"),
+                 "moe_ep16_exposed_fraction": frac(f"moe_ep16_A_dense_chunks{dn}"),
+                 "moe_ep64_exposed_fraction": frac(f"moe_ep64_A_dense_chunks{dn}"),
+                 "train_step_ep8_chunks2_exposed_fraction": frac(f"{tr}_chunks2"),
+                 "train_step_ep8_micro2_exposed_fraction": frac(f"{tr}_micro2_chunks2"),
+                 "moe_ep8_exposed_fraction_xla_estimates": xla(m8),
+                 "moe_ep8_dropless_exposed_fraction_xla_estimates": xla(m8d),
+                 "muon_dp8_exposed_fraction_xla_estimates": xla(mu),
+                 "train_step_ep8_exposed_fraction_xla_estimates": xla(tr)})
+    a2a = [cases[k]["payload_all_to_all"] for k in (m8, m8d) if k in cases]
+    head["moe_ep8_windows"] = sum(x["windows"] for x in a2a) if a2a else None
+    head["moe_ep8_windows_with_gemm"] = sum(x["windows_with_gemm"] for x in a2a) if a2a else None
+    lf = {t: f"moe_ep8_A_{t}_local_first_chunks{n}" for t, n in (("dense", dn), ("dropless", dl))}
+    if all(k in cases for k in lf.values()):  # the layer with local_first (not its default)
+        for t, k in lf.items():
+            base = cases.get(f"moe_ep8_A_{t}_chunks{defaults[t]}")
+            head[f"moe_ep8_{t}_local_first_exposed_fraction"] = frac(k)
+            head[f"moe_ep8_{t}_local_first_step_over_default"] = (
+                None if base is None else cases[k]["all"]["step_us"] / base["all"]["step_us"])
+    out = {**head, **{k: v for k, v in report.items() if k not in head}}
+    out["defaults"] = dict(defaults)
+    out["targets"] = {k: f"<= {v}" for k, v in TARGETS.items()} | {
+        "moe_ep8_windows_with_gemm": "== moe_ep8_windows"}
+    out["met"] = {k: out[k] <= v for k, v in TARGETS.items() if out.get(k) is not None}
+    if a2a:
+        out["met"]["moe_ep8_windows_with_gemm"] = (head["moe_ep8_windows_with_gemm"]
+                                                   == head["moe_ep8_windows"])
+    return out
+
+
+def write_target_config(path: str) -> None:
+    from jax._src.lib import _jax  # no public API gives the text (jax 0.10-0.12)
+    from jax.experimental import topologies
+    topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1")
+    text = str(_jax.get_topology_for_devices(topo.devices).target_config)
+    Path(path).write_text(f"# GpuTargetConfigProto of {topo.devices[0].device_kind}, written "
+                          f"by\n# benchmarks/schedule8.py --write-target-config on that GPU.\n"
+                          f"{text}")
+
+
+def main(argv=None) -> dict:
+    a = parse_args(argv)
+    if a.write_target_config:
+        return write_target_config(a.write_target_config) or {}
+    import moe
+    defaults = {t: a.default_chunks or n for t, n in moe.layer.OVERLAP_CHUNKS.items()}
+    if a.summarize:
+        report = summarize(json.loads(Path(a.summarize).read_text()), defaults)
+        bench.write_json(a.out, report)
+        return report
+    run, groups = Run(a, defaults, argv), set(a.only.split(","))
+    chunk_list = [int(c) for c in a.chunks.split(",")]
+    local_list = [v == "on" for v in a.local_first.split(",")]
+    ep8 = run.mesh("1x8x1", (1, 8), ("data", "expert"))
+    if "moe8" in groups:
+        moe_cases(run, "A", ep8, chunk_list, local_list)
+    if "gpu1" in groups and not a.rates_from:
+        if run.gpu or a.small:
+            try:
+                gpu1(run)
+            except Exception as err:  # noqa: BLE001  (record and go on)
+                run.report["errors"]["gpu1_layer"] = f"{type(err).__name__}: {err}"[:3000]
+        else:
+            run.report["skipped"].append("gpu1_layer (no GPU in this process)")
+    if "muon" in groups:
+        muon_cases(run)
+    for group in ("moe16", "moe64"):
+        if group in groups:
+            multi_host_cases(run, group, chunk_list, local_list)
+    if "train" in groups:
+        train_cases(run)
+    if "moe8b" in groups:  # the second shape set last: the most compile time
+        moe_cases(run, "B", ep8, chunk_list, [False])
+    for name in sorted(set(run.replay) - set(run.report["cases"])):  # modules no case compiles
+        base = run.extra.get(name.removesuffix(".xla_estimates"), {})
+        run.record(name, run.replay[name], base | {"replayed": True})
+    run.report["elapsed_seconds"] = time.perf_counter() - run.t0
+    run.save()
+    report = summarize(run.report, defaults)
+    print(json.dumps({k: report[k] for k in TARGETS if k in report}, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
