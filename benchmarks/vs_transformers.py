@@ -227,7 +227,8 @@ def hf_step(block, x, ct):
 
 def hf_numpy(out) -> list[np.ndarray]:
     y, grads = out
-    return [y[0].float().cpu().numpy(), *(g.float().cpu().numpy() for g in grads)]
+    return [y[0].detach().float().cpu().numpy(),
+            *(g.detach().float().cpu().numpy() for g in grads)]
 
 
 def hf_routing(block, x) -> np.ndarray:
