@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-__all__ = ["RouterConfig", "Routing", "route", "update_balancing_bias"]
+__all__ = ["RouterConfig", "Routing", "global_losses", "route", "update_balancing_bias"]
 
 
 def _is_int(v) -> bool:
@@ -343,6 +343,45 @@ def route(
         load_balance_loss=load_balance_loss,
         router_z_loss=router_z_loss,
     )
+
+
+def global_losses(r: Routing, config: RouterConfig, axes: tuple[str, ...], total_tokens: int,
+                  mask: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The router's counts and losses over *all* (unmasked) tokens, summed over the mesh
+    ``axes`` from each device's :func:`route` of its tokens (inside ``jax.shard_map``).
+
+    ``load_balance_loss = E * sum_e f_e * P_e`` and ``router_z_loss = mean(logsumexp(logits)^2)``
+    as :func:`route` defines them, their sums taken over every device (``psum``) and divided by
+    the unmasked token count (``total_tokens`` without a mask).
+
+    Args:
+      r: this device's :class:`Routing`.
+      config: the router's options.
+      axes: the mesh axes to sum over (the MoE layer's: every axis of its mesh).
+      total_tokens: tokens over all devices.
+      mask: bool ``[T]``, False for masked tokens (they count nowhere), or None.
+
+    Returns:
+      ``(tokens_per_expert int32 [E], load_balance_loss, router_z_loss)``.
+
+    Example:
+      >>> # inside jax.shard_map: counts, lb, z = global_losses(r, config, ('expert',), T, None)
+    """
+    e, k = config.num_experts, config.top_k
+    counts = jax.lax.psum(r.tokens_per_expert, axes)  # route() counts unmasked tokens only
+    probs = balance_probs(r.scores, config.score_fn)
+    lse2 = jax.nn.logsumexp(r.logits, axis=-1) ** 2
+    if mask is None:
+        n = jnp.float32(total_tokens)
+    else:
+        n = jnp.maximum(jax.lax.psum(jnp.sum(mask, dtype=jnp.float32), axes), 1.0)
+        probs = jnp.where(mask[:, None], probs, 0.0)
+        lse2 = jnp.where(mask, lse2, 0.0)
+    p_mean = jax.lax.psum(probs.sum(0), axes) / n
+    f = counts.astype(jnp.float32) / (n * k)
+    lb = e * jnp.sum(jax.lax.stop_gradient(f) * p_mean)
+    z = jax.lax.psum(jnp.sum(lse2), axes) / n
+    return counts, lb, z
 
 
 def update_balancing_bias(
