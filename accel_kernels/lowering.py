@@ -76,7 +76,7 @@ def check_kernel_lowers(name: str, call: Callable, operands: Sequence[jax.Array]
       name: the kernel's name (for the message).
       call: the kernel call, a function of arrays.
       operands: its operands (arrays or tracers: only shapes and dtypes are read).
-      avoid: the option that keeps the layer off this kernel, e.g. ``"wire_kernels='xla'"``.
+      avoid: the option that keeps the layer off this kernel, e.g. ``"wire_implementation='xla'"``.
 
     Raises:
       KernelLoweringError: the kernel does not lower on this jax.

@@ -98,8 +98,8 @@ def pipeline(mesh, spec, a, *, transport, wire, cf=None, impl="auto", scale=Fals
     dropped)``, ``grad(x, ids, w, ct) -> (dx, dw)`` and ``bucket(x, ids)`` (dropless)."""
     def disp(x, ids):
         return moe.dispatch(x, ids, num_experts=a.experts, axis_name=AXIS, transport=transport,
-                            capacity_factor=cf, dispatch_dtype=wire, wire_kernels=kernels,
-                            block_size=a.fp8_block_size, ragged_impl=impl)
+                            capacity_factor=cf, dispatch_dtype=wire, wire_implementation=kernels,
+                            block_size=a.fp8_block_size, exchange_implementation=impl)
 
     def local(x, ids, w):
         ex, sizes, plan = disp(x, ids)

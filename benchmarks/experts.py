@@ -110,7 +110,8 @@ def layout(x, sizes: np.ndarray, lay: str, backend: str):
 def experts_step(backend, gs, **opts):
     """Jitted ``(x, w_gate_up, w_down, ct) -> (y, dx, dw_gate_up, dw_down)``."""
     def loss(x, wgu, wd, ct):
-        y = moe.gated_experts(x, gs, wgu, wd, backend=bench.implementation(backend), **opts)
+        y = moe.gated_experts(x, gs, wgu, wd, gemm_implementation=bench.implementation(backend),
+                              **opts)
         return jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32)), y
 
     def step(*args):

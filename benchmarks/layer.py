@@ -103,8 +103,8 @@ def step_of(name: str, a, mesh, data):
     opts = moe.MoEOptions.create(
         a.experts, a.top_k, expert_axis="expert", transport=v["transport"], capacity_factor=cf,
         dispatch_dtype=v["wire"], combine_grad_dtype=v["wire"],
-        backend=bench.implementation(v["backend"]),
-        fp8_block_size=a.fp8_block_size, wire_kernels=v.get("kernels", "auto"),
+        gemm_implementation=bench.implementation(v["backend"]),
+        fp8_block_size=a.fp8_block_size, wire_implementation=v.get("kernels", "auto"),
         **(FP8_ALL if v.get("recipe") else {}))
 
     def fwd(x, rk, wgu, wd, bias):

@@ -629,7 +629,7 @@ def main(argv=None) -> dict:
     if a.write_target_config:
         return write_target_config(a.write_target_config) or {}
     import moe
-    defaults = {t: a.default_chunks or n for t, n in moe.layer.OVERLAP_CHUNKS.items()}
+    defaults = {t: a.default_chunks or n for t, n in moe.options.OVERLAP_CHUNKS.items()}
     if a.summarize:
         report = summarize(json.loads(Path(a.summarize).read_text()), defaults)
         bench.write_json(a.out, report)

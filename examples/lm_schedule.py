@@ -17,7 +17,7 @@ PGLE_PROFILING_RUNS = 3
 """Steps JAX profiles before it compiles the step again with the measured times (--pgle)."""
 PGLE_OVERLAP_CHUNKS = 4
 """The MoE layers' chunk count under --pgle when the expert axis spans several devices (and
-each chunk keeps ``moe.layer.MIN_CHUNK_TOKENS`` tokens). Scheduled on XLA's own latency
+each chunk keeps ``moe.options.MIN_CHUNK_TOKENS`` tokens). Scheduled on XLA's own latency
 estimates, 4 chunks made this trainer's 8-GPU step longer than the layer's default of 2; on
 the measured (here: modeled) transfer times they hid more of the exchange at an equal or
 shorter step (docs/benchmark_log.md, Overlap)."""
@@ -49,7 +49,7 @@ def resolve_overlap_chunks(args, mesh: jax.sharding.Mesh, pgle: bool) -> int | s
     tokens = args.batch * args.seq_len // mesh.devices.size // args.micro_batches
     transport = moe.auto_transport(ep)
     if (moe.auto_overlap_chunks(ep, tokens, transport) == 1 or transport != "dense"
-            or tokens < PGLE_OVERLAP_CHUNKS * moe.layer.MIN_CHUNK_TOKENS):
+            or tokens < PGLE_OVERLAP_CHUNKS * moe.options.MIN_CHUNK_TOKENS):
         return args.overlap_chunks
     return PGLE_OVERLAP_CHUNKS
 

@@ -19,10 +19,17 @@ from moe import convert, options, routing
 from moe.dispatch import DispatchPlan, combine, dispatch
 from moe.experts import gated_experts
 from moe.fp8_dense import fp8_dense
-from moe.layer import auto_overlap_chunks, auto_transport, moe_apply
+from moe.layer import moe_apply
 from moe.linen import moe_linen
 from moe.module import BalancingBias, MoE
-from moe.options import DispatchOptions, ExpertOptions, MoEOptions
+from moe.options import (
+    DispatchOptions,
+    ExpertOptions,
+    MoEOptions,
+    ResolvedOptions,
+    auto_overlap_chunks,
+    auto_transport,
+)
 from moe.routing import RouterConfig, Routing, route, update_balancing_bias
 
 __all__ = [
@@ -34,6 +41,7 @@ __all__ = [
     "GatedActivation",
     "MoE",
     "MoEOptions",
+    "ResolvedOptions",
     "RouterConfig",
     "Routing",
     "activations",

@@ -277,9 +277,9 @@ def from_transformers(
       ...     block |= {f"experts.{i}.w1.weight": rng.normal(size=(f, d)),
       ...               f"experts.{i}.w3.weight": rng.normal(size=(f, d)),
       ...               f"experts.{i}.w2.weight": rng.normal(size=(d, f))}
-      >>> params, opts = from_transformers(
+      >>> params, options = from_transformers(
       ...     "mixtral", block, {"num_local_experts": e, "num_experts_per_tok": 2})
-      >>> params["w_gate_up"].shape, params["w_down"].shape, opts.router.top_k
+      >>> params["w_gate_up"].shape, params["w_down"].shape, options.router.top_k
       ((4, 8, 12), (4, 6, 8), 2)
 
     References:
@@ -335,8 +335,7 @@ def from_transformers(
             if out["shared_down"].shape[0] != n_shared * f:
                 raise ValueError(f"shared_experts width {out['shared_down'].shape[0]} != "
                                  f"n_shared_experts * moe_intermediate_size = {n_shared * f}.")
-    opts = MoEOptions.create(e, k, **kw).replace(**options)
-    return out, opts
+    return out, MoEOptions.create(e, k, **kw).replace(**options)
 
 
 def _config_options(family: str, values: dict[str, Any]) -> tuple[int, int, dict[str, Any]]:
@@ -398,8 +397,8 @@ def load(model: nnx.Module, params: Mapping[str, Any]) -> None:
       TypeError: ``model`` is not a module or ``params`` not a mapping.
 
     Example:
-      >>> # params, opts = from_transformers("qwen3_moe", block, config)
-      >>> # layer = moe.MoE(d, f, options=opts, rngs=nnx.Rngs(0)); load(layer, params)
+      >>> # params, options = from_transformers("qwen3_moe", block, config)
+      >>> # layer = moe.MoE(d, f, options=options, rngs=nnx.Rngs(0)); load(layer, params)
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"model must be an nnx.Module (a moe.MoE), got {type(model).__name__}; "

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,18 +39,16 @@ from accel_kernels.gmm import api as gmm_api
 from accel_kernels.tiling import pad_to
 from moe import meshes
 from moe.experts import fp8_gemm
-from moe.options import GemmDtype, check_choice
+from moe.options import GemmDtype, GemmImplementation, check_choice, renamed_keywords
 
 __all__ = ["fp8_dense"]
 
-DenseBackend = Literal["auto", "xla", "triton", "mosaic"]
-
 
 @dataclasses.dataclass(frozen=True)
-class _DenseOpts:
+class _DenseOptions:
     """Static options of one `fp8_dense` call (the custom_vjp's nondiff arg)."""
 
-    backend: str
+    gemm_implementation: str  # resolved: never 'auto'
     dgrad_dtype: str
     wgrad_dtype: str
 
@@ -60,56 +58,57 @@ def _rows(m: int) -> jax.Array:
     return jnp.full((1,), m, jnp.int32)
 
 
-def _forward(o: _DenseOpts, x: jax.Array, w):
+def _forward(options: _DenseOptions, x: jax.Array, w):
     """``(y, x's e4m3 rows)``; ``w``: the kernel as one group, ``[1, K, N]``, or its forward
     FP8 copy (`moe.experts.fp8_gemm.weights`)."""
     x_q = fp8_gemm.rows(x)
     with jax.named_scope("fp8_dense"):
-        y = fp8_gemm.forward(gmm_api.gemms(o.backend, 2), "fp8", x_q, w, _rows(x.shape[0]),
-                              x.dtype)
+        y = fp8_gemm.forward(gmm_api.gemms(options.gemm_implementation, 2), "fp8", x_q, w,
+                             _rows(x.shape[0]), x.dtype)
     return y, x_q
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _dense(o: _DenseOpts, x: jax.Array, w: jax.Array) -> jax.Array:
-    return _forward(o, x, w[None])[0]
+def _dense(options: _DenseOptions, x: jax.Array, w: jax.Array) -> jax.Array:
+    return _forward(options, x, w[None])[0]
 
 
-def _dense_fwd(o: _DenseOpts, x, w):
+def _dense_fwd(options: _DenseOptions, x, w):
     # An FP8 data gradient: both FP8 copies of w from two passes over it, the data
     # gradient's kept for the backward (one byte per weight).
     w_fwd = w_dgrad = w[None]
-    if o.dgrad_dtype == "fp8":
+    if options.dgrad_dtype == "fp8":
         w_fwd, w_dgrad = fp8_gemm.weights(w_fwd)
-    y, x_q = _forward(o, x, w_fwd)
+    y, x_q = _forward(options, x, w_fwd)
     # An FP8 weight gradient reads x's e4m3 rows (one byte per element): keep those, not x.
-    return y, (x_q if o.wgrad_dtype == "fp8" else x, w, w_dgrad)
+    return y, (x_q if options.wgrad_dtype == "fp8" else x, w, w_dgrad)
 
 
-def _dense_bwd(o: _DenseOpts, res, dy):
+def _dense_bwd(options: _DenseOptions, res, dy):
     x, w, w_dgrad = res
-    ops, gs = gmm_api.gemms(o.backend, 2), _rows(dy.shape[0])
+    ops, gs = gmm_api.gemms(options.gemm_implementation, 2), _rows(dy.shape[0])
     dtype = dy.dtype  # y's dtype: x's
-    dy_q = fp8_gemm.rows_if("fp8" in (o.dgrad_dtype, o.wgrad_dtype), dy)
+    fp8_dgrad, fp8_wgrad = options.dgrad_dtype == "fp8", options.wgrad_dtype == "fp8"
+    dy_q = fp8_gemm.rows_if(fp8_dgrad or fp8_wgrad, dy)
     with jax.named_scope("fp8_dense_dgrad"):
-        dx = fp8_gemm.dgrad(ops, o.dgrad_dtype, dy_q if o.dgrad_dtype == "fp8" else dy,
-                             w_dgrad, gs, dtype)
+        dx = fp8_gemm.dgrad(ops, options.dgrad_dtype, dy_q if fp8_dgrad else dy, w_dgrad, gs,
+                            dtype)
     with jax.named_scope("fp8_dense_wgrad"):
-        dw = fp8_gemm.wgrad(ops, o.wgrad_dtype, x, dy_q if o.wgrad_dtype == "fp8" else dy,
-                             gs, w.dtype)[0]
+        dw = fp8_gemm.wgrad(ops, options.wgrad_dtype, x, dy_q if fp8_wgrad else dy, gs,
+                            w.dtype)[0]
     return dx, dw
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)
 
 
-def _local(o: _DenseOpts, x: jax.Array, w: jax.Array) -> jax.Array:
+def _local(options: _DenseOptions, x: jax.Array, w: jax.Array) -> jax.Array:
     """One device's rows (``x [M, K]``); rows padded to the kernels' row tiles if needed."""
     w = vma.as_varying(w, vma.varying_of(x))  # its gradient is summed over the row shards
     m = x.shape[0]
-    if gmm_api.gemms(o.backend, 2).aligned and m % gmm_api.GROUP_ALIGNMENT:
-        return _dense(o, pad_to(x, 0, gmm_api.GROUP_ALIGNMENT), w)[:m]
-    return _dense(o, x, w)
+    if gmm_api.gemms(options.gemm_implementation, 2).aligned and m % gmm_api.GROUP_ALIGNMENT:
+        return _dense(options, pad_to(x, 0, gmm_api.GROUP_ALIGNMENT), w)[:m]
+    return _dense(options, x, w)
 
 
 def fp8_dense(
@@ -118,9 +117,10 @@ def fp8_dense(
     *,
     dgrad_dtype: GemmDtype = "fp8",
     wgrad_dtype: GemmDtype = "bf16",
-    backend: DenseBackend = "auto",
+    gemm_implementation: GemmImplementation = "auto",
     mesh: jax.sharding.Mesh | None = None,
     token_axes: str | tuple[str, ...] | None = None,
+    **renamed: Any,
 ) -> jax.Array:
     """``x @ kernel`` with both operands in FP8 (e4m3) on the tensor cores.
 
@@ -136,9 +136,9 @@ def fp8_dense(
         directly, with no bf16 copy).
       dgrad_dtype: precision of the data-gradient GEMM, 'fp8' or 'bf16' (the compute dtype).
       wgrad_dtype: precision of the weight-gradient GEMM, 'bf16' or 'fp8'.
-      backend: the GEMM kernels, an `accel_kernels.registry.Implementation`: 'auto'
-        ('mosaic' on Hopper GPUs, 'triton' on other NVIDIA GPUs, 'xla' elsewhere) or one of
-        those.
+      gemm_implementation: the GEMM kernels, an `accel_kernels.registry.Implementation`:
+        'auto' ('mosaic' on Hopper GPUs, 'triton' on other NVIDIA GPUs, 'xla' elsewhere) or
+        one of those (formerly ``backend``).
       mesh: the mesh ``x``'s rows are split over (None: the ambient ``jax.set_mesh`` mesh, or
         none). With a mesh the GEMMs run per device in a ``jax.shard_map``: ``x``'s rows
         split over ``token_axes``, ``kernel`` replicated (both moved there if they are not)
@@ -146,6 +146,8 @@ def fp8_dense(
         manual already), ``x`` is the calling device's rows and the GEMMs run on them.
       token_axes: the mesh axes ``x``'s rows (all axes but the last, flattened) are split
         over; None: every axis of ``mesh``.
+      **renamed: ``backend``, the former name of ``gemm_implementation`` (a
+        ``DeprecationWarning``).
 
     Returns:
       ``[..., N]`` in ``x.dtype``.
@@ -168,7 +170,9 @@ def fp8_dense(
     """
     check_choice("dgrad_dtype", dgrad_dtype, GemmDtype)
     check_choice("wgrad_dtype", wgrad_dtype, GemmDtype)
-    backend = registry.canonical(backend, "backend")
+    gemm_implementation = registry.canonical(renamed_keywords(
+        "fp8_dense", renamed, gemm_implementation=gemm_implementation)["gemm_implementation"],
+        "gemm_implementation")
     for name, a in (("x", x), ("kernel", kernel)):
         if not isinstance(a, (jax.Array, np.ndarray)):
             raise TypeError(f"{name} must be a jax or numpy array, got {type(a).__name__}; "
@@ -191,13 +195,14 @@ def fp8_dense(
                                                                         jnp.floating):
         raise TypeError(f"x and kernel must be floating point, got {x.dtype} and "
                         f"{kernel.dtype}.")
-    o = _DenseOpts(gmm_api.resolve(backend, 2, "backend"), dgrad_dtype, wgrad_dtype)
+    options = _DenseOptions(gmm_api.resolve(gemm_implementation, 2, "gemm_implementation"),
+                            dgrad_dtype, wgrad_dtype)
     lead, (k, n) = x.shape[:-1], kernel.shape
     x2 = x.reshape(-1, k)
     mesh = meshes.resolve(mesh)
     if (mesh is None or math.prod(mesh.shape.values()) == 1
             or getattr(mesh, "manual_axes", ())):  # inside a shard_map: x is this device's
-        return _local(o, x2, kernel).reshape(*lead, n)
+        return _local(options, x2, kernel).reshape(*lead, n)
     axes = tuple(mesh.axis_names) if token_axes is None else (
         (token_axes,) if isinstance(token_axes, str) else tuple(token_axes))
     for a in axes:
@@ -212,7 +217,7 @@ def fp8_dense(
         )
     out_spec = jax.typeof(x2).sharding.spec if meshes.is_explicit(mesh) else None
     rows = P(axes, None)
-    y = jax.shard_map(functools.partial(_local, o), mesh=mesh, in_specs=(rows, P()),
+    y = jax.shard_map(functools.partial(_local, options), mesh=mesh, in_specs=(rows, P()),
                       out_specs=rows)(meshes.reshard(x2, mesh, rows),
                                       meshes.reshard(kernel, mesh, P()))
     if out_spec is not None:  # Explicit axes: y's rows sharded as x's were

@@ -179,23 +179,23 @@ class MoE(nnx.Module):
             return nnx.Param(place(jnp.zeros(shape, param_dtype), sharding),
                              out_sharding=sharding, eager_sharding=eager)
 
-        eo = self.options.experts
+        experts = self.options.experts
         self.router_kernel = param(rngs.params(), (d_model, e), d_model, (None, None))
         self.w_gate_up = param(rngs.params(), (e, d_model, 2 * d_ff), d_model, (ax, None, None))
         self.w_down = param(rngs.params(), (e, d_ff, d_model), d_ff, (ax, None, None))
         # Each attribute is assigned once: a None first would make it a static field.
-        if eo.num_shared_experts:
-            f = eo.num_shared_experts * d_ff
+        if experts.num_shared_experts:
+            f = experts.num_shared_experts * d_ff
             self.shared_gate_up = param(rngs.params(), (d_model, 2 * f), d_model, (None, None))
             self.shared_down = param(rngs.params(), (f, d_model), f, (None, None))
         else:
             self.shared_gate_up = self.shared_down = None
-        if eo.shared_expert_gate:
+        if experts.shared_expert_gate:
             self.shared_gate = param(rngs.params(), (d_model, 1), d_model, (None, None))
         else:
             self.shared_gate = None
         self.router_bias = zeros((e,), (None,)) if self.options.router.router_bias else None
-        if eo.expert_bias:
+        if experts.expert_bias:
             self.b_gate_up = zeros((e, 2 * d_ff), (ax, None))
             self.b_down = zeros((e, d_model), (ax, None))
         else:
@@ -242,15 +242,18 @@ class MoE(nnx.Module):
         key = None
         if self.jitter_rngs is not None and not deterministic:
             key = self.jitter_rngs()
-        args = (jnp.asarray(x).astype(self.dtype), self.router_kernel[...], self.w_gate_up[...],
-                self.w_down[...], self.balancing_bias[...], shared)
-        kwargs = dict(router_bias=value(self.router_bias), expert_bias=expert_bias,
+        kwargs = dict(x=jnp.asarray(x).astype(self.dtype), router_kernel=self.router_kernel[...],
+                      w_gate_up=self.w_gate_up[...], w_down=self.w_down[...],
+                      bias=self.balancing_bias[...], shared=shared,
+                      router_bias=value(self.router_bias), expert_bias=expert_bias,
                       shared_gate=value(self.shared_gate), token_mask=mask, jitter_key=key)
         # Inside a jit (or vmap, scan) the caller's trace compiles the layer; called eagerly or
         # under grad outside a jit, the layer compiles itself once per shapes (the ambient mesh
-        # resolved first, so a later jax.set_mesh gets its own compilation).
-        apply = moe_apply if _staged((args, kwargs)) else _eager_apply
-        return apply(*args, options=self.options, mesh=meshes.resolve(self.mesh), **kwargs)
+        # resolved first, so a later jax.set_mesh gets its own compilation). Either way
+        # moe_apply resolves the options against the call once.
+        if _staged(kwargs):
+            return moe_apply(options=self.options, mesh=self.mesh, **kwargs)
+        return _eager_apply(options=self.options, mesh=meshes.resolve(self.mesh), **kwargs)
 
     def matrix_views(self) -> dict[str, tuple[int, int, int]]:
         """The linear maps each kernel holds: ``{attribute: (input axis, output axis, parts)}``

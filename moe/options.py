@@ -1,16 +1,29 @@
-"""The options of the MoE layer: one frozen object with a router, a dispatch and an experts part.
+"""The options of the MoE layer: what a user chooses, and what one call resolves that to.
 
 :class:`MoEOptions` holds every static choice of :func:`moe.moe_apply` / :class:`moe.MoE`:
 
 * ``router``: a :class:`moe.routing.RouterConfig` (expert count, ``top_k``, scores, groups);
 * ``dispatch``: a :class:`DispatchOptions` (mesh axes, transport, capacity, wire formats);
-* ``experts``: an :class:`ExpertOptions` (grouped-GEMM backend, precision, what is saved);
+* ``experts``: an :class:`ExpertOptions` (grouped-GEMM implementation, precision, what is
+  saved);
 * ``fp8_block_size``: channels per FP8 scale, shared by the wire and the experts.
 
 All parts are frozen and hashable (they are ``jit``-static). :meth:`MoEOptions.create` and
 :meth:`MoEOptions.replace` take flat keyword names and route each to its part, so a variant is
-one call: ``opts.replace(transport='ragged', gemm_dtype='fp8')``. :meth:`MoEOptions.check` is
-the single validation pass of the options against a layer's widths and mesh.
+one call: ``options.replace(transport='ragged', gemm_dtype='fp8')``.
+
+:meth:`MoEOptions.resolve` is the one validation pass of the options against a call (its
+mesh, token count and widths) and decides every ``'auto'`` of it at once: the
+:class:`ResolvedOptions` it returns is what the layer's per-device body, the dispatch and the
+experts read, unchanged, down to the kernels.
+
+The kernel choices are named like the kernel layer's argument (`accel_kernels.registry`):
+``gemm_implementation`` (the grouped GEMMs), ``wire_implementation`` (the wire kernels) and
+``exchange_implementation`` (``ragged_all_to_all``, native or emulated). Their former names,
+``backend``, ``wire_kernels`` and ``ragged_impl``, are still taken where flat keywords are
+(:meth:`MoEOptions.create` / :meth:`~MoEOptions.replace`, :func:`moe.gated_experts`,
+:func:`moe.fp8_dense`, :func:`moe.dispatch`), through one shim, :func:`renamed_keywords`,
+which maps them with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
@@ -18,25 +31,77 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
+import warnings
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import jax
 
-from accel_kernels import fp8, registry
+from accel_kernels import fp8, platform, registry
 from accel_kernels.activations import GatedActivation
+from accel_kernels.gmm import api as gmm_api
 from moe.routing import RouterConfig
 
-__all__ = ["DispatchOptions", "ExpertOptions", "MoEOptions"]
+__all__ = ["DispatchOptions", "ExpertOptions", "MoEOptions", "ResolvedOptions",
+           "auto_overlap_chunks", "auto_transport", "renamed_keywords"]
 
 # The one definition of every enum-like option; the allowed values are read off these types
 # (:func:`choices`), so a new value is added here and nowhere else.
 Transport = Literal["auto", "dense", "dropless", "ragged"]
-RaggedImpl = Literal["auto", "native", "emulated"]
+ExchangeImplementation = Literal["auto", "native", "emulated"]
 WireDtype = Literal["bf16", "fp8"] | None
 GemmDtype = Literal["bf16", "fp8"]
 SaveZ = Literal["bf16", "fp8", "recompute"]
-WireKernels = registry.Implementation
-Backend = registry.Implementation
+WireImplementation = registry.Implementation
+GemmImplementation = registry.Implementation
+
+RENAMED: Mapping[str, str] = {"backend": "gemm_implementation",
+                              "wire_kernels": "wire_implementation",
+                              "ragged_impl": "exchange_implementation"}
+"""The former keyword names of the kernel choices, and the name each now has."""
+
+
+def renamed_keywords(where: str, keywords: Mapping[str, Any], **current: Any) -> dict[str, Any]:
+    """The one deprecation shim of the renamed kernel choices (:data:`RENAMED`).
+
+    ``keywords`` with each former name replaced by its new one, with a ``DeprecationWarning``
+    naming ``where``. Given ``current`` (a function's own keyword-only arguments under their
+    new names), every key of ``keywords`` must be a former name, and the result is ``current``
+    updated from them.
+
+    Args:
+      where: the function the keywords were passed to, for the messages.
+      keywords: keyword arguments as passed.
+      **current: the new names' values as passed (each renamed option defaults to ``'auto'``).
+
+    Returns:
+      The keywords under their new names.
+
+    Raises:
+      TypeError: a former name and its new one are both given, or (with ``current``) a
+        keyword that ``where`` does not take.
+
+    Example:
+      >>> import warnings
+      >>> with warnings.catch_warnings():
+      ...     warnings.simplefilter("ignore")
+      ...     renamed_keywords("f", {"backend": "xla", "top_k": 2})
+      {'gemm_implementation': 'xla', 'top_k': 2}
+    """
+    out = dict(current)
+    for name, value in keywords.items():
+        new = RENAMED.get(name)
+        if new is None:
+            if current:
+                raise TypeError(f"{where}() got an unexpected keyword argument {name!r}.")
+            out[name] = value
+            continue
+        if new in keywords or out.get(new, "auto") != "auto":
+            raise TypeError(f"{where}() got both {name}= and {new}=; pass {new}= only.")
+        warnings.warn(f"{where}({name}=...) is deprecated; pass {new}=... (the same values).",
+                      DeprecationWarning, stacklevel=3)
+        out[new] = value
+    return out
 
 
 def choices(tp: Any) -> tuple:
@@ -84,6 +149,42 @@ def check_group_alignment(value: Any) -> None:
         raise ValueError(f"group_alignment must be None or a positive int, got {value!r}.")
 
 
+def check_wire_width(width: int, block_size: int, *, what: str) -> None:
+    """ValueError naming ``what`` unless the FP8 wire can carry rows of ``width`` channels: a
+    multiple of the block size (`accel_kernels.fp8.check_width`) and of 4 (e4m3 bytes travel
+    four to a 32-bit word).
+
+    Example:
+      >>> check_wire_width(6, 2, what="d_model")  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      ValueError: d_model = 6 must be a multiple of 4 for the FP8 wire ...
+    """
+    fp8.check_width(width, block_size, what=what)
+    if width % 4:
+        raise ValueError(
+            f"{what} = {width} must be a multiple of 4 for the FP8 wire (e4m3 bytes travel four "
+            "to a 32-bit word); pad it, or use the bf16 wire."
+        )
+
+
+def resolve_exchange_implementation(
+        implementation: ExchangeImplementation) -> Literal["native", "emulated"]:
+    """The ``ragged_all_to_all`` that runs: ``'auto'`` is XLA's own where XLA implements it
+    (GPU and TPU, by the target platform, `accel_kernels.platform.target_platform`), an
+    emulation elsewhere (XLA:CPU lacks the op).
+
+    Example:
+      >>> resolve_exchange_implementation("emulated"), resolve_exchange_implementation("auto")
+      ('emulated', 'emulated')
+    """
+    check_choice("exchange_implementation", implementation, ExchangeImplementation)
+    if implementation != "auto":
+        return implementation
+    native = platform.target_platform() in ("gpu", "cuda", "rocm", "tpu")
+    return "native" if native else "emulated"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DispatchOptions:
     """How tokens travel to their experts and back (:func:`moe.dispatch`, :func:`moe.combine`).
@@ -96,17 +197,19 @@ class DispatchOptions:
         (bucketed ``all_to_all``, never drops), ``'ragged'`` (``ragged_all_to_all``) or
         ``'auto'`` (:func:`moe.auto_transport`: dropless on one Hopper GPU, dense otherwise).
       capacity_factor: dense: the capacity factor (``None``: dropless, ``C = T``);
-        dropless: the first exchange bucket's factor over the balanced share.
+        dropless: the first exchange bucket's factor over the balanced share (``None``:
+        :data:`moe.dispatch.plan.DROPLESS_CAPACITY_FACTOR`).
       dispatch_dtype: wire format of the tokens: ``None`` (activation dtype), ``'bf16'`` or
         ``'fp8'`` (e4m3 + packed E8M0 block scales).
       combine_grad_dtype: wire format of the combine gradient (same choices).
-      wire_kernels: who encodes and lays out the dispatched rows: ``'auto'`` (Pallas kernels on
-        NVIDIA GPUs, XLA elsewhere), ``'xla'``, ``'triton'`` or ``'mosaic'``
-        (`accel_kernels.wire.api`; the old ``'pallas'`` warns).
+      wire_implementation: who encodes and lays out the dispatched rows: ``'auto'`` (Pallas
+        kernels on NVIDIA GPUs, XLA elsewhere), ``'xla'``, ``'triton'`` or ``'mosaic'``
+        (`accel_kernels.wire.api`; the old ``'pallas'`` warns). Formerly ``wire_kernels``.
       capacity_multiple: the dense capacity and the dropless buckets are rounded up to a
         multiple of it (8 keeps GPU tiles aligned).
-      ragged_impl: ``'ragged'`` only: ``'auto'`` (``ragged_all_to_all`` where XLA has it,
-        GPU and TPU; emulated elsewhere), ``'native'`` or ``'emulated'``.
+      exchange_implementation: ``'ragged'`` only: ``'auto'`` (``ragged_all_to_all`` where XLA
+        has it, GPU and TPU; emulated elsewhere), ``'native'`` or ``'emulated'``. Formerly
+        ``ragged_impl``.
       overlap_chunks: pipelined expert parallelism: each device's tokens are split into this
         many chunks that are dispatched, computed and combined one after another, so that
         one chunk's exchanges can run while another chunk's expert GEMMs compute (XLA's
@@ -125,11 +228,10 @@ class DispatchOptions:
         chunk's output is the sum of the two passes, each rounded to the tokens' dtype).
         Off by default: the local pass is sized for every slot being local (its passes
         over the chunk's tokens cost about what its GEMMs do), the dense layout still
-        computes the emptied self block, and in the 8-GPU schedules the other chunks'
-        routing already covered the first dispatch, so it made the modeled step longer
-        (docs/benchmark_log.md, Overlap). For steps whose first dispatch stays exposed
-        (one chunk, exchanges between hosts). No effect with one device on the expert axis.
-        A capacity limit keeps its meaning: the same ``C`` rows per (source, expert).
+        computes the emptied self block, and where the other chunks' routing already covers
+        the first dispatch it makes the step longer. For steps whose first dispatch stays
+        exposed (one chunk, exchanges between hosts). No effect with one device on the expert
+        axis. A capacity limit keeps its meaning: the same ``C`` rows per (source, expert).
 
     Example:
       >>> from moe import DispatchOptions
@@ -147,10 +249,10 @@ class DispatchOptions:
     capacity_factor: float | None = None
     dispatch_dtype: WireDtype = None
     combine_grad_dtype: WireDtype = None
-    wire_kernels: WireKernels = "auto"
+    wire_implementation: WireImplementation = "auto"
     overlap_chunks: int | Literal["auto"] = "auto"
     capacity_multiple: int = 8
-    ragged_impl: RaggedImpl = "auto"
+    exchange_implementation: ExchangeImplementation = "auto"
     local_first: bool = False
 
     def __post_init__(self):
@@ -171,9 +273,10 @@ class DispatchOptions:
         check_choice("transport", self.transport, Transport)
         check_choice("dispatch_dtype", self.dispatch_dtype, WireDtype)
         check_choice("combine_grad_dtype", self.combine_grad_dtype, WireDtype)
-        object.__setattr__(self, "wire_kernels",
-                           registry.canonical(self.wire_kernels, "wire_kernels"))
-        check_choice("ragged_impl", self.ragged_impl, RaggedImpl)
+        object.__setattr__(self, "wire_implementation",
+                           registry.canonical(self.wire_implementation, "wire_implementation"))
+        check_choice("exchange_implementation", self.exchange_implementation,
+                     ExchangeImplementation)
         m = self.capacity_multiple
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"capacity_multiple must be an int >= 1, got {m!r}.")
@@ -202,9 +305,10 @@ class ExpertOptions:
     """How the local experts compute (:func:`moe.gated_experts`), and the shared experts.
 
     Attributes:
-      backend: the grouped GEMMs' implementation (`accel_kernels.gmm.api`): ``'auto'`` (by
-        layout and platform), ``'xla'``, ``'triton'`` or ``'mosaic'`` (the old ``'einsum'``
-        and ``'ragged_dot'`` mean ``'xla'``, with a DeprecationWarning).
+      gemm_implementation: the grouped GEMMs' implementation (`accel_kernels.gmm.api`):
+        ``'auto'`` (by layout and platform), ``'xla'``, ``'triton'`` or ``'mosaic'`` (the old
+        ``'einsum'`` and ``'ragged_dot'`` mean ``'xla'``, with a DeprecationWarning).
+        Formerly ``backend``.
       gemm_dtype: precision of the two forward GEMMs, ``'bf16'`` or ``'fp8'`` (e4m3 operands
         on the tensor cores, per-row / per-channel power-of-two scales).
       dgrad_dtype: precision of the two data-gradient GEMMs.
@@ -225,12 +329,12 @@ class ExpertOptions:
 
     Example:
       >>> from moe import ExpertOptions
-      >>> opts = ExpertOptions(gemm_dtype="fp8", save_z="recompute", activation="gelu")
-      >>> opts.backend, opts.activation.kind
+      >>> options = ExpertOptions(gemm_dtype="fp8", save_z="recompute", activation="gelu")
+      >>> options.gemm_implementation, options.activation.kind
       ('auto', 'gelu')
     """
 
-    backend: Backend = "auto"
+    gemm_implementation: GemmImplementation = "auto"
     gemm_dtype: GemmDtype = "bf16"
     dgrad_dtype: GemmDtype = "bf16"
     save_z: SaveZ = "bf16"
@@ -241,7 +345,8 @@ class ExpertOptions:
     shared_expert_gate: bool = False
 
     def __post_init__(self):
-        object.__setattr__(self, "backend", registry.canonical(self.backend, "backend"))
+        object.__setattr__(self, "gemm_implementation",
+                           registry.canonical(self.gemm_implementation, "gemm_implementation"))
         check_choice("gemm_dtype", self.gemm_dtype, GemmDtype)
         check_choice("dgrad_dtype", self.dgrad_dtype, GemmDtype)
         check_choice("save_z", self.save_z, SaveZ)
@@ -259,6 +364,11 @@ class ExpertOptions:
                 "pass num_shared_experts >= 1 too."
             )
 
+
+# The rank of the expert layout each transport's dispatch writes ([E, C, d] or ragged
+# [R, d]), and the transports whose dispatch can write it aligned to the experts' kernels.
+_EXPERT_LAYOUT = {"dense": 3, "dropless": 2, "ragged": 2}
+_ALIGNED_LAYOUT = frozenset({"dropless"})
 
 _PARTS = ("router", "dispatch", "experts")
 _PART_TYPES = {"router": RouterConfig, "dispatch": DispatchOptions, "experts": ExpertOptions}
@@ -279,10 +389,10 @@ class MoEOptions:
       fp8_block_size: channels per FP8 scale (the wire and the experts' FP8 operands).
 
     Example:
-      >>> opts = MoEOptions.create(8, 2, dispatch_dtype="fp8", save_z="recompute")
-      >>> opts.dispatch.dispatch_dtype, opts.experts.save_z, opts.router.top_k
+      >>> options = MoEOptions.create(8, 2, dispatch_dtype="fp8", save_z="recompute")
+      >>> options.dispatch.dispatch_dtype, options.experts.save_z, options.router.top_k
       ('fp8', 'recompute', 2)
-      >>> opts.replace(transport="ragged").dispatch.transport
+      >>> options.replace(transport="ragged").dispatch.transport
       'ragged'
     """
 
@@ -309,12 +419,16 @@ class MoEOptions:
         """Options for ``num_experts`` experts, top ``top_k``, from flat keyword names.
 
         Each keyword is a field of one part (``RouterConfig``, ``DispatchOptions``,
-        ``ExpertOptions``) or ``fp8_block_size``; defaults elsewhere.
+        ``ExpertOptions``) or ``fp8_block_size``; defaults elsewhere. The former names of the
+        kernel choices (:data:`RENAMED`) are mapped with a ``DeprecationWarning``.
         """
+        options = renamed_keywords("MoEOptions.create", options)
         return cls(router=RouterConfig(num_experts, top_k)).replace(**options)
 
     def replace(self, **changes: Any) -> MoEOptions:
-        """A copy with the named fields changed, each routed to the part that owns it."""
+        """A copy with the named fields changed, each routed to the part that owns it (the
+        former names of :data:`RENAMED` mapped with a ``DeprecationWarning``)."""
+        changes = renamed_keywords("MoEOptions.replace", changes)
         by_part: dict[str, dict[str, Any]] = {p: {} for p in _PARTS}
         top: dict[str, Any] = {}
         for name, value in changes.items():
@@ -345,30 +459,38 @@ class MoEOptions:
         return uses
 
     def check(self, *, d_model: int, d_ff: int, mesh: Any = None) -> None:
-        """The one validation pass of these options against a layer's widths and mesh.
+        """The validation of these options against a layer's widths and mesh (the first half of
+        :meth:`resolve`, which a call runs; :class:`moe.MoE` runs it when it is built).
 
         Raises:
-          ValueError: a width the FP8 options quantize is not block-aligned, or the mesh lacks
-            ``expert_axis`` or a batch axis. (``num_experts`` need not divide the expert axis:
-            the layer pads the banks with experts the router never selects.)
+          ValueError: a width the FP8 options quantize is not block-aligned, an explicit
+            kernel cannot run on the target platform, or the mesh lacks ``expert_axis`` or a
+            batch axis. (``num_experts`` need not divide the expert axis: the layer pads the
+            banks with experts the router never selects.)
           TypeError: ``mesh`` is not a mesh.
         """
+        if mesh is not None:
+            self.token_axes(mesh)
+        self._check_widths(d_model, d_ff)
+
+    def _check_widths(self, d_model: int, d_ff: int) -> None:
+        """The widths the FP8 options quantize are block-aligned; an explicit grouped-GEMM
+        implementation can run where the program is compiled for."""
         for name, value in (("d_model", d_model), ("d_ff", d_ff)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}.")
         for name, width, option in self.fp8_widths(d_model, d_ff):
-            fp8.check_width(width, self.fp8_block_size, what=f"{name} (for {option}='fp8')")
-        if self.experts.backend in ("triton", "mosaic"):
-            registry.check_available(self.experts.backend, "backend")
-        if mesh is not None:
-            if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
-                raise TypeError(f"mesh must be a jax.sharding.Mesh (or None: the ambient "
-                                f"jax.set_mesh mesh), got {type(mesh).__name__} {mesh!r}; build "
-                                "one with jax.make_mesh.")
-            self.token_axes(mesh)
+            check = fp8.check_width if option == "save_z" else check_wire_width
+            check(width, self.fp8_block_size, what=f"{name} (for {option}='fp8')")
+        if self.experts.gemm_implementation in ("triton", "mosaic"):
+            registry.check_available(self.experts.gemm_implementation, "gemm_implementation")
 
     def token_axes(self, mesh: Any) -> tuple[str, ...]:
         """The mesh axes the tokens are split over: the batch axes, then ``expert_axis``."""
+        if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh (or None: the ambient "
+                            f"jax.set_mesh mesh), got {type(mesh).__name__} {mesh!r}; build "
+                            "one with jax.make_mesh.")
         names = tuple(mesh.axis_names)
         axis = self.dispatch.expert_axis
         if axis not in names:
@@ -385,3 +507,188 @@ class MoEOptions:
                     f"batch_axes names {a!r}, which is not an axis of the mesh {names}."
                 )
         return (*batch, axis)
+
+    def resolve(self, num_tokens: int, d_model: int, d_ff: int, *, mesh: Any
+                ) -> ResolvedOptions:
+        """These options validated against one call and every ``'auto'`` decided for it.
+
+        The one validation pass of :func:`moe.moe_apply` (:meth:`check`), then: the transport
+        (:func:`auto_transport`), the chunk count (:func:`auto_overlap_chunks`), the
+        ``ragged_all_to_all`` (:func:`resolve_exchange_implementation`), the batch axes, the
+        expert slots (``num_experts`` rounded up to the expert axis), the capacity factor per
+        slot, the grouped-GEMM implementation for the expert layout the transport gives
+        (`accel_kernels.gmm.api.auto_implementation`) and the group alignment of that layout.
+
+        Args:
+          num_tokens: tokens of the call (``batch * seq``).
+          d_model: the model width.
+          d_ff: the hidden width of one expert.
+          mesh: the call's mesh.
+
+        Returns:
+          The :class:`ResolvedOptions`.
+
+        Example:
+          >>> import jax
+          >>> mesh = jax.make_mesh((1,), ("expert",), devices=jax.devices()[:1])
+          >>> r = MoEOptions.create(6, 2).resolve(4096, 256, 512, mesh=mesh)
+          >>> r.dispatch.transport, r.dispatch.overlap_chunks, r.experts.gemm_implementation
+          ('dense', 1, 'xla')
+        """
+        axes = self.token_axes(mesh)
+        ep = mesh.shape[self.dispatch.expert_axis]
+        devices = math.prod(mesh.shape[a] for a in axes)
+        transport = self.dispatch.transport
+        if transport == "auto":
+            transport = auto_transport(ep)
+        chunks = self.dispatch.overlap_chunks
+        if chunks == "auto":
+            chunks = auto_overlap_chunks(ep, -(-num_tokens // devices), transport)
+        e = self.router.num_experts
+        slots = -(-e // ep) * ep
+        cf = self.dispatch.capacity_factor  # per real expert: the padded ones take no slots
+        if cf is not None and slots != e:
+            cf = cf * slots / e
+        dispatch = dataclasses.replace(
+            self.dispatch, transport=transport, overlap_chunks=chunks, batch_axes=axes[:-1],
+            capacity_factor=cf, exchange_implementation=resolve_exchange_implementation(
+                self.dispatch.exchange_implementation))
+        self._check_widths(d_model, d_ff)
+        # The layout the experts read: the transport's (capacity-padded [E, C, d] or ragged
+        # rows), but rows for kernels that take rows only ('triton': the slots run as rows).
+        gemm, ragged = self.experts.gemm_implementation, _EXPERT_LAYOUT[transport] == 2
+        experts = dataclasses.replace(self.experts, gemm_implementation=(
+            gmm_api.auto_implementation(2 if ragged or gemm == "triton" else 3)
+            if gemm == "auto" else gemm))
+        # The dropless dispatch writes the layout the experts' kernel reads: no gathers into
+        # and out of an aligned copy.
+        aligned = (transport in _ALIGNED_LAYOUT
+                   and gmm_api.gemms(experts.gemm_implementation, 2).aligned)
+        return ResolvedOptions(
+            router=self.router, dispatch=dispatch, experts=experts,
+            fp8_block_size=self.fp8_block_size, expert_axis_size=ep, num_slots=slots,
+            group_alignment=gmm_api.GROUP_ALIGNMENT if aligned else None,
+            wire_to_experts=(self.dispatch.dispatch_dtype == self.experts.gemm_dtype == "fp8"
+                             and ragged))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ResolvedOptions:
+    """:class:`MoEOptions` decided for one call (:meth:`MoEOptions.resolve`): what the layer's
+    per-device body, the dispatch and the experts read, as it is, down to the kernels.
+
+    No choice in it is ``'auto'`` but ``dispatch.wire_implementation``: the wire kernels are
+    chosen per gather by the kernel layer's one rule (`accel_kernels.registry`), by the
+    gather's row width and by the platform the program is lowered for, so a program lowered
+    for a GPU from a CPU process still gets the GPU's kernels.
+
+    Attributes:
+      router: as given.
+      dispatch: as given, with ``transport``, ``overlap_chunks`` and
+        ``exchange_implementation`` decided, ``batch_axes`` the mesh axes the tokens are split
+        over besides ``expert_axis``, and ``capacity_factor`` per expert slot.
+      experts: as given, with ``gemm_implementation`` decided for the layout the transport
+        gives.
+      fp8_block_size: as given.
+      expert_axis_size: devices on the expert axis.
+      num_slots: ``num_experts`` rounded up to a multiple of ``expert_axis_size``: the banks
+        are padded with experts that no token is routed to.
+      group_alignment: the dropless layout's group alignment, the rows its grouped GEMMs
+        take (None: plain ragged rows).
+      wire_to_experts: the FP8 wire rows of a ragged layout go to the FP8 expert GEMMs as
+        they came (no decoded copy is quantized again).
+
+    Example:
+      >>> import jax
+      >>> mesh = jax.make_mesh((1,), ("expert",), devices=jax.devices()[:1])
+      >>> r = MoEOptions.create(6, 2, transport="dropless").resolve(64, 128, 64, mesh=mesh)
+      >>> r.token_axes, r.num_slots, r.group_alignment, r.wire_to_experts
+      (('expert',), 6, None, False)
+    """
+
+    router: RouterConfig
+    dispatch: DispatchOptions
+    experts: ExpertOptions
+    fp8_block_size: int
+    expert_axis_size: int
+    num_slots: int
+    group_alignment: int | None
+    wire_to_experts: bool
+
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        """The mesh axes the tokens are split over: the batch axes, then ``expert_axis``."""
+        return (*self.dispatch.batch_axes, self.dispatch.expert_axis)
+
+
+def auto_transport(expert_axis_size: int) -> str:
+    """The transport ``transport='auto'`` runs for an expert axis of ``expert_axis_size`` devices.
+
+    ``'dropless'`` when the expert axis has one device and the ragged experts run the Mosaic
+    GPU grouped GEMM (``accel_kernels.gmm.api.auto_implementation(2) == 'mosaic'``, Hopper
+    GPUs): there nothing crosses a wire, and the dropless layer computes only the real rows
+    and drops nothing, where the capacity-padded one computes its padding too. ``'dense'``
+    otherwise: between devices the capacity-padded ``all_to_all`` is the faster exchange, and
+    the ragged experts of the other kernels are slower than the padded batched GEMM.
+
+    Args:
+      expert_axis_size: devices on the layer's ``expert_axis``.
+
+    Returns:
+      ``'dropless'`` or ``'dense'``.
+
+    Example:
+      >>> import moe
+      >>> from accel_kernels.gmm import api as gmm_api
+      >>> moe.auto_transport(8)
+      'dense'
+      >>> moe.auto_transport(1) == ('dropless' if gmm_api.auto_implementation(2) == 'mosaic'
+      ...                           else 'dense')
+      True
+    """
+    if expert_axis_size == 1 and gmm_api.auto_implementation(2) == "mosaic":
+        return "dropless"
+    return "dense"
+
+
+OVERLAP_CHUNKS = {"dense": 2, "dropless": 2, "ragged": 1}
+"""Chunks of the pipelined layer by transport when the expert axis has more than one device
+(see :func:`auto_overlap_chunks`)."""
+MIN_CHUNK_TOKENS = 1024
+"""Fewest tokens per device in a chunk of the pipelined layer: below, a chunk's GEMMs are too
+short to hide an exchange behind, and the capacity's rounding per chunk adds padding."""
+
+
+def auto_overlap_chunks(expert_axis_size: int, tokens_per_device: int,
+                        transport: str = "dense") -> int:
+    """The chunk count ``overlap_chunks='auto'`` runs.
+
+    1 with one device on the expert axis (nothing is sent, so there is nothing to hide, and
+    chunks only add their own cost) and for small batches (fewer than
+    :data:`MIN_CHUNK_TOKENS` tokens per device per chunk); else :data:`OVERLAP_CHUNKS` of the
+    transport, read off compiled multi-GPU schedules replayed in time
+    (``benchmarks/schedule8.py``). Dense: 2 chunks give the shortest step for the layer
+    alone and for the trainer's step as XLA schedules it on its own estimates; more chunks
+    hide more of the exchange but cost more passes over the tokens. Dropless: with no bucket
+    switch between its chunks (``moe.pipeline``) 2 chunks hide as much as more would. The
+    ragged transport is not pipelined.
+
+    Args:
+      expert_axis_size: devices on the layer's ``expert_axis``.
+      tokens_per_device: tokens each device holds.
+      transport: the layer's transport (``'auto'`` resolved).
+
+    Returns:
+      The chunk count.
+
+    Example:
+      >>> import moe
+      >>> moe.auto_overlap_chunks(1, 8192, "dropless"), moe.auto_overlap_chunks(8, 64, "dropless")
+      (1, 1)
+      >>> moe.auto_overlap_chunks(8, 8192, "dropless"), moe.auto_overlap_chunks(8, 8192, "dense")
+      (2, 2)
+    """
+    chunks = OVERLAP_CHUNKS.get(transport, 1)
+    if expert_axis_size == 1 or tokens_per_device < chunks * MIN_CHUNK_TOKENS:
+        return 1
+    return chunks

@@ -1,12 +1,14 @@
-"""The MoE layer's expert-parallel body per chunk, and the dropless layer's overflow pass.
+"""The MoE layer's expert-parallel chunks: per chunk dispatch, the local experts on the layout
+it produced, combine; the first chunk's own-expert pass; the dropless layer's overflow pass.
 
-:func:`chunk_experts` is one chunk of the pipelined layer (``DispatchOptions.overlap_chunks``):
-dispatch, the local experts on the layout it produced, combine. The layer runs it per chunk
-so that XLA's scheduler can put one chunk's async exchanges under another chunk's GEMMs.
+:func:`run_chunks` runs the chunks of the pipelined layer (``DispatchOptions.overlap_chunks``)
+one after another on the plans `moe.dispatch.plan_build.chunk_plans` built for them, so that
+XLA's scheduler can put one chunk's async exchanges under another chunk's GEMMs; every step
+reads the layer's :class:`moe.options.ResolvedOptions` as they came.
 
-:func:`local_first_pass` runs the first chunk's slots for this device's own experts
-(:func:`split_local`) with no exchange, so their GEMMs can run under the step's first
-all-to-all, which no chunk's experts could cover (``DispatchOptions.local_first``).
+With ``DispatchOptions.local_first`` the first chunk's slots for this device's own experts go
+through them with no exchange, so their GEMMs can run under the step's first all-to-all,
+which no chunk's experts could cover.
 
 The dropless transport sends the rows past its first bucket inside a ``lax.switch`` branch
 (``moe.dispatch``), and XLA's latency-hiding scheduler keeps no async collective in flight
@@ -22,7 +24,6 @@ to the one-pass layer.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import NamedTuple
@@ -30,27 +31,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe import experts as _experts
-from moe.dispatch import DispatchPlan, WireRows, dense_capacity, dispatch_apply, plan_dispatch
-from moe.dispatch import combine as combine_fn
-from moe.options import DispatchOptions, MoEOptions
+from moe.dispatch import DispatchPlan, movement, plan_build
+from moe.dispatch.plan import exchange_sizes
+from moe.experts import Banks, CombineArgs, run_experts, shared_experts
+from moe.options import ResolvedOptions
 
-__all__ = ["Banks", "ChunkOutput", "LocalSplit", "chunk_experts", "local_experts",
-           "local_first_pass", "overflow_experts", "overflow_token_counts", "split_local"]
-
-
-class Banks(NamedTuple):
-    """This device's expert weights.
-
-    Attributes:
-      w_gate_up: ``[E_local, d, 2 f]``.
-      w_down: ``[E_local, f, d]``.
-      bias: ``(b_gate_up [E_local, 2 f], b_down [E_local, d])`` or None.
-    """
-
-    w_gate_up: jax.Array
-    w_down: jax.Array
-    bias: tuple[jax.Array, jax.Array] | None = None
+__all__ = ["Banks", "ChunkOutput", "Chunks", "chunk_experts", "overflow_experts",
+           "overflow_token_counts", "run_chunks"]
 
 
 class ChunkOutput(NamedTuple):
@@ -69,61 +56,31 @@ class ChunkOutput(NamedTuple):
     banks: Banks
 
 
-def local_experts(ex: jax.Array, group_sizes: jax.Array, banks: Banks, options: MoEOptions,
-                  ex_wire: WireRows | None, group_alignment: int | None,
-                  combine: _experts.CombineArgs, *, chain: bool = False
-                  ) -> tuple[jax.Array, Banks]:
-    """The local experts on the layout ``dispatch`` produced (padded ``[E, C, d]`` or ragged,
-    aligned to ``group_alignment``; ``ex_wire``: ragged ``ex``'s FP8 wire rows, which the FP8
-    forward GEMM reads), combined back to the tokens: ``([T, d], banks)``, the banks passed
-    through the experts' custom VJP when ``chain`` (``experts_apply(chain_weights=True)``), else
-    as they came."""
-    eo = options.experts
-    bgu, bd = banks.bias if banks.bias is not None else (None, None)
-    if ex.ndim == 3 and eo.backend == "triton":  # 2-D GEMMs
-        e_local, c, d = ex.shape
-        full = jnp.full((e_local,), c, dtype=jnp.int32)
-        out = _experts.experts_apply(
-            ex.reshape(e_local * c, d), full, banks.w_gate_up, banks.w_down, bgu, bd,
-            options=eo, fp8_block_size=options.fp8_block_size, chain_weights=chain)
-        ey, weights = out if chain else (out, None)
-        y = combine_fn(ey.reshape(e_local, c, -1), combine.weights, combine.plan,
-                       combine_grad_dtype=combine.grad_dtype)
-    else:
-        # The dense layout interleaves padding per source (row p * C + r), so its valid rows
-        # are not a prefix: run every row (padding rows are zero and are never read back by
-        # combine). ('mosaic' takes the padded layout itself: slots as rows, no gathers.)
-        sizes = None if ex.ndim == 3 else group_sizes
-        out = _experts.experts_apply(
-            ex, sizes, banks.w_gate_up, banks.w_down, bgu, bd, options=eo,
-            fp8_block_size=options.fp8_block_size, group_alignment=group_alignment,
-            x_wire=ex_wire, combine=combine, chain_weights=chain)
-        y, weights = out if chain else (out, None)
-    if not chain:  # the banks as they came: autodiff sums this call's gradient into them
-        return y, banks
-    return y, Banks(*weights, banks.bias)
+class Chunks(NamedTuple):
+    """What :func:`run_chunks` returns.
+
+    Attributes:
+      y: ``[T, d]`` this device's tokens' outputs, in their dtype.
+      dropped: int32 ``[]``: this device's slots that a capacity dropped.
+      lost: bool ``[T, k]``: the slots routed to an expert that a capacity dropped (masked
+        slots, and those another pass took, are not lost).
+    """
+
+    y: jax.Array
+    dropped: jax.Array
+    lost: jax.Array
 
 
-def chunk_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, banks: Banks, *,
-                  options: MoEOptions, dispatch_options: DispatchOptions, num_experts: int,
-                  group_alignment: int | None, with_wire: bool,
-                  buckets: tuple[int, ...] | None = None, plan: DispatchPlan | None = None,
-                  chain: bool = False) -> ChunkOutput:
-    """One chunk: ``y = combine(experts(dispatch(x, expert_ids)), weights)``.
+def chunk_experts(x: jax.Array, weights: jax.Array, banks: Banks, plan: DispatchPlan,
+                  options: ResolvedOptions, *, chain: bool = False) -> ChunkOutput:
+    """One chunk: ``y = combine(experts(dispatch(x, plan)), weights)``.
 
     Args:
       x: ``[T, d]`` this device's tokens of the chunk.
-      expert_ids: int ``[T, k]`` (``num_experts``: a slot that goes nowhere).
       weights: ``[T, k]`` the combine weights.
       banks: this device's expert weights.
-      options: the layer's options (experts, FP8 block size).
-      dispatch_options: the dispatch options of the chunk (its capacity factor).
-      num_experts: experts of the dispatch (the padded count).
-      group_alignment: the dropless layout's group alignment (None: plain).
-      with_wire: the FP8 wire rows go to the FP8 expert GEMMs as they are.
-      buckets: the dropless exchange's buckets (None: the options').
-      plan: the chunk's dispatch plan, built beforehand (:func:`moe.dispatch.plan_dispatch`;
-        None: built here).
+      plan: the chunk's dispatch plan (`moe.dispatch.plan_build.chunk_plans`).
+      options: the layer's resolved options.
       chain: pass the banks through the experts (:class:`ChunkOutput`); every chunk but the
         last does, so that the backward's weight gradients accumulate from chunk to chunk.
 
@@ -131,121 +88,109 @@ def chunk_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, banks
       A :class:`ChunkOutput`.
 
     Example:
-      >>> # inside jax.shard_map over the expert axis, as moe.layer runs each chunk:
-      >>> # y, plan, banks = chunk_experts(x, ids, weights, Banks(w_gate_up, w_down),
-      >>> #     options=opts, dispatch_options=opts.dispatch, num_experts=8,
-      >>> #     group_alignment=None, with_wire=False, chain=True)
+      >>> # inside jax.shard_map, as run_chunks runs each chunk:
+      >>> # y, plan, banks = chunk_experts(x, weights, Banks(w_gate_up, w_down), plan,
+      >>> #                                options, chain=True)
     """
-    ex, wire, group_sizes, plan = dispatch_apply(
-        x, expert_ids, num_experts=num_experts, options=dispatch_options,
-        fp8_block_size=options.fp8_block_size, group_alignment=group_alignment,
-        with_wire=with_wire, buckets=buckets, plan=plan)
-    combine = _experts.CombineArgs(weights, plan, dispatch_options.combine_grad_dtype)
-    y, banks = local_experts(ex, group_sizes, banks, options, wire, group_alignment, combine,
-                             chain=chain)
+    ex = movement.dispatch_tokens(x, plan, dispatch_dtype=options.dispatch.dispatch_dtype,
+                                  with_wire=options.wire_to_experts)
+    combine = CombineArgs(weights, plan, options.dispatch.combine_grad_dtype)
+    # The dense layout interleaves padding per source (row p * C + r), so its valid rows
+    # are not a prefix: every row runs (padding rows are zero and are never read back by
+    # combine).
+    sizes = None if ex.expert_x.ndim == 3 else ex.group_sizes
+    y, banks = run_experts(ex.expert_x, sizes, banks, options.experts,
+                           block_size=options.fp8_block_size,
+                           group_alignment=options.group_alignment, x_wire=ex.wire,
+                           combine=combine, chain=chain)
     return ChunkOutput(y.astype(x.dtype), plan, banks)
 
 
-class LocalSplit(NamedTuple):
-    """What :func:`split_local` returns.
+def run_chunks(x: jax.Array, weights: jax.Array, banks: Banks, plans: plan_build.ChunkPlans,
+               options: ResolvedOptions, *, shared: tuple[jax.Array, jax.Array] | None = None,
+               shared_gate: jax.Array | None = None, mask: jax.Array | None = None) -> Chunks:
+    """The layer's chunks on this device's tokens, then the overflow pass and the shared
+    experts: ``y = sum over the passes of combine(experts(dispatch(x)))`` (+ ``shared(x)``).
 
-    Attributes:
-      local_ids: int ``[T, k]``: the slots this device's own experts take, as local expert
-        ids ``[0, E_local)``; ``E_local`` (no expert) for every other slot.
-      remote_ids: int ``[T, k]``: the other slots' global ids; ``num_experts`` (no expert) for
-        the local ones.
-    """
-
-    local_ids: jax.Array
-    remote_ids: jax.Array
-
-
-def split_local(expert_ids: jax.Array, *, num_experts: int, axis_name) -> LocalSplit:
-    """Split a chunk's slots into those this device's experts take and those sent away.
-
-    Device ``i`` of ``axis_name`` owns global experts ``[i E_local, (i + 1) E_local)``. Its
-    own slots need no exchange: a dispatch over no mesh axis (``expert_axis=()``) hands them
-    to the local experts while the exchange of the others is in flight (``DispatchOptions
-    .local_first``); the layer's output, a sum over slots, is the sum of the two passes.
+    The chunks are independent until their outputs are concatenated, so XLA's scheduler can
+    run one chunk's async exchanges under another chunk's GEMMs (forward and backward); the
+    shared experts need no exchange and go right after the first chunk, whose exchange they
+    can cover. Each chunk but the last passes the banks on to the next, so that in the
+    backward (chunks in reverse) a chunk's weight-gradient GEMMs start from the later chunks'
+    sum instead of XLA adding one full bank per chunk.
 
     Args:
-      expert_ids: int ``[T, k]`` global ids in ``[0, num_experts]`` (``num_experts``: no
-        expert).
-      num_experts: ``E``, a multiple of the axis size.
-      axis_name: the expert axis (bound: call inside ``jax.shard_map``).
-
-    Returns:
-      A :class:`LocalSplit`.
-
-    Example:
-      >>> # inside jax.shard_map over 'expert' (2 devices, 4 experts), on device 1:
-      >>> # split_local(jnp.array([[0, 3], [2, 4]]), num_experts=4, axis_name='expert')
-      >>> # -> local_ids [[2, 1], [0, 2]], remote_ids [[0, 4], [4, 4]]
-    """
-    e_local = num_experts // jax.lax.axis_size(axis_name)
-    me = jax.lax.axis_index(axis_name).astype(expert_ids.dtype)
-    mine = jax.lax.div(expert_ids, jnp.asarray(e_local, expert_ids.dtype)) == me  # none: P
-    return LocalSplit(jnp.where(mine, expert_ids - me * e_local, e_local),
-                      jnp.where(mine, num_experts, expert_ids))
-
-
-def local_first_pass(x: jax.Array, local_ids: jax.Array, weights: jax.Array, banks: Banks, *,
-                     options: MoEOptions, dispatch_options: DispatchOptions, num_experts: int,
-                     group_alignment: int | None, with_wire: bool) -> ChunkOutput:
-    """A chunk's slots for this device's own experts through them, with no exchange.
-
-    ``y = combine(experts(dispatch(x, local_ids)), weights)`` over no mesh axis
-    (``expert_axis=()``), so nothing here waits for the chunk's all-to-all and XLA can run
-    these GEMMs under it (``DispatchOptions.local_first``). Dense keeps the exchange's
-    capacity ``C`` per (source, expert) (``dense_capacity`` of the chunk's tokens over all
-    ``num_experts``), so it keeps exactly the slots the exchange would have kept; dropless
-    drops nothing either way. The banks come back chained (:func:`chunk_experts`): the
-    chunk's exchanged pass takes them next.
-
-    Args:
-      x: ``[T, d]`` the chunk's tokens.
-      local_ids: int ``[T, k]`` local expert ids, ``E_local`` for no expert
-        (:func:`split_local`).
-      weights: ``[T, k]`` the combine weights.
+      x: ``[T, d]`` this device's tokens.
+      weights: ``[T, k]`` their combine weights.
       banks: this device's expert weights.
-      options: the layer's options.
-      dispatch_options: the chunk's dispatch options (its expert axis bound).
-      num_experts: ``E``, all experts of the expert axis (the padded count).
-      group_alignment: the dropless layout's group alignment (None: plain).
-      with_wire: FP8 GEMMs read the FP8 rows as the wire would carry them.
+      plans: the chunks' plans (`moe.dispatch.plan_build.chunk_plans`).
+      options: the layer's resolved options.
+      shared: the shared experts' ``(gate_up, down)``, or None.
+      shared_gate: their gate ``[d, 1]``, or None.
+      mask: bool ``[T]``, False for masked tokens (the shared experts give them 0), or None.
 
     Returns:
-      A :class:`ChunkOutput` (its plan is the local dispatch's).
+      The :class:`Chunks`.
 
     Example:
-      >>> # inside jax.shard_map over 'expert', before the first chunk's exchanged pass:
-      >>> # local, remote = split_local(ids, num_experts=8, axis_name='expert')
-      >>> # y0, _, banks = local_first_pass(x, local, w, banks, options=opts,
-      >>> #     dispatch_options=opts.dispatch, num_experts=8, group_alignment=None,
-      >>> #     with_wire=False)
+      >>> # inside jax.shard_map, as moe.layer runs them:
+      >>> # y, dropped, lost = run_chunks(x, r.weights, banks, plans, options)
     """
-    t, k = local_ids.shape  # the exchange's capacity counts all k slots of a token
-    e_local = num_experts // jax.lax.axis_size(dispatch_options.expert_axis)
-    if k > e_local:
-        # A token's distinct experts include at most E_local of this device's: keep the
-        # columns that can hold them (its local slots first, ascending). Within one expert
-        # the slots stay in token order, so a capacity keeps the same ones.
-        order = jnp.argsort(local_ids, axis=1, stable=True)[:, :e_local]
-        local_ids = jnp.take_along_axis(local_ids, order, axis=1)
-        weights = jnp.take_along_axis(weights, order, axis=1)
-    local_do = dataclasses.replace(dispatch_options, expert_axis=())
-    capacity = None
-    if dispatch_options.transport in ("auto", "dense"):  # the dispatch's 'auto' is dense
-        capacity = dense_capacity(t, k, num_experts, dispatch_options.capacity_factor,
-                                  multiple=dispatch_options.capacity_multiple)
-    plan = plan_dispatch(local_ids, num_experts=e_local, options=local_do, x_dtype=x.dtype,
-                         fp8_block_size=options.fp8_block_size,
-                         group_alignment=group_alignment, capacity=capacity)
-    with jax.named_scope("moe_local_first"):
-        return chunk_experts(x, local_ids, weights, banks, options=options,
-                             dispatch_options=local_do, num_experts=e_local,
-                             group_alignment=group_alignment, with_wire=with_wire, plan=plan,
-                             chain=True)
+    chunks, e_local = len(plans.plans), options.num_slots // options.expert_axis_size
+    tc = x.shape[0] // chunks
+    ys, lost, y_shared, dropped = [], [], None, jnp.zeros((), jnp.int32)
+    chained = banks
+    for c in range(chunks):
+        part = slice(c * tc, (c + 1) * tc)
+        y_local = lost_local = None
+        with jax.named_scope(f"moe_chunk{c}"):  # a profile (or a cost model) tells them apart
+            if c == 0 and plans.local is not None:  # its own experts' slots, no exchange
+                local = plans.local
+                w = weights[part] if local.columns is None else jnp.take_along_axis(
+                    weights[part], local.columns, axis=1)
+                with jax.named_scope("moe_local_first"):
+                    y_local, _, chained = chunk_experts(x[part], w, chained, local.plan,
+                                                        options, chain=True)
+                dropped = dropped + local.plan.dropped
+                lost_local = (local.expert_ids < e_local) & ~local.plan.kept
+            y_c, plan, chained = chunk_experts(x[part], weights[part], chained, plans.plans[c],
+                                               options, chain=c < chunks - 1)
+        if y_local is not None:
+            y_c = (y_c.astype(jnp.float32) + y_local.astype(jnp.float32)).astype(x.dtype)
+        if c == 0 and shared is not None:
+            y_shared = shared_experts(x, *shared, shared_gate,
+                                      activation=options.experts.activation)
+            if mask is not None:
+                y_shared = jnp.where(mask[:, None], y_shared, jnp.zeros((), x.dtype))
+        ys.append(y_c)
+        dropped = dropped + plan.dropped
+        lost_c = (plans.expert_ids[c] < options.num_slots) & ~plan.kept  # masked: not lost
+        lost.append(lost_c if lost_local is None else lost_c | lost_local)
+    y = ys[0] if chunks == 1 else jnp.concatenate(ys, axis=0)
+    if plans.overflow_ids is not None:  # one branch for the expert axis: its collectives run
+        axis = options.dispatch.expert_axis  # on every device of it
+        y = y + overflow_experts(
+            x, plans.overflow_ids, weights, banks, jax.lax.pmax(plans.overflows, axis) > 0,
+            num_experts=options.num_slots, axis_name=axis, max_tokens=tc,
+            body=functools.partial(_overflow_pass, options=options))
+    if y_shared is not None:
+        y = y + y_shared
+    return Chunks(y, dropped, jnp.concatenate(lost, axis=0))
+
+
+def _overflow_pass(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, banks: Banks, *,
+                   options: ResolvedOptions) -> jax.Array:
+    """One pass of the dropless overflow: the slots past the first bucket of ``T`` tokens,
+    planned with the buckets of ``T`` tokens (all of them: it may take any)."""
+    t, k = expert_ids.shape
+    dispatch = options.dispatch
+    sizes = exchange_sizes(dispatch.transport, t, k, options.num_slots,
+                           options.expert_axis_size, dispatch.capacity_factor,
+                           multiple=dispatch.capacity_multiple)
+    plan = plan_build.build_plan(expert_ids, plan_build.layer_statics(options, x.dtype),
+                                 transport=dispatch.transport, buckets=sizes.buckets,
+                                 alignment=options.group_alignment or 1)
+    return chunk_experts(x, weights, banks, plan, options).y
 
 
 # An overflow step runs the overflow pass on the tokens that have a slot past the first

@@ -190,7 +190,7 @@ def gather_weighted_rows_quantized(rows: jax.Array, weights: jax.Array, slot: ja
 # FP8 rows as uint32 words, four e4m3 bytes each, then the E8M0 scale words.
 # ----------------------------------------------------------------------------------------------
 
-AVOID_WIRE = "wire_kernels='xla'"
+AVOID_WIRE = "wire_implementation='xla'"
 """What keeps the dispatch off the wire kernels (`accel_kernels.lowering.check_kernel_lowers`)."""
 
 WORD = 4

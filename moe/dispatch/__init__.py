@@ -62,14 +62,13 @@ References: DeepEP (FP8 dispatch, count exchange first); GShard / Switch Transfo
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from accel_kernels import fp8
-from moe.dispatch import collectives, movement
+from moe.dispatch.movement import Dispatched, WireRows, combine_tokens, dispatch_tokens
 from moe.dispatch.plan import (
     AxisName,
     DensePlan,
@@ -77,24 +76,26 @@ from moe.dispatch.plan import (
     DroplessPlan,
     RaggedPlan,
     dense_capacity,
-    dropless_buckets,
+    exchange_sizes,
     ragged_rows,
 )
 from moe.dispatch.plan_build import (
     BucketSplit,
-    dense_plan,
-    dropless_plan,
-    ragged_plan,
+    PlanStatics,
+    build_plan,
     split_first_bucket,
 )
 from moe.options import (
     DispatchOptions,
-    RaggedImpl,
+    ExchangeImplementation,
     Transport,
     WireDtype,
-    WireKernels,
+    WireImplementation,
     check_choice,
     check_group_alignment,
+    check_wire_width,
+    renamed_keywords,
+    resolve_exchange_implementation,
 )
 
 __all__ = ["BucketSplit", "DensePlan", "DispatchPlan", "Dispatched", "DroplessPlan", "RaggedPlan",
@@ -102,8 +103,7 @@ __all__ = ["BucketSplit", "DensePlan", "DispatchPlan", "Dispatched", "DroplessPl
            "dispatch_buckets", "dispatch_with_wire", "plan_dispatch", "ragged_rows",
            "split_first_bucket"]
 
-_DROPLESS_CAPACITY_FACTOR = 1.25  # transport="dropless", capacity_factor=None: the first bucket
-_BUCKETED_TRANSPORTS = frozenset({"dropless"})  # whose exchanges send a chosen bucket per step
+_AUTO_TRANSPORT = {"auto": "dense"}  # the dispatch's own 'auto' (the layer's: auto_transport)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -117,15 +117,6 @@ def _axis_size(axis_name: AxisName, fn: str) -> int:
             f"axis_name={axis_name!r} is not a bound mesh axis ({err}); call {fn} inside "
             "jax.shard_map over a mesh that has this axis, and pass the expert axis's name."
         ) from None
-
-
-def _check_fp8_width(width: int, block_size: int, what: str) -> None:
-    fp8.check_width(width, block_size, what=what)
-    if width % 4:
-        raise ValueError(
-            f"{what} = {width} must be a multiple of 4 for the FP8 wire (e4m3 bytes travel four "
-            "to a 32-bit word); pad it, or use the bf16 wire."
-        )
 
 
 def _check_dispatch_args(x, expert_ids, num_experts, block_size, p, dispatch_dtype):
@@ -158,26 +149,7 @@ def _check_dispatch_args(x, expert_ids, num_experts, block_size, p, dispatch_dty
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}; use 128.")
     if dispatch_dtype == "fp8":
-        _check_fp8_width(x.shape[1], block_size, "d_model (x.shape[-1])")
-
-
-class WireRows(NamedTuple):
-    """Ragged ``expert_x``'s FP8 wire rows, from which an FP8 forward GEMM reads its e4m3 rows
-    instead of quantizing ``expert_x`` again (the same bytes; `moe.experts.experts_apply`)."""
-
-    rows: jax.Array | collectives.TokenRows  # uint32 [R, width / 4 + W] as received, or the
-    # tokens and the token of each row when nothing was sent (one device on the expert axis)
-    width: int  # d_model
-    block_size: int  # channels per E8M0 scale
-
-
-class Dispatched(NamedTuple):
-    """What :func:`dispatch_apply` hands the local experts."""
-
-    expert_x: jax.Array  # the expert layout: dense [E_local, P * C, d], else [R, d]
-    wire: WireRows | None  # with_wire: the layout's FP8 wire rows
-    group_sizes: jax.Array  # int32 [E_local]: valid rows per local expert
-    plan: DispatchPlan  # for combine
+        check_wire_width(x.shape[1], block_size, what="d_model (x.shape[-1])")
 
 
 # ----------------------------------------------------------------------------- public API
@@ -194,9 +166,10 @@ def dispatch(
     capacity_multiple: int = 8,
     dispatch_dtype: WireDtype = None,
     block_size: int = 128,
-    ragged_impl: RaggedImpl = "auto",
-    wire_kernels: WireKernels = "auto",
+    exchange_implementation: ExchangeImplementation = "auto",
+    wire_implementation: WireImplementation = "auto",
     group_alignment: int | None = None,
+    **renamed: Any,
 ) -> tuple[jax.Array, jax.Array, DispatchPlan]:
     """Send each token slot to the device that owns its expert, grouped by local expert.
 
@@ -214,9 +187,9 @@ def dispatch(
         ``'dropless'`` (``all_to_all`` of per-(source, destination) buffers sized per step
         from a few static buckets, :func:`moe.dispatch.plan.dropless_buckets`; never drops),
         ``'ragged'`` (dropless ``ragged_all_to_all``, emulated where XLA lacks it) or
-        ``'auto'`` (= ``'dense'``, the fastest; docs/benchmark_log.md, FP8 wire, dispatch).
-        ``'dropless'`` and ``'ragged'`` produce the same expert layout, bit for bit. With one
-        device on ``axis_name`` no transport exchanges anything.
+        ``'auto'`` (= ``'dense'``: between devices the capacity-padded ``all_to_all`` moves
+        the rows fastest). ``'dropless'`` and ``'ragged'`` produce the same expert layout,
+        bit for bit. With one device on ``axis_name`` no transport exchanges anything.
       capacity_factor: dense: ``C = ceil(capacity_factor * T * k / E)`` rounded up to
         ``capacity_multiple`` (capped at ``T``), slots past ``C`` per (source, expert) are
         dropped; None means ``C = T``, dropless. Dropless: the first bucket's rows per
@@ -229,20 +202,22 @@ def dispatch(
         packed E8M0 scales, dequantized to bf16 on arrival; ``d_model`` must be a multiple of
         ``block_size``).
       block_size: FP8 channels per scale.
-      ragged_impl: ``'ragged'`` only: ``'auto'`` (native on GPU/TPU, emulated elsewhere),
-        ``'native'``, ``'emulated'``.
-      wire_kernels: who builds the send buffer (gather + encode) and, for the dense and
-        dropless transports, decodes the received rows into the expert layout (and, for
-        dropless, gathers the return trip's rows): ``'auto'`` (the Pallas
-        kernels of ``accel_kernels.wire.triton`` when lowered for NVIDIA GPUs, XLA elsewhere),
-        ``'xla'``, ``'triton'`` (interpreted, slowly, on CPU) or ``'mosaic'``
-        (`accel_kernels.wire.api`). Same bytes either way.
+      exchange_implementation: ``'ragged'`` only: ``'auto'`` (native on GPU/TPU, emulated
+        elsewhere), ``'native'``, ``'emulated'`` (formerly ``ragged_impl``).
+      wire_implementation: who builds the send buffer (gather + encode) and, for the dense
+        and dropless transports, decodes the received rows into the expert layout (and, for
+        dropless, gathers the return trip's rows): ``'auto'`` (the Pallas kernels when
+        lowered for NVIDIA GPUs, XLA elsewhere), ``'xla'``, ``'triton'`` (interpreted,
+        slowly, on CPU) or ``'mosaic'`` (`accel_kernels.wire.api`; formerly
+        ``wire_kernels``). Same bytes either way.
       group_alignment: ``'dropless'`` only: None, or ``A`` to start every local expert's
         rows at a multiple of ``A`` in the layout (the rows in between are zero; ``R``
-        becomes ``accel_kernels.gmm.api.aligned_rows(R, E_local, A)``), the layout the Mosaic GPU
-        expert kernels read: pass the same ``group_alignment`` to :func:`moe.gated_experts`,
-        which then gathers no aligned copy. Same rows, outputs and gradients. The MoE layer
-        does this for 'mosaic' experts.
+        becomes ``accel_kernels.gmm.api.aligned_rows(R, E_local, A)``), the layout the Mosaic
+        GPU expert kernels read: pass the same ``group_alignment`` to
+        :func:`moe.gated_experts`, which then gathers no aligned copy. Same rows, outputs and
+        gradients. The MoE layer does this for 'mosaic' experts.
+      **renamed: ``ragged_impl`` / ``wire_kernels``, the former names of
+        ``exchange_implementation`` / ``wire_implementation`` (a ``DeprecationWarning``).
 
     Returns:
       ``(expert_x, group_sizes, plan)``: ``expert_x`` dense ``[E_local, P * C, d_model]`` or
@@ -258,11 +233,14 @@ def dispatch(
     References:
       DeepEP; GShard / Switch Transformer capacity; MaxText ragged MoE.
     """
+    kernels = renamed_keywords("dispatch", renamed,
+                               exchange_implementation=exchange_implementation,
+                               wire_implementation=wire_implementation)
     expert_x, _, group_sizes, plan = dispatch_with_wire(
         x, expert_ids, num_experts=num_experts, axis_name=axis_name, transport=transport,
         capacity_factor=capacity_factor, capacity_multiple=capacity_multiple,
-        dispatch_dtype=dispatch_dtype, block_size=block_size, ragged_impl=ragged_impl,
-        wire_kernels=wire_kernels, group_alignment=group_alignment)
+        dispatch_dtype=dispatch_dtype, block_size=block_size, group_alignment=group_alignment,
+        **kernels)
     return expert_x, group_sizes, plan
 
 
@@ -272,33 +250,28 @@ def dispatch_with_wire(
     *,
     num_experts: int,
     axis_name: AxisName,
-    transport: Transport = "auto",
-    capacity_factor: float | None = None,
-    capacity_multiple: int = 8,
-    dispatch_dtype: WireDtype = None,
     block_size: int = 128,
-    ragged_impl: RaggedImpl = "auto",
-    wire_kernels: WireKernels = "auto",
     group_alignment: int | None = None,
     with_wire: bool = False,
+    **options: Any,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array, DispatchPlan]:
     """:func:`dispatch`, plus the FP8 wire rows of the ragged layout for the expert layer.
 
+    Takes :func:`dispatch`'s keywords (``options``: its :class:`moe.DispatchOptions` fields,
+    ``transport``, ``capacity_factor``, ``capacity_multiple``, ``dispatch_dtype``,
+    ``exchange_implementation`` and ``wire_implementation``, under their former names too).
     Returns ``(expert_x, wire, group_sizes, plan)``: ``wire`` is None, or with ``with_wire``
     (``dispatch_dtype='fp8'`` and the ragged or dropless transport) the received uint32 wire
     rows ``[R, d_model / 4 + W]`` in the order of ``expert_x`` (e4m3 bytes and packed E8M0
-    block scales, :func:`accel_kernels.wire.api.unpack_fp8_words`), which take no gradient. An FP8
-    GEMM reads its e4m3 operand from them; XLA then drops the decoded rows unless something
-    else reads them (their gradient still flows to ``x``). With one device on the expert
-    axis nothing is sent, and ``wire`` is a :class:`moe.dispatch.collectives.TokenRows`
-    (``x`` and the token of each row) instead: the GEMM's rows are then made from the tokens in one
-    pass, the bytes the wire rows would have given, and the wire rows are never written.
+    block scales, :func:`accel_kernels.wire.api.unpack_fp8_words`), which take no gradient. An
+    FP8 GEMM reads its e4m3 operand from them; XLA then drops the decoded rows unless
+    something else reads them (their gradient still flows to ``x``). With one device on the
+    expert axis nothing is sent, and ``wire`` is a :class:`moe.dispatch.collectives.TokenRows`
+    (``x`` and the token of each row) instead: the GEMM's rows are then made from the tokens
+    in one pass, the bytes the wire rows would have given, and the wire rows are never written.
     """
-    options = DispatchOptions(expert_axis=axis_name, transport=transport,
-                              capacity_factor=capacity_factor,
-                              capacity_multiple=capacity_multiple,
-                              dispatch_dtype=dispatch_dtype, wire_kernels=wire_kernels,
-                              ragged_impl=ragged_impl)
+    options = DispatchOptions(expert_axis=axis_name,
+                              **renamed_keywords("dispatch_with_wire", options))
     out = dispatch_apply(x, expert_ids, num_experts=num_experts, options=options,
                          fp8_block_size=block_size, group_alignment=group_alignment,
                          with_wire=with_wire)
@@ -308,8 +281,9 @@ def dispatch_with_wire(
 def dispatch_buckets(num_tokens: int, top_k: int, *, num_experts: int, axis_size: int,
                      options: DispatchOptions) -> tuple[int, ...]:
     """The exchange buckets of ``options``' transport: for ``'dropless'``
-    :func:`dropless_buckets` with its ``capacity_factor`` (None: 1.25) and
-    ``capacity_multiple``; ``()`` for the transports that have none.
+    :func:`moe.dispatch.plan.dropless_buckets` with its ``capacity_factor`` (None:
+    :data:`moe.dispatch.plan.DROPLESS_CAPACITY_FACTOR`) and ``capacity_multiple``; ``()`` for
+    the transports that have none (`moe.dispatch.plan.exchange_sizes`).
 
     Example:
       >>> dispatch_buckets(1024, 2, num_experts=16, axis_size=2,
@@ -318,12 +292,26 @@ def dispatch_buckets(num_tokens: int, top_k: int, *, num_experts: int, axis_size
       >>> dispatch_buckets(1024, 2, num_experts=16, axis_size=2, options=DispatchOptions())
       ()
     """
-    if options.transport not in _BUCKETED_TRANSPORTS:
-        return ()
-    cf = options.capacity_factor
-    return dropless_buckets(num_tokens, top_k, num_experts, axis_size,
-                            _DROPLESS_CAPACITY_FACTOR if cf is None else cf,
-                            multiple=options.capacity_multiple)
+    transport = _AUTO_TRANSPORT.get(options.transport, options.transport)
+    return exchange_sizes(transport, num_tokens, top_k, num_experts, axis_size,
+                          options.capacity_factor, multiple=options.capacity_multiple).buckets
+
+
+def _check_plan_args(group_alignment, buckets, capacity, transport: str) -> None:
+    """The plan's own arguments: each a positive size, and for the transport that has it."""
+    check_group_alignment(group_alignment)
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
+                                 or capacity < 1):
+        raise ValueError(f"capacity must be None or a positive int, got {capacity!r}.")
+    if buckets is not None and (not buckets or any(
+            isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in buckets)
+            or list(buckets) != sorted(set(buckets))):
+        raise ValueError(f"buckets must be positive ints, strictly ascending, got {buckets!r}.")
+    for name, value, owner in (("buckets", buckets, "dropless"), ("capacity", capacity, "dense"),
+                               ("group_alignment", group_alignment, "dropless")):
+        if value is not None and transport != owner:
+            raise ValueError(f"{name}={value!r} is for transport={owner!r} only, got "
+                             f"transport={transport!r}; drop it or use {owner!r}.")
 
 
 def plan_dispatch(
@@ -338,8 +326,13 @@ def plan_dispatch(
     capacity: int | None = None,
 ) -> DispatchPlan:
     """The plan :func:`dispatch_apply` builds from ``expert_ids`` (and nothing of the tokens
-    but their dtype): build it apart to batch the plans of several dispatches, e.g. the
-    pipelined layer's chunks under ``jax.vmap`` (one sort for all of them).
+    but their dtype): build it apart to batch the plans of several dispatches under
+    ``jax.vmap`` (one sort for all of them).
+
+    ``options`` are checked and their ``'auto'`` decided here (``transport``: ``'dense'``;
+    ``exchange_implementation``: :func:`moe.options.resolve_exchange_implementation`), the
+    sizes computed (:func:`dense_capacity`, :func:`dispatch_buckets`), and the plan built by
+    `moe.dispatch.plan_build.build_plan`.
 
     Args:
       expert_ids: int ``[T, k]``.
@@ -356,56 +349,25 @@ def plan_dispatch(
 
     Example:
       >>> # inside jax.shard_map over 'expert', one plan per chunk in one batched sort:
-      >>> # plans = jax.vmap(lambda ids: plan_dispatch(ids, num_experts=8, options=opts,
+      >>> # plans = jax.vmap(lambda ids: plan_dispatch(ids, num_experts=8, options=options,
       >>> #     x_dtype=x.dtype))(ids.reshape(chunks, -1, k))
     """
     if not isinstance(options, DispatchOptions):
         raise TypeError(f"options must be a moe.DispatchOptions, got {type(options).__name__}.")
     expert_ids = jnp.asarray(expert_ids)
     p = _axis_size(options.expert_axis, "dispatch")
-    check_group_alignment(group_alignment)
-    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
-                                 or capacity < 1):
-        raise ValueError(f"capacity must be None or a positive int, got {capacity!r}.")
-    if buckets is not None and (not buckets or any(
-            isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in buckets)
-            or list(buckets) != sorted(set(buckets))):
-        raise ValueError(f"buckets must be positive ints, strictly ascending, got {buckets!r}.")
+    transport = _AUTO_TRANSPORT.get(options.transport, options.transport)
+    _check_plan_args(group_alignment, buckets, capacity, transport)
     t, k = expert_ids.shape
-    statics = dict(num_experts=num_experts, axis_name=options.expert_axis, axis_size=p,
-                   x_dtype=jnp.dtype(x_dtype).name, block_size=fp8_block_size,
-                   wire_kernels=options.wire_kernels)
-
-    cf, multiple = options.capacity_factor, options.capacity_multiple
-
-    def dense():
-        return dense_plan(expert_ids, capacity=capacity or dense_capacity(
-            t, k, num_experts, cf, multiple=multiple), **statics)
-
-    def ragged():
-        return ragged_plan(expert_ids,
-                           ragged_impl=collectives.resolve_ragged_impl(options.ragged_impl),
-                           **statics)
-
-    def dropless():
-        return dropless_plan(expert_ids, buckets=buckets or dispatch_buckets(
-            t, k, num_experts=num_experts, axis_size=p, options=options),
-            alignment=group_alignment or 1, **statics)
-
-    # 'auto' is 'dense' here, the measured default (the layer's 'auto': moe.auto_transport).
-    builders = {"auto": dense, "dense": dense, "ragged": ragged, "dropless": dropless}
-    with jax.named_scope("dispatch_plan"):
-        plan = builders[options.transport]()
-    if buckets is not None and not isinstance(plan, DroplessPlan):
-        raise ValueError(f"buckets={buckets!r} is for transport='dropless' only, got "
-                         f"transport={plan.transport!r}; drop it or use 'dropless'.")
-    if capacity is not None and not isinstance(plan, DensePlan):
-        raise ValueError(f"capacity={capacity!r} is for transport='dense' only, got "
-                         f"transport={plan.transport!r}; drop it or use 'dense'.")
-    if group_alignment is not None and not isinstance(plan, DroplessPlan):
-        raise ValueError(f"group_alignment={group_alignment!r} is for transport='dropless' "
-                         f"only, got transport={plan.transport!r}; drop it or use 'dropless'.")
-    return plan
+    sizes = exchange_sizes(transport, t, k, num_experts, p, options.capacity_factor,
+                           multiple=options.capacity_multiple)
+    statics = PlanStatics(num_experts, options.expert_axis, p, jnp.dtype(x_dtype).name,
+                          fp8_block_size, options.wire_implementation)
+    return build_plan(expert_ids, statics, transport=transport,
+                      capacity=capacity or sizes.capacity, buckets=buckets or sizes.buckets,
+                      alignment=group_alignment or 1,
+                      exchange_implementation=resolve_exchange_implementation(
+                          options.exchange_implementation))
 
 
 def dispatch_apply(
@@ -420,11 +382,14 @@ def dispatch_apply(
     buckets: tuple[int, ...] | None = None,
     plan: DispatchPlan | None = None,
 ) -> Dispatched:
-    """:func:`dispatch_with_wire` with its options as one :class:`moe.DispatchOptions` (the
-    layer's ``MoEOptions.dispatch``): ``expert_axis``, ``transport`` (``'auto'``: dense),
-    ``capacity_factor``, ``capacity_multiple``, ``dispatch_dtype``, ``wire_kernels`` and
-    ``ragged_impl`` are read; ``batch_axes``, ``overlap_chunks`` and ``combine_grad_dtype``
-    are the layer's.
+    """:func:`dispatch_with_wire` with its options as one :class:`moe.DispatchOptions`:
+    ``expert_axis``, ``transport`` (``'auto'``: dense), ``capacity_factor``,
+    ``capacity_multiple``, ``dispatch_dtype``, ``wire_implementation`` and
+    ``exchange_implementation`` are read; ``batch_axes``, ``overlap_chunks`` and
+    ``combine_grad_dtype`` are the layer's.
+
+    Checks its arguments, builds the plan (:func:`plan_dispatch`) and sends the tokens
+    (`moe.dispatch.movement.dispatch_tokens`, which the MoE layer calls with its plans).
 
     Args:
       x, expert_ids, num_experts, group_alignment, with_wire: as for
@@ -464,21 +429,7 @@ def dispatch_apply(
         raise ValueError(f"with_wire needs dispatch_dtype='fp8' and a ragged layout (transport "
                          f"'dropless' or 'ragged'), got {options.dispatch_dtype!r} / "
                          f"{plan.transport!r}.")
-    k = expert_ids.shape[1]
-    local = with_wire and p == 1  # nothing is sent: the GEMM's rows come from the tokens
-    with jax.named_scope("dispatch_exchange"):
-        x = movement.vary_like(x, plan)
-        wire = movement.wire_for(options.dispatch_dtype, x.dtype, fp8_block_size,
-                                 plan.wire_kernels)
-        out = movement.dispatch_rows(x, plan, wire, with_wire and not local)
-    if local:
-        tokens = jax.lax.div(plan.send_slot, jnp.int32(k))  # slot T * k: token T, a zero row
-        wire_rows = WireRows(collectives.TokenRows(x, tokens), x.shape[-1], fp8_block_size)
-        return Dispatched(out, wire_rows, plan.group_sizes, plan)
-    if with_wire:
-        return Dispatched(out.rows, WireRows(out.wire, x.shape[-1], fp8_block_size),
-                          plan.group_sizes, plan)
-    return Dispatched(out, None, plan.group_sizes, plan)
+    return dispatch_tokens(x, plan, dispatch_dtype=options.dispatch_dtype, with_wire=with_wire)
 
 
 def combine(
@@ -530,9 +481,6 @@ def combine(
             f"weights must be [T, k] = {(plan.num_tokens, plan.top_k)}, got {weights.shape}."
         )
     if combine_grad_dtype == "fp8":
-        _check_fp8_width(expert_y.shape[-1], plan.block_size, "expert_y.shape[-1]")
+        check_wire_width(expert_y.shape[-1], plan.block_size, what="expert_y.shape[-1]")
     _axis_size(plan.axis_name, "combine")
-    with jax.named_scope("combine"):
-        expert_y, weights = (movement.vary_like(expert_y, weights, plan),
-                             movement.vary_like(weights, expert_y, plan))
-        return movement.combine_rows(expert_y, weights, plan, combine_grad_dtype)
+    return combine_tokens(expert_y, weights, plan, combine_grad_dtype)

@@ -19,37 +19,13 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from accel_kernels import platform
-from moe.options import RaggedImpl, check_choice
+from moe.options import resolve_exchange_implementation
 
 AxisName = str | tuple[str, ...]
 
-# Backends whose XLA implements the ragged-all-to-all HLO.
-_NATIVE_RAGGED_BACKENDS = frozenset({"gpu", "cuda", "rocm", "tpu"})
-
-
-def resolve_ragged_impl(impl: RaggedImpl) -> Literal["native", "emulated"]:
-    """Pick the ragged all-to-all implementation: native where XLA has it, else emulated.
-
-    Args:
-      impl: ``'auto'`` (native on GPU/TPU, emulated elsewhere, by the target platform:
-        ``accel_kernels.platform.target_platform()``),
-        ``'native'`` or ``'emulated'``.
-
-    Returns:
-      ``'native'`` or ``'emulated'``.
-
-    Example:
-      >>> resolve_ragged_impl("emulated")
-      'emulated'
-
-    References:
-      XLA:CPU has no ragged-all-to-all (docs/architecture.md, transports).
-    """
-    check_choice("ragged_impl", impl, RaggedImpl)
-    if impl != "auto":
-        return impl
-    return "native" if platform.target_platform() in _NATIVE_RAGGED_BACKENDS else "emulated"
+# The rule that decides the exchange's 'auto' lives with the options it resolves; this is the
+# name the dispatch benchmarks import it by.
+resolve_ragged_impl = resolve_exchange_implementation
 
 
 class TokenRows(NamedTuple):
@@ -121,9 +97,10 @@ def ragged_exchange(
     recv_sizes: jax.Array,
     *,
     axis_name: AxisName,
-    impl: Literal["native", "emulated"],
+    implementation: Literal["native", "emulated"],
 ) -> jax.Array:
-    """``jax.lax.ragged_all_to_all`` (``impl='native'``) or its emulation (``'emulated'``).
+    """``jax.lax.ragged_all_to_all`` (``implementation='native'``) or its emulation
+    (``'emulated'``).
 
     Slice ``i`` of sender ``s`` (``operand[input_offsets[i] : +send_sizes[i]]``) lands on device
     ``i // (K / P)`` at ``output[output_offsets[i] : +send_sizes[i]]``; rows nobody writes keep
@@ -139,18 +116,19 @@ def ragged_exchange(
       input_offsets, send_sizes, output_offsets, recv_sizes: int ``[K]``, ``K`` a multiple of
         the axis size ``P``, as for ``jax.lax.ragged_all_to_all``.
       axis_name: the mesh axis (or axes).
-      impl: from :func:`resolve_ragged_impl`.
+      implementation: from :func:`moe.options.resolve_exchange_implementation`.
 
     Returns:
       ``output`` with received slices written.
 
     Example:
-      >>> # inside shard_map: ragged_exchange(..., axis_name='expert', impl='native')
+      >>> # inside shard_map: ragged_exchange(..., axis_name='expert',
+      >>> #                                  implementation='native')
 
     References:
       ``jax.lax.ragged_all_to_all`` docstring; MaxText ragged MoE dispatch.
     """
-    if impl == "native":
+    if implementation == "native":
         # GPU/TPU only (XLA:CPU lacks the op; CI lowers it, benchmarks/dispatch.py runs it
         # on GPUs and checks it equals the emulation bit for bit).
         return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes,

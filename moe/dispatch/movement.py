@@ -19,21 +19,22 @@ from moe.dispatch import collectives
 from moe.dispatch.plan import DensePlan, DispatchPlan, DroplessPlan, RaggedPlan
 from moe.options import WireDtype
 
-__all__ = ["CombineResiduals", "LayoutWithWire", "Wire", "back_row", "combine_rows",
-           "combine_rows_forward", "combine_weights_grad", "dispatch_rows", "grad_wire_dtype",
-           "sum_slots", "vary_like", "wire_for"]
+__all__ = ["CombineResiduals", "Dispatched", "LayoutWithWire", "Wire", "WireRows", "back_row",
+           "combine_rows", "combine_rows_forward", "combine_tokens", "combine_weights_grad",
+           "dispatch_rows", "dispatch_tokens", "grad_wire_dtype", "sum_slots", "vary_like",
+           "wire_for"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Wire:
     """Static wire format of one direction: ``'fp8'`` or a dtype name; decoded to ``out``;
-    ``kernels``: who encodes/gathers and decodes/lays out the rows
+    ``implementation``: who encodes/gathers and decodes/lays out the rows
     (`accel_kernels.registry.Implementation`)."""
 
     wire: str
     out: str
     block_size: int
-    kernels: str = "xla"
+    implementation: str = "xla"
 
     @property
     def codec(self):
@@ -45,12 +46,13 @@ class Wire:
                                       block_size=self.block_size, out_dtype=self.out)
 
 
-def wire_for(name: WireDtype, dtype: jnp.dtype, block_size: int, kernels: str = "xla") -> Wire:
+def wire_for(name: WireDtype, dtype: jnp.dtype, block_size: int,
+             implementation: str = "xla") -> Wire:
     """The :class:`Wire` of a ``dispatch_dtype`` / ``combine_grad_dtype`` for rows of ``dtype``."""
     if name == "fp8":
-        return Wire("fp8", "bfloat16", block_size, kernels)
+        return Wire("fp8", "bfloat16", block_size, implementation)
     wire = "bfloat16" if name == "bf16" else jnp.dtype(dtype).name
-    return Wire(wire, wire, block_size, kernels)
+    return Wire(wire, wire, block_size, implementation)
 
 
 class LayoutWithWire(NamedTuple):
@@ -109,11 +111,11 @@ def _take_rows(rows: jax.Array, index: jax.Array) -> jax.Array:
 
 
 def _gather_decode(buf, index, w: Wire, width: int, fallback=None) -> jax.Array:
-    """Wire rows ``buf[index]`` decoded in one pass by the wire kernels ``w.kernels``
+    """Wire rows ``buf[index]`` decoded in one pass by the wire kernels ``w.implementation``
     (`accel_kernels.wire.api.gather_decode`); ``fallback(buf, index)``: the XLA path."""
     return wire_api.gather_decode(buf, index, wire=w.codec, width=width,
                                   block_size=w.block_size, out_dtype=w.out,
-                                  implementation=w.kernels, fallback=fallback)
+                                  implementation=w.implementation, fallback=fallback)
 
 
 def _dense_to_layout(recv: jax.Array, plan: DensePlan, w: Wire, width: int) -> jax.Array:
@@ -187,7 +189,8 @@ def _to_experts(encode, plan: DispatchPlan, w: Wire, width: int, with_wire: bool
         recv = jnp.zeros_like(send, shape=(plan.rows, send.shape[-1]))  # varies like send
         recv = collectives.ragged_exchange(
             send, recv, plan.send_offsets, plan.send_counts, plan.remote_offsets,
-            plan.recv_counts.reshape(-1), axis_name=plan.axis_name, impl=plan.ragged_impl,
+            plan.recv_counts.reshape(-1), axis_name=plan.axis_name,
+            implementation=plan.exchange_implementation,
         )
     out = w.decode(recv, width)
     return LayoutWithWire(out, recv) if with_wire else out
@@ -215,7 +218,7 @@ def _return_trip(expert_rows: jax.Array, plan: DensePlan | RaggedPlan) -> jax.Ar
     return collectives.ragged_exchange(
         expert_rows, back, plan.recv_offsets, plan.recv_counts.reshape(-1),
         plan.return_offsets, plan.send_counts, axis_name=plan.axis_name,
-        impl=plan.ragged_impl,
+        implementation=plan.exchange_implementation,
     )
 
 
@@ -252,7 +255,7 @@ def _from_experts(expert_rows: jax.Array, plan: DispatchPlan, reduce):
         send = wire_api.gather_rows(
             expert_rows, _pair_rows(plan.layout_row, plan, start, size),
             wire=jnp.dtype(expert_rows.dtype), block_size=plan.block_size,
-            implementation=plan.wire_kernels)
+            implementation=plan.wire_implementation)
         return collectives.dense_exchange(send, plan.axis_name)
 
     return _two_phase(plan, exchange, lambda back, o: reduce(
@@ -298,7 +301,7 @@ def dispatch_rows(x: jax.Array, plan: DispatchPlan, w: Wire, with_wire: bool = F
     def encode(slots):
         tok = jax.lax.div(slots, jnp.int32(plan.top_k))  # slots are >= 0
         return wire_api.gather_rows(x, tok, wire=w.codec,
-                                      block_size=w.block_size, implementation=w.kernels)
+                                      block_size=w.block_size, implementation=w.implementation)
 
     return _to_experts(encode, plan, w, x.shape[-1], with_wire)
 
@@ -363,7 +366,7 @@ def combine_weights_grad(res: CombineResiduals, dy: jax.Array) -> jax.Array:
 def grad_wire_dtype(grad_wire: WireDtype, res: CombineResiduals) -> jnp.dtype | str:
     """The codec of combine's gradient rows (``'fp8'`` or a float dtype)."""
     return wire_for(grad_wire, res.rows.dtype, res.plan.block_size,
-                    res.plan.wire_kernels).codec
+                    res.plan.wire_implementation).codec
 
 
 def _combine_rows_bwd(grad_wire, res: CombineResiduals, dy):
@@ -372,7 +375,7 @@ def _combine_rows_bwd(grad_wire, res: CombineResiduals, dy):
     dw = combine_weights_grad(res, dy)
     # Send row i carries weights[s] * dy[s // k] (s = its slot), encoded: for FP8 the scales
     # come from dy's block maxima (T rows) times |weight|, so no [T * k, d] rows exist.
-    w = wire_for(grad_wire, y_dtype, plan.block_size, plan.wire_kernels)
+    w = wire_for(grad_wire, y_dtype, plan.block_size, plan.wire_implementation)
 
     def encode(slots):
         return wire_api.gather_weighted_rows(
@@ -395,3 +398,69 @@ def vary_like(x: jax.Array, *others) -> jax.Array:
     for leaf in jax.tree.leaves(others):
         zero = zero + jnp.zeros_like(leaf, shape=(), dtype=x.dtype)
     return x + zero
+
+
+class WireRows(NamedTuple):
+    """Ragged ``expert_x``'s FP8 wire rows, from which an FP8 forward GEMM reads its e4m3 rows
+    instead of quantizing ``expert_x`` again (the same bytes; `moe.experts.run_experts`)."""
+
+    rows: jax.Array | collectives.TokenRows  # uint32 [R, width / 4 + W] as received, or the
+    # tokens and the token of each row when nothing was sent (one device on the expert axis)
+    width: int  # d_model
+    block_size: int  # channels per E8M0 scale
+
+
+class Dispatched(NamedTuple):
+    """What :func:`dispatch_tokens` hands the local experts."""
+
+    expert_x: jax.Array  # the expert layout: dense [E_local, P * C, d], else [R, d]
+    wire: WireRows | None  # with_wire: the layout's FP8 wire rows
+    group_sizes: jax.Array  # int32 [E_local]: valid rows per local expert
+    plan: DispatchPlan  # for combine
+
+
+def dispatch_tokens(x: jax.Array, plan: DispatchPlan, *, dispatch_dtype: WireDtype,
+                    with_wire: bool = False) -> Dispatched:
+    """``x [T, d]``'s slots sent by ``plan`` on the ``dispatch_dtype`` wire into the expert
+    layout (:func:`dispatch_rows`), the arguments already checked (`moe.dispatch.dispatch_apply`
+    checks them for its callers).
+
+    ``with_wire`` (``dispatch_dtype='fp8'``, a ragged layout): also the layout's FP8 wire rows;
+    with one device on the expert axis nothing is sent, and they are the tokens and the token
+    of each row (:class:`moe.dispatch.collectives.TokenRows`), the bytes the wire rows would
+    have given.
+
+    Example:
+      >>> # inside jax.shard_map over 'expert', with plan = build_plan(ids, ...):
+      >>> # ex, wire, sizes, plan = dispatch_tokens(x, plan, dispatch_dtype='fp8')
+    """
+    k = plan.top_k
+    block_size = plan.block_size
+    local = with_wire and plan.axis_size == 1  # nothing is sent: the rows come from the tokens
+    with jax.named_scope("dispatch_exchange"):
+        x = vary_like(x, plan)
+        wire = wire_for(dispatch_dtype, x.dtype, block_size, plan.wire_implementation)
+        out = dispatch_rows(x, plan, wire, with_wire and not local)
+    if local:
+        tokens = jax.lax.div(plan.send_slot, jnp.int32(k))  # slot T * k: token T, a zero row
+        wire_rows = WireRows(collectives.TokenRows(x, tokens), x.shape[-1], block_size)
+        return Dispatched(out, wire_rows, plan.group_sizes, plan)
+    if with_wire:
+        return Dispatched(out.rows, WireRows(out.wire, x.shape[-1], block_size),
+                          plan.group_sizes, plan)
+    return Dispatched(out, None, plan.group_sizes, plan)
+
+
+def combine_tokens(expert_y: jax.Array, weights: jax.Array, plan: DispatchPlan,
+                   grad_wire: WireDtype) -> jax.Array:
+    """``expert_y`` sent back to its tokens, weighted by ``weights [T, k]`` and summed over the
+    ``k`` choices (:func:`combine_rows`), the arguments already checked (:func:`moe.combine`
+    checks them for its callers).
+
+    Example:
+      >>> # inside jax.shard_map, after dispatch_tokens: y = combine_tokens(ey, w, plan, None)
+    """
+    with jax.named_scope("combine"):
+        expert_y, weights = (vary_like(expert_y, weights, plan),
+                             vary_like(weights, expert_y, plan))
+        return combine_rows(expert_y, weights, plan, grad_wire)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,10 @@ from accel_kernels.gmm import api as gmm_api
 
 AxisName = str | tuple[str, ...]
 PlanTransport = Literal["dense", "ragged", "dropless"]
+
+DROPLESS_CAPACITY_FACTOR = 1.25
+"""The dropless transport's first-bucket factor when ``capacity_factor`` is None: a quarter
+over the balanced share, so that a step of ordinary imbalance sends its one first exchange."""
 
 
 def _static():
@@ -53,8 +57,8 @@ class PlanBase:
       axis_size: ``P``, the size of ``axis_name``.
       x_dtype: dtype name of the dispatched tokens (combine returns this dtype).
       block_size: FP8 block size (used by an FP8 combine gradient).
-      wire_kernels: ``'auto'``, ``'xla'``, ``'triton'`` or ``'mosaic'``: who encodes and lays
-        out the rows of both dispatch-direction exchanges (`accel_kernels.wire.api`).
+      wire_implementation: ``'auto'``, ``'xla'``, ``'triton'`` or ``'mosaic'``: who encodes
+        and lays out the rows of both dispatch-direction exchanges (`accel_kernels.wire.api`).
     """
 
     transport: ClassVar[PlanTransport]
@@ -69,7 +73,7 @@ class PlanBase:
     axis_size: int = _static()
     x_dtype: str = _static()
     block_size: int = _static()
-    wire_kernels: str = _static()
+    wire_implementation: str = _static()
 
     @property
     def num_local_experts(self) -> int:
@@ -160,7 +164,7 @@ class RaggedPlan(RaggedLayoutPlan):
         slice from source ``p`` for local expert ``l`` starts (index ``p * E_local + l``).
       return_offsets: int32 ``[P * E_local]``: send-buffer row on source ``p`` where its slice
         for local expert ``l`` started (where results go back to).
-      ragged_impl: ``'native'`` or ``'emulated'`` ``ragged_all_to_all``.
+      exchange_implementation: ``'native'`` or ``'emulated'`` ``ragged_all_to_all``.
     """
 
     transport: ClassVar[PlanTransport] = "ragged"
@@ -169,7 +173,7 @@ class RaggedPlan(RaggedLayoutPlan):
     remote_offsets: jax.Array
     recv_offsets: jax.Array
     return_offsets: jax.Array
-    ragged_impl: Literal["native", "emulated"] = _static()
+    exchange_implementation: Literal["native", "emulated"] = _static()
 
 
 @jax.tree_util.register_dataclass
@@ -355,3 +359,42 @@ def dropless_buckets(
         f *= growth
     return tuple(caps)
 
+
+
+class ExchangeSizes(NamedTuple):
+    """The static sizes of one exchange (:func:`exchange_sizes`).
+
+    Attributes:
+      capacity: ``'dense'``: rows per (source, expert), ``C``; else None.
+      buckets: ``'dropless'``: rows per (source, destination) pair that the exchange can
+        send, ascending; else ``()``.
+    """
+
+    capacity: int | None
+    buckets: tuple[int, ...]
+
+
+def exchange_sizes(transport: PlanTransport, num_tokens: int, top_k: int, num_experts: int,
+                   axis_size: int, capacity_factor: float | None, *,
+                   multiple: int = 8) -> ExchangeSizes:
+    """The static sizes of one exchange of ``transport`` for ``num_tokens`` tokens of
+    ``top_k`` slots over ``num_experts`` experts on ``axis_size`` devices: ``'dense'``'s
+    capacity (:func:`dense_capacity`), ``'dropless'``'s buckets (:func:`dropless_buckets`; the
+    first bucket's factor :data:`DROPLESS_CAPACITY_FACTOR` when ``capacity_factor`` is None);
+    ``'ragged'`` has none.
+
+    Example:
+      >>> exchange_sizes("dense", 1024, 2, 16, 2, 1.25)
+      ExchangeSizes(capacity=160, buckets=())
+      >>> exchange_sizes("dropless", 1024, 2, 16, 2, None).buckets
+      (1280, 1920, 2048)
+    """
+    first = DROPLESS_CAPACITY_FACTOR if capacity_factor is None else capacity_factor
+    sizes = {
+        "dense": lambda: ExchangeSizes(dense_capacity(
+            num_tokens, top_k, num_experts, capacity_factor, multiple=multiple), ()),
+        "dropless": lambda: ExchangeSizes(None, dropless_buckets(
+            num_tokens, top_k, num_experts, axis_size, first, multiple=multiple)),
+        "ragged": lambda: ExchangeSizes(None, ()),
+    }
+    return sizes[transport]()

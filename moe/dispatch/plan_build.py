@@ -1,8 +1,10 @@
 """The dispatch plans' builders: sort the slots by expert, count them, exchange the counts.
 
-One builder per transport (:func:`dense_plan`, :func:`ragged_plan`, :func:`dropless_plan`),
-sharing the sort and the counts (:func:`sort_slots`, :func:`count_slots`,
-:func:`gather_counts`). The plan types and their static sizes are :mod:`moe.dispatch.plan`.
+One builder per transport (:func:`dense_plan`, :func:`ragged_plan`, :func:`dropless_plan`,
+chosen by :func:`build_plan`), sharing the sort and the counts (:func:`sort_slots`,
+:func:`count_slots`, :func:`gather_counts`); the slot splits (:func:`split_first_bucket`,
+:func:`split_local`) and the plans of the pipelined layer's chunks (:func:`chunk_plans`). The
+plan types and their static sizes are :mod:`moe.dispatch.plan`.
 
 Work: one int32 sort of ``S = T * k`` packed keys (:func:`sort_slots`), one scatter of ``S``
 int32 (each slot's row), a gather of ``N`` int32 (each row's slot, dense and dropless),
@@ -22,11 +24,22 @@ import jax
 import jax.numpy as jnp
 
 from accel_kernels.gmm import api as gmm_api
-from moe.dispatch.plan import AxisName, DensePlan, DroplessPlan, RaggedPlan
+from moe.dispatch.plan import (
+    AxisName,
+    DensePlan,
+    DispatchPlan,
+    DroplessPlan,
+    ExchangeSizes,
+    PlanTransport,
+    RaggedPlan,
+)
+from moe.options import ResolvedOptions
 
-__all__ = ["BucketSplit", "CountedSlots", "GatheredCounts", "SortedSlots", "count_slots",
-           "dense_plan", "dropless_plan", "gather_counts", "ragged_plan", "sort_slots",
-           "split_first_bucket"]
+__all__ = ["BucketSplit", "ChunkPlans", "CountedSlots", "GatheredCounts", "LocalPass",
+           "LocalSplit", "PlanStatics", "SortedSlots", "build_plan", "chunk_plans",
+           "count_slots", "dense_plan", "dropless_plan", "gather_counts", "layer_statics",
+           "ragged_plan",
+           "sort_slots", "split_first_bucket", "split_local"]
 
 
 class SortedSlots(NamedTuple):
@@ -154,17 +167,27 @@ def _slot_rows(order: jax.Array, row_sorted: jax.Array) -> jax.Array:
     return jnp.zeros(order.shape, jnp.int32).at[order].set(row_sorted, unique_indices=True)
 
 
-def dense_plan(
-    expert_ids: jax.Array,
-    *,
-    num_experts: int,
-    axis_name: AxisName,
-    axis_size: int,
-    capacity: int,
-    x_dtype: str,
-    block_size: int,
-    wire_kernels: str = "xla",
-) -> DensePlan:
+class PlanStatics(NamedTuple):
+    """The static fields every plan holds (:class:`moe.dispatch.plan.PlanBase`): what its
+    builder is told, the same for the three transports."""
+
+    num_experts: int  # E, global
+    axis_name: AxisName  # the expert axis (or axes; () for a pass over no axis)
+    axis_size: int  # P
+    x_dtype: str  # dtype name of the dispatched tokens
+    block_size: int  # channels per FP8 scale
+    wire_implementation: str = "xla"  # the wire kernels (accel_kernels.wire.api)
+
+
+def layer_statics(options: ResolvedOptions, x_dtype) -> PlanStatics:
+    """The static fields of the MoE layer's plans over its expert axis, for tokens of
+    ``x_dtype``."""
+    return PlanStatics(options.num_slots, options.dispatch.expert_axis,
+                       options.expert_axis_size, jnp.dtype(x_dtype).name,
+                       options.fp8_block_size, options.dispatch.wire_implementation)
+
+
+def dense_plan(expert_ids: jax.Array, statics: PlanStatics, *, capacity: int) -> DensePlan:
     """The :class:`moe.dispatch.plan.DensePlan` of ``expert_ids [T, k]``: keep the first
     ``capacity``.
 
@@ -173,47 +196,38 @@ def dense_plan(
 
     Args:
       expert_ids: int ``[T, k]`` global expert ids in ``[0, num_experts)``.
-      num_experts, axis_name, axis_size, capacity, x_dtype, block_size, wire_kernels: see
-        :class:`moe.dispatch.plan.DensePlan` (already validated by ``dispatch``).
+      statics: the plan's static fields (already validated by ``dispatch``).
+      capacity: ``C``, rows per (source, expert).
 
     Returns:
       The plan.
 
     Example:
-      >>> # inside shard_map: dense_plan(ids, num_experts=8, axis_name='expert', ...)
+      >>> # inside shard_map: dense_plan(ids, PlanStatics(8, 'expert', 4, 'bfloat16', 128),
+      >>> #                              capacity=16)
     """
     t, k = expert_ids.shape
-    s, p, c = t * k, axis_size, capacity
-    sl = count_slots(expert_ids, num_experts)
-    n = num_experts * c
+    s, p, c, e = t * k, statics.axis_size, capacity, statics.num_experts
+    sl = count_slots(expert_ids, e)
+    n = e * c
     slot_row = _slot_rows(sl.order, jnp.where(sl.rank < c, sl.expert * c + sl.rank, n))
     r = jnp.arange(c, dtype=jnp.int32)[None, :]
     src = jnp.minimum(sl.starts[:, None] + r, s - 1)
     send_slot = jnp.where(r < sl.send_counts[:, None], sl.order[src], s).reshape(n)
     recv_counts = sl.send_counts
     if p > 1:
-        recv_counts = jax.lax.all_to_all(sl.send_counts, axis_name, 0, 0, tiled=True)
-    recv_counts = recv_counts.reshape(p, num_experts // p)
+        recv_counts = jax.lax.all_to_all(sl.send_counts, statics.axis_name, 0, 0, tiled=True)
+    recv_counts = recv_counts.reshape(p, e // p)
     return DensePlan(
         send_slot=send_slot, slot_row=slot_row.reshape(t, k), send_counts=sl.send_counts,
         recv_counts=recv_counts,
         group_sizes=jnp.minimum(recv_counts, c).sum(axis=0).astype(jnp.int32),
         dropped=jnp.maximum(sl.send_counts - c, 0).sum().astype(jnp.int32),
-        num_experts=num_experts, axis_name=axis_name, axis_size=axis_size, x_dtype=x_dtype,
-        block_size=block_size, wire_kernels=wire_kernels, capacity=capacity)
+        **statics._asdict(), capacity=capacity)
 
 
-def ragged_plan(
-    expert_ids: jax.Array,
-    *,
-    num_experts: int,
-    axis_name: AxisName,
-    axis_size: int,
-    ragged_impl: Literal["native", "emulated"],
-    x_dtype: str,
-    block_size: int,
-    wire_kernels: str = "xla",
-) -> RaggedPlan:
+def ragged_plan(expert_ids: jax.Array, statics: PlanStatics, *,
+                exchange_implementation: Literal["native", "emulated"]) -> RaggedPlan:
     """The :class:`moe.dispatch.plan.RaggedPlan` of ``expert_ids [T, k]``: every slot, sorted.
 
     The send buffer is the sorted slots; the offsets of each (source, expert) slice on both
@@ -221,45 +235,34 @@ def ragged_plan(
 
     Args:
       expert_ids: int ``[T, k]`` global expert ids in ``[0, num_experts)``.
-      num_experts, axis_name, axis_size, ragged_impl, x_dtype, block_size, wire_kernels: see
-        :class:`moe.dispatch.plan.RaggedPlan` (already validated by ``dispatch``).
+      statics: the plan's static fields (already validated by ``dispatch``).
+      exchange_implementation: ``'native'`` or ``'emulated'`` ``ragged_all_to_all``.
 
     Returns:
       The plan.
 
     Example:
-      >>> # inside shard_map: ragged_plan(ids, num_experts=8, axis_name='expert', ...)
+      >>> # inside shard_map: ragged_plan(ids, statics, exchange_implementation='native')
     """
     t, k = expert_ids.shape
-    s, p = t * k, axis_size
-    sl = count_slots(expert_ids, num_experts)
-    g = gather_counts(sl.send_counts, axis_name, p)
-    src_starts = _exclusive_cumsum(g.counts, 1).reshape(p, p, num_experts // p)
+    s, p, e = t * k, statics.axis_size, statics.num_experts
+    sl = count_slots(expert_ids, e)
+    g = gather_counts(sl.send_counts, statics.axis_name, p)
+    src_starts = _exclusive_cumsum(g.counts, 1).reshape(p, p, e // p)
     return RaggedPlan(
         send_slot=sl.order,
         slot_row=_slot_rows(sl.order, jnp.arange(s, dtype=jnp.int32)).reshape(t, k),
         send_counts=sl.send_counts, recv_counts=g.recv_counts,
         group_sizes=g.group_sizes.astype(jnp.int32),
         send_offsets=sl.starts,
-        remote_offsets=jnp.take(g.at_owner, g.me, axis=0).reshape(num_experts),
-        recv_offsets=g.recv_offsets.reshape(num_experts),
-        return_offsets=jnp.take(src_starts, g.me, axis=1).reshape(num_experts),
-        num_experts=num_experts, axis_name=axis_name, axis_size=axis_size, x_dtype=x_dtype,
-        block_size=block_size, wire_kernels=wire_kernels, ragged_impl=ragged_impl)
+        remote_offsets=jnp.take(g.at_owner, g.me, axis=0).reshape(e),
+        recv_offsets=g.recv_offsets.reshape(e),
+        return_offsets=jnp.take(src_starts, g.me, axis=1).reshape(e),
+        **statics._asdict(), exchange_implementation=exchange_implementation)
 
 
-def dropless_plan(
-    expert_ids: jax.Array,
-    *,
-    num_experts: int,
-    axis_name: AxisName,
-    axis_size: int,
-    buckets: tuple[int, ...],
-    x_dtype: str,
-    block_size: int,
-    wire_kernels: str = "xla",
-    alignment: int = 1,
-) -> DroplessPlan:
+def dropless_plan(expert_ids: jax.Array, statics: PlanStatics, *, buckets: tuple[int, ...],
+                  alignment: int = 1) -> DroplessPlan:
     """The :class:`moe.dispatch.plan.DroplessPlan` of ``expert_ids [T, k]``: every slot, in pairs.
 
     Also picks the exchange bucket: the smallest of ``buckets`` that holds the fullest
@@ -268,21 +271,23 @@ def dropless_plan(
 
     Args:
       expert_ids: int ``[T, k]`` global expert ids in ``[0, num_experts)``.
-      num_experts, axis_name, axis_size, buckets, x_dtype, block_size, wire_kernels,
-        alignment: see :class:`moe.dispatch.plan.DroplessPlan` (already validated by ``dispatch``).
+      statics: the plan's static fields (already validated by ``dispatch``).
+      buckets, alignment: see :class:`moe.dispatch.plan.DroplessPlan` (one device: ``(W,)``,
+        whatever is passed).
 
     Returns:
       The plan.
 
     Example:
-      >>> # inside shard_map: dropless_plan(ids, num_experts=8, axis_name='expert', ...)
+      >>> # inside shard_map: dropless_plan(ids, statics, buckets=(64, 96, 128))
     """
     t, k = expert_ids.shape
-    p = axis_size
-    sl = count_slots(expert_ids, num_experts)
-    g = gather_counts(sl.send_counts, axis_name, p)
-    rows = _pair_rows(sl, g, p=p, e_local=num_experts // p,
-                      w=t * min(k, num_experts // p), buckets=buckets)
+    p, e = statics.axis_size, statics.num_experts
+    w = t * min(k, e // p)
+    buckets = (w,) if p == 1 else tuple(buckets)  # one device: nothing is sent, one bucket
+    sl = count_slots(expert_ids, e)
+    g = gather_counts(sl.send_counts, statics.axis_name, p)
+    rows = _pair_rows(sl, g, p=p, e_local=e // p, w=w, buckets=buckets)
     if alignment > 1:
         rows = _aligned(rows, g.group_sizes, p=p, alignment=alignment)
     return DroplessPlan(
@@ -290,9 +295,30 @@ def dropless_plan(
         send_counts=sl.send_counts, recv_counts=g.recv_counts,
         group_sizes=g.group_sizes.astype(jnp.int32),
         layout_row=rows.layout_row, pair_row=rows.pair_row, bucket=rows.bucket,
-        num_experts=num_experts, axis_name=axis_name, axis_size=axis_size, x_dtype=x_dtype,
-        block_size=block_size, wire_kernels=wire_kernels, buckets=tuple(buckets),
-        alignment=alignment)
+        **statics._asdict(), buckets=tuple(buckets), alignment=alignment)
+
+
+def build_plan(expert_ids: jax.Array, statics: PlanStatics, *, transport: PlanTransport,
+               capacity: int | None = None, buckets: tuple[int, ...] = (),
+               alignment: int = 1,
+               exchange_implementation: Literal["native", "emulated"] = "emulated",
+               ) -> DispatchPlan:
+    """The plan of ``transport`` (decided: never ``'auto'``) for ``expert_ids [T, k]``, its
+    sizes given: ``capacity`` for ``'dense'``, ``buckets`` and ``alignment`` for
+    ``'dropless'``, ``exchange_implementation`` for ``'ragged'``.
+
+    Example:
+      >>> # inside shard_map: build_plan(ids, statics, transport='dense', capacity=16)
+    """
+    builders = {
+        "dense": lambda: dense_plan(expert_ids, statics, capacity=capacity),
+        "ragged": lambda: ragged_plan(expert_ids, statics,
+                                      exchange_implementation=exchange_implementation),
+        "dropless": lambda: dropless_plan(expert_ids, statics, buckets=buckets,
+                                          alignment=alignment),
+    }
+    with jax.named_scope("dispatch_plan"):
+        return builders[transport]()
 
 
 def _pair_rows(sl: CountedSlots, g: GatheredCounts, *, p, e_local, w, buckets) -> PairRows:
@@ -409,3 +435,156 @@ def _aligned(rows: PairRows, group_sizes: jax.Array, *, p: int, alignment: int) 
                              slot_row=moved(rows.slot_row))
     return rows._replace(layout_row=moved(rows.layout_row),
                          pair_row=pulled(rows.pair_row, n))
+
+
+class LocalSplit(NamedTuple):
+    """What :func:`split_local` returns.
+
+    Attributes:
+      local_ids: int ``[T, k]``: the slots this device's own experts take, as local expert
+        ids ``[0, E_local)``; ``E_local`` (no expert) for every other slot.
+      remote_ids: int ``[T, k]``: the other slots' global ids; ``num_experts`` (no expert) for
+        the local ones.
+    """
+
+    local_ids: jax.Array
+    remote_ids: jax.Array
+
+
+def split_local(expert_ids: jax.Array, *, num_experts: int, axis_name) -> LocalSplit:
+    """Split a chunk's slots into those this device's experts take and those sent away.
+
+    Device ``i`` of ``axis_name`` owns global experts ``[i E_local, (i + 1) E_local)``. Its
+    own slots need no exchange: a dispatch over no mesh axis (``axis_name=()``) hands them
+    to the local experts while the exchange of the others is in flight (``DispatchOptions
+    .local_first``); the layer's output, a sum over slots, is the sum of the two passes.
+
+    Args:
+      expert_ids: int ``[T, k]`` global ids in ``[0, num_experts]`` (``num_experts``: no
+        expert).
+      num_experts: ``E``, a multiple of the axis size.
+      axis_name: the expert axis (bound: call inside ``jax.shard_map``).
+
+    Returns:
+      A :class:`LocalSplit`.
+
+    Example:
+      >>> # inside jax.shard_map over 'expert' (2 devices, 4 experts), on device 1:
+      >>> # split_local(jnp.array([[0, 3], [2, 4]]), num_experts=4, axis_name='expert')
+      >>> # -> local_ids [[2, 1], [0, 2]], remote_ids [[0, 4], [4, 4]]
+    """
+    e_local = num_experts // jax.lax.axis_size(axis_name)
+    me = jax.lax.axis_index(axis_name).astype(expert_ids.dtype)
+    mine = jax.lax.div(expert_ids, jnp.asarray(e_local, expert_ids.dtype)) == me  # none: P
+    return LocalSplit(jnp.where(mine, expert_ids - me * e_local, e_local),
+                      jnp.where(mine, num_experts, expert_ids))
+
+
+class LocalPass(NamedTuple):
+    """The first chunk's slots for this device's own experts (``DispatchOptions.local_first``).
+
+    Attributes:
+      expert_ids: int ``[T, k]`` local expert ids, ``E_local`` for no expert
+        (:func:`split_local`).
+      columns: int ``[T, E_local]``: the columns of the ``k`` that the plan carries when
+        ``k > E_local`` (a token's distinct experts include at most ``E_local`` of this
+        device's: its local slots first, ascending); None: all ``k``.
+      plan: their plan, over no mesh axis.
+    """
+
+    expert_ids: jax.Array
+    columns: jax.Array | None
+    plan: DispatchPlan
+
+
+class ChunkPlans(NamedTuple):
+    """The plans of the pipelined layer's chunks (:func:`chunk_plans`).
+
+    Attributes:
+      plans: each chunk's dispatch plan.
+      expert_ids: each chunk's slots, int ``[T_c, k]``, as its exchange carries them (the
+        others, ``num_experts``, go nowhere).
+      local: the first chunk's own-expert pass, or None.
+      overflow_ids: the pipelined dropless layer's slots past the first bucket, int ``[T,
+        k]`` for every chunk, or None (no such split).
+      overflows: bool ``[]``: this device has such a slot (a local flag: reduce it over the
+        expert axis before branching on it), or None.
+    """
+
+    plans: tuple[DispatchPlan, ...]
+    expert_ids: tuple[jax.Array, ...]
+    local: LocalPass | None
+    overflow_ids: jax.Array | None
+    overflows: jax.Array | None
+
+
+def chunk_plans(expert_ids: jax.Array, options: ResolvedOptions, sizes: ExchangeSizes, *,
+                x_dtype) -> ChunkPlans:
+    """The plans of the layer's ``options.dispatch.overlap_chunks`` chunks of ``expert_ids``.
+
+    Chunk ``c`` takes rows ``[c T_c, (c + 1) T_c)``. With ``local_first`` (and more than one
+    device on the expert axis) the first chunk's own-expert slots go to a pass over no axis
+    (:func:`split_local`), planned with the exchange's capacity ``C`` per (source, expert) of
+    all ``num_slots`` experts, so it keeps exactly the slots the exchange would have kept.
+    Pipelined dropless (several chunks, several buckets): the chunks carry each pair's first
+    bucket (:func:`split_first_bucket`; no ``lax.switch`` between them) and the rest is the
+    overflow. Every chunk's plan comes from one batched pass (one sort, one count exchange):
+    the plans depend on the routing alone, and per chunk their small, latency-bound kernels
+    would be paid once more per chunk.
+
+    Args:
+      expert_ids: int ``[T, k]`` this device's slots (``num_slots``: masked, no expert).
+      options: the layer's resolved options.
+      sizes: a chunk's exchange sizes (`moe.dispatch.plan.exchange_sizes` of its tokens).
+      x_dtype: the tokens' dtype.
+
+    Returns:
+      The :class:`ChunkPlans`.
+
+    Example:
+      >>> # inside jax.shard_map over the mesh, as moe.layer plans its chunks:
+      >>> # plans = chunk_plans(ids, options, exchange_sizes(...), x_dtype=x.dtype)
+    """
+    chunks, p = options.dispatch.overlap_chunks, options.expert_axis_size
+    axis, slots = options.dispatch.expert_axis, options.num_slots
+    tc, k = expert_ids.shape[0] // chunks, expert_ids.shape[1]
+    capacity, buckets = sizes
+    split = chunks > 1 and len(buckets) > 1
+    local_ids, chunk_ids, over_ids, flags = None, [], [], []
+    for c in range(chunks):
+        ids_c = expert_ids[c * tc:(c + 1) * tc]
+        if c == 0 and options.dispatch.local_first and p > 1:  # one device sends nothing
+            local_ids, ids_c = split_local(ids_c, num_experts=slots, axis_name=axis)
+        if split:
+            s = split_first_bucket(ids_c, num_experts=slots, axis_size=p,
+                                   first_bucket=buckets[0])
+            ids_c = s.first_ids
+            over_ids.append(s.overflow_ids)
+            flags.append(s.overflows.astype(jnp.int32))
+        chunk_ids.append(ids_c)
+
+    def plan(ids, statics, buckets):
+        return build_plan(ids, statics, transport=options.dispatch.transport,
+                          capacity=capacity, buckets=buckets,
+                          alignment=options.group_alignment or 1,
+                          exchange_implementation=options.dispatch.exchange_implementation)
+
+    statics = layer_statics(options, x_dtype)
+    first = buckets[:1] if split else buckets
+    if chunks == 1:
+        plans = (plan(chunk_ids[0], statics, first),)
+    else:
+        batched = jax.vmap(lambda ids: plan(ids, statics, first))(jnp.stack(chunk_ids))
+        plans = tuple(jax.tree.map(lambda a, c=c: a[c], batched) for c in range(chunks))
+    local = None
+    if local_ids is not None:
+        ids, columns = local_ids, None
+        if k > slots // p:
+            columns = jnp.argsort(local_ids, axis=1, stable=True)[:, :slots // p]
+            ids = jnp.take_along_axis(local_ids, columns, axis=1)
+        local = LocalPass(local_ids, columns, plan(ids, statics._replace(
+            num_experts=slots // p, axis_name=(), axis_size=1), ()))
+    if not split:
+        return ChunkPlans(plans, tuple(chunk_ids), local, None, None)
+    return ChunkPlans(plans, tuple(chunk_ids), local, jnp.concatenate(over_ids, axis=0),
+                      sum(flags[1:], flags[0]))

@@ -5,12 +5,17 @@ gated activation of `moe.activations`, optionally with biases) on the expert inp
 `moe.dispatch` produces, in one of two layouts:
 
 - ragged ``x [R, d_model]`` with ``group_sizes [E]`` (rows grouped by expert, rows past
-  ``sum(group_sizes)`` are padding): backends 'mosaic' (Pallas Mosaic GPU wgmma kernels for
-  Hopper, `accel_kernels.gmm.mosaic`), 'triton' (Pallas Triton kernels,
-  `accel_kernels.gmm.triton`) and 'xla' (`jax.lax.ragged_dot_general`);
-- padded ``x [E, C, d_model]`` (rows ``c >= group_sizes[e]`` are padding): backend 'xla',
-  batched einsums that XLA turns into one large batched GEMM, or 'mosaic', the ragged kernels
-  on the slots as rows (``C`` rounded up to 128 per expert, padding slots zeroed).
+  ``sum(group_sizes)`` are padding): ``gemm_implementation`` 'mosaic' (Pallas Mosaic GPU
+  wgmma kernels for Hopper, `accel_kernels.gmm.mosaic`), 'triton' (Pallas Triton kernels,
+  `accel_kernels.gmm.triton`) or 'xla' (`jax.lax.ragged_dot_general`);
+- padded ``x [E, C, d_model]`` (rows ``c >= group_sizes[e]`` are padding): 'xla', batched
+  einsums that XLA turns into one large batched GEMM, or 'mosaic', the ragged kernels on the
+  slots as rows (``C`` rounded up to 128 per expert, padding slots zeroed).
+
+Three entries: :func:`gated_experts` (flat keywords), :func:`experts_apply` (an
+:class:`moe.ExpertOptions`; both check their arguments and decide the implementation for the
+layout) and :func:`run_experts`, which they and the MoE layer's chunks call with options
+already resolved.
 
 FP8 GEMMs consume ``float8_e4m3fn`` operands on the tensor cores (no dequantized copy): each
 operand is quantized along its contraction axis with one power-of-two (E8M0) scale per row
@@ -31,7 +36,7 @@ nothing and recompute) and the precision of each GEMM (``gemm_dtype``, ``dgrad_d
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,22 +46,36 @@ from accel_kernels.activations import GatedActivation
 from accel_kernels.gmm import api as gmm_api
 from accel_kernels.gmm.api import auto_implementation
 from moe.dispatch import DispatchPlan, WireRows, collectives, movement
-from moe.dispatch import combine as _combine
 from moe.experts import fp8_gemm, fused_combine
 from moe.experts.vjp import Call
 from moe.experts.vjp import experts as _experts
 from moe.experts.vjp import experts_chained as _experts_chained
 from moe.options import (
-    Backend,
     ExpertOptions,
     GemmDtype,
+    GemmImplementation,
     SaveZ,
     WireDtype,
     check_group_alignment,
+    renamed_keywords,
 )
 
-__all__ = ["CombineArgs", "WireRows", "auto_implementation",
-           "experts_apply", "gated_experts"]
+__all__ = ["Banks", "CombineArgs", "WireRows", "auto_implementation", "experts_apply",
+           "gated_experts", "run_experts", "shared_experts"]
+
+
+class Banks(NamedTuple):
+    """One device's expert weights.
+
+    Attributes:
+      w_gate_up: ``[E_local, d, 2 f]``.
+      w_down: ``[E_local, f, d]``.
+      bias: ``(b_gate_up [E_local, 2 f], b_down [E_local, d])`` or None.
+    """
+
+    w_gate_up: jax.Array
+    w_down: jax.Array
+    bias: tuple[jax.Array, jax.Array] | None = None
 
 
 class CombineArgs(NamedTuple):
@@ -120,11 +139,6 @@ def _check_shapes(x, group_sizes, w_gate_up, w_down) -> None:
         )
 
 
-def _check_fp8_dims(opts: Call, d_model: int, d_ff: int) -> None:
-    if opts.experts.save_z == "fp8":
-        fp8.check_width(2 * d_ff, opts.fp8_block_size, what="2*d_ff (for save_z='fp8')")
-
-
 @jax.custom_vjp
 def _permute_rows(x: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
     """``x[index]`` (out-of-range: zero rows) with the cotangent gathered back by ``inverse``."""
@@ -156,31 +170,32 @@ def _wire_rows(x_wire: WireRows, index=None) -> tuple[jax.Array, jax.Array]:
     return fp8_gemm.rows_from_wire(rows, width, block_size, index)
 
 
-def _call(opts: Call, x, gs, w_gate_up, w_down, b_gate_up, x_q=None, *, chain: bool):
+def _call(call: Call, x, gs, w_gate_up, w_down, b_gate_up, x_q=None, *, chain: bool):
     """``(y, (w_gate_up, w_down))``: the experts' custom VJP, with the weights passed through
     it when ``chain`` (`moe.experts.vjp.experts_chained`), else as they came."""
     if chain:
-        y, w_gate_up, w_down = _experts_chained(opts, x, gs, w_gate_up, w_down, b_gate_up, x_q)
+        y, w_gate_up, w_down = _experts_chained(call, x, gs, w_gate_up, w_down, b_gate_up, x_q)
         return y, (w_gate_up, w_down)
-    return _experts(opts, x, gs, w_gate_up, w_down, b_gate_up, x_q), (w_gate_up, w_down)
+    return _experts(call, x, gs, w_gate_up, w_down, b_gate_up, x_q), (w_gate_up, w_down)
 
 
-def _aligned_call(opts: Call, x, gs, w_gate_up, w_down, b_gate_up, alignment: int,
+def _aligned_call(call: Call, x, gs, w_gate_up, w_down, b_gate_up, alignment: int,
                   x_wire=None, *, chain: bool = False):
-    """Runs a backend that needs tile-aligned groups on plain ragged x: rows are gathered into
-    the aligned layout and the outputs gathered back (row gathers both ways). With ``x_wire``
-    the FP8 GEMMs read x's rows gathered from its one-byte wire rows instead. Returns
+    """Runs an implementation whose kernels need tile-aligned groups on plain ragged x: rows
+    are gathered into the aligned layout and the outputs gathered back (row gathers both
+    ways). With ``x_wire`` the FP8 GEMMs read x's rows gathered from its one-byte wire rows
+    instead. Returns
     ``(y, weights)`` (:func:`_call`)."""
     src, dst, padded = gmm_api.align_map(gs, x.shape[0], alignment)
     # No mask: src gathers only real rows (padding rows of the aligned layout are filled with
     # zeros) and the cotangent's gather by dst gives zero to x's padding rows.
     x_al = _permute_rows(x, src, dst)
     x_q = None if x_wire is None else _wire_rows(x_wire, src)
-    y_al, banks = _call(opts, x_al, padded, w_gate_up, w_down, b_gate_up, x_q, chain=chain)
+    y_al, banks = _call(call, x_al, padded, w_gate_up, w_down, b_gate_up, x_q, chain=chain)
     return _permute_rows(y_al, dst, src), banks
 
 
-def _padded_on_rows(opts: Call, x, gs, w_gate_up, w_down, b_gate_up, *, chain: bool = False):
+def _padded_on_rows(call: Call, x, gs, w_gate_up, w_down, b_gate_up, *, chain: bool = False):
     """Padded ``x [E, C, d]`` on the ragged-layout 'mosaic' kernels: the slots as rows, ``C``
     (rounded up to the 128-row tile) rows per expert, the padding slots zeroed going in and
     coming out (so their cotangents are zero too). The kernels skip the row tiles past an
@@ -193,13 +208,13 @@ def _padded_on_rows(opts: Call, x, gs, w_gate_up, w_down, b_gate_up, *, chain: b
         x = jnp.pad(x, ((0, 0), (0, cap_al - cap), (0, 0)))
     full = jnp.full((n_exp,), cap_al, jnp.int32)
     valid, groups = None, full
-    if opts.mask_rows:
+    if call.mask_rows:
         live = jnp.clip(gs, 0, cap).astype(jnp.int32)
         valid = (jnp.arange(cap_al)[None, :] < live[:, None])[..., None]
         x = jnp.where(valid, x, jnp.zeros((), x.dtype))
         groups = gmm_api.RowGroups(full, live)
-    rows_opts = dataclasses.replace(opts, mask_rows=False)
-    y, banks = _call(rows_opts, x.reshape(n_exp * cap_al, d), groups, w_gate_up, w_down,
+    rows = Call(experts=call.experts, fp8_block_size=call.fp8_block_size, mask_rows=False)
+    y, banks = _call(rows, x.reshape(n_exp * cap_al, d), groups, w_gate_up, w_down,
                      b_gate_up, chain=chain)
     y = y.reshape(n_exp, cap_al, d)
     if valid is not None:
@@ -252,13 +267,14 @@ def gated_experts(
     b_down: jax.Array | None = None,
     *,
     activation: GatedActivation | str = "silu",
-    backend: Backend = "auto",
+    gemm_implementation: GemmImplementation = "auto",
     gemm_dtype: GemmDtype = "bf16",
     dgrad_dtype: GemmDtype = "bf16",
     wgrad_dtype: GemmDtype = "bf16",
     save_z: SaveZ = "bf16",
     block_size: int = 128,
     group_alignment: int | None = None,
+    **renamed: Any,
 ) -> jax.Array:
     """Gated (SwiGLU) experts over tokens grouped by local expert, with a hand-written backward.
 
@@ -290,9 +306,10 @@ def gated_experts(
       b_down: optional bias ``[E, d_model]`` added to y.
       activation: a :class:`moe.activations.GatedActivation` or its kind (``'silu'``,
         ``'gelu'``, ``'gelu_tanh'``, ``'clamped_swiglu'`` with GPT-OSS's alpha and limit).
-      backend: ragged x: 'mosaic' (Pallas Mosaic GPU wgmma kernels, Hopper; XLA-emulated on
-        CPU), 'triton' (Pallas Triton kernels, NVIDIA GPUs; interpreted on CPU) or
-        'xla' (`jax.lax.ragged_dot_general`); padded x: 'xla' (batched einsums) or 'mosaic' (the
+      gemm_implementation: the grouped GEMMs (formerly ``backend``): ragged x: 'mosaic'
+        (Pallas Mosaic GPU wgmma kernels, Hopper; XLA-emulated on CPU), 'triton' (Pallas
+        Triton kernels, NVIDIA GPUs; interpreted on CPU) or 'xla'
+        (`jax.lax.ragged_dot_general`); padded x: 'xla' (batched einsums) or 'mosaic' (the
         slots as rows: ``C`` rounded up to 128 per expert). 'auto' picks by layout and
         platform (:func:`auto_implementation`). All work inside ``jax.shard_map``.
       gemm_dtype: precision of the two forward GEMMs, 'bf16' or 'fp8'.
@@ -313,6 +330,8 @@ def gated_experts(
         ``group_alignment``; the MoE layer passes 128 to 'mosaic' experts).
         'mosaic' needs 128-aligned groups and aligns plain ragged x itself (two extra row
         gathers each way).
+      **renamed: ``backend``, the former name of ``gemm_implementation`` (a
+        ``DeprecationWarning``).
 
     Returns:
       y with the shape and dtype of x.
@@ -336,8 +355,10 @@ def gated_experts(
       DeepSeek-AI (2024), "DeepSeek-V3 Technical Report", Sec. 3.3 (FP8 training).
       torchao float8 training, "rowwise" scaling recipe (per-row / per-channel scales).
     """
-    options = ExpertOptions(backend=backend, gemm_dtype=gemm_dtype, dgrad_dtype=dgrad_dtype,
-                            save_z=save_z, wgrad_dtype=wgrad_dtype, activation=activation)
+    kernels = renamed_keywords("gated_experts", renamed,
+                               gemm_implementation=gemm_implementation)
+    options = ExpertOptions(gemm_dtype=gemm_dtype, dgrad_dtype=dgrad_dtype, save_z=save_z,
+                            wgrad_dtype=wgrad_dtype, activation=activation, **kernels)
     return experts_apply(x, group_sizes, w_gate_up, w_down, b_gate_up, b_down,
                          options=options, fp8_block_size=block_size,
                          group_alignment=group_alignment)
@@ -358,13 +379,17 @@ def experts_apply(
     combine: CombineArgs | None = None,
     chain_weights: bool = False,
 ) -> jax.Array | tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """:func:`gated_experts` with its options as one :class:`moe.ExpertOptions` (the layer's
-    ``MoEOptions.experts``; the routed-expert fields are read, the shared-expert ones are the
-    layer's), optionally reading x's FP8 wire rows and combining the outputs.
+    """:func:`gated_experts` with its options as one :class:`moe.ExpertOptions` (the routed-
+    expert fields are read, the shared-expert ones are the layer's), optionally reading x's
+    FP8 wire rows and combining the outputs.
+
+    Checks its arguments, decides ``options.gemm_implementation`` for x's layout
+    (`accel_kernels.gmm.api.resolve`) and runs :func:`run_experts`.
 
     Args:
       x, group_sizes, w_gate_up, w_down, b_gate_up, b_down: as for :func:`gated_experts`.
-      options: backend, precisions, ``save_z`` and activation of the routed experts.
+      options: grouped-GEMM implementation, precisions, ``save_z`` and activation of the
+        routed experts.
       fp8_block_size: channels per FP8 scale (``save_z='fp8'``; the wire rows').
       group_alignment: as for :func:`gated_experts`.
       x_wire: None, or ragged x's FP8 wire rows (`moe.dispatch.dispatch_with_wire`): an FP8
@@ -395,17 +420,59 @@ def experts_apply(
     if not isinstance(options, ExpertOptions):
         raise TypeError(f"options must be a moe.ExpertOptions, got {type(options).__name__}.")
     check_group_alignment(group_alignment)
-    resolved = gmm_api.resolve(options.backend, x.ndim, "backend")
+    resolved = gmm_api.resolve(options.gemm_implementation, x.ndim, "gemm_implementation")
     _check_shapes(x, group_sizes, w_gate_up, w_down)
     _check_biases(b_gate_up, b_down, w_gate_up, w_down)
-    opts = Call(experts=dataclasses.replace(options, backend=resolved),
-                fp8_block_size=fp8_block_size, mask_rows=group_sizes is not None)
-    _check_fp8_dims(opts, w_gate_up.shape[1], w_down.shape[1])
+    if options.save_z == "fp8":
+        fp8.check_width(2 * w_down.shape[1], fp8_block_size, what="2*d_ff (for save_z='fp8')")
     if x_wire is not None and (x.ndim != 2 or options.gemm_dtype != "fp8"):
         raise ValueError("x_wire: FP8 wire rows are read by an FP8 forward GEMM of ragged x.")
     if x_wire is not None and x_wire.width != x.shape[-1]:
         raise ValueError(f"x_wire holds rows of {x_wire.width} channels but x has "
                          f"{x.shape[-1]}; pass the wire rows of x.")
+    bias = None if b_gate_up is None and b_down is None else (b_gate_up, b_down)
+    y, banks = run_experts(
+        x, group_sizes, Banks(w_gate_up, w_down, bias),
+        dataclasses.replace(options, gemm_implementation=resolved), block_size=fp8_block_size,
+        group_alignment=group_alignment, x_wire=x_wire,
+        combine=combine, chain=chain_weights)
+    return (y, (banks.w_gate_up, banks.w_down)) if chain_weights else y
+
+
+def run_experts(x: jax.Array, group_sizes: jax.Array | None, banks: Banks,
+                options: ExpertOptions, *, block_size: int, group_alignment: int | None,
+                x_wire: WireRows | None = None, combine: CombineArgs | None = None,
+                chain: bool = False) -> tuple[jax.Array, Banks]:
+    """The experts of :func:`experts_apply` on arguments already checked, their options
+    resolved: ``options.gemm_implementation`` decided for x's layout (never ``'auto'``;
+    ``'triton'`` on padded x runs its slots as rows). The MoE layer's chunks call it with the
+    layer's resolved options (`moe.options.ResolvedOptions`).
+
+    Returns:
+      ``(y, banks)``: y like x, or with ``combine`` the tokens' outputs; ``banks`` passed
+      through the experts' custom VJP when ``chain`` (their cotangent then comes back into
+      this call's backward), else as they came.
+
+    Example:
+      >>> # inside jax.shard_map, on the layout moe.dispatch produced:
+      >>> # y, banks = run_experts(ex, sizes, Banks(w_gu, w_d), options.experts,
+      >>> #                        block_size=128, group_alignment=None, chain=True)
+    """
+    implementation = options.gemm_implementation
+    if x.ndim == 3 and implementation == "triton":  # kernels of rows: the slots as rows
+        e_local, c, d = x.shape
+        full = jnp.full((e_local,), c, dtype=jnp.int32)
+        ey, banks = run_experts(x.reshape(e_local * c, d), full, banks, options,
+                                block_size=block_size, group_alignment=None, chain=chain)
+        ey = ey.reshape(e_local, c, -1)
+        if combine is None:
+            return ey, banks
+        return movement.combine_tokens(ey, combine.weights, combine.plan,
+                                       combine.grad_dtype), banks
+    aligned = gmm_api.gemms(implementation, x.ndim).aligned  # its kernels take aligned groups
+    call = Call(experts=options, fp8_block_size=block_size, mask_rows=group_sizes is not None)
+    w_gate_up, w_down = banks.w_gate_up, banks.w_down
+    b_gate_up, b_down = banks.bias if banks.bias is not None else (None, None)
     if group_sizes is None:
         group_sizes = jnp.full((x.shape[0],), x.shape[1], jnp.int32)
     group_sizes = real_gs = group_sizes.astype(jnp.int32)
@@ -413,29 +480,62 @@ def experts_apply(
         group_sizes = -(-jnp.maximum(group_sizes, 0) // group_alignment) * group_alignment
     need = gmm_api.GROUP_ALIGNMENT
 
-    def done(y, banks):
-        return (y, banks) if chain_weights else y
+    def done(y, weights):
+        return y, Banks(*weights, banks.bias) if chain else banks
 
-    if x.ndim == 3 and resolved == "mosaic":
-        y, banks = _padded_on_rows(opts, x, real_gs, w_gate_up, w_down, b_gate_up,
-                                   chain=chain_weights)
-    elif gmm_api.gemms(resolved, x.ndim).aligned and (group_alignment or 1) % need:
-        y, banks = _aligned_call(opts, x, group_sizes, w_gate_up, w_down, b_gate_up, need,
-                                 x_wire, chain=chain_weights)
+    if x.ndim == 3 and implementation == "mosaic":
+        y, weights = _padded_on_rows(call, x, real_gs, w_gate_up, w_down, b_gate_up,
+                                     chain=chain)
+    elif aligned and (group_alignment or 1) % need:
+        y, weights = _aligned_call(call, x, group_sizes, w_gate_up, w_down, b_gate_up, need,
+                                   x_wire, chain=chain)
     else:
         x_q = None if x_wire is None else _wire_rows(x_wire)
-        if (combine is not None and b_gate_up is None and b_down is None
-                and fused_combine.applies(opts, combine.plan, combine.grad_dtype)):
+        if (combine is not None and banks.bias is None
+                and fused_combine.applies(call, combine.plan, combine.grad_dtype)):
             weights = movement.vary_like(combine.weights, x, combine.plan)
-            return done(fused_combine.experts_combine(opts, combine.grad_dtype, x, group_sizes,
-                                                         w_gate_up, w_down, x_q, weights,
-                                                         combine.plan), (w_gate_up, w_down))
-        y, banks = _call(opts, x, group_sizes, w_gate_up, w_down, b_gate_up, x_q,
-                         chain=chain_weights)
-    if b_gate_up is not None or b_down is not None:
-        y = _bias_epilogue(y, b_down, real_gs, group_sizes, masked=opts.mask_rows,
+            return fused_combine.experts_combine(call, combine.grad_dtype, x, group_sizes,
+                                                 w_gate_up, w_down, x_q, weights,
+                                                 combine.plan), banks
+        y, weights = _call(call, x, group_sizes, w_gate_up, w_down, b_gate_up, x_q,
+                           chain=chain)
+    if banks.bias is not None:
+        y = _bias_epilogue(y, b_down, real_gs, group_sizes, masked=call.mask_rows,
                            aligned=x.ndim == 2 and group_alignment is not None)
     if combine is None:
-        return done(y, banks)
-    return done(_combine(y, combine.weights, combine.plan,
-                         combine_grad_dtype=combine.grad_dtype), banks)
+        return done(y, weights)
+    return done(movement.combine_tokens(y, combine.weights, combine.plan, combine.grad_dtype),
+                weights)
+
+
+def shared_experts(tokens: jax.Array, gate_up: jax.Array, down: jax.Array,
+                   gate: jax.Array | None, *, activation: GatedActivation) -> jax.Array:
+    """The always-on shared experts: one gated MLP over every token, ``S(x) = act(x Wgu_s)
+    Wd_s``, times ``sigmoid(x w_g)`` with a ``gate``; in ``tokens``' dtype.
+
+    Args:
+      tokens: ``[T, d_model]``.
+      gate_up: ``[d_model, 2 * d_shared]`` (gate columns first).
+      down: ``[d_shared, d_model]``.
+      gate: ``[d_model, 1]`` or None.
+      activation: the gated activation.
+
+    Returns:
+      ``[T, d_model]``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from accel_kernels.activations import GatedActivation
+      >>> shared_experts(jnp.ones((2, 4)), jnp.ones((4, 6)), jnp.ones((3, 4)), None,
+      ...                activation=GatedActivation.of("silu")).shape
+      (2, 4)
+    """
+    dtype = tokens.dtype
+    with jax.named_scope("moe_shared_experts"):
+        zs = jnp.einsum("td,df->tf", tokens, gate_up.astype(dtype))
+        h = activation.apply(zs).astype(dtype)
+        y = jnp.einsum("tf,fd->td", h, down.astype(dtype))
+        if gate is not None:
+            g = jnp.einsum("td,do->to", tokens, gate.astype(dtype))
+            y = (jax.nn.sigmoid(g.astype(jnp.float32)) * y).astype(dtype)
+        return y

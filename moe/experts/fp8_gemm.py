@@ -5,7 +5,7 @@ GEMM quantizes each operand along its contraction axis with one power-of-two sca
 (tokens) or per output channel (weights), runs on the e4m3 payloads with f32 accumulation, and
 multiplies its result by the exact scales (torchao's float8 "rowwise" recipe). The quantization
 passes are `accel_kernels.quant.api`'s (one-pass kernels on NVIDIA GPUs, the same bytes from XLA
-elsewhere); the GEMMs are a `accel_kernels.gmm.api` backend's.
+elsewhere); the GEMMs are an `accel_kernels.gmm.api` implementation's.
 
 The weight gradient ``dW = a^T g`` contracts the token rows, along which the row-wise scales
 vary. It reuses the row-quantized payloads that the forward and data-gradient GEMMs already
@@ -167,7 +167,7 @@ def wgrad(ops: gmm_api.GroupedGemms, precision: str, a, g, gs, out_dtype,
     """``a_e^T @ g_e`` per group (the weight gradient ``[E, K, N]``), bf16 or FP8 (``a`` and
     ``g`` may be row-quantized pairs; their transposed payloads with the row scales folded in,
     :func:`wgrad_operands`), plus ``acc`` (``[E, K, N]`` in ``out_dtype``) if given: added by
-    the kernel where the backend's does (``GroupedGemms.accumulates``), else after it."""
+    the kernel where the implementation's does (``GroupedGemms.accumulates``), else after it."""
     kw = {"acc": acc} if acc is not None and ops.accumulates else {}
     if precision == "fp8":
         a_t, g_t, s_a, s_g = wgrad_operands(a, g)

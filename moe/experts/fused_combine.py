@@ -25,29 +25,29 @@ from moe.options import WireDtype
 __all__ = ["applies", "experts_combine"]
 
 
-def applies(opts: experts_vjp.Call, plan: DispatchPlan, grad_wire: WireDtype) -> bool:
+def applies(call: experts_vjp.Call, plan: DispatchPlan, grad_wire: WireDtype) -> bool:
     """Whether :func:`experts_combine` can run this call: one device on the expert axis (the
     layout's rows are the send buffer's, ragged), FP8 data- and weight-gradient GEMMs, and
     combine's gradient on a float wire (an FP8 wire rounds it per block first)."""
     return (plan.axis_size == 1 and isinstance(plan, RaggedLayoutPlan)
-            and opts.experts.dgrad_dtype == opts.experts.wgrad_dtype == "fp8"
+            and call.experts.dgrad_dtype == call.experts.wgrad_dtype == "fp8"
             and grad_wire != "fp8")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def experts_combine(opts: experts_vjp.Call, grad_wire: WireDtype, x, gs, w_gate_up, w_down,
+def experts_combine(call: experts_vjp.Call, grad_wire: WireDtype, x, gs, w_gate_up, w_down,
                     x_q, weights, plan: DispatchPlan):
     """``combine(experts(x), weights, plan)`` (no biases): the tokens' outputs ``[T, d]``."""
-    return _fwd(opts, grad_wire, x, gs, w_gate_up, w_down, x_q, weights, plan)[0]
+    return _fwd(call, grad_wire, x, gs, w_gate_up, w_down, x_q, weights, plan)[0]
 
 
-def _fwd(opts, grad_wire, x, gs, w_gate_up, w_down, x_q, weights, plan):
-    ey, res_e = experts_vjp.forward(opts, x, gs, w_gate_up, w_down, None, x_q)
+def _fwd(call, grad_wire, x, gs, w_gate_up, w_down, x_q, weights, plan):
+    ey, res_e = experts_vjp.forward(call, x, gs, w_gate_up, w_down, None, x_q)
     y, res_c = movement.combine_rows_forward(ey, weights, plan, grad_wire)
     return y, (res_e, res_c)
 
 
-def _bwd(opts, grad_wire, res, g):
+def _bwd(call, grad_wire, res, g):
     res_e, res_c = res
     weights, plan = res_c.weights, res_c.plan
     d_weights = movement.combine_weights_grad(res_c, g)
@@ -55,7 +55,7 @@ def _bwd(opts, grad_wire, res, g):
         dy_q = fp8_gemm.rows_from_weighted(
             g, weights.reshape(-1), plan.send_slot, top_k=plan.top_k,
             wire_dtype=movement.grad_wire_dtype(grad_wire, res_c))
-    dx, _, dw_gate_up, dw_down, _, _ = experts_vjp.backward(opts, res_e, None,
+    dx, _, dw_gate_up, dw_down, _, _ = experts_vjp.backward(call, res_e, None,
                                                              res_c.rows.dtype, dy_q)
     return dx, None, dw_gate_up, dw_down, None, d_weights, None
 

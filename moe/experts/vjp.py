@@ -1,11 +1,11 @@
 """The gated experts' custom VJP: forward and hand-written backward on one layout.
 
 :func:`experts` runs ``y = act(x @ W_gu) @ W_d`` per group of rows (ragged ``[R, d]`` with
-group sizes, or padded ``[E, C, d]``) on one backend of `accel_kernels.gmm.api`, each of its six
-GEMMs at the precision its :class:`Call`'s options ask for (`moe.experts.fp8_gemm`), and keeps for
-the backward what ``save_z`` says. `moe.experts.experts_apply` validates the arguments, picks
-the backend and brings other layouts (plain ragged rows for the aligned kernels, padded slots
-as rows) to this one.
+group sizes, or padded ``[E, C, d]``) on one implementation of `accel_kernels.gmm.api`, each
+of its six GEMMs at the precision its :class:`Call`'s options ask for (`moe.experts.fp8_gemm`),
+and keeps for the backward what ``save_z`` says. `moe.experts.run_experts` brings other
+layouts (plain ragged rows for the aligned kernels, padded slots as rows) to this one; the
+options reach it resolved, as the caller passed them.
 """
 
 from __future__ import annotations
@@ -28,38 +28,38 @@ __all__ = ["Call", "backward", "experts", "experts_chained", "forward"]
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Call:
     """The static options of one experts call (hashable: the custom_vjp's nondiff arg): the
-    caller's :class:`moe.ExpertOptions`, and what the layout adds to them."""
+    caller's resolved :class:`moe.ExpertOptions`, as it is, and what the layout adds to it."""
 
-    experts: ExpertOptions  # its backend resolved (never 'auto')
+    experts: ExpertOptions  # gemm_implementation resolved (never 'auto')
     fp8_block_size: int  # channels per scale of save_z='fp8'
     mask_rows: bool  # False only for padded x without group_sizes (every row is real)
 
 
-def _gemms(opts: Call, a) -> gmm_api.GroupedGemms:
-    """The GEMMs of the resolved backend for the token operand ``a`` (an array, or an FP8
+def _gemms(call: Call, a) -> gmm_api.GroupedGemms:
+    """The GEMMs of the resolved implementation for the token operand ``a`` (an array, or an FP8
     pair whose first leaf is the payload in the token layout)."""
-    return gmm_api.gemms(opts.experts.backend, jax.tree.leaves(a)[0].ndim)
+    return gmm_api.gemms(call.experts.gemm_implementation, jax.tree.leaves(a)[0].ndim)
 
 
-def _matmul(opts: Call, precision: str, a, w, gs, out_dtype):
-    return fp8_gemm.forward(_gemms(opts, a), precision, a, w, gs, out_dtype)
+def _matmul(call: Call, precision: str, a, w, gs, out_dtype):
+    return fp8_gemm.forward(_gemms(call, a), precision, a, w, gs, out_dtype)
 
 
-def _matmul_t(opts: Call, a, w, gs, out_dtype, *, trim: bool = True):
-    return fp8_gemm.dgrad(_gemms(opts, a), opts.experts.dgrad_dtype, a, w, gs, out_dtype,
+def _matmul_t(call: Call, a, w, gs, out_dtype, *, trim: bool = True):
+    return fp8_gemm.dgrad(_gemms(call, a), call.experts.dgrad_dtype, a, w, gs, out_dtype,
                            trim=trim)
 
 
-def _wgrad(opts: Call, a, g, gs, out_dtype, acc=None):
-    return fp8_gemm.wgrad(_gemms(opts, a), opts.experts.wgrad_dtype, a, g, gs, out_dtype, acc)
+def _wgrad(call: Call, a, g, gs, out_dtype, acc=None):
+    return fp8_gemm.wgrad(_gemms(call, a), call.experts.wgrad_dtype, a, g, gs, out_dtype, acc)
 
 
-def _gate_up(opts: Call, x, gs: jax.Array, w_gate_up: jax.Array,
+def _gate_up(call: Call, x, gs: jax.Array, w_gate_up: jax.Array,
              b_gate_up: jax.Array | None, dtype) -> jax.Array:
     """z = x @ W_gate_up (+ b_gate_up) per expert, rounded to the compute dtype (the
     saved/recomputed z); ``x`` may be its row-quantized pair for an FP8 GEMM."""
     with jax.named_scope("experts_gate_up"):
-        z = _matmul(opts, opts.experts.gemm_dtype, x, w_gate_up, gs, dtype)
+        z = _matmul(call, call.experts.gemm_dtype, x, w_gate_up, gs, dtype)
     if b_gate_up is None:
         return z
     return (z.astype(jnp.float32) + _bias_rows(b_gate_up, gs, z.shape)).astype(z.dtype)
@@ -85,14 +85,14 @@ def _bias_grad(dz: jax.Array, gs: jax.Array, out_dtype) -> jax.Array:
     return jax.ops.segment_sum(dz, rows, num_segments=gs.shape[0]).astype(out_dtype)
 
 
-def _mask_rows(opts: Call, a: jax.Array, gs: jax.Array) -> jax.Array:
+def _mask_rows(call: Call, a: jax.Array, gs: jax.Array) -> jax.Array:
     """Zero the padding rows of a token operand (ragged: index >= sum(gs); padded: c >= gs[e]).
 
     The Mosaic kernels neither read those rows nor write anything but zeros for them (whole
-    padding tiles), so on CUDA the 'mosaic' backend skips the copy; its XLA emulation
+    padding tiles), so on CUDA the 'mosaic' implementation skips the copy; its XLA emulation
     (``ragged_dot``, elsewhere) masks.
     """
-    if not opts.mask_rows:
+    if not call.mask_rows:
         return a
 
     def mask(a, gs):
@@ -102,98 +102,98 @@ def _mask_rows(opts: Call, a: jax.Array, gs: jax.Array) -> jax.Array:
             valid = (jnp.arange(a.shape[1])[None, :] < gs[:, None])[..., None]
         return jnp.where(valid, a, jnp.zeros((), a.dtype))
 
-    if opts.experts.backend == "mosaic":
+    if call.experts.gemm_implementation == "mosaic":
         return jax.lax.platform_dependent(a, gs, cuda=lambda a, gs: a, default=mask)
     return mask(a, gs)
 
 
-def _forward(opts: Call, x, gs, w_gate_up, w_down, b_gate_up, x_q, w_q=None):
+def _forward(call: Call, x, gs, w_gate_up, w_down, b_gate_up, x_q, w_q=None):
     """Returns (y, z, x_in, h): x_in and h as the two GEMMs took them (the masked x, and
     ``act(z)``; their row-quantized pairs for FP8 GEMMs: ``x_q`` if given, which must equal
     ``rows(masked x)``). ``w_q``: the weights' forward FP8 copies if made elsewhere
     (`moe.experts.fp8_gemm.weights`). Padding rows of x are zeroed, so they give y = 0 on every
-    backend (without ``b_gate_up``; ``gated_experts`` zeroes them when there are biases)."""
-    x = _mask_rows(opts, x, gs)
-    if opts.experts.gemm_dtype != "fp8":
+    implementation (without ``b_gate_up``; ``gated_experts`` zeroes them when there are biases)."""
+    x = _mask_rows(call, x, gs)
+    if call.experts.gemm_dtype != "fp8":
         x_in = x
     else:
         x_in = fp8_gemm.rows(x) if x_q is None else x_q
     w_gu, w_d = (w_gate_up, w_down) if w_q is None else w_q
-    z = _gate_up(opts, x_in, gs, w_gu, b_gate_up, x.dtype)
-    if opts.experts.gemm_dtype == "fp8":  # h quantized as it is computed (one read of z)
-        h = quant_api.gated_rows(z, opts.experts.activation)
+    z = _gate_up(call, x_in, gs, w_gu, b_gate_up, x.dtype)
+    if call.experts.gemm_dtype == "fp8":  # h quantized as it is computed (one read of z)
+        h = quant_api.gated_rows(z, call.experts.activation)
     else:
-        h = opts.experts.activation.apply(z).astype(x.dtype)
+        h = call.experts.activation.apply(z).astype(x.dtype)
     with jax.named_scope("experts_down"):
-        y = _matmul(opts, opts.experts.gemm_dtype, h, w_d, gs, x.dtype)
+        y = _matmul(call, call.experts.gemm_dtype, h, w_d, gs, x.dtype)
     return y, z, x_in, h
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def experts(opts: Call, x, gs, w_gate_up, w_down, b_gate_up, x_q=None) -> jax.Array:
+def experts(call: Call, x, gs, w_gate_up, w_down, b_gate_up, x_q=None) -> jax.Array:
     """``x_q``: x's row-quantized pair made elsewhere (from the FP8 wire), or None; it takes
     no gradient (x does). When only FP8 GEMMs read x, XLA drops the computation of x."""
-    return _forward(opts, x, gs, w_gate_up, w_down, b_gate_up, x_q)[0]
+    return _forward(call, x, gs, w_gate_up, w_down, b_gate_up, x_q)[0]
 
 
-def forward(opts: Call, x, gs, w_gate_up, w_down, b_gate_up, x_q=None):
+def forward(call: Call, x, gs, w_gate_up, w_down, b_gate_up, x_q=None):
     """``(y, residuals)``: ``experts``' forward and what :func:`backward` reads."""
-    return _experts_fwd(opts, x, gs, w_gate_up, w_down, b_gate_up, x_q)
+    return _experts_fwd(call, x, gs, w_gate_up, w_down, b_gate_up, x_q)
 
 
-def _experts_fwd(opts: Call, x, gs, w_gate_up, w_down, b_gate_up, x_q=None):
+def _experts_fwd(call: Call, x, gs, w_gate_up, w_down, b_gate_up, x_q=None):
     # FP8 forward and data-gradient GEMMs: both FP8 copies of each weight from two passes
     # over it, the data gradient's kept for the backward (one byte per weight, which a
     # memory-saving save_z='recompute' does not spend: its backward quantizes again).
     w_q = w_dgrad = None
-    eo = opts.experts
-    if eo.gemm_dtype == eo.dgrad_dtype == "fp8" and eo.save_z != "recompute":
+    experts = call.experts
+    if experts.gemm_dtype == experts.dgrad_dtype == "fp8" and experts.save_z != "recompute":
         (gu_f, gu_d), (d_f, d_d) = fp8_gemm.weights(w_gate_up), fp8_gemm.weights(w_down)
         w_q, w_dgrad = (gu_f, d_f), (gu_d, d_d)
-    y, z, x_in, h = _forward(opts, x, gs, w_gate_up, w_down, b_gate_up, x_q, w_q)
-    if opts.experts.save_z == "recompute":
+    y, z, x_in, h = _forward(call, x, gs, w_gate_up, w_down, b_gate_up, x_q, w_q)
+    if call.experts.save_z == "recompute":
         z_saved = None
-    elif opts.experts.save_z == "fp8":
-        z_saved = fp8.quantize(z, block_size=opts.fp8_block_size)
+    elif call.experts.save_z == "fp8":
+        z_saved = fp8.quantize(z, block_size=call.fp8_block_size)
     else:
         z_saved = z
     # With FP8 forward and weight-gradient GEMMs the backward reads x and h only as the e4m3
     # rows the forward made: keep those (one byte per element) instead of x, and h's rather
     # than recomputing them from z (unless nothing of z is kept either).
-    fp8_only = opts.experts.gemm_dtype == opts.experts.wgrad_dtype == "fp8"
+    fp8_only = call.experts.gemm_dtype == call.experts.wgrad_dtype == "fp8"
     x_saved = x_in if fp8_only else x
-    h_saved = h if fp8_only and opts.experts.save_z != "recompute" else None
+    h_saved = h if fp8_only and call.experts.save_z != "recompute" else None
     return y, (x_saved, gs, w_gate_up, w_down, b_gate_up, z_saved, h_saved, w_dgrad)
 
 
-def _experts_bwd(opts: Call, res, dy):
-    return backward(opts, res, dy, dy.dtype)
+def _experts_bwd(call: Call, res, dy):
+    return backward(call, res, dy, dy.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def experts_chained(opts: Call, x, gs, w_gate_up, w_down, b_gate_up, x_q=None):
+def experts_chained(call: Call, x, gs, w_gate_up, w_down, b_gate_up, x_q=None):
     """``(experts(...), w_gate_up, w_down)``: the weights pass through, so that a later call
     (the layer's next chunk) takes them from here and their cotangent comes back into this
     call's backward, whose weight-gradient GEMMs add it to their own (in the kernel where the
-    backend's does: `accel_kernels.gmm.base.GroupedGemms.accumulates`) instead of XLA adding
+    implementation's does: `accel_kernels.gmm.base.GroupedGemms.accumulates`) instead of XLA adding
     the two banks afterwards."""
-    return experts(opts, x, gs, w_gate_up, w_down, b_gate_up, x_q), w_gate_up, w_down
+    return experts(call, x, gs, w_gate_up, w_down, b_gate_up, x_q), w_gate_up, w_down
 
 
-def _chained_fwd(opts: Call, x, gs, w_gate_up, w_down, b_gate_up, x_q=None):
-    y, res = _experts_fwd(opts, x, gs, w_gate_up, w_down, b_gate_up, x_q)
+def _chained_fwd(call: Call, x, gs, w_gate_up, w_down, b_gate_up, x_q=None):
+    y, res = _experts_fwd(call, x, gs, w_gate_up, w_down, b_gate_up, x_q)
     return (y, w_gate_up, w_down), res
 
 
-def _chained_bwd(opts: Call, res, cts):
+def _chained_bwd(call: Call, res, cts):
     dy, d_gate_up, d_down = cts
-    return backward(opts, res, dy, dy.dtype, acc=(d_gate_up, d_down))
+    return backward(call, res, dy, dy.dtype, acc=(d_gate_up, d_down))
 
 
 experts_chained.defvjp(_chained_fwd, _chained_bwd)
 
 
-def backward(opts: Call, res, dy, dtype, dy_q=None, acc=None):
+def backward(call: Call, res, dy, dtype, dy_q=None, acc=None):
     """The backward from :func:`forward`'s residuals ``res`` and y's cotangent ``dy`` (of
     ``dtype``, y's), or with FP8 data- and weight-gradient GEMMs only its row-quantized pair
     ``dy_q`` (``dy`` None; zero on padding rows), made where ``dy`` is gathered
@@ -204,14 +204,14 @@ def backward(opts: Call, res, dy, dtype, dy_q=None, acc=None):
     x, gs, w_gate_up, w_down, b_gate_up, z_saved, h, w_dgrad = res
     w_gu_t, w_d_t = (w_gate_up, w_down) if w_dgrad is None else w_dgrad
     if not isinstance(x, tuple):
-        x = _mask_rows(opts, x, gs)  # x is saved as passed in (no copy), masked again here
-    if opts.experts.save_z == "recompute":
-        z = _gate_up(opts, x, gs, w_gate_up, b_gate_up, dtype)
-    elif opts.experts.save_z == "fp8":
+        x = _mask_rows(call, x, gs)  # x is saved as passed in (no copy), masked again here
+    if call.experts.save_z == "recompute":
+        z = _gate_up(call, x, gs, w_gate_up, b_gate_up, dtype)
+    elif call.experts.save_z == "fp8":
         z = fp8.dequantize(z_saved, dtype=dtype)
     else:
         z = z_saved
-    fp8_dgrad, fp8_wgrad = opts.experts.dgrad_dtype == "fp8", opts.experts.wgrad_dtype == "fp8"
+    fp8_dgrad, fp8_wgrad = call.experts.dgrad_dtype == "fp8", call.experts.wgrad_dtype == "fp8"
     # The Pallas kernel makes dz from dh (gated_grad_rows): it reads the FP8 GEMM's result
     # as the kernel wrote it, zero columns past d_ff included (slicing them off would be a
     # copy of dh), and in the compute dtype when it writes only dz's e4m3 rows (rounding dh
@@ -219,38 +219,38 @@ def backward(opts: Call, res, dy, dtype, dy_q=None, acc=None):
     dz_kernel = fp8_dgrad and b_gate_up is None
     dh_dtype = dtype if dz_kernel and fp8_wgrad else jnp.float32
     if dy_q is None:
-        dy = _mask_rows(opts, dy.astype(dtype), gs)
+        dy = _mask_rows(call, dy.astype(dtype), gs)
         dy_q = fp8_gemm.rows_if(fp8_dgrad or fp8_wgrad, dy)
     elif not fp8_dgrad or not fp8_wgrad:
         raise ValueError("dy_q: only FP8 data- and weight-gradient GEMMs read dy as e4m3 rows "
                          "alone.")
     with jax.named_scope("experts_down_dgrad"):
-        dh = _matmul_t(opts, dy_q if fp8_dgrad else dy, w_d_t, gs, dh_dtype,
+        dh = _matmul_t(call, dy_q if fp8_dgrad else dy, w_d_t, gs, dh_dtype,
                        trim=not dz_kernel)
     # h for the weight gradient: the forward's e4m3 rows, or recomputed from z (quantized in
     # the same read for an FP8 GEMM).
     if h is None and fp8_wgrad:
-        h = quant_api.gated_rows(z, opts.experts.activation)
+        h = quant_api.gated_rows(z, call.experts.activation)
     elif h is None:
-        h = opts.experts.activation.apply(z).astype(dtype)
+        h = call.experts.activation.apply(z).astype(dtype)
     with jax.named_scope("experts_down_wgrad"):
-        dw_down = _wgrad(opts, h, dy_q if fp8_wgrad else dy, gs, w_down.dtype, acc_down)
+        dw_down = _wgrad(call, h, dy_q if fp8_wgrad else dy, gs, w_down.dtype, acc_down)
     if dz_kernel:
         # dz quantized (and in the compute dtype if a bf16 GEMM reads it) from one read of z
         # and dh.
         if fp8_wgrad:
-            dz, dz_q = None, quant_api.gated_grad_rows(z, dh, opts.experts.activation, None)
+            dz, dz_q = None, quant_api.gated_grad_rows(z, dh, call.experts.activation, None)
         else:
-            dz, *dz_q = quant_api.gated_grad_rows(z, dh, opts.experts.activation, dtype)
+            dz, *dz_q = quant_api.gated_grad_rows(z, dh, call.experts.activation, dtype)
             dz_q = tuple(dz_q)
     else:
-        dz32 = opts.experts.activation.grad(z, dh)
+        dz32 = call.experts.activation.grad(z, dh)
         dz = dz32.astype(dtype)
         dz_q = fp8_gemm.rows_if(fp8_dgrad or fp8_wgrad, dz)
     with jax.named_scope("experts_gate_up_dgrad"):
-        dx = _matmul_t(opts, dz_q if fp8_dgrad else dz, w_gu_t, gs, dtype)
+        dx = _matmul_t(call, dz_q if fp8_dgrad else dz, w_gu_t, gs, dtype)
     with jax.named_scope("experts_gate_up_wgrad"):
-        dw_gate_up = _wgrad(opts, x, dz_q if fp8_wgrad else dz, gs, w_gate_up.dtype,
+        dw_gate_up = _wgrad(call, x, dz_q if fp8_wgrad else dz, gs, w_gate_up.dtype,
                             acc_gate_up)
     return (
         dx,  # zero on padding rows: dy is masked, so dz is zero there

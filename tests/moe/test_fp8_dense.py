@@ -58,8 +58,8 @@ def _y_and_grads(fn):
 def _dense_run(backend="xla", dgrad_dtype="fp8", wgrad_dtype="bf16", mesh=None,
                token_axes=None):
     return _y_and_grads(functools.partial(
-        moe.fp8_dense, backend=backend, dgrad_dtype=dgrad_dtype, wgrad_dtype=wgrad_dtype,
-        mesh=mesh, token_axes=token_axes))
+        moe.fp8_dense, gemm_implementation=backend, dgrad_dtype=dgrad_dtype,
+        wgrad_dtype=wgrad_dtype, mesh=mesh, token_axes=token_axes))
 
 
 @functools.cache
@@ -221,9 +221,9 @@ def test_inside_shard_map_runs_per_device():
     mesh = make_mesh((8,), ("data",), axis_type="auto")
     x, w, _ = _data(SHARDED_LEAD, seed=1)
     x = x.reshape(-1, K)
-    f = jax.jit(jax.shard_map(lambda x, w: moe.fp8_dense(x, w, backend="xla"),
+    f = jax.jit(jax.shard_map(lambda x, w: moe.fp8_dense(x, w, gemm_implementation="xla"),
                               mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data")))
-    want = jax.jit(functools.partial(moe.fp8_dense, backend="xla"))(x, w)
+    want = jax.jit(functools.partial(moe.fp8_dense, gemm_implementation="xla"))(x, w)
     chex.assert_trees_all_close(_f32(f(x, w)), _f32(want), rtol=1e-6, atol=0)
 
 
@@ -235,8 +235,8 @@ def test_inside_shard_map_runs_per_device():
 @functools.cache
 def _grad_text(wgrad_dtype: str, sharded: bool = False) -> str:
     def loss(x, w):
-        y = moe.fp8_dense(x, w, backend="mosaic", dgrad_dtype="fp8", wgrad_dtype=wgrad_dtype,
-                          mesh=mesh)
+        y = moe.fp8_dense(x, w, gemm_implementation="mosaic", dgrad_dtype="fp8",
+                          wgrad_dtype=wgrad_dtype, mesh=mesh)
         return jnp.sum(y.astype(jnp.float32))
 
     S = jax.ShapeDtypeStruct
@@ -308,7 +308,7 @@ def test_fp8_weights_come_from_current_params():
     x, w, ct = _data()
     x = jnp.asarray(x, jnp.bfloat16)
     opt = optax.sgd(64.0)
-    dense = functools.partial(moe.fp8_dense, backend="mosaic")
+    dense = functools.partial(moe.fp8_dense, gemm_implementation="mosaic")
 
     def loss_fn(params):
         y = dense(x, params["kernel"])
@@ -344,7 +344,7 @@ def test_fp8_weights_come_from_current_params():
     ("kernel_rank", ValueError, "kernel"),
     ("dgrad_dtype", ValueError, "dgrad_dtype"),
     ("wgrad_dtype", ValueError, "wgrad_dtype"),
-    ("backend", ValueError, "backend"),
+    ("gemm_implementation", ValueError, "gemm_implementation"),
     ("token_axis", ValueError, "token_axes"),
     ("rows", ValueError, "token_axes"),
     ("int_x", TypeError, "floating"),
@@ -358,8 +358,8 @@ def test_bad_inputs_raise(case, error, match):
         w = jnp.ones((1, K, N))
     elif case in ("dgrad_dtype", "wgrad_dtype"):
         kw = {case: "fp16"}
-    elif case == "backend":
-        kw = {"backend": "cutlass"}
+    elif case == "gemm_implementation":
+        kw = {"gemm_implementation": "cutlass"}
     elif case == "token_axis":
         kw = {"mesh": make_mesh((2, 4)), "token_axes": ("data", "model")}
     elif case == "rows":  # 12 rows over 8 shards

@@ -34,7 +34,7 @@ F8 = "f8E4M3FN"
 @functools.cache
 def _layer_grad_text(transport: str, backend: str, dispatch_dtype=None) -> str:
     mesh = cuda_mesh((1, 1), ("data", "expert"))
-    opts = moe.MoEOptions.create(E, K, transport=transport, backend=backend,
+    opts = moe.MoEOptions.create(E, K, transport=transport, gemm_implementation=backend,
                                  dispatch_dtype=dispatch_dtype, **ALL_FP8)
 
     def loss(x, router, w_gate_up, w_down):
@@ -131,7 +131,7 @@ def test_gated_grad_kernel_reads_the_padded_bf16_dh():
 
     def loss(x, w_gate_up, w_down):
         y = gated_experts(x, jnp.array([128, 128], jnp.int32), w_gate_up, w_down,
-                          backend="mosaic", **ALL_FP8)
+                          gemm_implementation="mosaic", **ALL_FP8)
         return jnp.sum(y.astype(jnp.float32))
 
     S = jax.ShapeDtypeStruct

@@ -7,6 +7,7 @@ Comparisons ("close") are per leaf: |a - r| <= rtol * (|r| + max|r|); FP8 paths 
 and relative RMS error (cosine >= 0.99, relative RMS < 0.1).
 """
 
+import dataclasses
 import functools
 import math
 
@@ -23,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import moe
 import muon_jax
+from accel_kernels.gmm import api as gmm_api
 
 E, K = 8, 2  # experts, top-k
 B, S = 4, 16  # 64 tokens: 8 per device on 8 devices
@@ -382,8 +384,9 @@ def test_balancing_bias_moves_load_and_changes_selection_only():
 
 
 def as_if_on_hopper(monkeypatch):
-    """backend='auto' answers as on a Hopper GPU: 'mosaic' for ragged x (emulated on CPU)."""
-    monkeypatch.setattr(moe.experts, "auto_implementation", lambda ndim: "mosaic" if ndim == 2
+    """gemm_implementation='auto' answers as on a Hopper GPU: 'mosaic' for ragged x (emulated
+    on CPU)."""
+    monkeypatch.setattr(gmm_api, "auto_implementation", lambda ndim: "mosaic" if ndim == 2
                         else "xla")
 
 
@@ -567,12 +570,12 @@ def test_linen_wrapper_matches_nnx():
     ids=["ragged-2x4-explicit", "dense-1x8-auto"],
 )
 def test_pallas_backend_matches_other_backends_inside_the_layer(mesh_spec, transport, other):
-    """backend='triton' (interpreted on CPU) inside the layer's shard_map: y, aux and every
-    gradient equal those of the XLA backends in f32."""
+    """gemm_implementation='triton' (interpreted on CPU) inside the layer's shard_map: y, aux
+    and every gradient equal those of the XLA implementations in f32."""
     x, ct = inputs()
     results = {}
     for backend in ("triton", other):
-        model = layer(mesh_spec=mesh_spec, transport=transport, backend=backend)
+        model = layer(mesh_spec=mesh_spec, transport=transport, gemm_implementation=backend)
         y, aux, gm, gx = layer_step(model, x, ct)
         results[backend] = (
             {"y": np.asarray(y), "x": np.asarray(gx),
@@ -587,8 +590,10 @@ def test_pallas_backend_matches_other_backends_inside_the_layer(mesh_spec, trans
 
 def test_pallas_backend_refused_on_tpu(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    with pytest.raises(ValueError, match="backend='triton' needs an NVIDIA GPU or the CPU"):
-        moe.MoE(64, 32, options=moe.MoEOptions.create(8, 2, backend="triton"), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="gemm_implementation='triton' needs an NVIDIA GPU or "
+                       "the CPU"):
+        moe.MoE(64, 32, options=moe.MoEOptions.create(8, 2, gemm_implementation="triton"),
+                rngs=nnx.Rngs(0))
 
 
 @functools.cache
@@ -596,15 +601,13 @@ def _mosaic_dropless_grads(expert_devices: int, aligned_dispatch: bool, dispatch
     """Layer outputs and gradients on the 'mosaic' experts (XLA-emulated here) over the
     dropless transport, the dispatch writing the 128-aligned layout or the experts gathering
     plain ragged rows into it (`moe.experts._aligned_call`)."""
-    from moe import layer as moe_layer
-
     e, k, d, f, t = 8, 2, 128, 64, 96
     keys = jax.random.split(jax.random.key(3), 4)
     x = jax.random.normal(keys[0], (expert_devices, t, d), jnp.bfloat16)
     router = jax.random.normal(keys[1], (d, e), jnp.float32) * 0.5
     wgu = (jax.random.normal(keys[2], (e, d, 2 * f)) * d**-0.5).astype(jnp.bfloat16)
     wd = (jax.random.normal(keys[3], (e, f, d)) * f**-0.5).astype(jnp.bfloat16)
-    opts = moe.MoEOptions.create(e, k, transport="dropless", backend="mosaic",
+    opts = moe.MoEOptions.create(e, k, transport="dropless", gemm_implementation="mosaic",
                                  dispatch_dtype=dispatch_dtype)
     mesh = make_mesh((1, expert_devices))
 
@@ -613,13 +616,14 @@ def _mosaic_dropless_grads(expert_devices: int, aligned_dispatch: bool, dispatch
         return jnp.sum(y.astype(jnp.float32) ** 2), y
 
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
-    real = moe_layer._group_alignment
+    real = moe.MoEOptions.resolve
     try:
-        if not aligned_dispatch:
-            moe_layer._group_alignment = lambda opts: None
+        if not aligned_dispatch:  # the plain layout: the experts gather it into the aligned one
+            moe.MoEOptions.resolve = lambda *a, **kw: dataclasses.replace(
+                real(*a, **kw), group_alignment=None)
         return fn(x, router, wgu, wd)
     finally:
-        moe_layer._group_alignment = real
+        moe.MoEOptions.resolve = real
 
 
 @pytest.mark.parametrize("devices,wire", [(1, None), (2, "fp8")])
@@ -628,10 +632,11 @@ def test_dropless_dispatch_writes_the_mosaic_layout(devices, wire):
     same outputs and gradients, bit for bit, as gathering the plain rows into it and back."""
     got = _mosaic_dropless_grads(devices, True, wire)
     want = _mosaic_dropless_grads(devices, False, wire)
-    assert moe.layer._group_alignment(moe.MoEOptions.create(
-        8, 2, transport="dropless", backend="mosaic")) == 128
-    assert moe.layer._group_alignment(moe.MoEOptions.create(
-        8, 2, transport="dropless", backend="xla")) is None
+    mesh = make_mesh((1, 1))
+    assert moe.MoEOptions.create(8, 2, transport="dropless", gemm_implementation="mosaic").resolve(
+        64, 128, 64, mesh=mesh).group_alignment == 128
+    assert moe.MoEOptions.create(8, 2, transport="dropless", gemm_implementation="xla").resolve(
+        64, 128, 64, mesh=mesh).group_alignment is None
     assert float(jnp.abs(got[0][1]).max()) > 0
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))

@@ -2,7 +2,7 @@
 
 The MoE layer's forward + backward (bf16 and FP8 dispatch, dense and dropless transports, one
 and two devices on the expert axis, FP8 GEMMs) and ``moe.fp8_dense`` are exported for CUDA on
-an abstract H200 with the GEMM backend ``backend='auto'`` takes on Hopper (``'mosaic'``;
+an abstract H200 with the GEMMs ``gemm_implementation='auto'`` takes on Hopper (``'mosaic'``;
 'auto' is resolved from the process's own platform, the CPU here): every Pallas kernel in them
 is a Mosaic GPU call. The Triton kernels stay
 for NVIDIA GPUs before Hopper and for widths the Mosaic GPU kernels do not take (their own
@@ -33,7 +33,8 @@ def test_moe_layer_has_no_triton_kernel(transport, dispatch_dtype, n_ep):
     fp8 = dispatch_dtype == "fp8"
     gemms = dict(gemm_dtype="fp8", dgrad_dtype="fp8", wgrad_dtype="fp8") if fp8 else {}
     opts = moe.MoEOptions.create(E, K, transport=transport, dispatch_dtype=dispatch_dtype,
-                                 backend="mosaic", wire_kernels="auto", **gemms)
+                                 gemm_implementation="mosaic", wire_implementation="auto",
+                                 **gemms)
     mesh = cuda_mesh((1, n_ep), ("data", "expert"))
 
     def loss(x, router, w_gate_up, w_down):
@@ -55,7 +56,8 @@ def test_moe_layer_has_no_triton_kernel(transport, dispatch_dtype, n_ep):
 
 def test_fp8_dense_has_no_triton_kernel():
     def loss(x, w):
-        y = moe.fp8_dense(x, w, dgrad_dtype="fp8", wgrad_dtype="fp8", backend="mosaic")
+        y = moe.fp8_dense(x, w, dgrad_dtype="fp8", wgrad_dtype="fp8",
+                          gemm_implementation="mosaic")
         return jnp.sum(y.astype(jnp.float32))
 
     text = export_for_cuda(jax.grad(loss, argnums=(0, 1)), S((256, D), jnp.bfloat16),

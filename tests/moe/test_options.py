@@ -16,9 +16,9 @@ from moe import options as mo
     (mo.DispatchOptions, "transport", mo.Transport),
     (mo.DispatchOptions, "dispatch_dtype", mo.WireDtype),
     (mo.DispatchOptions, "combine_grad_dtype", mo.WireDtype),
-    (mo.DispatchOptions, "wire_kernels", mo.WireKernels),
-    (mo.DispatchOptions, "ragged_impl", mo.RaggedImpl),
-    (mo.ExpertOptions, "backend", mo.Backend),
+    (mo.DispatchOptions, "wire_implementation", mo.WireImplementation),
+    (mo.DispatchOptions, "exchange_implementation", mo.ExchangeImplementation),
+    (mo.ExpertOptions, "gemm_implementation", mo.GemmImplementation),
     (mo.ExpertOptions, "gemm_dtype", mo.GemmDtype),
     (mo.ExpertOptions, "dgrad_dtype", mo.GemmDtype),
     (mo.ExpertOptions, "wgrad_dtype", mo.GemmDtype),
@@ -123,3 +123,4 @@ def test_compiling_for_cuda_resolves_auto_as_that_gpu_would():
         assert gmm_api.auto_implementation(2) == "mosaic"
     assert (gmm_api.auto_implementation(2), moe.auto_transport(1),
             collectives.resolve_ragged_impl("auto")) == cpu
+

@@ -63,8 +63,8 @@ CASES = [
     ((1, 8), dict(transport="dropless", dispatch_dtype="fp8", combine_grad_dtype="fp8"), 2),
     # the 'mosaic' GEMMs (their XLA emulation on the CPU) add the next chunk's weight
     # gradient in the weight-gradient GEMM itself
-    ((2, 4), dict(transport="dense", backend="mosaic"), 4),
-    ((1, 8), dict(transport="dropless", backend="mosaic"), 2),
+    ((2, 4), dict(transport="dense", gemm_implementation="mosaic"), 4),
+    ((1, 8), dict(transport="dropless", gemm_implementation="mosaic"), 2),
 ]
 
 
@@ -179,8 +179,9 @@ def test_chunks_accumulate_the_weight_gradients_in_the_kernel():
     bank_types = (f"tensor<{e_local}x{d}x{2 * f}xbf16>", f"tensor<{e_local}x{f}x{d}xbf16>")
 
     def bank_adds(chunks, local_first=False):
-        opts = moe.MoEOptions.create(2 * e_local, K, transport=transport, backend="mosaic",
-                                     overlap_chunks=chunks, local_first=local_first)
+        opts = moe.MoEOptions.create(2 * e_local, K, transport=transport,
+                                     gemm_implementation="mosaic", overlap_chunks=chunks,
+                                     local_first=local_first)
 
         def loss(x, router, w_gate_up, w_down):
             y, _ = moe.moe_apply(x, router, w_gate_up, w_down, options=opts, mesh=mesh)
@@ -210,7 +211,7 @@ def test_overlap_chunks_is_validated():
     with pytest.raises(TypeError, match="local_first must be True or False"):
         moe.DispatchOptions(local_first="yes")
     assert moe.auto_overlap_chunks(1, 1 << 20, "dropless") == 1
-    assert moe.auto_overlap_chunks(8, 1 << 20, "dropless") == moe.layer.OVERLAP_CHUNKS["dropless"]
+    assert moe.auto_overlap_chunks(8, 1 << 20, "dropless") == moe.options.OVERLAP_CHUNKS["dropless"]
 
 
 def _skewed(tokens, seed, towards, strength):

@@ -212,7 +212,7 @@ def test_gated_experts_with_biases_and_activation(layout):
         x = jax.random.normal(ks[4], (e, 8, d))
         expert = np.repeat(np.arange(e)[:, None], 8, axis=1)
         valid = np.arange(8)[None, :] < sizes[:, None]
-        kw = {"backend": "mosaic"} if layout == "padded_mosaic" else {}
+        kw = {"gemm_implementation": "mosaic"} if layout == "padded_mosaic" else {}
     else:
         align = 8 if layout == "aligned" else 1
         starts = np.concatenate([[0], np.cumsum(-(-sizes // align) * align)])[:-1]

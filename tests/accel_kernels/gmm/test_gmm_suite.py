@@ -96,4 +96,4 @@ def test_old_spellings_are_deprecated(old, new):
     from moe.options import ExpertOptions
 
     with pytest.warns(DeprecationWarning):
-        assert ExpertOptions(backend=old).backend == new
+        assert ExpertOptions(gemm_implementation=old).gemm_implementation == new

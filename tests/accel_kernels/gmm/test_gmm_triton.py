@@ -1,5 +1,5 @@
-"""Pallas grouped GEMMs (accel_kernels.gmm.triton) and gated_experts(backend='triton'), in interpret
-mode.
+"""Pallas grouped GEMMs (accel_kernels.gmm.triton) and
+gated_experts(gemm_implementation='triton'), in interpret mode.
 
 On CPU the kernels run through Pallas interpret mode (the same kernel code, executed as XLA
 ops). That they also lower to Triton for a GPU is checked by exporting for 'cuda' here, without
@@ -165,12 +165,12 @@ def test_refuses_tpu(monkeypatch):
         gp.gmm(lhs, rhs, jnp.asarray(GS))
     x = jnp.ones((8, 64))
     w_gu, w_d = jnp.ones((2, 64, 64)), jnp.ones((2, 32, 64))
-    with pytest.raises(ValueError, match="backend='triton' needs an NVIDIA GPU"):
-        gated_experts(x, jnp.array([4, 4]), w_gu, w_d, backend="triton")
+    with pytest.raises(ValueError, match="gemm_implementation='triton' needs an NVIDIA GPU"):
+        gated_experts(x, jnp.array([4, 4]), w_gu, w_d, gemm_implementation="triton")
 
 
 # ----------------------------------------------------------------------------------------------
-# gated_experts(backend='triton') against backend='xla' (ragged_dot)
+# gated_experts(gemm_implementation='triton') against gemm_implementation='xla' (ragged_dot)
 # ----------------------------------------------------------------------------------------------
 
 R, D, F, E = 96, 64, 32, 4
@@ -188,7 +188,7 @@ def _expert_inputs(dtype):
 @functools.cache
 def _experts_fn(backend, **opts):
     def loss(x, w_gu, w_d, ct):
-        y = gated_experts(x, jnp.asarray(GS), w_gu, w_d, backend=backend, **opts)
+        y = gated_experts(x, jnp.asarray(GS), w_gu, w_d, gemm_implementation=backend, **opts)
         return jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32)), y
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
@@ -233,8 +233,8 @@ def test_gated_experts_pallas_fp8_and_recompute_match_ragged_dot():
 def test_gated_experts_pallas_needs_ragged_x():
     x = jnp.ones((E, 8, D))
     w_gu, w_d = jnp.ones((E, D, 2 * F)), jnp.ones((E, F, D))
-    with pytest.raises(ValueError, match="backend='triton' takes x as"):
-        gated_experts(x, None, w_gu, w_d, backend="triton")
+    with pytest.raises(ValueError, match="gemm_implementation='triton' takes x as"):
+        gated_experts(x, None, w_gu, w_d, gemm_implementation="triton")
     assert experts_mod.auto_implementation(2) == "xla"  # CPU: auto is unchanged
 
 
@@ -334,7 +334,7 @@ def _sharded_experts_fn(backend):
     def local(x, gs, w_gu, w_d, ct):
         def loss(x, w_gu, w_d):
             w_gu, w_d = (jax.lax.pcast(w, ("data",), to="varying") for w in (w_gu, w_d))
-            y = gated_experts(x, gs, w_gu, w_d, backend=backend)
+            y = gated_experts(x, gs, w_gu, w_d, gemm_implementation=backend)
             part = jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32))
             return jax.lax.psum(part, ("data", "expert")), y
 
@@ -410,7 +410,7 @@ def test_gated_experts_pallas_lowers_to_triton_for_cuda():
 
     def step(x, w_gu, w_d, ct, gs):
         def loss(x, w_gu, w_d):
-            y = gated_experts(x, gs, w_gu, w_d, backend="triton")
+            y = gated_experts(x, gs, w_gu, w_d, gemm_implementation="triton")
             return jnp.sum(y.astype(jnp.float32) * ct)
 
         return jax.value_and_grad(loss, argnums=(0, 1, 2))(x, w_gu, w_d)
@@ -429,7 +429,7 @@ def test_gated_experts_pallas_lowers_to_triton_inside_shard_map():
 
     def step(x, w_gu, w_d, ct, gs):
         def loss(x, w_gu, w_d):
-            y = gated_experts(x, gs, w_gu, w_d, backend="triton")
+            y = gated_experts(x, gs, w_gu, w_d, gemm_implementation="triton")
             return jax.lax.psum(jnp.sum(y.astype(jnp.float32) * ct), "expert")
 
         return jax.value_and_grad(loss, argnums=(0, 1, 2))(x, w_gu, w_d)

@@ -296,7 +296,8 @@ def test_a_kernel_that_does_not_lower_on_an_untested_jax_names_the_fix(monkeypat
 
     monkeypatch.setattr(lowering.jax.export, "export", broken)
     with pytest.raises(lowering.KernelLoweringError,
-                       match=r"wire_gather_encode_mgpu does not lower on jax .*wire_kernels='xla'"):
+                       match=r"wire_gather_encode_mgpu does not lower on jax "
+                             r".*wire_implementation='xla'"):
         jax.eval_shape(functools.partial(wm.gather_encode, fp8_wire=True), S((8, 512), BF16),
                        S((8,), jnp.int32))
     jax.eval_shape(qm.quantize_rows, x)  # lowered before: not again

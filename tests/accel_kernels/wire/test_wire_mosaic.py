@@ -219,7 +219,7 @@ def test_dispatch_lowers_with_mosaic_wire_kernels():
 
     def local(x, ids):
         ex, _, _ = dispatch(x, ids, num_experts=8, axis_name="expert", transport="dense",
-                            capacity_factor=1.0, dispatch_dtype="fp8", wire_kernels="auto")
+                            capacity_factor=1.0, dispatch_dtype="fp8", wire_implementation="auto")
         return ex
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=(e, e), out_specs=e)

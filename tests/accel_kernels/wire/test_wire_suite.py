@@ -68,12 +68,12 @@ def test_row_quantized_gathers(kernels):
 
 
 def test_names_and_the_deprecated_pallas():
-    with pytest.raises(ValueError, match="wire_kernels='cuda' is not supported"):
-        DispatchOptions(wire_kernels="cuda")
+    with pytest.raises(ValueError, match="wire_implementation='cuda' is not supported"):
+        DispatchOptions(wire_implementation="cuda")
     with pytest.raises(ValueError, match="implementation='cuda' is not supported"):
         api.gather_rows(_rows(), INDEX, wire="fp8", block_size=BS, implementation="cuda")
     with pytest.warns(DeprecationWarning, match="'pallas' is deprecated; use 'triton'"):
-        assert DispatchOptions(wire_kernels="pallas").wire_kernels == "triton"
+        assert DispatchOptions(wire_implementation="pallas").wire_implementation == "triton"
 
 
 def test_an_explicit_kernel_that_does_not_take_the_width_is_refused():

@@ -70,7 +70,7 @@ def _dispatch_combine_grads(kernels: str, wire: str, transport: str = "dense"):
     def local(x, ids, w):
         ex, _, plan = dispatch(x, ids.astype(jnp.int32), num_experts=E, axis_name="expert",
                                transport=transport, capacity_factor=1.0, dispatch_dtype=wire,
-                               wire_kernels=kernels)
+                               wire_implementation=kernels)
         return combine(jnp.sin(ex.astype(jnp.float32)).astype(ex.dtype), w, plan,
                        combine_grad_dtype=wire)
 
@@ -105,7 +105,7 @@ def test_wire_kernels_lower_for_cuda():
         for wire in ("fp8", "bf16"):
             ex, _, _ = dispatch(x, ids, num_experts=E, axis_name="expert", transport="dense",
                                 capacity_factor=1.0, dispatch_dtype=wire,
-                                wire_kernels="auto")
+                                wire_implementation="auto")
             out.append(ex.astype(jnp.float32))
         return out[0] + out[1]
 
@@ -131,7 +131,7 @@ def test_dropless_lowers_for_cuda_with_wire_kernels():
         def local(x, ids, w):
             ex, _, plan = dispatch(x, ids, num_experts=E, axis_name="expert",
                                    transport="dropless", dispatch_dtype="fp8",
-                                   wire_kernels="auto")
+                                   wire_implementation="auto")
             return combine(jnp.sin(ex), w, plan, combine_grad_dtype="fp8")
 
         fn = jax.shard_map(local, mesh=mesh, in_specs=(e, e, e), out_specs=e)

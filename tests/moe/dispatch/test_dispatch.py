@@ -112,7 +112,8 @@ def sharded_run(shape, names, transport, wire=None, grad_wire=None, cdt="float32
         ids, w = route(x, wr, skew)
         ex, sizes, plan = dispatch(x.astype(cdt), ids, num_experts=E, axis_name="expert",
                                    transport=transport, dispatch_dtype=wire,
-                                   ragged_impl="emulated", **dict(dispatch_kw))
+                                   exchange_implementation="emulated",
+                                   **dict(dispatch_kw))
         if transport in ("ragged", "dropless"):
             align = dict(dispatch_kw).get("group_alignment")  # groups padded to A rows
             ey = swiglu_ragged(ex, sizes if align is None else -(-sizes // align) * align,
@@ -437,7 +438,7 @@ def _dispatch_combine_grad_hlo(shape, names, transport, **kw):
 
 @pytest.mark.parametrize("shape,names", [((1,), ("expert",)), ((8, 1), ("data", "expert"))])
 @pytest.mark.parametrize("transport,kw", [("dense", dict(capacity_factor=1.25)),
-                                          ("ragged", dict(ragged_impl="native")),
+                                          ("ragged", dict(exchange_implementation="native")),
                                           ("dropless", {})])
 def test_one_device_expert_axis_exchanges_nothing(shape, names, transport, kw):
     """EP = 1: dispatch + combine, forward and backward, emit no collective at all (not even
@@ -568,7 +569,7 @@ def test_native_ragged_path_lowers_with_fp8_wire():
 
     def local(x, ids):
         ex, _, plan = dispatch(x, ids, num_experts=E, axis_name="expert", transport="ragged",
-                               ragged_impl="native", dispatch_dtype="fp8")
+                               exchange_implementation="native", dispatch_dtype="fp8")
         w = jnp.ones(ids.shape, jnp.float32)  # invariant weights: still type-checks
         return combine(jnp.sin(ex), w, plan, combine_grad_dtype="fp8")
 
@@ -581,9 +582,9 @@ def test_native_ragged_path_lowers_with_fp8_wire():
 
 @pytest.mark.parametrize("ep", [1, 2])
 def test_aligned_dropless_into_mosaic_experts_equals_their_own_alignment(ep):
-    """dispatch(group_alignment=128) + gated_experts(backend='mosaic', group_alignment=128):
-    outputs and gradients bit for bit those of the plain layout, which the experts gather
-    into the same aligned layout and back themselves."""
+    """dispatch(group_alignment=128) + gated_experts(gemm_implementation='mosaic',
+    group_alignment=128): outputs and gradients bit for bit those of the plain layout, which
+    the experts gather into the same aligned layout and back themselves."""
     from moe import gated_experts
 
     mesh = make_mesh((ep,), axis_type="auto")
@@ -600,7 +601,8 @@ def test_aligned_dropless_into_mosaic_experts_equals_their_own_alignment(ep):
         def local(x, ids, w, wgu, wd):
             ex, sizes, plan = dispatch(x, ids, num_experts=E, axis_name="expert",
                                        transport="dropless", group_alignment=align)
-            ey = gated_experts(ex, sizes, wgu, wd, backend="mosaic", group_alignment=align)
+            ey = gated_experts(ex, sizes, wgu, wd, gemm_implementation="mosaic",
+                               group_alignment=align)
             return combine(ey, w, plan)
 
         f_ = jax.shard_map(local, mesh=mesh, in_specs=(P("expert"),) * 5,

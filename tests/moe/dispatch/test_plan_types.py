@@ -78,11 +78,11 @@ def test_transport_string_compares_are_few():
 def _plans():
     """One plan of each transport for 2 tokens, top-2 of 4 experts, one device."""
     ids = jnp.array([[2, 0], [2, 1]], jnp.int32)
-    statics = dict(num_experts=4, axis_name="expert", axis_size=1, x_dtype="float32",
-                   block_size=128)
-    return (plan_build.dense_plan(ids, capacity=8, **statics),
-            plan_build.ragged_plan(ids, ragged_impl="native", **statics),
-            plan_build.dropless_plan(ids, buckets=(4,), **statics))
+    statics = plan_build.PlanStatics(num_experts=4, axis_name="expert", axis_size=1,
+                                     x_dtype="float32", block_size=128)
+    return (plan_build.dense_plan(ids, statics, capacity=8),
+            plan_build.ragged_plan(ids, statics, exchange_implementation="native"),
+            plan_build.dropless_plan(ids, statics, buckets=(4,)))
 
 
 def test_each_builder_gives_its_plan_type_with_the_shared_properties():

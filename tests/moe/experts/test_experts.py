@@ -100,7 +100,8 @@ def _y_and_grads(fn):
 def _experts_run(backend, **opts):
     backend = PADDED_MOSAIC.get(backend, backend)
     backend = IMPLEMENTATION.get(backend, backend)
-    fn = lambda x, w_gu, w_d: gated_experts(x, jnp.asarray(GS), w_gu, w_d, backend=backend, **opts)
+    fn = lambda x, w_gu, w_d: gated_experts(  # noqa: E731
+        x, jnp.asarray(GS), w_gu, w_d, gemm_implementation=backend, **opts)
     return _y_and_grads(fn)
 
 
@@ -204,7 +205,8 @@ def _residual_bytes(backend, save_z):
     x, w_gu, w_d, _ = _inputs(backend, jnp.bfloat16)
     fn = jax.jit(
         lambda x, a, b: gated_experts(x, jnp.asarray(GS), a, b,
-                                      backend=IMPLEMENTATION.get(backend, backend), save_z=save_z)
+                                      gemm_implementation=IMPLEMENTATION.get(backend, backend),
+                                      save_z=save_z)
     )
     _, vjp = jax.vjp(fn, x, w_gu, w_d)
     leaves = jax.tree.leaves(vjp)  # what the backward keeps: the custom_vjp's residuals
@@ -286,8 +288,9 @@ def _small(d=D, f=F, e=E, rows=8):
         ("w_gate_up_odd", {}, "w_gate_up"),
         ("w_rank", {}, "w_gate_up"),
         ("padded_experts", {}, "expert slots"),
-        ("unknown_backend", {"backend": "cutlass"}, "backend"),
-        ("backend_rank", {"backend": "triton"}, "backend='triton' takes x as"),
+        ("unknown_implementation", {"gemm_implementation": "cutlass"}, "gemm_implementation"),
+        ("implementation_rank", {"gemm_implementation": "triton"},
+         "gemm_implementation='triton' takes x as"),
         ("gemm_dtype", {"gemm_dtype": "fp16"}, "gemm_dtype"),
         ("save_z", {"save_z": "f32"}, "save_z"),
         ("wgrad_dtype", {"wgrad_dtype": "int8"}, "wgrad_dtype"),
@@ -318,7 +321,7 @@ def test_bad_inputs_raise_value_error(case, kwargs, match):
         w_gu = w_gu[0]
     elif case == "padded_experts":
         x = jnp.ones((E + 1, 4, D))
-    elif case == "backend_rank":  # padded slots for a kernel of ragged rows
+    elif case == "implementation_rank":  # padded slots for a kernel of ragged rows
         x, gs = jnp.ones((E, 4, D)), None
     with pytest.raises(ValueError, match=match):
         gated_experts(x, gs, w_gu, w_d, **kwargs)

@@ -61,7 +61,7 @@ def _layer_grads(backend: str, dispatch_dtype, fused: bool, dtype=jnp.bfloat16, 
     router = jax.random.normal(keys[1], (D, E), jnp.float32) * 0.1
     wgu = (jax.random.normal(keys[2], (E, D, 2 * F)) * D**-0.5).astype(dtype)
     wd = (jax.random.normal(keys[3], (E, F, D)) * F**-0.5).astype(dtype)
-    opts = moe.MoEOptions.create(E, K, transport="dropless", backend=backend,
+    opts = moe.MoEOptions.create(E, K, transport="dropless", gemm_implementation=backend,
                                  dispatch_dtype=dispatch_dtype, gemm_dtype="fp8",
                                  dgrad_dtype="fp8", wgrad_dtype="fp8")
 
@@ -107,16 +107,17 @@ def test_applies_only_where_nothing_is_sent_and_dy_is_read_as_fp8():
     from moe.experts.vjp import Call
 
     ids = jnp.array([[0, 1], [2, 3]], jnp.int32)
-    statics = dict(num_experts=4, axis_name="expert", axis_size=1, x_dtype="float32",
-                   block_size=128)
-    plan = plan_build.dropless_plan(ids, buckets=(4,), **statics)
-    fp8_all = Call(experts=ExpertOptions(backend="mosaic", gemm_dtype="fp8", dgrad_dtype="fp8",
-                                         wgrad_dtype="fp8"), fp8_block_size=128, mask_rows=True)
+    statics = plan_build.PlanStatics(num_experts=4, axis_name="expert", axis_size=1,
+                                     x_dtype="float32", block_size=128)
+    plan = plan_build.dropless_plan(ids, statics, buckets=(4,))
+    fp8_all = Call(experts=ExpertOptions(gemm_implementation="mosaic", gemm_dtype="fp8",
+                                         dgrad_dtype="fp8", wgrad_dtype="fp8"),
+                   fp8_block_size=128, mask_rows=True)
     assert fused_combine.applies(fp8_all, plan, None)
     assert fused_combine.applies(fp8_all, plan_build.ragged_plan(
-        ids, ragged_impl="native", **statics), None)
+        ids, statics, exchange_implementation="native"), None)
     assert not fused_combine.applies(fp8_all, plan_build.dense_plan(
-        ids, capacity=8, **statics), None)  # the padded layout
+        ids, statics, capacity=8), None)  # the padded layout
     assert not fused_combine.applies(fp8_all, plan, "fp8")  # FP8 gradient wire
     bf16_wgrad = dataclasses.replace(
         fp8_all, experts=dataclasses.replace(fp8_all.experts, wgrad_dtype="bf16"))

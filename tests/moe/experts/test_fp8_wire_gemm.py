@@ -3,6 +3,7 @@ the wire rows (moe.experts.fp8_gemm.rows_from_wire), which must be the bytes of 
 decoded rows again, so the layer's outputs and gradients are bit for bit those of the decoded
 path."""
 
+import dataclasses
 import functools
 
 import jax
@@ -15,7 +16,6 @@ import moe
 from accel_kernels.quant import api as quant_api
 from accel_kernels.quant import xla as quant_xla
 from accel_kernels.wire import api as wire_api
-from moe import pipeline as moe_pipeline
 from moe.dispatch import collectives
 from moe.experts import fp8_gemm
 
@@ -59,7 +59,7 @@ def _layer_grads(backend: str, transport: str, expert_devices: int, with_wire: b
     wgu = (jax.random.normal(keys[2], (E, D, 2 * F)) * D**-0.5).astype(jnp.bfloat16)
     wd = (jax.random.normal(keys[3], (E, F, D)) * F**-0.5).astype(jnp.bfloat16)
     mesh = make_mesh((1, expert_devices))
-    opts = moe.MoEOptions.create(E, K, transport=transport, backend=backend,
+    opts = moe.MoEOptions.create(E, K, transport=transport, gemm_implementation=backend,
                                  dispatch_dtype="fp8", gemm_dtype="fp8", dgrad_dtype="fp8",
                                  wgrad_dtype="fp8")
 
@@ -70,12 +70,13 @@ def _layer_grads(backend: str, transport: str, expert_devices: int, with_wire: b
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
     if with_wire:
         return fn(x, wgu, wd)
-    real = moe_pipeline.dispatch_apply
+    real = moe.MoEOptions.resolve
     try:  # the same layer with the decoded rows quantized again
-        moe_pipeline.dispatch_apply = functools.partial(real, with_wire=False)
+        moe.MoEOptions.resolve = lambda *a, **kw: dataclasses.replace(
+            real(*a, **kw), wire_to_experts=False)
         return fn(x, wgu, wd)
     finally:
-        moe_pipeline.dispatch_apply = real
+        moe.MoEOptions.resolve = real
 
 
 @pytest.mark.parametrize("backend,transport,devices", [
