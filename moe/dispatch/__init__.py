@@ -51,9 +51,9 @@ exchange, layout gather (``R``); return gather from the layout (``P * c``), exch
 gather into the layout (``S``), and the sums over ``k`` straight from it.
 
 Transport choice: here ``'auto'`` is ``'dense'``; the layer's ``'auto'``
-(:func:`moe.auto_transport`) also picks ``'dropless'`` on one Hopper GPU. Between GPUs,
-``all_to_all`` moves the rows far faster than ``ragged_all_to_all`` (docs/benchmark_log.md,
-FP8 wire, dispatch and combine).
+(:func:`moe.auto_transport`, resolved with the layer's options) also picks ``'dropless'`` on
+one Hopper GPU. Between GPUs, ``all_to_all`` moves the rows far faster than
+``ragged_all_to_all``.
 
 References: DeepEP (FP8 dispatch, count exchange first); GShard / Switch Transformer
 (capacity, deterministic dropping); MaxText's ragged MoE (``ragged_all_to_all`` +

@@ -19,7 +19,7 @@ wide copy is written) instead of a column-wise re-quantization from the compute 
 reads of two bytes and a write); the products keep the row-wise precision of the other GEMMs.
 XLA's fusion is used rather than a Pallas kernel, which moves these bytes slower and needs the
 deprecated Triton backend, or integer ops on the e4m3 bits, which XLA splits into three
-kernels (docs/benchmark_log.md, FP8 quantization and GEMMs).
+kernels.
 """
 
 from __future__ import annotations
