@@ -244,17 +244,11 @@ def dispatch(
     return expert_x, group_sizes, plan
 
 
-def dispatch_with_wire(
-    x: jax.Array,
-    expert_ids: jax.Array,
-    *,
-    num_experts: int,
-    axis_name: AxisName,
-    block_size: int = 128,
-    group_alignment: int | None = None,
-    with_wire: bool = False,
-    **options: Any,
-) -> tuple[jax.Array, jax.Array | None, jax.Array, DispatchPlan]:
+def dispatch_with_wire(x: jax.Array, expert_ids: jax.Array, *, num_experts: int,
+                       axis_name: AxisName, block_size: int = 128,
+                       group_alignment: int | None = None, with_wire: bool = False,
+                       **options: Any
+                       ) -> tuple[jax.Array, jax.Array | None, jax.Array, DispatchPlan]:
     """:func:`dispatch`, plus the FP8 wire rows of the ragged layout for the expert layer.
 
     Takes :func:`dispatch`'s keywords (``options``: its :class:`moe.DispatchOptions` fields,

@@ -364,21 +364,13 @@ def gated_experts(
                          group_alignment=group_alignment)
 
 
-def experts_apply(
-    x: jax.Array,
-    group_sizes: jax.Array | None,
-    w_gate_up: jax.Array,
-    w_down: jax.Array,
-    b_gate_up: jax.Array | None = None,
-    b_down: jax.Array | None = None,
-    *,
-    options: ExpertOptions,
-    fp8_block_size: int = 128,
-    group_alignment: int | None = None,
-    x_wire: WireRows | None = None,
-    combine: CombineArgs | None = None,
-    chain_weights: bool = False,
-) -> jax.Array | tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+def experts_apply(x: jax.Array, group_sizes: jax.Array | None, w_gate_up: jax.Array,
+                  w_down: jax.Array, b_gate_up: jax.Array | None = None,
+                  b_down: jax.Array | None = None, *, options: ExpertOptions,
+                  fp8_block_size: int = 128, group_alignment: int | None = None,
+                  x_wire: WireRows | None = None, combine: CombineArgs | None = None,
+                  chain_weights: bool = False
+                  ) -> jax.Array | tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """:func:`gated_experts` with its options as one :class:`moe.ExpertOptions` (the routed-
     expert fields are read, the shared-expert ones are the layer's), optionally reading x's
     FP8 wire rows and combining the outputs.
