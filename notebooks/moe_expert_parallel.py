@@ -253,18 +253,20 @@ for wire in ["bf16", "fp8"]:
 # built from them; with fewer (a one-chip runtime) the notebook keeps its 8 simulated CPU
 # devices.
 #
-# What the `'auto'` options of `moe.MoE` pick on a TPU:
+# What the `'auto'` options of `moe.MoE` pick on a TPU (each call resolves them once,
+# `MoEOptions.resolve`):
 #
 # - `transport='auto'` is `'dense'` on a TPU (capacity-padded `all_to_all`); it picks
 #   `'dropless'` only on one Hopper GPU.
-# - `backend='auto'` (expert GEMMs) is `'xla'`: batched einsums for the dense layout,
-#   `ragged_dot` for the ragged one. The `'triton'` grouped GEMM is written for NVIDIA GPUs
-#   (Triton) and refuses other accelerators.
-# - `wire_kernels='auto'` encodes, gathers and decodes the wire rows with XLA ops; the Pallas
-#   wire kernels run only when lowered for CUDA. FP8 dispatch works: the rows travel as
+# - `gemm_implementation='auto'` (expert GEMMs) is `'xla'`: batched einsums for the dense
+#   layout, `ragged_dot` for the ragged one. The `'triton'` grouped GEMM is written for NVIDIA
+#   GPUs (Triton) and refuses other accelerators.
+# - `wire_implementation='auto'` encodes, gathers and decodes the wire rows with XLA ops; the
+#   Pallas wire kernels run only when lowered for CUDA. FP8 dispatch works: the rows travel as
 #   `uint32` words, which any backend's `all_to_all` moves.
-# - `ragged_impl='auto'` (with `transport='ragged'`) is XLA's native `ragged_all_to_all`,
-#   chosen from `jax.default_backend()` when the layer is traced; on CPU it is emulated.
+# - `exchange_implementation='auto'` (with `transport='ragged'`) is XLA's native
+#   `ragged_all_to_all`, chosen from `jax.default_backend()` when the layer is traced; on CPU
+#   it is emulated.
 #
 # None of this has been timed on a TPU here. The cell below lowers this notebook's FP8 layer
 # for TPU on whatever machine runs it and lists its collectives and custom calls.
