@@ -459,8 +459,8 @@ class MoEOptions:
         return uses
 
     def check(self, *, d_model: int, d_ff: int, mesh: Any = None) -> None:
-        """The validation of these options against a layer's widths and mesh (the first half of
-        :meth:`resolve`, which a call runs; :class:`moe.MoE` runs it when it is built).
+        """The validation of these options against a layer's widths and mesh: what
+        :meth:`resolve` checks for every call, and :class:`moe.MoE` when it is built.
 
         Raises:
           ValueError: a width the FP8 options quantize is not block-aligned, an explicit
@@ -512,11 +512,12 @@ class MoEOptions:
                 ) -> ResolvedOptions:
         """These options validated against one call and every ``'auto'`` decided for it.
 
-        The one validation pass of :func:`moe.moe_apply` (:meth:`check`), then: the transport
-        (:func:`auto_transport`), the chunk count (:func:`auto_overlap_chunks`), the
-        ``ragged_all_to_all`` (:func:`resolve_exchange_implementation`), the batch axes, the
-        expert slots (``num_experts`` rounded up to the expert axis), the capacity factor per
-        slot, the grouped-GEMM implementation for the expert layout the transport gives
+        The one validation pass of a :func:`moe.moe_apply` call (the checks of :meth:`check`),
+        then the decisions: the transport (:func:`auto_transport`), the chunk count
+        (:func:`auto_overlap_chunks`), the ``ragged_all_to_all``
+        (:func:`resolve_exchange_implementation`), the batch axes, the expert slots
+        (``num_experts`` rounded up to the expert axis), the capacity factor per slot, the
+        grouped-GEMM implementation for the expert layout the transport gives
         (`accel_kernels.gmm.api.auto_implementation`) and the group alignment of that layout.
 
         Args:
