@@ -65,8 +65,8 @@ class RouterConfig:
 
     Example:
       >>> from moe import RouterConfig
-      >>> cfg = RouterConfig(8, 2, num_groups=4, topk_groups=2, score_fn="sigmoid")
-      >>> cfg.num_experts, cfg.top_k, hash(cfg) == hash(RouterConfig(8, 2, num_groups=4,
+      >>> config = RouterConfig(8, 2, num_groups=4, topk_groups=2, score_fn="sigmoid")
+      >>> config.num_experts, config.top_k, hash(config) == hash(RouterConfig(8, 2, num_groups=4,
       ...     topk_groups=2, score_fn="sigmoid"))
       (8, 2, True)
     """
@@ -301,8 +301,8 @@ def route(
 
     Example:
       >>> import jax.numpy as jnp
-      >>> cfg = RouterConfig(num_experts=4, top_k=2)
-      >>> r = route(jnp.ones((3, 8)), jnp.eye(8, 4), config=cfg)
+      >>> config = RouterConfig(num_experts=4, top_k=2)
+      >>> r = route(jnp.ones((3, 8)), jnp.eye(8, 4), config=config)
       >>> r.expert_ids.shape, r.weights.shape, float(r.weights.sum(-1)[0])
       ((3, 2), (3, 2), 1.0)
 
