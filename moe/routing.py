@@ -249,8 +249,8 @@ def _aux_losses(logits, probs, expert_ids, keep, e: int, k: int):
     """``(tokens_per_expert, load_balance_loss, router_z_loss)`` over the kept tokens."""
     # A one-hot sum rather than bincount: a reduction partitions under every mesh type
     # (bincount's scatter needs an ambient mesh when the ids are Explicit-sharded).
-    one_hot = (expert_ids[..., None] == jnp.arange(e, dtype=expert_ids.dtype)) \
-        & keep[..., None, None]
+    one_hot = ((expert_ids[..., None] == jnp.arange(e, dtype=expert_ids.dtype))
+               & keep[..., None, None])
     tokens_per_expert = jnp.sum(one_hot.reshape(-1, e), axis=0, dtype=jnp.int32)
     num_tokens = jnp.maximum(jnp.sum(keep, dtype=jnp.float32), 1.0)
     f = tokens_per_expert.astype(jnp.float32) / (num_tokens * k)

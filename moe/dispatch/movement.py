@@ -134,9 +134,9 @@ def _dense_to_layout(recv: jax.Array, plan: DensePlan, w: Wire, width: int) -> j
     if p == 1:
         return xla(recv)
     # expert-layout row (l, q, r) <- received row (q, l, r)
-    src = jax.lax.broadcasted_iota(jnp.int32, (el, p, c), 1) * (el * c) \
-        + jax.lax.broadcasted_iota(jnp.int32, (el, p, c), 0) * c \
-        + jax.lax.broadcasted_iota(jnp.int32, (el, p, c), 2)
+    src = (jax.lax.broadcasted_iota(jnp.int32, (el, p, c), 1) * (el * c)
+           + jax.lax.broadcasted_iota(jnp.int32, (el, p, c), 0) * c
+           + jax.lax.broadcasted_iota(jnp.int32, (el, p, c), 2))
     out = _gather_decode(recv, src.reshape(-1), w, width,
                          fallback=lambda recv, src: xla(recv).reshape(-1, width))
     return out.reshape(plan.expert_shape(width))
