@@ -37,6 +37,7 @@ __all__ = [
     "chunk_pieces",
     "chunk_sizes",
     "mesh_size",
+    "owner_rows",
     "param_spec",
     "plan_owners",
     "resolve_shard_axes",
@@ -128,7 +129,9 @@ class StackPlan:
       k_owner: matrices owned per device (padded).
       chunks: owned matrices per device of each chunk (sum ``k_owner``): each chunk moves by
         its own collectives and is orthogonalized on its own, so XLA's async collectives of one
-        chunk overlap Newton-Schulz of another. Same bytes as one chunk.
+        chunk overlap Newton-Schulz of another. Same bytes as one chunk. A chunk holds a
+        contiguous range of the stack's matrices (:func:`owner_rows`), so its collectives wait
+        only for the leaves in that range.
     """
 
     m: int
@@ -513,28 +516,52 @@ def row_pieces(
     return pieces
 
 
-def chunk_pieces(stack: StackPlan, start: int, rows: int) -> list[tuple[int, int, int]]:
-    """Where rows ``[start, start + rows)`` of a stack's local ``[F * k_owner]`` stack land.
+def chunk_pieces(stack: StackPlan, start: int, rows: int,
+                 factor: int) -> list[tuple[int, int, int]]:
+    """Where rows ``[start, start + rows)`` of a stack's local ``[factor * k_owner]`` stack land.
 
-    Row ``r`` is row ``w = r % k_owner`` of owner ``g = r // k_owner``'s block, so it sits in
-    chunk ``j`` (``offsets[j] <= w``) at row ``g * rows_j + w - offsets[j]`` of that chunk's
-    gathered ``[F * rows_j]`` array. Returns ``(chunk, lo, hi)`` pieces, adjacent ones merged.
+    Chunk ``j`` holds the contiguous rows ``factor * offsets[j]`` up to ``factor * (offsets[j]
+    + chunks[j])`` of the local stack (:func:`owner_rows`), so row ``r`` sits at row ``r -
+    factor * offsets[j]`` of that chunk's gathered ``[factor * chunks[j]]`` array. Returns
+    ``(chunk, lo, hi)`` pieces, adjacent ones merged.
 
     >>> stack = StackPlan(2, 2, np.dtype('float32'), (0,), (), (), 4, 2, (1, 1))
-    >>> chunk_pieces(stack, 0, 4)  # owners 0 and 1, each with chunks of one row
-    [(0, 0, 1), (1, 0, 1), (0, 1, 2), (1, 1, 2)]
+    >>> chunk_pieces(stack, 0, 4, 2)  # chunk 0: rows 0, 1; chunk 1: rows 2, 3
+    [(0, 0, 2), (1, 0, 2)]
     """
     sizes = stack.chunks or (stack.k_owner,)
+    ends = np.cumsum(sizes) * factor
     pieces: list[tuple[int, int, int]] = []
-    for r in range(start, start + rows):
-        g, w = divmod(r, stack.k_owner)
-        j = int(np.searchsorted(stack.offsets, w, side="right")) - 1
-        pos = g * sizes[j] + w - stack.offsets[j]
-        if pieces and pieces[-1][0] == j and pieces[-1][2] == pos:
-            pieces[-1] = (j, pieces[-1][1], pos + 1)
-        else:
-            pieces.append((j, pos, pos + 1))
+    r, stop = start, start + rows
+    while r < stop:
+        j = int(np.searchsorted(ends, r, side="right"))
+        lo = r - factor * stack.offsets[j]
+        take = min(stop, int(ends[j])) - r
+        pieces.append((j, lo, lo + take))
+        r += take
     return pieces
+
+
+def owner_rows(stack: StackPlan, factor: int) -> np.ndarray:
+    """Which row of the local ``[factor * k_owner]`` stack each owner row holds.
+
+    Owner ``g`` of the ``factor`` devices the stack's ops split it over keeps rows ``g *
+    k_owner ..`` of the owner stack; its rows of chunk ``j`` are the ``g``-th block of
+    ``chunks[j]`` rows of the chunk's contiguous range ``factor * offsets[j] ..`` of the local
+    stack. One chunk: owner ``g`` keeps local rows ``g * k_owner ..``. Contiguous chunks let a
+    chunk's collectives wait only for the leaves (e.g. the layers) whose rows it holds.
+
+    >>> stack = StackPlan(2, 2, np.dtype('float32'), (0,), (), (), 4, 2, (1, 1))
+    >>> owner_rows(stack, 2).tolist()  # owner 0: rows 0 and 2; owner 1: rows 1 and 3
+    [0, 2, 1, 3]
+    """
+    sizes = stack.chunks or (stack.k_owner,)
+    out = np.empty(factor * stack.k_owner, np.int64)
+    for off, rows in zip(stack.offsets, sizes, strict=True):
+        for g in range(factor):
+            dst = g * stack.k_owner + off
+            out[dst: dst + rows] = factor * off + g * rows + np.arange(rows)
+    return out
 
 
 def check_chunk_bytes(chunk_bytes: Any) -> None:

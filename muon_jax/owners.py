@@ -18,10 +18,12 @@ the data, explicitly, in ``jax.shard_map``:
   (``all_gather`` where the param is replicated, the inverse ``all_to_all`` where it is sharded).
 
 With ``chunk_bytes`` a stack's owner blocks are split into chunks (``OwnerPlan.chunks``: rows
-``start..start + rows`` of every device's block) that move and are orthogonalized
+``start..start + rows`` of every device's block, holding a contiguous range of the stack's
+matrices, :func:`muon_jax.owner_plan.owner_rows`) that move and are orthogonalized
 independently: the same bytes in more, smaller collectives that XLA may overlap with
-Newton-Schulz of other chunks. Momentum stays one array per stack (:func:`split_chunks` /
-:func:`join_chunks`).
+Newton-Schulz of other chunks, and with the backward pass while it still computes the
+gradients of other leaves (earlier layers). Momentum stays one array per stack
+(:func:`split_chunks` / :func:`join_chunks`).
 
 Why explicit collectives: left to the SPMD partitioner, a sharding constraint that moves
 gradient stacks to their owners all-reduces every gradient first and then moves slices, and
@@ -247,9 +249,9 @@ def to_owners(grads: Sequence[jax.Array], plan: OwnerPlan, *,
             mats = [matrices.to_matrices(blocks[i], local[i]) for i in s.leaves]
             f = _factor(s, plan)
             for start, rows in zip(s.offsets, s.chunks or (s.k_owner,), strict=True):
-                # Rows start..start+rows of every owner's block: owner g's block is rows
-                # g*k_owner.. of the (padded) local stack, as each op splits dim 0 evenly.
-                ranges = [(g * s.k_owner + start, g * s.k_owner + start + rows) for g in range(f)]
+                # The chunk's contiguous rows of the (padded) local stack; each op splits dim
+                # 0 evenly, so owner g gets its g-th block of them (owner_plan.owner_rows).
+                ranges = [(f * start, f * (start + rows))]
                 out.append(_entry_ops(s, _take_rows(mats, ranges), u, plan, reduce_dtype))
         return tuple(out)
 
@@ -485,9 +487,9 @@ def from_owners(owner_chunks: Sequence[jax.Array], plan: OwnerPlan) -> list[jax.
             gathered[c.stack].append(y)
         out: list[Any] = [None] * len(plan.leaves)
         for s, parts in zip(plan.stacks, gathered, strict=True):
-            start = 0
+            start, f = 0, _factor(s, plan)
             for i in s.leaves:
-                pieces = owner_plan.chunk_pieces(s, start, local[i].batch)
+                pieces = owner_plan.chunk_pieces(s, start, local[i].batch, f)
                 y = _assemble([parts[j] if (lo, hi) == (0, parts[j].shape[0]) else
                                parts[j][lo:hi] for j, lo, hi in pieces])
                 out[i] = matrices.from_matrices(y, local[i])

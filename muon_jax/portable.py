@@ -36,7 +36,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from muon_jax import owners
+from muon_jax import owner_plan, owners
 from muon_jax.sharded_step import ShardedMuonState
 
 __all__ = [
@@ -262,14 +262,14 @@ def _owner_rows(plan: Any) -> tuple[np.ndarray, ...]:
     for s in plan.stacks:
         kk = math.prod(plan.mesh.shape[a] for a in s.k_axes)
         f = math.prod(plan.mesh.shape[a] for op in s.ops for a in op.axes)
-        rows = np.full((kk, f * s.k_owner), -1, np.int32)
+        local = np.full((kk, f * s.k_owner), -1, np.int32)  # per row of each local stack
         for q in range(kk):
             r = 0
             for i in s.leaves:
                 b = plan.leaves[i].view.batch // kk
-                rows[q, r: r + b] = offsets[i] + q * b + np.arange(b)
+                local[q, r: r + b] = offsets[i] + q * b + np.arange(b)
                 r += b
-        out.append(rows.reshape(-1))
+        out.append(local[:, owner_plan.owner_rows(s, f)].reshape(-1))
     return tuple(out)
 
 

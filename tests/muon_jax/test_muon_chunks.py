@@ -56,8 +56,11 @@ def test_chunked_equals_unchunked_and_reference_with_same_bytes(axis_type):
     assert any(len(s.chunks) > 1 for s in sc.plan.stacks)
     assert all(sum(s.chunks) == s.k_owner for s in sc.plan.stacks)
     assert len(rc) > len(r1) and rc.ring_bytes == r1.ring_bytes
-    for a, b in zip(s1.mu, sc.mu, strict=True):  # the state does not depend on chunks
+    for a, b in zip(s1.mu, sc.mu, strict=True):  # same shapes; rows in chunk order
         assert a.shape == b.shape and a.sharding.is_equivalent_to(b.sharding, a.ndim)
+    # The same momentum per matrix: the chunks' contiguous ranges only reorder owner rows.
+    for a, b in zip(jax.tree.leaves(muon_jax.portable_state(s1)),
+                    jax.tree.leaves(muon_jax.portable_state(sc)), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     for got_c, got_1, ref in zip(oc, o1, refs, strict=True):
         for k in SHAPES:
@@ -115,3 +118,22 @@ def test_chunk_sizes_and_bad_chunk_bytes():
     for bad in (-1, 1.5, True, "1M"):
         with pytest.raises(ValueError, match="chunk_bytes"):
             muon_jax.ShardingOptions(mesh, chunk_bytes=bad)
+
+
+def test_chunks_hold_contiguous_matrices():
+    """A chunk holds a contiguous range of its stack (so its collectives wait for those leaves
+    only, e.g. one layer's gradients), its owners each a block of it; one chunk is the
+    unchunked layout."""
+    stack = owner_plan.StackPlan(2, 2, np.dtype("float32"), (0,), (), (), 12, 3, (1, 2))
+    # 4 owners; chunk 0: rows 0-3 (one each), chunk 1: rows 4-11 (two each).
+    assert owner_plan.owner_rows(stack, 4).tolist() == [0, 4, 5, 1, 6, 7, 2, 8, 9, 3, 10, 11]
+    assert owner_plan.chunk_pieces(stack, 2, 6, 4) == [(0, 2, 4), (1, 0, 4)]
+    one = owner_plan.StackPlan(2, 2, np.dtype("float32"), (0,), (), (), 12, 3, (3,))
+    assert owner_plan.owner_rows(one, 4).tolist() == list(range(12))
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+    plan = owner_plan.plan_owners([(f"layer{i}", (8, 4, 4), np.float32, P()) for i in range(4)],
+                                  [None] * 4, mesh=mesh, chunk_bytes=8 * 4 * 4 * 4)
+    (s,) = plan.stacks
+    assert s.chunks == (1,) * 4  # one layer's 8 matrices per chunk
+    rows = owner_plan.owner_rows(s, 8).reshape(8, 4)  # [owner, chunk]
+    assert [sorted(set(rows[:, j] // 8)) for j in range(4)] == [[0], [1], [2], [3]]
