@@ -120,6 +120,22 @@ def rotary(x: jax.Array, base: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
+def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal cuDNN attention of ``[batch, seq, heads, head_dim]`` operands. On Explicit mesh
+    axes it runs per batch shard (``shard_map``): the cuDNN call has no sharding rule, so its
+    result would be typed replicated and lose the batch split the backward pass needs (a
+    reduced weight's gradient is a sum over the batch's shards)."""
+    def attend(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+    sharding = jax.typeof(q).sharding
+    if not moe.meshes.is_explicit(sharding.mesh):
+        return attend(q, k, v)
+    spec = sharding.spec
+    return jax.shard_map(attend, mesh=sharding.mesh, in_specs=(spec,) * 3, out_specs=spec)(
+        q, k, v)
+
+
 class Attention(nnx.Module):
     """Causal multi-head self-attention with rotary embeddings."""
 
@@ -152,8 +168,7 @@ class Attention(nnx.Module):
         q, k = rotary(q, self.rope_base), rotary(k, self.rope_base)
         with jax.named_scope("attention"):
             if self.impl == "cudnn":
-                y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                 implementation="cudnn").reshape(b, s, d)
+                y = cudnn_attention(q, k, v).reshape(b, s, d)
             else:
                 logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / (d // h) ** 0.5
                 mask = jnp.tril(jnp.ones((s, s), dtype=bool))
