@@ -86,6 +86,21 @@ def _symmetric_blocks(value: str):
                                          f"{value!r}")
     return blocks
 
+
+def _chunk_bytes(value: str):
+    """``--muon-chunk-bytes``: 'auto' or an int >= 0."""
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a byte count >= 0 (0: one "
+                                         f"collective per stack), got {value!r}")
+    return n
+
+
 def _preset_help(name: str, what: str = "") -> str:
     vals = ", ".join(f"{p} {PRESETS[p][name]}" for p in PRESETS)
     return f"{what}{'; ' if what else ''}default from --preset ({vals})"
@@ -195,6 +210,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(router kernels excepted), so their gradients arrive unreduced and "
                         "Muon reduce-scatters them to their owners in bf16 (muon_jax.muon's "
                         "reduce_dtype; half the bytes)")
+    p.add_argument("--muon-chunk-bytes", type=_chunk_bytes, default="auto",
+                   help="bytes of one of Muon's owner collectives (muon_jax.ShardingOptions' "
+                        "chunk_bytes; 0: one per stack of same-shape matrices). A chunk holds "
+                        "consecutive matrices of its stack, so with one layer's matrices per "
+                        "chunk its gradients' reduction, Newton-Schulz and gather wait only "
+                        "for that layer and run under the backward pass of the layers before "
+                        "it. auto: one layer's expert banks when the batch is split over "
+                        "several 'data' devices, else 0")
     p.add_argument("--ns-method", choices=NS_METHODS,
                    default="auto",
                    help="Muon's Newton-Schulz: standard, its Gram form, or auto (standard "

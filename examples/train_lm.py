@@ -195,8 +195,10 @@ def muon_adam_lr(args) -> float:
     return args.lr if args.muon_adam_lr is None else args.muon_adam_lr
 
 
-def make_tx(name: str, args, mesh) -> optax.GradientTransformation:
-    """Muon (hidden matrices, ZeRO-1 sharded) + AdamW for the rest, or plain AdamW."""
+def make_tx(name: str, args, mesh, param_specs=None) -> optax.GradientTransformation:
+    """Muon (hidden matrices, ZeRO-1 sharded) + AdamW for the rest, or plain AdamW;
+    ``param_specs``: the params' specs for Muon's owner plan when ``init`` is traced on an
+    Auto mesh (``muon_jax.ShardingOptions``), else read from the params."""
 
     def schedule(peak):
         warmup = min(args.warmup, args.steps // 2)
@@ -215,10 +217,26 @@ def make_tx(name: str, args, mesh) -> optax.GradientTransformation:
                                                    symmetric_blocks=args.ns_symmetric_blocks),
         sharding=muon_jax.ShardingOptions(
             mesh,
+            param_specs=param_specs,
+            chunk_bytes=muon_chunk_bytes(args, mesh),
             gather_dtype={"auto": "auto", "float32": None}.get(args.muon_gather_dtype,
                                                                jnp.bfloat16),
             reduce_dtype=jnp.bfloat16 if unreduced_grads(args) else None),
     )
+
+
+def muon_chunk_bytes(args, mesh) -> int | None:
+    """``--muon-chunk-bytes`` resolved for ``mesh`` (``muon_jax.ShardingOptions``'
+    ``chunk_bytes``; None: one collective per stack). ``auto``: where the batch is split over
+    several 'data' devices, the bytes of one layer's expert banks (f32 params; their matrices
+    form the largest stack, in layer order), so each chunk is one layer and moves as soon as
+    the backward pass has produced that layer's gradients; else None."""
+    value = getattr(args, "muon_chunk_bytes", 0)
+    if value == "auto":
+        if mesh.shape["data"] == 1:
+            return None
+        return 3 * args.experts * args.d_model * args.d_ff * 4  # gate, up and down, f32
+    return value or None
 
 
 def unreduced_grads(args) -> bool:
