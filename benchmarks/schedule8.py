@@ -17,8 +17,12 @@ the modeled times handed to XLA's scheduler (``xla_comm.latency``). Cases (``--o
 * ``muon``: sharded Muon on 8 GPUs, the 1.6B set of ``benchmarks/muon_step.py`` (f32 params),
   updates gathered in f32 and in bf16 (``--muon-reduce-dtypes``: also bf16 reduce-scatters), per
   ``--muon-chunk-bytes``;
-* ``train``: ``examples/train_lm.py``'s GPU-preset step on meshes (1, 8) and (2, 4), as its
-  ``--pgle`` runs it (``--train-variants``: micro-batches x chunks);
+* ``train``: ``examples/train_lm.py``'s GPU-preset step at the preset's per-device batch
+  (64 x 1024 tokens) on ``--train-meshes`` (expert-parallel (1, 8) and (2, 4), data-parallel
+  (8, 1) and (4, 2)), as its ``--pgle`` runs it (``--train-variants``: micro-batches x
+  chunks), with Muon (the trainer's defaults and ``--train-flags``) and with AdamW; each
+  records ``backward_order``: which reduce-scatters and all-gathers start before the backward
+  pass's last GEMM;
 * ``gpu1``: on a real GPU, the layer at A's per-device work (EP=1, 4 experts) unchunked and in
   2 chunks, timed interleaved, and the compute model checked against it.
 
@@ -29,8 +33,10 @@ the modeled times handed to XLA's scheduler (``xla_comm.latency``). Cases (``--o
     python3 benchmarks/schedule8.py --small                  # CPU, 8 simulated devices
 
 JSON: the headline keys first (``moe_ep8_exposed_fraction``, ``..._dropless_...``,
-``muon_dp8_exposed_fraction``, ``train_step_ep8_exposed_fraction``, ``moe_ep16/64_...``, their
-``..._xla_estimates``; ``targets``, ``met``), then ``cases`` (each program's summary),
+``muon_dp8_exposed_fraction``, ``..._exposed_floor``, ``train_step_ep8_exposed_fraction``,
+``train_step_dp8_exposed_fraction``, ``train_step_dp8_muon_over_adamw_step``,
+``train_step_4x2_exposed_fraction``, ``moe_ep16/64_...``, their ``..._xla_estimates``;
+``targets``, ``met``), then ``cases`` (each program's summary),
 ``hardware``; ``--hlo-dir``: every compiled module (gzip), which ``--replay`` reads back.
 """
 
@@ -70,7 +76,9 @@ SMALL_SHAPES = {"A": MoeShape(512, 256, 128, 16, 2), "B": MoeShape(512, 512, 256
 TARGETS = {"moe_ep8_exposed_fraction": 0.15, "moe_ep8_dropless_exposed_fraction": 0.15,
            "moe_ep8_B_exposed_fraction": 0.15, "moe_ep8_B_dropless_exposed_fraction": 0.15,
            "muon_dp8_exposed_fraction": 0.10, "train_step_ep8_exposed_fraction": 0.20,
-           "chunked_over_unchunked_1gpu": 1.05}
+           "chunked_over_unchunked_1gpu": 1.05, "train_step_dp8_exposed_fraction": 0.10,
+           "train_step_dp8_muon_over_adamw_step": 1.05, "train_step_4x2_exposed_fraction": 0.10,
+           "muon_dp8_exposed_over_floor": 0.05}
 GROUPS = "moe8,moe8b,muon,train,moe16,moe64,gpu1"
 
 
@@ -85,8 +93,15 @@ def parse_args(argv=None):
     add("--default-chunks", type=int, help="chunks the headline keys are for (the layer's)")
     add("--local-first", default="off", help="off and/or on: the layer's local_first")
     add("--train-variants", default="1,2", help="micro-batches[xCHUNKS] of the train cases")
+    add("--train-meshes", default="1x8,2x4,8x1,4x2", help="('data', 'expert') meshes of them")
+    add("--train-optimizers", default="muon,adamw", help="muon and/or adamw train steps")
+    add("--train-batch", type=int, default=0,
+        help="sequences per train step (0: the GPU preset's per device, 512 on 8)")
+    add("--train-flags", default="", help="trainer flags of the Muon train cases, e.g. "
+        "'--muon-reduce-dtype bfloat16 --muon-chunk-bytes 201326592'")
     add("--muon-chunk-bytes", default="0,1", help="chunk_bytes of the Muon cases (0: default)")
     add("--muon-reduce-dtypes", default="f32", help="f32 and/or bf16 reduce-scatters")
+    add("--muon-gather-dtypes", default="f32,bf16", help="f32 and/or bf16 update gathers")
     add("--link-gbps", type=float, help="per GPU within a host (default: xla_comm.schedule's)")
     add("--inter-host-gbps", type=float, default=50.0)
     add("--parallel-collectives", type=int, default=1, help="async collectives in flight")
@@ -225,6 +240,8 @@ class Run:
             compiled, first = compiled.compiled, compiled.default
         rows = extra.get("grouped_rows")
         out = {**self.summaries(compiled, rows), **extra}
+        if name.startswith("train_step"):
+            out["backward_order"] = backward_order(compiled)
         if first is not None:
             out["xla_estimates"] = self.summaries(first, rows)
             self.write_hlo(f"{name}.xla_estimates", first)
@@ -458,11 +475,13 @@ def muon_compiled(run, mesh, gather_dtype, chunk_bytes, reduce_dtype=None):
 def muon_cases(run):
     import jax.numpy as jnp
     mesh = run.mesh("1x8x1", (8,), ("data",))
-    reduce = set(run.a.muon_reduce_dtypes.split(","))
-    if not reduce <= {"f32", "bf16"}:
-        raise SystemExit(f"--muon-reduce-dtypes takes f32 and/or bf16, got {reduce}")
-    variants = [(None, "f32", None), (jnp.bfloat16, "bf16", None)] + (
-        [(jnp.bfloat16, "bf16", jnp.bfloat16)] if "bf16" in reduce else [])
+    reduce, gather = (set(getattr(run.a, f"muon_{k}_dtypes").split(","))
+                      for k in ("reduce", "gather"))
+    if not reduce | gather <= {"f32", "bf16"}:
+        raise SystemExit(f"--muon-reduce-dtypes and --muon-gather-dtypes take f32 and/or "
+                         f"bf16, got {reduce} and {gather}")
+    variants = [(None, "f32", None)] * ("f32" in gather) + [(jnp.bfloat16, "bf16", None)] * (
+        "bf16" in gather) + [(jnp.bfloat16, "bf16", jnp.bfloat16)] * ("bf16" in reduce)
     for cb in (int(v) for v in run.a.muon_chunk_bytes.split(",")):
         for gd, label, rd in variants:
             name = (f"muon_dp8_{label}_gather" + ("_bf16_reduce" if rd else "")
@@ -475,84 +494,165 @@ def muon_cases(run):
 # ----------------------------------------------------------------------------- the trainer
 
 
-def train_setup(run, mesh_shape, micro_batches, chunks):
-    """The trainer's arguments for a case, its chunks (``auto``: what ``--pgle`` runs when the
-    step is scheduled on the modeled latencies, else the layer's own) and grouped rows."""
+def train_setup(run, mesh_shape, micro_batches, chunks, optimizer="muon"):
+    """The trainer's arguments for a case (``--train-flags`` for Muon's), its chunks
+    (``auto``: what ``--pgle`` runs when the step is scheduled on the modeled latencies, else
+    the layer's own) and grouped rows. The batch is ``--train-batch`` sequences (default: the
+    preset's, 64 on its one GPU, per device)."""
+    import shlex
+
     import numpy as np
     import train_lm
 
     import moe
+    ndev = int(np.prod(mesh_shape))
     preset = ["--preset", "cpu" if run.a.small else "gpu", "--micro-batches", str(micro_batches)]
+    batch = run.a.train_batch or train_lm.parse_args(preset).batch * ndev
+    preset += ["--batch", str(batch)]
     args = train_lm.parse_args(preset)
     if chunks == "auto":
         mesh = types.SimpleNamespace(shape=dict(zip(train_lm.MESH_AXES, mesh_shape, strict=True)),
                                      devices=np.zeros(mesh_shape))
         chunks = train_lm.resolve_overlap_chunks(args, mesh, pgle=bool(run.a.latency_model))
-    tokens = args.batch * args.seq_len // int(np.prod(mesh_shape)) // micro_batches
+    tokens = args.batch * args.seq_len // ndev // micro_batches
     c = moe.auto_overlap_chunks(mesh_shape[1], tokens, "dense") if chunks == "auto" else int(
         chunks)
-    argv = [*preset, "--optimizer", "muon", "--mesh", ",".join(map(str, mesh_shape)),
+    argv = [*preset, "--optimizer", optimizer, "--mesh", ",".join(map(str, mesh_shape)),
             "--overlap-chunks", str(chunks)]
+    if optimizer == "muon":
+        argv += shlex.split(run.a.train_flags)
     return train_lm.parse_args(argv), chunks, grouped_rows(tokens, c, args.top_k)
 
 
+def abstract_model(mesh, cfg):
+    """The trainer's model as ``(graphdef, params, rest)`` of ``jax.ShapeDtypeStruct`` s
+    placed on ``mesh`` as ``lm_model.create_sharded`` places them (no arrays: the mesh's
+    devices may be virtual)."""
+    import jax
+    import lm_model
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    abstract = nnx.eval_shape(lambda: lm_model.TransformerLM(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
+    gdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+
+    def placed(x, spec):
+        spec = spec.get_value() if hasattr(spec, "get_value") else getattr(spec, "value", spec)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
+            mesh, spec if isinstance(spec, P) else P()))
+
+    params = jax.tree.map(placed, params, nnx.get_partition_spec(params),
+                          is_leaf=lambda v: isinstance(v, nnx.Variable))
+    rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=NamedSharding(mesh, P())), rest)
+    return gdef, params, rest
+
+
 def train_compiled(run, mesh_shape, args, rows):
+    """The trainer's step (``train_lm.train_step``, or ``train_step_unreduced`` on an
+    Explicit mesh when Muon's gradients arrive unreduced) with its own optimizer
+    (``train_lm.make_tx``), lowered on abstract params and compiled."""
     import jax
     import jax.numpy as jnp
-    import lm_model
     import optax
     import train_lm
     from flax import nnx
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    import muon_jax
-    mesh = run.mesh("1x8x1", mesh_shape, train_lm.MESH_AXES, explicit=False)  # as the trainer
-    cfg = train_lm.model_config(args)
+    unreduced = train_lm.unreduced_grads(args)
+    mesh = run.mesh("1x8x1", mesh_shape, train_lm.MESH_AXES, explicit=unreduced)  # as the trainer
     with jax.set_mesh(mesh):
-        abstract = nnx.eval_shape(lambda: lm_model.TransformerLM(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
-        gdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-
-        def placed(x, spec):
-            spec = spec.get_value() if hasattr(spec, "get_value") else getattr(spec, "value", spec)
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
-                mesh, spec if isinstance(spec, P) else P()))
-
-        params = jax.tree.map(placed, params, nnx.get_partition_spec(params),
-                              is_leaf=lambda v: isinstance(v, nnx.Variable))
-        rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-            x.shape, x.dtype, sharding=NamedSharding(mesh, P())), rest)
-        tx = muon_jax.muon(0.02, weight_decay=0.01, sharding=muon_jax.ShardingOptions(
-            mesh, param_specs=jax.tree.map(lambda x: x.sharding.spec, params)))
+        gdef, params, rest = abstract_model(mesh, train_lm.model_config(args))
+        tx = train_lm.make_tx(args.optimizer, args, mesh,
+                              param_specs=jax.tree.map(lambda x: x.sharding.spec, params))
         state = jax.eval_shape(tx.init, params)
         batch = jax.ShapeDtypeStruct((args.batch, args.seq_len + 1), jnp.int32,
                                      sharding=NamedSharding(mesh, P(train_lm.MESH_AXES)))
 
         def step(params, rest, state, batch):
+            view = (train_lm.reduced_muon_view(params, args.router_optimizer) if unreduced
+                    else params)
             grads = jax.grad(lambda p: train_lm.loss_terms(
-                nnx.merge(gdef, p, rest), batch, 0.01, 1e-3)[0])(params)
+                nnx.merge(gdef, p, rest), batch, args.aux_loss, args.z_loss)[0])(view)
             updates, state = tx.update(grads, state, params)
             return optax.apply_updates(params, updates), state
 
         return run.build(jax.jit(step).lower(params, rest, state, batch), rows)
 
 
+def backward_order(compiled_or_text) -> dict:
+    """Where a compiled step's reduce-scatters and all-gathers start in its schedule (the
+    entry computation's order) against the backward pass's last GEMM (a GEMM named
+    ``transpose(jvp(...))``, the name JAX gives the backward pass; None where there is none):
+    per kind, how many there are, how many start ``before`` that GEMM, and the position of the
+    ``first``. Gradients reduced as the backward pass produces them, and updates gathered
+    while it still runs, start before it.
+
+    Returns:
+      ``{'last_backward_gemm': int | None, 'reduce-scatter': {'count', 'before', 'first'},
+      'all-gather': {...}}``.
+    """
+    from xla_comm import costs, hlo
+    mod = hlo.parse_hlo(compiled_or_text)
+    entry = mod.entry or next(iter(mod.computations))
+    order = {ins.name: k for k, ins in enumerate(mod.computations[entry])}
+    table = {ins.name: ins for ins in mod.instructions()}
+    last = max((order[ins.name] for ins in mod.computations[entry]
+                if "transpose(jvp" in ins.attrs
+                and costs.instruction_cost(ins, mod, table).gemm), default=None)
+    colls = hlo.analyze_collectives(hlo.hlo_text(compiled_or_text))
+    out = {"last_backward_gemm": last}
+    for kind in ("reduce-scatter", "all-gather"):
+        starts = sorted(order[c.name] for c in colls if c.kind == kind and c.name in order)
+        out[kind] = {"count": len(starts),
+                     "before": sum(last is not None and k < last for k in starts),
+                     "first": starts[0] if starts else None}
+    return out
+
+
 def train_cases(run):
+    """Per ``--train-meshes`` mesh and ``--train-variants`` variant, the trainer's Muon step
+    (``train_step_meshDxE...``) and, per ``--train-optimizers``, its AdamW step (``..._adamw``)."""
     import sys
     sys.path.append(str(bench.library_root() / "examples"))
-    for shape in ((1, 8), (2, 4)):
-        for v in run.a.train_variants.split(","):
+    optimizers = run.a.train_optimizers.split(",")
+    if not set(optimizers) <= {"muon", "adamw"}:
+        raise SystemExit(f"--train-optimizers takes muon and/or adamw, got {optimizers}")
+    for shape in (tuple(int(n) for n in m.split("x")) for m in run.a.train_meshes.split(",")):
+        for v, opt in ((v, o) for v in run.a.train_variants.split(",") for o in optimizers):
             mb, _, ch = v.partition("x")
             mb, ch = int(mb), ch or "auto"
             name = (f"train_step_mesh{shape[0]}x{shape[1]}" + (f"_micro{mb}" if mb > 1 else "")
-                    + (f"_chunks{ch}" if ch != "auto" else ""))
-            args, chunks, rows = train_setup(run, shape, mb, ch)
+                    + (f"_chunks{ch}" if ch != "auto" else "")
+                    + ("_adamw" if opt == "adamw" else ""))
+            args, chunks, rows = train_setup(run, shape, mb, ch, opt)
             run.case(name, lambda s=shape, args=args, rows=rows: train_compiled(
                 run, s, args, rows), {"mesh": list(shape), "micro_batches": mb,
-                                      "overlap_chunks": chunks, "grouped_rows": rows})
+                                      "overlap_chunks": chunks, "grouped_rows": rows,
+                                      "optimizer": opt, "batch": args.batch,
+                                      "flags": run.a.train_flags if opt == "muon" else ""})
 
 
 # ----------------------------------------------------------------------------- summary
+
+
+def data_parallel_train(cases: dict) -> dict:
+    """The headline keys of the data-parallel train steps (meshes (8, 1) and (4, 2)): the
+    exposed share of each Muon step's collective time, and on (8, 1) its step time over AdamW's
+    (None for a case not compiled)."""
+    def summary(name):
+        return cases[name]["all"] if "all" in cases.get(name, {}) else None
+
+    out = {}
+    for key, mesh in (("dp8", "8x1"), ("4x2", "4x2")):
+        muon, adamw = summary(f"train_step_mesh{mesh}"), summary(f"train_step_mesh{mesh}_adamw")
+        out[f"train_step_{key}_exposed_fraction"] = muon and muon["exposed_fraction"]
+        out[f"train_step_{key}_adamw_exposed_fraction"] = adamw and adamw["exposed_fraction"]
+        out[f"train_step_{key}_muon_over_adamw_step"] = (
+            muon["step_us"] / adamw["step_us"] if muon and adamw else None)
+    return out
 
 
 def summarize(report: dict, defaults: dict[str, int]) -> dict:
@@ -583,6 +683,9 @@ def summarize(report: dict, defaults: dict[str, int]) -> dict:
         head[f"muon_dp8_{key}chunked_exposed_fraction"] = frac(
             f"{case}_chunk1")
         head[f"muon_dp8_{key}exposed_floor"] = floor(case)
+    head["muon_dp8_exposed_over_floor"] = (None if frac(mu) is None or floor(mu) is None
+                                           else frac(mu) - floor(mu))
+    head.update(data_parallel_train(cases))
     head.update({"train_step_ep8_exposed_fraction": frac(tr),
                  "train_step_2x4_exposed_fraction": frac("train_step_mesh2x4"),
                  "moe_ep16_exposed_fraction": frac(f"moe_ep16_A_dense_chunks{dn}"),
