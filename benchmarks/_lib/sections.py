@@ -101,6 +101,10 @@ _SCHEDULE_CASES = (
      (("train_step_mesh1x8", 4), ("train_step_mesh1x8_chunks2", 2),
       ("train_step_mesh1x8_micro2_chunks2", 2), ("train_step_mesh2x4", 4),
       ("train_step_mesh2x4_chunks2", 2), ("train_step_mesh2x4_micro2_chunks2", 2))),
+    ("the same at 64 x 1024 tokens per GPU on the data-parallel mesh (8, 1): Muon (its "
+     "defaults: one layer's expert banks per chunk), AdamW; then on mesh (4, 2)",
+     (("train_step_mesh8x1", 1), ("train_step_mesh8x1_adamw", 1), ("train_step_mesh4x2", 4),
+      ("train_step_mesh4x2_adamw", 4))),
 )
 
 
@@ -172,7 +176,12 @@ def schedules(C: dict) -> Lines:
                "Muon's synthetic step has no backward pass: its collectives outlast its "
                "compute, so no order of its "
                f"work exposes less than {fig(C, 'sched_muon_dp8_floor')} of them "
-               "(`ScheduleReport.exposed_floor_fraction`).",
+               "(`ScheduleReport.exposed_floor_fraction`). In the trainer's data-parallel "
+               "step Muon's reductions run under the backward pass and each layer's chunk "
+               f"under the layers before it: {fig(C, 'sched_train_dp8')} of its collective "
+               "time exposed on mesh (8, 1), a modeled step "
+               f"{fig(C, 'sched_train_dp8_muon_over_adamw')} AdamW's there, and "
+               f"{fig(C, 'sched_train_4x2')} on (4, 2).",
                ""]
             + source(C, "schedule8") + [""])
 
