@@ -54,7 +54,7 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Literal, NamedTuple
 
-from xla_comm import trace
+from xla_comm import parse, trace
 
 __all__ = ["CATEGORIES", "REST", "Rule", "categories", "categorize_hlo", "format_regions",
            "format_table", "hlo_regions", "kernel_category", "kernel_region", "op_breakdown",
@@ -106,14 +106,11 @@ _COLLECTIVES = {"all-to-all", "ragged-all-to-all", "all-gather", "all-reduce",
                 "send-done", "recv-done", "ragged-all-to-all-start", "ragged-all-to-all-done"}
 _GATHERS = {"gather", "scatter", "dynamic-slice", "dynamic-update-slice"}
 _CONTAINERS = {"conditional", "while", "call", "async-start", "async-done"}
-_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s+->\s+.*\{\s*$")
-_INST = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
 _CALLS = re.compile(r"calls=\{?%?([\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 # XLA's combiners (e.g. of the gradients' all-reduces) name the merged op "prefix/(a:b:...)".
 _MERGED = re.compile(r"^(.*?/)?\((.+:.+)\)$")
-_OPERAND = re.compile(r"%([\w.\-]+)")
 _KERNEL_NAME = re.compile(r'\\?"name\\?"\s*:\s*\\?"([\w.\-]+)')
 _GEMM_TARGET = re.compile(r"cublas|gemm|matmul|cudnn\$conv", re.IGNORECASE)
 _MEMCPY = re.compile(r"^\s*(memcpy|memset|cumemcpy|cumemset)", re.IGNORECASE)
@@ -159,69 +156,48 @@ def kernel_region(name: str, kernel_regions: Mapping[str, str] | None) -> str:
 
 
 def _parse(hlo_text: str):
-    """``(instructions, closure, scope_of, out_scope_of)``: name -> (opcode, rest of line) for
+    """``(instructions, closure, scope_of, out_scope_of)``: name -> `parse.Instruction` for
     every instruction; ``closure(computation)`` -> the opcodes it and what it calls hold;
     ``scope_of(computation)`` -> the op_name of its root (else of its first instruction that
     has one); ``out_scope_of(computation)`` -> the op_name nearest its root (the root's, else
     the first found walking back from the root through operands; else ``scope_of``'s)."""
-    insts: dict[str, tuple[str, str]] = {}
-    comp_ops: dict[str, set[str]] = defaultdict(set)
-    comp_calls: dict[str, set[str]] = defaultdict(set)
-    comp_scope: dict[str, str] = {}
-    comp_root: dict[str, str] = {}
-    current = None
-    for line in hlo_text.splitlines():
-        m = _COMP.match(line)
-        if m:
-            current = m.group(1)
-            continue
-        m = _INST.match(line)
-        if not m or current is None:
-            continue
-        name, opcode, rest = m.group(1), m.group(3), m.group(4)
-        insts[name] = (opcode, rest)
-        comp_ops[current].add(opcode)
-        for c in _CALLS.findall(rest):
-            comp_calls[current].add(c)
-        is_root = line.lstrip().startswith("ROOT")
-        if is_root:
-            comp_root[current] = name
-        scope = _OP_NAME.search(rest)
-        if scope and (current not in comp_scope or is_root):
-            comp_scope[current] = scope.group(1)
+    mod = parse.parse_hlo(hlo_text)
+    insts = {ins.name: ins for ins in mod.instructions()}
+
+    def op_name(ins) -> str | None:
+        m = _OP_NAME.search(ins.attrs)
+        return m.group(1) if m else None
 
     def closure(comp, seen=None):  # opcodes of a computation and what it calls (fusions)
         seen = seen or set()
         if comp in seen:
             return set()
         seen.add(comp)
-        ops = set(comp_ops.get(comp, ()))
-        for c in comp_calls.get(comp, ()):
+        body = mod.computations.get(comp, ())
+        ops = {ins.opcode for ins in body}
+        for c in {c for ins in body for c in _CALLS.findall(ins.attrs)}:
             ops |= closure(c, seen)
         return ops
 
     def scope_of(comp):
-        return comp_scope.get(comp, "")
+        named = [(ins.root, op_name(ins)) for ins in mod.computations.get(comp, ())
+                 if op_name(ins)]
+        return next((n for root, n in named if root), named[0][1] if named else "")
 
     def out_scope_of(comp):  # breadth first from the root, back through the operands
-        todo, seen = [comp_root.get(comp)], set()
+        todo = [ins.name for ins in mod.computations.get(comp, ()) if ins.root]
+        seen = set()
         while todo:
             name = todo.pop(0)
-            if name is None or name in seen or name not in insts:
+            if name in seen or name not in insts:
                 continue
             seen.add(name)
-            m = _OP_NAME.search(insts[name][1])
-            if m:
-                return m.group(1)
-            todo += _operands(insts[name][1])
+            if op_name(insts[name]):
+                return op_name(insts[name])
+            todo += list(insts[name].operands)
         return scope_of(comp)
 
     return insts, closure, scope_of, out_scope_of
-
-
-def _operands(rest: str) -> list[str]:
-    """The operand names of an instruction (``rest``: its line after ``opcode(``)."""
-    return _OPERAND.findall(rest.split(")", 1)[0])
 
 
 def _category(ops: set[str], opcode: str, target: str, kernel: str, scope: str,
@@ -258,7 +234,8 @@ def _classify(hlo_text: str, rules: Sequence[Rule] = ()) -> tuple[
     op_name, else the computation's first)."""
     insts, closure, scope_of, out_scope_of = _parse(hlo_text)
     out, operands = {}, {}
-    for name, (opcode, rest) in insts.items():
+    for name, ins in insts.items():
+        opcode, rest = ins.opcode, ins.attrs
         ops = {opcode}
         m = _OP_NAME.search(rest)
         scope = path = m.group(1) if m else ""
@@ -270,7 +247,7 @@ def _classify(hlo_text: str, rules: Sequence[Rule] = ()) -> tuple[
         target = (_TARGET.search(rest) or [None, ""])[1] if opcode == "custom-call" else ""
         kernel = (_KERNEL_NAME.search(rest) or [None, ""])[1] if opcode == "custom-call" else ""
         out[name] = (_category(ops, opcode, target, kernel, scope, rules), path)
-        operands[name] = _operands(rest)
+        operands[name] = list(ins.operands)
     return out, operands
 
 
