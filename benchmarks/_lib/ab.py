@@ -1,6 +1,5 @@
 """In-process A/B of this tree against another (``report.py --ab-pairs BASE_TREE``): one process
 per pair imports both trees' packages and times the same workload built from each, interleaved.
-
 The base tree's packages and ``examples/*.py`` are copied to a temporary folder under new names
 (``moe_base``, ``lm_model_base``, ...): each NAME token of their code that is an old name and
 not an attribute (``self.moe`` stays) is renamed with :mod:`tokenize` (comments, docstrings and
@@ -315,6 +314,7 @@ def worker(base_tree: str, name: str, rounds: int | None, small: bool, out: str)
         "restored": base.restored, "foreign_modules": check_own_code(base)},
         new_over_base=math.exp(sum(map(math.log, ratios)) / len(ratios)))
     bench.write_json(out, rec)
+    shutil.rmtree(base.dir, ignore_errors=True)
     return 0
 
 
@@ -357,7 +357,7 @@ def run_all(base_tree: str, pairs: list[str], rounds: int | None, small: bool, o
 
 def summarize(rep: dict, pairs: list[str]) -> dict:
     """The summary keys: the device, the largest |log(new / base)| of any case, whether every
-    case is within 3% and agrees, whether every pair ran."""
+    case is within 3% and agrees, whether every pair ran on its own trees' code."""
     cases = [c for p in rep["pairs"].values() for c in p["cases"].values()]
     rep["device"] = next((p["env"]["device_kind"] for p in rep["pairs"].values()), None)
     ratios = [c["new_over_base"] for c in cases]
@@ -365,4 +365,5 @@ def summarize(rep: dict, pairs: list[str]) -> dict:
                                            default=None),
                   "all_within_3pct": bool(cases) and all(abs(r - 1) <= 0.03 for r in ratios),
                   "all_agree": bool(cases) and all(c["agreement"]["ok"] for c in cases),
-                  "complete": set(rep["pairs"]) == set(pairs)}
+                  "complete": set(rep["pairs"]) == set(pairs) and not any(
+                      p["loader"]["foreign_modules"] for p in rep["pairs"].values())}

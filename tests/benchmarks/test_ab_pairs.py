@@ -82,6 +82,7 @@ def test_the_base_copy_runs_its_own_code(base_tree):
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     r = json.loads(res.stdout.strip().splitlines()[-1])
+    shutil.rmtree(r["dir"])
     assert r["got"] == {"new": "xla", "base": "einsum"}
     assert any("'einsum' is deprecated" in m for m in r["warned"])
     assert r["base_file"].startswith(r["dir"]) and r["foreign"] == []
