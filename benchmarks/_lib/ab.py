@@ -324,9 +324,9 @@ def run_all(base_tree: str, pairs: list[str], rounds: int | None, small: bool, o
     and a table; exit 1 unless every pair ran and agreed."""
     if bad := set(pairs) - set(PAIRS):
         raise ValueError(f"unknown pairs {sorted(bad)}; choose from {','.join(PAIRS)}")
-    tmp = Path(tempfile.mkdtemp(prefix="ab_pairs_"))
+    tmp, base_tree = Path(tempfile.mkdtemp(prefix="ab_pairs_")), Path(base_tree).resolve()
     rep = {"benchmark": "ab_pairs", "commit": bench.commit(), "base_commit": bench.commit(
-        Path(base_tree)), "base_tree": str(base_tree), "small": small, "pairs": {}, "errors": {}}
+        base_tree), "base_tree": str(base_tree), "small": small, "pairs": {}, "errors": {}}
     for name in pairs:
         path, t0 = tmp / f"{name}.json", time.perf_counter()
         argv = [sys.executable, str(ROOT / "benchmarks" / "report.py"), "--ab-pairs",
@@ -349,9 +349,9 @@ def run_all(base_tree: str, pairs: list[str], rounds: int | None, small: bool, o
                         "agree": r["agreement"]["ok"]} for n, p in rep["pairs"].items()
                        for c, r in p["cases"].items()],
                       ["pair", "case", "base_ms", "new_ms", "new/base", "rel_err", "agree"])
-    print(f"{rep['commit']} over {rep['base_commit']} on {rep['device']}: max |log ratio| "
-          f"{rep['max_abs_log_ratio']}, all within 3%: {rep['all_within_3pct']}, all agree: "
-          f"{rep['all_agree']}, errors: {rep['errors'] or 'none'}")
+    print(f"{rep['commit']} over {rep['base_commit']} on {rep['device']}: " + ", ".join(
+        f"{k} {rep[k]}" for k in ("max_abs_log_ratio", "all_within_3pct", "all_agree",
+                                  "complete", "errors")))
     return 0 if rep["complete"] and rep["all_agree"] else 1
 
 
