@@ -323,9 +323,8 @@ def run_suite(out: pathlib.Path, only: list[str] | None, small: bool, timeout: i
 
 
 def validate(name: str, result: str) -> int:
-    """``--ab-pairs ... --validate NAME``: the A/B's case furthest from 1 (new / base) recorded
-    as a validation of ``current/NAME.json`` at this commit, when within the tolerance and
-    every case agreed."""
+    """``--ab-pairs ... --validate NAME``: the A/B's case furthest from 1 (new / base) as a
+    validation of ``current/NAME.json`` at this commit, if within the tolerance, all agreeing."""
     res = json.loads(pathlib.Path(result).read_text())
     cases = {f"{p}/{c}": r["new_over_base"] for p, v in res["pairs"].items()
              for c, r in v["cases"].items()}

@@ -35,8 +35,7 @@ import numpy as np
 from _lib import ROOT, bench
 
 PACKAGES = ("moe", "muon_jax", "xla_comm", "accel_kernels")
-PAIRS = ("layer", "experts", "muon_step", "lm_step")
-ROUNDS = {"layer": 20, "experts": 20, "muon_step": 10, "lm_step": 10}
+ROUNDS = {"layer": 20, "experts": 20, "muon_step": 10, "lm_step": 10}  # the pairs' rounds
 T0 = time.perf_counter()
 
 
@@ -96,10 +95,9 @@ def load_base(tree: str | Path, with_examples: bool) -> SimpleNamespace:
 
     cache = dict(variablelib.VariableTypeCache)
     sys.path.append(str(dest))
-    base = SimpleNamespace(dir=dest, names=names, strings_renamed=strings, **{
-        p: importlib.import_module(names[p]) for p in pkgs if p != "xla_comm"})
-    if with_examples:
-        base.train_lm = importlib.import_module(names["train_lm"])
+    wanted = [p for p in pkgs if p != "xla_comm"] + ["train_lm"] * with_examples
+    base = SimpleNamespace(dir=dest, names=names, strings_renamed=strings,
+                           **{p: importlib.import_module(names[p]) for p in wanted})
     restored = [k for k, v in cache.items() if variablelib.VariableTypeCache.get(k) is not v]
     variablelib.VariableTypeCache.update({k: cache[k] for k in restored})
     base.restored = [f"flax variable name {k!r}" for k in restored]
@@ -115,13 +113,10 @@ def new_tree(with_examples: bool) -> SimpleNamespace:
 
 def check_own_code(base: SimpleNamespace) -> list[str]:
     """The loaded modules of either tree whose file is not in that tree (none expected)."""
-    bad = []
-    for name, mod in list(sys.modules.items()):
-        top, file = name.split(".")[0], getattr(mod, "__file__", None)
-        home = base.dir if top in base.names.values() else ROOT if top in base.names else None
-        if file and home and not Path(file).resolve().is_relative_to(home.resolve()):
-            bad.append(f"{name}: {file}")
-    return bad
+    homes = dict.fromkeys(base.names, ROOT) | dict.fromkeys(base.names.values(), base.dir)
+    return [f"{name}: {m.__file__}" for name, m in list(sys.modules.items())
+            if getattr(m, "__file__", None) and name.split(".")[0] in homes and not Path(
+                m.__file__).resolve().is_relative_to(homes[name.split(".")[0]].resolve())]
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -229,44 +224,51 @@ def pair_experts(trees: dict, a) -> dict:
 
 
 def pair_muon_step(trees: dict, a) -> dict:
-    """The unsharded ``muon_jax.muon`` update applied to benchmarks/muon_step.py's default
-    params (per layer four d x d, two d x f, one f x d: 8 layers, d 4096, f 11008, 1.62B bf16
-    params), one device, the library's defaults (bf16 momentum: with f32 both trees' states
-    and the update's buffers may not fit an H100). Plain matrices: the new tree's MoE gate/up
-    banks as two matrices each do not enter. Agreement: the param changes (their bf16
-    rounding alone can differ by a few 1e-3)."""
+    """A ``muon_jax.muon`` step (update, apply) as benchmarks/muon_step.py times it on one GPU:
+    sharded over a one-device mesh (unsharded, each matrix has kernels of its own: minutes of
+    compiling on Hopper), its 1.62B bf16 params (8 layers of four d x d, two d x f, one f x d;
+    d 4096, f 11008), library defaults (bf16 momentum: f32 states of both trees may not fit an
+    H100). Plain matrices: no MoE banks, which the new tree splits into gate and up. Agreement:
+    the param changes, whose bf16 rounding alone can differ by a few 1e-3."""
     import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     layers, d, f = (4, 64, 176) if a.small else (8, 4096, 11008)
     shapes = {"wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d), "w_gate": (d, f),
               "w_up": (d, f), "w_down": (f, d)}
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1],
+                         axis_types=(jax.sharding.AxisType.Explicit,))
 
     def tree(salt, scale):  # bf16 normals, a key per matrix
         return {f"layer_{i}": {k: (scale * jax.random.normal(jax.random.key(
             salt + 10 * i + j), s)).astype(jnp.bfloat16) for j, (k, s) in enumerate(
                 shapes.items())} for i in range(layers)}
 
-    params, grads = jax.jit(lambda: tree(1000, 0.02))(), jax.jit(lambda: tree(2000, 1.0))()
+    put = NamedSharding(mesh, P())
+    params, grads = (jax.jit(lambda s=s, c=c: tree(s, c), out_shardings=put)()
+                     for s, c in ((1000, 0.02), (2000, 1.0)))
 
-    def step(muon_jax):
-        tx = muon_jax.muon(0.02, weight_decay=0.01)
-        state = jax.jit(tx.init)(params)
+    def step(muon_jax):  # sharding=ShardingOptions(mesh); in 8b11414 mesh=mesh
+        kw = ({"sharding": muon_jax.ShardingOptions(mesh)} if hasattr(
+            muon_jax, "ShardingOptions") else {"mesh": mesh})
+        tx = muon_jax.muon(0.02, weight_decay=0.01, **kw)
+        state = tx.init(params)
         fn = jax.jit(lambda p, s, g: (lambda u, s2: (optax.apply_updates(p, u), s2))(
             *tx.update(g, s, p)))
         return lambda: fn(params, state, grads)
 
-    case = measure("muon_step", {s: step(t.muon_jax) for s, t in trees.items()}, a, tol=2e-2,
-                   pick=lambda out: out[0], ref=params)
-    return {"shapes": dict(layers=layers, d_model=d, d_ff=f, params=sum(
-        x.size for x in jax.tree.leaves(params))), "cases": {"update": case}}
+    with jax.set_mesh(mesh):
+        case = measure("muon_step", {s: step(t.muon_jax) for s, t in trees.items()}, a,
+                       tol=2e-2, pick=lambda out: out[0], ref=params)
+    return {"shapes": dict(layers=layers, d_model=d, d_ff=f), "cases": {"update": case}}
 
 
 def pair_lm_step(trees: dict, a) -> dict:
-    """examples/train_lm.py's ``train_step`` (forward, backward of cross-entropy + the
-    balancing and router z-losses, update) on the model, optimizer and flags the trainer
-    builds (``parse_args``, ``create``): GPU preset, AdamW (Muon's treatment of the MoE banks
-    changed), one device, random bytes. Agreement: the losses of two steps (the second after
-    the first update)."""
+    """examples/train_lm.py's ``train_step`` (forward, backward of cross-entropy + balancing
+    and router z-losses, update) on the model, optimizer and flags the trainer builds
+    (``parse_args``, ``create``): GPU preset, AdamW (Muon's treatment of MoE banks changed),
+    one device, random bytes. Agreement: the losses of two steps, the second after an update."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -299,11 +301,9 @@ def worker(base_tree: str, name: str, rounds: int | None, small: bool, out: str)
     a = SimpleNamespace(small=small, seed=0, rounds=rounds or (3 if small else ROUNDS[name]))
     try:
         log(f"{name}: loading this tree and {base_tree}")
-        trees = {"new": new_tree(name == "lm_step"), "base": load_base(base_tree,
-                                                                      name == "lm_step")}
-        base = trees["base"]
-        log(f"{name}: base copy in {base.dir} ({base.strings_renamed} module-path strings "
-            f"renamed; restored: {base.restored or 'nothing'})")
+        trees = {"new": new_tree(name == "lm_step")}  # first: see load_base
+        trees["base"] = base = load_base(base_tree, name == "lm_step")
+        log(f"{name}: base copy in {base.dir}, restored: {base.restored or 'nothing'}")
         rec = globals()[f"pair_{name}"](trees, a)
     except Exception:  # noqa: BLE001  (report.py would print one line; the lead needs it all)
         traceback.print_exc()
@@ -322,8 +322,8 @@ def run_all(base_tree: str, pairs: list[str], rounds: int | None, small: bool, o
             timeout: int) -> int:
     """Each pair in a process of its own (this one never starts JAX's backend), then one JSON
     and a table; exit 1 unless every pair ran and agreed."""
-    if bad := set(pairs) - set(PAIRS):
-        raise ValueError(f"unknown pairs {sorted(bad)}; choose from {','.join(PAIRS)}")
+    if bad := set(pairs) - set(ROUNDS):
+        raise ValueError(f"unknown pairs {sorted(bad)}; choose from {','.join(ROUNDS)}")
     tmp, base_tree = Path(tempfile.mkdtemp(prefix="ab_pairs_")), Path(base_tree).resolve()
     rep = {"benchmark": "ab_pairs", "commit": bench.commit(), "base_commit": bench.commit(
         base_tree), "base_tree": str(base_tree), "small": small, "pairs": {}, "errors": {}}
