@@ -14,9 +14,8 @@ BENCHMARKS.md, ``value (at COMMIT, since changed)`` where quoted.
     python3 benchmarks/report.py --main-job      # rerun the README's main job (CPU, ~3 min)
     python3 benchmarks/report.py --run OUT [--only gmm,lm_step] [--small]  # the suite
     python3 benchmarks/report.py --adopt NAME OUT/NAME.json  # make a run current
-    python3 benchmarks/report.py --ab-pairs BASE_TREE [--pairs layer,experts,muon_step,lm_step]
-        [--rounds N] [--small] [--validate NAME] --out OUT.json  # this tree against another,
-        # both imported in one process per pair, timed interleaved (_lib/ab.py)
+    python3 benchmarks/report.py --ab-pairs BASE_TREE [--pairs layer,...] [--rounds N] [--small]
+        [--validate NAME] --out OUT.json  # both trees in one process per pair (_lib/ab.py)
 
 Without the git history (no git, a shallow clone) nobody can tell current records from dated
 ones: ``--check`` then exits 3 saying so, and nothing is written.

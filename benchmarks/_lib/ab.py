@@ -58,8 +58,7 @@ def rename_source(src: str, names: dict[str, str], modules: set[str]) -> tuple[s
             if "f" in text[:2].lower() and any(isinstance(n, ast.Name) and n.id in names
                                                for n in ast.walk(ast.parse(text, mode="eval"))):
                 raise ValueError(f"line {row}: an f-string names a renamed package: {text}")
-            value = text.strip("\"'")
-            top = value.split(".")[0]
+            top = (value := text.strip("\"'")).split(".")[0]
             if top in names and text[0] in "\"'" and re.fullmatch(r"\w+(\.\w+)+", value) and (
                     value in modules or value.rsplit(".", 1)[0] in modules):
                 edits.append((row, col + text.index(value), top, names[top]))
@@ -143,8 +142,7 @@ def measure(case: str, sides: dict, a, *, tol: float, inner: int = 1, pick=lambd
         t0 = time.perf_counter()
         outs[side] = pick(jax.block_until_ready(fn()))
         first_s[side] = round(time.perf_counter() - t0, 2)
-    err = rel_err(outs["new"], outs["base"], ref)
-    del outs
+    err = rel_err(outs.pop("new"), outs.pop("base"), ref)  # and the outputs freed
     log(f"{case}: first calls {first_s} s; new vs base max rel err {err:.2e} (tol {tol:g})")
     times = bench.interleaved(sides, a.rounds, inner=inner, warmup=1)  # after the first runs
     ms = {k: v * 1e3 for k, v in bench.medians(times).items()}

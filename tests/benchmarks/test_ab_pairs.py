@@ -61,8 +61,8 @@ def test_rename_source_renames_code_and_module_paths_only():
 
 def test_the_base_copy_runs_its_own_code(base_tree):
     """Both trees in one process: each module from its own tree, and a behaviour that differs
-    between them (8b11414 keeps the grouped-GEMM name 'einsum'; HEAD spells it 'xla' and warns
-    for the old name; HEAD alone has accel_kernels)."""
+    between them (8b11414 keeps the grouped-GEMM name 'einsum'; this tree spells it 'xla' and
+    warns for the old name; it alone has accel_kernels)."""
     script = textwrap.dedent(f"""
         import json, sys, warnings
         sys.path.insert(0, {str(ROOT / 'benchmarks')!r})
@@ -70,8 +70,9 @@ def test_the_base_copy_runs_its_own_code(base_tree):
         new, base = ab.new_tree(False), ab.load_base({str(base_tree)!r}, False)
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
-            got = {{s: t.moe.MoEOptions.create(4, 2, backend="einsum").experts.backend
-                    for s, t in (("new", new), ("base", base))}}
+            ex = {{s: t.moe.MoEOptions.create(4, 2, backend="einsum").experts
+                   for s, t in (("new", new), ("base", base))}}
+        got = {{s: getattr(e, "gemm_implementation", None) or e.backend for s, e in ex.items()}}
         print(json.dumps(dict(got=got, warned=[str(x.message) for x in w],
                               base_file=base.moe.__file__, dir=str(base.dir),
                               names=base.names, restored=base.restored,
