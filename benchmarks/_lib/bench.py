@@ -88,12 +88,15 @@ def settings(a: argparse.Namespace) -> dict:
 # ----------------------------------------------------------------------------- environment
 
 
-def commit() -> str:
-    """The tree's commit: a ``COMMIT`` file (an exported copy), else ``git rev-parse``."""
-    if (ROOT / "COMMIT").exists():
-        return (ROOT / "COMMIT").read_text().strip()
+def commit(tree=ROOT) -> str:
+    """A tree's commit: a ``COMMIT`` file (an exported copy), else ``git rev-parse`` (where
+    the tree has its own ``.git``: an export inside a checkout is not that checkout)."""
+    if (tree / "COMMIT").exists():
+        return (tree / "COMMIT").read_text().strip()
+    if not (tree / ".git").exists():
+        return "unknown"
     try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=7", "HEAD"],
+        return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short=7", "HEAD"],
                               capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

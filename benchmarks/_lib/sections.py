@@ -648,7 +648,8 @@ def before_after(C: dict) -> Lines:
              "scales and row maxima through shared memory and TMA, narrow stores moved to XLA. "
              "The moe redesign: one options object to the bottom, one kernel registry per "
              "operation, typed dispatch plans (behaviour unchanged). (The scripts as they were "
-             "then: `benchmarks/ab_trees.py` at `8b11414`; `report.py --ab` does it today.)", ""]
+             "then: `benchmarks/ab_trees.py` at `8b11414`; today `report.py --ab-pairs` times "
+             "both trees' workloads in one process.)", ""]
             + table(["change", "benchmark", "geomean", "rows", "worst row"], rows)
             + ["", "The kernels alone after the jax-0.12 rewrite (32,768 rows x 4096, weights "
                f"8 x 4096 x 4096), Mosaic / Triton time in the same process: {kernels}.", ""]
