@@ -30,13 +30,11 @@ LIBRARY = ("moe", "muon_jax", "xla_comm", "examples", "accel_kernels")
 # ----------------------------------------------------------------------------- command line
 
 
+# Record labels of the XLA grouped GEMMs of the two token layouts: (implementation, x rank).
 GEMM_LABELS = {"einsum": ("xla", 3), "ragged_dot": ("xla", 2)}
-"""Records name the XLA grouped GEMMs of the two token layouts 'einsum' and 'ragged_dot' (what
-they run); the library's implementation and token rank of each such label."""
 
 
 def implementation(label: str) -> str:
-    """The grouped-GEMM implementation a case label names ('einsum' and 'ragged_dot': 'xla')."""
     return GEMM_LABELS.get(label, (label,))[0]
 
 
@@ -345,49 +343,33 @@ def _calibrate(shares: Callable, target: np.ndarray, iters: int = 400) -> np.nda
 
 
 def moe_rules():
-    """The MoE layer's own scopes and kernels as breakdown categories (xla_comm.breakdown.Rule),
-    first match wins: the Mosaic grouped GEMMs (``gmm``, ``gmm_t``, ``tgmm``) are GEMMs; the
-    ``combine`` scopes (weighted sums over k, the router gradient, the combine gradient's send
-    rows); ``dispatch_exchange`` (send rows, expert layout, the dispatch backward's sums), the
-    wire kernels and other gathers are gathers and scatters; then the plan, the router and the
-    experts' other work (SwiGLU, masks, casts)."""
-    from xla_comm.breakdown import Rule
+    """The MoE layer's scopes and kernels as breakdown categories, first match wins."""
+    from xla_comm.breakdown import Rule as R
 
-    return (Rule("gemm", "kernel", r"^(gmm|gmm_t|tgmm)$"), Rule("combine", "scope", "/combine"),
-            Rule("gather_scatter", "scope", "dispatch_exchange"),
-            Rule("gather_scatter", "kernel", r"^wire_gather"),
-            Rule("gather_scatter", "op", r"^(gather|scatter|dynamic-slice|dynamic-update-slice)$"),
-            Rule("plan", "scope", "dispatch_plan"), Rule("router", "scope", "moe_router"),
-            Rule("experts_other", "scope", "/experts_"),
-            # Trace events naming no instruction: the Mosaic GPU GEMMs by kernel name
-            # (``(dense_)(t)gmm_<dtype>_mosaic_gpu_kernel``; anonymous in older trees).
-            Rule("gemm", "kernel", r"^(dense_)?t?gmm|^anonymous_mosaic_gpu_kernel"))
+    gathers = r"^(gather|scatter|dynamic-slice|dynamic-update-slice)$"
+    return (R("gemm", "kernel", r"^(gmm|gmm_t|tgmm)$"), R("combine", "scope", "/combine"),
+            R("gather_scatter", "scope", "dispatch_exchange"),
+            R("gather_scatter", "kernel", r"^wire_gather"), R("gather_scatter", "op", gathers),
+            R("plan", "scope", "dispatch_plan"), R("router", "scope", "moe_router"),
+            R("experts_other", "scope", "/experts_"),  # then unmatched trace events by name:
+            R("gemm", "kernel", r"^(dense_)?t?gmm|^anonymous_mosaic_gpu_kernel"))
 
 
 def lm_regions() -> tuple[dict[str, str], dict[str, str]]:
-    """``(regions, kernel_regions)`` of the LM train step (examples/lm_model.py + moe +
-    muon_jax), first match wins. The optimizer update runs outside value_and_grad, so its ops
-    carry no jvp / transpose in their path: ``jit(step)/mul`` (optax's AdamW),
-    ``jit(step)/jit(entry)/...`` and ``jit(step)/jit(exit_fn)/...`` (muon_jax's moves to and
-    from the owners), ``jit(step)/muon_owner_step/...`` (Newton-Schulz). What of the MoE
-    layer's per-device ``shard_map`` no scope claims is ``moe_other``. Kernel events that name
-    no instruction: the expert GEMMs (``gmm_*``, ``tgmm_*``) and their operands' FP8
-    quantization (``fp8_*``) are the experts', the wire kernels (``wire_*``) the exchange's;
-    the dense projections' GEMMs (``dense_gmm_*``) and cuBLAS stay in ``rest``."""
+    """``(regions, kernel_regions)`` of the LM train step: the optimizer runs outside
+    value_and_grad (no jvp / transpose in its paths; muon_jax's owner moves and Newton-Schulz
+    by their scopes); what no scope of the MoE layer's shard_map claims is ``moe_other``."""
     from xla_comm.breakdown import scope_regex as sr
 
-    regions = {
-        "optimizer": sr("muon_owner_step", r"jit\(entry\)", r"jit\(exit_fn\)")
-        + r"|^p?jit\([^/()]*\)/(?!.*(?:jvp|transpose)\()",
-        "attention": sr("attention"),
-        "shared_experts": sr("moe_shared_experts"),
-        "experts": sr(r"experts_\w+"),
-        "dispatch_combine": sr(r"dispatch_\w+", r"combine\w*", "moe_router", "router_logits"),
-        "moe_other": sr("shard_map"),
-    }
-    kernels = {"experts": r"^anonymous_mosaic_gpu_kernel|^fp8_|^gmm|^tgmm",
-               "dispatch_combine": r"^wire_"}
-    return regions, kernels
+    return ({"optimizer": sr("muon_owner_step", r"jit\(entry\)", r"jit\(exit_fn\)")
+             + r"|^p?jit\([^/()]*\)/(?!.*(?:jvp|transpose)\()",
+             "attention": sr("attention"), "shared_experts": sr("moe_shared_experts"),
+             "experts": sr(r"experts_\w+"),
+             "dispatch_combine": sr(r"dispatch_\w+", r"combine\w*", "moe_router",
+                                    "router_logits"),
+             "moe_other": sr("shard_map")},
+            {"experts": r"^anonymous_mosaic_gpu_kernel|^fp8_|^gmm|^tgmm",
+             "dispatch_combine": r"^wire_"})
 
 
 def trace_profile(step, args, trace_dir: str, steps: int, hlo: bool = True, **kw) -> dict:
