@@ -642,7 +642,16 @@ def before_after(C: dict) -> Lines:
 
     kernels = "; ".join(f"{_KERNELS.get(c, c)} {mot['new'][c]:.3f} ({t(c, 'mosaic')} ms)"
                         for c in mot["new"])
-    return (["## Before and after: the jax-0.12 kernels, the moe redesign", "",
+    h = C["house_ab"]["results"]
+    house = [[pair, case, ms(c["base_ms"]), ms(c["new_ms"]), f"**{c['new_over_base']:.3f}**"]
+             for pair, r in h["pairs"].items() for case, c in r["cases"].items()]
+    return (["## Before and after: the house, the jax-0.12 kernels, the moe redesign", "",
+             "The house (one kernel layer, one registry, options resolved once, option "
+             f"objects; `{h['base_commit']}` -> `{h['commit']}`): each workload built from "
+             "both trees' packages in one process per pair, outputs checked equal, then timed "
+             "interleaved; medians, ms.", ""]
+            + table(["pair", "case", "before", "after", "after / before"], house)
+            + ["", " ".join(source(C, "house_ab")), "",
              "Each benchmark run on the tree before (base) and after (new) a change, "
              "alternating, in one device session; new / base time. The jax-0.12 kernels: "
              "scales and row maxima through shared memory and TMA, narrow stores moved to XLA. "
@@ -652,8 +661,8 @@ def before_after(C: dict) -> Lines:
              "both trees' workloads in one process.)", ""]
             + table(["change", "benchmark", "geomean", "rows", "worst row"], rows)
             + ["", "The kernels alone after the jax-0.12 rewrite (32,768 rows x 4096, weights "
-               f"8 x 4096 x 4096), Mosaic / Triton time in the same process: {kernels}.", ""]
-            + [" ".join(source(C, "kernels_ab") + source(C, "redesign_ab")), ""])
+               f"8 x 4096 x 4096), Mosaic / Triton time in the same process: {kernels}. "
+               + " ".join(source(C, "kernels_ab") + source(C, "redesign_ab")), ""])
 
 
 def vs_transformers(C: dict) -> Lines:
@@ -716,6 +725,7 @@ SECTIONS: tuple[tuple[str, Callable[[dict], Lines]], ...] = (
     ("Before and after", before_after), ("CPU eager", cpu_eager))
 
 # Which section shows each current file, for the headline table's links.
+_AB = "before-and-after-the-house-the-jax-012-kernels-the-moe-redesign"
 _SHOWN_IN = {"experts": "grouped-gemm-and-gated-experts", "gmm": "grouped-gemm-and-gated-experts",
              "layer_vs_transformers": "the-layer-against-transformers-moe-blocks",
              "experts_lm_shapes": "grouped-gemm-and-gated-experts",
@@ -734,8 +744,7 @@ _SHOWN_IN = {"experts": "grouped-gemm-and-gated-experts", "gmm": "grouped-gemm-a
              "lr_sweep_gpu": "the-trainer", "fp8_parity_gpu": "the-trainer",
              "fp8_parity_cpu": "the-trainer",
              "muon_gather_dtype": "the-trainer", "muon_reduce_dtype": "the-trainer",
-             "kernels_ab": "before-and-after-the-jax-012-kernels-the-moe-redesign",
-             "redesign_ab": "before-and-after-the-jax-012-kernels-the-moe-redesign",
+             "kernels_ab": _AB, "redesign_ab": _AB, "house_ab": _AB,
              "eager_layer": "cpu-the-layer-called-eagerly"}
 
 
