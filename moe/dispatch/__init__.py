@@ -75,15 +75,18 @@ from moe.dispatch.plan import (
     DispatchPlan,
     DroplessPlan,
     RaggedPlan,
+    TwoStagePlan,
     dense_capacity,
     exchange_sizes,
     ragged_rows,
+    two_stage_sizes,
 )
 from moe.dispatch.plan_build import (
     BucketSplit,
     PlanStatics,
     build_plan,
     split_first_bucket,
+    two_stage_plan,
 )
 from moe.options import (
     DispatchOptions,
@@ -99,7 +102,7 @@ from moe.options import (
 )
 
 __all__ = ["BucketSplit", "DensePlan", "DispatchPlan", "Dispatched", "DroplessPlan", "RaggedPlan",
-           "WireRows", "combine", "dense_capacity", "dispatch", "dispatch_apply",
+           "TwoStagePlan", "WireRows", "combine", "dense_capacity", "dispatch", "dispatch_apply",
            "dispatch_buckets", "dispatch_with_wire", "plan_dispatch", "ragged_rows",
            "split_first_bucket"]
 
@@ -353,15 +356,36 @@ def plan_dispatch(
     transport = _AUTO_TRANSPORT.get(options.transport, options.transport)
     _check_plan_args(group_alignment, buckets, capacity, transport)
     t, k = expert_ids.shape
-    sizes = exchange_sizes(transport, t, k, num_experts, p, options.capacity_factor,
-                           multiple=options.capacity_multiple)
     statics = PlanStatics(num_experts, options.expert_axis, p, jnp.dtype(x_dtype).name,
                           fp8_block_size, options.wire_implementation)
+    if options.host_axis not in (None, "auto"):
+        return _two_stage_plan(expert_ids, statics, options, transport, capacity)
+    sizes = exchange_sizes(transport, t, k, num_experts, p, options.capacity_factor,
+                           multiple=options.capacity_multiple)
     return build_plan(expert_ids, statics, transport=transport,
                       capacity=capacity or sizes.capacity, buckets=buckets or sizes.buckets,
                       alignment=group_alignment or 1,
                       exchange_implementation=resolve_exchange_implementation(
                           options.exchange_implementation))
+
+
+def _two_stage_plan(expert_ids, statics: PlanStatics, options: DispatchOptions, transport: str,
+                    capacity: int | None) -> TwoStagePlan:
+    """:func:`plan_dispatch`'s two-stage plan (``options.host_axis`` named): dense only, each
+    token reaching at most ``min(k, H)`` hosts (the layer bounds it by the router's groups)."""
+    if transport != "dense" or capacity is not None:
+        raise ValueError(
+            f"host_axis={options.host_axis!r} (two stages) takes transport='dense' and no "
+            f"capacity here, got transport={transport!r}, capacity={capacity!r}; the MoE layer "
+            "runs the dropless two-stage exchange (it sends the slots past each stage's bucket "
+            "by the one-stage exchange).")
+    hosts = _axis_size(options.host_axis, "dispatch")
+    t, k = expert_ids.shape
+    sizes = two_stage_sizes("dense", t, k, min(k, hosts), statics.num_experts, hosts,
+                            statics.axis_size, options.capacity_factor,
+                            multiple=options.capacity_multiple)
+    return two_stage_plan(expert_ids, statics, host_slots=min(k, hosts), sizes=sizes,
+                          transport="dense")
 
 
 def dispatch_apply(
@@ -415,11 +439,11 @@ def dispatch_apply(
         plan = plan_dispatch(expert_ids, num_experts=num_experts, options=options,
                              x_dtype=x.dtype, fp8_block_size=fp8_block_size,
                              group_alignment=group_alignment, buckets=buckets)
-    elif plan.slot_row.shape != expert_ids.shape or plan.x_dtype != jnp.dtype(x.dtype).name:
-        raise ValueError(f"plan is for expert_ids of shape {plan.slot_row.shape} and tokens of "
+    elif plan.kept.shape != expert_ids.shape or plan.x_dtype != jnp.dtype(x.dtype).name:
+        raise ValueError(f"plan is for expert_ids of shape {plan.kept.shape} and tokens of "
                          f"{plan.x_dtype}, got {expert_ids.shape} and {x.dtype}; build it with "
                          "plan_dispatch from these expert_ids and x.dtype.")
-    if with_wire and (options.dispatch_dtype != "fp8" or isinstance(plan, DensePlan)):
+    if with_wire and (options.dispatch_dtype != "fp8" or plan.transport == "dense"):
         raise ValueError(f"with_wire needs dispatch_dtype='fp8' and a ragged layout (transport "
                          f"'dropless' or 'ragged'), got {options.dispatch_dtype!r} / "
                          f"{plan.transport!r}.")
