@@ -50,6 +50,14 @@ exchange, layout gather (``R``); return gather from the layout (``P * c``), exch
 ``k`` (``T``) + residual slot rows (``S``). Backward: the mirror image. With ``P = 1``: one
 gather into the layout (``S``), and the sums over ``k`` straight from it.
 
+Past one host (``DispatchOptions.host_axis`` naming the first of the expert axes, e.g.
+``('host', 'local')``): a :class:`TwoStagePlan`. Stage 1 sends each token once to each host
+holding one of its slots (to the device of its own local index there), a dense exchange with
+the hosts as experts; stage 2 forwards the received wire rows, undecoded, to the host's
+experts; combine sums a host's weighted outputs there before they cross back. Capacity
+applies per stage (``moe.dispatch.plan.two_stage_sizes``). Here only ``'dense'``; the MoE
+layer also runs ``'dropless'`` (its overflow goes by the one-stage exchange).
+
 Transport choice: here ``'auto'`` is ``'dense'``; the layer's ``'auto'``
 (:func:`moe.auto_transport`, resolved with the layer's options) also picks ``'dropless'`` on
 one Hopper GPU. Between GPUs, ``all_to_all`` moves the rows far faster than
@@ -342,7 +350,8 @@ def plan_dispatch(
 
     Returns:
       The transport's plan (a :class:`DensePlan`, :class:`RaggedPlan` or
-      :class:`DroplessPlan`).
+      :class:`DroplessPlan`; with ``options.host_axis`` named, a :class:`TwoStagePlan` of the
+      dense transport, each token reaching at most ``min(k, H)`` hosts).
 
     Example:
       >>> # inside jax.shard_map over 'expert', one plan per chunk in one batched sort:
