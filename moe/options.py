@@ -322,8 +322,9 @@ class DispatchOptions:
                 "or transport='dense' or 'dropless'."
             )
         if self.host_axis not in (None, "auto") and self.transport == "ragged":
-            raise ValueError("host_axis (the two-stage exchange) runs the 'dense' and "
-                             "'dropless' transports; pass host_axis=None with 'ragged'.")
+            raise ValueError(f"host_axis={self.host_axis!r} (the two-stage exchange) runs the "
+                             "'dense' and 'dropless' transports, got transport='ragged'; pass "
+                             "host_axis=None with 'ragged'.")
 
     @property
     def expert_axes(self) -> tuple[str, ...]:
@@ -377,9 +378,9 @@ def hosts_per_token(router: RouterConfig, num_slots: int, hosts: int) -> int:
 def device_hosts(mesh: Any) -> Any:
     """An int array of ``mesh``'s shape: the host of each device (its slice and process
     index), or None for a mesh without devices (``jax.sharding.AbstractMesh``)."""
-    devices = getattr(mesh, "devices", None)
-    if devices is None or isinstance(mesh, jax.sharding.AbstractMesh):
+    if isinstance(mesh, jax.sharding.AbstractMesh):  # it has no devices
         return None
+    devices = mesh.devices
     keys = {}
     out = [keys.setdefault((getattr(d, "slice_index", None) or 0, d.process_index), len(keys))
            for d in devices.flat]
@@ -405,8 +406,9 @@ def resolve_host_axis(dispatch: DispatchOptions, mesh: Any, transport: str) -> s
     if axis is None or transport == "ragged":
         return None
     if axis == "auto":
-        axes, hosts = dispatch.expert_axes, device_hosts(mesh)
-        if len(axes) < 2 or hosts is None:
+        axes = dispatch.expert_axes
+        hosts = device_hosts(mesh) if len(axes) > 1 else None
+        if hosts is None:
             return None
         names = tuple(mesh.axis_names)
 
@@ -615,10 +617,11 @@ class MoEOptions:
         axes = self.dispatch.expert_axes
         for axis in axes:
             if axis not in names:
+                given = self.dispatch.expert_axis
+                what = f"{given!r} is" if given == axis else f"{given!r} names {axis!r}, which is"
                 raise ValueError(
-                    f"expert_axis={self.dispatch.expert_axis!r} names {axis!r}, which is not an "
-                    f"axis of the mesh {names}; pass expert_axis= one of them (or build the "
-                    f"mesh with an {axis!r} axis)."
+                    f"expert_axis={what} not an axis of the mesh {names}; pass expert_axis= "
+                    f"one of them (or build the mesh with an {axis!r} axis)."
                 )
         batch = self.dispatch.batch_axes
         if batch is None:

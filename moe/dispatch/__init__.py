@@ -82,6 +82,7 @@ from moe.dispatch.plan import (
     DensePlan,
     DispatchPlan,
     DroplessPlan,
+    ExchangeSizes,
     RaggedPlan,
     TwoStagePlan,
     dense_capacity,
@@ -367,10 +368,10 @@ def plan_dispatch(
     t, k = expert_ids.shape
     statics = PlanStatics(num_experts, options.expert_axis, p, jnp.dtype(x_dtype).name,
                           fp8_block_size, options.wire_implementation)
-    if options.host_axis not in (None, "auto"):
-        return _two_stage_plan(expert_ids, statics, options, transport, capacity)
     sizes = exchange_sizes(transport, t, k, num_experts, p, options.capacity_factor,
                            multiple=options.capacity_multiple)
+    if options.host_axis not in (None, "auto"):
+        return _two_stage_plan(expert_ids, statics, options, sizes, capacity)
     return build_plan(expert_ids, statics, transport=transport,
                       capacity=capacity or sizes.capacity, buckets=buckets or sizes.buckets,
                       alignment=group_alignment or 1,
@@ -378,16 +379,17 @@ def plan_dispatch(
                           options.exchange_implementation))
 
 
-def _two_stage_plan(expert_ids, statics: PlanStatics, options: DispatchOptions, transport: str,
-                    capacity: int | None) -> TwoStagePlan:
-    """:func:`plan_dispatch`'s two-stage plan (``options.host_axis`` named): dense only, each
-    token reaching at most ``min(k, H)`` hosts (the layer bounds it by the router's groups)."""
-    if transport != "dense" or capacity is not None:
+def _two_stage_plan(expert_ids, statics: PlanStatics, options: DispatchOptions,
+                    one_stage: ExchangeSizes, capacity: int | None) -> TwoStagePlan:
+    """:func:`plan_dispatch`'s two-stage plan (``options.host_axis`` named): dense only (the
+    transport whose one-stage sizes have a capacity), each token reaching at most ``min(k,
+    H)`` hosts (the layer bounds it by the router's groups)."""
+    if one_stage.capacity is None or capacity is not None:
         raise ValueError(
             f"host_axis={options.host_axis!r} (two stages) takes transport='dense' and no "
-            f"capacity here, got transport={transport!r}, capacity={capacity!r}; the MoE layer "
-            "runs the dropless two-stage exchange (it sends the slots past each stage's bucket "
-            "by the one-stage exchange).")
+            f"capacity here, got transport={options.transport!r}, capacity={capacity!r}; the "
+            "MoE layer runs the dropless two-stage exchange (it sends the slots past each "
+            "stage's bucket by the one-stage exchange).")
     hosts = _axis_size(options.host_axis, "dispatch")
     t, k = expert_ids.shape
     sizes = two_stage_sizes("dense", t, k, min(k, hosts), statics.num_experts, hosts,
@@ -452,7 +454,8 @@ def dispatch_apply(
         raise ValueError(f"plan is for expert_ids of shape {plan.kept.shape} and tokens of "
                          f"{plan.x_dtype}, got {expert_ids.shape} and {x.dtype}; build it with "
                          "plan_dispatch from these expert_ids and x.dtype.")
-    if with_wire and (options.dispatch_dtype != "fp8" or plan.transport == "dense"):
+    layout = plan.stage2 if isinstance(plan, TwoStagePlan) else plan
+    if with_wire and (options.dispatch_dtype != "fp8" or isinstance(layout, DensePlan)):
         raise ValueError(f"with_wire needs dispatch_dtype='fp8' and a ragged layout (transport "
                          f"'dropless' or 'ragged'), got {options.dispatch_dtype!r} / "
                          f"{plan.transport!r}.")

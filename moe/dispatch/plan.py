@@ -517,14 +517,18 @@ def two_stage_sizes(transport: Literal["dense", "dropless"], num_tokens: int, to
       >>> two_stage_sizes("dropless", 8192, 8, 4, 256, 8, 64, None)
       TwoStageSizes(first=5120, second=10240)
     """
-    e_local = num_experts // axis_size
-    c1 = dense_capacity(num_tokens, host_slots, hosts, capacity_factor, multiple=multiple)
-    if transport == "dense":
-        c2 = min(dense_capacity(hosts * num_tokens, top_k, num_experts, capacity_factor,
-                                multiple=multiple), hosts * c1)
-        return TwoStageSizes(c1, c2)
-    cf = DROPLESS_CAPACITY_FACTOR if capacity_factor is None else capacity_factor
-    c1 = dense_capacity(num_tokens, host_slots, hosts, cf, multiple=multiple)
-    per_pair = math.ceil(cf * num_tokens * top_k / (axis_size // hosts))
-    c2 = min(-(-per_pair // multiple) * multiple, hosts * c1 * min(top_k, e_local))
-    return TwoStageSizes(c1, c2)
+    def dense():
+        c1 = dense_capacity(num_tokens, host_slots, hosts, capacity_factor, multiple=multiple)
+        return TwoStageSizes(c1, min(dense_capacity(hosts * num_tokens, top_k, num_experts,
+                                                    capacity_factor, multiple=multiple),
+                                     hosts * c1))
+
+    def dropless():
+        cf = DROPLESS_CAPACITY_FACTOR if capacity_factor is None else capacity_factor
+        c1 = dense_capacity(num_tokens, host_slots, hosts, cf, multiple=multiple)
+        per_pair = math.ceil(cf * num_tokens * top_k / (axis_size // hosts))
+        e_local = num_experts // axis_size
+        return TwoStageSizes(c1, min(-(-per_pair // multiple) * multiple,
+                                     hosts * c1 * min(top_k, e_local)))
+
+    return {"dense": dense, "dropless": dropless}[transport]()

@@ -522,7 +522,7 @@ def two_stage_plan(expert_ids: jax.Array, statics: PlanStatics, *, host_slots: i
     plan2 = build_plan(ids2, s2, transport=transport, capacity=sizes.second,
                        buckets=(sizes.second,), alignment=alignment)
     routed = expert_ids < e
-    if transport == "dense":
+    if isinstance(plan2, DensePlan):  # the forwarding devices may drop slots
         kept = _delivered(expert_ids, host_ids, plan1, plan2.kept, num_experts=e,
                           host_axis=host_axis) & routed
     else:
@@ -701,7 +701,7 @@ def chunk_plans(expert_ids: jax.Array, options: ResolvedOptions, sizes: Exchange
         two = two_stage_sizes(dispatch.transport, tc, k, options.host_slots, slots,
                               options.hosts, p, dispatch.capacity_factor,
                               multiple=dispatch.capacity_multiple)
-        split = dispatch.transport == "dropless"
+        split = bool(buckets)  # dropless: each stage's one bucket, the rest overflows
         split_fn = functools.partial(split_two_stage, num_experts=slots, axis_size=p,
                                      host_axis=dispatch.host_axis, sizes=two)
 
