@@ -250,3 +250,9 @@ def test_importing_the_packages_loads_no_pallas_backend():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=_ROOT, check=True).stdout.strip()
     assert out == "[]"
+
+
+@pytest.mark.parametrize("package", _LIBRARY)
+def test_packages_are_marked_typed(package):
+    """PEP 561: each package ships a py.typed marker (pyproject's package-data installs it)."""
+    assert (_ROOT / package / "py.typed").is_file()
