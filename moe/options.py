@@ -244,8 +244,11 @@ class DispatchOptions:
         expert axis. ``'auto'`` (the layer's; the flat ``moe.dispatch`` functions read it as
         None): the first axis of a tuple ``expert_axis`` when the mesh's devices along it sit
         in different processes (``Device.process_index``, and ``slice_index`` where the
-        platform has it) while those along the other expert axes share one; else None, so
-        one host (or a single-process mesh) keeps the one-stage exchange.
+        platform has it) while those along the other expert axes share one, and only when a
+        token's slots reach fewer hosts than ``top_k`` (:func:`hosts_per_token`: node-limited
+        routing, or more slots than hosts): else every slot may cross on its own anyway and
+        the second stage only adds a hop, so None. One host (or a single-process mesh) keeps
+        the one-stage exchange.
 
     Example:
       >>> from moe import DispatchOptions
@@ -387,13 +390,16 @@ def device_hosts(mesh: Any) -> Any:
     return np.asarray(out).reshape(devices.shape)
 
 
-def resolve_host_axis(dispatch: DispatchOptions, mesh: Any, transport: str) -> str | None:
+def resolve_host_axis(dispatch: DispatchOptions, mesh: Any, transport: str,
+                      router: RouterConfig | None = None, num_slots: int = 0) -> str | None:
     """The host axis the layer's exchange runs two stages over, or None (one stage).
 
     ``host_axis`` None, the ``'ragged'`` transport, or a host axis of one device: None. A
     named axis: that axis. ``'auto'``: the first of a tuple ``expert_axis`` when the mesh's
-    devices along it are on different hosts (:func:`device_hosts`) and those along every
-    other expert axis on one; else None.
+    devices along it are on different hosts (:func:`device_hosts`), those along every other
+    expert axis on one, and (given the ``router`` and its ``num_slots``) a token's slots
+    reach fewer hosts than ``top_k`` (:func:`hosts_per_token`), so the first stage sends
+    fewer rows across hosts than one stage would; else None.
 
     Example:
       >>> import jax
@@ -419,6 +425,9 @@ def resolve_host_axis(dispatch: DispatchOptions, mesh: Any, transport: str) -> s
         if not varies(axes[0]) or any(varies(a) for a in axes[1:]):
             return None
         axis = axes[0]
+        if router is not None and hosts_per_token(router, num_slots,
+                                                  mesh.shape[axis]) >= router.top_k:
+            return None  # every slot may cross on its own anyway: a second stage only adds a hop
     return axis if mesh.shape[axis] > 1 else None
 
 
@@ -668,12 +677,12 @@ class MoEOptions:
         transport = self.dispatch.transport
         if transport == "auto":
             transport = auto_transport(ep)
-        host_axis = resolve_host_axis(self.dispatch, mesh, transport)
+        e = self.router.num_experts
+        slots = -(-e // ep) * ep
+        host_axis = resolve_host_axis(self.dispatch, mesh, transport, self.router, slots)
         chunks = self.dispatch.overlap_chunks
         if chunks == "auto":
             chunks = auto_overlap_chunks(ep, -(-num_tokens // devices), transport)
-        e = self.router.num_experts
-        slots = -(-e // ep) * ep
         cf = self.dispatch.capacity_factor  # per real expert: the padded ones take no slots
         if cf is not None and slots != e:
             cf = cf * slots / e

@@ -131,6 +131,11 @@ def test_auto_finds_the_axis_that_crosses_processes():
     assert resolve_host_axis(options, _fake_mesh(lambda h, i: h), "dense") == "host"
     assert resolve_host_axis(options, _fake_mesh(lambda h, i: i), "dense") is None
     assert resolve_host_axis(options, _fake_mesh(lambda h, i: h), "ragged") is None
+    # 'auto' takes two stages only where they send fewer rows across hosts: a token's
+    # slots reach fewer hosts than top_k (3 slots, 2 hosts) but not top-2 on 2 hosts.
+    fake = _fake_mesh(lambda h, i: h)
+    assert resolve_host_axis(options, fake, "dense", moe.RouterConfig(8, 3), 8) == "host"
+    assert resolve_host_axis(options, fake, "dense", moe.RouterConfig(8, 2), 8) is None
     named = moe.DispatchOptions(expert_axis=AXES, host_axis="host")
     assert resolve_host_axis(named, _fake_mesh(lambda h, i: 0), "dense") == "host"
     with pytest.raises(ValueError, match="first name of expert_axis"):
