@@ -172,9 +172,31 @@ def schedules(C: dict) -> Lines:
                "Muon's synthetic step has no backward pass: its collectives outlast its "
                "compute, so no order of its "
                f"work exposes less than {fig(C, 'sched_muon_dp8_floor')} of them "
-               "(`ScheduleReport.exposed_floor_fraction`).",
+               "(`ScheduleReport.exposed_floor_fraction`)." + _two_stage(r),
                ""]
             + source(C, "schedule8") + [""])
+
+
+def _two_stage(r: dict) -> str:
+    """The exchange past one host, where the record holds its cases."""
+    if "moe_ep64_two_stage_exposed_fraction" not in r:
+        return ""
+    t = r.get("two_stage_run", {})
+    return (" Past one host, DeepSeek-V3's per-device work (8192 tokens, d 7168, d_ff 2048, "
+            "top-8 in 4 of 8 host groups, FP8 dispatch, 2 chunks; compiled at "
+            f"`{t.get('commit', '?')}`): the two-stage exchange sends "
+            f"{r['moe_ep64_cross_host_bytes_ratio']:.2f}x the one-stage exchange's bytes "
+            f"across hosts over 64 GPUs ({r['moe_ep16_cross_host_bytes_ratio']:.2f}x over 16); "
+            f"exposed {r['moe_ep64_one_stage_exposed_fraction']:.1%} -> "
+            f"{r['moe_ep64_two_stage_exposed_fraction']:.1%} (64 GPUs), "
+            f"{r['moe_ep16_one_stage_exposed_fraction']:.1%} -> "
+            f"{r['moe_ep16_two_stage_exposed_fraction']:.1%} (16); modeled step "
+            f"{r['moe_ep64_two_stage_step_over_one_stage']:.3f}x (64), "
+            f"{r['moe_ep16_two_stage_step_over_one_stage']:.3f}x (16). Shape A's top-2 with two "
+            f"stages forced: {r['moe_ep16_A_two_stage_step_over_one_stage']:.2f}x / "
+            f"{r['moe_ep64_A_two_stage_step_over_one_stage']:.2f}x the one-stage step, so "
+            "`host_axis='auto'` keeps one stage where a token's slots may reach as many hosts "
+            "as it has slots.")
 
 
 # ----------------------------------------------------------------------------- sections
