@@ -33,7 +33,7 @@ from moe import meshes
 from moe import pipeline as _pipeline
 from moe import routing as _routing
 from moe.dispatch import plan_build
-from moe.dispatch.plan import exchange_sizes
+from moe.dispatch.plan import layer_sizes
 from moe.experts import Banks
 from moe.options import MoEOptions, ResolvedOptions
 
@@ -86,9 +86,7 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra: LocalInputs,
         counts, lb, z = _routing.global_losses(r, options.router, all_axes, total_tokens, mask)
     slots, dispatch = options.num_slots, options.dispatch
     ids = r.expert_ids if mask is None else jnp.where(mask[:, None], r.expert_ids, slots)
-    sizes = exchange_sizes(dispatch.transport, x.shape[0] // dispatch.overlap_chunks,
-                           ids.shape[1], slots, options.expert_axis_size,
-                           dispatch.capacity_factor, multiple=dispatch.capacity_multiple)
+    sizes = layer_sizes(options, x.shape[0] // dispatch.overlap_chunks, ids.shape[1])
     plans = plan_build.chunk_plans(ids, options, sizes, x_dtype=x.dtype)
     out = _pipeline.run_chunks(x, r.weights, banks, plans, options, shared=extra.shared,
                                shared_gate=extra.shared_gate, mask=mask)

@@ -692,6 +692,7 @@ class MoEOptions:
             exchange_implementation=resolve_exchange_implementation(
                 self.dispatch.exchange_implementation))
         hosts = mesh.shape[host_axis] if host_axis else 1
+        host_slots = hosts_per_token(self.router, slots, hosts)
         self._check_widths(d_model, d_ff)
         # The layout the experts read: the transport's (capacity-padded [E, C, d] or ragged
         # rows), but rows for kernels that take rows only ('triton': the slots run as rows).
@@ -709,7 +710,7 @@ class MoEOptions:
             group_alignment=gmm_api.GROUP_ALIGNMENT if aligned else None,
             wire_to_experts=(self.dispatch.dispatch_dtype == self.experts.gemm_dtype == "fp8"
                              and ragged),
-            hosts=hosts, host_slots=hosts_per_token(self.router, slots, hosts))
+            hosts=hosts, host_slots=host_slots)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar, Literal, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from accel_kernels.gmm import api as gmm_api
+
+if TYPE_CHECKING:
+    from moe.options import ResolvedOptions
 
 AxisName = str | tuple[str, ...]
 PlanTransport = Literal["dense", "ragged", "dropless"]
@@ -532,3 +535,38 @@ def two_stage_sizes(transport: Literal["dense", "dropless"], num_tokens: int, to
                                      hosts * c1 * min(top_k, e_local)))
 
     return {"dense": dense, "dropless": dropless}[transport]()
+
+
+class LayerSizes(NamedTuple):
+    """The static sizes of one chunk's exchanges in the layer (:func:`layer_sizes`).
+
+    Attributes:
+      one: the one-stage exchange's (also the dropless overflow's with two stages).
+      two: the two-stage exchange's, or None with one stage.
+    """
+
+    one: ExchangeSizes
+    two: TwoStageSizes | None
+
+
+def layer_sizes(options: ResolvedOptions, num_tokens: int, top_k: int) -> LayerSizes:
+    """The static sizes of the layer's exchanges for a chunk of ``num_tokens`` tokens of
+    ``top_k`` slots, from its resolved options: :func:`exchange_sizes`, and
+    :func:`two_stage_sizes` when ``options.two_stage``.
+
+    Example:
+      >>> import jax, moe
+      >>> mesh = jax.make_mesh((8,), ("expert",))
+      >>> options = moe.MoEOptions.create(16, 2, capacity_factor=1.25).resolve(
+      ...     4096, 128, 256, mesh=mesh)
+      >>> layer_sizes(options, 512, 2)
+      LayerSizes(one=ExchangeSizes(capacity=80, buckets=()), two=None)
+    """
+    d, slots, p = options.dispatch, options.num_slots, options.expert_axis_size
+    one = exchange_sizes(d.transport, num_tokens, top_k, slots, p, d.capacity_factor,
+                         multiple=d.capacity_multiple)
+    two = None
+    if options.two_stage:
+        two = two_stage_sizes(d.transport, num_tokens, top_k, options.host_slots, slots,
+                              options.hosts, p, d.capacity_factor, multiple=d.capacity_multiple)
+    return LayerSizes(one, two)

@@ -30,12 +30,11 @@ from moe.dispatch.plan import (
     DensePlan,
     DispatchPlan,
     DroplessPlan,
-    ExchangeSizes,
+    LayerSizes,
     PlanTransport,
     RaggedPlan,
     TwoStagePlan,
     TwoStageSizes,
-    two_stage_sizes,
 )
 from moe.options import ResolvedOptions
 
@@ -661,7 +660,7 @@ class ChunkPlans(NamedTuple):
     overflows: jax.Array | None
 
 
-def chunk_plans(expert_ids: jax.Array, options: ResolvedOptions, sizes: ExchangeSizes, *,
+def chunk_plans(expert_ids: jax.Array, options: ResolvedOptions, sizes: LayerSizes, *,
                 x_dtype) -> ChunkPlans:
     """The plans of the layer's ``options.dispatch.overlap_chunks`` chunks of ``expert_ids``.
 
@@ -681,7 +680,7 @@ def chunk_plans(expert_ids: jax.Array, options: ResolvedOptions, sizes: Exchange
     Args:
       expert_ids: int ``[T, k]`` this device's slots (``num_slots``: masked, no expert).
       options: the layer's resolved options.
-      sizes: a chunk's exchange sizes (`moe.dispatch.plan.exchange_sizes` of its tokens).
+      sizes: a chunk's exchange sizes (:func:`moe.dispatch.plan.layer_sizes` of its tokens).
       x_dtype: the tokens' dtype.
 
     Returns:
@@ -689,18 +688,15 @@ def chunk_plans(expert_ids: jax.Array, options: ResolvedOptions, sizes: Exchange
 
     Example:
       >>> # inside jax.shard_map over the mesh, as moe.layer plans its chunks:
-      >>> # plans = chunk_plans(ids, options, exchange_sizes(...), x_dtype=x.dtype)
+      >>> # plans = chunk_plans(ids, options, layer_sizes(...), x_dtype=x.dtype)
     """
     chunks, p, slots = options.dispatch.overlap_chunks, options.expert_axis_size, options.num_slots
-    tc, k = expert_ids.shape[0] // chunks, expert_ids.shape[1]
-    capacity, buckets = sizes
+    k = expert_ids.shape[1]
+    (capacity, buckets), two = sizes
     statics = layer_statics(options, x_dtype)
     split, split_fn = chunks > 1 and len(buckets) > 1, None
-    if options.two_stage:
+    if two is not None:
         dispatch = options.dispatch
-        two = two_stage_sizes(dispatch.transport, tc, k, options.host_slots, slots,
-                              options.hosts, p, dispatch.capacity_factor,
-                              multiple=dispatch.capacity_multiple)
         split = bool(buckets)  # dropless: each stage's one bucket, the rest overflows
         split_fn = functools.partial(split_two_stage, num_experts=slots, axis_size=p,
                                      host_axis=dispatch.host_axis, sizes=two)
