@@ -13,7 +13,7 @@ MFU = (6 x active params x tokens + attention FLOPs) / (time x devices x this pr
 bf16 8192^3 rate); active params count the expert banks at top_k / experts, attention 12 x
 layers x d_model x seq per token. ``lm_step_fp8_speedup`` = bf16 step time / the fastest
 variant with FP8 GEMMs. ``--profile DIR`` traces 3 steps of each variant: exposed collective
-time and device time per region of the step (``xla_comm.breakdown.LM_REGIONS``: optimizer,
+time and device time per region of the step (``bench.lm_regions``: optimizer,
 attention, experts, dispatch_combine, ...) and op category.
 
 ``--read-trace DIR [--hlo FILE]`` runs nothing: it reads one ``jax.profiler`` trace (the newest
@@ -179,9 +179,10 @@ def profile(step, state, batch, a, variant) -> dict:
         if a.hlo_dir:
             Path(a.hlo_dir).mkdir(parents=True, exist_ok=True)
             (Path(a.hlo_dir) / f"{variant}.hlo.txt").write_text(hlo)
+        regions, kernel_regions = bench.lm_regions()
         bd = breakdown.op_breakdown(trace_dir, hlo, steps=3, top=a.top_ops,
-                                    regions=breakdown.LM_REGIONS,
-                                    kernel_regions=breakdown.LM_KERNEL_REGIONS)
+                                    rules=bench.moe_rules(), regions=regions,
+                                    kernel_regions=kernel_regions)
         return {"overlap": {k: v for k, v in ov.items() if k != "source"}, "breakdown": bd}
     except Exception as err:  # noqa: BLE001  (the timings stand either way)
         return {"overlap": {"exposed_fraction": None, "reason": f"profiler: {err!r}"[:2000]}}
@@ -193,9 +194,10 @@ def read_trace(a) -> dict:
 
     out = {}
     if a.hlo:
+        regions, kernel_regions = bench.lm_regions()
         out["breakdown"] = breakdown.op_breakdown(
-            a.read_trace, Path(a.hlo).read_text(), steps=a.steps, regions=breakdown.LM_REGIONS,
-            kernel_regions=breakdown.LM_KERNEL_REGIONS)
+            a.read_trace, Path(a.hlo).read_text(), steps=a.steps, rules=bench.moe_rules(),
+            regions=regions, kernel_regions=kernel_regions)
         print(breakdown.format_table({"trace": out["breakdown"]}))
         print(breakdown.format_regions({"trace": out["breakdown"]}))
     else:

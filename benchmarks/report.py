@@ -14,7 +14,8 @@ BENCHMARKS.md, ``value (at COMMIT, since changed)`` where quoted.
     python3 benchmarks/report.py --main-job      # rerun the README's main job (CPU, ~3 min)
     python3 benchmarks/report.py --run OUT [--only gmm,lm_step] [--small]  # the suite
     python3 benchmarks/report.py --adopt NAME OUT/NAME.json  # make a run current
-    python3 benchmarks/report.py --ab BASE_TREE [--validate NAME] -- benchmarks/X.py ARGS
+    python3 benchmarks/report.py --ab-pairs BASE_TREE [--pairs layer,...] [--rounds N] [--small]
+        [--validate NAME] --out OUT.json  # both trees in one process per pair (_lib/ab.py)
 
 Without the git history (no git, a shallow clone) nobody can tell current records from dated
 ones: ``--check`` then exits 3 saying so, and nothing is written.
@@ -31,7 +32,6 @@ import os
 import pathlib
 import platform
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -321,56 +321,23 @@ def run_suite(out: pathlib.Path, only: list[str] | None, small: bool, timeout: i
     return 0 if len(done) == len(chosen) else 1
 
 
-def flatten(obj, prefix="") -> dict[str, float]:
-    """Every time (a key ending in ``ms``) of a JSON value, by its key path."""
-    out = {}
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(
-        obj, list) else []
-    for k, v in items:
-        key = f"{prefix}.{k}" if prefix else str(k)
-        if isinstance(v, (dict, list)):
-            out |= flatten(v, key)
-        elif isinstance(v, (int, float)) and str(k).endswith("ms") and v > 0:
-            out[key] = float(v)
-    return out
-
-
-def ab(base: str, script: list[str], rounds: int, validate: str | None) -> int:
-    """``--ab``: a benchmark command run alternately on another tree's packages (``base``,
-    through ``PYTHONPATH``) and this tree's, ``rounds`` times each; per timing the median
-    new / base, and their geometric mean. ``--validate NAME`` records that mean as a
-    validation of ``current/NAME.json`` at this commit when within the tolerance."""
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix="ab_"))
-    runs: dict[str, list[dict]] = {"base": [], "new": []}
-    for i in range(rounds):
-        for side in (("base", "new") if i % 2 == 0 else ("new", "base")):
-            path = tmp / f"{side}{i}.json"
-            env = dict(os.environ, PYTHONPATH=base if side == "base" else str(ROOT))
-            subprocess.run([sys.executable, *script, "--out", str(path)], cwd=ROOT, env=env,
-                           check=True)
-            runs[side].append(flatten(json.loads(path.read_text())))
-    common = set.intersection(*(set(r) for r in runs["base"] + runs["new"]))
-    ratio = {k: statistics.median(r[k] for r in runs["new"]) / statistics.median(
-        r[k] for r in runs["base"]) for k in sorted(common)}
-    if not ratio:
-        print("report.py: the runs share no timing (keys ending in ms)", file=sys.stderr)
+def validate(name: str, result: str) -> int:
+    """``--ab-pairs ... --validate NAME``: the A/B's case furthest from 1 (new / base) as a
+    validation of ``current/NAME.json`` at this commit, if within the tolerance, all agreeing."""
+    res = json.loads(pathlib.Path(result).read_text())
+    cases = {f"{p}/{c}": r["new_over_base"] for p, v in res["pairs"].items()
+             for c, r in v["cases"].items()}
+    worst = max(cases, key=lambda k: abs(math.log(cases[k])))
+    if not res["all_agree"] or abs(cases[worst] - 1) > records.VALIDATION_TOLERANCE:
+        print(f"not recorded: {worst} {cases[worst]:.3f}, all agree: {res['all_agree']}")
         return 1
-    geo = math.exp(statistics.fmean(math.log(v) for v in ratio.values()))
-    for k, v in sorted(ratio.items(), key=lambda kv: -abs(math.log(kv[1])))[:10]:
-        print(f"{v:7.3f}  {k}")
-    print(f"new / base, geometric mean of {len(ratio)} timings: {geo:.3f}")
-    if validate:
-        head = records.Git()._git("rev-parse", "--short=7", "HEAD")
-        path = records.CURRENT / f"{validate}.json"
-        rec = json.loads(path.read_text())
-        if abs(geo - 1) > records.VALIDATION_TOLERANCE:
-            print(f"not recorded: {geo:.3f} is outside 1 +- {records.VALIDATION_TOLERANCE}")
-            return 1
-        rec.setdefault("validated_at", []).append({
-            "commit": head, "ratio": round(geo, 4), "how": f"A/B of `{' '.join(script)}` on "
-            f"this tree and the tree of `{rec['commit']}`, {rounds} rounds each, geometric mean "
-            f"of {len(ratio)} timings"})
-        path.write_text(json.dumps(rec, indent=1) + "\n")
+    path = records.CURRENT / f"{name}.json"
+    rec = json.loads(path.read_text())
+    rec.setdefault("validated_at", []).append({
+        "commit": res["commit"], "ratio": round(cases[worst], 4), "how": "in-process A/B "
+        f"(report.py --ab-pairs) of {', '.join(cases)} on this tree and `{res['base_commit']}`'s"
+        f", {res['device']}: the case furthest from 1"})
+    path.write_text(json.dumps(rec, indent=1) + "\n")
     return 0
 
 
@@ -382,21 +349,33 @@ def main(argv=None) -> int:
     p.add_argument("--main-job", action="store_true", help="rerun and adopt the main job")
     p.add_argument("--run", metavar="OUT", help="run the suite into OUT")
     p.add_argument("--only", help="--run: these runs (names of SUITE)")
-    p.add_argument("--small", action="store_true", help="--run: each script's CPU plumbing")
-    p.add_argument("--timeout", type=int, default=600, help="--run: seconds per benchmark")
+    p.add_argument("--small", action="store_true", help="--run, --ab-pairs: CPU plumbing")
+    p.add_argument("--timeout", type=int, default=600,
+                   help="--run: seconds per benchmark; --ab-pairs: per pair")
     p.add_argument("--adopt", nargs=2, metavar=("NAME", "RESULT_JSON"))
     for flag in ("commit", "command", "hardware", "date"):
         p.add_argument(f"--{flag}", help=f"--adopt: the run's {flag} (default: its env)")
     p.add_argument("--measures", help="--adopt: comma-separated source paths it measures")
-    p.add_argument("--ab", metavar="BASE_TREE", help="A/B: the command after -- on both trees")
-    p.add_argument("--rounds", type=int, default=3, help="--ab: runs of each side")
-    p.add_argument("--validate", metavar="NAME", help="--ab: record it as NAME's validation")
-    p.add_argument("script", nargs="*", help="--ab: the benchmark command")
+    p.add_argument("--ab-pairs", metavar="BASE_TREE", help="A/B of four workloads built from "
+                   "this tree's packages and BASE_TREE's, both in one process per pair")
+    p.add_argument("--pairs", default="layer,experts,muon_step,lm_step", help="--ab-pairs")
+    p.add_argument("--rounds", type=int, help="--ab-pairs: interleaved rounds (10-20; small 3)")
+    p.add_argument("--out", help="--ab-pairs: the JSON to write")
+    p.add_argument("--validate", metavar="NAME", help="--ab-pairs: NAME's validation")
+    p.add_argument("--ab-worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.run:
         return run_suite(pathlib.Path(a.run), a.only and a.only.split(","), a.small, a.timeout)
-    if a.ab:
-        return ab(a.ab, a.script, a.rounds, a.validate)
+    if a.ab_pairs:
+        from _lib import ab as ab_pairs
+
+        if a.ab_worker:
+            return ab_pairs.worker(a.ab_pairs, a.pairs, a.rounds, a.small, a.out)
+        if a.validate and not a.out:
+            raise ValueError("--validate reads the A/B's JSON: pass --out too")
+        rc = ab_pairs.run_all(a.ab_pairs, a.pairs.split(","), a.rounds, a.small, a.out,
+                              a.timeout)
+        return validate(a.validate, a.out) if a.validate and rc == 0 else rc
     if a.main_job:
         return main_job()
     if a.stale:

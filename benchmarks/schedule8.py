@@ -13,7 +13,14 @@ the modeled times handed to XLA's scheduler (``xla_comm.latency``). Cases (``--o
   (8192 tokens per device, d 2048, d_ff 1024, 32 experts, top-2) / B (d 4096, d_ff 2048, 64
   experts, top-8), dense and dropless, per ``--chunks`` count of ``overlap_chunks``;
 * ``moe16`` / ``moe64``: A's per-device work over 16 GPUs (2 hosts; also with the expert axis
-  within a host and the hosts data parallel) and 64 (8 hosts);
+  within a host and the hosts data parallel) and 64 (8 hosts), with the one-stage exchange and
+  the two-stage one (``DispatchOptions.host_axis``: across hosts once per token, then within
+  the host), dense, 2 chunks;
+* ``ds16`` / ``ds64``: DeepSeek-V3's per-device work (4 local experts at EP=64, 256 in all,
+  d 7168, d_ff 2048, top-8 limited to 4 of 8 host-aligned groups, 8192 tokens, FP8 wires) at
+  EP=64 (8 hosts) and the same work at EP=16 (2 hosts, 16 experts per device), one-stage and
+  two-stage side by side, dense, 2 chunks; their bytes across hosts per step come from the
+  compiled programs (``xla_comm.costs.cross_host_bytes``);
 * ``muon``: sharded Muon on 8 GPUs, the 1.6B set of ``benchmarks/muon_step.py`` (f32 params),
   updates gathered in f32 and in bf16 (``--muon-reduce-dtypes``: also bf16 reduce-scatters), per
   ``--muon-chunk-bytes``;
@@ -35,8 +42,11 @@ the modeled times handed to XLA's scheduler (``xla_comm.latency``). Cases (``--o
 JSON: the headline keys first (``moe_ep8_exposed_fraction``, ``..._dropless_...``,
 ``muon_dp8_exposed_fraction``, ``..._exposed_floor``, ``train_step_ep8_exposed_fraction``,
 ``train_step_dp8_exposed_fraction``, ``train_step_dp8_muon_over_adamw_step``,
-``train_step_4x2_exposed_fraction``, ``moe_ep16/64_...``, their ``..._xla_estimates``;
-``targets``, ``met``), then ``cases`` (each program's summary),
+``train_step_4x2_exposed_fraction``, ``moe_ep16/64_...``, the
+two-stage keys ``moe_ep16/64_two_stage_exposed_fraction`` and ``..._one_stage_...`` beside them,
+``moe_ep64_two_stage_step_over_one_stage``, ``moe_ep16/64_cross_host_bytes_ratio``, shape A's
+``moe_ep16/64_A_two_stage_...``; the ``..._xla_estimates``; ``targets``, ``met``), then
+``cases`` (each program's summary),
 ``hardware``; ``--hlo-dir``: every compiled module (gzip), which ``--replay`` reads back.
 """
 
@@ -68,18 +78,28 @@ class MoeShape:
     d_ff: int
     experts: int
     top_k: int
+    num_groups: int = 1  # group-limited routing (the groups aligned to the hosts)
+    topk_groups: int | None = None
 
 
 PAYLOAD_BYTES = 64 * 1024  # all-to-alls of at least this many bytes per device: payloads
-SHAPES = {"A": MoeShape(8192, 2048, 1024, 32, 2), "B": MoeShape(8192, 4096, 2048, 64, 8)}
-SMALL_SHAPES = {"A": MoeShape(512, 256, 128, 16, 2), "B": MoeShape(512, 512, 256, 16, 4)}
+SHAPES = {"A": MoeShape(8192, 2048, 1024, 32, 2), "B": MoeShape(8192, 4096, 2048, 64, 8),
+          "D": MoeShape(8192, 7168, 2048, 256, 8, 8, 4)}  # D: DeepSeek-V3's, 256 experts
+SMALL_SHAPES = {"A": MoeShape(512, 256, 128, 16, 2), "B": MoeShape(512, 512, 256, 16, 4),
+                "D": MoeShape(512, 256, 128, 32, 4, 4, 1)}
 TARGETS = {"moe_ep8_exposed_fraction": 0.15, "moe_ep8_dropless_exposed_fraction": 0.15,
            "moe_ep8_B_exposed_fraction": 0.15, "moe_ep8_B_dropless_exposed_fraction": 0.15,
            "muon_dp8_exposed_fraction": 0.10, "train_step_ep8_exposed_fraction": 0.20,
-           "chunked_over_unchunked_1gpu": 1.05, "train_step_dp8_exposed_fraction": 0.10,
-           "train_step_dp8_muon_over_adamw_step": 1.05, "train_step_4x2_exposed_fraction": 0.10,
-           "muon_dp8_exposed_over_floor": 0.05}
-GROUPS = "moe8,moe8b,muon,train,moe16,moe64,gpu1"
+           "chunked_over_unchunked_1gpu": 1.05,
+           "moe_ep16_cross_host_bytes_ratio": 0.6, "moe_ep64_cross_host_bytes_ratio": 0.6,
+           "moe_ep64_two_stage_exposed_fraction": 0.25,
+           "moe_ep64_two_stage_step_over_one_stage": 0.75,
+           "moe_ep16_two_stage_exposed_fraction": 0.15,
+           "moe_ep16_A_two_stage_step_over_one_stage": 1.0,
+           "moe_ep64_A_two_stage_step_over_one_stage": 1.0,
+           "train_step_dp8_exposed_fraction": 0.10, "train_step_dp8_muon_over_adamw_step": 1.05,
+           "train_step_4x2_exposed_fraction": 0.10, "muon_dp8_exposed_over_floor": 0.05}
+GROUPS = "moe8,moe8b,muon,train,moe16,moe64,ds16,ds64,gpu1"
 
 
 def parse_args(argv=None):
@@ -314,7 +334,10 @@ def measure_rates(small: bool) -> tuple[float, float, float]:
 # ----------------------------------------------------------------------------- the MoE layer
 
 
-def moe_compiled(run, mesh, s: MoeShape, transport, chunks, local_first=False):
+def moe_compiled(run, mesh, s: MoeShape, transport, chunks, local_first=False,
+                 host_axis=None):
+    """The layer's train step on ``mesh`` (its expert axes: every axis but ``'data'``; with
+    ``host_axis`` the two-stage exchange over it)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -322,9 +345,12 @@ def moe_compiled(run, mesh, s: MoeShape, transport, chunks, local_first=False):
     from jax.sharding import PartitionSpec as P
 
     import moe
+    expert_axes = tuple(a for a in mesh.axis_names if a != "data")
     o = moe.MoEOptions.create(s.experts, s.top_k, transport=transport, capacity_factor=1.25,
                               dispatch_dtype="fp8", combine_grad_dtype="fp8",
-                              overlap_chunks=chunks, local_first=local_first)
+                              overlap_chunks=chunks, local_first=local_first,
+                              expert_axis=expert_axes, host_axis=host_axis,
+                              num_groups=s.num_groups, topk_groups=s.topk_groups)
     ndev = int(np.prod(mesh.devices.shape))
 
     def loss(x, router, wgu, wd, ct):
@@ -337,10 +363,10 @@ def moe_compiled(run, mesh, s: MoeShape, transport, chunks, local_first=False):
     tok = P(tuple(mesh.axis_names))
     args = (sds((ndev, s.tokens, s.d_model), jnp.bfloat16, tok),
             sds((s.d_model, s.experts), jnp.float32, P()),
-            sds((s.experts, s.d_model, 2 * s.d_ff), jnp.bfloat16, P("expert")),
-            sds((s.experts, s.d_ff, s.d_model), jnp.bfloat16, P("expert")),
+            sds((s.experts, s.d_model, 2 * s.d_ff), jnp.bfloat16, P(expert_axes)),
+            sds((s.experts, s.d_ff, s.d_model), jnp.bfloat16, P(expert_axes)),
             sds((ndev, s.tokens, s.d_model), jnp.float32, tok))
-    p = mesh.shape["expert"]
+    p = int(np.prod([mesh.shape[a] for a in expert_axes]))
     return run.build(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(*args),
                      grouped_rows(s.tokens, chunks, s.top_k, p, local_first and p > 1))
 
@@ -376,6 +402,9 @@ def multi_host_cases(run, group, chunk_list, local_list):
                      "grouped_rows": grouped_rows(s.tokens, c, s.top_k, mesh.shape["expert"],
                                                   lf)}
             run.case(name, lambda c=c, lf=lf: moe_compiled(run, mesh, s, "dense", c, lf), extra)
+    hosts = 2 if run.a.small else ndev // 8
+    split = run.mesh(topo, (1, hosts, ndev // hosts), ("data", "host", "expert"))
+    two_stage_cases(run, group, split, s, topo)
     if group == "moe16":  # the experts within a host, the hosts data parallel
         mesh2, c = run.mesh(topo, (2, ndev // 2), ("data", "expert")), run.defaults["dense"]
         extra = {"topology": topo, "placement": "expert axis within a host, data across",
@@ -383,6 +412,31 @@ def multi_host_cases(run, group, chunk_list, local_list):
                  "grouped_rows": grouped_rows(a_shape.tokens, c, a_shape.top_k)}
         run.case(f"moe_ep8x2hosts_A_dense_chunks{c}",
                  lambda: moe_compiled(run, mesh2, a_shape, "dense", c), extra)
+
+
+def two_stage_cases(run, group, mesh, s: MoeShape, topo, shape_tag="A", stages=("two",)):
+    """``s``'s layer on ``mesh`` (``('data', 'host', 'expert')``) with the one- and/or
+    two-stage exchange, dense, the layer's default chunks."""
+    c = run.defaults["dense"]
+    ndev = int(mesh.devices.size)
+    for stage in stages:
+        name = f"moe_ep{group[-2:]}_{shape_tag}_dense_{stage}_stage_chunks{c}"
+        extra = {"topology": topo, "placement": "expert axis ('host', 'expert') over every host",
+                 "exchange": f"{stage}-stage", "chunks": c, "shape": dataclasses.asdict(s),
+                 "devices": ndev, "grouped_rows": grouped_rows(s.tokens, c, s.top_k)}
+        run.case(name, lambda stage=stage: moe_compiled(
+            run, mesh, s, "dense", c, host_axis="host" if stage == "two" else None), extra)
+
+
+def deepseek_cases(run, group):
+    """DeepSeek-V3's per-device work at EP=64 (4 local experts, 8 hosts) or the same work at
+    EP=16 (16 local experts, 2 hosts), one-stage and two-stage."""
+    topo, ndev = ("2x8x1", 16) if group == "ds16" else ("8x8x1", 64)
+    hosts, local = ndev // 8, 8
+    if run.a.small:  # 8 CPU devices as 2 "hosts" of 4
+        topo, hosts, local = "cpu", 2, 4
+    mesh = run.mesh(topo, (1, hosts, local), ("data", "host", "expert"))
+    two_stage_cases(run, group, mesh, run.shapes["D"], topo, "D", ("one", "two"))
 
 
 def gpu1(run):
@@ -699,6 +753,7 @@ def summarize(report: dict, defaults: dict[str, int]) -> dict:
     a2a = [cases[k]["payload_all_to_all"] for k in (m8, m8d) if k in cases]
     head["moe_ep8_windows"] = sum(x["windows"] for x in a2a) if a2a else None
     head["moe_ep8_windows_with_gemm"] = sum(x["windows_with_gemm"] for x in a2a) if a2a else None
+    head.update(two_stage_keys(cases, dn, frac))
     lf = {t: f"moe_ep8_A_{t}_local_first_chunks{n}" for t, n in (("dense", dn), ("dropless", dl))}
     if all(k in cases for k in lf.values()):  # the layer with local_first (not its default)
         for t, k in lf.items():
@@ -714,6 +769,34 @@ def summarize(report: dict, defaults: dict[str, int]) -> dict:
     if a2a:
         out["met"]["moe_ep8_windows_with_gemm"] = (head["moe_ep8_windows_with_gemm"]
                                                    == head["moe_ep8_windows"])
+    return out
+
+
+def two_stage_keys(cases: dict, chunks: int, frac) -> dict:
+    """The two-stage exchange's headline keys: for DeepSeek-V3's work (``D``) at EP=16 and 64
+    the exposed fractions of both exchanges, the step and the all-to-alls' bytes across hosts
+    of the two-stage one over the one-stage one; for shape A at EP=16 and 64 the two-stage
+    exposed fraction and step over the one-stage cases (``moe_ep16/64_A_dense``)."""
+    def ratio(a, b, part, key):
+        if a not in cases or b not in cases or not cases[b][part][key]:
+            return None
+        return cases[a][part][key] / cases[b][part][key]
+
+    out = {}
+    for ep in ("16", "64"):
+        one, two = (f"moe_ep{ep}_D_dense_{s}_stage_chunks{chunks}" for s in ("one", "two"))
+        out[f"moe_ep{ep}_one_stage_exposed_fraction"] = frac(one)
+        out[f"moe_ep{ep}_two_stage_exposed_fraction"] = frac(two)
+        out[f"moe_ep{ep}_two_stage_step_over_one_stage"] = ratio(two, one, "all", "step_us")
+        out[f"moe_ep{ep}_cross_host_bytes_ratio"] = ratio(two, one, "all_to_all",
+                                                          "cross_host_bytes")
+        a_one, a_two = (f"moe_ep{ep}_A_dense_chunks{chunks}",
+                        f"moe_ep{ep}_A_dense_two_stage_chunks{chunks}")
+        out[f"moe_ep{ep}_A_two_stage_exposed_fraction"] = frac(a_two)
+        out[f"moe_ep{ep}_A_two_stage_step_over_one_stage"] = ratio(a_two, a_one, "all",
+                                                                   "step_us")
+        out[f"moe_ep{ep}_A_cross_host_bytes_ratio"] = ratio(a_two, a_one, "all_to_all",
+                                                            "cross_host_bytes")
     return out
 
 
@@ -756,6 +839,9 @@ def main(argv=None) -> dict:
     for group in ("moe16", "moe64"):
         if group in groups:
             multi_host_cases(run, group, chunk_list, local_list)
+    for group in ("ds16", "ds64"):
+        if group in groups:
+            deepseek_cases(run, group)
     if "train" in groups:
         train_cases(run)
     if "moe8b" in groups:  # the second shape set last: the most compile time

@@ -155,6 +155,11 @@ class Attention(nnx.Module):
             cfg.d_model, cfg.d_model, use_bias=False, kernel_init=init, dtype=dt, rngs=rngs
         )
 
+    def matrix_views(self) -> dict[str, tuple[int, int, int]]:
+        """The fused QKV kernel ``[d, 3 d]`` holds three maps (for ``muon_jax``, which then
+        orthogonalizes q, k and v apart, as if they were stored apart)."""
+        return {"qkv.kernel": (0, 1, 3)}
+
     def _project(self, linear: nnx.Linear, x: jax.Array) -> jax.Array:
         if self.fp8 is None:
             return linear(x)

@@ -33,7 +33,7 @@ from moe import meshes
 from moe import pipeline as _pipeline
 from moe import routing as _routing
 from moe.dispatch import plan_build
-from moe.dispatch.plan import exchange_sizes
+from moe.dispatch.plan import layer_sizes
 from moe.experts import Banks
 from moe.options import MoEOptions, ResolvedOptions
 
@@ -52,7 +52,7 @@ class LocalInputs(NamedTuple):
     expert_bias: tuple[jax.Array, jax.Array] | None = None  # (b_gate_up, b_down) banks
 
 
-def _vary(router_kernel, w_gate_up, w_down, extra: LocalInputs, *, expert_axis, all_axes):
+def _vary(router_kernel, w_gate_up, w_down, extra: LocalInputs, *, expert_axes, all_axes):
     """``(router_kernel, banks, extra)`` typed as varying over the mesh axes they are
     replicated over (the router and the shared experts: all; the banks: all but the expert
     axis), so that autodiff sums their gradients over those axes (the transpose of
@@ -61,7 +61,7 @@ def _vary(router_kernel, w_gate_up, w_down, extra: LocalInputs, *, expert_axis, 
         return None if a is None else jax.tree.map(
             lambda leaf: jax.lax.pcast(leaf, axes, to="varying"), a)
 
-    others = tuple(a for a in all_axes if a != expert_axis)
+    others = tuple(a for a in all_axes if a not in expert_axes)
     banks = Banks(w_gate_up, w_down, extra.expert_bias)
     if others:
         banks = Banks(*(vary(a, others) for a in banks))
@@ -76,7 +76,7 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra: LocalInputs,
     """Per-device body: route, plan the chunks, run them (dispatch, local experts, combine;
     masked slots go to no expert) and the shared experts on every token."""
     router_kernel, banks, extra = _vary(router_kernel, w_gate_up, w_down, extra,
-                                        expert_axis=options.dispatch.expert_axis,
+                                        expert_axes=options.dispatch.expert_axes,
                                         all_axes=all_axes)
     mask = extra.mask
     x_router = x if extra.noise is None else (x * extra.noise).astype(x.dtype)
@@ -86,9 +86,7 @@ def _local_moe(x, router_kernel, bias, w_gate_up, w_down, extra: LocalInputs,
         counts, lb, z = _routing.global_losses(r, options.router, all_axes, total_tokens, mask)
     slots, dispatch = options.num_slots, options.dispatch
     ids = r.expert_ids if mask is None else jnp.where(mask[:, None], r.expert_ids, slots)
-    sizes = exchange_sizes(dispatch.transport, x.shape[0] // dispatch.overlap_chunks,
-                           ids.shape[1], slots, options.expert_axis_size,
-                           dispatch.capacity_factor, multiple=dispatch.capacity_multiple)
+    sizes = layer_sizes(options, x.shape[0] // dispatch.overlap_chunks, ids.shape[1])
     plans = plan_build.chunk_plans(ids, options, sizes, x_dtype=x.dtype)
     out = _pipeline.run_chunks(x, r.weights, banks, plans, options, shared=extra.shared,
                                shared_gate=extra.shared_gate, mask=mask)
@@ -385,7 +383,8 @@ def moe_apply(
     options = _options_argument(options, opts)
     mesh = meshes.resolve(mesh)
     if mesh is None:
-        mesh = jax.make_mesh((1,), (options.dispatch.expert_axis,), devices=jax.devices()[:1])
+        axes = options.dispatch.expert_axes
+        mesh = jax.make_mesh((1,) * len(axes), axes, devices=jax.devices()[:1])
     inputs = dict(bias=bias, router_bias=router_bias, expert_bias=expert_bias, shared=shared,
                   shared_gate=shared_gate, token_mask=token_mask, jitter_key=jitter_key)
     _check_arrays(x, router_kernel, w_gate_up, w_down, options.router.num_experts)

@@ -164,7 +164,8 @@ class MoE(nnx.Module):
         # Banks whose expert count does not split over the expert axis stay whole on every
         # device (moe_apply pads and splits them per call).
         ambient = meshes.resolve(mesh)
-        split = ambient is None or e % ambient.shape[axis] == 0
+        split = ambient is None or e % math.prod(
+            ambient.shape[a] for a in self.options.dispatch.expert_axes) == 0
         ax = axis if split else None
 
         def place(value, sharding):

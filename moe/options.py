@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import jax
+import numpy as np
 
 from accel_kernels import fp8, platform, registry
 from accel_kernels.activations import GatedActivation
@@ -43,7 +44,8 @@ from accel_kernels.gmm import api as gmm_api
 from moe.routing import RouterConfig
 
 __all__ = ["DispatchOptions", "ExpertOptions", "MoEOptions", "ResolvedOptions",
-           "auto_overlap_chunks", "auto_transport", "renamed_keywords"]
+           "auto_overlap_chunks", "auto_transport", "hosts_per_token", "renamed_keywords",
+           "resolve_host_axis"]
 
 # The one definition of every enum-like option; the allowed values are read off these types
 # (:func:`choices`), so a new value is added here and nowhere else.
@@ -190,7 +192,8 @@ class DispatchOptions:
     """How tokens travel to their experts and back (:func:`moe.dispatch`, :func:`moe.combine`).
 
     Attributes:
-      expert_axis: mesh axis the experts are split over.
+      expert_axis: mesh axis the experts are split over, or a tuple of axes (device ``i`` of
+        the expert axis is the row-major index over them, e.g. ``('host', 'local')``).
       batch_axes: mesh axes the tokens are split over besides ``expert_axis``; ``None``: every
         other axis of the mesh.
       transport: ``'dense'`` (capacity-padded ``all_to_all``, drops overflow), ``'dropless'``
@@ -232,6 +235,20 @@ class DispatchOptions:
         the first dispatch it makes the step longer. For steps whose first dispatch stays
         exposed (one chunk, exchanges between hosts). No effect with one device on the expert
         axis. A capacity limit keeps its meaning: the same ``C`` rows per (source, expert).
+      host_axis: the exchange past one host (``moe.dispatch.movement``, two stages). The
+        mesh axis that crosses hosts, the first name of a tuple ``expert_axis`` (e.g.
+        ``'host'`` of ``('host', 'local')``): each token goes once to each host holding one of
+        its experts (to the device with its own local index there), carrying which of its
+        slots live there, and that device forwards it to the host's devices; combine sums a
+        host's expert outputs before they cross back. ``None``: one exchange over the whole
+        expert axis. ``'auto'`` (the layer's; the flat ``moe.dispatch`` functions read it as
+        None): the first axis of a tuple ``expert_axis`` when the mesh's devices along it sit
+        in different processes (``Device.process_index``, and ``slice_index`` where the
+        platform has it) while those along the other expert axes share one, and only when a
+        token's slots reach fewer hosts than ``top_k`` (:func:`hosts_per_token`: node-limited
+        routing, or more slots than hosts): else every slot may cross on its own anyway and
+        the second stage only adds a hop, so None. One host (or a single-process mesh) keeps
+        the one-stage exchange.
 
     Example:
       >>> from moe import DispatchOptions
@@ -254,6 +271,7 @@ class DispatchOptions:
     capacity_multiple: int = 8
     exchange_implementation: ExchangeImplementation = "auto"
     local_first: bool = False
+    host_axis: str | None | Literal["auto"] = "auto"
 
     def __post_init__(self):
         ba = self.batch_axes
@@ -270,6 +288,14 @@ class DispatchOptions:
                 and all(isinstance(a, str) for a in ea)):
             raise TypeError(f"expert_axis must be a mesh axis name (or a tuple of names), got "
                             f"{ea!r}; e.g. expert_axis='expert'.")
+        if isinstance(ea, tuple) and len(ea) == 1:
+            object.__setattr__(self, "expert_axis", ea[0])
+        ha = self.host_axis
+        if ha not in (None, "auto") and (not isinstance(ha, str) or ha != self.expert_axes[0]):
+            raise ValueError(
+                f"host_axis={ha!r} must be None, 'auto' or the first name of expert_axis="
+                f"{ea!r}: order the expert axes host first, e.g. expert_axis=('host', 'local') "
+                "with host_axis='host'.")
         check_choice("transport", self.transport, Transport)
         check_choice("dispatch_dtype", self.dispatch_dtype, WireDtype)
         check_choice("combine_grad_dtype", self.combine_grad_dtype, WireDtype)
@@ -298,6 +324,111 @@ class DispatchOptions:
                 "(the first exchange bucket); 'ragged' has none: pass capacity_factor=None, "
                 "or transport='dense' or 'dropless'."
             )
+        if self.host_axis not in (None, "auto") and self.transport == "ragged":
+            raise ValueError(f"host_axis={self.host_axis!r} (the two-stage exchange) runs the "
+                             "'dense' and 'dropless' transports, got transport='ragged'; pass "
+                             "host_axis=None with 'ragged'.")
+
+    @property
+    def expert_axes(self) -> tuple[str, ...]:
+        """``expert_axis`` as a tuple of mesh axis names."""
+        ea = self.expert_axis
+        return (ea,) if isinstance(ea, str) else tuple(ea)
+
+    @property
+    def local_axes(self) -> tuple[str, ...]:
+        """The expert axes within one host when ``host_axis`` names one: the others."""
+        return self.expert_axes[1:]
+
+
+def hosts_per_token(router: RouterConfig, num_slots: int, hosts: int) -> int:
+    """The most hosts the ``top_k`` slots of one token can reach: the first stage's columns
+    of the two-stage exchange (``DispatchOptions.host_axis``).
+
+    Host ``h`` holds expert slots ``[h S / H, (h + 1) S / H)`` (``S = num_slots``, ``H =
+    hosts``: the devices of the expert axis host-major, each its ``S / P`` slots). Without a
+    group limit a token's slots reach ``min(top_k, H)`` hosts. Group-limited routing
+    (``num_groups`` / ``topk_groups``, DeepSeek-V3's ``n_group`` / ``topk_group``) keeps a
+    token within ``topk_groups`` groups, so within the hosts those groups span: with the
+    groups aligned to the hosts (``num_groups`` a multiple of ``H``, no padded experts) at
+    most ``topk_groups`` hosts, the node-limited routing of DeepSeek-V3.
+
+    Args:
+      router: the router's options.
+      num_slots: expert slots (``num_experts`` padded to the expert axis).
+      hosts: devices on the host axis.
+
+    Returns:
+      ``min(top_k, H, the most hosts topk_groups groups span)``.
+
+    Example:
+      >>> ds3 = RouterConfig(256, 8, num_groups=8, topk_groups=4)  # DeepSeek-V3's routing
+      >>> hosts_per_token(ds3, 256, 8), hosts_per_token(ds3, 256, 2)
+      (4, 2)
+      >>> hosts_per_token(RouterConfig(64, 2), 64, 8)
+      2
+    """
+    bound = min(router.top_k, hosts)
+    g, tg = router.num_groups, router.topk_groups
+    if hosts > 1 and g > 1 and tg is not None and tg < g:
+        per, per_host = router.num_experts // g, num_slots // hosts
+        spans = sorted(len({e // per_host for e in range(i * per, (i + 1) * per)})
+                       for i in range(g))
+        bound = min(bound, sum(spans[-tg:]))
+    return bound
+
+
+def device_hosts(mesh: Any) -> Any:
+    """An int array of ``mesh``'s shape: the host of each device (its slice and process
+    index), or None for a mesh without devices (``jax.sharding.AbstractMesh``)."""
+    if isinstance(mesh, jax.sharding.AbstractMesh):  # it has no devices
+        return None
+    devices = mesh.devices
+    keys = {}
+    out = [keys.setdefault((getattr(d, "slice_index", None) or 0, d.process_index), len(keys))
+           for d in devices.flat]
+    return np.asarray(out).reshape(devices.shape)
+
+
+def resolve_host_axis(dispatch: DispatchOptions, mesh: Any, transport: str,
+                      router: RouterConfig | None = None, num_slots: int = 0) -> str | None:
+    """The host axis the layer's exchange runs two stages over, or None (one stage).
+
+    ``host_axis`` None, the ``'ragged'`` transport, or a host axis of one device: None. A
+    named axis: that axis. ``'auto'``: the first of a tuple ``expert_axis`` when the mesh's
+    devices along it are on different hosts (:func:`device_hosts`), those along every other
+    expert axis on one, and (given the ``router`` and its ``num_slots``) a token's slots
+    reach fewer hosts than ``top_k`` (:func:`hosts_per_token`), so the first stage sends
+    fewer rows across hosts than one stage would; else None.
+
+    Example:
+      >>> import jax
+      >>> mesh = jax.make_mesh((1, 1), ("host", "local"), devices=jax.devices()[:1])
+      >>> options = DispatchOptions(expert_axis=("host", "local"))
+      >>> resolve_host_axis(options, mesh, "dense") is None  # one process: one host
+      True
+    """
+    axis = dispatch.host_axis
+    if axis is None or transport == "ragged":
+        return None
+    if axis == "auto":
+        axes = dispatch.expert_axes
+        hosts = device_hosts(mesh) if len(axes) > 1 else None
+        if hosts is None:
+            return None
+        names = tuple(mesh.axis_names)
+
+        def varies(name):
+            i = names.index(name)
+            return bool(np.any(hosts != np.take(hosts, [0], axis=i)))
+
+        if not varies(axes[0]) or any(varies(a) for a in axes[1:]):
+            return None
+        axis = axes[0]
+        if router is not None and hosts_per_token(router, num_slots,
+                                                  mesh.shape[axis]) >= router.top_k:
+            return None  # every slot may cross on its own anyway: a second stage only adds a hop
+    return axis if mesh.shape[axis] > 1 else None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -486,27 +617,30 @@ class MoEOptions:
             registry.check_available(self.experts.gemm_implementation, "gemm_implementation")
 
     def token_axes(self, mesh: Any) -> tuple[str, ...]:
-        """The mesh axes the tokens are split over: the batch axes, then ``expert_axis``."""
+        """The mesh axes the tokens are split over: the batch axes, then the expert axes."""
         if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
             raise TypeError(f"mesh must be a jax.sharding.Mesh (or None: the ambient "
                             f"jax.set_mesh mesh), got {type(mesh).__name__} {mesh!r}; build "
                             "one with jax.make_mesh.")
         names = tuple(mesh.axis_names)
-        axis = self.dispatch.expert_axis
-        if axis not in names:
-            raise ValueError(
-                f"expert_axis={axis!r} is not an axis of the mesh {names}; pass expert_axis= "
-                f"one of them (or build the mesh with an {axis!r} axis)."
-            )
+        axes = self.dispatch.expert_axes
+        for axis in axes:
+            if axis not in names:
+                given = self.dispatch.expert_axis
+                what = f"{given!r} is" if given == axis else f"{given!r} names {axis!r}, which is"
+                raise ValueError(
+                    f"expert_axis={what} not an axis of the mesh {names}; pass expert_axis= "
+                    f"one of them (or build the mesh with an {axis!r} axis)."
+                )
         batch = self.dispatch.batch_axes
         if batch is None:
-            batch = tuple(a for a in names if a != axis)
+            batch = tuple(a for a in names if a not in axes)
         for a in batch:
             if a not in names:
                 raise ValueError(
                     f"batch_axes names {a!r}, which is not an axis of the mesh {names}."
                 )
-        return (*batch, axis)
+        return (*batch, *axes)
 
     def resolve(self, num_tokens: int, d_model: int, d_ff: int, *, mesh: Any
                 ) -> ResolvedOptions:
@@ -537,23 +671,28 @@ class MoEOptions:
           ('dense', 1, 'xla')
         """
         axes = self.token_axes(mesh)
-        ep = mesh.shape[self.dispatch.expert_axis]
+        expert_axes = self.dispatch.expert_axes
+        ep = math.prod(mesh.shape[a] for a in expert_axes)
         devices = math.prod(mesh.shape[a] for a in axes)
         transport = self.dispatch.transport
         if transport == "auto":
             transport = auto_transport(ep)
+        e = self.router.num_experts
+        slots = -(-e // ep) * ep
+        host_axis = resolve_host_axis(self.dispatch, mesh, transport, self.router, slots)
         chunks = self.dispatch.overlap_chunks
         if chunks == "auto":
             chunks = auto_overlap_chunks(ep, -(-num_tokens // devices), transport)
-        e = self.router.num_experts
-        slots = -(-e // ep) * ep
         cf = self.dispatch.capacity_factor  # per real expert: the padded ones take no slots
         if cf is not None and slots != e:
             cf = cf * slots / e
         dispatch = dataclasses.replace(
-            self.dispatch, transport=transport, overlap_chunks=chunks, batch_axes=axes[:-1],
-            capacity_factor=cf, exchange_implementation=resolve_exchange_implementation(
+            self.dispatch, transport=transport, overlap_chunks=chunks,
+            batch_axes=axes[:-len(expert_axes)], capacity_factor=cf, host_axis=host_axis,
+            exchange_implementation=resolve_exchange_implementation(
                 self.dispatch.exchange_implementation))
+        hosts = mesh.shape[host_axis] if host_axis else 1
+        host_slots = hosts_per_token(self.router, slots, hosts)
         self._check_widths(d_model, d_ff)
         # The layout the experts read: the transport's (capacity-padded [E, C, d] or ragged
         # rows), but rows for kernels that take rows only ('triton': the slots run as rows).
@@ -570,7 +709,8 @@ class MoEOptions:
             fp8_block_size=self.fp8_block_size, expert_axis_size=ep, num_slots=slots,
             group_alignment=gmm_api.GROUP_ALIGNMENT if aligned else None,
             wire_to_experts=(self.dispatch.dispatch_dtype == self.experts.gemm_dtype == "fp8"
-                             and ragged))
+                             and ragged),
+            hosts=hosts, host_slots=host_slots)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -598,6 +738,9 @@ class ResolvedOptions:
         take (None: plain ragged rows).
       wire_to_experts: the FP8 wire rows of a ragged layout go to the FP8 expert GEMMs as
         they came (no decoded copy is quantized again).
+      hosts: devices on ``dispatch.host_axis`` (1: one-stage exchange).
+      host_slots: the most hosts one token's slots reach (:func:`hosts_per_token`): the
+        columns of the two-stage exchange's first stage.
 
     Example:
       >>> import jax
@@ -615,11 +758,18 @@ class ResolvedOptions:
     num_slots: int
     group_alignment: int | None
     wire_to_experts: bool
+    hosts: int = 1
+    host_slots: int = 1
 
     @property
     def token_axes(self) -> tuple[str, ...]:
-        """The mesh axes the tokens are split over: the batch axes, then ``expert_axis``."""
-        return (*self.dispatch.batch_axes, self.dispatch.expert_axis)
+        """The mesh axes the tokens are split over: the batch axes, then the expert axes."""
+        return (*self.dispatch.batch_axes, *self.dispatch.expert_axes)
+
+    @property
+    def two_stage(self) -> bool:
+        """Whether the exchange runs in two stages (across hosts, then within the host)."""
+        return self.dispatch.host_axis is not None
 
 
 def auto_transport(expert_axis_size: int) -> str:

@@ -52,8 +52,9 @@ _OwnView = tuple[tuple[int, ...], Any]
 
 VIEWS_METHOD = "matrix_views"
 """The method by which a layer declares its kernels' matrices (any NNX module may define it):
-``layer.matrix_views() -> {attribute: (reduction_axes, output_axes, parts)}``, axes of the
-kernel as the layer itself shapes it (stack axes that ``nnx.scan`` / ``nnx.vmap`` add are
+``layer.matrix_views() -> {attribute: (reduction_axes, output_axes, parts)}`` (an attribute
+may be dotted, ``'qkv.kernel'``, for a sublayer's kernel), axes of the kernel as the layer
+itself shapes it (stack axes that ``nnx.scan`` / ``nnx.vmap`` add are
 found from the shapes), ``parts`` how many matrices lie side by side along the output axis (a
 fused gate/up bank: 2). ``moe.MoE`` defines it; so can a user's layer."""
 
@@ -72,7 +73,7 @@ def _declared_views(layer: Any) -> dict[str, _OwnView]:
     """The views a layer declares with :data:`VIEWS_METHOD`, on its kernels' own shapes."""
     out = {}
     for name, (red, out_ax, parts) in getattr(layer, VIEWS_METHOD)().items():
-        var = getattr(layer, name, None)
+        var = _attribute(layer, name)
         if var is None or not hasattr(var, "shape"):
             continue
         axes = [a for a in (*(red if isinstance(red, tuple) else (red,)),
@@ -159,16 +160,26 @@ def _placed(actual: tuple[int, ...], own_view: _OwnView) -> Any:
 
 def _graph_views(nnx: Any, root: Any) -> dict[int, tuple[Any, Any]]:
     """``id(variable) -> (variable, dimension numbers)`` for the known layers under ``root``
-    (the variable is kept so its id stays its own)."""
-    table = {}
+    (the variable is kept so its id stays its own). A view a module declares
+    (:data:`VIEWS_METHOD`) wins over its sublayers' own, e.g. a fused QKV ``nnx.Linear``'s."""
+    table, declared = {}, {}
     for _, node in nnx.iter_graph(root):
         if not isinstance(node, nnx.Module):
             continue
+        own = callable(getattr(node, VIEWS_METHOD, None))
         for name, own_view in _nnx_views(nnx, node).items():
-            var = getattr(node, name, None)
+            var = _attribute(node, name)
             if isinstance(var, nnx.Variable):
-                table[id(var)] = (var, _placed(tuple(var.shape), own_view))
-    return table
+                (declared if own else table)[id(var)] = (var, _placed(tuple(var.shape),
+                                                                      own_view))
+    return table | declared
+
+
+def _attribute(node: Any, dotted: str) -> Any:
+    """``node.a.b`` for ``'a.b'`` (None where an attribute is missing)."""
+    for part in dotted.split("."):
+        node = getattr(node, part, None)
+    return node
 
 
 def _path_view(path: Sequence[Any], shape: tuple[int, ...]) -> Any:

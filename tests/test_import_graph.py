@@ -235,3 +235,24 @@ def test_internal_use_finder_sees_an_internal_import(tmp_path):
                    "import gmm\nfrom muon_jax import owners\n")
     assert _internal_uses([bad]) == ["ex.py:3: accel_kernels.gmm.mosaic_kernel",
                                      "ex.py:4: muon_jax.owners"]
+
+
+def test_importing_the_packages_loads_no_pallas_backend():
+    """``import moe, muon_jax`` on a CPU adds no Pallas, Mosaic GPU or Triton module to what
+    jax, flax and optax import: the kernel registries import their implementations on first
+    use (``accel_kernels.registry``)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import jax, flax.nnx, optax; before = set(sys.modules); "
+            "import moe, muon_jax, xla_comm; print(sorted(m for m in set(sys.modules) - before "
+            "if any(k in m for k in ('pallas', 'mosaic', 'triton'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=_ROOT, check=True).stdout.strip()
+    assert out == "[]"
+
+
+@pytest.mark.parametrize("package", _LIBRARY)
+def test_packages_are_marked_typed(package):
+    """PEP 561: each package ships a py.typed marker (pyproject's package-data installs it)."""
+    assert (_ROOT / package / "py.typed").is_file()

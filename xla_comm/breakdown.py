@@ -11,16 +11,12 @@ summed per category, first rule that matches:
                   collective-permute, reduce-scatter, send/recv), NCCL / ragged-all-to-all
                   kernels
   sort            sort (or a fusion holding one; cub radix sort custom calls)
-  gemm            dot / convolution (fused too), cuBLAS / cuBLASLt / Triton GEMM custom
-                  calls, the Pallas grouped GEMMs (``gmm``, ``gmm_t``, ``tgmm``)
-  combine         anything else under the ``combine`` scopes (weighted sums over k, the
-                  router gradient, the combine gradient's send rows)
-  gather_scatter  anything else under ``dispatch_exchange`` (send rows, expert layout, the
-                  dispatch backward's sums), the Pallas wire kernels, and other gathers /
-                  scatters / dynamic slices
-  plan            anything else under ``dispatch_plan`` (index arithmetic on T*k ints)
-  router          anything else under ``moe_router``
-  experts_other   anything else under the ``experts_*`` scopes (SwiGLU, masks, casts)
+  gemm            dot / convolution (fused too), cuBLAS / cuBLASLt / Triton GEMM custom calls
+  (the caller's)  ``rules``: ordered `Rule` s, each a category and a regex over one field of
+                  the instruction (its named-scope path, its Pallas kernel's name, or its
+                  opcodes): a program's own scopes and kernels (e.g. a layer's ``combine``
+                  scope, or its grouped-GEMM kernels as ``gemm``)
+  gather_scatter  other gathers / scatters / dynamic slices
   memcpy          device copies / memsets (e.g. a conditional's predicate read back)
   other           the rest
 
@@ -38,14 +34,16 @@ first scope inside it: ``jit(step)/jvp(attention)/...`` (forward),
 ``jit(step)/transpose(jvp(attention))/...`` (backward),
 ``jit(step)/transpose(jvp())/shard_map/experts_down_wgrad/...``; a custom_vjp's backward may
 carry its own scopes without the ``jit(step)/`` prefix (``moe_router/reduce_sum``). So a scope
-is matched as a path component, bounded by ``/``, ``(`` or ``)``. Region and category together
-split e.g. the experts' time into GEMMs and the rest (quantization, casts). `LM_REGIONS`
-suits the train step of examples/lm_model.py (benchmarks/lm_step.py).
+is matched as a path component, bounded by ``/``, ``(`` or ``)`` (:func:`scope_regex`). Region
+and category together split e.g. a layer's time into GEMMs and the rest (quantization,
+casts). The scope names, kernel names and regions are the caller's: this module knows no
+program's.
 
 The events come from `xla_comm.trace.op_events`.
 
 Example:
-  >>> kernel_category("ncclDevKernel_SendRecv"), kernel_category("gmm_bf16_mosaic_gpu_kernel")
+  >>> rules = [Rule("gemm", "kernel", r"^t?gmm")]
+  >>> kernel_category("ncclDevKernel_SendRecv"), kernel_category("gmm_bf16_kernel", rules)
   ('exchange', 'gemm')
 """
 
@@ -53,19 +51,41 @@ from __future__ import annotations
 
 import re
 from collections import Counter, defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Literal, NamedTuple
 
-from xla_comm import trace
+from xla_comm import parse, trace
 
-__all__ = ["CATEGORIES", "LM_KERNEL_REGIONS", "LM_REGIONS", "REST", "categorize_hlo",
-           "format_regions", "format_table", "hlo_regions", "kernel_category",
-           "kernel_region", "op_breakdown", "scope_regex"]
+__all__ = ["CATEGORIES", "REST", "Rule", "categories", "categorize_hlo", "format_regions",
+           "format_table", "hlo_regions", "kernel_category", "kernel_region", "op_breakdown",
+           "scope_regex"]
 
 # ----------------------------------------------------------------------------- categories
 
-CATEGORIES = ("exchange", "sort", "gemm", "combine", "gather_scatter", "plan", "router",
-              "experts_other", "memcpy", "other")
+CATEGORIES = ("exchange", "sort", "gemm", "gather_scatter", "memcpy", "other")
+"""The categories every breakdown has; a caller's `Rule` s add theirs after ``gemm``."""
 REST = "rest"  # the region of what no region's pattern matches
+
+
+class Rule(NamedTuple):
+    """A category for the instructions whose ``field`` matches ``pattern`` (a regex, searched):
+    ``'scope'`` the named-scope path (``op_name``), ``'kernel'`` the Pallas kernel's name (also
+    for trace events that name no instruction), ``'op'`` the opcodes it runs (a fusion's
+    too)."""
+
+    category: str
+    field: Literal["scope", "kernel", "op"]
+    pattern: str
+
+
+def categories(rules: Sequence[Rule] = ()) -> tuple[str, ...]:
+    """The categories of a breakdown with ``rules``, in table order.
+
+    >>> categories([Rule("combine", "scope", "/combine"), Rule("gemm", "kernel", "^gmm")])
+    ('exchange', 'sort', 'gemm', 'combine', 'gather_scatter', 'memcpy', 'other')
+    """
+    extra = [r.category for r in rules if r.category not in CATEGORIES]
+    return (*CATEGORIES[:3], *dict.fromkeys(extra), *CATEGORIES[3:])
 
 
 def scope_regex(*names: str) -> str:
@@ -79,37 +99,6 @@ def scope_regex(*names: str) -> str:
     return r"(?:^|[/(])(?:" + "|".join(names) + r")(?:[/)]|$)"
 
 
-# The regions of the LM train step (examples/lm_model.py + moe + muon_jax; see
-# benchmarks/lm_step.py), first match wins. The optimizer update runs outside
-# value_and_grad, so its ops carry no jvp / transpose in their path: ``jit(step)/mul``,
-# ``jit(step)/sqrt`` (optax's AdamW), ``jit(step)/jit(entry)/shard_map/...`` and
-# ``jit(step)/jit(exit_fn)/shard_map/...`` (muon_jax.owners' moves to and from the owners),
-# ``jit(step)/muon_owner_step/...`` (Newton-Schulz). The MoE layer's per-device body is a
-# shard_map: what of it no named scope claims (the SwiGLU between the expert GEMMs, masks,
-# casts, the aux-loss psums) is ``moe_other``. ``rest``: the dense projections (qkv / out, the
-# LM head), norms, embedding, rotary, loss, and the (combined) all-reduce of the replicated
-# weights' gradients (most of its merged op_name's parts are dense dot_generals).
-LM_REGIONS: dict[str, str] = {
-    "optimizer": scope_regex("muon_owner_step", r"jit\(entry\)", r"jit\(exit_fn\)")
-                 + r"|^p?jit\([^/()]*\)/(?!.*(?:jvp|transpose)\()",
-    "attention": scope_regex("attention"),
-    "shared_experts": scope_regex("moe_shared_experts"),
-    "experts": scope_regex(r"experts_\w+"),
-    "dispatch_combine": scope_regex(r"dispatch_\w+", r"combine\w*", "moe_router", "router_logits"),
-    "moe_other": scope_regex("shard_map"),
-}
-# Events that name no HLO instruction (on GPU: Mosaic GPU and cuBLAS kernels, seen with
-# jax 0.11) by kernel name. Mosaic GPU kernels appear as ``<name>_mosaic_gpu_kernel``: the
-# expert GEMMs (accel_kernels.gmm.mosaic_kernel) as ``gmm_*`` / ``tgmm_*``, ``fp8_*`` quantize their
-# operands
-# (Triton or Mosaic GPU, ``*_mgpu``; fp8_dense's row kernels carry the same names). The dense
-# FP8 projections' GEMMs (``dense_gmm_*``, moe.fp8_dense) and cuBLAS kernels (dense
-# projections, attention dots, Newton-Schulz) stay in ``rest``. ``anonymous_*``: the GEMMs of
-# trees before the kernels were named (then the projections' ones were counted here too).
-LM_KERNEL_REGIONS: dict[str, str] = {
-    "experts": r"^anonymous_mosaic_gpu_kernel|^fp8_|^gmm|^tgmm",
-    "dispatch_combine": r"^wire_",
-}
 _COLLECTIVES = {"all-to-all", "ragged-all-to-all", "all-gather", "all-reduce",
                 "collective-permute", "reduce-scatter", "send", "recv", "all-gather-start",
                 "all-gather-done", "all-reduce-start", "all-reduce-done", "all-to-all-start",
@@ -117,44 +106,40 @@ _COLLECTIVES = {"all-to-all", "ragged-all-to-all", "all-gather", "all-reduce",
                 "send-done", "recv-done", "ragged-all-to-all-start", "ragged-all-to-all-done"}
 _GATHERS = {"gather", "scatter", "dynamic-slice", "dynamic-update-slice"}
 _CONTAINERS = {"conditional", "while", "call", "async-start", "async-done"}
-_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s+->\s+.*\{\s*$")
-_INST = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
 _CALLS = re.compile(r"calls=\{?%?([\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 # XLA's combiners (e.g. of the gradients' all-reduces) name the merged op "prefix/(a:b:...)".
 _MERGED = re.compile(r"^(.*?/)?\((.+:.+)\)$")
-_OPERAND = re.compile(r"%([\w.\-]+)")
 _KERNEL_NAME = re.compile(r'\\?"name\\?"\s*:\s*\\?"([\w.\-]+)')
 _GEMM_TARGET = re.compile(r"cublas|gemm|matmul|cudnn\$conv", re.IGNORECASE)
-_GEMM_KERNEL = re.compile(r"^(gmm|gmm_t|tgmm)$")
-_WIRE_KERNEL = re.compile(r"^wire_gather")
 _MEMCPY = re.compile(r"^\s*(memcpy|memset|cumemcpy|cumemset)", re.IGNORECASE)
 # Kernel-name fallbacks (no hlo_op stat and no matching instruction).
 _NAME_RULES = (
     ("exchange", re.compile(r"nccl|all_?to_?all|all_?gather|all_?reduce|collective|"
                             r"ragged", re.IGNORECASE)),
     ("sort", re.compile(r"sort", re.IGNORECASE)),
-    # This library's Mosaic GPU GEMMs: ``(dense_)(t)gmm_<dtype>_mosaic_gpu_kernel`` (anonymous
-    # in trees before they were named); its Mosaic GPU row kernels (``fp8_*``) are not GEMMs.
-    ("gemm", re.compile(r"gemm|xmma|cutlass|nvjet|sm\d+_.*mma|^(dense_)?t?gmm|matmul|dot|"
-                        r"^anonymous_mosaic_gpu_kernel", re.IGNORECASE)),
+    ("gemm", re.compile(r"gemm|xmma|cutlass|nvjet|sm\d+_.*mma|matmul|dot", re.IGNORECASE)),
     ("memcpy", re.compile(r"^\s*(memcpy|memset|cumem)", re.IGNORECASE)),
     ("gather_scatter", re.compile(r"gather|scatter|dynamic_slice|dynamic_update",
                                   re.IGNORECASE)),
 )
 
 
-def kernel_category(name: str) -> str:
-    """The category of a kernel that names no HLO instruction, from its name alone.
+def kernel_category(name: str, rules: Sequence[Rule] = ()) -> str:
+    """The category of a kernel that names no HLO instruction, from its name alone: the first
+    of ``rules`` on ``'kernel'`` that matches, else the generic name rules.
 
     Args:
       name: the kernel (event) name.
+      rules: the caller's rules (only ``'kernel'`` ones apply).
 
     Returns:
-      One of `CATEGORIES` (``"other"`` if no name rule matches).
+      A category (``"other"`` if no rule matches).
     """
-    return next((c for c, rx in _NAME_RULES if rx.search(name)), "other")
+    own = next((r.category for r in rules if r.field == "kernel"
+                and re.search(r.pattern, name)), None)
+    return own or next((c for c, rx in _NAME_RULES if rx.search(name)), "other")
 
 
 def kernel_region(name: str, kernel_regions: Mapping[str, str] | None) -> str:
@@ -162,8 +147,7 @@ def kernel_region(name: str, kernel_regions: Mapping[str, str] | None) -> str:
 
     Args:
       name: the kernel (event) name.
-      kernel_regions: ordered ``{label: regex}`` over kernel names (e.g.
-        `LM_KERNEL_REGIONS`), or None.
+      kernel_regions: ordered ``{label: regex}`` over kernel names, or None.
 
     Returns:
       The first label whose regex matches ``name``, else `REST`.
@@ -172,73 +156,74 @@ def kernel_region(name: str, kernel_regions: Mapping[str, str] | None) -> str:
 
 
 def _parse(hlo_text: str):
-    """``(instructions, closure, scope_of, out_scope_of)``: name -> (opcode, rest of line) for
+    """``(instructions, closure, scope_of, out_scope_of)``: name -> `parse.Instruction` for
     every instruction; ``closure(computation)`` -> the opcodes it and what it calls hold;
     ``scope_of(computation)`` -> the op_name of its root (else of its first instruction that
     has one); ``out_scope_of(computation)`` -> the op_name nearest its root (the root's, else
     the first found walking back from the root through operands; else ``scope_of``'s)."""
-    insts: dict[str, tuple[str, str]] = {}
-    comp_ops: dict[str, set[str]] = defaultdict(set)
-    comp_calls: dict[str, set[str]] = defaultdict(set)
-    comp_scope: dict[str, str] = {}
-    comp_root: dict[str, str] = {}
-    current = None
-    for line in hlo_text.splitlines():
-        m = _COMP.match(line)
-        if m:
-            current = m.group(1)
-            continue
-        m = _INST.match(line)
-        if not m or current is None:
-            continue
-        name, opcode, rest = m.group(1), m.group(3), m.group(4)
-        insts[name] = (opcode, rest)
-        comp_ops[current].add(opcode)
-        for c in _CALLS.findall(rest):
-            comp_calls[current].add(c)
-        is_root = line.lstrip().startswith("ROOT")
-        if is_root:
-            comp_root[current] = name
-        scope = _OP_NAME.search(rest)
-        if scope and (current not in comp_scope or is_root):
-            comp_scope[current] = scope.group(1)
+    mod = parse.parse_hlo(hlo_text)
+    insts = {ins.name: ins for ins in mod.instructions()}
+
+    def op_name(ins) -> str | None:
+        m = _OP_NAME.search(ins.attrs)
+        return m.group(1) if m else None
 
     def closure(comp, seen=None):  # opcodes of a computation and what it calls (fusions)
         seen = seen or set()
         if comp in seen:
             return set()
         seen.add(comp)
-        ops = set(comp_ops.get(comp, ()))
-        for c in comp_calls.get(comp, ()):
+        body = mod.computations.get(comp, ())
+        ops = {ins.opcode for ins in body}
+        for c in {c for ins in body for c in _CALLS.findall(ins.attrs)}:
             ops |= closure(c, seen)
         return ops
 
     def scope_of(comp):
-        return comp_scope.get(comp, "")
+        named = [(ins.root, op_name(ins)) for ins in mod.computations.get(comp, ())
+                 if op_name(ins)]
+        return next((n for root, n in named if root), named[0][1] if named else "")
 
     def out_scope_of(comp):  # breadth first from the root, back through the operands
-        todo, seen = [comp_root.get(comp)], set()
+        todo = [ins.name for ins in mod.computations.get(comp, ()) if ins.root]
+        seen = set()
         while todo:
             name = todo.pop(0)
-            if name is None or name in seen or name not in insts:
+            if name in seen or name not in insts:
                 continue
             seen.add(name)
-            m = _OP_NAME.search(insts[name][1])
-            if m:
-                return m.group(1)
-            todo += _operands(insts[name][1])
+            if op_name(insts[name]):
+                return op_name(insts[name])
+            todo += list(insts[name].operands)
         return scope_of(comp)
 
     return insts, closure, scope_of, out_scope_of
 
 
-def _operands(rest: str) -> list[str]:
-    """The operand names of an instruction (``rest``: its line after ``opcode(``)."""
-    return _OPERAND.findall(rest.split(")", 1)[0])
+def _category(ops: set[str], opcode: str, target: str, kernel: str, scope: str,
+              rules: Sequence[Rule]) -> str | None:
+    """The category of one instruction (the module docstring's rules, in order)."""
+    if opcode in _CONTAINERS:
+        return None  # its own event (CPU) spans the events of what it runs
+    if ops & _COLLECTIVES or "nccl" in target.lower():
+        return "exchange"
+    if "sort" in ops or "sort" in target.lower():
+        return "sort"
+    if ops & {"dot", "convolution"} or _GEMM_TARGET.search(target):
+        return "gemm"
+    fields = {"scope": [scope], "kernel": [kernel] if kernel else [], "op": sorted(ops)}
+    for r in rules:
+        if any(re.search(r.pattern, v) for v in fields[r.field]):
+            return r.category
+    if ops & _GATHERS:
+        return "gather_scatter"
+    if opcode in ("copy-start", "copy-done"):
+        return "memcpy"
+    return "other"
 
 
-def _classify(hlo_text: str) -> tuple[dict[str, tuple[str | None, str]],
-                                      dict[str, list[str]]]:
+def _classify(hlo_text: str, rules: Sequence[Rule] = ()) -> tuple[
+        dict[str, tuple[str | None, str]], dict[str, list[str]]]:
     """``({instruction: (category, scope)}, {instruction: operand names})`` for every
     instruction of a compiled module's HLO text. ``category``: the rules of the module
     docstring, None for control flow (conditional, while, call), whose work is counted in the
@@ -249,7 +234,8 @@ def _classify(hlo_text: str) -> tuple[dict[str, tuple[str | None, str]],
     op_name, else the computation's first)."""
     insts, closure, scope_of, out_scope_of = _parse(hlo_text)
     out, operands = {}, {}
-    for name, (opcode, rest) in insts.items():
+    for name, ins in insts.items():
+        opcode, rest = ins.opcode, ins.attrs
         ops = {opcode}
         m = _OP_NAME.search(rest)
         scope = path = m.group(1) if m else ""
@@ -260,45 +246,23 @@ def _classify(hlo_text: str) -> tuple[dict[str, tuple[str | None, str]],
                 path = path or out_scope_of(c)
         target = (_TARGET.search(rest) or [None, ""])[1] if opcode == "custom-call" else ""
         kernel = (_KERNEL_NAME.search(rest) or [None, ""])[1] if opcode == "custom-call" else ""
-        if opcode in _CONTAINERS:
-            cat = None  # its own event (CPU) spans the events of what it runs
-        elif ops & _COLLECTIVES or "nccl" in target.lower():
-            cat = "exchange"
-        elif "sort" in ops or "sort" in target.lower():
-            cat = "sort"
-        elif ops & {"dot", "convolution"} or _GEMM_TARGET.search(target) \
-                or _GEMM_KERNEL.match(kernel):
-            cat = "gemm"
-        elif "/combine" in scope:
-            cat = "combine"
-        elif "dispatch_exchange" in scope or _WIRE_KERNEL.match(kernel) or ops & _GATHERS:
-            cat = "gather_scatter"
-        elif "dispatch_plan" in scope:
-            cat = "plan"
-        elif "moe_router" in scope:
-            cat = "router"
-        elif "/experts_" in scope:
-            cat = "experts_other"
-        elif opcode in ("copy-start", "copy-done"):
-            cat = "memcpy"
-        else:
-            cat = "other"
-        out[name] = (cat, path)
-        operands[name] = _operands(rest)
+        out[name] = (_category(ops, opcode, target, kernel, scope, rules), path)
+        operands[name] = list(ins.operands)
     return out, operands
 
 
-def categorize_hlo(hlo_text: str) -> dict[str, str | None]:
+def categorize_hlo(hlo_text: str, rules: Sequence[Rule] = ()) -> dict[str, str | None]:
     """The op category of every instruction of a compiled module.
 
     Args:
       hlo_text: ``compiled.as_text()`` (the rules are those of the module docstring).
+      rules: the caller's category rules.
 
     Returns:
       ``{instruction name: category}``; None for control flow (conditional, while, call),
       whose work is counted in the instructions it runs.
     """
-    return {name: cat for name, (cat, _) in _classify(hlo_text)[0].items()}
+    return {name: cat for name, (cat, _) in _classify(hlo_text, rules)[0].items()}
 
 
 def _assign_regions(info: dict[str, tuple[str | None, str]], operands: dict[str, list[str]],
@@ -348,7 +312,7 @@ def hlo_regions(hlo_text: str, regions: Mapping[str, str]) -> dict[str, str]:
 
 
 def op_breakdown(trace_dir, hlo_text: str, *, steps: int = 1, top: int = 12,
-                 regions: Mapping[str, str] | None = None,
+                 rules: Sequence[Rule] = (), regions: Mapping[str, str] | None = None,
                  kernel_regions: Mapping[str, str] | None = None) -> dict:
     """Device time per category (and per scope, and the top instructions) of one executable.
 
@@ -357,11 +321,11 @@ def op_breakdown(trace_dir, hlo_text: str, *, steps: int = 1, top: int = 12,
       hlo_text: ``compiled.as_text()`` of the executable that the trace ran.
       steps: how many calls the trace holds (times are divided by it).
       top: how many of the most expensive instructions to list.
+      rules: the caller's category rules (`Rule`; module docstring).
       regions: optional ordered ``{label: regex}`` over the named-scope paths (module
-        docstring; e.g. `LM_REGIONS`).
+        docstring).
       kernel_regions: optional ordered ``{label: regex}`` over the kernel names of events
-        that name no known instruction (e.g. `LM_KERNEL_REGIONS`); unmatched ones go to
-        `REST`.
+        that name no known instruction; unmatched ones go to `REST`.
 
     Returns:
       dict: ``us_per_step`` {category: microseconds per step, summed over devices},
@@ -373,13 +337,14 @@ def op_breakdown(trace_dir, hlo_text: str, *, steps: int = 1, top: int = 12,
       ``us_per_region_category`` {label: {category: us per step}} (nonzero ones only), and
       each ``top_ops`` entry gets its region as a fourth element.
     """
-    info, operands = _classify(hlo_text)
+    info, operands = _classify(hlo_text, rules)
     cats = {name: cat for name, (cat, _) in info.items()}
+    names = categories(rules)
     reg = _assign_regions(info, operands, regions) if regions is not None else None
     norm = {k.replace(".", "_").replace("-", "_"): k for k in cats}
     m = re.search(r"^HloModule\s+([\w.\-]+)", hlo_text, re.MULTILINE)
     module = m.group(1) if m else None
-    per_cat = dict.fromkeys(CATEGORIES, 0.0)
+    per_cat = dict.fromkeys(names, 0.0)
     labels = [*(regions or {}), *([] if REST in (regions or {}) else [REST])]
     per_region = dict.fromkeys(labels, 0.0)
     per_region_cat: dict[str, dict[str, float]] = {lb: defaultdict(float) for lb in labels}
@@ -399,7 +364,7 @@ def op_breakdown(trace_dir, hlo_text: str, *, steps: int = 1, top: int = 12,
                 continue
             per_op[inst] += us
         else:
-            cat = kernel_category(name)
+            cat = kernel_category(name, rules)
             unmatched[name] += us
         per_cat[cat] += us
         if reg is not None:
@@ -425,7 +390,7 @@ def op_breakdown(trace_dir, hlo_text: str, *, steps: int = 1, top: int = 12,
         out["region_fraction"] = {lb: (v / total if total else None)
                                   for lb, v in per_region.items()}
         out["us_per_region_category"] = {
-            lb: {c: per_region_cat[lb][c] / steps for c in CATEGORIES if per_region_cat[lb][c]}
+            lb: {c: per_region_cat[lb][c] / steps for c in names if per_region_cat[lb][c]}
             for lb in labels}
     return out
 
@@ -442,7 +407,7 @@ def format_table(rows: dict[str, dict]) -> str:
     labels = list(rows)
     head = f"{'category':16s}" + "".join(f"{lb[:24]:>26s}" for lb in labels)
     lines = [head, "-" * len(head)]
-    for c in CATEGORIES:
+    for c in dict.fromkeys(c for lb in labels for c in rows[lb]["us_per_step"]):
         cells = []
         for lb in labels:
             b = rows[lb]

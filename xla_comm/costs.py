@@ -45,6 +45,7 @@ __all__ = [
     "GroupedRows",
     "Hardware",
     "collective_attrs",
+    "cross_host_bytes",
     "instruction_cost",
     "op_cost",
     "replica_groups",
@@ -422,6 +423,29 @@ def transfer_us(c: hlo.Collective, attrs: str, num_devices: int, hw: Hardware
         return hw.latency_us + t, len(hosts)
     return hw.latency_us + sent / (hw.inter_host_GBps * 1e3), len(hosts)
 
+
+
+def cross_host_bytes(c: hlo.Collective, attrs: str, num_devices: int,
+                     devices_per_host: int) -> float:
+    """Bytes each device sends to other hosts in one collective (of its ring bytes): an
+    all-to-all's share addressed to devices of other hosts, the whole of any other collective
+    whose group spans hosts, 0 within a host (``attrs``: as for :func:`transfer_us`).
+
+    Example:
+      >>> c = hlo.Collective("a2a", "all-to-all", True, ("u8",), ((8192,),), 8192, 8, 7168.0,
+      ...                    "main", False)
+      >>> cross_host_bytes(c, "replica_groups={{0,1,2,3,4,5,6,7}}", 8, 4)  # 4 of 7 peers away
+      4096.0
+    """
+    groups = replica_groups(attrs, num_devices)
+    members = groups[0] if groups else list(range(min(c.group_size, devices_per_host)))
+    me, others = members[0] // devices_per_host, len(members) - 1
+    away = sum(d // devices_per_host != me for d in members)
+    if not others or not away:
+        return 0.0
+    if c.kind in ("all-to-all", "ragged-all-to-all"):
+        return c.ring_bytes * away / others
+    return float(c.ring_bytes)
 
 
 def collective_attrs(mod: hlo.HloModule, colls: Sequence[hlo.Collective],

@@ -106,10 +106,8 @@ def overlap_compiler_options(
     applied to one executable, so a process can compile with and without them.
 
     Args:
-      combine_threshold_bytes: see `overlap_flags`.
-      pipelined: see `overlap_flags`.
-      high_priority_stream: see `overlap_flags`.
-      parallel_collectives: see `overlap_flags`.
+      combine_threshold_bytes, pipelined, high_priority_stream, parallel_collectives: as in
+        `overlap_flags`.
 
     Returns:
       A dict of XLA debug-option names to bool / int values.
@@ -174,10 +172,8 @@ def enable_overlap(
     Flags already present in XLA_FLAGS (same name) are left as the user set them.
 
     Args:
-      combine_threshold_bytes: see `overlap_flags`.
-      pipelined: see `overlap_flags`.
-      high_priority_stream: see `overlap_flags`.
-      parallel_collectives: see `overlap_flags`.
+      combine_threshold_bytes, pipelined, high_priority_stream, parallel_collectives: as in
+        `overlap_flags`.
 
     Returns:
       The new value of XLA_FLAGS.

@@ -41,6 +41,7 @@ class Instruction:
       attrs: the text after the operand list (`replica_groups=..., to_apply=...`).
       computation: name of the computation holding it.
       index: position in that computation (the schedule order in compiled text).
+      root: whether it is its computation's ``ROOT``.
 
     Example:
       >>> from xla_comm.hlo import parse_hlo
@@ -51,8 +52,8 @@ class Instruction:
       ...   ROOT %y = f32[4,2]{1,0} dot(%x, %w), lhs_contracting_dims={1}
       ... }'''
       >>> ins = parse_hlo(text).computations["main"][2]
-      >>> ins.name, ins.shape, ins.opcode, ins.operands, ins.index, ins.attrs
-      ('y', 'f32[4,2]{1,0}', 'dot', ('x', 'w'), 2, ', lhs_contracting_dims={1}')
+      >>> ins.name, ins.shape, ins.opcode, ins.operands, ins.index, ins.attrs, ins.root
+      ('y', 'f32[4,2]{1,0}', 'dot', ('x', 'w'), 2, ', lhs_contracting_dims={1}', True)
     """
 
     name: str
@@ -62,6 +63,7 @@ class Instruction:
     attrs: str
     computation: str
     index: int
+    root: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +255,7 @@ def parse_hlo(compiled_or_text: Any) -> HloModule:
         if parsed is None:
             continue
         body = comps[current]
-        body.append(Instruction(m.group(2), *parsed, current, len(body)))
+        body.append(Instruction(m.group(2), *parsed, current, len(body), bool(m.group(1))))
     num_partitions, num_devices = _module_sizes(text)
     return HloModule({c: tuple(b) for c, b in comps.items()}, entry, num_partitions, num_devices)
 

@@ -87,6 +87,8 @@ class Window:
       ops: compute ops between start and done; gemms: of them GEMMs.
       executions: times it runs per step (loop trip counts).
       conditional: it lies in a conditional branch (runs only when that branch is taken).
+      cross_host_bytes: of ``bytes_sent``, the bytes addressed to other hosts
+        (`xla_comm.costs.cross_host_bytes`).
     """
 
     name: str
@@ -102,6 +104,7 @@ class Window:
     gemms: int
     executions: int = 1
     conditional: bool = False
+    cross_host_bytes: float = 0.0
 
     @property
     def hidden_fraction(self) -> float:
@@ -170,6 +173,7 @@ class ScheduleReport:
             "exposed_fraction": exp / coll if coll else 0.0,
             "exposed_floor_fraction": self.exposed_floor_fraction,  # of the whole step
             "bytes_sent": sum(w.bytes_sent * w.executions for w in ws),
+            "cross_host_bytes": sum(w.cross_host_bytes * w.executions for w in ws),
             "step_us": self.step_us, "compute_us": self.compute_us,
         }
 
@@ -238,7 +242,8 @@ class _Replay:
                     stall = comm_free - t
                     self.windows.append(Window(ins.name, coll.kind, False, comp,
                                                coll.ring_bytes, hosts, xfer, 0.0, stall, 0, 0,
-                                               executions, conditional))
+                                               executions, conditional,
+                                               self._away(coll, attrs)))
                     t = comm_free
                 continue
             if ins.name in by_done and by_done[ins.name] in pending:
@@ -249,7 +254,7 @@ class _Replay:
                 covered = t - t0
                 self.windows.append(Window(start, coll.kind, True, comp, coll.ring_bytes,
                                            hosts, xfer, covered, stall, n_ops, n_gemms, ex,
-                                           cond))
+                                           cond, self._away(coll, self.collectives[start][1])))
                 t = max(t, end)
                 continue
             dt, gemm = self._cost(ins, executions, conditional)
@@ -258,6 +263,10 @@ class _Replay:
                     pending[k] = (end, xfer, t0, n_ops + 1, n_gemms + int(gemm))
             t += dt
         return t, comm_free
+
+    def _away(self, coll: hlo.Collective, attrs: str) -> float:
+        return costs.cross_host_bytes(coll, attrs, self.mod.num_devices,
+                                      self.hw.devices_per_host)
 
     def _cost(self, ins: hlo.Instruction, executions: int, conditional: bool):
         if ins.opcode == "while":

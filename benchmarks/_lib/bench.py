@@ -30,13 +30,11 @@ LIBRARY = ("moe", "muon_jax", "xla_comm", "examples", "accel_kernels")
 # ----------------------------------------------------------------------------- command line
 
 
+# Record labels of the XLA grouped GEMMs of the two token layouts: (implementation, x rank).
 GEMM_LABELS = {"einsum": ("xla", 3), "ragged_dot": ("xla", 2)}
-"""Records name the XLA grouped GEMMs of the two token layouts 'einsum' and 'ragged_dot' (what
-they run); the library's implementation and token rank of each such label."""
 
 
 def implementation(label: str) -> str:
-    """The grouped-GEMM implementation a case label names ('einsum' and 'ragged_dot': 'xla')."""
     return GEMM_LABELS.get(label, (label,))[0]
 
 
@@ -88,12 +86,15 @@ def settings(a: argparse.Namespace) -> dict:
 # ----------------------------------------------------------------------------- environment
 
 
-def commit() -> str:
-    """The tree's commit: a ``COMMIT`` file (an exported copy), else ``git rev-parse``."""
-    if (ROOT / "COMMIT").exists():
-        return (ROOT / "COMMIT").read_text().strip()
+def commit(tree=ROOT) -> str:
+    """A tree's commit: a ``COMMIT`` file (an exported copy), else ``git rev-parse`` (where
+    the tree has its own ``.git``: an export inside a checkout is not that checkout)."""
+    if (tree / "COMMIT").exists():
+        return (tree / "COMMIT").read_text().strip()
+    if not (tree / ".git").exists():
+        return "unknown"
     try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=7", "HEAD"],
+        return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short=7", "HEAD"],
                               capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -341,6 +342,36 @@ def _calibrate(shares: Callable, target: np.ndarray, iters: int = 400) -> np.nda
     return best
 
 
+def moe_rules():
+    """The MoE layer's scopes and kernels as breakdown categories, first match wins."""
+    from xla_comm.breakdown import Rule as R
+
+    gathers = r"^(gather|scatter|dynamic-slice|dynamic-update-slice)$"
+    return (R("gemm", "kernel", r"^(gmm|gmm_t|tgmm)$"), R("combine", "scope", "/combine"),
+            R("gather_scatter", "scope", "dispatch_exchange"),
+            R("gather_scatter", "kernel", r"^wire_gather"), R("gather_scatter", "op", gathers),
+            R("plan", "scope", "dispatch_plan"), R("router", "scope", "moe_router"),
+            R("experts_other", "scope", "/experts_"),  # then unmatched trace events by name:
+            R("gemm", "kernel", r"^(dense_)?t?gmm|^anonymous_mosaic_gpu_kernel"))
+
+
+def lm_regions() -> tuple[dict[str, str], dict[str, str]]:
+    """``(regions, kernel_regions)`` of the LM train step: the optimizer runs outside
+    value_and_grad (no jvp / transpose in its paths; muon_jax's owner moves and Newton-Schulz
+    by their scopes); what no scope of the MoE layer's shard_map claims is ``moe_other``."""
+    from xla_comm.breakdown import scope_regex as sr
+
+    return ({"optimizer": sr("muon_owner_step", r"jit\(entry\)", r"jit\(exit_fn\)")
+             + r"|^p?jit\([^/()]*\)/(?!.*(?:jvp|transpose)\()",
+             "attention": sr("attention"), "shared_experts": sr("moe_shared_experts"),
+             "experts": sr(r"experts_\w+"),
+             "dispatch_combine": sr(r"dispatch_\w+", r"combine\w*", "moe_router",
+                                    "router_logits"),
+             "moe_other": sr("shard_map")},
+            {"experts": r"^anonymous_mosaic_gpu_kernel|^fp8_|^gmm|^tgmm",
+             "dispatch_combine": r"^wire_"})
+
+
 def trace_profile(step, args, trace_dir: str, steps: int, hlo: bool = True, **kw) -> dict:
     """Exposed collective time (and, with ``hlo``, the op breakdown) of ``steps`` traced
     calls of the compiled ``step``; ``{'reason': ...}`` where the profiler fails."""
@@ -354,7 +385,8 @@ def trace_profile(step, args, trace_dir: str, steps: int, hlo: bool = True, **kw
                        if k not in ("source", "devices")}}
     if hlo:
         try:
-            out["breakdown"] = op_breakdown(trace_dir, step.as_text(), steps=steps, **kw)
+            out["breakdown"] = op_breakdown(trace_dir, step.as_text(), steps=steps,
+                                            rules=kw.pop("rules", moe_rules()), **kw)
         except Exception as e:  # noqa: BLE001  (the timings stand whatever the trace holds)
             out["breakdown"] = {"reason": repr(e)[:1000]}
     return out

@@ -181,9 +181,41 @@ def schedules(C: dict) -> Lines:
                f"under the layers before it: {fig(C, 'sched_train_dp8')} of its collective "
                "time exposed on mesh (8, 1), a modeled step "
                f"{fig(C, 'sched_train_dp8_muon_over_adamw')} AdamW's there, and "
-               f"{fig(C, 'sched_train_4x2')} on (4, 2).",
+               f"{fig(C, 'sched_train_4x2')} on (4, 2)" + _muon_train(r) + "."
+               + _two_stage(r),
                ""]
             + source(C, "schedule8") + [""])
+
+
+def _muon_train(r: dict) -> str:
+    """Where the Muon and data-parallel train cases were compiled, where the record says."""
+    runs = r.get("muon_train_run", {}).get("runs", [])
+    if not runs:
+        return ""
+    where = ", ".join(f"`{t['commit']}`" for t in runs)
+    return f" (those and the Muon cases compiled at {where}, jax {r['muon_train_run']['jax']})"
+
+
+def _two_stage(r: dict) -> str:
+    """The exchange past one host, where the record holds its cases."""
+    if "moe_ep64_two_stage_exposed_fraction" not in r:
+        return ""
+    t = r.get("two_stage_run", {})
+    return (" Past one host, DeepSeek-V3's per-device work (8192 tokens, d 7168, d_ff 2048, "
+            "top-8 in 4 of 8 host groups, FP8 dispatch, 2 chunks; compiled at "
+            f"`{t.get('commit', '?')}`): the two-stage exchange sends "
+            f"{r['moe_ep64_cross_host_bytes_ratio']:.2f}x the one-stage exchange's bytes "
+            f"across hosts over 64 GPUs ({r['moe_ep16_cross_host_bytes_ratio']:.2f}x over 16); "
+            f"exposed {r['moe_ep64_one_stage_exposed_fraction']:.1%} -> "
+            f"{r['moe_ep64_two_stage_exposed_fraction']:.1%} (64 GPUs), "
+            f"{r['moe_ep16_one_stage_exposed_fraction']:.1%} -> "
+            f"{r['moe_ep16_two_stage_exposed_fraction']:.1%} (16); modeled step "
+            f"{r['moe_ep64_two_stage_step_over_one_stage']:.3f}x (64), "
+            f"{r['moe_ep16_two_stage_step_over_one_stage']:.3f}x (16). Shape A's top-2 with two "
+            f"stages forced: {r['moe_ep16_A_two_stage_step_over_one_stage']:.2f}x / "
+            f"{r['moe_ep64_A_two_stage_step_over_one_stage']:.2f}x the one-stage step, so "
+            "`host_axis='auto'` keeps one stage where a token's slots may reach as many hosts "
+            "as it has slots.")
 
 
 # ----------------------------------------------------------------------------- sections
@@ -651,17 +683,27 @@ def before_after(C: dict) -> Lines:
 
     kernels = "; ".join(f"{_KERNELS.get(c, c)} {mot['new'][c]:.3f} ({t(c, 'mosaic')} ms)"
                         for c in mot["new"])
-    return (["## Before and after: the jax-0.12 kernels, the moe redesign", "",
+    h = C["house_ab"]["results"]
+    house = [[pair, case, ms(c["base_ms"]), ms(c["new_ms"]), f"**{c['new_over_base']:.3f}**"]
+             for pair, r in h["pairs"].items() for case, c in r["cases"].items()]
+    return (["## Before and after: the house, the jax-0.12 kernels, the moe redesign", "",
+             "The house (one kernel layer, one registry, options resolved once, option "
+             f"objects; `{h['base_commit']}` -> `{h['commit']}`): each workload built from "
+             "both trees' packages in one process per pair, outputs checked equal, then timed "
+             "interleaved; medians, ms.", ""]
+            + table(["pair", "case", "before", "after", "after / before"], house)
+            + ["", " ".join(source(C, "house_ab")), "",
              "Each benchmark run on the tree before (base) and after (new) a change, "
              "alternating, in one device session; new / base time. The jax-0.12 kernels: "
              "scales and row maxima through shared memory and TMA, narrow stores moved to XLA. "
              "The moe redesign: one options object to the bottom, one kernel registry per "
              "operation, typed dispatch plans (behaviour unchanged). (The scripts as they were "
-             "then: `benchmarks/ab_trees.py` at `8b11414`; `report.py --ab` does it today.)", ""]
+             "then: `benchmarks/ab_trees.py` at `8b11414`; today `report.py --ab-pairs` times "
+             "both trees' workloads in one process.)", ""]
             + table(["change", "benchmark", "geomean", "rows", "worst row"], rows)
             + ["", "The kernels alone after the jax-0.12 rewrite (32,768 rows x 4096, weights "
-               f"8 x 4096 x 4096), Mosaic / Triton time in the same process: {kernels}.", ""]
-            + [" ".join(source(C, "kernels_ab") + source(C, "redesign_ab")), ""])
+               f"8 x 4096 x 4096), Mosaic / Triton time in the same process: {kernels}. "
+               + " ".join(source(C, "kernels_ab") + source(C, "redesign_ab")), ""])
 
 
 def vs_transformers(C: dict) -> Lines:
@@ -724,6 +766,7 @@ SECTIONS: tuple[tuple[str, Callable[[dict], Lines]], ...] = (
     ("Before and after", before_after), ("CPU eager", cpu_eager))
 
 # Which section shows each current file, for the headline table's links.
+_AB = "before-and-after-the-house-the-jax-012-kernels-the-moe-redesign"
 _SHOWN_IN = {"experts": "grouped-gemm-and-gated-experts", "gmm": "grouped-gemm-and-gated-experts",
              "layer_vs_transformers": "the-layer-against-transformers-moe-blocks",
              "experts_lm_shapes": "grouped-gemm-and-gated-experts",
@@ -742,8 +785,7 @@ _SHOWN_IN = {"experts": "grouped-gemm-and-gated-experts", "gmm": "grouped-gemm-a
              "lr_sweep_gpu": "the-trainer", "fp8_parity_gpu": "the-trainer",
              "fp8_parity_cpu": "the-trainer",
              "muon_gather_dtype": "the-trainer", "muon_reduce_dtype": "the-trainer",
-             "kernels_ab": "before-and-after-the-jax-012-kernels-the-moe-redesign",
-             "redesign_ab": "before-and-after-the-jax-012-kernels-the-moe-redesign",
+             "kernels_ab": _AB, "redesign_ab": _AB, "house_ab": _AB,
              "eager_layer": "cpu-the-layer-called-eagerly"}
 
 

@@ -50,6 +50,14 @@ exchange, layout gather (``R``); return gather from the layout (``P * c``), exch
 ``k`` (``T``) + residual slot rows (``S``). Backward: the mirror image. With ``P = 1``: one
 gather into the layout (``S``), and the sums over ``k`` straight from it.
 
+Past one host (``DispatchOptions.host_axis`` naming the first of the expert axes, e.g.
+``('host', 'local')``): a :class:`TwoStagePlan`. Stage 1 sends each token once to each host
+holding one of its slots (to the device of its own local index there), a dense exchange with
+the hosts as experts; stage 2 forwards the received wire rows, undecoded, to the host's
+experts; combine sums a host's weighted outputs there before they cross back. Capacity
+applies per stage (``moe.dispatch.plan.two_stage_sizes``). Here only ``'dense'``; the MoE
+layer also runs ``'dropless'`` (its overflow goes by the one-stage exchange).
+
 Transport choice: here ``'auto'`` is ``'dense'``; the layer's ``'auto'``
 (:func:`moe.auto_transport`, resolved with the layer's options) also picks ``'dropless'`` on
 one Hopper GPU. Between GPUs, ``all_to_all`` moves the rows far faster than
@@ -74,16 +82,20 @@ from moe.dispatch.plan import (
     DensePlan,
     DispatchPlan,
     DroplessPlan,
+    ExchangeSizes,
     RaggedPlan,
+    TwoStagePlan,
     dense_capacity,
     exchange_sizes,
     ragged_rows,
+    two_stage_sizes,
 )
 from moe.dispatch.plan_build import (
     BucketSplit,
     PlanStatics,
     build_plan,
     split_first_bucket,
+    two_stage_plan,
 )
 from moe.options import (
     DispatchOptions,
@@ -99,7 +111,7 @@ from moe.options import (
 )
 
 __all__ = ["BucketSplit", "DensePlan", "DispatchPlan", "Dispatched", "DroplessPlan", "RaggedPlan",
-           "WireRows", "combine", "dense_capacity", "dispatch", "dispatch_apply",
+           "TwoStagePlan", "WireRows", "combine", "dense_capacity", "dispatch", "dispatch_apply",
            "dispatch_buckets", "dispatch_with_wire", "plan_dispatch", "ragged_rows",
            "split_first_bucket"]
 
@@ -339,7 +351,8 @@ def plan_dispatch(
 
     Returns:
       The transport's plan (a :class:`DensePlan`, :class:`RaggedPlan` or
-      :class:`DroplessPlan`).
+      :class:`DroplessPlan`; with ``options.host_axis`` named, a :class:`TwoStagePlan` of the
+      dense transport, each token reaching at most ``min(k, H)`` hosts).
 
     Example:
       >>> # inside jax.shard_map over 'expert', one plan per chunk in one batched sort:
@@ -353,15 +366,37 @@ def plan_dispatch(
     transport = _AUTO_TRANSPORT.get(options.transport, options.transport)
     _check_plan_args(group_alignment, buckets, capacity, transport)
     t, k = expert_ids.shape
-    sizes = exchange_sizes(transport, t, k, num_experts, p, options.capacity_factor,
-                           multiple=options.capacity_multiple)
     statics = PlanStatics(num_experts, options.expert_axis, p, jnp.dtype(x_dtype).name,
                           fp8_block_size, options.wire_implementation)
+    sizes = exchange_sizes(transport, t, k, num_experts, p, options.capacity_factor,
+                           multiple=options.capacity_multiple)
+    if options.host_axis not in (None, "auto"):
+        return _two_stage_plan(expert_ids, statics, options, sizes, capacity)
     return build_plan(expert_ids, statics, transport=transport,
                       capacity=capacity or sizes.capacity, buckets=buckets or sizes.buckets,
                       alignment=group_alignment or 1,
                       exchange_implementation=resolve_exchange_implementation(
                           options.exchange_implementation))
+
+
+def _two_stage_plan(expert_ids, statics: PlanStatics, options: DispatchOptions,
+                    one_stage: ExchangeSizes, capacity: int | None) -> TwoStagePlan:
+    """:func:`plan_dispatch`'s two-stage plan (``options.host_axis`` named): dense only (the
+    transport whose one-stage sizes have a capacity), each token reaching at most ``min(k,
+    H)`` hosts (the layer bounds it by the router's groups)."""
+    if one_stage.capacity is None or capacity is not None:
+        raise ValueError(
+            f"host_axis={options.host_axis!r} (two stages) takes transport='dense' and no "
+            f"capacity here, got transport={options.transport!r}, capacity={capacity!r}; the "
+            "MoE layer runs the dropless two-stage exchange (it sends the slots past each "
+            "stage's bucket by the one-stage exchange).")
+    hosts = _axis_size(options.host_axis, "dispatch")
+    t, k = expert_ids.shape
+    sizes = two_stage_sizes("dense", t, k, min(k, hosts), statics.num_experts, hosts,
+                            statics.axis_size, options.capacity_factor,
+                            multiple=options.capacity_multiple)
+    return two_stage_plan(expert_ids, statics, host_slots=min(k, hosts), sizes=sizes,
+                          transport="dense")
 
 
 def dispatch_apply(
@@ -415,11 +450,12 @@ def dispatch_apply(
         plan = plan_dispatch(expert_ids, num_experts=num_experts, options=options,
                              x_dtype=x.dtype, fp8_block_size=fp8_block_size,
                              group_alignment=group_alignment, buckets=buckets)
-    elif plan.slot_row.shape != expert_ids.shape or plan.x_dtype != jnp.dtype(x.dtype).name:
-        raise ValueError(f"plan is for expert_ids of shape {plan.slot_row.shape} and tokens of "
+    elif plan.kept.shape != expert_ids.shape or plan.x_dtype != jnp.dtype(x.dtype).name:
+        raise ValueError(f"plan is for expert_ids of shape {plan.kept.shape} and tokens of "
                          f"{plan.x_dtype}, got {expert_ids.shape} and {x.dtype}; build it with "
                          "plan_dispatch from these expert_ids and x.dtype.")
-    if with_wire and (options.dispatch_dtype != "fp8" or isinstance(plan, DensePlan)):
+    layout = plan.stage2 if isinstance(plan, TwoStagePlan) else plan
+    if with_wire and (options.dispatch_dtype != "fp8" or isinstance(layout, DensePlan)):
         raise ValueError(f"with_wire needs dispatch_dtype='fp8' and a ragged layout (transport "
                          f"'dropless' or 'ragged'), got {options.dispatch_dtype!r} / "
                          f"{plan.transport!r}.")

@@ -16,13 +16,13 @@ import jax.numpy as jnp
 
 from accel_kernels.wire import api as wire_api
 from moe.dispatch import collectives
-from moe.dispatch.plan import DensePlan, DispatchPlan, DroplessPlan, RaggedPlan
+from moe.dispatch.plan import DensePlan, DispatchPlan, DroplessPlan, RaggedPlan, TwoStagePlan
 from moe.options import WireDtype
 
 __all__ = ["CombineResiduals", "Dispatched", "LayoutWithWire", "Wire", "WireRows", "back_row",
            "combine_rows", "combine_rows_forward", "combine_tokens", "combine_weights_grad",
-           "dispatch_rows", "dispatch_tokens", "grad_wire_dtype", "sum_slots", "vary_like",
-           "wire_for"]
+           "dispatch_rows", "dispatch_tokens", "grad_wire_dtype", "sum_slots", "two_stage_combine",
+           "two_stage_rows", "vary_like", "wire_for"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -390,6 +390,62 @@ combine_rows.defvjp(_combine_rows_fwd, _combine_rows_bwd)
 combine_rows_forward = _combine_rows_fwd  # (y, residuals), for a VJP that holds the combine
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def two_stage_rows(x: jax.Array, plan: TwoStagePlan, w: Wire, with_wire: bool = False):
+    """:func:`dispatch_rows` past one host: ``x``'s tokens encoded once on wire ``w`` and sent
+    to their hosts (stage 1, over the host axis), the received wire rows forwarded as they
+    came, not decoded, to the host's experts (stage 2, over the local axes), decoded there.
+    Backward: each forwarding device sums its rows' slots in f32 (stage 2 back, rounded to
+    the tokens' dtype), the sums cross back once per (token, host) and the source sums them
+    over its hosts."""
+    p1, p2 = plan.stage1, plan.stage2
+    tok = jax.lax.div(p1.send_slot, jnp.int32(p1.top_k))
+    send = wire_api.gather_rows(x, tok, wire=w.codec, block_size=w.block_size,
+                                implementation=w.implementation)
+    recv = collectives.dense_exchange(send, p1.axis_name)  # [H src * C_1, wire width]
+
+    def forward(slots):  # stage 2's send rows: the received wire rows of its slots' tokens
+        return _take_rows(recv, jax.lax.div(slots, jnp.int32(p2.top_k)))
+
+    return _to_experts(forward, p2, w, x.shape[-1], with_wire)
+
+
+def _two_stage_rows_fwd(x, plan, w, with_wire):
+    return two_stage_rows(x, plan, w, with_wire), plan
+
+
+def _two_stage_rows_bwd(w, with_wire, plan, ct):
+    if with_wire:
+        ct = ct.rows
+    p1, p2 = plan.stage1, plan.stage2
+    per_row = _from_experts(ct, p2, lambda back, row: sum_slots(back, row, p2.top_k, None))
+    back = _return_trip(per_row.astype(p1.x_dtype), p1)
+    dx = sum_slots(back, functools.partial(back_row, p1), p1.top_k, None)
+    return dx.astype(p1.x_dtype), None
+
+
+two_stage_rows.defvjp(_two_stage_rows_fwd, _two_stage_rows_bwd)
+
+
+def two_stage_combine(expert_y: jax.Array, weights: jax.Array, plan: TwoStagePlan,
+                      grad_wire: WireDtype) -> jax.Array:
+    """:func:`combine_rows` past one host: the routing weights go with the tokens' rows to
+    the forwarding devices (stage 1, f32, their gradient back the same way), each of which
+    sums its host's weighted expert outputs per row in f32 (:func:`combine_rows` over stage 2,
+    rounded to the tokens' dtype); the sums cross back once per (token, host), and the source
+    adds them up (:func:`combine_rows` over stage 1 with weights 1). Backward: the output
+    gradient goes to the forwarding devices in the tokens' dtype, as it is, and stage 2 sends
+    ``weight * dy`` on ``grad_wire``, the bytes the one-stage exchange sends."""
+    p1, p2 = plan.stage1, plan.stage2
+    w1 = Wire("float32", "float32", p1.block_size, "xla")
+    w2 = dispatch_rows(weights.astype(jnp.float32), dataclasses.replace(p1, x_dtype="float32"),
+                       w1).reshape(-1, weights.shape[1])  # [H C_1, k] at the forwarding device
+    expert_y, w2 = vary_like(expert_y, w2), vary_like(w2, expert_y)
+    host_sum = combine_rows(expert_y, w2, p2, grad_wire)  # [H C_1, d] in the tokens' dtype
+    ones = vary_like(jnp.ones(p1.slot_row.shape, jnp.float32), host_sum)
+    return combine_rows(vary_like(host_sum, ones)[None], ones, p1, None)
+
+
 def vary_like(x: jax.Array, *others) -> jax.Array:
     """``x``, typed by ``shard_map`` as varying over every mesh axis any leaf of ``others``
     varies over (adds a zero scalar; a no-op outside ``shard_map``). The custom VJPs need
@@ -440,7 +496,8 @@ def dispatch_tokens(x: jax.Array, plan: DispatchPlan, *, dispatch_dtype: WireDty
     with jax.named_scope("dispatch_exchange"):
         x = vary_like(x, plan)
         wire = wire_for(dispatch_dtype, x.dtype, block_size, plan.wire_implementation)
-        out = dispatch_rows(x, plan, wire, with_wire and not local)
+        rows = two_stage_rows if isinstance(plan, TwoStagePlan) else dispatch_rows
+        out = rows(x, plan, wire, with_wire and not local)
     if local:
         tokens = jax.lax.div(plan.send_slot, jnp.int32(k))  # slot T * k: token T, a zero row
         wire_rows = WireRows(collectives.TokenRows(x, tokens), x.shape[-1], block_size)
@@ -463,4 +520,6 @@ def combine_tokens(expert_y: jax.Array, weights: jax.Array, plan: DispatchPlan,
     with jax.named_scope("combine"):
         expert_y, weights = (vary_like(expert_y, weights, plan),
                              vary_like(weights, expert_y, plan))
+        if isinstance(plan, TwoStagePlan):
+            return two_stage_combine(expert_y, weights, plan, grad_wire)
         return combine_rows(expert_y, weights, plan, grad_wire)

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar, Literal, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from accel_kernels.gmm import api as gmm_api
+
+if TYPE_CHECKING:
+    from moe.options import ResolvedOptions
 
 AxisName = str | tuple[str, ...]
 PlanTransport = Literal["dense", "ragged", "dropless"]
@@ -226,7 +229,87 @@ class DroplessPlan(RaggedLayoutPlan):
         return gmm_api.aligned_rows(self.rows, self.num_local_experts, self.alignment)
 
 
-DispatchPlan = DensePlan | RaggedPlan | DroplessPlan
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TwoStagePlan:
+    """The exchange past one host (``DispatchOptions.host_axis``): across hosts once per
+    token, then within the host.
+
+    The expert axis is ``(host_axis, *local_axes)``: ``H`` hosts of ``L`` devices, device
+    ``(h, l)`` the ``h L + l``-th, host ``h`` holding the expert slots ``[h E / H, (h + 1) E /
+    H)``. Stage 1 is a dense exchange over ``host_axis`` in which the hosts are the experts:
+    a token goes to each host holding one of its slots (at most ``k_1`` of them, the
+    columns), to the device with the same local index there, with the local ids of its slots
+    on that host (:attr:`stage1`). That device's received rows are the tokens of stage 2, an
+    exchange over the local axes to the host's experts, of the layer's transport
+    (:attr:`stage2`, its ``k`` columns the token's slots, ``E / H`` for those on other hosts).
+
+    Attributes:
+      stage1: the :class:`DensePlan` over ``host_axis`` of the ``[T, k_1]`` host columns
+        (``num_experts = H``, ``capacity = C_1`` tokens per (source, host)).
+      stage2: the :class:`DensePlan` (``C_2`` rows per (forwarding device, expert)) or the
+        one-bucket :class:`DroplessPlan` (``c_2`` rows per pair) over the local axes, of the
+        ``[H C_1, k]`` received rows.
+      kept: bool ``[T, k]``: the slots both stages delivered (as this source sees them).
+      dropped: int32 ``[]``: this device's routed slots that a capacity dropped.
+    """
+
+    stage1: DensePlan
+    stage2: DensePlan | DroplessPlan
+    kept: jax.Array
+    dropped: jax.Array
+
+    @property
+    def transport(self) -> PlanTransport:
+        """The transport of stage 2, the layer's (stage 1 is always a dense exchange)."""
+        return self.stage2.transport
+
+    @property
+    def axis_name(self) -> tuple[str, ...]:
+        """The whole expert axis: the host axis, then the local axes."""
+        local = self.stage2.axis_name
+        return (self.stage1.axis_name, *((local,) if isinstance(local, str) else local))
+
+    @property
+    def axis_size(self) -> int:
+        """``P = H L``."""
+        return self.stage1.axis_size * self.stage2.axis_size
+
+    @property
+    def num_experts(self) -> int:
+        return self.stage2.num_experts * self.stage1.axis_size
+
+    @property
+    def num_tokens(self) -> int:
+        return self.kept.shape[0]
+
+    @property
+    def top_k(self) -> int:
+        return self.kept.shape[1]
+
+    @property
+    def x_dtype(self) -> str:
+        return self.stage1.x_dtype
+
+    @property
+    def block_size(self) -> int:
+        return self.stage1.block_size
+
+    @property
+    def wire_implementation(self) -> str:
+        return self.stage1.wire_implementation
+
+    @property
+    def group_sizes(self) -> jax.Array:
+        """Valid rows per local expert in stage 2's layout."""
+        return self.stage2.group_sizes
+
+    def expert_shape(self, width: int) -> tuple[int, ...]:
+        """Stage 2's expert layout with rows of ``width``."""
+        return self.stage2.expert_shape(width)
+
+
+DispatchPlan = DensePlan | RaggedPlan | DroplessPlan | TwoStagePlan
 """A plan of any transport (``isinstance(plan, DispatchPlan)`` works): what
 :func:`moe.dispatch.dispatch` returns and :func:`moe.dispatch.combine` takes."""
 
@@ -398,3 +481,92 @@ def exchange_sizes(transport: PlanTransport, num_tokens: int, top_k: int, num_ex
         "ragged": lambda: ExchangeSizes(None, ()),
     }
     return sizes[transport]()
+
+
+class TwoStageSizes(NamedTuple):
+    """The static sizes of the two-stage exchange (:func:`two_stage_sizes`).
+
+    Attributes:
+      first: ``C_1``, stage 1's tokens per (source device, destination host).
+      second: stage 2's rows: ``'dense'``: ``C_2`` per (forwarding device, expert);
+        ``'dropless'``: ``c_2`` per (forwarding device, destination device) pair.
+    """
+
+    first: int
+    second: int
+
+
+def two_stage_sizes(transport: Literal["dense", "dropless"], num_tokens: int, top_k: int,
+                    host_slots: int, num_experts: int, hosts: int, axis_size: int,
+                    capacity_factor: float | None, *, multiple: int = 8) -> TwoStageSizes:
+    """The static sizes of the two-stage exchange for ``T`` tokens of ``k`` slots reaching at
+    most ``k_1 = host_slots`` of ``H = hosts`` hosts, ``E`` experts on ``P = axis_size``
+    devices (``L = P / H`` per host), ``f`` the capacity factor (dropless: the first bucket's,
+    :data:`DROPLESS_CAPACITY_FACTOR` when None).
+
+    * ``C_1 = round_up(min(ceil(f T k_1 / H), T))``: each of ``T`` tokens goes to at most
+      ``k_1`` hosts, at most once each (:func:`dense_capacity` with the hosts as experts);
+    * dense: ``C_2 = min(round_up(min(ceil(f H T k / E), H T)), H C_1)``: a forwarding device
+      receives ``T k`` slots for its host's ``E / H`` experts under balanced routing (the one-
+      stage ``C`` of ``H T`` tokens), and holds ``H C_1`` rows, each at most once per expert;
+    * dropless: ``c_2 = min(round_up(ceil(f T k / L)), W_2)``, the ``T k`` slots over the
+      host's ``L`` devices, at most the pair width ``W_2 = H C_1 min(k, E / P)``.
+
+    ``f`` None (dense): ``C_1 = T`` and ``C_2 = H C_1``, nothing dropped.
+
+    Example:
+      >>> two_stage_sizes("dense", 8192, 8, 4, 256, 8, 64, 1.25)  # DeepSeek-V3 at EP=64
+      TwoStageSizes(first=5120, second=2560)
+      >>> two_stage_sizes("dropless", 8192, 8, 4, 256, 8, 64, None)
+      TwoStageSizes(first=5120, second=10240)
+    """
+    def dense():
+        c1 = dense_capacity(num_tokens, host_slots, hosts, capacity_factor, multiple=multiple)
+        return TwoStageSizes(c1, min(dense_capacity(hosts * num_tokens, top_k, num_experts,
+                                                    capacity_factor, multiple=multiple),
+                                     hosts * c1))
+
+    def dropless():
+        cf = DROPLESS_CAPACITY_FACTOR if capacity_factor is None else capacity_factor
+        c1 = dense_capacity(num_tokens, host_slots, hosts, cf, multiple=multiple)
+        per_pair = math.ceil(cf * num_tokens * top_k / (axis_size // hosts))
+        e_local = num_experts // axis_size
+        return TwoStageSizes(c1, min(-(-per_pair // multiple) * multiple,
+                                     hosts * c1 * min(top_k, e_local)))
+
+    return {"dense": dense, "dropless": dropless}[transport]()
+
+
+class LayerSizes(NamedTuple):
+    """The static sizes of one chunk's exchanges in the layer (:func:`layer_sizes`).
+
+    Attributes:
+      one: the one-stage exchange's (also the dropless overflow's with two stages).
+      two: the two-stage exchange's, or None with one stage.
+    """
+
+    one: ExchangeSizes
+    two: TwoStageSizes | None
+
+
+def layer_sizes(options: ResolvedOptions, num_tokens: int, top_k: int) -> LayerSizes:
+    """The static sizes of the layer's exchanges for a chunk of ``num_tokens`` tokens of
+    ``top_k`` slots, from its resolved options: :func:`exchange_sizes`, and
+    :func:`two_stage_sizes` when ``options.two_stage``.
+
+    Example:
+      >>> import jax, moe
+      >>> mesh = jax.make_mesh((8,), ("expert",))
+      >>> options = moe.MoEOptions.create(16, 2, capacity_factor=1.25).resolve(
+      ...     4096, 128, 256, mesh=mesh)
+      >>> layer_sizes(options, 512, 2)
+      LayerSizes(one=ExchangeSizes(capacity=80, buckets=()), two=None)
+    """
+    d, slots, p = options.dispatch, options.num_slots, options.expert_axis_size
+    one = exchange_sizes(d.transport, num_tokens, top_k, slots, p, d.capacity_factor,
+                         multiple=d.capacity_multiple)
+    two = None
+    if options.two_stage:
+        two = two_stage_sizes(d.transport, num_tokens, top_k, options.host_slots, slots,
+                              options.hosts, p, d.capacity_factor, multiple=d.capacity_multiple)
+    return LayerSizes(one, two)

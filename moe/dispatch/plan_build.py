@@ -18,6 +18,7 @@ References: DeepEP (counts exchanged before the payload); GShard / Switch Transf
 
 from __future__ import annotations
 
+import functools
 from typing import Literal, NamedTuple
 
 import jax
@@ -29,17 +30,19 @@ from moe.dispatch.plan import (
     DensePlan,
     DispatchPlan,
     DroplessPlan,
-    ExchangeSizes,
+    LayerSizes,
     PlanTransport,
     RaggedPlan,
+    TwoStagePlan,
+    TwoStageSizes,
 )
 from moe.options import ResolvedOptions
 
 __all__ = ["BucketSplit", "ChunkPlans", "CountedSlots", "GatheredCounts", "LocalPass",
            "LocalSplit", "PlanStatics", "SortedSlots", "build_plan", "chunk_plans",
-           "count_slots", "dense_plan", "dropless_plan", "gather_counts", "layer_statics",
-           "ragged_plan",
-           "sort_slots", "split_first_bucket", "split_local"]
+           "count_slots", "dense_plan", "dropless_plan", "gather_counts", "host_columns",
+           "layer_statics", "ragged_plan", "sort_slots", "split_first_bucket", "split_local",
+           "split_two_stage", "two_stage_plan"]
 
 
 class SortedSlots(NamedTuple):
@@ -437,6 +440,145 @@ def _aligned(rows: PairRows, group_sizes: jax.Array, *, p: int, alignment: int) 
                          pair_row=pulled(rows.pair_row, n))
 
 
+def host_columns(expert_ids: jax.Array, *, num_experts: int, hosts: int,
+                 host_slots: int) -> jax.Array:
+    """int32 ``[T, host_slots]``: the hosts holding each token's slots, ascending, then
+    ``hosts`` (none). Host ``h`` holds experts ``[h E / H, (h + 1) E / H)``; ``num_experts``
+    (a masked slot) is on no host. The caller guarantees no token reaches more than
+    ``host_slots`` hosts (`moe.options.hosts_per_token`).
+
+    Example:
+      >>> host_columns(jnp.array([[0, 5], [1, 2], [8, 7]]), num_experts=8, hosts=4,
+      ...              host_slots=2).tolist()
+      [[0, 2], [0, 1], [3, 4]]
+    """
+    h = expert_ids // (num_experts // hosts)
+    present = jnp.any(h[:, :, None] == jnp.arange(hosts, dtype=h.dtype), axis=1)
+    key = jnp.where(present, jnp.arange(hosts, dtype=jnp.int32), hosts)
+    return jnp.sort(key, axis=1)[:, :host_slots]
+
+
+def _host_slot_ids(expert_ids: jax.Array, host_ids: jax.Array, *, num_experts: int,
+                   hosts: int) -> jax.Array:
+    """int32 ``[T, k_1, k]``: for each host column of a token, its ``k`` slots' expert ids
+    within that host (``E / H``: a slot on another host, or no host)."""
+    per_host = num_experts // hosts
+    ids = expert_ids.astype(jnp.int32)
+    here = ((ids[:, None, :] // per_host == host_ids[:, :, None])
+            & (host_ids[:, :, None] < hosts))
+    return jnp.where(here, ids[:, None, :] - host_ids[:, :, None] * per_host, per_host)
+
+
+def _delivered(expert_ids, host_ids, plan1: DensePlan, kept2: jax.Array, *, num_experts: int,
+               host_axis: AxisName) -> jax.Array:
+    """bool ``[T, k]``: the slots stage 1 sent (their token's host row kept) and stage 2 kept
+    (``kept2 [H C_1, k]`` at the forwarding devices, sent back over ``host_axis``)."""
+    hosts = plan1.axis_size
+    back = jax.lax.all_to_all(kept2.astype(jnp.int8)[None], host_axis, 1, 1, tiled=True)[0]
+    h = expert_ids // (num_experts // hosts)
+    kept = jnp.zeros(expert_ids.shape, bool)
+    for m in range(host_ids.shape[1]):
+        got = jnp.take(back, plan1.slot_row[:, m], axis=0, mode="fill", fill_value=0) > 0
+        kept = kept | ((host_ids[:, m:m + 1] == h) & got)
+    return kept
+
+
+def two_stage_plan(expert_ids: jax.Array, statics: PlanStatics, *, host_slots: int,
+                   sizes: TwoStageSizes, transport: Literal["dense", "dropless"],
+                   alignment: int = 1) -> TwoStagePlan:
+    """The :class:`moe.dispatch.plan.TwoStagePlan` of ``expert_ids [T, k]`` over the expert
+    axis ``statics.axis_name = (host_axis, *local_axes)``.
+
+    Stage 1: the token's hosts (:func:`host_columns`, ``k_1 = host_slots`` columns) planned
+    as a dense exchange over ``host_axis`` with ``C_1 = sizes.first`` tokens per (source,
+    host), kept in token order; the local ids of each sent row's slots on its host go with
+    the plan (one all-to-all of ``[H C_1, k]`` int32). Stage 2: those rows' slots planned
+    over the local axes by ``transport`` (``'dense'``: ``C_2 = sizes.second`` rows per
+    (forwarding device, expert), in (source host, token, slot) order; ``'dropless'``: one
+    bucket of ``c_2 = sizes.second`` rows per pair, which the caller guarantees holds every
+    pair: :func:`split_two_stage`). Dense: the forwarding devices' kept flags come back over
+    ``host_axis`` (one all-to-all of ``[H C_1, k]`` bytes) so the source knows its dropped
+    slots.
+
+    Example:
+      >>> # inside shard_map over ('host', 'local'):
+      >>> # two_stage_plan(ids, PlanStatics(8, ('host', 'local'), 8, 'float32', 128),
+      >>> #                host_slots=2, sizes=TwoStageSizes(32, 16), transport='dense')
+    """
+    axes = statics.axis_name
+    host_axis, *local = (axes,) if isinstance(axes, str) else axes
+    e, hosts = statics.num_experts, jax.lax.axis_size(host_axis)
+    host_ids = host_columns(expert_ids, num_experts=e, hosts=hosts, host_slots=host_slots)
+    plan1 = dense_plan(host_ids, statics._replace(num_experts=hosts, axis_name=host_axis,
+                                                  axis_size=hosts), capacity=sizes.first)
+    meta = _host_slot_ids(expert_ids, host_ids, num_experts=e, hosts=hosts)
+    meta = jnp.take(meta.reshape(-1, meta.shape[-1]), plan1.send_slot, axis=0, mode="fill",
+                    fill_value=e // hosts)
+    ids2 = jax.lax.all_to_all(meta, host_axis, 0, 0, tiled=True)
+    local_axes = tuple(local)
+    s2 = statics._replace(num_experts=e // hosts, axis_name=local_axes,
+                          axis_size=statics.axis_size // hosts)
+    plan2 = build_plan(ids2, s2, transport=transport, capacity=sizes.second,
+                       buckets=(sizes.second,), alignment=alignment)
+    routed = expert_ids < e
+    if isinstance(plan2, DensePlan):  # the forwarding devices may drop slots
+        kept = _delivered(expert_ids, host_ids, plan1, plan2.kept, num_experts=e,
+                          host_axis=host_axis) & routed
+    else:
+        kept = routed
+    return TwoStagePlan(plan1, plan2, kept,
+                        jnp.sum(routed & ~kept, dtype=jnp.int32))
+
+
+def split_two_stage(expert_ids: jax.Array, *, num_experts: int, axis_size: int,
+                    host_axis: AxisName, sizes: TwoStageSizes) -> BucketSplit:
+    """Split the slots of ``expert_ids [T, k]`` into those the dropless two-stage exchange's
+    one bucket per stage carries and the rest (the overflow, sent by another pass).
+
+    The devices of ``host_axis`` at this local index forward, each, the slots from all ``H``
+    sources of this index to one destination device: a slot's stage-2 rank is its place
+    among those, in (source host, token, slot) order, from the all-gathered counts per
+    destination (one all-gather over ``host_axis`` of ``[P]`` int32); slots of rank below
+    ``c_2 = sizes.second`` are eligible. A token's eligible slots on a host go with it when
+    it is among the first ``C_1 = sizes.first`` tokens with eligible slots there. So no
+    stage-1 (source, host) pair carries more than ``C_1`` tokens and no stage-2 pair more
+    than ``c_2`` rows. A cumulative count over ``[T k, P]`` and one over ``[T, H]``, no sort.
+
+    Args:
+      expert_ids: int ``[T, k]`` in ``[0, num_experts]`` (``num_experts``: masked).
+      num_experts: ``E``.
+      axis_size: devices ``P`` of the expert axis (``host_axis`` first).
+      host_axis: the host axis (bound: inside ``jax.shard_map``).
+      sizes: the stages' sizes (:func:`moe.dispatch.plan.two_stage_sizes`).
+
+    Returns:
+      A :class:`BucketSplit`.
+
+    Example:
+      >>> # inside jax.shard_map over ('host', 'local'), as the layer splits its chunks:
+      >>> # s = split_two_stage(ids, num_experts=8, axis_size=8, host_axis='host',
+      >>> #                     sizes=TwoStageSizes(16, 8))
+    """
+    t, k = expert_ids.shape
+    hosts = jax.lax.axis_size(host_axis)
+    flat = expert_ids.reshape(t * k).astype(jnp.int32)
+    dest = flat // (num_experts // axis_size)  # masked: axis_size, no destination
+    hot = (dest[:, None] == jnp.arange(axis_size, dtype=jnp.int32)[None, :]).astype(jnp.int32)
+    gathered = jax.lax.all_gather(jnp.sum(hot, axis=0), host_axis)  # [H, P]
+    me = jax.lax.axis_index(host_axis)
+    before = jnp.sum(jnp.where(jnp.arange(hosts)[:, None] < me, gathered, 0), axis=0)
+    rank = jnp.sum((jnp.cumsum(hot, axis=0) - hot + before[None, :]) * hot, axis=1)
+    eligible = ((rank < sizes.second) & (dest < axis_size)).reshape(t, k)
+    host = expert_ids.astype(jnp.int32) // (num_experts // hosts)
+    on = (host[:, :, None] == jnp.arange(hosts, dtype=jnp.int32)) & eligible[:, :, None]
+    has = jnp.any(on, axis=1).astype(jnp.int32)  # [T, H]
+    fits = (jnp.cumsum(has, axis=0) - has) < sizes.first
+    first = eligible & jnp.take_along_axis(fits, jnp.minimum(host, hosts - 1), axis=1)
+    none = jnp.int32(num_experts)
+    over = jnp.where(first | (expert_ids >= num_experts), none, expert_ids)
+    return BucketSplit(jnp.where(first, expert_ids, none), over, jnp.any(over < none))
+
+
 class LocalSplit(NamedTuple):
     """What :func:`split_local` returns.
 
@@ -518,7 +660,7 @@ class ChunkPlans(NamedTuple):
     overflows: jax.Array | None
 
 
-def chunk_plans(expert_ids: jax.Array, options: ResolvedOptions, sizes: ExchangeSizes, *,
+def chunk_plans(expert_ids: jax.Array, options: ResolvedOptions, sizes: LayerSizes, *,
                 x_dtype) -> ChunkPlans:
     """The plans of the layer's ``options.dispatch.overlap_chunks`` chunks of ``expert_ids``.
 
@@ -528,14 +670,17 @@ def chunk_plans(expert_ids: jax.Array, options: ResolvedOptions, sizes: Exchange
     all ``num_slots`` experts, so it keeps exactly the slots the exchange would have kept.
     Pipelined dropless (several chunks, several buckets): the chunks carry each pair's first
     bucket (:func:`split_first_bucket`; no ``lax.switch`` between them) and the rest is the
-    overflow. Every chunk's plan comes from one batched pass (one sort, one count exchange):
+    overflow. With two stages (``options.two_stage``) each chunk's plan is a
+    :func:`two_stage_plan`; dropless, its slots are split at the stages' one bucket each
+    (:func:`split_two_stage`, any chunk count) and the overflow goes by the one-stage
+    exchange. Every chunk's plan comes from one batched pass (one sort, one count exchange):
     the plans depend on the routing alone, and per chunk their small, latency-bound kernels
     would be paid once more per chunk.
 
     Args:
       expert_ids: int ``[T, k]`` this device's slots (``num_slots``: masked, no expert).
       options: the layer's resolved options.
-      sizes: a chunk's exchange sizes (`moe.dispatch.plan.exchange_sizes` of its tokens).
+      sizes: a chunk's exchange sizes (:func:`moe.dispatch.plan.layer_sizes` of its tokens).
       x_dtype: the tokens' dtype.
 
     Returns:
@@ -543,38 +688,38 @@ def chunk_plans(expert_ids: jax.Array, options: ResolvedOptions, sizes: Exchange
 
     Example:
       >>> # inside jax.shard_map over the mesh, as moe.layer plans its chunks:
-      >>> # plans = chunk_plans(ids, options, exchange_sizes(...), x_dtype=x.dtype)
+      >>> # plans = chunk_plans(ids, options, layer_sizes(...), x_dtype=x.dtype)
     """
-    chunks, p = options.dispatch.overlap_chunks, options.expert_axis_size
-    axis, slots = options.dispatch.expert_axis, options.num_slots
-    tc, k = expert_ids.shape[0] // chunks, expert_ids.shape[1]
-    capacity, buckets = sizes
-    split = chunks > 1 and len(buckets) > 1
-    local_ids, chunk_ids, over_ids, flags = None, [], [], []
-    for c in range(chunks):
-        ids_c = expert_ids[c * tc:(c + 1) * tc]
-        if c == 0 and options.dispatch.local_first and p > 1:  # one device sends nothing
-            local_ids, ids_c = split_local(ids_c, num_experts=slots, axis_name=axis)
-        if split:
-            s = split_first_bucket(ids_c, num_experts=slots, axis_size=p,
-                                   first_bucket=buckets[0])
-            ids_c = s.first_ids
-            over_ids.append(s.overflow_ids)
-            flags.append(s.overflows.astype(jnp.int32))
-        chunk_ids.append(ids_c)
-
-    def plan(ids, statics, buckets):
-        return build_plan(ids, statics, transport=options.dispatch.transport,
-                          capacity=capacity, buckets=buckets,
-                          alignment=options.group_alignment or 1,
-                          exchange_implementation=options.dispatch.exchange_implementation)
-
+    chunks, p, slots = options.dispatch.overlap_chunks, options.expert_axis_size, options.num_slots
+    k = expert_ids.shape[1]
+    (capacity, buckets), two = sizes
     statics = layer_statics(options, x_dtype)
-    first = buckets[:1] if split else buckets
-    if chunks == 1:
-        plans = (plan(chunk_ids[0], statics, first),)
+    split, split_fn = chunks > 1 and len(buckets) > 1, None
+    if two is not None:
+        dispatch = options.dispatch
+        split = bool(buckets)  # dropless: each stage's one bucket, the rest overflows
+        split_fn = functools.partial(split_two_stage, num_experts=slots, axis_size=p,
+                                     host_axis=dispatch.host_axis, sizes=two)
+
+        def plan(ids):
+            return two_stage_plan(ids, statics, host_slots=options.host_slots, sizes=two,
+                                  transport=dispatch.transport,
+                                  alignment=options.group_alignment or 1)
     else:
-        batched = jax.vmap(lambda ids: plan(ids, statics, first))(jnp.stack(chunk_ids))
+        if split:
+            split_fn = functools.partial(split_first_bucket, num_experts=slots, axis_size=p,
+                                         first_bucket=buckets[0])
+
+        def plan(ids):
+            return _one_stage(ids, statics, options, capacity,
+                              buckets[:1] if split else buckets)
+
+    local_ids, chunk_ids, over_ids, flags = _chunk_ids(expert_ids, options,
+                                                       split_fn if split else None)
+    if chunks == 1:
+        plans = (plan(chunk_ids[0]),)
+    else:
+        batched = jax.vmap(plan)(jnp.stack(chunk_ids))
         plans = tuple(jax.tree.map(lambda a, c=c: a[c], batched) for c in range(chunks))
     local = None
     if local_ids is not None:
@@ -582,9 +727,38 @@ def chunk_plans(expert_ids: jax.Array, options: ResolvedOptions, sizes: Exchange
         if k > slots // p:
             columns = jnp.argsort(local_ids, axis=1, stable=True)[:, :slots // p]
             ids = jnp.take_along_axis(local_ids, columns, axis=1)
-        local = LocalPass(local_ids, columns, plan(ids, statics._replace(
-            num_experts=slots // p, axis_name=(), axis_size=1), ()))
+        local = LocalPass(local_ids, columns, _one_stage(ids, statics._replace(
+            num_experts=slots // p, axis_name=(), axis_size=1), options, capacity, ()))
     if not split:
         return ChunkPlans(plans, tuple(chunk_ids), local, None, None)
     return ChunkPlans(plans, tuple(chunk_ids), local, jnp.concatenate(over_ids, axis=0),
                       sum(flags[1:], flags[0]))
+
+
+def _one_stage(ids, statics: PlanStatics, options: ResolvedOptions, capacity, buckets
+               ) -> DispatchPlan:
+    """The one-stage plan of the layer's transport for ``ids``."""
+    return build_plan(ids, statics, transport=options.dispatch.transport, capacity=capacity,
+                      buckets=buckets, alignment=options.group_alignment or 1,
+                      exchange_implementation=options.dispatch.exchange_implementation)
+
+
+def _chunk_ids(expert_ids: jax.Array, options: ResolvedOptions, split_fn):
+    """``(local_ids, chunk_ids, overflow_ids, flags)`` of :func:`chunk_plans`: each chunk's
+    slots, the first chunk's own-expert ones split off with ``local_first``, each split by
+    ``split_fn`` (a :class:`BucketSplit` of a chunk's ids, or None: no split)."""
+    chunks, p = options.dispatch.overlap_chunks, options.expert_axis_size
+    tc = expert_ids.shape[0] // chunks
+    local_ids, chunk_ids, over_ids, flags = None, [], [], []
+    for c in range(chunks):
+        ids_c = expert_ids[c * tc:(c + 1) * tc]
+        if c == 0 and options.dispatch.local_first and p > 1:  # one device sends nothing
+            local_ids, ids_c = split_local(ids_c, num_experts=options.num_slots,
+                                           axis_name=options.dispatch.expert_axis)
+        if split_fn is not None:
+            s = split_fn(ids_c)
+            ids_c = s.first_ids
+            over_ids.append(s.overflow_ids)
+            flags.append(s.overflows.astype(jnp.int32))
+        chunk_ids.append(ids_c)
+    return local_ids, chunk_ids, over_ids, flags

@@ -70,9 +70,12 @@ def test_two_processes_match_one_process(tmp_path):
     assert sorted(got) == sorted(want)
     assert len(want) > 10 and any("w_gate_up" in k for k in want)
     # Same programs, same data; the collectives differ (gloo across processes vs in-process),
-    # and so does their summation order: equal up to f32 rounding (measured <= 5e-7), not bitwise.
+    # and so does their summation order: equal up to f32 rounding (measured <= 6e-7), not bitwise.
+    # AdamW divides by sqrt(v): in an embedding row few tokens touch, v is tiny and the last
+    # bits of a gradient sum move the update more (measured 2.7e-6 on one element).
     for key, value in want.items():
-        np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+        atol = 5e-6 if "embed" in key else 1e-6
+        np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=atol, err_msg=key)
     # And the runs trained: the params moved from their initial values.
     start = tm.build(mesh)[1]
     w0 = np.asarray(start["blocks"][0]["moe"]["w_gate_up"][...])

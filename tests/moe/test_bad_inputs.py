@@ -269,6 +269,14 @@ ARG_CASES = [
     ("DispatchOptions", "exchange_implementation", ValueError,
      "exchange_implementation='xla' is not supported",
      lambda: moe.DispatchOptions(exchange_implementation="xla")),
+    ("DispatchOptions", "host_axis", ValueError,
+     r"host_axis='expert' must be None, 'auto' or the first name of expert_axis=\('host', "
+     r"'expert'\)", lambda: moe.DispatchOptions(expert_axis=("host", "expert"),
+                                                 host_axis="expert")),
+    ("DispatchOptions", "host_axis", ValueError,
+     r"host_axis='expert' \(the two-stage exchange\) runs the 'dense' and 'dropless' "
+     "transports, got transport='ragged'",
+     lambda: moe.DispatchOptions(host_axis="expert", transport="ragged")),
     ("DispatchOptions", "local_first", TypeError, "local_first must be True or False, got 1",
      lambda: moe.DispatchOptions(local_first=1)),
     # ------------------------------------------------------------------ ExpertOptions

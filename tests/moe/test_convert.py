@@ -196,6 +196,29 @@ def test_round_trip_matches_the_family_block(family):
         assert opts.experts.activation == moe.GatedActivation("clamped_swiglu", 1.702, 0.6)
 
 
+def test_deepseek_v3_routing_is_node_limited_over_hosts():
+    """DeepSeek-V3's groups one per host (4 hosts of 2 devices, topk_group 1): through the
+    two-stage exchange the converted layer still equals the block, each token's experts lie
+    on one host, and the exchange's first stage carries one column per token."""
+    rng = np.random.default_rng(11)
+    block, cfg, _ = make_block("deepseek_v3", rng)
+    cfg = {**cfg, "topk_group": 1}
+    params, opts = moe.convert.from_transformers(
+        "deepseek_v3", block, cfg, transport="dense", expert_axis=("host", "expert"),
+        host_axis="host", return_routing=True)
+    mesh = jax.make_mesh((4, 2), ("host", "expert"))
+    assert opts.resolve(T, D, F, mesh=mesh).host_slots == 1
+    layer = moe.MoE(D, F, options=opts, mesh=mesh, rngs=nnx.Rngs(0))
+    moe.convert.load(layer, params)
+    x = rng.normal(size=(2, T // 2, D))
+    y, aux = nnx.jit(lambda m, x: m(x))(layer, x.astype(np.float32))
+    want = deepseek_block(block, x.reshape(-1, D), cfg).reshape(x.shape)
+    chex.assert_trees_all_close(np.asarray(y, np.float64), want, rtol=1e-5,
+                                atol=1e-5 * np.abs(want).max())
+    hosts = np.asarray(aux["expert_ids"]) // (E // 4)
+    assert np.all(hosts.min(-1) == hosts.max(-1)) and int(aux["dropped_slots"]) == 0
+
+
 def test_fused_layout_equals_per_expert_layout():
     """transformers 5 stores Mixtral / Qwen / DeepSeek experts fused: gate_up_proj [E, 2f, d]
     (gate rows first) and down_proj [E, d, f]; both layouts convert to the same params."""

@@ -209,3 +209,29 @@ def test_split_dimension_numbers_view_fused_qkv_as_three_matrices():
         part = slice(8 * i, 8 * (i + 1))
         chex.assert_trees_all_close(u[:, part], _polar(np.asarray(g["qkv"])[:, part]),
                                     atol=POLAR_TOL)
+
+
+class FusedQKV(nnx.Module):
+    """A layer declaring that its sublayer's fused kernel holds three maps."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.qkv = nnx.Linear(8, 24, use_bias=False, rngs=rngs)
+
+    def matrix_views(self):
+        return {"qkv.kernel": (0, 1, 3)}
+
+
+def test_a_layer_declares_its_sublayers_fused_kernel():
+    """A declared view (here of a sublayer's kernel, by a dotted name) wins over the
+    sublayer's own, through nnx.Optimizer too: q, k and v are each their polar factor."""
+    model = FusedQKV(nnx.Rngs(0))
+    assert muon_jax.flax_dimension_numbers(model)["qkv"]["kernel"] == Split(
+        0, 1, split_axis=1, parts=3)
+    opt = nnx.Optimizer(model, muon_jax.muon(1.0, **EXACT), wrt=nnx.Param)
+    g = jax.random.normal(jax.random.key(1), (8, 24))
+    grads = nnx.grad(lambda m: jnp.sum(m.qkv.kernel[...] * g))(model)
+    updates = opt.update(model, grads)
+    got = -np.asarray(updates["qkv"]["kernel"], np.float64).reshape(8, 3, 8).transpose(1, 0, 2)
+    want = np.stack([_polar(m) for m in np.asarray(g, np.float64).reshape(8, 3, 8)
+                     .transpose(1, 0, 2)])
+    np.testing.assert_allclose(got, want, atol=POLAR_TOL)

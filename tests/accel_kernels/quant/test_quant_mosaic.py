@@ -25,7 +25,6 @@ from accel_kernels.quant import api as qp
 from accel_kernels.quant import mosaic as qm
 from accel_kernels.quant import xla as quant_xla
 from accel_kernels.wire import mosaic as wm
-from xla_comm.breakdown import LM_KERNEL_REGIONS, REST, kernel_category, kernel_region
 
 S = jax.ShapeDtypeStruct
 F8 = jnp.float8_e4m3fn
@@ -157,19 +156,6 @@ def test_traceable_sigmoid_matches_jax_nn(kind):
     chex.assert_trees_all_close(act.grad_parts(g, u, dh, sigmoid=mosaic_gpu.sigmoid),
                                 act.grad_parts(g, u, dh), rtol=1e-5, atol=1e-5)
     assert np.isfinite(np.asarray(act.apply_parts(g * 30, u, sigmoid=mosaic_gpu.sigmoid))).all()
-
-
-def test_trace_breakdown_names():
-    """Mosaic GPU kernels show in traces as ``<name>_mosaic_gpu_kernel``: the grouped GEMMs
-    are GEMMs in the experts region, the dense projections' GEMMs GEMMs elsewhere, the row
-    kernels not GEMMs."""
-    sfx = "_mosaic_gpu_kernel"
-    assert kernel_category("gmm_fp8" + sfx) == kernel_category("dense_tgmm_fp8" + sfx) == "gemm"
-    assert kernel_category("fp8_quantize_rows_mgpu" + sfx) == "other"
-    assert kernel_region("tgmm_bf16" + sfx, LM_KERNEL_REGIONS) == "experts"
-    assert kernel_region("fp8_gated_quantize_rows_mgpu" + sfx, LM_KERNEL_REGIONS) == "experts"
-    assert kernel_region("dense_gmm_fp8" + sfx, LM_KERNEL_REGIONS) == REST
-    assert kernel_region("wire_local_rows_fp8_mgpu" + sfx, LM_KERNEL_REGIONS) != REST
 
 
 @pytest.mark.parametrize("shape", [(2, 1408, 2816), (1, 64, 128)])

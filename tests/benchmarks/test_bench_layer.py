@@ -12,19 +12,25 @@ from jax.sharding import PartitionSpec as P
 
 import moe
 from xla_comm.breakdown import (
-    CATEGORIES,
-    LM_REGIONS,
     REST,
+    categories,
     categorize_hlo,
     format_regions,
     format_table,
     hlo_regions,
+    kernel_category,
+    kernel_region,
     op_breakdown,
 )
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import layer  # noqa: E402  (benchmarks/layer.py)
+from _lib import bench  # noqa: E402
+
+RULES = bench.moe_rules()
+CATEGORIES = categories(RULES)
+LM_REGIONS, LM_KERNEL_REGIONS = bench.lm_regions()
 
 
 def test_op_breakdown_of_a_dropless_dispatch_combine(tmp_path):
@@ -45,7 +51,7 @@ def test_op_breakdown_of_a_dropless_dispatch_combine(tmp_path):
     ids = jnp.stack([jnp.arange(64) % 8, (jnp.arange(64) + 3) % 8], axis=1).astype(jnp.int32)
     w = jnp.full((64, 2), 0.5)
     compiled = step.lower(x, ids, w).compile()
-    cats = categorize_hlo(compiled.as_text())
+    cats = categorize_hlo(compiled.as_text(), RULES)
     assert {"sort", "exchange", "combine", "gather_scatter"} <= set(cats.values())
     assert {n for n, c in cats.items() if c is None} and all(
         c in CATEGORIES for c in cats.values() if c is not None)
@@ -53,13 +59,14 @@ def test_op_breakdown_of_a_dropless_dispatch_combine(tmp_path):
     with jax.profiler.trace(str(tmp_path)):
         for _ in range(2):
             jax.block_until_ready(compiled(x, ids, w))
-    bd = op_breakdown(tmp_path, compiled.as_text(), steps=2)
+    assert set(categorize_hlo(compiled.as_text()).values()) <= {None, *categories()}
+    bd = op_breakdown(tmp_path, compiled.as_text(), steps=2, rules=RULES)
     us = bd["us_per_step"]
     assert bd["total_us_per_step"] > 0 and us["exchange"] > 0 and us["sort"] > 0, bd
     assert abs(sum(bd["fraction"].values()) - 1.0) < 1e-6
     assert all(c is not None for _, c, _ in bd["top_ops"])
     assert "us_per_region" not in bd
-    rb = op_breakdown(tmp_path, compiled.as_text(), steps=2, regions={
+    rb = op_breakdown(tmp_path, compiled.as_text(), steps=2, rules=RULES, regions={
         "dispatch": r"dispatch_\w+", "combine": r"combine"})
     reg, total = rb["us_per_region"], rb["total_us_per_step"]
     assert list(reg) == ["dispatch", "combine", REST] and reg["dispatch"] > 0, reg
@@ -117,7 +124,7 @@ def test_hlo_regions_of_the_lm_scopes():
     regions = hlo_regions(_HLO, LM_REGIONS)
     assert regions["s"] == "attention"  # transpose(jvp(attention))
     assert regions["f"] == REST  # the root's nearest scope, not the producer's (attention)
-    assert categorize_hlo(_HLO)["f"] == "other"
+    assert categorize_hlo(_HLO, RULES)["f"] == "other"
     assert regions["d"] == "experts"  # no scope: operands combine/... and experts_down
     assert regions["wq"] == "experts" and regions["g"] == "dispatch_combine"
     assert regions["m"] == regions["u"] == "optimizer"  # outside jvp / transpose
@@ -160,3 +167,18 @@ def test_layer_small_fp8_preset_and_eager_call():
             assert r[f"moe_layer_{k}_mfu_{tag}_{transport}"] > 0
     e = layer.main(["--small", "--eager"])
     assert e["eager_over_jit"] > 0 and e["tokens"] == 128
+
+
+def test_trace_breakdown_names():
+    """Mosaic GPU kernels show in traces as ``<name>_mosaic_gpu_kernel``: the grouped GEMMs
+    are GEMMs in the experts region, the dense projections' GEMMs GEMMs elsewhere, the row
+    kernels not GEMMs."""
+    sfx = "_mosaic_gpu_kernel"
+    assert kernel_category("gmm_fp8" + sfx, RULES) == "gemm"
+    assert kernel_category("dense_tgmm_fp8" + sfx, RULES) == "gemm"
+    assert kernel_category("gmm_fp8" + sfx) == "other"  # the library knows no kernel of ours
+    assert kernel_category("fp8_quantize_rows_mgpu" + sfx, RULES) == "other"
+    assert kernel_region("tgmm_bf16" + sfx, LM_KERNEL_REGIONS) == "experts"
+    assert kernel_region("fp8_gated_quantize_rows_mgpu" + sfx, LM_KERNEL_REGIONS) == "experts"
+    assert kernel_region("dense_gmm_fp8" + sfx, LM_KERNEL_REGIONS) == REST
+    assert kernel_region("wire_local_rows_fp8_mgpu" + sfx, LM_KERNEL_REGIONS) != REST

@@ -1,0 +1,112 @@
+"""report.py --ab-pairs (benchmarks/_lib/ab.py) against the real tree before the refactor,
+8b11414: the base packages load under other names and run their own code, and one pair runs
+end to end at --small sizes on CPU."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from _paths import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _lib import ab  # noqa: E402  (benchmarks/_lib/ab.py)
+
+BASE = "8b11414"
+ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def base_tree(tmp_path_factory):
+    """The library and examples of commit 8b11414, exported with a COMMIT file."""
+    if shutil.which("git") is None:
+        pytest.skip("no git: the base tree comes from git archive")
+    if subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{BASE}^{{commit}}"],
+                      capture_output=True).returncode:
+        pytest.skip(f"commit {BASE} is not in this clone (shallow?)")
+    tree = tmp_path_factory.mktemp("base")
+    tar = subprocess.run(["git", "-C", str(ROOT), "archive", BASE, "moe", "muon_jax",
+                          "xla_comm", "examples"], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=tar, check=True)
+    (tree / "COMMIT").write_text(BASE + "\n")
+    return tree
+
+
+def test_rename_source_renames_code_and_module_paths_only():
+    src = textwrap.dedent('''\
+        import moe.kernels as k  # moe stays in comments
+        from muon_jax import x
+        def f(moe=None):
+            """moe.kernels in a docstring"""
+            self.moe = moe.MoE(); y = "moe"; z = "moe.kernels"; w = "moe.kernels."
+            return importlib.import_module("moe.kernels.gmm"), f"{1}moe", k.moe
+        ''')
+    out, n = ab.rename_source(src, {"moe": "moe_base", "muon_jax": "muon_jax_base"},
+                              {"moe", "moe.kernels", "moe.kernels.gmm"})
+    assert n == 2 and out == src.replace("import moe.kernels", "import moe_base.kernels").replace(
+        "from muon_jax", "from muon_jax_base").replace("f(moe=", "f(moe_base=").replace(
+        "= moe.MoE", "= moe_base.MoE").replace('"moe.kernels"', '"moe_base.kernels"').replace(
+        '"moe.kernels.gmm"', '"moe_base.kernels.gmm"')
+    if sys.version_info >= (3, 12):  # f-strings' code is tokenized as code
+        assert ab.rename_source('f"{moe.x}"\n', {"moe": "moe_base"}, set())[0] == (
+            'f"{moe_base.x}"\n')
+    else:  # one STRING token: refused rather than left to the other tree
+        with pytest.raises(ValueError, match="f-string"):
+            ab.rename_source('f"{moe.x}"\n', {"moe": "moe_base"}, set())
+
+
+def test_the_base_copy_runs_its_own_code(base_tree):
+    """Both trees in one process: each module from its own tree, and a behaviour that differs
+    between them (8b11414 keeps the grouped-GEMM name 'einsum'; this tree spells it 'xla' and
+    warns for the old name; it alone has accel_kernels)."""
+    script = textwrap.dedent(f"""
+        import json, sys, warnings
+        sys.path.insert(0, {str(ROOT / 'benchmarks')!r})
+        from _lib import ab
+        new, base = ab.new_tree(False), ab.load_base({str(base_tree)!r}, False)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            ex = {{s: t.moe.MoEOptions.create(4, 2, backend="einsum").experts
+                   for s, t in (("new", new), ("base", base))}}
+        got = {{s: getattr(e, "gemm_implementation", None) or e.backend for s, e in ex.items()}}
+        print(json.dumps(dict(got=got, warned=[str(x.message) for x in w],
+                              base_file=base.moe.__file__, dir=str(base.dir),
+                              names=base.names, restored=base.restored,
+                              foreign=ab.check_own_code(base),
+                              accel=sys.modules["accel_kernels"].__file__)))
+        """)
+    res = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=ENV, timeout=300,
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    shutil.rmtree(r["dir"])
+    assert r["got"] == {"new": "xla", "base": "einsum"}
+    assert any("'einsum' is deprecated" in m for m in r["warned"])
+    assert r["base_file"].startswith(r["dir"]) and r["foreign"] == []
+    assert "accel_kernels" not in r["names"] and r["accel"].startswith(str(ROOT))
+    assert r["restored"] == ["flax variable name 'balancing_bias'"]
+
+
+@pytest.mark.slow
+def test_one_pair_end_to_end(base_tree, tmp_path):
+    out = tmp_path / "ab.json"
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report.py"), "--ab-pairs",
+                          str(base_tree), "--pairs", "layer", "--small", "--rounds", "2",
+                          "--out", str(out)], cwd=ROOT, env=ENV, timeout=600,
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["base_commit"] == BASE and r["commit"] and r["device"] == "cpu"
+    assert r["complete"] and r["all_agree"] and not r["errors"]
+    assert isinstance(r["all_within_3pct"], bool) and r["max_abs_log_ratio"] >= 0
+    layer = r["pairs"]["layer"]
+    assert set(layer["cases"]) == {"dropless", "dense"} and layer["loader"]["foreign_modules"] == []
+    for case in layer["cases"].values():
+        assert case["agreement"]["ok"] and case["base_ms"] > 0 and case["new_ms"] > 0
+        assert case["new_over_base"] == pytest.approx(case["new_ms"] / case["base_ms"])
+        assert len(case["samples_ms"]["new"]) == 2
+    assert "new/base" in res.stdout and "layer" in res.stdout
