@@ -82,10 +82,6 @@ def _step(r: dict, variant: str) -> dict:
     return next(s for s in r["steps"] if s["variant"] == variant)
 
 
-def _sweep(r: dict, prefix: str, opt: str, what: str) -> float:
-    return r[f"{prefix}_{opt}_{what}"]
-
-
 QKV, OUT = [65536, 2048, 6144], [65536, 2048, 2048]
 
 FIGURES: tuple[Figure, ...] = (
@@ -93,8 +89,6 @@ FIGURES: tuple[Figure, ...] = (
     Figure("gmm_fp8_over_triton_bf16", "FP8 grouped GEMM rate / bf16 Triton rate (gate_up, "
            "32k rows)", "gmm", lambda r: r["fp8_gmm_over_bf16_rate"], "{:.2f}", ">= 1.6",
            headline=False),
-    Figure("gmm_fp8_over_mosaic_bf16", "FP8 grouped GEMM rate / bf16 Mosaic rate", "gmm",
-           lambda r: r["fp8_gmm_over_bf16_rate_vs_mosaic_bf16"], "{:.2f}", headline=False),
     Figure("gmm_mosaic_bf16_over_dense", "Mosaic bf16 grouped GEMM / dense bf16 rate",
            "gmm", lambda r: gmm_row(r, "mosaic_bf16")["tflops"] / r["dense_bf16_tflops"],
            "{:.2f}", headline=False),
@@ -184,9 +178,6 @@ FIGURES: tuple[Figure, ...] = (
            "dispatch_2gpu", lambda r: r["dispatch_combine_GBps_per_gpu"], "{:.0f}", ">= 150"),
     Figure("layer_mfu_ep2", "MoE layer fwd+bwd MFU, EP=2, bf16 dispatch", "moe_layer_2gpu",
            lambda r: r["moe_layer_mfu_by_variant"]["dense_einsum_bf16"], "{:.3f}", ">= 0.45"),
-    Figure("layer_mfu_ep2_fp8", "the same, FP8 dispatch", "moe_layer_2gpu",
-           lambda r: r["moe_layer_mfu_by_variant"]["dense_einsum_fp8"], "{:.3f}", ">= 0.45",
-           headline=False),
     Figure("muon_step_f32_s", "sharded Muon step, 1.6B f32 params, 2 GPUs, s", "muon_step_2gpu",
            lambda r: r["muon_step_seconds"], "{:.3f}", headline=False),
     Figure("muon_over_limit", "sharded Muon step / compute + all-reduce limit (f32 params)",
@@ -233,8 +224,6 @@ FIGURES: tuple[Figure, ...] = (
     Figure("sched_muon_dp8_floor", "the least any order of that step's work exposes "
            "(collectives - compute, over collectives)", "schedule8",
            lambda r: r["muon_dp8_exposed_floor"], "{:.1%}", headline=False),
-    Figure("sched_moe_ep16", "MoE layer over 16 GPUs (2 hosts), A's per-device work, 2 chunks",
-           "schedule8", lambda r: r["moe_ep16_exposed_fraction"], "{:.1%}", headline=False),
     Figure("sched_moe_ep64", "MoE layer over 64 GPUs (8 hosts), A's per-device work, 2 chunks",
            "schedule8", lambda r: r["moe_ep64_exposed_fraction"], "{:.1%}", headline=False),
     Figure("chunked_over_unchunked_1gpu", "the layer in 2 chunks / unchunked, time on one GPU",
@@ -268,12 +257,6 @@ FIGURES: tuple[Figure, ...] = (
            "{:+.4f}", headline=False),
     Figure("eager_over_jit", "eager MoE layer call / jitted call (CPU)", "eager_layer",
            lambda r: r["eager_over_jit"], "{:.2f}x", "<= 3", headline=False),
-    # The jax-0.12 kernel rewrite.
-    Figure("kernels_ab_geomean", "jax-0.12 kernel rewrite: new / base time, fp8_bench rows "
-           "(geomean)", "kernels_ab", lambda r: r["fp8_bench_geomean_new_over_base"], "{:.3f}",
-           headline=False),
-    Figure("kernels_ab_worst", "the same, worst row", "kernels_ab",
-           lambda r: r["fp8_bench_worst_new_over_base"], "{:.3f}", headline=False),
     # The peer comparison (benchmarks/vs_transformers.py).
     Figure("vs_hf_bf16_qwen3", "MoE layer fwd+bwd, bf16: the faster transformers block "
            "(grouped_mm, eager or compiled) / moe, Qwen3-30B-A3B shape", "layer_vs_transformers",
@@ -282,20 +265,11 @@ FIGURES: tuple[Figure, ...] = (
            lambda r: r["fp8_over_best_hf_qwen3_30b_a3b"], "{:.2f}x"),
     Figure("vs_hf_bf16_mixtral", "the same in bf16, Mixtral-8x7B shape",
            "layer_vs_transformers", lambda r: r["bf16_over_best_hf_mixtral_8x7b"], "{:.2f}x"),
-    Figure("vs_hf_unaligned", "moe bf16 MFU, widths multiples of 16 (2064 / 784) / of 128",
-           "layer_vs_transformers", lambda r: r["unaligned_mfu_over_aligned"], "{:.2f}",
-           headline=False),
-    # The house (kernel layer, registry, options resolved once) and the moe redesign.
+    # The house (kernel layer, registry, options resolved once).
     Figure("house_ab_max", "the house: after / before - 1 of the layer, experts, Muon and LM "
            "step times, the furthest from 0", "house_ab", lambda r: max(
                (c["new_over_base"] - 1 for p in r["pairs"].values()
                 for c in p["cases"].values()), key=abs), "{:+.3f}", "within 0.03"),
-    Figure("redesign_ab_geomean", "moe redesign: new / base time, fp8, dropless and LM-step "
-           "rows (geomean)", "redesign_ab", lambda r: r["geomean_new_over_base"], "{:.3f}",
-           headline=False),
-    Figure("redesign_ab_range", "the same, every row within", "redesign_ab",
-           lambda r: (r["min_new_over_base"], r["max_new_over_base"]), "{0[0]:.3f}-{0[1]:.3f}",
-           headline=False),
 )
 
 BY_NAME = {f.name: f for f in FIGURES}
