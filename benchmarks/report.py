@@ -88,7 +88,7 @@ def current() -> dict:
 
 def render(C: dict) -> str:
     lines: list[str] = []
-    for _, section in SECTIONS:
+    for section in SECTIONS:
         lines += section(C)
     return HEADER + "\n".join(lines).rstrip() + "\n"
 

@@ -9,6 +9,7 @@ software, commit, date, command, the ceiling of that run, and whether it is date
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from _lib.figures import BY_NAME, FIGURES, gmm_row
@@ -229,10 +230,12 @@ def method(C: dict) -> Lines:
 
 
 def headline(C: dict) -> Lines:
-    rows = []
+    rows, links = [], anchors(C)
     for f in FIGURES:
         if not f.headline or f.source not in C:
             continue
+        if f.source not in links:
+            raise KeyError(f"current/{f.source}.json is cited by no section's source line.")
         r = C[f.source]
         met = f.met(r["results"])
         st = r["_status"]
@@ -240,7 +243,7 @@ def headline(C: dict) -> Lines:
                      {None: "-", True: "yes", False: "**no**"}[met],
                      f"{r['hardware'].split(' (')[0]}, `{r['commit']}`, {r['date']}"
                      + ("" if st.current else ", **dated**")
-                     + f" ([{f.source}](#{anchor_of(f.source)}))"])
+                     + f" ([{f.source}](#{links[f.source]}))"])
     dated = sorted({f.source for f in FIGURES if f.headline and f.source in C
                     and not C[f.source]["_status"].current})
     return (["## Headline figures", "",
@@ -737,44 +740,21 @@ def cpu_eager(C: dict) -> Lines:
             + [""])
 
 
-SECTIONS: tuple[tuple[str, Callable[[dict], Lines]], ...] = (
-    ("Method", method), ("Headline figures", headline),
-    ("Grouped GEMM and gated experts", experts), ("FP8 projections", fp8_dense),
-    ("The MoE layer on one GPU", layer_1gpu), ("Against transformers", vs_transformers),
-    ("The LM train step, one GPU", lm_step),
-    ("Muon, one GPU", muon_1gpu),
-    ("Two GPUs", two_gpus), ("Overlap", schedules), ("The trainer", trainer),
-    ("Before and after", before_after), ("CPU eager", cpu_eager))
-
-# Which section shows each current file, for the headline table's links.
-_AB = "before-and-after-the-house-the-jax-012-kernels-the-moe-redesign"
-_SHOWN_IN = {"experts": "grouped-gemm-and-gated-experts", "gmm": "grouped-gemm-and-gated-experts",
-             "layer_vs_transformers": "the-layer-against-transformers-moe-blocks",
-             "experts_lm_shapes": "grouped-gemm-and-gated-experts",
-             "experts_2gpu": "grouped-gemm-and-gated-experts",
-             "fp8_dense": "fp8-projections-moefp8_dense",
-             "dropless": "the-moe-layer-on-one-gpu", "fp8_layer": "the-moe-layer-on-one-gpu",
-             "lm_step": "the-lm-train-step-one-gpu",
-             "muon_step_1gpu": "muon-on-one-gpu-newton-schulzs-symmetric-products",
-             "muon_speed": "muon-on-one-gpu-newton-schulzs-symmetric-products",
-             "dispatch_2gpu": "two-gpus-dispatch-the-layer-at-ep2-sharded-muon",
-             "moe_layer_2gpu": "two-gpus-dispatch-the-layer-at-ep2-sharded-muon",
-             "muon_step_2gpu": "two-gpus-dispatch-the-layer-at-ep2-sharded-muon",
-             "lm_step_2gpu": "two-gpus-dispatch-the-layer-at-ep2-sharded-muon",
-             "schedule8": "overlap-8-gpu-programs-compiled-on-one-machine",
-             "train_lm_cpu": "the-trainer", "lr_sweep_cpu": "the-trainer",
-             "lr_sweep_gpu": "the-trainer", "fp8_parity_gpu": "the-trainer",
-             "fp8_parity_cpu": "the-trainer",
-             "muon_gather_dtype": "the-trainer", "muon_reduce_dtype": "the-trainer",
-             "kernels_ab": _AB, "redesign_ab": _AB, "house_ab": _AB,
-             "eager_layer": "cpu-the-layer-called-eagerly"}
+SECTIONS: tuple[Callable[[dict], Lines], ...] = (
+    method, headline, experts, fp8_dense, layer_1gpu, vs_transformers, lm_step, muon_1gpu,
+    two_gpus, schedules, trainer, before_after, cpu_eager)
 
 
-def anchor_of(name: str) -> str:
-    """The BENCHMARKS.md anchor of the section that shows a current file."""
-    if name not in _SHOWN_IN:
-        raise KeyError(f"current/{name}.json is shown in no section; add it to _SHOWN_IN.")
-    return _SHOWN_IN[name]
+def anchors(C: dict) -> dict[str, str]:
+    """Each current file's link target for the headline table: the BENCHMARKS.md anchor (the
+    heading as GitHub slugs it) of the first section whose source lines cite it."""
+    out: dict[str, str] = {}
+    for section in SECTIONS[2:]:
+        lines = section(C)
+        slug = re.sub(r"[^\w\- ]", "", lines[0].removeprefix("## ").lower()).replace(" ", "-")
+        for name in re.findall(r"\(benchmarks/results/current/(\w+)\.json\)", "\n".join(lines)):
+            out.setdefault(name, slug)
+    return out
 
 
 def blocks(C: dict) -> dict[str, str]:
