@@ -277,12 +277,7 @@ def experts(C: dict) -> Lines:
                ["padded [E, C, d], balanced", *pair(r, "padded", "balanced")],
                ["LM layer shape, ragged, balanced", *pair(lm, "ragged", "balanced")],
                ["LM layer shape, ragged, Zipf", *pair(lm, "ragged", "zipf")]]
-    t = C["experts_2gpu"]["results"]
-    t = t.get("grouped_gemm_by_routing") or {  # experts.py's keys, the older run's names
-        f"{n}/{r}": v for k, v in t["bf16_rate_over_dense"].items()
-        for n, c in (("pallas", "ragged_triton"), ("einsum", "padded_einsum"),
-                     ("ragged_dot", "ragged_ragged_dot")) for r in ("balanced", "zipf")
-        if k == f"{c}_{r}"}
+    t = C["experts_2gpu"]["results"]["grouped_gemm_by_routing"]
     old = "; ".join(f"{b} {t[k + '/balanced']:.3f} balanced, {t[k + '/zipf']:.3f} Zipf"
                     for b, k in (("Pallas Triton (GPUs before Hopper)", "pallas"),
                                  ("padded einsum (every expert padded to the largest)",
