@@ -71,25 +71,19 @@ def ms(v: float, d: int = 2) -> str:
     return f"{v:.{d}f}"
 
 
-# (label, ((case, chunks), ...)): the compiled programs of schedule8.py, in the order
-# the table shows them.
+def _chunked(stem: str, *chunks: int) -> tuple:
+    return tuple((f"{stem}_chunks{k}", k) for k in chunks)
+
+
+# (label, ((case, chunks), ...)): schedule8.py's compiled programs, in the table's order.
 _SCHEDULE_CASES = (
-    ("MoE EP=8, A, dense", (("moe_ep8_A_dense_chunks1", 1), ("moe_ep8_A_dense_chunks2", 2),
-                            ("moe_ep8_A_dense_chunks4", 4))),
-    ("MoE EP=8, A, dropless", (("moe_ep8_A_dropless_chunks1", 1),
-                               ("moe_ep8_A_dropless_chunks2", 2),
-                               ("moe_ep8_A_dropless_chunks4", 4))),
-    ("MoE EP=8, B, dense", (("moe_ep8_B_dense_chunks1", 1), ("moe_ep8_B_dense_chunks2", 2))),
-    ("MoE EP=8, B, dropless", (("moe_ep8_B_dropless_chunks1", 1),
-                               ("moe_ep8_B_dropless_chunks2", 2))),
-    ("MoE EP=16 (2 hosts), A's per-device work, dense", (("moe_ep16_A_dense_chunks1", 1),
-                                                         ("moe_ep16_A_dense_chunks2", 2),
-                                                         ("moe_ep16_A_dense_chunks4", 4))),
-    ("MoE EP=64 (8 hosts), A's per-device work, dense", (("moe_ep64_A_dense_chunks1", 1),
-                                                         ("moe_ep64_A_dense_chunks2", 2),
-                                                         ("moe_ep64_A_dense_chunks4", 4))),
-    ("EP=8 within a host, 2 hosts data parallel, A", (("moe_ep8x2hosts_A_dense_chunks1", 1),
-                                                      ("moe_ep8x2hosts_A_dense_chunks2", 2))),
+    ("MoE EP=8, A, dense", _chunked("moe_ep8_A_dense", 1, 2, 4)),
+    ("MoE EP=8, A, dropless", _chunked("moe_ep8_A_dropless", 1, 2, 4)),
+    ("MoE EP=8, B, dense", _chunked("moe_ep8_B_dense", 1, 2)),
+    ("MoE EP=8, B, dropless", _chunked("moe_ep8_B_dropless", 1, 2)),
+    ("MoE EP=16 (2 hosts), A's per-device work, dense", _chunked("moe_ep16_A_dense", 1, 2, 4)),
+    ("MoE EP=64 (8 hosts), A's per-device work, dense", _chunked("moe_ep64_A_dense", 1, 2, 4)),
+    ("EP=8 within a host, 2 hosts data parallel, A", _chunked("moe_ep8x2hosts_A_dense", 1, 2)),
     ("sharded Muon, 8 GPUs, 1.6B f32 params: f32 / bf16 update gathers, then the same with "
      "`chunk_bytes=1` (one matrix per device per chunk)",
      (("muon_dp8_f32_gather", "-"), ("muon_dp8_bf16_gather", "-"),
