@@ -95,11 +95,7 @@ def parse_case(case: str) -> tuple[str, str, str]:
 def layout(x, sizes: np.ndarray, lay: str, backend: str):
     """``(x, group sizes, group_alignment)`` in the case's layout."""
     if lay == "padded":
-        c = int(sizes.max())
-        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        idx = np.where(np.arange(c) < sizes[:, None], starts[:, None] + np.arange(c), len(x))
-        return jnp.take(x, jnp.asarray(idx), axis=0, mode="fill", fill_value=0), \
-            jnp.asarray(sizes), None
+        return bench.padded(x, sizes), jnp.asarray(sizes), None
     if backend != "mosaic":
         return x, jnp.asarray(sizes), None
     src, _, _ = gmm_api.align_map(jnp.asarray(sizes), x.shape[0], gmm_api.GROUP_ALIGNMENT)
@@ -109,16 +105,9 @@ def layout(x, sizes: np.ndarray, lay: str, backend: str):
 
 def experts_step(backend, gs, **opts):
     """Jitted ``(x, w_gate_up, w_down, ct) -> (y, dx, dw_gate_up, dw_down)``."""
-    def loss(x, wgu, wd, ct):
-        y = moe.gated_experts(x, gs, wgu, wd, gemm_implementation=bench.implementation(backend),
-                              **opts)
-        return jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32)), y
-
-    def step(*args):
-        (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(*args)
-        return (y, *grads)
-
-    return jax.jit(step)
+    impl = bench.implementation(backend)
+    return bench.fwd_bwd(lambda x, wgu, wd: moe.gated_experts(
+        x, gs, wgu, wd, gemm_implementation=impl, **opts), 3)
 
 
 def experts_case(report, a, data, case):
@@ -181,27 +170,19 @@ def speedups(report, case: str, times: dict) -> None:
 
 def dense_part(report, a) -> None:
     """``moe.fp8_dense`` against the bf16 matmul it replaces, per shape and recipe."""
-    def step(dense):
-        def loss(x, w, ct):
-            y = dense(x, w)
-            return jnp.sum(y.astype(jnp.float32) * ct), y
-
-        return jax.jit(lambda *args: (lambda r: (r[0][1], *r[1]))(
-            jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(*args)))
-
     report["dense"] = []
     for m, k, n in (tuple(map(int, s.split("x"))) for s in a.shapes.split(",")):
         ks = jax.random.split(jax.random.key(7), 3)
         args = (bench.normal(ks[0], (m, k)), bench.normal(ks[1], (k, n), k**-0.5, jnp.float32),
                 bench.normal(ks[2], (m, n), 1.0, jnp.float32))
         flops, inner = 6.0 * m * k * n, 1 if a.small else 3
-        ref = step(lambda x, w: jnp.dot(x, w.astype(x.dtype)))  # what nnx.Linear(bf16) does
+        ref = bench.fwd_bwd(lambda x, w: jnp.dot(x, w.astype(x.dtype)), 2)  # nnx.Linear(bf16)
         want, base = ref(*args), bench.median_seconds(ref, args, a.warmup, a.iters, inner)
         report["dense"].append({"shape": [m, k, n], "recipe": "bf16", "ms": base * 1e3,
                                 "tflops": flops / base / 1e12})
         for name, (dgrad, wgrad) in DENSE_RECIPES.items():
-            fn = step(lambda x, w, dg=dgrad, wg=wgrad: moe.fp8_dense(x, w, dgrad_dtype=dg,
-                                                                      wgrad_dtype=wg))
+            fn = bench.fwd_bwd(lambda x, w, dg=dgrad, wg=wgrad: moe.fp8_dense(
+                x, w, dgrad_dtype=dg, wgrad_dtype=wg), 2)
             err = bench.accuracy(fn(*args), want)
             sec = bench.median_seconds(fn, args, a.warmup, a.iters, inner)
             report["dense"].append({"shape": [m, k, n], "recipe": name, "ms": sec * 1e3,

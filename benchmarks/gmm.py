@@ -24,7 +24,6 @@ import traceback
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from _lib import bench
 
 from accel_kernels.gmm import api as gmm_api
@@ -61,14 +60,7 @@ def operands(a, routing: str, backend: str):
     dz = bench.normal(ks[1], (t, 2 * a.d_ff), 1.0, jnp.float32)
     if backend != "einsum":
         return x, dz, jnp.asarray(sizes), sizes
-    c = int(sizes.max())
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    idx = np.where(np.arange(c)[None] < sizes[:, None], starts[:, None] + np.arange(c)[None], t)
-
-    def pad(v):
-        return jnp.take(v, jnp.asarray(idx), axis=0, mode="fill", fill_value=0)
-
-    return pad(x), pad(dz), jnp.asarray(sizes), sizes
+    return bench.padded(x, sizes), bench.padded(dz, sizes), jnp.asarray(sizes), sizes
 
 
 def case(impl, op: str, dtype: str, x, dz, w, gs):

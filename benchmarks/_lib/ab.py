@@ -25,6 +25,7 @@ import tempfile
 import time
 import tokenize
 import traceback
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -162,18 +163,6 @@ def one_device_mesh():
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
-def fwd_bwd(f, args: tuple, n: int):
-    """``() -> (y, gradients of sum(y * ct))`` jitted, ``y = f(*args[:-1])``, ``ct = args[-1]``,
-    the gradients with respect to the first ``n`` args."""
-    def loss(*xs):
-        y = f(*xs[:-1])
-        return jnp.sum(y.astype(jnp.float32) * xs[-1].astype(jnp.float32)), y
-
-    fn = jax.jit(lambda *xs: (lambda r: (r[0][1], *r[1]))(
-        jax.value_and_grad(loss, argnums=tuple(range(n)), has_aux=True)(*xs)))
-    return lambda: fn(*args)
-
-
 def pair_layer(trees: dict, a) -> dict:
     """``moe.moe_apply`` forward + backward (gradients w.r.t. x, the router kernel, both banks)
     at benchmarks/layer.py's default shapes: one device, bf16, balanced routing (zero bias),
@@ -188,7 +177,8 @@ def pair_layer(trees: dict, a) -> dict:
         def step(moe, t=transport, cf=cf):
             opts = moe.MoEOptions.create(e, k, expert_axis="expert", transport=t,
                                          capacity_factor=cf)
-            return fwd_bwd(lambda *xs: moe.moe_apply(*xs, options=opts, mesh=mesh)[0], args, 4)
+            return partial(bench.fwd_bwd(
+                lambda *xs: moe.moe_apply(*xs, options=opts, mesh=mesh)[0], 4), *args)
 
         cases[transport] = measure(f"layer/{transport}", {s: step(t.moe) for s, t in
                                                           trees.items()}, a, tol=1e-2, inner=3)
@@ -211,9 +201,9 @@ def pair_experts(trees: dict, a) -> dict:
     cases = {}
     for r in ("bf16", "fp8"):
         def step(moe, r=r):
-            return fwd_bwd(lambda x, wgu, wd: moe.gated_experts(
+            return partial(bench.fwd_bwd(lambda x, wgu, wd: moe.gated_experts(
                 x, gs, wgu, wd, group_alignment=align, gemm_dtype=r, dgrad_dtype=r,
-                wgrad_dtype=r), args, 3)
+                wgrad_dtype=r), 3), *args)
 
         cases[r] = measure(f"experts/{r}", {s: step(t.moe) for s, t in trees.items()}, a,
                            tol=1e-2 if r == "bf16" else 3e-2, inner=3)

@@ -257,6 +257,24 @@ def normal(key, shape, scale: float = 1.0, dtype=jnp.bfloat16):
     return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
 
 
+def padded(x, sizes: np.ndarray):
+    """The rows of ``x``, in groups of ``sizes``, as ``[E, C, d]`` (C the largest; zero fill)."""
+    c = int(sizes.max())
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    idx = np.where(np.arange(c) < sizes[:, None], starts[:, None] + np.arange(c), len(x))
+    return jnp.take(x, jnp.asarray(idx), axis=0, mode="fill", fill_value=0)
+
+
+def fwd_bwd(f: Callable, n: int) -> Callable:
+    """Jitted ``(*xs, ct) -> (y, gradients of sum(y * ct) w.r.t. the first n xs)``, y = f(*xs)."""
+    def loss(*xs):
+        y = f(*xs[:-1])
+        return jnp.sum(y.astype(jnp.float32) * xs[-1].astype(jnp.float32)), y
+
+    return jax.jit(lambda *xs: (lambda r: (r[0][1], *r[1]))(
+        jax.value_and_grad(loss, argnums=tuple(range(n)), has_aux=True)(*xs)))
+
+
 def line_mesh(axes=("data", "expert")) -> jax.sharding.Mesh:
     """Mesh ``(1, all devices)`` over ``axes`` (Auto axis types)."""
     return jax.make_mesh((1, len(jax.devices())), axes,
