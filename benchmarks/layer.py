@@ -33,8 +33,6 @@ variant``. ``--eager``: ``eager_s``, ``jit_s``, ``eager_over_jit``.
 from __future__ import annotations
 
 import os
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -233,14 +231,10 @@ def eager(a) -> dict:
     x = jax.random.normal(jax.random.key(0), (n, tokens // n, d))
     jitted = nnx.jit(lambda m, x: m(x))
 
-    def timed(fn):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(x))
-        return time.perf_counter() - t0
+    def timed(fn):  # the first call's seconds, then the median of 10 more
+        return bench.median_seconds(fn, (x,), 0, 1), bench.median_seconds(fn, (x,), 0, 10)
 
-    first, eager_s = timed(layer), statistics.median(timed(layer) for _ in range(10))
-    jit_first = timed(lambda x: jitted(layer, x))
-    jit_s = statistics.median(timed(lambda x: jitted(layer, x)) for _ in range(10))
+    (first, eager_s), (jit_first, jit_s) = timed(layer), timed(lambda x: jitted(layer, x))
     out = {"benchmark": "eager_layer", "env": bench.env(), "tokens": tokens, "d_model": d,
            "d_ff": f, "experts": e, "first_eager_s": first, "eager_s": eager_s,
            "jit_first_s": jit_first, "jit_s": jit_s, "eager_over_jit": eager_s / jit_s,

@@ -239,18 +239,11 @@ def hf_routing(block, x) -> np.ndarray:
 
 def torch_ceiling(n: int, iters: int) -> float:
     """TFLOP/s of a dense bf16 ``[n, n] @ [n, n]`` through torch (median of ``iters``)."""
-    import time
-
     import torch
     a, b = (torch.randn(n, n, device=torch_device(), dtype=torch.bfloat16) for _ in range(2))
-    times = []
-    for i in range(iters + 3):
-        torch.cuda.synchronize() if a.is_cuda else None
-        t0 = time.perf_counter()
-        a @ b
-        torch.cuda.synchronize() if a.is_cuda else None
-        times.append(time.perf_counter() - t0) if i >= 3 else None
-    return 2.0 * n**3 / float(np.median(times)) / 1e12
+    sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
+    times = bench.interleaved({"mm": lambda: a @ b}, iters, warmup=3, sync=lambda _: sync())
+    return 2.0 * n**3 / bench.medians(times)["mm"] / 1e12
 
 
 # ----------------------------------------------------------------------------- one shape
