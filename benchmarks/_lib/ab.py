@@ -158,17 +158,12 @@ def measure(case: str, sides: dict, a, *, tol: float, inner: int = 1, pick=lambd
 # ----------------------------------------------------------------------------- the pairs
 
 
-def one_device_mesh():
-    return jax.make_mesh((1, 1), ("data", "expert"), devices=jax.devices()[:1],
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
-
-
 def pair_layer(trees: dict, a) -> dict:
     """``moe.moe_apply`` forward + backward (gradients w.r.t. x, the router kernel, both banks)
     at benchmarks/layer.py's default shapes: one device, bf16, balanced routing (zero bias),
     dropless and dense (capacity 1.25) transports, the library's defaults otherwise."""
     tokens, d, f, e, k = (64, 128, 64, 16, 2) if a.small else (16384, 4096, 2048, 16, 2)
-    mesh = one_device_mesh()
+    mesh = bench.line_mesh(devices=jax.devices()[:1])
     data = bench.layer_data(mesh, tokens, d, e, f, a.seed)
     args = (*(data[n] for n in ("x", "router_kernel", "w_gate_up", "w_down")),
             jnp.zeros(e, jnp.float32), data["ct"])
@@ -263,7 +258,8 @@ def pair_lm_step(trees: dict, a) -> dict:
     argv = ["--optimizer", "adamw", "--preset", "gpu", *(
         "--batch 8 --seq-len 32 --d-model 128 --layers 2 --heads 4 --d-ff 128 --experts 8 "
         "--fp8-block-size 32".split() if a.small else [])]
-    mesh, sides, check, args = one_device_mesh(), {}, {}, trees["new"].train_lm.parse_args(argv)
+    mesh, sides, check = bench.line_mesh(devices=jax.devices()[:1]), {}, {}
+    args = trees["new"].train_lm.parse_args(argv)
     tokens = np.random.default_rng(a.seed).integers(0, 256, (args.batch, args.seq_len + 1))
     batch = jax.device_put(jnp.asarray(tokens, jnp.int32),
                            NamedSharding(mesh, P(("data", "expert"), None)))

@@ -275,10 +275,11 @@ def fwd_bwd(f: Callable, n: int) -> Callable:
         jax.value_and_grad(loss, argnums=tuple(range(n)), has_aux=True)(*xs)))
 
 
-def line_mesh(axes=("data", "expert")) -> jax.sharding.Mesh:
-    """Mesh ``(1, all devices)`` over ``axes`` (Auto axis types)."""
-    return jax.make_mesh((1, len(jax.devices())), axes,
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=jax.devices())
+def line_mesh(axes=("data", "expert"), devices=None) -> jax.sharding.Mesh:
+    """Mesh ``(1, devices)`` over ``axes`` (Auto axis types; default: every device)."""
+    devices = devices or jax.devices()
+    return jax.make_mesh((1, len(devices)), axes, axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                         devices=devices)
 
 
 def accuracy(got, want) -> dict:

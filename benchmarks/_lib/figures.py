@@ -40,11 +40,8 @@ class Figure:
     target: str | None = None
     headline: bool = True
 
-    def value(self, results: dict) -> Any:
-        return self.get(results)
-
     def text(self, results: dict) -> str:
-        return self.fmt.format(self.value(results))
+        return self.fmt.format(self.get(results))
 
     def target_text(self) -> str:
         """The target in the value's own format: ``>= 1.35x``, ``<= 15.0%``, ``within 1.00%``."""
@@ -60,7 +57,7 @@ class Figure:
         op, number = self.target.split()
         if op not in _OPS:
             raise ValueError(f"Figure {self.name!r}: target op {op!r} is not one of {list(_OPS)}.")
-        return _OPS[op](self.value(results), float(number))
+        return _OPS[op](self.get(results), float(number))
 
 
 def gmm_row(r: dict, kernel: str) -> dict:
