@@ -1,12 +1,9 @@
 """Runs the benchmark suite and turns its runs into BENCHMARKS.md and the figures the docs quote.
 
-Every file in ``benchmarks/results/current/`` is one benchmark's latest run, a record (see
-``_lib/records.py``: commit, date, hardware, software, command, ceiling, the source paths it
-``measures``, the script's JSON under ``results``). BENCHMARKS.md is generated from them;
-README.md and ``docs/*.md`` quote named figures as ``<!--fig:NAME-->value<!--/fig-->`` and
-whole tables as ``<!--block:NAME-->`` ... ``<!--/block-->``, which this rewrites. A record
-whose measured paths changed after its commit is rendered as dated history: **dated** in
-BENCHMARKS.md, ``value (at COMMIT, since changed)`` where quoted.
+Each file in ``benchmarks/results/current/`` is one benchmark's latest run (``_lib/records.py``).
+This writes BENCHMARKS.md from them, and the figures and tables README.md and ``docs/*.md``
+quote between ``<!--fig:NAME-->`` / ``<!--block:NAME-->`` markers (dated where the measured
+code changed since: README.md, Benchmarks).
 
     python3 benchmarks/report.py                 # rewrite BENCHMARKS.md and the quoted figures
     python3 benchmarks/report.py --check         # exit 1, naming each file, if any differs
@@ -208,10 +205,11 @@ def hardware_of(env: dict) -> str:
 
 
 def adopt(name: str, result: pathlib.Path, *, commit=None, command=None, hardware=None,
-          measures=None, date=None, ceiling=None) -> pathlib.Path:
+          measures=None, date=None, ceiling=None, **extra) -> pathlib.Path:
     """Make a run's JSON ``current/NAME.json`` (its earlier version stays in git history).
     Commit, command, hardware and date default to what the run's ``env`` recorded; the
-    measured paths to the script's ``MEASURES`` (else the record it replaces)."""
+    measured paths to the script's ``MEASURES`` (else the record it replaces); ``extra``:
+    more fields (``rerun``)."""
     res = json.loads(result.read_text())
     env, target = res.get("env", {}), records.CURRENT / f"{name}.json"
     if not env.get("jax") or not env.get("python"):
@@ -235,7 +233,8 @@ def adopt(name: str, result: pathlib.Path, *, commit=None, command=None, hardwar
            "hardware": hardware or hardware_of(env),
            "software": {"python": env["python"], "jax": env["jax"], **res.get("software", {})},
            "command": command,
-           "ceiling": ceiling, "measures": measures, "source": result.name, "results": res}
+           "ceiling": ceiling, "measures": measures, "source": result.name, "results": res,
+           **extra}
     target.write_text(json.dumps(rec, indent=1) + "\n")
     return target
 
@@ -283,11 +282,10 @@ def main_job() -> int:
     tmp = pathlib.Path(tempfile.mkdtemp()) / "train_lm_cpu.json"
     tmp.write_text(json.dumps(res | {"env": {"jax": jax.__version__,
                                              "python": platform.python_version()}}))
-    path = adopt("train_lm_cpu", tmp, commit=commit, command=MAIN_JOB, measures=paths,
-                 hardware=f"CPU, {os.cpu_count()} cores, 8 simulated devices, mesh {mesh}",
-                 ceiling={"what": "none, losses and wall time of the README's main job"})
-    rec = json.loads(path.read_text()) | {"rerun": MAIN_JOB_RERUN}
-    path.write_text(json.dumps(rec, indent=1) + "\n")
+    adopt("train_lm_cpu", tmp, commit=commit, command=MAIN_JOB, measures=paths,
+          hardware=f"CPU, {os.cpu_count()} cores, 8 simulated devices, mesh {mesh}",
+          ceiling={"what": "none, losses and wall time of the README's main job"},
+          rerun=MAIN_JOB_RERUN)
     return write_documents(check=False)
 
 
