@@ -19,18 +19,10 @@ _OPS = {">=": operator.ge, "<=": operator.le, "<": operator.lt, ">": operator.gt
 
 @dataclasses.dataclass(frozen=True)
 class Figure:
-    """One measured figure.
-
-    Attributes:
-      name: the key the markdown files quote it by.
-      label: what it is, for the headline table.
-      source: the current result file it comes from (without ``.json``).
-      get: ``results -> value`` (a number).
-      fmt: a ``str.format`` pattern for the value.
-      target: ``"<op> <number>"`` (ops ``>= <= < >``, and ``within`` for ``|value| <=``) or
-        None.
-      headline: whether BENCHMARKS.md's headline table lists it.
-    """
+    """One measured figure: ``name`` (what the markdown files quote it by), ``label`` (for the
+    headline table), ``source`` (its current record, without ``.json``), ``get`` (``results ->
+    value``), ``fmt`` (a ``str.format`` pattern), ``target`` (``"<op> <number>"``: ops ``>= <=
+    < >``, and ``within`` for ``|value| <=``; or None) and ``headline`` (listed there)."""
 
     name: str
     label: str
