@@ -51,7 +51,7 @@ EXCHANGES = ("all-to-all", "ragged-all-to-all")
 
 
 def parse_args(argv=None):
-    p = bench.parser(__doc__.split("\n\n")[0])
+    p = bench.parser(__doc__)
     p.add_argument("--part", choices=("check", "layer"), default="check")
     p.add_argument("--tokens", type=int, help="tokens per device (16384; small 64)")
     p.add_argument("--d-model", type=int, help="4096; small 256")

@@ -57,7 +57,7 @@ DENSE_RECIPES = {"forward": ("bf16", "bf16"), "forward_dgrad": ("fp8", "bf16"),
 
 
 def parse_args(argv=None):
-    p = bench.parser(__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1])
+    p = bench.parser(__doc__, 2)
     p.add_argument("--part", choices=("experts", "dense"), default="experts")
     p.add_argument("--tokens", type=int, help="rows (32768; small 1024)")
     p.add_argument("--d-model", type=int, help="4096; small 256")

@@ -34,7 +34,7 @@ F8 = jnp.float8_e4m3fn
 
 
 def parse_args(argv=None):
-    p = bench.parser(__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1])
+    p = bench.parser(__doc__, 2)
     p.add_argument("--tokens", type=int, help="rows (32768; small 1024)")
     p.add_argument("--d-model", type=int, help="K (4096; small 256)")
     p.add_argument("--d-ff", type=int, help="N = 2 d_ff (2048; small 128)")

@@ -69,7 +69,7 @@ FP8_ALL = dict(gemm_dtype="fp8", dgrad_dtype="fp8", wgrad_dtype="fp8")
 
 
 def parse_args(argv=None):
-    p = bench.parser(__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1])
+    p = bench.parser(__doc__, 2)
     p.add_argument("--tokens", type=int, help="tokens per device (16384; small 64)")
     p.add_argument("--d-model", type=int, help="4096; small 128")
     p.add_argument("--d-ff", type=int, help="2048; small 64")

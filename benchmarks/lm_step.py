@@ -63,7 +63,7 @@ FP8_GEMMS = ("fp8_gemm", "fp8", "fp8_proj_fd", "fp8_proj")
 
 
 def parse_args(argv=None):
-    p = bench.parser(__doc__.split("\n\n")[0])
+    p = bench.parser(__doc__)
     for name, help_ in (("d-model", "2048; small 128"), ("layers", "8; small 2"),
                         ("heads", "16; small 4"), ("d-ff", "1408; small 128"),
                         ("experts", "16; small 8"), ("fp8-block-size", "128; small 32"),

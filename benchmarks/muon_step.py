@@ -63,7 +63,7 @@ LABELS = {"muon": "muon_jax_default", "muon_chunked": "muon_jax_chunked",
 
 
 def parse_args(argv=None):
-    p = bench.parser(__doc__.split("\n\n")[0])
+    p = bench.parser(__doc__)
     p.add_argument("--layers", type=int, help="8; small 4")
     p.add_argument("--d-model", type=int, help="4096; small 64")
     p.add_argument("--d-ff", type=int, help="11008; small 176")

@@ -65,7 +65,7 @@ MIN_COS = {"bf16": 0.99, "fp8": 0.97}  # y, dx and every weight gradient against
 
 
 def parse_args(argv=None):
-    p = bench.parser(__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1])
+    p = bench.parser(__doc__, 2)
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"from {','.join(SHAPES)}")
     p.add_argument("--rounds", type=int, help="interleaved timing rounds (5; small 2)")
     p.add_argument("--recipes", default="bf16,fp8_all", help=f"moe's, from {','.join(RECIPES)}")

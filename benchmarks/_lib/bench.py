@@ -38,10 +38,10 @@ def implementation(label: str) -> str:
     return GEMM_LABELS.get(label, (label,))[0]
 
 
-def parser(description: str, *, out: str | None = None) -> argparse.ArgumentParser:
-    """A parser with ``--small``, ``--cpu-devices``, ``--warmup``, ``--iters``, ``--seed`` and
-    ``--out`` (``out``: its default path, '' to write nothing)."""
-    p = argparse.ArgumentParser(description=description,
+def parser(doc: str, paragraphs: int = 1) -> argparse.ArgumentParser:
+    """A parser described by the first ``paragraphs`` of a script's docstring, with ``--small``,
+    ``--cpu-devices``, ``--warmup``, ``--iters``, ``--seed`` and ``--out``."""
+    p = argparse.ArgumentParser(description="\n\n".join(doc.split("\n\n")[:paragraphs]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true",
                    help="CPU plumbing run at tiny sizes on simulated devices (numbers mean "
@@ -50,7 +50,7 @@ def parser(description: str, *, out: str | None = None) -> argparse.ArgumentPars
     p.add_argument("--warmup", type=int, help="untimed calls first")
     p.add_argument("--iters", type=int, help="timed calls (or interleaved rounds)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=out or "", help="JSON path ('' to write none)")
+    p.add_argument("--out", default="", help="JSON path ('' to write none)")
     return p
 
 
