@@ -27,12 +27,10 @@ compares Newton-Schulz's symmetric products computed in full against the Hopper 
         --symmetric-blocks 1,auto --out muon_step_1gpu.json                     # one GPU
     python3 benchmarks/muon_step.py --small                      # CPU, 8 simulated devices
 
-JSON: per param dtype ``{dtype}_params`` (``muon_jax_default``, ``optax_contrib_muon``, ...:
-step_seconds, counts of collectives, ring bytes; ``limit``; ``ns_owner_share``) and, from the
-first dtype, ``muon_step_seconds``, ``muon_step_speedup_vs_optax(_fsdp)``,
-``muon_step_over_limit``, ``muon_step_exposed_comm_fraction``; the others' as
-``{dtype}_params_muon_step_*``; with several ``--symmetric-blocks``: ``update_s``, ``ns_s``,
-``limit_s`` by value and ``symmetric_over_plain_update``.
+JSON: ``{dtype}_params`` per param dtype (each variant under its ``LABELS`` name, ``limit``,
+``ns_owner_share`` and the headline keys ``muon_step_*``), the first dtype's headline keys at
+the top level and the others' as ``{dtype}_params_muon_step_*``; with several
+``--symmetric-blocks``, ``update_s``, ``ns_s``, ``limit_s`` and ``symmetric_over_plain_update``.
 """
 
 from __future__ import annotations
@@ -232,20 +230,16 @@ def exposed(results: dict, trace_dir: str) -> dict:
 def one_config(a, pdtype, blocks, rate) -> dict:
     """Every variant at one param dtype and ns_symmetric_blocks; the headline keys."""
     ctx = setup(a, pdtype, rate)
-    with jax.set_mesh(ctx.mesh):  # optax's ops on explicitly sharded arrays need it ambient
-        return _variants(a, ctx, blocks, rate)
-
-
-def _variants(a, ctx, blocks, rate) -> dict:
     print(f"{ctx.model['params'] / 1e6:,.0f}M {ctx.model['param_dtype']} params, "
           f"symmetric blocks {blocks}: limit {ctx.limit['seconds']:.4f} s", flush=True)
     rep = {"model": ctx.model, "limit": ctx.limit, "ns_symmetric_blocks": blocks}
-    results = {v: variant(v, ctx, a, blocks) for v in a.variants if v != "ns"}
-    if "ns" in a.variants:
-        rep["ns_owner_share"] = ns_only(ctx, a, blocks, rate)
+    with jax.set_mesh(ctx.mesh):  # optax's ops on explicitly sharded arrays need it ambient
+        results = {v: variant(v, ctx, a, blocks) for v in a.variants if v != "ns"}
+        if "ns" in a.variants:
+            rep["ns_owner_share"] = ns_only(ctx, a, blocks, rate)
+        rep["trace_by_variant"] = exposed(results, a.trace_dir or tempfile.mkdtemp(prefix="muon_"))
     dp = {k: r["step_seconds"] for k, r in results.items() if k in MUON_DP}
     best = min(dp, key=dp.get) if dp else None
-    rep["trace_by_variant"] = exposed(results, a.trace_dir or tempfile.mkdtemp(prefix="muon_"))
 
     def sec(k):
         return results[k]["step_seconds"] if k in results else None
