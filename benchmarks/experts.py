@@ -20,11 +20,8 @@ at the LM step's attention projections, per recipe (FP8 forward; + data gradient
     python3 benchmarks/experts.py --part dense --out fp8_dense.json
     python3 benchmarks/experts.py --small [--part dense]   # CPU plumbing
 
-JSON: ``experts`` rows (layout, backend, routing, recipe, ms, useful_tflops, bf16_equiv_mfu,
-worst_cos_vs_bf16, ...), ``experts_fp8_speedup_{ragged,ragged_zipf,padded}`` (bf16 time /
-best FP8 time on the backend where FP8 gains most; ``_recipe`` names it),
-``bf16_rate_over_dense`` per backend/routing; ``--part dense``: ``dense`` rows (shape, recipe,
-ms, tflops, speedup_vs_bf16, worst_cos_vs_bf16).
+JSON: ``experts`` rows, :func:`speedups`' keys and ``bf16_rate_over_dense`` per case;
+``--part dense``: ``dense`` rows.
 """
 
 from __future__ import annotations

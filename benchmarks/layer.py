@@ -16,18 +16,14 @@ padding and dropped slots are waste. The capacity, dropless and ragged layers ar
 interleaved (A B A B) for the ratios of the summary. ``--profile DIR`` traces each balanced
 variant: exposed collective time and the op breakdown (``xla_comm``).
 
-    python3 benchmarks/layer.py --preset dropless --out dropless.json   # one GPU: the
-                              # transports against the capacity layer (current/dropless.json)
+    python3 benchmarks/layer.py --preset dropless --out dropless.json   # one GPU
     python3 benchmarks/layer.py --preset fp8 --out fp8_layer.json       # FP8 wire + GEMMs
     python3 benchmarks/layer.py --preset all --profile OUT/traces      # 2+ GPUs
     python3 benchmarks/layer.py --eager                                # moe.MoE outside jit
     python3 benchmarks/layer.py --small                                # CPU, 2 devices
 
-JSON: ``layer`` rows, ``layer_ab``, ``routing``, the dropless summary keys
-(``dropless_over_capacity_time_{TAG}[_zipf]``, ``{dropless,ragged,capacity}_layer_{ms,mfu}_
-{TAG}``, ...; TAG = 1gpu, 2gpu, 2cpu...), the FP8 keys (``moe_layer_{bf16,fp8}_{mfu,ms}_
-{TAG}_{transport}``, ``moe_layer_fp8_speedup_{TAG}``) and ``moe_layer_{mfu,ms,...}_by_
-variant``. ``--eager``: ``eager_s``, ``jit_s``, ``eager_over_jit``.
+JSON: ``layer`` rows, ``layer_ab``, ``routing`` and the flat keys of :func:`summary`;
+``--eager``: ``eager_s``, ``jit_s``, ``eager_over_jit``.
 """
 
 from __future__ import annotations
