@@ -18,13 +18,9 @@ fraction is reported). Then every variant is timed in interleaved rounds (A B A 
     python3 benchmarks/vs_transformers.py --shapes mixtral_8x7b --rounds 3
     python3 benchmarks/vs_transformers.py --small --moe-only     # CPU: the moe side alone
 
-Without torch and transformers it says so and exits (``--moe-only`` needs neither).
-Shapes (tokens, d_model, d_ff, experts, top-k): see ``SHAPES``; ``unaligned`` has widths that
-are multiples of 16, not of 128, against ``aligned``, the nearest multiples of 128. JSON:
-``rows`` (shape, variant, ms, mfu, checks), ``checks``, ``ceilings``, ``device``, ``commit``
-and per shape ``bf16_over_best_hf_<shape>`` and ``fp8_over_best_hf_<shape>`` (the faster HF
-variant's time over moe's, dropless), ``bf16_mfu_<shape>``, ``..._dense_...``, and
-``unaligned_mfu_over_aligned``.
+Without torch and transformers it says so and exits (``--moe-only`` needs neither). Shapes:
+``SHAPES`` (``unaligned``: widths that are multiples of 16, not of 128; ``aligned``: the nearest
+multiples of 128). JSON: ``rows``, ``checks``, ``ceilings`` and :func:`summarize`'s keys.
 """
 
 from __future__ import annotations
@@ -106,21 +102,19 @@ def block_weights(shape, seed: int) -> dict[str, np.ndarray]:
     as float32 so both frameworks read the same numbers."""
     t, d, f, e, k, _ = shape
     rng = np.random.default_rng(seed)
-
-    def draw(shape_, scale):
-        return (rng.standard_normal(shape_, np.float32) * scale).astype(
-            ml_dtypes.bfloat16).astype(np.float32)
-
-    return {"gate.weight": draw((e, d), d**-0.5), "experts.gate_up_proj": draw((e, 2 * f, d),
-                                                                              d**-0.5),
-            "experts.down_proj": draw((e, d, f), f**-0.5)}
+    return {"gate.weight": _bf16_normal(rng, (e, d), d**-0.5),
+            "experts.gate_up_proj": _bf16_normal(rng, (e, 2 * f, d), d**-0.5),
+            "experts.down_proj": _bf16_normal(rng, (e, d, f), f**-0.5)}
 
 
 def inputs(shape, seed: int) -> dict[str, np.ndarray]:
-    t, d = shape[0], shape[1]
     rng = np.random.default_rng(seed + 1)
-    return {k: rng.standard_normal((t, d), np.float32).astype(ml_dtypes.bfloat16).astype(
-        np.float32) for k in ("x", "ct")}
+    return {k: _bf16_normal(rng, shape[:2]) for k in ("x", "ct")}
+
+
+def _bf16_normal(rng, shape, scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape, np.float32) * scale).astype(ml_dtypes.bfloat16).astype(
+        np.float32)
 
 
 # ----------------------------------------------------------------------------- the moe side
