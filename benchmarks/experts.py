@@ -57,16 +57,12 @@ def parse_args(argv=None):
     p = bench.parser(__doc__, 2)
     p.add_argument("--part", choices=("experts", "dense"), default="experts")
     p.add_argument("--tokens", type=int, help="rows (32768; small 1024)")
-    p.add_argument("--d-model", type=int, help="4096; small 256")
-    p.add_argument("--d-ff", type=int, help="2048; small 128")
-    p.add_argument("--experts", type=int, help="8; small 4")
     p.add_argument("--cases", help=f"LAYOUT_BACKEND_ROUTING, from {','.join(CASES)}")
     p.add_argument("--recipes", default="bf16,fp8_all",
                    help=f"bf16 first (the reference), from {','.join(RECIPES)}")
     p.add_argument("--zipf-s", type=float, default=1.0)
     p.add_argument("--breakdown", action="store_true", help="trace each row: op breakdown")
     p.add_argument("--shapes", help="--part dense: MxKxN,... (65536x2048x6144,65536x2048x2048)")
-    p.add_argument("--ceiling-n", type=int, help="8192; small 256")
     a = bench.parse(p, argv, small=dict(tokens=1024, d_model=256, d_ff=128, experts=4,
                                         ceiling_n=256, shapes="256x128x384",
                                         cases="ragged_mosaic_balanced,padded_einsum_zipf"),

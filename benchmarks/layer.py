@@ -67,8 +67,6 @@ FP8_ALL = dict(gemm_dtype="fp8", dgrad_dtype="fp8", wgrad_dtype="fp8")
 def parse_args(argv=None):
     p = bench.parser(__doc__, 2)
     p.add_argument("--tokens", type=int, help="tokens per device (16384; small 64)")
-    p.add_argument("--d-model", type=int, help="4096; small 128")
-    p.add_argument("--d-ff", type=int, help="2048; small 64")
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--capacity-factor", type=float, default=1.25)
@@ -80,7 +78,6 @@ def parse_args(argv=None):
     p.add_argument("--routing", default="balanced,zipf")
     p.add_argument("--zipf-s", type=float, default=1.0)
     p.add_argument("--profile", metavar="DIR", help="trace each balanced variant under DIR")
-    p.add_argument("--ceiling-n", type=int, help="8192; small 512")
     p.add_argument("--eager", action="store_true", help="time moe.MoE called outside jit")
     a = bench.parse(p, argv, small=dict(tokens=64, d_model=128, d_ff=64, fp8_block_size=32,
                                         ceiling_n=512),

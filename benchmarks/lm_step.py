@@ -61,12 +61,7 @@ FP8_GEMMS = ("fp8_gemm", "fp8", "fp8_proj_fd", "fp8_proj")
 
 def parse_args(argv=None):
     p = bench.parser(__doc__)
-    for name, help_ in (("d-model", "2048; small 128"), ("layers", "8; small 2"),
-                        ("heads", "16; small 4"), ("d-ff", "1408; small 128"),
-                        ("experts", "16; small 8"), ("fp8-block-size", "128; small 32"),
-                        ("batch", "sequences (64; small 16)"), ("seq-len", "1024; small 64"),
-                        ("ceiling-n", "8192; small 512")):
-        p.add_argument(f"--{name}", type=int, help=help_)
+    p.add_argument("--batch", type=int, help="sequences (64; small 16)")
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--capacity-factor", type=float, default=1.25, help="<= 0: dropless")
     p.add_argument("--vocab", type=int, default=256)

@@ -62,9 +62,6 @@ LABELS = {"muon": "muon_jax_default", "muon_chunked": "muon_jax_chunked",
 
 def parse_args(argv=None):
     p = bench.parser(__doc__)
-    p.add_argument("--layers", type=int, help="8; small 4")
-    p.add_argument("--d-model", type=int, help="4096; small 64")
-    p.add_argument("--d-ff", type=int, help="11008; small 176")
     p.add_argument("--ns-steps", type=int, default=5)
     p.add_argument("--ns-method", choices=("auto", "standard", "gram"), default="auto")
     p.add_argument("--symmetric-blocks", default="auto",
@@ -73,7 +70,6 @@ def parse_args(argv=None):
     p.add_argument("--param-dtypes", default="bf16", help="bf16 and/or f32, comma separated")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--chunk-bytes", type=int, help="muon_chunked's chunk_bytes (128 MiB; small 1)")
-    p.add_argument("--ceiling-n", type=int, help="8192; small 256")
     p.add_argument("--trace-dir", help="where to keep the profiler traces")
     a = bench.parse(p, argv, cpu_devices=8,
                     small=dict(layers=4, d_model=64, d_ff=176, ceiling_n=256, chunk_bytes=1),

@@ -67,7 +67,6 @@ def parse_args(argv=None):
     p.add_argument("--recipes", default="bf16,fp8_all", help=f"moe's, from {','.join(RECIPES)}")
     p.add_argument("--transports", default="dropless,dense")
     p.add_argument("--moe-only", action="store_true", help="time moe alone (no torch needed)")
-    p.add_argument("--ceiling-n", type=int, help="8192; small 256")
     a = bench.parse(p, argv, small=dict(rounds=2, ceiling_n=256), full=dict(rounds=5,
                                                                             ceiling_n=8192))
     a.shapes, a.recipes = a.shapes.split(","), a.recipes.split(",")

@@ -56,8 +56,14 @@ def parser(doc: str, paragraphs: int = 1) -> argparse.ArgumentParser:
 
 def parse(p: argparse.ArgumentParser, argv, *, small: dict, full: dict,
           cpu_devices: int = 2) -> argparse.Namespace:
-    """Parse ``argv``; options left unset take their ``small`` (``--small``) or ``full`` value.
-    With ``--small``, JAX runs on ``--cpu-devices`` simulated CPU devices."""
+    """Parse ``argv``; options left unset take their ``small`` (``--small``) or ``full`` value
+    (a key of ``full`` that ``p`` has no option for gets one, its help those two values). With
+    ``--small``, JAX runs on ``--cpu-devices`` simulated CPU devices."""
+    defined = vars(p.parse_known_args([])[0])
+    for k, v in full.items():
+        if k not in defined:
+            p.add_argument(f"--{k.replace('_', '-')}", type=type(v),
+                           help=f"{v}; small {small.get(k, v)}")
     a = p.parse_args(argv)
     for k, v in (small if a.small else full).items():
         if getattr(a, k, None) is None:
