@@ -146,14 +146,6 @@ def moe_variant(params, opts, x, transport: str, recipe: str, capacity_factor=No
     return step, args
 
 
-def no_drop_capacity(params, opts, x) -> float:
-    """The dense transport's capacity factor at which this routing drops nothing."""
-    r = moe.route(jnp.asarray(x, jnp.bfloat16), jnp.asarray(params["router_kernel"]),
-                  config=opts.router)
-    loads = np.asarray(r.tokens_per_expert)
-    return float(loads.max() / loads.mean()) * 1.01
-
-
 def useful_flops(shape) -> float:
     t, d, f, e, k, _ = shape
     return 6.0 * t * d * e + 18.0 * d * f * t * k  # the router and three GEMMs, fwd + bwd
@@ -218,18 +210,6 @@ def hf_step(block, x, ct):
     return fn
 
 
-def hf_numpy(out) -> list[np.ndarray]:
-    y, grads = out
-    return [y[0].detach().float().cpu().numpy(),
-            *(g.detach().float().cpu().numpy() for g in grads)]
-
-
-def hf_routing(block, x) -> np.ndarray:
-    import torch
-    with torch.no_grad():
-        return block.gate(x)[2].cpu().numpy()
-
-
 def torch_ceiling(n: int, iters: int) -> float:
     """TFLOP/s of a dense bf16 ``[n, n] @ [n, n]`` through torch (median of ``iters``)."""
     import torch
@@ -271,8 +251,13 @@ def variants(name, shape, a, data, report):
 
         out["hf_eager"] = (hf(blk), "bf16", None)
         out["hf_compiled"] = (hf(torch.compile(blk)), "bf16", None)
-        data["hf_ids"] = hf_routing(blk, x)
-    cf = no_drop_capacity(params, opts, data["x"])
+        with torch.no_grad():
+            data["hf_ids"] = blk.gate(x)[2].cpu().numpy()
+    routed = moe.route(jnp.asarray(data["x"], jnp.bfloat16), jnp.asarray(params["router_kernel"]),
+                       config=opts.router)
+    data["moe_ids"] = np.asarray(routed.expert_ids)
+    loads = np.asarray(routed.tokens_per_expert)
+    cf = float(loads.max() / loads.mean()) * 1.01  # the dense capacity that drops nothing
     for transport in a.transports:
         for recipe in a.recipes:
             c = cf if transport == "dense" else None
@@ -280,8 +265,6 @@ def variants(name, shape, a, data, report):
             out[f"moe_{recipe}_{transport}"] = (
                 lambda ct, step=step, args=args: step(*args, on_device(ct, False)),
                 "fp8" if recipe != "bf16" else "bf16", c)
-    data["moe_ids"] = np.asarray(moe.route(jnp.asarray(data["x"], jnp.bfloat16), jnp.asarray(
-        params["router_kernel"]), config=opts.router).expert_ids)
     return out
 
 
@@ -289,7 +272,8 @@ def as_numpy(out) -> list[np.ndarray]:
     if isinstance(out[0], tuple):  # moe: ((y, dropped), grads)
         (y, _), grads = out
         return [np.asarray(y, np.float32)[0], *to_hf_grads(grads)]
-    return hf_numpy(out)
+    y, grads = out  # the block's torch tensors
+    return [t.detach().float().cpu().numpy() for t in (y[0], *grads)]
 
 
 def check(fns, data, a) -> tuple[dict, list[str]]:
