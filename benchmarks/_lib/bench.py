@@ -92,6 +92,15 @@ def settings(a: argparse.Namespace) -> dict:
 # ----------------------------------------------------------------------------- environment
 
 
+def git(*args: str, tree=ROOT) -> str | None:
+    """``git -C tree ARGS``'s output, or None where git fails or is missing."""
+    try:
+        return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def commit(tree=ROOT) -> str:
     """A tree's commit: a ``COMMIT`` file (an exported copy), else ``git rev-parse`` (where
     the tree has its own ``.git``: an export inside a checkout is not that checkout)."""
@@ -99,21 +108,13 @@ def commit(tree=ROOT) -> str:
         return (tree / "COMMIT").read_text().strip()
     if not (tree / ".git").exists():
         return "unknown"
-    try:
-        return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short=7", "HEAD"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return git("rev-parse", "--short=7", "HEAD", tree=tree) or "unknown"
 
 
 def dirty() -> bool | None:
     """Whether the measured folders (:data:`LIBRARY`) have uncommitted edits (None: no git)."""
-    try:
-        out = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", *LIBRARY],
-                             capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return bool(out.strip())
+    out = git("status", "--porcelain", "--", *LIBRARY)
+    return None if out is None else bool(out)
 
 
 def env() -> dict:
