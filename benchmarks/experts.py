@@ -96,13 +96,6 @@ def layout(x, sizes: np.ndarray, lay: str, backend: str):
         gmm_api.GROUP_ALIGNMENT
 
 
-def experts_step(backend, gs, **opts):
-    """Jitted ``(x, w_gate_up, w_down, ct) -> (y, dx, dw_gate_up, dw_down)``."""
-    impl = bench.implementation(backend)
-    return bench.fwd_bwd(lambda x, wgu, wd: moe.gated_experts(
-        x, gs, wgu, wd, gemm_implementation=impl, **opts), 3)
-
-
 def experts_case(report, a, data, case):
     """Every recipe of one case; returns ``{recipe: seconds}``."""
     lay, backend, routing = parse_case(case)
@@ -110,14 +103,15 @@ def experts_case(report, a, data, case):
     x, gs, align = layout(data["x"], sizes, lay, backend)
     ct = bench.normal(jax.random.key(7), x.shape)
     args = (x, data["w_gate_up"], data["w_down"], ct)
-    useful = 18.0 * a.tokens * a.d_model * a.d_ff
+    useful, impl = 18.0 * a.tokens * a.d_model * a.d_ff, bench.implementation(backend)
     times, ref = {}, None
     for recipe in a.recipes:
         row = {"layout": lay, "backend": backend, "routing": routing, "recipe": recipe,
                "options": RECIPES[recipe]}
         try:
-            step = experts_step(backend, gs, group_alignment=align, **RECIPES[recipe])
-            step = step.lower(*args).compile()
+            step = bench.fwd_bwd(lambda x, wgu, wd, opts=RECIPES[recipe]: moe.gated_experts(
+                x, gs, wgu, wd, gemm_implementation=impl, group_alignment=align, **opts), 3)
+            step = step.lower(*args).compile()  # (y, dx, dw_gate_up, dw_down)
             out = jax.block_until_ready(step(*args))
             sec = bench.median_seconds(step, args, a.warmup, a.iters, 1 if a.small else 3)
         except Exception as err:  # noqa: BLE001  (record and go on)

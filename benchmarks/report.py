@@ -77,9 +77,9 @@ MAIN_JOB_RERUN = "python3 benchmarks/report.py --main-job (runs it, makes it cur
 
 def current() -> dict:
     """The records, each with its freshness under ``_status`` (raises ``NoHistory``)."""
-    C = records.load()
-    for name, st in records.statuses(C, None).items():
-        C[name]["_status"] = st
+    C, git = records.load(), records.Git()
+    for rec in C.values():
+        rec["_status"] = records.status(rec, git)
     return C
 
 
@@ -198,12 +198,6 @@ def script_measures(command: str) -> list[str] | None:
     return None
 
 
-def hardware_of(env: dict) -> str:
-    if env.get("backend") == "cpu":
-        return f"CPU, {os.cpu_count()} cores, {env['n_devices']} simulated devices"
-    return f"{env['n_devices']}x {env['device_kind']}"
-
-
 def adopt(name: str, result: pathlib.Path, *, commit=None, command=None, hardware=None,
           measures=None, date=None, ceiling=None, **extra) -> pathlib.Path:
     """Make a run's JSON ``current/NAME.json`` (its earlier version stays in git history).
@@ -230,7 +224,9 @@ def adopt(name: str, result: pathlib.Path, *, commit=None, command=None, hardwar
                          "carries them.")
     rec = {"benchmark": name, "commit": commit or env["commit"],
            "date": date or env.get("date") or datetime.date.today().isoformat(),
-           "hardware": hardware or hardware_of(env),
+           "hardware": hardware or (
+               f"CPU, {os.cpu_count()} cores, {env['n_devices']} simulated devices"
+               if env.get("backend") == "cpu" else f"{env['n_devices']}x {env['device_kind']}"),
            "software": {"python": env["python"], "jax": env["jax"], **res.get("software", {})},
            "command": command,
            "ceiling": ceiling, "measures": measures, "source": result.name, "results": res,

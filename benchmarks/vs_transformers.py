@@ -78,10 +78,6 @@ def parse_args(argv=None):
     return a
 
 
-def have_torch() -> bool:
-    return all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
-
-
 # ----------------------------------------------------------------------------- one set of weights
 
 
@@ -356,7 +352,7 @@ def summarize(rows: list[dict]) -> dict:
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
-    if not a.moe_only and not have_torch():
+    if not a.moe_only and not all(map(importlib.util.find_spec, ("torch", "transformers"))):
         print("vs_transformers.py: needs torch and transformers (pip install torch "
               "transformers), which are not installed here; nothing measured (--moe-only "
               "times the moe side alone).", file=sys.stderr)

@@ -115,9 +115,3 @@ def status(rec: dict, git: Git) -> Status:
     if not changes:
         return Status(True, commit, reason=how)
     return Status(False, commit, changes[0], len(changes))
-
-
-def statuses(records: dict, git: Git | None) -> dict[str, Status]:
-    """Every record's status (``git`` None: raises :class:`NoHistory`)."""
-    git = git or Git()
-    return {name: status(rec, git) for name, rec in records.items()}
