@@ -1,21 +1,19 @@
 """How fast is each grouped GEMM the experts can run?
 
-The library's grouped GEMMs (the ``accel_kernels.gmm`` registry, as the experts call them:
-'mosaic' = Pallas Mosaic GPU for Hopper, 'triton' = Pallas Triton, 'ragged_dot' = XLA's, and
-'einsum' = batched einsums on the capacity-padded ``[E, C, d]`` layout) at the gated experts'
-gate_up shape: tokens x d_model -> 2 d_ff in E groups, balanced and Zipf-skewed. Per backend
-the forward GEMM (``fwd``) and the weight gradient (``wgrad``, ``x_e^T dz_e``), each in bf16
-and in FP8 (e4m3 operands, K-major copies, power-of-two scales applied in the epilogue). Each
-result is first checked against an f32 reference (``rel_err``, ``ok`` at 1e-2), then timed
-(median of back-to-back calls) against the dense bf16 and FP8 8192^3 ceilings of this process.
-Useful FLOPs count real rows only, so the padded layout's empty slots are waste.
+The ``accel_kernels.gmm`` registry's grouped GEMMs ('mosaic' = Pallas Mosaic GPU for Hopper,
+'triton' = Pallas Triton, 'ragged_dot' = XLA's, 'einsum' = batched einsums on the
+capacity-padded ``[E, C, d]`` layout) at the experts' gate_up shape (tokens x d_model -> 2 d_ff
+in E groups, balanced and Zipf): forward (``fwd``) and weight gradient (``wgrad``, ``x_e^T
+dz_e``), bf16 and FP8 (e4m3, K-major copies, scales in the epilogue). Each is checked against
+an f32 reference (``ok``: rel_err <= 1e-2), then timed against this process's dense bf16 and
+FP8 8192^3 ceilings; useful FLOPs count real rows only (padding is waste).
 
     python3 benchmarks/gmm.py --out gmm.json          # one Hopper GPU, about 2 minutes
     python3 benchmarks/gmm.py --small                 # CPU: emulated / interpreted kernels
 
-JSON: ``gmm`` (rows: kernel = BACKEND_DTYPE, op, routing, ms, tflops, over_dense, rel_err,
-ok), ``ceilings``, ``dense_{bf16,fp8}_tflops``, ``fp8_gmm_over_bf16_rate`` (Mosaic FP8 /
-Triton bf16 forward rate, balanced) and ``fp8_gmm_over_bf16_rate_vs_mosaic_bf16``.
+JSON: ``gmm`` rows (kernel = BACKEND_DTYPE, op, routing, ms, tflops, over_dense, rel_err, ok),
+the ceilings, ``fp8_gmm_over_bf16_rate`` (Mosaic FP8 / Triton bf16 forward rate, balanced) and
+``..._vs_mosaic_bf16``.
 """
 
 from __future__ import annotations

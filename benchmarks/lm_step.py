@@ -1,22 +1,18 @@
 """How long does a whole train step of the MoE language model take, in bf16 and in FP8?
 
-One step of ``examples/lm_model.py`` (forward, backward of cross-entropy + 0.01 load-balancing
-+ 1e-3 router z-loss, as ``examples/train_lm.py`` trains, and the update of
-``muon_jax.muon``, sharded, or ``--optimizer adamw``), jitted over the split NNX state with the
-state donated, on the mesh ('data', 'expert') = (1, devices); bf16 compute, f32 params,
-attention ``--attention`` (auto: cuDNN's on NVIDIA GPUs). Variants: ``bf16``; ``fp8_dispatch``
-(FP8 wire); ``fp8_gemm`` (+ FP8 forward and data-gradient expert GEMMs); ``fp8`` (+ FP8
-weight gradients); ``fp8_proj_fd`` / ``fp8_proj`` (+ attention's projections through
-``moe.fp8_dense``, forward and data gradient / all three GEMMs in FP8).
+One step of ``examples/lm_model.py`` as ``examples/train_lm.py`` trains it (cross-entropy +
+0.01 load-balancing + 1e-3 router z-loss; ``muon_jax.muon`` sharded, or ``--optimizer adamw``),
+jitted over the split NNX state (donated) on the mesh ('data', 'expert') = (1, devices); bf16
+compute, f32 params, ``--attention`` (auto: cuDNN's on NVIDIA GPUs). ``VARIANTS`` add FP8 step
+by step: the wire, the expert GEMMs' forward and data gradient, their weight gradient, then
+attention's projections through ``moe.fp8_dense`` (forward and data gradient; all three).
 
 MFU = ``lm_model.train_flops_per_token`` x tokens / (time x devices x this process's dense
 bf16 8192^3 rate). ``lm_step_fp8_speedup`` = bf16 step time / the fastest FP8-GEMM variant's.
 ``--profile DIR`` traces 3 steps of each variant: exposed collective time and device time per
-region (``bench.lm_regions``) and op category.
-
-``--read-trace DIR [--hlo FILE]`` runs nothing: it reads one ``jax.profiler`` trace (the newest
-run under DIR) and prints the exposed collective time, or with the compiled HLO text of the
-traced executable (``--hlo-dir`` writes it) its device time per region and category.
+region (``bench.lm_regions``) and op category. ``--read-trace DIR`` runs nothing: it reads the
+newest trace under DIR for its exposed collective time, or with ``--hlo`` (the traced
+executable's HLO, as ``--hlo-dir`` writes it) its time per region and category.
 
     python3 benchmarks/lm_step.py --variants bf16 fp8_proj --profile /tmp/lm --out lm_step.json
     python3 benchmarks/lm_step.py --small                       # CPU, 8 simulated devices

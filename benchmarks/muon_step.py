@@ -1,21 +1,16 @@
 """How long does a Muon step take, sharded, against optax.contrib.muon and against the limit?
 
-Params: LLaMA-like matrices, per layer four d x d, two d x f and one f x d (8 layers, d 4096,
-f 11008: 1.62B params), in each of ``--param-dtypes`` (bf16, or f32 master weights), on a 1-D
-'data' mesh of all devices. A step: a synthetic loss whose per-device gradient contributions
-are random (``sum_leaf sum_d <W, D_d>``), ``jax.grad``, the optimizer update, apply; 5 Jordan
-Newton-Schulz steps everywhere. Variants (``--variants``):
-
-- ``muon``: ``muon_jax.scale_by_muon`` sharded (library defaults: f32 momentum, bf16
-  Newton-Schulz) on replicated params, differentiated through ``muon_jax.reduced_view`` so
-  the gradients reach their owners by reduce-scatter and the updates leave by all-gather;
-  ``muon_chunked``: with ``chunk_bytes`` (per-chunk collectives XLA can overlap; the ring
-  bytes must equal ``muon``'s); ``muon_overlap``: compiled with ``xla_comm.overlap``'s options;
-- ``optax`` / ``optax_fsdp``: ``optax.contrib.muon`` on the replicated params (all-reduced
-  gradients, every device orthogonalizes every matrix) / on params sharded over 'data' along
-  d_model with XLA's partitioner sharding its Newton-Schulz; ``muon_fsdp``: ``muon_jax`` on
-  those FSDP params;
-- ``ns``: Newton-Schulz alone on one device's share (no momentum, no communication).
+LLaMA-like params (per layer four d x d, two d x f and one f x d; 8 layers, d 4096, f 11008:
+1.62B) in each of ``--param-dtypes`` (bf16, or f32 master weights) on a 1-D 'data' mesh. A
+step: a synthetic loss with random per-device gradient contributions (``sum_leaf sum_d <W,
+D_d>``), ``jax.grad``, the update, apply; 5 Jordan Newton-Schulz steps everywhere. Variants:
+``muon`` (``muon_jax.scale_by_muon`` sharded, library defaults, on replicated params; gradients
+through ``muon_jax.reduced_view``: reduce-scattered to their owners, updates all-gathered),
+``muon_chunked`` (``chunk_bytes``: the same ring bytes in chunks XLA can overlap),
+``muon_overlap`` (``xla_comm.overlap``'s compile options), ``optax`` (``optax.contrib.muon``
+on replicated params: every device orthogonalizes every matrix), ``optax_fsdp`` / ``muon_fsdp``
+(params sharded over 'data' along d_model; XLA's partitioner shards optax's Newton-Schulz) and
+``ns`` (Newton-Schulz alone on one device's share, no communication).
 
 Limit = Newton-Schulz FLOPs / (devices x this process's dense bf16 rate) + one all-reduce of
 the params, measured here. Every muon DP variant is traced (``xla_comm.trace``) for its

@@ -1,18 +1,15 @@
 """Is the moe layer ahead of the MoE blocks a PyTorch user runs?
 
-transformers' sparse MoE blocks (``Qwen3MoeSparseMoeBlock``, ``MixtralSparseMoeBlock``) with
-their ``grouped_mm`` experts (``experts_implementation='grouped_mm'``: tokens sorted by
-expert, ``torch._grouped_mm``), eager and under ``torch.compile`` (compiled once per shape),
-against ``moe.moe_apply`` on the same weights (loaded through ``moe.convert.from_transformers``)
-and inputs, in bf16 and the FP8 recipes, on the dropless and the dense transport (its
-capacity set so that this routing drops nothing: the same work). Forward + backward: the
-gradients of ``sum(y * ct)`` with respect to x, the router and both expert banks, in one
-process on one GPU, with the dense 8192^3 bf16 ceilings of both frameworks.
+transformers' ``Qwen3MoeSparseMoeBlock`` and ``MixtralSparseMoeBlock`` with ``grouped_mm``
+experts (tokens sorted by expert, ``torch._grouped_mm``), eager and under ``torch.compile``,
+against ``moe.moe_apply`` on the same weights (through ``moe.convert.from_transformers``) and
+inputs, bf16 and FP8 recipes, dropless and dense transport (at a capacity this routing drops
+nothing at): forward + backward (the gradients of ``sum(y * ct)`` w.r.t. x, the router and both
+banks) in one process on one GPU, against both frameworks' dense 8192^3 bf16 rates.
 
-Before any timing the outputs are checked to agree with the eager block's: y, dx and the
-weight gradients, with the cotangent zeroed on the tokens whose top-k set differs between the
-two routers (ties: the block rounds its router logits to bf16, moe keeps them in f32; their
-fraction is reported). Then every variant is timed in interleaved rounds (A B A B ...), medians.
+Before any timing, y, dx and the weight gradients are checked against the eager block's, the
+cotangent zeroed on tokens whose top-k sets differ between the routers (ties: the block rounds
+its logits to bf16, moe keeps f32; the fraction is reported). Then interleaved rounds, medians.
 
     python3 benchmarks/vs_transformers.py --out layer_vs_transformers.json   # one H100/H200
     python3 benchmarks/vs_transformers.py --shapes mixtral_8x7b --rounds 3

@@ -207,12 +207,10 @@ def pair_experts(trees: dict, a) -> dict:
 
 
 def pair_muon_step(trees: dict, a) -> dict:
-    """A ``muon_jax.muon`` step (update, apply) as benchmarks/muon_step.py times it on one GPU:
-    sharded over a one-device mesh (unsharded, each matrix has kernels of its own: minutes of
-    compiling on Hopper), its 1.62B bf16 params (8 layers of four d x d, two d x f, one f x d;
-    d 4096, f 11008), library defaults (bf16 momentum: f32 states of both trees may not fit an
-    H100). Plain matrices: no MoE banks, which the new tree splits into gate and up. Agreement:
-    the param changes, whose bf16 rounding alone can differ by a few 1e-3."""
+    """A ``muon_jax.muon`` step (update, apply) on muon_step.py's 1.62B bf16 params, sharded
+    over a one-device mesh (unsharded, each matrix compiles kernels of its own: minutes on
+    Hopper), library defaults (bf16 momentum: both trees' f32 states may not fit an H100); no
+    MoE banks (the new tree splits them). Agreement: the param changes (bf16 rounding ~1e-3)."""
     import optax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
