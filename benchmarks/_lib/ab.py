@@ -182,9 +182,8 @@ def pair_layer(trees: dict, a) -> dict:
 
 def pair_experts(trees: dict, a) -> dict:
     """``moe.gated_experts`` forward + backward (gradients w.r.t. x and both banks) at
-    benchmarks/experts.py's default shapes: ragged rows, balanced groups, backend 'auto'
-    (Hopper: the Mosaic GPU kernels, on rows laid out 128-aligned as experts.py does), bf16
-    and the FP8 recipe (forward, dgrad and wgrad GEMMs in FP8)."""
+    experts.py's default shapes: ragged balanced rows, backend 'auto' (Hopper: Mosaic, on
+    128-aligned rows as experts.py lays them out), bf16 and all three GEMMs in FP8."""
     rows, d, f, e = (1024, 256, 128, 4) if a.small else (32768, 4096, 2048, 8)
     gmm, ks = trees["new"].accel_kernels.gmm.api, jax.random.split(jax.random.key(a.seed), 4)
     x, gs = bench.normal(ks[0], (rows, d)), jnp.asarray(bench.group_sizes("balanced", rows, e))

@@ -200,9 +200,8 @@ def medians(times: dict[str, list[float]]) -> dict[str, float]:
 
 def dense_ceiling(n: int, warmup: int, iters: int, *, dtype: str = "bf16",
                   inner: int = 3) -> dict:
-    """A dense ``[n, n] @ [n, n]`` on device 0 (f32 accumulation, bf16 out): the rate every
-    run's MFU is measured against. ``dtype='fp8'``: e4m3 operands, the second K-major (what
-    FP8 tensor cores read; cuBLASLt's FP8 GEMM on Hopper)."""
+    """A dense ``[n, n] @ [n, n]`` on device 0 (f32 accumulation, bf16 out), the rate MFU is
+    measured against; ``dtype='fp8'``: e4m3 operands, the second K-major (as FP8 cores read)."""
     ka, kb = jax.random.split(jax.random.key(1))
     dev = jax.devices()[0]
     a = jax.device_put(jax.random.normal(ka, (n, n), jnp.bfloat16), dev)
@@ -329,8 +328,8 @@ def layer_data(mesh, tokens: int, d: int, e: int, f: int | None, seed: int) -> d
 
 def routings(data, experts: int, top_k: int, names, zipf_s: float = 1.0) -> tuple[dict, dict]:
     """``({routing: balancing bias [E]}, {routing: achieved expert shares})``: ``'balanced'``
-    (the random router as it is) and ``'zipf'`` (a bias calibrated so the benchmark's tokens
-    load expert i with a share ~ 1 / (i + 1)^s; the bias changes the selection only)."""
+    (zero bias) and ``'zipf'`` (a bias, which changes the selection only, giving expert i a
+    share ~ 1 / (i + 1)^s of these tokens)."""
     import moe
 
     cfg = moe.RouterConfig(experts, top_k)
@@ -353,9 +352,8 @@ def routings(data, experts: int, top_k: int, names, zipf_s: float = 1.0) -> tupl
 
 
 def _calibrate(shares: Callable, target: np.ndarray, iters: int = 400) -> np.ndarray:
-    """The bias with the least L1 error of ``shares(bias)`` to ``target`` under the
-    aux-loss-free balancing rule aimed at ``target`` (``bias += step * sign(target -
-    share)``, the step decaying from 0.05 to 1e-4)."""
+    """The least-L1-error bias the aux-loss-free balancing rule aimed at ``target`` reaches
+    (``bias += step * sign(target - share)``, the step decaying from 0.05 to 1e-4)."""
     bias = np.zeros(target.size, np.float32)
     best, best_err, step = bias, np.inf, 0.05
     for _ in range(iters):

@@ -1,9 +1,7 @@
 """The named figures of the benchmark report: where each comes from and how it is printed.
 
-Every figure that BENCHMARKS.md's headline table, README.md or docs/ quote is one `Figure`: a
-current record (``benchmarks/results/current/<source>.json``), a function of its ``results``, a
-format, and, where a target was agreed, the target as data, so that "met" is computed. The
-markdown files quote them as ``<!--fig:NAME-->value<!--/fig-->``; ``report.py`` rewrites them.
+Each figure BENCHMARKS.md's headline table, README.md or docs/ quote (``<!--fig:NAME-->``) is
+one `Figure`, its target (where one was agreed) data, so that "met" is computed.
 """
 
 from __future__ import annotations

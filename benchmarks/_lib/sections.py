@@ -1,10 +1,6 @@
-"""The sections of BENCHMARKS.md, each a function of the current records.
-
-A section reads ``C`` (name -> the parsed ``benchmarks/results/current/<name>.json``, with its
-freshness under ``_status``) and returns markdown lines: what it measures and how, a table
-with the headline ratio first, and the source line of every record it used (hardware,
-software, commit, date, command, the ceiling of that run, and whether it is dated).
-``report.py`` assembles them.
+"""The sections of BENCHMARKS.md, each a function of the current records ``C`` (name -> the
+parsed ``current/<name>.json``, its freshness under ``_status``) returning markdown lines: what
+it measures and how, a table with the headline ratio first, and each record's :func:`source`.
 """
 
 from __future__ import annotations
