@@ -209,13 +209,9 @@ def ns_only(ctx, a, blocks, rate) -> dict:
 
 def exposed(results: dict, trace_dir: str) -> dict:
     """Exposed collective time of every muon DP variant's 3 traced steps (None on CPU)."""
-    out = {}
-    for name in (k for k in results if k in MUON_DP):
-        r = results[name]
-        prof = bench.trace_profile(r["_compiled"], r["_args"], os.path.join(trace_dir, name), 3,
-                                   hlo=False)
-        out[name] = prof.get("overlap", prof)
-    return out
+    profs = {k: bench.trace_profile(r["_compiled"], r["_args"], os.path.join(trace_dir, k), 3,
+                                    hlo=False) for k, r in results.items() if k in MUON_DP}
+    return {k: p.get("overlap", p) for k, p in profs.items()}
 
 
 def one_config(a, pdtype, blocks, rate) -> dict:

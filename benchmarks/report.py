@@ -286,9 +286,8 @@ def main_job() -> int:
 
 
 def run_suite(out: pathlib.Path, only: list[str] | None, small: bool, timeout: int) -> int:
-    """``--run``: each benchmark of :data:`SUITE` (``only``; default those made for this
-    machine's GPU count: 0, 1 or 2) as ``OUT/NAME.json`` and ``OUT/NAME.log``, each under
-    ``timeout`` seconds; then the ``--adopt`` command of each run that wrote its JSON."""
+    """``--run``: the :data:`SUITE` runs (``only``, else those for this machine's 0, 1 or 2
+    GPUs) into ``OUT/NAME.json`` and ``.log``; then the ``--adopt`` command of each."""
     import jax
     gpus = 0 if small or jax.default_backend() == "cpu" else len(jax.devices())
     chosen = [s for s in SUITE if (s[0] in only if only else s[1] == gpus)]

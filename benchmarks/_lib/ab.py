@@ -1,12 +1,10 @@
 """In-process A/B of this tree against another (``report.py --ab-pairs BASE_TREE``): one process
 per pair imports both trees' packages and times the same workload built from each, interleaved.
-The base tree's packages and ``examples/*.py`` are copied to a temporary folder under new names
-(``moe_base``, ``lm_model_base``, ...): each NAME token of their code that is an old name and
-not an attribute (``self.moe`` stays) is renamed with :mod:`tokenize` (comments, docstrings and
-messages stay; imports inside functions reach the copy too), and so is a string that is a whole
-dotted path of a module of the copy (an import by name). Neither tree registers primitives,
-lowerings, FFI targets or JAX options; flax's Linen name ``balancing_bias``, which both register
-(overwriting), goes back to this tree's class. :func:`check_own_code` checks module origins.
+The base tree's packages and ``examples/*.py`` are copied under new names (``moe_base``, ...)
+by :func:`rename_source` (NAME tokens, not attributes, comments or messages; and strings that
+are whole dotted module paths of the copy). Neither tree registers primitives, lowerings, FFI
+targets or JAX options; flax's Linen name ``balancing_bias``, which both register, goes back
+to this tree's class. :func:`check_own_code` checks module origins.
 """
 
 from __future__ import annotations
@@ -135,9 +133,8 @@ def rel_err(got, want, ref=None) -> float:
 
 def measure(case: str, sides: dict, a, *, tol: float, inner: int = 1, pick=lambda out: out,
             ref=None, check: dict | None = None) -> dict:
-    """One case: each side (``sides``: {'new': fn, 'base': fn}, called without arguments; for
-    this first run ``check``'s instead, where given) compiled and run, their outputs (``pick``
-    of them) compared, then both timed interleaved: new, base, new, base, ..."""
+    """One case: each side's ``fn()`` (``sides``: {'new': fn, 'base': fn}; first ``check``'s,
+    where given) run, the outputs (``pick`` of them) compared, then timed interleaved."""
     outs, first_s = {}, {}
     for side, fn in (check or sides).items():
         t0 = time.perf_counter()
