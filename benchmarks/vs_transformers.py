@@ -215,32 +215,30 @@ def torch_ceiling(n: int, iters: int) -> float:
 # ----------------------------------------------------------------------------- one shape
 
 
+def on_device(ct, torch_side: bool) -> tuple:
+    """A cotangent as moe takes it (jax, ``[1, T, d]``) and as the block does (torch; None with
+    ``--moe-only``), bf16 on the device."""
+    dev = jnp.asarray(ct, jnp.bfloat16)[None]
+    if not torch_side:
+        return dev, None
+    import torch
+    return dev, torch.tensor(ct, device=torch_device(), dtype=torch.bfloat16)
+
+
 def variants(name, shape, a, data, report):
-    """Every variant's ``fn(ct) -> outputs``, its kind and (dense) capacity factor."""
+    """Every variant's ``fn(cts) -> outputs`` (``cts``: :func:`on_device`'s pair), its kind and
+    (dense) capacity factor."""
     weights = block_weights(shape, a.seed)
     params, opts = moe_side(name, shape, weights, a)
     report["shapes"][name]["fp8_block_size"] = opts.fp8_block_size
-    out, cts = {}, {}
-
-    def on_device(ct, torch_side: bool):
-        """A cotangent on the device, once per array (kept alive, so ids stay unique)."""
-        key = (id(ct), torch_side)
-        if key not in cts:
-            if torch_side:
-                import torch
-                dev = torch.tensor(ct, device=torch_device(), dtype=torch.bfloat16)
-            else:
-                dev = jnp.asarray(ct, jnp.bfloat16)[None]
-            cts[key] = (ct, dev)
-        return cts[key][1]
-
+    out = {}
     if not a.moe_only:
         import torch
         blk = hf_block(name, shape, weights)
         x = torch.tensor(data["x"], device=torch_device(), dtype=torch.bfloat16)
 
         def hf(block):
-            return lambda ct: hf_step(block, x, on_device(ct, True))()
+            return lambda cts: hf_step(block, x, cts[1])()
 
         out["hf_eager"] = (hf(blk), "bf16", None)
         out["hf_compiled"] = (hf(torch.compile(blk)), "bf16", None)
@@ -256,7 +254,7 @@ def variants(name, shape, a, data, report):
             c = cf if transport == "dense" else None
             step, args = moe_variant(params, opts, data["x"], transport, recipe, c)
             out[f"moe_{recipe}_{transport}"] = (
-                lambda ct, step=step, args=args: step(*args, on_device(ct, False)),
+                lambda cts, step=step, args=args: step(*args, cts[0]),
                 "fp8" if recipe != "bf16" else "bf16", c)
     return out
 
@@ -276,11 +274,11 @@ def check(fns, data, a) -> tuple[dict, list[str]]:
     same = np.ones(len(data["x"]), bool)
     if "hf_ids" in data:
         same = (np.sort(data["hf_ids"], 1) == np.sort(data["moe_ids"], 1)).all(1)
-    ct = data["ct"] * same[:, None]
+    cts = on_device(data["ct"] * same[:, None], not a.moe_only)
     results, passed, outs = {"routing_mismatch_frac": float(1 - same.mean())}, [], {}
     for k, (fn, _, _) in fns.items():
         try:
-            outs[k] = as_numpy(fn(ct))
+            outs[k] = as_numpy(fn(cts))
         except Exception as err:  # noqa: BLE001  (a variant this shape cannot run)
             results[k] = {"ok": False, "error": f"{type(err).__name__}: {err}"[:1000]}
             print(f"  {k}: FAILED {err!r}"[:500], flush=True)
@@ -301,8 +299,9 @@ def run_shape(name, a, report) -> None:
     fns = variants(name, shape, a, data, report)
     checks, passed = check(fns, data, a)
     report["checks"][name] = checks
-    sync = bench.interleaved({k: (lambda f=fns[k][0]: finish(f(data["ct"]))) for k in passed},
-                             a.rounds, warmup=1, sync=lambda out: out)
+    cts = on_device(data["ct"], not a.moe_only)
+    sync = bench.interleaved({k: (lambda f=fns[k][0]: finish(f(cts))) for k in passed}, a.rounds,
+                             warmup=1, sync=lambda out: out)
     for k, sec in bench.medians(sync).items():
         rate = report["ceilings"]["torch" if k.startswith("hf") else "jax"]
         report["rows"].append({"shape": name, "variant": k, "ms": sec * 1e3, "mfu": useful_flops(
