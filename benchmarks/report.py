@@ -72,9 +72,6 @@ MAIN_JOB = "python3 examples/train_lm.py --out runs/first --no-progress"
 MAIN_JOB_RERUN = "python3 benchmarks/report.py --main-job (runs it, makes it current, requotes)"
 
 
-# ----------------------------------------------------------------------------- the documents
-
-
 def current() -> dict:
     """The records, each with its freshness under ``_status`` (raises ``NoHistory``)."""
     C, git = records.load(), records.Git()
@@ -181,9 +178,6 @@ def list_stale() -> int:
             f" ({st.changes} commit(s))" if st.first_change else st.reason))
     print(f"{len(dated)} of {len(C)} records dated")
     return 1 if dated else 0
-
-
-# ----------------------------------------------------------------------------- new runs
 
 
 def script_measures(command: str) -> list[str] | None:

@@ -75,9 +75,6 @@ def parse_args(argv=None):
     return a
 
 
-# ----------------------------------------------------------------------------- one set of weights
-
-
 def hf_config(name: str, shape) -> dict:
     """The transformers config values of a shape's block (also what moe.convert reads)."""
     t, d, f, e, k, family = shape
@@ -107,9 +104,6 @@ def inputs(shape, seed: int) -> dict[str, np.ndarray]:
 def _bf16_normal(rng, shape, scale: float = 1.0) -> np.ndarray:
     return (rng.standard_normal(shape, np.float32) * scale).astype(ml_dtypes.bfloat16).astype(
         np.float32)
-
-
-# ----------------------------------------------------------------------------- the moe side
 
 
 def moe_side(name, shape, weights, a):
@@ -161,9 +155,6 @@ def agreement(got, want, kind: str) -> dict:
     return {"cos": cos, "min_cos": MIN_COS[kind], "ok": min(cos.values()) >= MIN_COS[kind]}
 
 
-# ----------------------------------------------------------------------------- the torch side
-
-
 def torch_device():
     import torch
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -210,9 +201,6 @@ def torch_ceiling(n: int, iters: int) -> float:
     sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
     times = bench.interleaved({"mm": lambda: a @ b}, iters, warmup=3, sync=lambda _: sync())
     return 2.0 * n**3 / bench.medians(times)["mm"] / 1e12
-
-
-# ----------------------------------------------------------------------------- one shape
 
 
 def on_device(ct, torch_side: bool) -> tuple:

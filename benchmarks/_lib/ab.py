@@ -42,9 +42,6 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')} +{time.perf_counter() - T0:4.0f}s] {msg}", flush=True)
 
 
-# ----------------------------------------------------------------------------- the base tree
-
-
 def rename_source(src: str, names: dict[str, str], modules: set[str]) -> tuple[str, int]:
     """``src`` with the NAME tokens in ``names`` renamed (not after a '.') and the strings that
     are a whole dotted path in ``modules`` (or an attribute of one); how many such strings."""
@@ -117,9 +114,6 @@ def check_own_code(base: SimpleNamespace) -> list[str]:
                 m.__file__).resolve().is_relative_to(homes[name.split(".")[0]].resolve())]
 
 
-# ----------------------------------------------------------------------------- measuring
-
-
 def rel_err(got, want, ref=None) -> float:
     """The largest ``|got - want| / |want - ref|`` (2-norms; ``ref``: what both moved from)."""
     def one(g, w, r):
@@ -150,9 +144,6 @@ def measure(case: str, sides: dict, a, *, tol: float, inner: int = 1, pick=lambd
             "agreement": {"max_rel_err": err, "tol": tol, "ok": bool(err <= tol)},
             "first_call_s": first_s, "rounds": a.rounds, "inner": inner,
             "samples_ms": {k: [round(t * 1e3, 4) for t in v] for k, v in times.items()}}
-
-
-# ----------------------------------------------------------------------------- the pairs
 
 
 def pair_layer(trees: dict, a) -> dict:
@@ -266,9 +257,6 @@ def pair_lm_step(trees: dict, a) -> dict:
     with jax.set_mesh(mesh):
         case = measure("lm_step", sides, a, tol=1e-2, check=check)
     return {"trainer_flags": argv, "cases": {"train_step": case}}
-
-
-# ----------------------------------------------------------------------------- the runner
 
 
 def worker(base_tree: str, name: str, rounds: int | None, small: bool, out: str) -> int:

@@ -27,9 +27,6 @@ LIBRARY = ("moe", "muon_jax", "xla_comm", "examples", "accel_kernels")
 """The source folders the benchmarks measure (a run's ``env.dirty`` says if any had edits)."""
 
 
-# ----------------------------------------------------------------------------- command line
-
-
 # Record labels of the XLA grouped GEMMs of the two token layouts: (implementation, x rank).
 GEMM_LABELS = {"einsum": ("xla", 3), "ragged_dot": ("xla", 2)}
 
@@ -87,9 +84,6 @@ def simulate_cpu(n: int) -> None:
 
 def settings(a: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(a).items() if k != "out"}
-
-
-# ----------------------------------------------------------------------------- environment
 
 
 def git(*args: str, tree=ROOT) -> str | None:
@@ -159,9 +153,6 @@ def print_table(rows: list[dict], cols: list[str], fmt: str = "{:.4g}") -> None:
     for line in [cols, ["-" * w for w in widths], *body]:
         print("  ".join(x.rjust(w) if i else x.ljust(w)
                         for i, (x, w) in enumerate(zip(line, widths, strict=True))))
-
-
-# ----------------------------------------------------------------------------- timing
 
 
 def median_seconds(fn: Callable, args, warmup: int, iters: int, inner: int = 1) -> float:
@@ -242,9 +233,6 @@ def compile_with(lowered, opts: dict | None):
                 raise
             dropped.append(bad[0])
             opts.pop(bad[0])
-
-
-# ----------------------------------------------------------------------------- data
 
 
 def group_sizes(routing: str, tokens: int, groups: int, s: float = 1.0,

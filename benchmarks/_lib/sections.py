@@ -190,9 +190,6 @@ def _two_stage(r: dict) -> str:
             "as it has slots.")
 
 
-# ----------------------------------------------------------------------------- sections
-
-
 def method(C: dict) -> Lines:
     return ["## Method", "",
             "- GPU timings: warm-up calls, then the median of repeated calls timed with "
