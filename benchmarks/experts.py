@@ -1,14 +1,12 @@
 """What do gated experts cost forward + backward, per backend and FP8 recipe?
 
-``moe.gated_experts`` forward + backward (``y`` and the gradients of ``sum(y * ct)`` with
-respect to x and both weight banks; ``y`` is returned, so the forward down GEMM runs) on one
-device, per case (layout, backend, routing) and recipe (bf16, FP8 GEMMs, FP8 data and weight
-gradients, FP8-saved activations). Layouts: ragged ``[R, d]`` rows (in the 128-aligned layout
-for 'mosaic') and capacity-padded ``[E, C, d]`` (C the largest group: nothing dropped).
-Useful FLOPs = 18 * rows * d_model * d_ff (the three GEMMs, forward and two backward), so
-padding counts as waste; MFU against this process's dense bf16 ceiling, FP8 in bf16-equivalent
-FLOPs. Every FP8 row carries its worst cosine and relative RMS error against the bf16 row of
-the same inputs. ``--breakdown`` traces 3 calls of each row (``xla_comm.breakdown``).
+``moe.gated_experts`` forward + backward (``y``, returned so the forward down GEMM runs, and
+the gradients of ``sum(y * ct)`` w.r.t. x and both banks) on one device, per case (layout,
+backend, routing) and recipe (``RECIPES``). Layouts: ragged ``[R, d]`` rows (128-aligned for
+'mosaic') and capacity-padded ``[E, C, d]`` (C the largest group: nothing dropped). Useful
+FLOPs = 18 * rows * d_model * d_ff (padding is waste); MFU against this process's dense bf16
+ceiling, FP8 in bf16-equivalent FLOPs. Each FP8 row carries its worst cosine and relative RMS
+error against the bf16 row of the same inputs. ``--breakdown`` traces 3 calls of each row.
 
 ``--part dense``: ``moe.fp8_dense`` (the experts' FP8 GEMMs on one group of rows, for a
 model's dense projections) forward + backward against the bf16 ``x @ W`` of ``nnx.Linear``,

@@ -1,14 +1,13 @@
 """What does the whole MoE layer cost forward + backward, per transport, kernel and wire?
 
-``moe.moe_apply`` forward + backward (the gradients of ``sum(y * ct)`` with respect to x, the
-router kernel and both expert banks), expert parallel over all devices (mesh ('data',
-'expert') = (1, n)), bf16 activations and banks, f32 router, per variant: transport (dense
-capacity 1.25, dropless = bucketed all_to_all, ragged = ragged_all_to_all), experts backend
-(einsum, mosaic/triton/ragged_dot, auto), wire (bf16, FP8 = e4m3 rows with E8M0 scales) and
-GEMM recipe (``*_fp8all``: FP8 wire and all six expert GEMMs in FP8); ``*_overlap`` compiles
-with ``xla_comm.overlap``'s options, ``*_xla_wire`` takes XLA's wire path over the Pallas one.
-Routing: balanced (the random router) and Zipf (a balancing bias calibrated so expert i gets
-a share ~ 1 / (i + 1)^s: one executable serves both, the bias is an input).
+``moe.moe_apply`` forward + backward (the gradients of ``sum(y * ct)`` w.r.t. x, the router
+kernel and both banks), expert parallel over all devices (mesh ('data', 'expert') = (1, n)),
+bf16 activations and banks, f32 router, per variant (``VARIANTS``): transport (dense capacity
+1.25, dropless = bucketed all_to_all, ragged = ragged_all_to_all), experts backend, wire (bf16,
+FP8 = e4m3 rows with E8M0 scales) and recipe (``*_fp8all``: all six expert GEMMs in FP8 too);
+``*_overlap`` compiles with ``xla_comm.overlap``'s options, ``*_xla_wire`` takes XLA's wire
+path. Routing: balanced and Zipf (a balancing bias, an input of the one executable, calibrated
+so expert i gets a share ~ 1 / (i + 1)^s).
 
 MFU = useful FLOPs / (time x devices x this process's dense bf16 8192^3 rate), useful = the
 router (6 T d E) and the three expert GEMMs of every kept slot (18 d d_ff per slot): capacity

@@ -194,10 +194,9 @@ def script_measures(command: str) -> list[str] | None:
 
 def adopt(name: str, result: pathlib.Path, *, commit=None, command=None, hardware=None,
           measures=None, date=None, ceiling=None, **extra) -> pathlib.Path:
-    """Make a run's JSON ``current/NAME.json`` (its earlier version stays in git history).
-    Commit, command, hardware and date default to what the run's ``env`` recorded; the
-    measured paths to the script's ``MEASURES`` (else the record it replaces); ``extra``:
-    more fields (``rerun``)."""
+    """Make a run's JSON ``current/NAME.json`` (the earlier one stays in git history): commit,
+    command, hardware and date default to its ``env``, the measured paths to the script's
+    ``MEASURES`` (else the replaced record's); ``extra``: more fields (``rerun``)."""
     res = json.loads(result.read_text())
     env, target = res.get("env", {}), records.CURRENT / f"{name}.json"
     if not env.get("jax") or not env.get("python"):

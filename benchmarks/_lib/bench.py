@@ -1,8 +1,6 @@
 """The benchmark scripts' plumbing: command line, simulated CPU devices, timing, ceilings,
-routing, accuracy, JSON, the printed table.
-
-Importing this imports JAX without starting its backend, so a script may still simulate CPU
-devices (:func:`parse`) before its first ``jax.devices()``.
+routing, accuracy, JSON, the printed table. Importing it imports JAX without starting its
+backend, so a script may still simulate CPU devices (:func:`parse`) first.
 """
 
 from __future__ import annotations
