@@ -1,30 +1,18 @@
 """Are dispatch and combine right, and how fast do they move tokens between the GPUs?
 
-``moe.dispatch`` -> experts -> ``moe.combine``, expert parallel over all devices (a 1-D
-'expert' mesh), in two parts:
-
-``--part check`` (default): (1) the transports agree: 'dropless' (bucketed all_to_all) and
-'ragged' (``ragged_all_to_all``, natively on GPU/TPU, else emulated) equal the dense
-transport's expert inputs, group sizes, outputs and gradients (experts that scale each row by
-its expert id, so misrouting shows), bf16 and FP8 wires, balanced routing and a skewed one
-(every token on the first device's experts); the dropless and native paths bit for bit with
-the emulation. (2) Per (transport, wire): dispatch alone, dispatch -> combine forward and
-forward + backward (identity experts), payload bytes from the compiled HLO, GB/s per GPU
-(``remote`` = (P-1)/P of the buffers, what leaves the GPU). (3) The all_to_all alone on the
-dense payloads. (4) A/B: dense dispatch with the bf16 and the FP8 wire timed interleaved,
-with the Pallas wire kernels (default) and XLA's wire path: the FP8 / bf16 headline.
-
-``--part layer``: dispatch -> combine on the MoE layer benchmark's tokens, router and
-routings (balanced, Zipf): dense bf16 / FP8, dropless and ragged bf16, forward and forward +
-backward, MB sent per device, and dense vs dropless timed interleaved.
+``moe.dispatch`` -> experts -> ``moe.combine``, expert parallel over all devices (a 1-D 'expert'
+mesh). ``--part check`` (default): :func:`checks` (the dropless and ragged transports against
+the dense one, bf16 and FP8 wires, balanced and skewed routing, through experts that scale each
+row by its expert id so misrouting shows), :func:`timings` per transport and wire (GB/s per GPU
+of the (P-1)/P of the payload that leaves it), the all_to_all alone, and :func:`ab`: dense
+dispatch with the bf16 and the FP8 wire timed interleaved, the FP8 / bf16 headline. ``--part
+layer``: dispatch -> combine on the layer benchmark's tokens, router and routings.
 
     python3 benchmarks/dispatch.py --out dispatch.json     # 2+ GPUs (one GPU sends nothing)
     python3 benchmarks/dispatch.py --small [--part layer]  # CPU, 2 simulated devices
 
-JSON: ``checks``, ``timings``, ``all_to_all``, ``dispatch_ab`` and the summary keys
-``fp8_over_bf16_dispatch_time`` (A/B, default wire kernels), ``..._xla_wire``,
-``dispatch_combine_GBps_per_gpu`` (dense bf16 forward), ``fp8_over_bf16_ragged_dispatch_time``;
-``--part layer``: ``dispatch_combine`` rows, ``dispatch_combine_ab``, ``routing``.
+JSON: ``checks``, ``timings``, ``all_to_all``, ``dispatch_ab`` and :func:`main_check`'s summary
+keys; ``--part layer``: ``dispatch_combine``, ``dispatch_combine_ab`` and ``routing``.
 """
 
 from __future__ import annotations
@@ -51,14 +39,12 @@ EXCHANGES = ("all-to-all", "ragged-all-to-all")
 
 
 def parse_args(argv=None):
-    p = bench.parser(__doc__.split("\n\n")[0])
+    p = bench.parser(__doc__)
     p.add_argument("--part", choices=("check", "layer"), default="check")
     p.add_argument("--tokens", type=int, help="tokens per device (16384; small 64)")
-    p.add_argument("--d-model", type=int, help="4096; small 256")
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--capacity-factor", type=float, default=1.25)
-    p.add_argument("--fp8-block-size", type=int, help="128; small 32")
     p.add_argument("--check-tokens", type=int, help="tokens per device of the checks (2048)")
     p.add_argument("--ab-rounds", type=int, help="interleaved rounds of the A/B (60; small 5)")
     p.add_argument("--routing", default="balanced,zipf", help="--part layer")
@@ -135,7 +121,8 @@ def payload_bytes(lowered, branch: int | None = None) -> int:
 
 
 def checks(a, mesh, native: bool) -> dict:
-    """Every transport against the dense one (and the emulated ragged exchange bit for bit)."""
+    """Every transport against the dense one: expert inputs, group sizes, outputs, gradients;
+    the dropless and native ragged exchanges bit for bit with the emulated one."""
     x, ids, w, ct = inputs(mesh, a.check_tokens, a, a.seed + 1)
     el = a.experts // mesh.devices.size
     skewed = jax.jit(lambda i: (i % el).at[:, 1:].set((i[:, :1] % el + jnp.arange(

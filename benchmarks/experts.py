@@ -1,14 +1,12 @@
 """What do gated experts cost forward + backward, per backend and FP8 recipe?
 
-``moe.gated_experts`` forward + backward (``y`` and the gradients of ``sum(y * ct)`` with
-respect to x and both weight banks; ``y`` is returned, so the forward down GEMM runs) on one
-device, per case (layout, backend, routing) and recipe (bf16, FP8 GEMMs, FP8 data and weight
-gradients, FP8-saved activations). Layouts: ragged ``[R, d]`` rows (in the 128-aligned layout
-for 'mosaic') and capacity-padded ``[E, C, d]`` (C the largest group: nothing dropped).
-Useful FLOPs = 18 * rows * d_model * d_ff (the three GEMMs, forward and two backward), so
-padding counts as waste; MFU against this process's dense bf16 ceiling, FP8 in bf16-equivalent
-FLOPs. Every FP8 row carries its worst cosine and relative RMS error against the bf16 row of
-the same inputs. ``--breakdown`` traces 3 calls of each row (``xla_comm.breakdown``).
+``moe.gated_experts`` forward + backward (``y``, returned so the forward down GEMM runs, and
+the gradients of ``sum(y * ct)`` w.r.t. x and both banks) on one device, per case (layout,
+backend, routing) and recipe (``RECIPES``). Layouts: ragged ``[R, d]`` rows (128-aligned for
+'mosaic') and capacity-padded ``[E, C, d]`` (C the largest group: nothing dropped). Useful
+FLOPs = 18 * rows * d_model * d_ff (padding is waste); MFU against this process's dense bf16
+ceiling, FP8 in bf16-equivalent FLOPs. Each FP8 row carries its worst cosine and relative RMS
+error against the bf16 row of the same inputs. ``--breakdown`` traces 3 calls of each row.
 
 ``--part dense``: ``moe.fp8_dense`` (the experts' FP8 GEMMs on one group of rows, for a
 model's dense projections) forward + backward against the bf16 ``x @ W`` of ``nnx.Linear``,
@@ -20,11 +18,8 @@ at the LM step's attention projections, per recipe (FP8 forward; + data gradient
     python3 benchmarks/experts.py --part dense --out fp8_dense.json
     python3 benchmarks/experts.py --small [--part dense]   # CPU plumbing
 
-JSON: ``experts`` rows (layout, backend, routing, recipe, ms, useful_tflops, bf16_equiv_mfu,
-worst_cos_vs_bf16, ...), ``experts_fp8_speedup_{ragged,ragged_zipf,padded}`` (bf16 time /
-best FP8 time on the backend where FP8 gains most; ``_recipe`` names it),
-``bf16_rate_over_dense`` per backend/routing; ``--part dense``: ``dense`` rows (shape, recipe,
-ms, tflops, speedup_vs_bf16, worst_cos_vs_bf16).
+JSON: ``experts`` rows, :func:`speedups`' keys and ``bf16_rate_over_dense`` per case;
+``--part dense``: ``dense`` rows.
 """
 
 from __future__ import annotations
@@ -57,19 +52,15 @@ DENSE_RECIPES = {"forward": ("bf16", "bf16"), "forward_dgrad": ("fp8", "bf16"),
 
 
 def parse_args(argv=None):
-    p = bench.parser(__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1])
+    p = bench.parser(__doc__, 2)
     p.add_argument("--part", choices=("experts", "dense"), default="experts")
     p.add_argument("--tokens", type=int, help="rows (32768; small 1024)")
-    p.add_argument("--d-model", type=int, help="4096; small 256")
-    p.add_argument("--d-ff", type=int, help="2048; small 128")
-    p.add_argument("--experts", type=int, help="8; small 4")
     p.add_argument("--cases", help=f"LAYOUT_BACKEND_ROUTING, from {','.join(CASES)}")
     p.add_argument("--recipes", default="bf16,fp8_all",
                    help=f"bf16 first (the reference), from {','.join(RECIPES)}")
     p.add_argument("--zipf-s", type=float, default=1.0)
     p.add_argument("--breakdown", action="store_true", help="trace each row: op breakdown")
     p.add_argument("--shapes", help="--part dense: MxKxN,... (65536x2048x6144,65536x2048x2048)")
-    p.add_argument("--ceiling-n", type=int, help="8192; small 256")
     a = bench.parse(p, argv, small=dict(tokens=1024, d_model=256, d_ff=128, experts=4,
                                         ceiling_n=256, shapes="256x128x384",
                                         cases="ragged_mosaic_balanced,padded_einsum_zipf"),
@@ -95,30 +86,12 @@ def parse_case(case: str) -> tuple[str, str, str]:
 def layout(x, sizes: np.ndarray, lay: str, backend: str):
     """``(x, group sizes, group_alignment)`` in the case's layout."""
     if lay == "padded":
-        c = int(sizes.max())
-        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        idx = np.where(np.arange(c) < sizes[:, None], starts[:, None] + np.arange(c), len(x))
-        return jnp.take(x, jnp.asarray(idx), axis=0, mode="fill", fill_value=0), \
-            jnp.asarray(sizes), None
+        return bench.padded(x, sizes), jnp.asarray(sizes), None
     if backend != "mosaic":
         return x, jnp.asarray(sizes), None
     src, _, _ = gmm_api.align_map(jnp.asarray(sizes), x.shape[0], gmm_api.GROUP_ALIGNMENT)
     return jnp.take(x, src, axis=0, mode="fill", fill_value=0), jnp.asarray(sizes), \
         gmm_api.GROUP_ALIGNMENT
-
-
-def experts_step(backend, gs, **opts):
-    """Jitted ``(x, w_gate_up, w_down, ct) -> (y, dx, dw_gate_up, dw_down)``."""
-    def loss(x, wgu, wd, ct):
-        y = moe.gated_experts(x, gs, wgu, wd, gemm_implementation=bench.implementation(backend),
-                              **opts)
-        return jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32)), y
-
-    def step(*args):
-        (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(*args)
-        return (y, *grads)
-
-    return jax.jit(step)
 
 
 def experts_case(report, a, data, case):
@@ -128,14 +101,15 @@ def experts_case(report, a, data, case):
     x, gs, align = layout(data["x"], sizes, lay, backend)
     ct = bench.normal(jax.random.key(7), x.shape)
     args = (x, data["w_gate_up"], data["w_down"], ct)
-    useful = 18.0 * a.tokens * a.d_model * a.d_ff
+    useful, impl = 18.0 * a.tokens * a.d_model * a.d_ff, bench.implementation(backend)
     times, ref = {}, None
     for recipe in a.recipes:
         row = {"layout": lay, "backend": backend, "routing": routing, "recipe": recipe,
                "options": RECIPES[recipe]}
         try:
-            step = experts_step(backend, gs, group_alignment=align, **RECIPES[recipe])
-            step = step.lower(*args).compile()
+            step = bench.fwd_bwd(lambda x, wgu, wd, opts=RECIPES[recipe]: moe.gated_experts(
+                x, gs, wgu, wd, gemm_implementation=impl, group_alignment=align, **opts), 3)
+            step = step.lower(*args).compile()  # (y, dx, dw_gate_up, dw_down)
             out = jax.block_until_ready(step(*args))
             sec = bench.median_seconds(step, args, a.warmup, a.iters, 1 if a.small else 3)
         except Exception as err:  # noqa: BLE001  (record and go on)
@@ -181,27 +155,19 @@ def speedups(report, case: str, times: dict) -> None:
 
 def dense_part(report, a) -> None:
     """``moe.fp8_dense`` against the bf16 matmul it replaces, per shape and recipe."""
-    def step(dense):
-        def loss(x, w, ct):
-            y = dense(x, w)
-            return jnp.sum(y.astype(jnp.float32) * ct), y
-
-        return jax.jit(lambda *args: (lambda r: (r[0][1], *r[1]))(
-            jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(*args)))
-
     report["dense"] = []
     for m, k, n in (tuple(map(int, s.split("x"))) for s in a.shapes.split(",")):
         ks = jax.random.split(jax.random.key(7), 3)
         args = (bench.normal(ks[0], (m, k)), bench.normal(ks[1], (k, n), k**-0.5, jnp.float32),
                 bench.normal(ks[2], (m, n), 1.0, jnp.float32))
         flops, inner = 6.0 * m * k * n, 1 if a.small else 3
-        ref = step(lambda x, w: jnp.dot(x, w.astype(x.dtype)))  # what nnx.Linear(bf16) does
+        ref = bench.fwd_bwd(lambda x, w: jnp.dot(x, w.astype(x.dtype)), 2)  # nnx.Linear(bf16)
         want, base = ref(*args), bench.median_seconds(ref, args, a.warmup, a.iters, inner)
         report["dense"].append({"shape": [m, k, n], "recipe": "bf16", "ms": base * 1e3,
                                 "tflops": flops / base / 1e12})
         for name, (dgrad, wgrad) in DENSE_RECIPES.items():
-            fn = step(lambda x, w, dg=dgrad, wg=wgrad: moe.fp8_dense(x, w, dgrad_dtype=dg,
-                                                                      wgrad_dtype=wg))
+            fn = bench.fwd_bwd(lambda x, w, dg=dgrad, wg=wgrad: moe.fp8_dense(
+                x, w, dgrad_dtype=dg, wgrad_dtype=wg), 2)
             err = bench.accuracy(fn(*args), want)
             sec = bench.median_seconds(fn, args, a.warmup, a.iters, inner)
             report["dense"].append({"shape": [m, k, n], "recipe": name, "ms": sec * 1e3,

@@ -1,21 +1,19 @@
 """How fast is each grouped GEMM the experts can run?
 
-The library's grouped GEMMs (the ``accel_kernels.gmm`` registry, as the experts call them:
-'mosaic' = Pallas Mosaic GPU for Hopper, 'triton' = Pallas Triton, 'ragged_dot' = XLA's, and
-'einsum' = batched einsums on the capacity-padded ``[E, C, d]`` layout) at the gated experts'
-gate_up shape: tokens x d_model -> 2 d_ff in E groups, balanced and Zipf-skewed. Per backend
-the forward GEMM (``fwd``) and the weight gradient (``wgrad``, ``x_e^T dz_e``), each in bf16
-and in FP8 (e4m3 operands, K-major copies, power-of-two scales applied in the epilogue). Each
-result is first checked against an f32 reference (``rel_err``, ``ok`` at 1e-2), then timed
-(median of back-to-back calls) against the dense bf16 and FP8 8192^3 ceilings of this process.
-Useful FLOPs count real rows only, so the padded layout's empty slots are waste.
+The ``accel_kernels.gmm`` registry's grouped GEMMs ('mosaic' = Pallas Mosaic GPU for Hopper,
+'triton' = Pallas Triton, 'ragged_dot' = XLA's, 'einsum' = batched einsums on the
+capacity-padded ``[E, C, d]`` layout) at the experts' gate_up shape (tokens x d_model -> 2 d_ff
+in E groups, balanced and Zipf): forward (``fwd``) and weight gradient (``wgrad``, ``x_e^T
+dz_e``), bf16 and FP8 (e4m3, K-major copies, scales in the epilogue). Each is checked against
+an f32 reference (``ok``: rel_err <= 1e-2), then timed against this process's dense bf16 and
+FP8 8192^3 ceilings; useful FLOPs count real rows only (padding is waste).
 
     python3 benchmarks/gmm.py --out gmm.json          # one Hopper GPU, about 2 minutes
     python3 benchmarks/gmm.py --small                 # CPU: emulated / interpreted kernels
 
-JSON: ``gmm`` (rows: kernel = BACKEND_DTYPE, op, routing, ms, tflops, over_dense, rel_err,
-ok), ``ceilings``, ``dense_{bf16,fp8}_tflops``, ``fp8_gmm_over_bf16_rate`` (Mosaic FP8 /
-Triton bf16 forward rate, balanced) and ``fp8_gmm_over_bf16_rate_vs_mosaic_bf16``.
+JSON: ``gmm`` rows (kernel = BACKEND_DTYPE, op, routing, ms, tflops, over_dense, rel_err, ok),
+the ceilings, ``fp8_gmm_over_bf16_rate`` (Mosaic FP8 / Triton bf16 forward rate, balanced) and
+``..._vs_mosaic_bf16``.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ import traceback
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from _lib import bench
 
 from accel_kernels.gmm import api as gmm_api
@@ -35,7 +32,7 @@ F8 = jnp.float8_e4m3fn
 
 
 def parse_args(argv=None):
-    p = bench.parser(__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1])
+    p = bench.parser(__doc__, 2)
     p.add_argument("--tokens", type=int, help="rows (32768; small 1024)")
     p.add_argument("--d-model", type=int, help="K (4096; small 256)")
     p.add_argument("--d-ff", type=int, help="N = 2 d_ff (2048; small 128)")
@@ -61,14 +58,7 @@ def operands(a, routing: str, backend: str):
     dz = bench.normal(ks[1], (t, 2 * a.d_ff), 1.0, jnp.float32)
     if backend != "einsum":
         return x, dz, jnp.asarray(sizes), sizes
-    c = int(sizes.max())
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    idx = np.where(np.arange(c)[None] < sizes[:, None], starts[:, None] + np.arange(c)[None], t)
-
-    def pad(v):
-        return jnp.take(v, jnp.asarray(idx), axis=0, mode="fill", fill_value=0)
-
-    return pad(x), pad(dz), jnp.asarray(sizes), sizes
+    return bench.padded(x, sizes), bench.padded(dz, sizes), jnp.asarray(sizes), sizes
 
 
 def case(impl, op: str, dtype: str, x, dz, w, gs):

@@ -1,14 +1,13 @@
 """What does the whole MoE layer cost forward + backward, per transport, kernel and wire?
 
-``moe.moe_apply`` forward + backward (the gradients of ``sum(y * ct)`` with respect to x, the
-router kernel and both expert banks), expert parallel over all devices (mesh ('data',
-'expert') = (1, n)), bf16 activations and banks, f32 router, per variant: transport (dense
-capacity 1.25, dropless = bucketed all_to_all, ragged = ragged_all_to_all), experts backend
-(einsum, mosaic/triton/ragged_dot, auto), wire (bf16, FP8 = e4m3 rows with E8M0 scales) and
-GEMM recipe (``*_fp8all``: FP8 wire and all six expert GEMMs in FP8); ``*_overlap`` compiles
-with ``xla_comm.overlap``'s options, ``*_xla_wire`` takes XLA's wire path over the Pallas one.
-Routing: balanced (the random router) and Zipf (a balancing bias calibrated so expert i gets
-a share ~ 1 / (i + 1)^s: one executable serves both, the bias is an input).
+``moe.moe_apply`` forward + backward (the gradients of ``sum(y * ct)`` w.r.t. x, the router
+kernel and both banks), expert parallel over all devices (mesh ('data', 'expert') = (1, n)),
+bf16 activations and banks, f32 router, per variant (``VARIANTS``): transport (dense capacity
+1.25, dropless = bucketed all_to_all, ragged = ragged_all_to_all), experts backend, wire (bf16,
+FP8 = e4m3 rows with E8M0 scales) and recipe (``*_fp8all``: all six expert GEMMs in FP8 too);
+``*_overlap`` compiles with ``xla_comm.overlap``'s options, ``*_xla_wire`` takes XLA's wire
+path. Routing: balanced and Zipf (a balancing bias, an input of the one executable, calibrated
+so expert i gets a share ~ 1 / (i + 1)^s).
 
 MFU = useful FLOPs / (time x devices x this process's dense bf16 8192^3 rate), useful = the
 router (6 T d E) and the three expert GEMMs of every kept slot (18 d d_ff per slot): capacity
@@ -16,25 +15,19 @@ padding and dropped slots are waste. The capacity, dropless and ragged layers ar
 interleaved (A B A B) for the ratios of the summary. ``--profile DIR`` traces each balanced
 variant: exposed collective time and the op breakdown (``xla_comm``).
 
-    python3 benchmarks/layer.py --preset dropless --out dropless.json   # one GPU: the
-                              # transports against the capacity layer (current/dropless.json)
+    python3 benchmarks/layer.py --preset dropless --out dropless.json   # one GPU
     python3 benchmarks/layer.py --preset fp8 --out fp8_layer.json       # FP8 wire + GEMMs
     python3 benchmarks/layer.py --preset all --profile OUT/traces      # 2+ GPUs
     python3 benchmarks/layer.py --eager                                # moe.MoE outside jit
     python3 benchmarks/layer.py --small                                # CPU, 2 devices
 
-JSON: ``layer`` rows, ``layer_ab``, ``routing``, the dropless summary keys
-(``dropless_over_capacity_time_{TAG}[_zipf]``, ``{dropless,ragged,capacity}_layer_{ms,mfu}_
-{TAG}``, ...; TAG = 1gpu, 2gpu, 2cpu...), the FP8 keys (``moe_layer_{bf16,fp8}_{mfu,ms}_
-{TAG}_{transport}``, ``moe_layer_fp8_speedup_{TAG}``) and ``moe_layer_{mfu,ms,...}_by_
-variant``. ``--eager``: ``eager_s``, ``jit_s``, ``eager_over_jit``.
+JSON: ``layer`` rows, ``layer_ab``, ``routing`` and the flat keys of :func:`summary`;
+``--eager``: ``eager_s``, ``jit_s``, ``eager_over_jit``.
 """
 
 from __future__ import annotations
 
 import os
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -71,10 +64,8 @@ FP8_ALL = dict(gemm_dtype="fp8", dgrad_dtype="fp8", wgrad_dtype="fp8")
 
 
 def parse_args(argv=None):
-    p = bench.parser(__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1])
+    p = bench.parser(__doc__, 2)
     p.add_argument("--tokens", type=int, help="tokens per device (16384; small 64)")
-    p.add_argument("--d-model", type=int, help="4096; small 128")
-    p.add_argument("--d-ff", type=int, help="2048; small 64")
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--capacity-factor", type=float, default=1.25)
@@ -86,7 +77,6 @@ def parse_args(argv=None):
     p.add_argument("--routing", default="balanced,zipf")
     p.add_argument("--zipf-s", type=float, default=1.0)
     p.add_argument("--profile", metavar="DIR", help="trace each balanced variant under DIR")
-    p.add_argument("--ceiling-n", type=int, help="8192; small 512")
     p.add_argument("--eager", action="store_true", help="time moe.MoE called outside jit")
     a = bench.parse(p, argv, small=dict(tokens=64, d_model=128, d_ff=64, fp8_block_size=32,
                                         ceiling_n=512),
@@ -233,14 +223,10 @@ def eager(a) -> dict:
     x = jax.random.normal(jax.random.key(0), (n, tokens // n, d))
     jitted = nnx.jit(lambda m, x: m(x))
 
-    def timed(fn):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(x))
-        return time.perf_counter() - t0
+    def timed(fn):  # the first call's seconds, then the median of 10 more
+        return bench.median_seconds(fn, (x,), 0, 1), bench.median_seconds(fn, (x,), 0, 10)
 
-    first, eager_s = timed(layer), statistics.median(timed(layer) for _ in range(10))
-    jit_first = timed(lambda x: jitted(layer, x))
-    jit_s = statistics.median(timed(lambda x: jitted(layer, x)) for _ in range(10))
+    (first, eager_s), (jit_first, jit_s) = timed(layer), timed(lambda x: jitted(layer, x))
     out = {"benchmark": "eager_layer", "env": bench.env(), "tokens": tokens, "d_model": d,
            "d_ff": f, "experts": e, "first_eager_s": first, "eager_s": eager_s,
            "jit_first_s": jit_first, "jit_s": jit_s, "eager_over_jit": eager_s / jit_s,

@@ -1,32 +1,25 @@
 """How long does a whole train step of the MoE language model take, in bf16 and in FP8?
 
-One step of ``examples/lm_model.py`` (forward, backward of cross-entropy + 0.01 load-balancing
-+ 1e-3 router z-loss, as ``examples/train_lm.py`` trains, and the update of
-``muon_jax.muon``, sharded, or ``--optimizer adamw``), jitted over the split NNX state with the
-state donated, on the mesh ('data', 'expert') = (1, devices); bf16 compute, f32 params,
-attention ``--attention`` (auto: cuDNN's on NVIDIA GPUs). Variants: ``bf16``; ``fp8_dispatch``
-(FP8 wire); ``fp8_gemm`` (+ FP8 forward and data-gradient expert GEMMs); ``fp8`` (+ FP8
-weight gradients); ``fp8_proj_fd`` / ``fp8_proj`` (+ attention's projections through
-``moe.fp8_dense``, forward and data gradient / all three GEMMs in FP8).
+One step of ``examples/lm_model.py`` as ``examples/train_lm.py`` trains it (cross-entropy +
+0.01 load-balancing + 1e-3 router z-loss; ``muon_jax.muon`` sharded, or ``--optimizer adamw``),
+jitted over the split NNX state (donated) on the mesh ('data', 'expert') = (1, devices); bf16
+compute, f32 params, ``--attention`` (auto: cuDNN's on NVIDIA GPUs). ``VARIANTS`` add FP8 step
+by step: the wire, the expert GEMMs' forward and data gradient, their weight gradient, then
+attention's projections through ``moe.fp8_dense`` (forward and data gradient; all three).
 
-MFU = (6 x active params x tokens + attention FLOPs) / (time x devices x this process's dense
-bf16 8192^3 rate); active params count the expert banks at top_k / experts, attention 12 x
-layers x d_model x seq per token. ``lm_step_fp8_speedup`` = bf16 step time / the fastest
-variant with FP8 GEMMs. ``--profile DIR`` traces 3 steps of each variant: exposed collective
-time and device time per region of the step (``bench.lm_regions``: optimizer,
-attention, experts, dispatch_combine, ...) and op category.
-
-``--read-trace DIR [--hlo FILE]`` runs nothing: it reads one ``jax.profiler`` trace (the newest
-run under DIR) and prints the exposed collective time, or with the compiled HLO text of the
-traced executable (``--hlo-dir`` writes it) its device time per region and category.
+MFU = ``lm_model.train_flops_per_token`` x tokens / (time x devices x this process's dense
+bf16 8192^3 rate). ``lm_step_fp8_speedup`` = bf16 step time / the fastest FP8-GEMM variant's.
+``--profile DIR`` traces 3 steps of each variant: exposed collective time and device time per
+region (``bench.lm_regions``) and op category. ``--read-trace DIR`` runs nothing: it reads the
+newest trace under DIR for its exposed collective time, or with ``--hlo`` (the traced
+executable's HLO, as ``--hlo-dir`` writes it) its time per region and category.
 
     python3 benchmarks/lm_step.py --variants bf16 fp8_proj --profile /tmp/lm --out lm_step.json
     python3 benchmarks/lm_step.py --small                       # CPU, 8 simulated devices
     python3 benchmarks/lm_step.py --read-trace /tmp/lm/bf16 --hlo /tmp/hlo/bf16.hlo.txt
 
-JSON: ``steps`` (per variant: step_ms, tokens_per_s, mfu, params, and with --profile
-``overlap`` and ``breakdown``), ``ceiling``, ``ceiling_fp8``, ``lm_step_fp8_speedup``,
-``lm_step_fp8_variant``, ``lm_step_by_variant``.
+JSON: ``steps`` (per variant; with ``--profile`` its ``overlap`` and ``breakdown``),
+``ceiling``, ``ceiling_fp8`` and the keys of :func:`summarize`.
 """
 
 from __future__ import annotations
@@ -63,13 +56,8 @@ FP8_GEMMS = ("fp8_gemm", "fp8", "fp8_proj_fd", "fp8_proj")
 
 
 def parse_args(argv=None):
-    p = bench.parser(__doc__.split("\n\n")[0])
-    for name, help_ in (("d-model", "2048; small 128"), ("layers", "8; small 2"),
-                        ("heads", "16; small 4"), ("d-ff", "1408; small 128"),
-                        ("experts", "16; small 8"), ("fp8-block-size", "128; small 32"),
-                        ("batch", "sequences (64; small 16)"), ("seq-len", "1024; small 64"),
-                        ("ceiling-n", "8192; small 512")):
-        p.add_argument(f"--{name}", type=int, help=help_)
+    p = bench.parser(__doc__)
+    p.add_argument("--batch", type=int, help="sequences (64; small 16)")
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--capacity-factor", type=float, default=1.25, help="<= 0: dropless")
     p.add_argument("--vocab", type=int, default=256)
@@ -99,20 +87,6 @@ def model_config(a, variant: str) -> lm_model.LMConfig:
         dispatch_dtype=wire, expert_gemm_dtype=g, expert_dgrad_dtype=dg, expert_wgrad_dtype=wg,
         proj_gemm_dtype=pg, proj_dgrad_dtype=pdg, proj_wgrad_dtype=pwg, attention=a.attention,
         fp8_block_size=a.fp8_block_size, dtype="bfloat16")
-
-
-def active_params(model, cfg) -> tuple[int, float]:
-    """All matrix params, and those one token uses (expert banks at top_k / experts; a tied
-    embedding counted as the head)."""
-    total = active = 0
-    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
-        name, size = jax.tree_util.keystr(path), int(np.prod(leaf.shape))
-        total += size
-        if len(leaf.shape) < 2 or ("embed" in name and not cfg.tie_embeddings):
-            continue
-        active += size * cfg.top_k / cfg.num_experts if (
-            "w_gate_up" in name or "w_down" in name) else size
-    return total, active
 
 
 def make_step(graphdef):
@@ -147,7 +121,6 @@ def bench_variant(variant: str, a, mesh, rate: float) -> dict:
           muon_jax.muon(0.02, weight_decay=0.01, adamw=muon_jax.AdamWOptions(learning_rate=3e-4),
                         sharding=muon_jax.ShardingOptions(mesh)))
     model, optimizer = lm_model.create_sharded(cfg, tx, mesh=mesh, seed=a.seed)
-    total, active = active_params(model, cfg)
     graphdef, state = nnx.split((model, optimizer))
     del model, optimizer
     step = make_step(graphdef)
@@ -160,8 +133,10 @@ def bench_variant(variant: str, a, mesh, rate: float) -> dict:
         if a.profile:
             row.update(profile(step, state, batch, a, variant))
     sec, ntok = float(np.median(times)), a.batch * a.seq_len
-    flops = 6.0 * active * ntok + 12.0 * a.layers * a.d_model * a.seq_len * ntok
-    return row | dict(params_total=total, params_active=active, step_ms=sec * 1e3,
+    flops = lm_model.train_flops_per_token(cfg, a.seq_len) * ntok
+    counts = lm_model.param_counts(cfg)
+    return row | dict(params_total=counts["total"], params_active=counts["active"],
+                      step_ms=sec * 1e3,
                       tokens_per_s=ntok / sec, flops_per_step=flops, loss=float(ce),
                       mfu=flops / (sec * mesh.devices.size * rate))
 

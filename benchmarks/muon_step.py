@@ -1,21 +1,16 @@
 """How long does a Muon step take, sharded, against optax.contrib.muon and against the limit?
 
-Params: LLaMA-like matrices, per layer four d x d, two d x f and one f x d (8 layers, d 4096,
-f 11008: 1.62B params), in each of ``--param-dtypes`` (bf16, or f32 master weights), on a 1-D
-'data' mesh of all devices. A step: a synthetic loss whose per-device gradient contributions
-are random (``sum_leaf sum_d <W, D_d>``), ``jax.grad``, the optimizer update, apply; 5 Jordan
-Newton-Schulz steps everywhere. Variants (``--variants``):
-
-- ``muon``: ``muon_jax.scale_by_muon`` sharded (library defaults: f32 momentum, bf16
-  Newton-Schulz) on replicated params, differentiated through ``muon_jax.reduced_view`` so
-  the gradients reach their owners by reduce-scatter and the updates leave by all-gather;
-  ``muon_chunked``: with ``chunk_bytes`` (per-chunk collectives XLA can overlap; the ring
-  bytes must equal ``muon``'s); ``muon_overlap``: compiled with ``xla_comm.overlap``'s options;
-- ``optax`` / ``optax_fsdp``: ``optax.contrib.muon`` on the replicated params (all-reduced
-  gradients, every device orthogonalizes every matrix) / on params sharded over 'data' along
-  d_model with XLA's partitioner sharding its Newton-Schulz; ``muon_fsdp``: ``muon_jax`` on
-  those FSDP params;
-- ``ns``: Newton-Schulz alone on one device's share (no momentum, no communication).
+LLaMA-like params (per layer four d x d, two d x f and one f x d; 8 layers, d 4096, f 11008:
+1.62B) in each of ``--param-dtypes`` (bf16, or f32 master weights) on a 1-D 'data' mesh. A
+step: a synthetic loss with random per-device gradient contributions (``sum_leaf sum_d <W,
+D_d>``), ``jax.grad``, the update, apply; 5 Jordan Newton-Schulz steps everywhere. Variants:
+``muon`` (``muon_jax.scale_by_muon`` sharded, library defaults, on replicated params; gradients
+through ``muon_jax.reduced_view``: reduce-scattered to their owners, updates all-gathered),
+``muon_chunked`` (``chunk_bytes``: the same ring bytes in chunks XLA can overlap),
+``muon_overlap`` (``xla_comm.overlap``'s compile options), ``optax`` (``optax.contrib.muon``
+on replicated params: every device orthogonalizes every matrix), ``optax_fsdp`` / ``muon_fsdp``
+(params sharded over 'data' along d_model; XLA's partitioner shards optax's Newton-Schulz) and
+``ns`` (Newton-Schulz alone on one device's share, no communication).
 
 Limit = Newton-Schulz FLOPs / (devices x this process's dense bf16 rate) + one all-reduce of
 the params, measured here. Every muon DP variant is traced (``xla_comm.trace``) for its
@@ -27,12 +22,10 @@ compares Newton-Schulz's symmetric products computed in full against the Hopper 
         --symmetric-blocks 1,auto --out muon_step_1gpu.json                     # one GPU
     python3 benchmarks/muon_step.py --small                      # CPU, 8 simulated devices
 
-JSON: per param dtype ``{dtype}_params`` (``muon_jax_default``, ``optax_contrib_muon``, ...:
-step_seconds, counts of collectives, ring bytes; ``limit``; ``ns_owner_share``) and, from the
-first dtype, ``muon_step_seconds``, ``muon_step_speedup_vs_optax(_fsdp)``,
-``muon_step_over_limit``, ``muon_step_exposed_comm_fraction``; the others' as
-``{dtype}_params_muon_step_*``; with several ``--symmetric-blocks``: ``update_s``, ``ns_s``,
-``limit_s`` by value and ``symmetric_over_plain_update``.
+JSON: ``{dtype}_params`` per param dtype (each variant under its ``LABELS`` name, ``limit``,
+``ns_owner_share`` and the headline keys ``muon_step_*``), the first dtype's headline keys at
+the top level and the others' as ``{dtype}_params_muon_step_*``; with several
+``--symmetric-blocks``, ``update_s``, ``ns_s``, ``limit_s`` and ``symmetric_over_plain_update``.
 """
 
 from __future__ import annotations
@@ -63,10 +56,7 @@ LABELS = {"muon": "muon_jax_default", "muon_chunked": "muon_jax_chunked",
 
 
 def parse_args(argv=None):
-    p = bench.parser(__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, help="8; small 4")
-    p.add_argument("--d-model", type=int, help="4096; small 64")
-    p.add_argument("--d-ff", type=int, help="11008; small 176")
+    p = bench.parser(__doc__)
     p.add_argument("--ns-steps", type=int, default=5)
     p.add_argument("--ns-method", choices=("auto", "standard", "gram"), default="auto")
     p.add_argument("--symmetric-blocks", default="auto",
@@ -75,7 +65,6 @@ def parse_args(argv=None):
     p.add_argument("--param-dtypes", default="bf16", help="bf16 and/or f32, comma separated")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--chunk-bytes", type=int, help="muon_chunked's chunk_bytes (128 MiB; small 1)")
-    p.add_argument("--ceiling-n", type=int, help="8192; small 256")
     p.add_argument("--trace-dir", help="where to keep the profiler traces")
     a = bench.parse(p, argv, cpu_devices=8,
                     small=dict(layers=4, d_model=64, d_ff=176, ceiling_n=256, chunk_bytes=1),
@@ -220,32 +209,24 @@ def ns_only(ctx, a, blocks, rate) -> dict:
 
 def exposed(results: dict, trace_dir: str) -> dict:
     """Exposed collective time of every muon DP variant's 3 traced steps (None on CPU)."""
-    out = {}
-    for name in (k for k in results if k in MUON_DP):
-        r = results[name]
-        prof = bench.trace_profile(r["_compiled"], r["_args"], os.path.join(trace_dir, name), 3,
-                                   hlo=False)
-        out[name] = prof.get("overlap", prof)
-    return out
+    profs = {k: bench.trace_profile(r["_compiled"], r["_args"], os.path.join(trace_dir, k), 3,
+                                    hlo=False) for k, r in results.items() if k in MUON_DP}
+    return {k: p.get("overlap", p) for k, p in profs.items()}
 
 
 def one_config(a, pdtype, blocks, rate) -> dict:
     """Every variant at one param dtype and ns_symmetric_blocks; the headline keys."""
     ctx = setup(a, pdtype, rate)
-    with jax.set_mesh(ctx.mesh):  # optax's ops on explicitly sharded arrays need it ambient
-        return _variants(a, ctx, blocks, rate)
-
-
-def _variants(a, ctx, blocks, rate) -> dict:
     print(f"{ctx.model['params'] / 1e6:,.0f}M {ctx.model['param_dtype']} params, "
           f"symmetric blocks {blocks}: limit {ctx.limit['seconds']:.4f} s", flush=True)
     rep = {"model": ctx.model, "limit": ctx.limit, "ns_symmetric_blocks": blocks}
-    results = {v: variant(v, ctx, a, blocks) for v in a.variants if v != "ns"}
-    if "ns" in a.variants:
-        rep["ns_owner_share"] = ns_only(ctx, a, blocks, rate)
+    with jax.set_mesh(ctx.mesh):  # optax's ops on explicitly sharded arrays need it ambient
+        results = {v: variant(v, ctx, a, blocks) for v in a.variants if v != "ns"}
+        if "ns" in a.variants:
+            rep["ns_owner_share"] = ns_only(ctx, a, blocks, rate)
+        rep["trace_by_variant"] = exposed(results, a.trace_dir or tempfile.mkdtemp(prefix="muon_"))
     dp = {k: r["step_seconds"] for k, r in results.items() if k in MUON_DP}
     best = min(dp, key=dp.get) if dp else None
-    rep["trace_by_variant"] = exposed(results, a.trace_dir or tempfile.mkdtemp(prefix="muon_"))
 
     def sec(k):
         return results[k]["step_seconds"] if k in results else None

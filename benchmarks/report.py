@@ -1,12 +1,9 @@
 """Runs the benchmark suite and turns its runs into BENCHMARKS.md and the figures the docs quote.
 
-Every file in ``benchmarks/results/current/`` is one benchmark's latest run, a record (see
-``_lib/records.py``: commit, date, hardware, software, command, ceiling, the source paths it
-``measures``, the script's JSON under ``results``). BENCHMARKS.md is generated from them;
-README.md and ``docs/*.md`` quote named figures as ``<!--fig:NAME-->value<!--/fig-->`` and
-whole tables as ``<!--block:NAME-->`` ... ``<!--/block-->``, which this rewrites. A record
-whose measured paths changed after its commit is rendered as dated history: **dated** in
-BENCHMARKS.md, ``value (at COMMIT, since changed)`` where quoted.
+Each file in ``benchmarks/results/current/`` is one benchmark's latest run (``_lib/records.py``).
+This writes BENCHMARKS.md from them, and the figures and tables README.md and ``docs/*.md``
+quote between ``<!--fig:NAME-->`` / ``<!--block:NAME-->`` markers (dated where the measured
+code changed since: README.md, Benchmarks).
 
     python3 benchmarks/report.py                 # rewrite BENCHMARKS.md and the quoted figures
     python3 benchmarks/report.py --check         # exit 1, naming each file, if any differs
@@ -75,20 +72,17 @@ MAIN_JOB = "python3 examples/train_lm.py --out runs/first --no-progress"
 MAIN_JOB_RERUN = "python3 benchmarks/report.py --main-job (runs it, makes it current, requotes)"
 
 
-# ----------------------------------------------------------------------------- the documents
-
-
 def current() -> dict:
     """The records, each with its freshness under ``_status`` (raises ``NoHistory``)."""
-    C = records.load()
-    for name, st in records.statuses(C, None).items():
-        C[name]["_status"] = st
+    C, git = records.load(), records.Git()
+    for rec in C.values():
+        rec["_status"] = records.status(rec, git)
     return C
 
 
 def render(C: dict) -> str:
     lines: list[str] = []
-    for _, section in SECTIONS:
+    for section in SECTIONS:
         lines += section(C)
     return HEADER + "\n".join(lines).rstrip() + "\n"
 
@@ -186,9 +180,6 @@ def list_stale() -> int:
     return 1 if dated else 0
 
 
-# ----------------------------------------------------------------------------- new runs
-
-
 def script_measures(command: str) -> list[str] | None:
     """The ``MEASURES`` a benchmark script named in ``command`` declares."""
     m = re.search(r"benchmarks/(\w+)\.py", command)
@@ -201,17 +192,11 @@ def script_measures(command: str) -> list[str] | None:
     return None
 
 
-def hardware_of(env: dict) -> str:
-    if env.get("backend") == "cpu":
-        return f"CPU, {os.cpu_count()} cores, {env['n_devices']} simulated devices"
-    return f"{env['n_devices']}x {env['device_kind']}"
-
-
 def adopt(name: str, result: pathlib.Path, *, commit=None, command=None, hardware=None,
-          measures=None, date=None, ceiling=None) -> pathlib.Path:
-    """Make a run's JSON ``current/NAME.json`` (its earlier version stays in git history).
-    Commit, command, hardware and date default to what the run's ``env`` recorded; the
-    measured paths to the script's ``MEASURES`` (else the record it replaces)."""
+          measures=None, date=None, ceiling=None, **extra) -> pathlib.Path:
+    """Make a run's JSON ``current/NAME.json`` (the earlier one stays in git history): commit,
+    command, hardware and date default to its ``env``, the measured paths to the script's
+    ``MEASURES`` (else the replaced record's); ``extra``: more fields (``rerun``)."""
     res = json.loads(result.read_text())
     env, target = res.get("env", {}), records.CURRENT / f"{name}.json"
     if not env.get("jax") or not env.get("python"):
@@ -232,10 +217,13 @@ def adopt(name: str, result: pathlib.Path, *, commit=None, command=None, hardwar
                          "carries them.")
     rec = {"benchmark": name, "commit": commit or env["commit"],
            "date": date or env.get("date") or datetime.date.today().isoformat(),
-           "hardware": hardware or hardware_of(env),
+           "hardware": hardware or (
+               f"CPU, {os.cpu_count()} cores, {env['n_devices']} simulated devices"
+               if env.get("backend") == "cpu" else f"{env['n_devices']}x {env['device_kind']}"),
            "software": {"python": env["python"], "jax": env["jax"], **res.get("software", {})},
            "command": command,
-           "ceiling": ceiling, "measures": measures, "source": result.name, "results": res}
+           "ceiling": ceiling, "measures": measures, "source": result.name, "results": res,
+           **extra}
     target.write_text(json.dumps(rec, indent=1) + "\n")
     return target
 
@@ -283,18 +271,16 @@ def main_job() -> int:
     tmp = pathlib.Path(tempfile.mkdtemp()) / "train_lm_cpu.json"
     tmp.write_text(json.dumps(res | {"env": {"jax": jax.__version__,
                                              "python": platform.python_version()}}))
-    path = adopt("train_lm_cpu", tmp, commit=commit, command=MAIN_JOB, measures=paths,
-                 hardware=f"CPU, {os.cpu_count()} cores, 8 simulated devices, mesh {mesh}",
-                 ceiling={"what": "none, losses and wall time of the README's main job"})
-    rec = json.loads(path.read_text()) | {"rerun": MAIN_JOB_RERUN}
-    path.write_text(json.dumps(rec, indent=1) + "\n")
+    adopt("train_lm_cpu", tmp, commit=commit, command=MAIN_JOB, measures=paths,
+          hardware=f"CPU, {os.cpu_count()} cores, 8 simulated devices, mesh {mesh}",
+          ceiling={"what": "none, losses and wall time of the README's main job"},
+          rerun=MAIN_JOB_RERUN)
     return write_documents(check=False)
 
 
 def run_suite(out: pathlib.Path, only: list[str] | None, small: bool, timeout: int) -> int:
-    """``--run``: each benchmark of :data:`SUITE` (``only``; default those made for this
-    machine's GPU count: 0, 1 or 2) as ``OUT/NAME.json`` and ``OUT/NAME.log``, each under
-    ``timeout`` seconds; then the ``--adopt`` command of each run that wrote its JSON."""
+    """``--run``: the :data:`SUITE` runs (``only``, else those for this machine's 0, 1 or 2
+    GPUs) into ``OUT/NAME.json`` and ``.log``; then the ``--adopt`` command of each."""
     import jax
     gpus = 0 if small or jax.default_backend() == "cpu" else len(jax.devices())
     chosen = [s for s in SUITE if (s[0] in only if only else s[1] == gpus)]

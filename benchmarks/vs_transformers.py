@@ -1,30 +1,23 @@
 """Is the moe layer ahead of the MoE blocks a PyTorch user runs?
 
-transformers' sparse MoE blocks (``Qwen3MoeSparseMoeBlock``, ``MixtralSparseMoeBlock``) with
-their ``grouped_mm`` experts (``experts_implementation='grouped_mm'``: tokens sorted by
-expert, ``torch._grouped_mm``), eager and under ``torch.compile`` (compiled once per shape),
-against ``moe.moe_apply`` on the same weights (loaded through ``moe.convert.from_transformers``)
-and inputs, in bf16 and the FP8 recipes, on the dropless and the dense transport (its
-capacity set so that this routing drops nothing: the same work). Forward + backward: the
-gradients of ``sum(y * ct)`` with respect to x, the router and both expert banks, in one
-process on one GPU, with the dense 8192^3 bf16 ceilings of both frameworks.
+transformers' ``Qwen3MoeSparseMoeBlock`` and ``MixtralSparseMoeBlock`` with ``grouped_mm``
+experts (tokens sorted by expert, ``torch._grouped_mm``), eager and under ``torch.compile``,
+against ``moe.moe_apply`` on the same weights (through ``moe.convert.from_transformers``) and
+inputs, bf16 and FP8 recipes, dropless and dense transport (at a capacity this routing drops
+nothing at): forward + backward (the gradients of ``sum(y * ct)`` w.r.t. x, the router and both
+banks) in one process on one GPU, against both frameworks' dense 8192^3 bf16 rates.
 
-Before any timing the outputs are checked to agree with the eager block's: y, dx and the
-weight gradients, with the cotangent zeroed on the tokens whose top-k set differs between the
-two routers (ties: the block rounds its router logits to bf16, moe keeps them in f32; their
-fraction is reported). Then every variant is timed in interleaved rounds (A B A B ...), medians.
+Before any timing, y, dx and the weight gradients are checked against the eager block's, the
+cotangent zeroed on tokens whose top-k sets differ between the routers (ties: the block rounds
+its logits to bf16, moe keeps f32; the fraction is reported). Then interleaved rounds, medians.
 
     python3 benchmarks/vs_transformers.py --out layer_vs_transformers.json   # one H100/H200
     python3 benchmarks/vs_transformers.py --shapes mixtral_8x7b --rounds 3
     python3 benchmarks/vs_transformers.py --small --moe-only     # CPU: the moe side alone
 
-Without torch and transformers it says so and exits (``--moe-only`` needs neither).
-Shapes (tokens, d_model, d_ff, experts, top-k): see ``SHAPES``; ``unaligned`` has widths that
-are multiples of 16, not of 128, against ``aligned``, the nearest multiples of 128. JSON:
-``rows`` (shape, variant, ms, mfu, checks), ``checks``, ``ceilings``, ``device``, ``commit``
-and per shape ``bf16_over_best_hf_<shape>`` and ``fp8_over_best_hf_<shape>`` (the faster HF
-variant's time over moe's, dropless), ``bf16_mfu_<shape>``, ``..._dense_...``, and
-``unaligned_mfu_over_aligned``.
+Without torch and transformers it says so and exits (``--moe-only`` needs neither). Shapes:
+``SHAPES`` (``unaligned``: widths that are multiples of 16, not of 128; ``aligned``: the nearest
+multiples of 128). JSON: ``rows``, ``checks``, ``ceilings`` and :func:`summarize`'s keys.
 """
 
 from __future__ import annotations
@@ -65,13 +58,12 @@ MIN_COS = {"bf16": 0.99, "fp8": 0.97}  # y, dx and every weight gradient against
 
 
 def parse_args(argv=None):
-    p = bench.parser(__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1])
+    p = bench.parser(__doc__, 2)
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"from {','.join(SHAPES)}")
     p.add_argument("--rounds", type=int, help="interleaved timing rounds (5; small 2)")
     p.add_argument("--recipes", default="bf16,fp8_all", help=f"moe's, from {','.join(RECIPES)}")
     p.add_argument("--transports", default="dropless,dense")
     p.add_argument("--moe-only", action="store_true", help="time moe alone (no torch needed)")
-    p.add_argument("--ceiling-n", type=int, help="8192; small 256")
     a = bench.parse(p, argv, small=dict(rounds=2, ceiling_n=256), full=dict(rounds=5,
                                                                             ceiling_n=8192))
     a.shapes, a.recipes = a.shapes.split(","), a.recipes.split(",")
@@ -81,13 +73,6 @@ def parse_args(argv=None):
     if a.recipes[0] != "bf16" or set(a.recipes) - set(RECIPES):
         p.error(f"--recipes must start with bf16 and name only {list(RECIPES)}")
     return a
-
-
-def have_torch() -> bool:
-    return all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
-
-
-# ----------------------------------------------------------------------------- one set of weights
 
 
 def hf_config(name: str, shape) -> dict:
@@ -106,24 +91,19 @@ def block_weights(shape, seed: int) -> dict[str, np.ndarray]:
     as float32 so both frameworks read the same numbers."""
     t, d, f, e, k, _ = shape
     rng = np.random.default_rng(seed)
-
-    def draw(shape_, scale):
-        return (rng.standard_normal(shape_, np.float32) * scale).astype(
-            ml_dtypes.bfloat16).astype(np.float32)
-
-    return {"gate.weight": draw((e, d), d**-0.5), "experts.gate_up_proj": draw((e, 2 * f, d),
-                                                                              d**-0.5),
-            "experts.down_proj": draw((e, d, f), f**-0.5)}
+    return {"gate.weight": _bf16_normal(rng, (e, d), d**-0.5),
+            "experts.gate_up_proj": _bf16_normal(rng, (e, 2 * f, d), d**-0.5),
+            "experts.down_proj": _bf16_normal(rng, (e, d, f), f**-0.5)}
 
 
 def inputs(shape, seed: int) -> dict[str, np.ndarray]:
-    t, d = shape[0], shape[1]
     rng = np.random.default_rng(seed + 1)
-    return {k: rng.standard_normal((t, d), np.float32).astype(ml_dtypes.bfloat16).astype(
-        np.float32) for k in ("x", "ct")}
+    return {k: _bf16_normal(rng, shape[:2]) for k in ("x", "ct")}
 
 
-# ----------------------------------------------------------------------------- the moe side
+def _bf16_normal(rng, shape, scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape, np.float32) * scale).astype(ml_dtypes.bfloat16).astype(
+        np.float32)
 
 
 def moe_side(name, shape, weights, a):
@@ -153,14 +133,6 @@ def moe_variant(params, opts, x, transport: str, recipe: str, capacity_factor=No
     return step, args
 
 
-def no_drop_capacity(params, opts, x) -> float:
-    """The dense transport's capacity factor at which this routing drops nothing."""
-    r = moe.route(jnp.asarray(x, jnp.bfloat16), jnp.asarray(params["router_kernel"]),
-                  config=opts.router)
-    loads = np.asarray(r.tokens_per_expert)
-    return float(loads.max() / loads.mean()) * 1.01
-
-
 def useful_flops(shape) -> float:
     t, d, f, e, k, _ = shape
     return 6.0 * t * d * e + 18.0 * d * f * t * k  # the router and three GEMMs, fwd + bwd
@@ -181,9 +153,6 @@ def agreement(got, want, kind: str) -> dict:
         g, w = np.asarray(g, np.float64).ravel(), np.asarray(w, np.float64).ravel()
         cos[n] = float(g @ w / max(np.linalg.norm(g) * np.linalg.norm(w), 1e-30))
     return {"cos": cos, "min_cos": MIN_COS[kind], "ok": min(cos.values()) >= MIN_COS[kind]}
-
-
-# ----------------------------------------------------------------------------- the torch side
 
 
 def torch_device():
@@ -225,77 +194,56 @@ def hf_step(block, x, ct):
     return fn
 
 
-def hf_numpy(out) -> list[np.ndarray]:
-    y, grads = out
-    return [y[0].detach().float().cpu().numpy(),
-            *(g.detach().float().cpu().numpy() for g in grads)]
-
-
-def hf_routing(block, x) -> np.ndarray:
-    import torch
-    with torch.no_grad():
-        return block.gate(x)[2].cpu().numpy()
-
-
 def torch_ceiling(n: int, iters: int) -> float:
     """TFLOP/s of a dense bf16 ``[n, n] @ [n, n]`` through torch (median of ``iters``)."""
-    import time
-
     import torch
     a, b = (torch.randn(n, n, device=torch_device(), dtype=torch.bfloat16) for _ in range(2))
-    times = []
-    for i in range(iters + 3):
-        torch.cuda.synchronize() if a.is_cuda else None
-        t0 = time.perf_counter()
-        a @ b
-        torch.cuda.synchronize() if a.is_cuda else None
-        times.append(time.perf_counter() - t0) if i >= 3 else None
-    return 2.0 * n**3 / float(np.median(times)) / 1e12
+    sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
+    times = bench.interleaved({"mm": lambda: a @ b}, iters, warmup=3, sync=lambda _: sync())
+    return 2.0 * n**3 / bench.medians(times)["mm"] / 1e12
 
 
-# ----------------------------------------------------------------------------- one shape
+def on_device(ct, torch_side: bool) -> tuple:
+    """A cotangent as moe takes it (jax, ``[1, T, d]``) and as the block does (torch; None with
+    ``--moe-only``), bf16 on the device."""
+    dev = jnp.asarray(ct, jnp.bfloat16)[None]
+    if not torch_side:
+        return dev, None
+    import torch
+    return dev, torch.tensor(ct, device=torch_device(), dtype=torch.bfloat16)
 
 
 def variants(name, shape, a, data, report):
-    """Every variant's ``fn(ct) -> outputs``, its kind and (dense) capacity factor."""
+    """Every variant's ``fn(cts) -> outputs`` (``cts``: :func:`on_device`'s pair), its kind and
+    (dense) capacity factor."""
     weights = block_weights(shape, a.seed)
     params, opts = moe_side(name, shape, weights, a)
     report["shapes"][name]["fp8_block_size"] = opts.fp8_block_size
-    out, cts = {}, {}
-
-    def on_device(ct, torch_side: bool):
-        """A cotangent on the device, once per array (kept alive, so ids stay unique)."""
-        key = (id(ct), torch_side)
-        if key not in cts:
-            if torch_side:
-                import torch
-                dev = torch.tensor(ct, device=torch_device(), dtype=torch.bfloat16)
-            else:
-                dev = jnp.asarray(ct, jnp.bfloat16)[None]
-            cts[key] = (ct, dev)
-        return cts[key][1]
-
+    out = {}
     if not a.moe_only:
         import torch
         blk = hf_block(name, shape, weights)
         x = torch.tensor(data["x"], device=torch_device(), dtype=torch.bfloat16)
 
         def hf(block):
-            return lambda ct: hf_step(block, x, on_device(ct, True))()
+            return lambda cts: hf_step(block, x, cts[1])()
 
         out["hf_eager"] = (hf(blk), "bf16", None)
         out["hf_compiled"] = (hf(torch.compile(blk)), "bf16", None)
-        data["hf_ids"] = hf_routing(blk, x)
-    cf = no_drop_capacity(params, opts, data["x"])
+        with torch.no_grad():
+            data["hf_ids"] = blk.gate(x)[2].cpu().numpy()
+    routed = moe.route(jnp.asarray(data["x"], jnp.bfloat16), jnp.asarray(params["router_kernel"]),
+                       config=opts.router)
+    data["moe_ids"] = np.asarray(routed.expert_ids)
+    loads = np.asarray(routed.tokens_per_expert)
+    cf = float(loads.max() / loads.mean()) * 1.01  # the dense capacity that drops nothing
     for transport in a.transports:
         for recipe in a.recipes:
             c = cf if transport == "dense" else None
             step, args = moe_variant(params, opts, data["x"], transport, recipe, c)
             out[f"moe_{recipe}_{transport}"] = (
-                lambda ct, step=step, args=args: step(*args, on_device(ct, False)),
+                lambda cts, step=step, args=args: step(*args, cts[0]),
                 "fp8" if recipe != "bf16" else "bf16", c)
-    data["moe_ids"] = np.asarray(moe.route(jnp.asarray(data["x"], jnp.bfloat16), jnp.asarray(
-        params["router_kernel"]), config=opts.router).expert_ids)
     return out
 
 
@@ -303,7 +251,8 @@ def as_numpy(out) -> list[np.ndarray]:
     if isinstance(out[0], tuple):  # moe: ((y, dropped), grads)
         (y, _), grads = out
         return [np.asarray(y, np.float32)[0], *to_hf_grads(grads)]
-    return hf_numpy(out)
+    y, grads = out  # the block's torch tensors
+    return [t.detach().float().cpu().numpy() for t in (y[0], *grads)]
 
 
 def check(fns, data, a) -> tuple[dict, list[str]]:
@@ -313,11 +262,11 @@ def check(fns, data, a) -> tuple[dict, list[str]]:
     same = np.ones(len(data["x"]), bool)
     if "hf_ids" in data:
         same = (np.sort(data["hf_ids"], 1) == np.sort(data["moe_ids"], 1)).all(1)
-    ct = data["ct"] * same[:, None]
+    cts = on_device(data["ct"] * same[:, None], not a.moe_only)
     results, passed, outs = {"routing_mismatch_frac": float(1 - same.mean())}, [], {}
     for k, (fn, _, _) in fns.items():
         try:
-            outs[k] = as_numpy(fn(ct))
+            outs[k] = as_numpy(fn(cts))
         except Exception as err:  # noqa: BLE001  (a variant this shape cannot run)
             results[k] = {"ok": False, "error": f"{type(err).__name__}: {err}"[:1000]}
             print(f"  {k}: FAILED {err!r}"[:500], flush=True)
@@ -338,8 +287,9 @@ def run_shape(name, a, report) -> None:
     fns = variants(name, shape, a, data, report)
     checks, passed = check(fns, data, a)
     report["checks"][name] = checks
-    sync = bench.interleaved({k: (lambda f=fns[k][0]: finish(f(data["ct"]))) for k in passed},
-                             a.rounds, warmup=1, sync=lambda out: out)
+    cts = on_device(data["ct"], not a.moe_only)
+    sync = bench.interleaved({k: (lambda f=fns[k][0]: finish(f(cts))) for k in passed}, a.rounds,
+                             warmup=1, sync=lambda out: out)
     for k, sec in bench.medians(sync).items():
         rate = report["ceilings"]["torch" if k.startswith("hf") else "jax"]
         report["rows"].append({"shape": name, "variant": k, "ms": sec * 1e3, "mfu": useful_flops(
@@ -386,7 +336,7 @@ def summarize(rows: list[dict]) -> dict:
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
-    if not a.moe_only and not have_torch():
+    if not a.moe_only and not all(map(importlib.util.find_spec, ("torch", "transformers"))):
         print("vs_transformers.py: needs torch and transformers (pip install torch "
               "transformers), which are not installed here; nothing measured (--moe-only "
               "times the moe side alone).", file=sys.stderr)

@@ -1,11 +1,8 @@
 """What the benchmark scripts share (``bench``), the report generator's parts (``figures``,
-``sections``, ``records``) and the in-process A/B of two trees (``ab``). Private: the scripts
-and ``report.py`` beside this folder are the commands; nothing here has a command line of its
-own.
+``sections``, ``records``) and the in-process A/B of two trees (``ab``); no command line here.
 
 The repository root goes on ``sys.path`` right after the ``PYTHONPATH`` entries, ahead of any
-installed copy of the packages: a script measures this tree's packages when run as ``python3
-benchmarks/NAME.py`` from anywhere, or another tree's that ``PYTHONPATH`` names.
+installed copy: a script measures this tree's packages, or those of a tree ``PYTHONPATH`` names.
 """
 
 import os

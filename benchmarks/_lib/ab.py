@@ -1,12 +1,10 @@
 """In-process A/B of this tree against another (``report.py --ab-pairs BASE_TREE``): one process
 per pair imports both trees' packages and times the same workload built from each, interleaved.
-The base tree's packages and ``examples/*.py`` are copied to a temporary folder under new names
-(``moe_base``, ``lm_model_base``, ...): each NAME token of their code that is an old name and
-not an attribute (``self.moe`` stays) is renamed with :mod:`tokenize` (comments, docstrings and
-messages stay; imports inside functions reach the copy too), and so is a string that is a whole
-dotted path of a module of the copy (an import by name). Neither tree registers primitives,
-lowerings, FFI targets or JAX options; flax's Linen name ``balancing_bias``, which both register
-(overwriting), goes back to this tree's class. :func:`check_own_code` checks module origins.
+The base tree's packages and ``examples/*.py`` are copied under new names (``moe_base``, ...)
+by :func:`rename_source` (NAME tokens, not attributes, comments or messages; and strings that
+are whole dotted module paths of the copy). Neither tree registers primitives, lowerings, FFI
+targets or JAX options; flax's Linen name ``balancing_bias``, which both register, goes back
+to this tree's class. :func:`check_own_code` checks module origins.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ import tempfile
 import time
 import tokenize
 import traceback
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -41,9 +40,6 @@ T0 = time.perf_counter()
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')} +{time.perf_counter() - T0:4.0f}s] {msg}", flush=True)
-
-
-# ----------------------------------------------------------------------------- the base tree
 
 
 def rename_source(src: str, names: dict[str, str], modules: set[str]) -> tuple[str, int]:
@@ -118,9 +114,6 @@ def check_own_code(base: SimpleNamespace) -> list[str]:
                 m.__file__).resolve().is_relative_to(homes[name.split(".")[0]].resolve())]
 
 
-# ----------------------------------------------------------------------------- measuring
-
-
 def rel_err(got, want, ref=None) -> float:
     """The largest ``|got - want| / |want - ref|`` (2-norms; ``ref``: what both moved from)."""
     def one(g, w, r):
@@ -134,9 +127,8 @@ def rel_err(got, want, ref=None) -> float:
 
 def measure(case: str, sides: dict, a, *, tol: float, inner: int = 1, pick=lambda out: out,
             ref=None, check: dict | None = None) -> dict:
-    """One case: each side (``sides``: {'new': fn, 'base': fn}, called without arguments; for
-    this first run ``check``'s instead, where given) compiled and run, their outputs (``pick``
-    of them) compared, then both timed interleaved: new, base, new, base, ..."""
+    """One case: each side's ``fn()`` (``sides``: {'new': fn, 'base': fn}; first ``check``'s,
+    where given) run, the outputs (``pick`` of them) compared, then timed interleaved."""
     outs, first_s = {}, {}
     for side, fn in (check or sides).items():
         t0 = time.perf_counter()
@@ -154,32 +146,12 @@ def measure(case: str, sides: dict, a, *, tol: float, inner: int = 1, pick=lambd
             "samples_ms": {k: [round(t * 1e3, 4) for t in v] for k, v in times.items()}}
 
 
-# ----------------------------------------------------------------------------- the pairs
-
-
-def one_device_mesh():
-    return jax.make_mesh((1, 1), ("data", "expert"), devices=jax.devices()[:1],
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
-
-
-def fwd_bwd(f, args: tuple, n: int):
-    """``() -> (y, gradients of sum(y * ct))`` jitted, ``y = f(*args[:-1])``, ``ct = args[-1]``,
-    the gradients with respect to the first ``n`` args."""
-    def loss(*xs):
-        y = f(*xs[:-1])
-        return jnp.sum(y.astype(jnp.float32) * xs[-1].astype(jnp.float32)), y
-
-    fn = jax.jit(lambda *xs: (lambda r: (r[0][1], *r[1]))(
-        jax.value_and_grad(loss, argnums=tuple(range(n)), has_aux=True)(*xs)))
-    return lambda: fn(*args)
-
-
 def pair_layer(trees: dict, a) -> dict:
     """``moe.moe_apply`` forward + backward (gradients w.r.t. x, the router kernel, both banks)
     at benchmarks/layer.py's default shapes: one device, bf16, balanced routing (zero bias),
     dropless and dense (capacity 1.25) transports, the library's defaults otherwise."""
     tokens, d, f, e, k = (64, 128, 64, 16, 2) if a.small else (16384, 4096, 2048, 16, 2)
-    mesh = one_device_mesh()
+    mesh = bench.line_mesh(devices=jax.devices()[:1])
     data = bench.layer_data(mesh, tokens, d, e, f, a.seed)
     args = (*(data[n] for n in ("x", "router_kernel", "w_gate_up", "w_down")),
             jnp.zeros(e, jnp.float32), data["ct"])
@@ -188,7 +160,8 @@ def pair_layer(trees: dict, a) -> dict:
         def step(moe, t=transport, cf=cf):
             opts = moe.MoEOptions.create(e, k, expert_axis="expert", transport=t,
                                          capacity_factor=cf)
-            return fwd_bwd(lambda *xs: moe.moe_apply(*xs, options=opts, mesh=mesh)[0], args, 4)
+            return partial(bench.fwd_bwd(
+                lambda *xs: moe.moe_apply(*xs, options=opts, mesh=mesh)[0], 4), *args)
 
         cases[transport] = measure(f"layer/{transport}", {s: step(t.moe) for s, t in
                                                           trees.items()}, a, tol=1e-2, inner=3)
@@ -197,9 +170,8 @@ def pair_layer(trees: dict, a) -> dict:
 
 def pair_experts(trees: dict, a) -> dict:
     """``moe.gated_experts`` forward + backward (gradients w.r.t. x and both banks) at
-    benchmarks/experts.py's default shapes: ragged rows, balanced groups, backend 'auto'
-    (Hopper: the Mosaic GPU kernels, on rows laid out 128-aligned as experts.py does), bf16
-    and the FP8 recipe (forward, dgrad and wgrad GEMMs in FP8)."""
+    experts.py's default shapes: ragged balanced rows, backend 'auto' (Hopper: Mosaic, on
+    128-aligned rows as experts.py lays them out), bf16 and all three GEMMs in FP8."""
     rows, d, f, e = (1024, 256, 128, 4) if a.small else (32768, 4096, 2048, 8)
     gmm, ks = trees["new"].accel_kernels.gmm.api, jax.random.split(jax.random.key(a.seed), 4)
     x, gs = bench.normal(ks[0], (rows, d)), jnp.asarray(bench.group_sizes("balanced", rows, e))
@@ -211,9 +183,9 @@ def pair_experts(trees: dict, a) -> dict:
     cases = {}
     for r in ("bf16", "fp8"):
         def step(moe, r=r):
-            return fwd_bwd(lambda x, wgu, wd: moe.gated_experts(
+            return partial(bench.fwd_bwd(lambda x, wgu, wd: moe.gated_experts(
                 x, gs, wgu, wd, group_alignment=align, gemm_dtype=r, dgrad_dtype=r,
-                wgrad_dtype=r), args, 3)
+                wgrad_dtype=r), 3), *args)
 
         cases[r] = measure(f"experts/{r}", {s: step(t.moe) for s, t in trees.items()}, a,
                            tol=1e-2 if r == "bf16" else 3e-2, inner=3)
@@ -222,12 +194,10 @@ def pair_experts(trees: dict, a) -> dict:
 
 
 def pair_muon_step(trees: dict, a) -> dict:
-    """A ``muon_jax.muon`` step (update, apply) as benchmarks/muon_step.py times it on one GPU:
-    sharded over a one-device mesh (unsharded, each matrix has kernels of its own: minutes of
-    compiling on Hopper), its 1.62B bf16 params (8 layers of four d x d, two d x f, one f x d;
-    d 4096, f 11008), library defaults (bf16 momentum: f32 states of both trees may not fit an
-    H100). Plain matrices: no MoE banks, which the new tree splits into gate and up. Agreement:
-    the param changes, whose bf16 rounding alone can differ by a few 1e-3."""
+    """A ``muon_jax.muon`` step (update, apply) on muon_step.py's 1.62B bf16 params, sharded
+    over a one-device mesh (unsharded, each matrix compiles kernels of its own: minutes on
+    Hopper), library defaults (bf16 momentum: both trees' f32 states may not fit an H100); no
+    MoE banks (the new tree splits them). Agreement: the param changes (bf16 rounding ~1e-3)."""
     import optax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -273,7 +243,8 @@ def pair_lm_step(trees: dict, a) -> dict:
     argv = ["--optimizer", "adamw", "--preset", "gpu", *(
         "--batch 8 --seq-len 32 --d-model 128 --layers 2 --heads 4 --d-ff 128 --experts 8 "
         "--fp8-block-size 32".split() if a.small else [])]
-    mesh, sides, check, args = one_device_mesh(), {}, {}, trees["new"].train_lm.parse_args(argv)
+    mesh, sides, check = bench.line_mesh(devices=jax.devices()[:1]), {}, {}
+    args = trees["new"].train_lm.parse_args(argv)
     tokens = np.random.default_rng(a.seed).integers(0, 256, (args.batch, args.seq_len + 1))
     batch = jax.device_put(jnp.asarray(tokens, jnp.int32),
                            NamedSharding(mesh, P(("data", "expert"), None)))
@@ -286,9 +257,6 @@ def pair_lm_step(trees: dict, a) -> dict:
     with jax.set_mesh(mesh):
         case = measure("lm_step", sides, a, tol=1e-2, check=check)
     return {"trainer_flags": argv, "cases": {"train_step": case}}
-
-
-# ----------------------------------------------------------------------------- the runner
 
 
 def worker(base_tree: str, name: str, rounds: int | None, small: bool, out: str) -> int:

@@ -1,8 +1,6 @@
 """The benchmark scripts' plumbing: command line, simulated CPU devices, timing, ceilings,
-routing, accuracy, JSON, the printed table.
-
-Importing this imports JAX without starting its backend, so a script may still simulate CPU
-devices (:func:`parse`) before its first ``jax.devices()``.
+routing, accuracy, JSON, the printed table. Importing it imports JAX without starting its
+backend, so a script may still simulate CPU devices (:func:`parse`) first.
 """
 
 from __future__ import annotations
@@ -27,9 +25,6 @@ LIBRARY = ("moe", "muon_jax", "xla_comm", "examples", "accel_kernels")
 """The source folders the benchmarks measure (a run's ``env.dirty`` says if any had edits)."""
 
 
-# ----------------------------------------------------------------------------- command line
-
-
 # Record labels of the XLA grouped GEMMs of the two token layouts: (implementation, x rank).
 GEMM_LABELS = {"einsum": ("xla", 3), "ragged_dot": ("xla", 2)}
 
@@ -38,10 +33,10 @@ def implementation(label: str) -> str:
     return GEMM_LABELS.get(label, (label,))[0]
 
 
-def parser(description: str, *, out: str | None = None) -> argparse.ArgumentParser:
-    """A parser with ``--small``, ``--cpu-devices``, ``--warmup``, ``--iters``, ``--seed`` and
-    ``--out`` (``out``: its default path, '' to write nothing)."""
-    p = argparse.ArgumentParser(description=description,
+def parser(doc: str, paragraphs: int = 1) -> argparse.ArgumentParser:
+    """A parser described by the first ``paragraphs`` of a script's docstring, with ``--small``,
+    ``--cpu-devices``, ``--warmup``, ``--iters``, ``--seed`` and ``--out``."""
+    p = argparse.ArgumentParser(description="\n\n".join(doc.split("\n\n")[:paragraphs]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true",
                    help="CPU plumbing run at tiny sizes on simulated devices (numbers mean "
@@ -50,14 +45,20 @@ def parser(description: str, *, out: str | None = None) -> argparse.ArgumentPars
     p.add_argument("--warmup", type=int, help="untimed calls first")
     p.add_argument("--iters", type=int, help="timed calls (or interleaved rounds)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=out or "", help="JSON path ('' to write none)")
+    p.add_argument("--out", default="", help="JSON path ('' to write none)")
     return p
 
 
 def parse(p: argparse.ArgumentParser, argv, *, small: dict, full: dict,
           cpu_devices: int = 2) -> argparse.Namespace:
-    """Parse ``argv``; options left unset take their ``small`` (``--small``) or ``full`` value.
-    With ``--small``, JAX runs on ``--cpu-devices`` simulated CPU devices."""
+    """Parse ``argv``; options left unset take their ``small`` (``--small``) or ``full`` value
+    (a key of ``full`` that ``p`` has no option for gets one, its help those two values). With
+    ``--small``, JAX runs on ``--cpu-devices`` simulated CPU devices."""
+    defined = vars(p.parse_known_args([])[0])
+    for k, v in full.items():
+        if k not in defined:
+            p.add_argument(f"--{k.replace('_', '-')}", type=type(v),
+                           help=f"{v}; small {small.get(k, v)}")
     a = p.parse_args(argv)
     for k, v in (small if a.small else full).items():
         if getattr(a, k, None) is None:
@@ -83,7 +84,13 @@ def settings(a: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(a).items() if k != "out"}
 
 
-# ----------------------------------------------------------------------------- environment
+def git(*args: str, tree=ROOT) -> str | None:
+    """``git -C tree ARGS``'s output, or None where git fails or is missing."""
+    try:
+        return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def commit(tree=ROOT) -> str:
@@ -93,21 +100,13 @@ def commit(tree=ROOT) -> str:
         return (tree / "COMMIT").read_text().strip()
     if not (tree / ".git").exists():
         return "unknown"
-    try:
-        return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short=7", "HEAD"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return git("rev-parse", "--short=7", "HEAD", tree=tree) or "unknown"
 
 
 def dirty() -> bool | None:
     """Whether the measured folders (:data:`LIBRARY`) have uncommitted edits (None: no git)."""
-    try:
-        out = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", *LIBRARY],
-                             capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return bool(out.strip())
+    out = git("status", "--porcelain", "--", *LIBRARY)
+    return None if out is None else bool(out)
 
 
 def env() -> dict:
@@ -154,9 +153,6 @@ def print_table(rows: list[dict], cols: list[str], fmt: str = "{:.4g}") -> None:
                         for i, (x, w) in enumerate(zip(line, widths, strict=True))))
 
 
-# ----------------------------------------------------------------------------- timing
-
-
 def median_seconds(fn: Callable, args, warmup: int, iters: int, inner: int = 1) -> float:
     """Median seconds per call of ``fn(*args)`` after ``warmup`` calls; each timed sample is
     ``inner`` back-to-back calls blocked once (launch gaps between calls not counted)."""
@@ -193,9 +189,8 @@ def medians(times: dict[str, list[float]]) -> dict[str, float]:
 
 def dense_ceiling(n: int, warmup: int, iters: int, *, dtype: str = "bf16",
                   inner: int = 3) -> dict:
-    """A dense ``[n, n] @ [n, n]`` on device 0 (f32 accumulation, bf16 out): the rate every
-    run's MFU is measured against. ``dtype='fp8'``: e4m3 operands, the second K-major (what
-    FP8 tensor cores read; cuBLASLt's FP8 GEMM on Hopper)."""
+    """A dense ``[n, n] @ [n, n]`` on device 0 (f32 accumulation, bf16 out), the rate MFU is
+    measured against; ``dtype='fp8'``: e4m3 operands, the second K-major (as FP8 cores read)."""
     ka, kb = jax.random.split(jax.random.key(1))
     dev = jax.devices()[0]
     a = jax.device_put(jax.random.normal(ka, (n, n), jnp.bfloat16), dev)
@@ -238,9 +233,6 @@ def compile_with(lowered, opts: dict | None):
             opts.pop(bad[0])
 
 
-# ----------------------------------------------------------------------------- data
-
-
 def group_sizes(routing: str, tokens: int, groups: int, s: float = 1.0,
                 align: int = 1) -> np.ndarray:
     """Rows per group summing to ``tokens`` (multiples of ``align``): ``'balanced'``, or
@@ -257,10 +249,29 @@ def normal(key, shape, scale: float = 1.0, dtype=jnp.bfloat16):
     return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
 
 
-def line_mesh(axes=("data", "expert")) -> jax.sharding.Mesh:
-    """Mesh ``(1, all devices)`` over ``axes`` (Auto axis types)."""
-    return jax.make_mesh((1, len(jax.devices())), axes,
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=jax.devices())
+def padded(x, sizes: np.ndarray):
+    """The rows of ``x``, in groups of ``sizes``, as ``[E, C, d]`` (C the largest; zero fill)."""
+    c = int(sizes.max())
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    idx = np.where(np.arange(c) < sizes[:, None], starts[:, None] + np.arange(c), len(x))
+    return jnp.take(x, jnp.asarray(idx), axis=0, mode="fill", fill_value=0)
+
+
+def fwd_bwd(f: Callable, n: int) -> Callable:
+    """Jitted ``(*xs, ct) -> (y, gradients of sum(y * ct) w.r.t. the first n xs)``, y = f(*xs)."""
+    def loss(*xs):
+        y = f(*xs[:-1])
+        return jnp.sum(y.astype(jnp.float32) * xs[-1].astype(jnp.float32)), y
+
+    return jax.jit(lambda *xs: (lambda r: (r[0][1], *r[1]))(
+        jax.value_and_grad(loss, argnums=tuple(range(n)), has_aux=True)(*xs)))
+
+
+def line_mesh(axes=("data", "expert"), devices=None) -> jax.sharding.Mesh:
+    """Mesh ``(1, devices)`` over ``axes`` (Auto axis types; default: every device)."""
+    devices = devices or jax.devices()
+    return jax.make_mesh((1, len(devices)), axes, axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                         devices=devices)
 
 
 def accuracy(got, want) -> dict:
@@ -303,8 +314,8 @@ def layer_data(mesh, tokens: int, d: int, e: int, f: int | None, seed: int) -> d
 
 def routings(data, experts: int, top_k: int, names, zipf_s: float = 1.0) -> tuple[dict, dict]:
     """``({routing: balancing bias [E]}, {routing: achieved expert shares})``: ``'balanced'``
-    (the random router as it is) and ``'zipf'`` (a bias calibrated so the benchmark's tokens
-    load expert i with a share ~ 1 / (i + 1)^s; the bias changes the selection only)."""
+    (zero bias) and ``'zipf'`` (a bias, which changes the selection only, giving expert i a
+    share ~ 1 / (i + 1)^s of these tokens)."""
     import moe
 
     cfg = moe.RouterConfig(experts, top_k)
@@ -327,9 +338,8 @@ def routings(data, experts: int, top_k: int, names, zipf_s: float = 1.0) -> tupl
 
 
 def _calibrate(shares: Callable, target: np.ndarray, iters: int = 400) -> np.ndarray:
-    """The bias with the least L1 error of ``shares(bias)`` to ``target`` under the
-    aux-loss-free balancing rule aimed at ``target`` (``bias += step * sign(target -
-    share)``, the step decaying from 0.05 to 1e-4)."""
+    """The least-L1-error bias the aux-loss-free balancing rule aimed at ``target`` reaches
+    (``bias += step * sign(target - share)``, the step decaying from 0.05 to 1e-4)."""
     bias = np.zeros(target.size, np.float32)
     best, best_err, step = bias, np.inf, 0.05
     for _ in range(iters):

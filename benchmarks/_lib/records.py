@@ -1,18 +1,12 @@
 """The current result files and whether each still describes the tree.
 
-A record (``benchmarks/results/current/NAME.json``) is one run of a benchmark: ``benchmark``
-(= NAME), ``commit`` (the tree it ran on), ``date``, ``hardware``, ``software``, ``command``,
-``ceiling``, ``measures`` (the source paths it measures, e.g. ``["moe/", "accel_kernels/"]``)
-and ``results`` (the script's JSON); optionally ``rerun`` (today's spelling of the command),
-``note`` and ``validated_at``: later checks that its figures still hold, each ``{"commit",
-"how", "ratio"}`` (e.g. an A/B run of the benchmark on the record's tree and on a later one,
-``ratio`` = new / old time).
-
-A record is current when no commit after its own touched what it measures (``git log
-COMMIT..HEAD -- MEASURES``), or after a validation whose ratio is within
-``VALIDATION_TOLERANCE`` of 1. Otherwise it is dated: the report shows it as history, naming
-the first later commit that changed its paths. Only committed history counts; without it (no
-git, a shallow clone) currency cannot be told and :class:`Git` says why.
+A record (``benchmarks/results/current/NAME.json``, NAME = its ``benchmark``) has the fields of
+``REQUIRED`` (``measures``: the source paths it measures; ``results``: the script's JSON) and
+optionally ``rerun`` (today's spelling of the command), ``note`` and ``validated_at``: later
+checks that its figures hold, each ``{"commit", "how", "ratio"}`` (ratio = new / old time). It
+is current while no later commit touched what it measures (``git log COMMIT..HEAD --
+MEASURES``), counting from its own commit or from a validation within
+``VALIDATION_TOLERANCE`` of 1; else dated. Only committed history counts (:class:`Git`).
 """
 
 from __future__ import annotations
@@ -116,19 +110,8 @@ def status(rec: dict, git: Git) -> Status:
         if abs(v["ratio"] - 1) <= v.get("tolerance", VALIDATION_TOLERANCE) and git.known(
                 v["commit"]):
             candidates.append((v["commit"], f"{v['how']}, ratio {v['ratio']:.3f}"))
-    best = None
-    for commit, how in candidates:
-        changes = git.changes_after(commit, rec["measures"])
-        if best is None or len(changes) < best[2].__len__():
-            best = (commit, how, changes)
-    commit, how, changes = best
+    commit, how, changes = min(((c, h, git.changes_after(c, rec["measures"]))
+                                for c, h in candidates), key=lambda t: len(t[2]))
     if not changes:
         return Status(True, commit, reason=how)
     return Status(False, commit, changes[0], len(changes))
-
-
-def statuses(records: dict, git: Git | None) -> dict[str, Status]:
-    """Every record's status (``git`` None: raises :class:`NoHistory`)."""
-    if git is None:
-        git = Git()
-    return {name: status(rec, git) for name, rec in records.items()}

@@ -1,14 +1,11 @@
-"""The sections of BENCHMARKS.md, each a function of the current records.
-
-A section reads ``C`` (name -> the parsed ``benchmarks/results/current/<name>.json``, with its
-freshness under ``_status``) and returns markdown lines: what it measures and how, a table
-with the headline ratio first, and the source line of every record it used (hardware,
-software, commit, date, command, the ceiling of that run, and whether it is dated).
-``report.py`` assembles them.
+"""The sections of BENCHMARKS.md, each a function of the current records ``C`` (name -> the
+parsed ``current/<name>.json``, its freshness under ``_status``) returning markdown lines: what
+it measures and how, a table with the headline ratio first, and each record's :func:`source`.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from _lib.figures import BY_NAME, FIGURES, gmm_row
@@ -70,25 +67,19 @@ def ms(v: float, d: int = 2) -> str:
     return f"{v:.{d}f}"
 
 
-# (label, ((case, chunks), ...)): the compiled programs of schedule8.py, in the order
-# the table shows them.
+def _chunked(stem: str, *chunks: int) -> tuple:
+    return tuple((f"{stem}_chunks{k}", k) for k in chunks)
+
+
+# (label, ((case, chunks), ...)): schedule8.py's compiled programs, in the table's order.
 _SCHEDULE_CASES = (
-    ("MoE EP=8, A, dense", (("moe_ep8_A_dense_chunks1", 1), ("moe_ep8_A_dense_chunks2", 2),
-                            ("moe_ep8_A_dense_chunks4", 4))),
-    ("MoE EP=8, A, dropless", (("moe_ep8_A_dropless_chunks1", 1),
-                               ("moe_ep8_A_dropless_chunks2", 2),
-                               ("moe_ep8_A_dropless_chunks4", 4))),
-    ("MoE EP=8, B, dense", (("moe_ep8_B_dense_chunks1", 1), ("moe_ep8_B_dense_chunks2", 2))),
-    ("MoE EP=8, B, dropless", (("moe_ep8_B_dropless_chunks1", 1),
-                               ("moe_ep8_B_dropless_chunks2", 2))),
-    ("MoE EP=16 (2 hosts), A's per-device work, dense", (("moe_ep16_A_dense_chunks1", 1),
-                                                         ("moe_ep16_A_dense_chunks2", 2),
-                                                         ("moe_ep16_A_dense_chunks4", 4))),
-    ("MoE EP=64 (8 hosts), A's per-device work, dense", (("moe_ep64_A_dense_chunks1", 1),
-                                                         ("moe_ep64_A_dense_chunks2", 2),
-                                                         ("moe_ep64_A_dense_chunks4", 4))),
-    ("EP=8 within a host, 2 hosts data parallel, A", (("moe_ep8x2hosts_A_dense_chunks1", 1),
-                                                      ("moe_ep8x2hosts_A_dense_chunks2", 2))),
+    ("MoE EP=8, A, dense", _chunked("moe_ep8_A_dense", 1, 2, 4)),
+    ("MoE EP=8, A, dropless", _chunked("moe_ep8_A_dropless", 1, 2, 4)),
+    ("MoE EP=8, B, dense", _chunked("moe_ep8_B_dense", 1, 2)),
+    ("MoE EP=8, B, dropless", _chunked("moe_ep8_B_dropless", 1, 2)),
+    ("MoE EP=16 (2 hosts), A's per-device work, dense", _chunked("moe_ep16_A_dense", 1, 2, 4)),
+    ("MoE EP=64 (8 hosts), A's per-device work, dense", _chunked("moe_ep64_A_dense", 1, 2, 4)),
+    ("EP=8 within a host, 2 hosts data parallel, A", _chunked("moe_ep8x2hosts_A_dense", 1, 2)),
     ("sharded Muon, 8 GPUs, 1.6B f32 params: f32 / bf16 update gathers, then the same with "
      "`chunk_bytes=1` (one matrix per device per chunk)",
      (("muon_dp8_f32_gather", "-"), ("muon_dp8_bf16_gather", "-"),
@@ -218,9 +209,6 @@ def _two_stage(r: dict) -> str:
             "as it has slots.")
 
 
-# ----------------------------------------------------------------------------- sections
-
-
 def method(C: dict) -> Lines:
     return ["## Method", "",
             "- GPU timings: warm-up calls, then the median of repeated calls timed with "
@@ -248,10 +236,12 @@ def method(C: dict) -> Lines:
 
 
 def headline(C: dict) -> Lines:
-    rows = []
+    rows, links = [], anchors(C)
     for f in FIGURES:
         if not f.headline or f.source not in C:
             continue
+        if f.source not in links:
+            raise KeyError(f"current/{f.source}.json is cited by no section's source line.")
         r = C[f.source]
         met = f.met(r["results"])
         st = r["_status"]
@@ -259,7 +249,7 @@ def headline(C: dict) -> Lines:
                      {None: "-", True: "yes", False: "**no**"}[met],
                      f"{r['hardware'].split(' (')[0]}, `{r['commit']}`, {r['date']}"
                      + ("" if st.current else ", **dated**")
-                     + f" ([{f.source}](#{anchor_of(f.source)}))"])
+                     + f" ([{f.source}](#{links[f.source]}))"])
     dated = sorted({f.source for f in FIGURES if f.headline and f.source in C
                     and not C[f.source]["_status"].current})
     return (["## Headline figures", "",
@@ -293,12 +283,7 @@ def experts(C: dict) -> Lines:
                ["padded [E, C, d], balanced", *pair(r, "padded", "balanced")],
                ["LM layer shape, ragged, balanced", *pair(lm, "ragged", "balanced")],
                ["LM layer shape, ragged, Zipf", *pair(lm, "ragged", "zipf")]]
-    t = C["experts_2gpu"]["results"]
-    t = t.get("grouped_gemm_by_routing") or {  # experts.py's keys, the older run's names
-        f"{n}/{r}": v for k, v in t["bf16_rate_over_dense"].items()
-        for n, c in (("pallas", "ragged_triton"), ("einsum", "padded_einsum"),
-                     ("ragged_dot", "ragged_ragged_dot")) for r in ("balanced", "zipf")
-        if k == f"{c}_{r}"}
+    t = C["experts_2gpu"]["results"]["grouped_gemm_by_routing"]
     old = "; ".join(f"{b} {t[k + '/balanced']:.3f} balanced, {t[k + '/zipf']:.3f} Zipf"
                     for b, k in (("Pallas Triton (GPUs before Hopper)", "pallas"),
                                  ("padded einsum (every expert padded to the largest)",
@@ -756,44 +741,21 @@ def cpu_eager(C: dict) -> Lines:
             + [""])
 
 
-SECTIONS: tuple[tuple[str, Callable[[dict], Lines]], ...] = (
-    ("Method", method), ("Headline figures", headline),
-    ("Grouped GEMM and gated experts", experts), ("FP8 projections", fp8_dense),
-    ("The MoE layer on one GPU", layer_1gpu), ("Against transformers", vs_transformers),
-    ("The LM train step, one GPU", lm_step),
-    ("Muon, one GPU", muon_1gpu),
-    ("Two GPUs", two_gpus), ("Overlap", schedules), ("The trainer", trainer),
-    ("Before and after", before_after), ("CPU eager", cpu_eager))
-
-# Which section shows each current file, for the headline table's links.
-_AB = "before-and-after-the-house-the-jax-012-kernels-the-moe-redesign"
-_SHOWN_IN = {"experts": "grouped-gemm-and-gated-experts", "gmm": "grouped-gemm-and-gated-experts",
-             "layer_vs_transformers": "the-layer-against-transformers-moe-blocks",
-             "experts_lm_shapes": "grouped-gemm-and-gated-experts",
-             "experts_2gpu": "grouped-gemm-and-gated-experts",
-             "fp8_dense": "fp8-projections-moefp8_dense",
-             "dropless": "the-moe-layer-on-one-gpu", "fp8_layer": "the-moe-layer-on-one-gpu",
-             "lm_step": "the-lm-train-step-one-gpu",
-             "muon_step_1gpu": "muon-on-one-gpu-newton-schulzs-symmetric-products",
-             "muon_speed": "muon-on-one-gpu-newton-schulzs-symmetric-products",
-             "dispatch_2gpu": "two-gpus-dispatch-the-layer-at-ep2-sharded-muon",
-             "moe_layer_2gpu": "two-gpus-dispatch-the-layer-at-ep2-sharded-muon",
-             "muon_step_2gpu": "two-gpus-dispatch-the-layer-at-ep2-sharded-muon",
-             "lm_step_2gpu": "two-gpus-dispatch-the-layer-at-ep2-sharded-muon",
-             "schedule8": "overlap-8-gpu-programs-compiled-on-one-machine",
-             "train_lm_cpu": "the-trainer", "lr_sweep_cpu": "the-trainer",
-             "lr_sweep_gpu": "the-trainer", "fp8_parity_gpu": "the-trainer",
-             "fp8_parity_cpu": "the-trainer",
-             "muon_gather_dtype": "the-trainer", "muon_reduce_dtype": "the-trainer",
-             "kernels_ab": _AB, "redesign_ab": _AB, "house_ab": _AB,
-             "eager_layer": "cpu-the-layer-called-eagerly"}
+SECTIONS: tuple[Callable[[dict], Lines], ...] = (
+    method, headline, experts, fp8_dense, layer_1gpu, vs_transformers, lm_step, muon_1gpu,
+    two_gpus, schedules, trainer, before_after, cpu_eager)
 
 
-def anchor_of(name: str) -> str:
-    """The BENCHMARKS.md anchor of the section that shows a current file."""
-    if name not in _SHOWN_IN:
-        raise KeyError(f"current/{name}.json is shown in no section; add it to _SHOWN_IN.")
-    return _SHOWN_IN[name]
+def anchors(C: dict) -> dict[str, str]:
+    """Each current file's link target for the headline table: the BENCHMARKS.md anchor (the
+    heading as GitHub slugs it) of the first section whose source lines cite it."""
+    out: dict[str, str] = {}
+    for section in SECTIONS[2:]:
+        lines = section(C)
+        slug = re.sub(r"[^\w\- ]", "", lines[0].removeprefix("## ").lower()).replace(" ", "-")
+        for name in re.findall(r"\(benchmarks/results/current/(\w+)\.json\)", "\n".join(lines)):
+            out.setdefault(name, slug)
+    return out
 
 
 def blocks(C: dict) -> dict[str, str]:
