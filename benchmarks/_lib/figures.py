@@ -89,7 +89,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure("experts_fp8_padded", "the same, padded [E, C, d] layout", "experts",
            "experts_fp8_speedup_padded", "{:.2f}x", ">= 1.35"),
     Figure("experts_fp8_lm_shape", "the same at the LM step's layer shape (131k rows, d 2048, d_ff "
-           "1408)", "experts_lm_shapes", "experts_fp8_speedup_ragged", "{:.2f}x"),
+           "1408)", "experts_lm_shapes", "experts_fp8_speedup_ragged", "{:.2f}x",
+           headline=False),
     Figure("experts_fp8_worst_cos", "worst cosine of FP8 outputs and gradients against bf16",
            "experts", lambda r: min(e.get("worst_cos_vs_bf16", 1.0) for e in r["experts"]),
            "{:.4f}", ">= 0.99", headline=False),
@@ -113,7 +114,7 @@ FIGURES: tuple[Figure, ...] = (
     # FP8 dense projections.
     Figure("fp8_dense_qkv", "FP8 attention QKV projection fwd+bwd / bf16 (65536 x 2048 x "
            "6144, all GEMMs FP8)", "fp8_dense",
-           lambda r: _dense_row(r, QKV, "all")["speedup_vs_bf16"], "{:.2f}x"),
+           lambda r: _dense_row(r, QKV, "all")["speedup_vs_bf16"], "{:.2f}x", headline=False),
     Figure("fp8_dense_out", "FP8 output projection (65536 x 2048 x 2048, FP8 forward + dgrad)",
            "fp8_dense", lambda r: _dense_row(r, OUT, "forward_dgrad")["speedup_vs_bf16"], "{:.2f}x",
            headline=False),
@@ -179,9 +180,9 @@ FIGURES: tuple[Figure, ...] = (
            / r["muon_step"]["standard"]["update_s"], "{:.3f}x", headline=False),
     Figure("muon_ns_vs_54b8671", "Muon update on one GPU, 1.62B f32 params, Hopper defaults / "
            "0.2905 s (one H200, tree 54b8671)", "muon_speed", "ns_time_ratio_vs_54b8671", "{:.3f}x",
-           "<= 0.6"),
+           "<= 0.7"),
     Figure("muon_over_adamw_step", "trainer GPU preset: Muon step / AdamW step", "muon_speed",
-           "muon_over_adamw_step_time", "{:.2f}x", "<= 1.08"),
+           "muon_over_adamw_step_time", "{:.2f}x", headline=False),
     Figure("muon_race_fraction", "trainer GPU preset: Muon's time to AdamW's final loss / AdamW's "
            "time", "muon_speed", "muon_time_to_adamw_final_loss_fraction", "{:.2f}x", "<= 0.5"),
     # Compiled 8-GPU schedules.
@@ -203,7 +204,10 @@ FIGURES: tuple[Figure, ...] = (
     Figure("sched_train_4x2", "the same on mesh (4, 2), Muon: exposed", "schedule8",
            "train_step_4x2_exposed_fraction", "{:.1%}", "<= 0.10"),
     Figure("sched_muon_dp8", "sharded Muon's synthetic step, 8 GPUs, exposed (defaults)",
-           "schedule8", "muon_dp8_exposed_fraction", "{:.1%}", "<= 0.10"),
+           "schedule8", "muon_dp8_exposed_fraction", "{:.1%}", headline=False),
+    Figure("sched_muon_dp8_over_floor", "sharded Muon's synthetic step, 8 GPUs: exposed - the "
+           "least any order exposes", "schedule8", "muon_dp8_exposed_over_floor", "{:.1%}",
+           "<= 0.05"),
     Figure("sched_muon_dp8_chunked", "the same with chunk_bytes=1", "schedule8",
            "muon_dp8_chunked_exposed_fraction", "{:.1%}", headline=False),
     Figure("sched_muon_dp8_floor", "the least any order of that step's work exposes (collectives - "
@@ -234,7 +238,7 @@ FIGURES: tuple[Figure, ...] = (
     Figure("sweep_gap_cpu", "AdamW's best - Muon's default, 300-step sweep, CPU preset",
            "lr_sweep_cpu", lambda r: -r["cpu_muon_default_minus_adamw_best"], "{:.3f}"),
     Figure("sweep_gap_gpu", "the same, GPU preset (one H200)", "lr_sweep_gpu",
-           lambda r: -r["gpu_muon_default_minus_adamw_best"], "{:.3f}"),
+           lambda r: -r["gpu_muon_default_minus_adamw_best"], "{:.3f}", headline=False),
     Figure("muon_gather_bf16_delta", "bf16 - f32 Muon update gathers, validation loss (CPU preset, "
            "mean of 3 seeds)", "muon_gather_dtype", "delta_bf16_minus_f32", "{:+.4f}",
            headline=False),
