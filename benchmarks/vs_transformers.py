@@ -64,6 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--recipes", default="bf16,fp8_all", help=f"moe's, from {','.join(RECIPES)}")
     p.add_argument("--transports", default="dropless,dense")
     p.add_argument("--moe-only", action="store_true", help="time moe alone (no torch needed)")
+    p.add_argument("--profile", metavar="DIR", help="trace moe's variants: op breakdown")
     a = bench.parse(p, argv, small=dict(rounds=2, ceiling_n=256), full=dict(rounds=5,
                                                                             ceiling_n=8192))
     a.shapes, a.recipes = a.shapes.split(","), a.recipes.split(",")
@@ -228,8 +229,8 @@ def variants(name, shape, a, data, report):
         def hf(block):
             return lambda cts: hf_step(block, x, cts[1])()
 
-        out["hf_eager"] = (hf(blk), "bf16", None)
-        out["hf_compiled"] = (hf(torch.compile(blk)), "bf16", None)
+        out["hf_eager"] = (hf(blk), "bf16", None, None)
+        out["hf_compiled"] = (hf(torch.compile(blk)), "bf16", None, None)
         with torch.no_grad():
             data["hf_ids"] = blk.gate(x)[2].cpu().numpy()
     routed = moe.route(jnp.asarray(data["x"], jnp.bfloat16), jnp.asarray(params["router_kernel"]),
@@ -243,7 +244,7 @@ def variants(name, shape, a, data, report):
             step, args = moe_variant(params, opts, data["x"], transport, recipe, c)
             out[f"moe_{recipe}_{transport}"] = (
                 lambda cts, step=step, args=args: step(*args, cts[0]),
-                "fp8" if recipe != "bf16" else "bf16", c)
+                "fp8" if recipe != "bf16" else "bf16", c, (step, args))
     return out
 
 
@@ -264,13 +265,13 @@ def check(fns, data, a) -> tuple[dict, list[str]]:
         same = (np.sort(data["hf_ids"], 1) == np.sort(data["moe_ids"], 1)).all(1)
     cts = on_device(data["ct"] * same[:, None], not a.moe_only)
     results, passed, outs = {"routing_mismatch_frac": float(1 - same.mean())}, [], {}
-    for k, (fn, _, _) in fns.items():
+    for k, (fn, *_) in fns.items():
         try:
             outs[k] = as_numpy(fn(cts))
         except Exception as err:  # noqa: BLE001  (a variant this shape cannot run)
             results[k] = {"ok": False, "error": f"{type(err).__name__}: {err}"[:1000]}
             print(f"  {k}: FAILED {err!r}"[:500], flush=True)
-    for k, (_, kind, _) in fns.items():
+    for k, (_, kind, *_) in fns.items():
         if k not in outs or ref_name not in outs:
             continue
         got = [outs[k][0][same], *outs[k][1:]]
@@ -296,6 +297,12 @@ def run_shape(name, a, report) -> None:
             shape) / sec / 1e12 / rate, "capacity_factor": fns[k][2], "ok": True})
     for k in set(fns) - set(passed):
         report["rows"].append({"shape": name, "variant": k, "ok": False})
+    for row in report["rows"] if a.profile else []:
+        if row["shape"] == name and row["ok"] and row["variant"].startswith("moe_"):
+            step, args = fns[row["variant"]][3]
+            full = (*args, cts[0])
+            row.update(bench.trace_profile(step.lower(*full).compile(), full, os.path.join(
+                a.profile, f"{name}_{row['variant']}"), 3))
     report.update(summarize(report["rows"]))  # each shape's record complete as it ends
     bench.write_json(a.out, report)
 
