@@ -247,11 +247,11 @@ FIGURES: tuple[Figure, ...] = (
     # The peer comparison (benchmarks/vs_transformers.py).
     Figure("vs_hf_bf16_qwen3", "MoE layer fwd+bwd, bf16: the faster transformers block "
            "(grouped_mm, eager or compiled) / moe, Qwen3-30B-A3B shape", "layer_vs_transformers",
-           "bf16_over_best_hf_qwen3_30b_a3b", "{:.2f}x"),
+           "bf16_over_best_hf_qwen3_30b_a3b", "{:.2f}x", ">= 1.15"),
     Figure("vs_hf_fp8_qwen3", "the same, moe in FP8", "layer_vs_transformers",
-           "fp8_over_best_hf_qwen3_30b_a3b", "{:.2f}x"),
+           "fp8_over_best_hf_qwen3_30b_a3b", "{:.2f}x", ">= 1.3"),
     Figure("vs_hf_bf16_mixtral", "the same in bf16, Mixtral-8x7B shape", "layer_vs_transformers",
-           "bf16_over_best_hf_mixtral_8x7b", "{:.2f}x"),
+           "bf16_over_best_hf_mixtral_8x7b", "{:.2f}x", ">= 1.15"),
     # The house (kernel layer, registry, options resolved once).
     Figure("house_ab_max", "the house: after / before - 1 of the layer, experts, Muon and LM "
            "step times, the furthest from 0", "house_ab", lambda r: max(

@@ -637,58 +637,19 @@ def trainer(C: dict) -> Lines:
             + source(C, "muon_gather_dtype") + source(C, "muon_reduce_dtype") + [""])
 
 
-_KERNELS = {"wire_encode": "wire gather + encode, FP8", "wire_encode_bf16": "the same, bf16",
-            "wire_decode": "wire decode into the expert layout, FP8",
-            "wire_rows": "FP8 GEMM rows from the wire",
-            "weight_cols_t": "a weight's K-major e4m3 copy",
-            "rows_x": "x -> e4m3 rows + scales", "rows_gated": "h = act(z) -> e4m3 rows",
-            "rows_gated_grad": "activation backward, dz bf16 + e4m3",
-            "rows_gated_grad_fp8_only": "the same, e4m3 only"}
-
-
 def before_after(C: dict) -> Lines:
-    r, d = C["kernels_ab"]["results"], C["redesign_ab"]["results"]
-    rows = []
-    for change, res, key, label in (
-            ("jax-0.12 kernels", r, "fp8_bench", "FP8 experts and layer"),
-            ("jax-0.12 kernels", r, "moe_layer_bench_dropless", "the layer's transports"),
-            ("jax-0.12 kernels", r, "quant_bench", "the quantization kernels"),
-            ("moe redesign", d, "fp8_bench", "FP8 experts and layer"),
-            ("moe redesign", d, "moe_layer_bench_dropless", "the layer's transports"),
-            ("moe redesign", d, "lm_step_bench", "the LM train step")):
-        s = res[key]["summary"]
-        rows.append([change, label, f"**{s['geomean_new_over_base']:.3f}**", s["paths"],
-                     f"{s['worst_new_over_base']:.3f} (`{s['worst_path']}`)"])
-    q = r["quant_bench"]["rows"]
-    mot = r["mosaic_over_triton_same_process"]
-
-    def t(case, impl):
-        k = f"rows.{case}/{impl}.ms"
-        return f"{q[k]['new_ms']:.3f}" if k in q else "-"
-
-    kernels = "; ".join(f"{_KERNELS.get(c, c)} {mot['new'][c]:.3f} ({t(c, 'mosaic')} ms)"
-                        for c in mot["new"])
     h = C["house_ab"]["results"]
     house = [[pair, case, ms(c["base_ms"]), ms(c["new_ms"]), f"**{c['new_over_base']:.3f}**"]
              for pair, r in h["pairs"].items() for case, c in r["cases"].items()]
-    return (["## Before and after: the house, the jax-0.12 kernels, the moe redesign", "",
+    return (["## Before and after: the house", "",
              "The house (one kernel layer, one registry, options resolved once, option "
              f"objects; `{h['base_commit']}` -> `{h['commit']}`): each workload built from "
              "both trees' packages in one process per pair, outputs checked equal, then timed "
              "interleaved; medians, ms.", ""]
             + table(["pair", "case", "before", "after", "after / before"], house)
             + ["", " ".join(source(C, "house_ab")), "",
-             "Each benchmark run on the tree before (base) and after (new) a change, "
-             "alternating, in one device session; new / base time. The jax-0.12 kernels: "
-             "scales and row maxima through shared memory and TMA, narrow stores moved to XLA. "
-             "The moe redesign: one options object to the bottom, one kernel registry per "
-             "operation, typed dispatch plans (behaviour unchanged). (The scripts as they were "
-             "then: `benchmarks/ab_trees.py` at `8b11414`; today `report.py --ab-pairs` times "
-             "both trees' workloads in one process.)", ""]
-            + table(["change", "benchmark", "geomean", "rows", "worst row"], rows)
-            + ["", "The kernels alone after the jax-0.12 rewrite (32,768 rows x 4096, weights "
-               f"8 x 4096 x 4096), Mosaic / Triton time in the same process: {kernels}. "
-               + " ".join(source(C, "kernels_ab") + source(C, "redesign_ab")), ""])
+               "Earlier before/after runs (the jax-0.12 kernels, the moe redesign): "
+               "docs/benchmark_log.md.", ""])
 
 
 def vs_transformers(C: dict) -> Lines:
