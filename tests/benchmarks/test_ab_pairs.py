@@ -10,14 +10,15 @@ import sys
 import textwrap
 
 import pytest
-from _paths import ROOT
+from _paths import ROOT, compile_flags
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _lib import ab  # noqa: E402  (benchmarks/_lib/ab.py)
 
 BASE = "8b11414"
-ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+# The scripts set their own device count; they keep the session's compile settings.
+ENV = os.environ | {"XLA_FLAGS": compile_flags(), "JAX_PLATFORMS": "cpu"}
 
 
 @pytest.fixture(scope="module")

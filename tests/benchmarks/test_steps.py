@@ -9,7 +9,7 @@ import sys
 
 import jax
 import pytest
-from _paths import ROOT
+from _paths import ROOT, compile_flags
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -20,10 +20,10 @@ import schedule8  # noqa: E402
 
 def _script(name: str, *args: str, devices: int = 2) -> subprocess.CompletedProcess:
     """The script as a command, on its own ``devices`` simulated CPU devices."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = os.environ | {"XLA_FLAGS": compile_flags(), "JAX_PLATFORMS": "cpu"}
     return subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), "--small",
                            "--cpu-devices", str(devices), *args], cwd=ROOT, timeout=900,
-                          env=env | {"JAX_PLATFORMS": "cpu"}, capture_output=True, text=True)
+                          env=env, capture_output=True, text=True)
 
 
 @pytest.mark.slow

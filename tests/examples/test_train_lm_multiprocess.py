@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 import pytest
-from _paths import ROOT
+from _paths import ROOT, compile_flags
 
 EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -40,7 +40,10 @@ def _free_port() -> int:
 
 def _start(flags, n=2, init_timeout=120) -> list[subprocess.Popen]:
     """``n`` trainer processes; the device count per process comes from --num-processes."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    # The device count per process comes from --num-processes; the session's compile
+    # settings stay (the one-process reference runs in this process under them).
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env["XLA_FLAGS"] = compile_flags()
     port = str(_free_port())
     return [subprocess.Popen(
         [sys.executable, str(EXAMPLES / "train_lm.py"), *TINY, *flags,

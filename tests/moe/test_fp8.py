@@ -194,15 +194,20 @@ def test_bad_dtypes_raise():
 def test_any_block_aligned_width(width):
     """Widths that leave the last int32 scale word partly empty: the unused byte slots hold
     E8M0_PAD, the data and used scales equal those of the same rows padded to whole words."""
-    x = jax.random.normal(jax.random.key(width), (5, width)) * 3.0
-    q = quantize(x, block_size=128)
     nblocks = width // 128
+
+    @jax.jit  # one program per width (called eagerly, every op compiled its own)
+    def run():
+        x = jax.random.normal(jax.random.key(width), (5, width)) * 3.0
+        q = quantize(x, block_size=128)
+        padded = quantize(jnp.pad(x, ((0, 0), (0, (-width) % 512))), block_size=128)
+        return (x, q, padded.data[:, :width], unpack_e8m0(q.scales),
+                unpack_e8m0(padded.scales), dequantize(q, jnp.float32))
+
+    x, q, padded_data, got, padded_scales, y = jax.tree.map(np.asarray, run())
     assert q.scales.shape == (5, -(-nblocks // 4)) and q.block_size == 128
-    padded = quantize(jnp.pad(x, ((0, 0), (0, (-width) % 512))), block_size=128)
-    assert bool(jnp.all(q.data.view(jnp.uint8) == padded.data[:, :width].view(jnp.uint8)))
-    got = unpack_e8m0(q.scales)
-    assert bool(jnp.all(got[:, :nblocks] == unpack_e8m0(padded.scales)[:, :nblocks]))
-    assert bool(jnp.all(got[:, nblocks:] == E8M0_PAD))
-    y = dequantize(q, jnp.float32)
-    rel = jnp.sqrt(jnp.mean((y - x) ** 2) / jnp.mean(x**2))
+    np.testing.assert_array_equal(q.data.view(np.uint8), padded_data.view(np.uint8))
+    np.testing.assert_array_equal(got[:, :nblocks], padded_scales[:, :nblocks])
+    assert np.all(got[:, nblocks:] == E8M0_PAD)
+    rel = np.sqrt(np.mean((y - x) ** 2) / np.mean(x**2))
     assert float(rel) < 0.04

@@ -147,15 +147,17 @@ def test_the_former_kernel_names_map_onto_the_new_ones_with_a_warning():
 def test_the_flat_keyword_functions_take_the_former_names():
     x, gs = jnp.ones((8, 16), jnp.float32), jnp.array([5, 3], jnp.int32)
     w_gu, w_d = jnp.ones((2, 16, 8)) * 0.1, jnp.ones((2, 4, 16)) * 0.1
-    want = moe.gated_experts(x, gs, w_gu, w_d, gemm_implementation="xla")
+    # Jitted (each call a fresh trace, so the warnings still fire): called eagerly these
+    # compile one program per op.
+    want = jax.jit(lambda: moe.gated_experts(x, gs, w_gu, w_d, gemm_implementation="xla"))()
     with pytest.warns(DeprecationWarning, match=r"gated_experts\(backend=...\)"):
-        got = moe.gated_experts(x, gs, w_gu, w_d, backend="xla")
+        got = jax.jit(lambda: moe.gated_experts(x, gs, w_gu, w_d, backend="xla"))()
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     k = jnp.ones((16, 32)) * 0.1
     with pytest.warns(DeprecationWarning, match=r"fp8_dense\(backend=...\)"):
-        got = moe.fp8_dense(x, k, backend="xla")
-    np.testing.assert_array_equal(np.asarray(got),
-                                  np.asarray(moe.fp8_dense(x, k, gemm_implementation="xla")))
+        got = jax.jit(lambda: moe.fp8_dense(x, k, backend="xla"))()
+    want = jax.jit(lambda: moe.fp8_dense(x, k, gemm_implementation="xla"))()
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     with pytest.raises(TypeError, match=r"gated_experts\(\) got an unexpected keyword"):
         moe.gated_experts(x, gs, w_gu, w_d, kernels="xla")
 
@@ -165,6 +167,7 @@ def test_the_flat_keyword_functions_take_the_former_names():
         f = jax.shard_map(lambda x, ids: moe.dispatch(x, ids, num_experts=4, axis_name="expert",
                                                       transport="ragged", **kw)[0],
                           mesh=mesh, in_specs=(jax.P(), jax.P()), out_specs=jax.P())
+        f = jax.jit(f)
         return f(jnp.arange(32.0).reshape(8, 4), jnp.array([[0, 1], [2, 3]] * 4, jnp.int32))
 
     with pytest.warns(DeprecationWarning) as caught:

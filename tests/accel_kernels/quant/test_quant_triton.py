@@ -46,18 +46,23 @@ def test_gated_kernels_match_references(kind):
     k1, k2 = jax.random.split(jax.random.key(1))
     z = (jax.random.normal(k1, (8, 128), jnp.float32) * 4).astype(jnp.bfloat16)
     dh = jax.random.normal(k2, (8, 64), jnp.float32)
-    hq, hs = qt.gated_quantize_rows(z, act, interpret=True)
-    dz, dq, ds = qt.gated_grad_quantize_rows(z, dh, act, interpret=True)
-    want_h = qx.gated_quantize_rows_reference(z, act)
-    want_dz = qx.gated_grad_quantize_rows_reference(z, dh, act, jnp.bfloat16)
+    @jax.jit  # kernels and references in one program (eagerly every op compiles its own)
+    def both(z, dh):
+        return (qt.gated_quantize_rows(z, act, interpret=True),
+                qt.gated_grad_quantize_rows(z, dh, act, interpret=True),
+                qx.gated_quantize_rows_reference(z, act),
+                qx.gated_grad_quantize_rows_reference(z, dh, act, jnp.bfloat16),
+                act.apply(z), act.grad(z, dh))
+
+    (hq, hs), (dz, dq, ds), want_h, want_dz, h_ref, dz_ref = both(z, dh)
     if kind == "silu":  # the same ops: the same bytes
         _assert_same((hq, hs, dz, dq, ds), (*want_h, *want_dz))
     # erf / sigmoid may differ by an ulp between the interpreter and XLA's fused kernels
     h = hq.astype(jnp.float32) * hs[:, None]
-    chex.assert_trees_all_close(h, act.apply(z), rtol=0.07, atol=1e-3 * float(hs.max()))
-    chex.assert_trees_all_close(dz.astype(jnp.float32), act.grad(z, dh), rtol=1e-2, atol=1e-5)
+    chex.assert_trees_all_close(h, h_ref, rtol=0.07, atol=1e-3 * float(hs.max()))
+    chex.assert_trees_all_close(dz.astype(jnp.float32), dz_ref, rtol=1e-2, atol=1e-5)
     dzq = dq.astype(jnp.float32) * ds[:, None]
-    chex.assert_trees_all_close(dzq, act.grad(z, dh), rtol=0.07, atol=1e-3 * float(ds.max()))
+    chex.assert_trees_all_close(dzq, dz_ref, rtol=0.07, atol=1e-3 * float(ds.max()))
 
 
 def test_unsupported_widths_use_the_reference_and_kernels_refuse_them():
@@ -76,14 +81,20 @@ def test_rows_that_are_not_a_power_of_two_go_in_pieces():
     assert qt._chunks(1408) == [(0, 1024), (1024, 256), (1280, 128)]
     k1, k2, k3 = jax.random.split(jax.random.key(4), 3)
     x = jax.random.normal(k1, (4, 1408), jnp.bfloat16) * 3
-    _assert_same(qt.quantize_rows(x, interpret=True), qx.quantize_rows_reference(x))
     act = GatedActivation("silu")
     z = jax.random.normal(k2, (4, 2 * 176), jnp.bfloat16)  # F = 176 = 128 + 32 + 16
     dh = jax.random.normal(k3, (4, 176), jnp.float32)
-    _assert_same(qt.gated_quantize_rows(z, act, interpret=True),
-                 qx.gated_quantize_rows_reference(z, act))
-    _assert_same(qt.gated_grad_quantize_rows(z, dh, act, interpret=True),
-                 qx.gated_grad_quantize_rows_reference(z, dh, act, jnp.bfloat16))
+
+    @jax.jit  # kernels and references in one program (eagerly every op compiles its own)
+    def both(x, z, dh):
+        return ((qt.quantize_rows(x, interpret=True), qx.quantize_rows_reference(x)),
+                (qt.gated_quantize_rows(z, act, interpret=True),
+                 qx.gated_quantize_rows_reference(z, act)),
+                (qt.gated_grad_quantize_rows(z, dh, act, interpret=True),
+                 qx.gated_grad_quantize_rows_reference(z, dh, act, jnp.bfloat16)))
+
+    for got, want in both(x, z, dh):
+        _assert_same(got, want)
 
 
 def test_block_rows_divide_the_rows():
@@ -94,17 +105,23 @@ def test_block_rows_divide_the_rows():
 def test_quantize_cols_t_matches_transposed_row_quantization():
     x = jax.random.normal(jax.random.key(3), (2, 64, 128), jnp.bfloat16) * 3
     x = x.at[0, 5, 7].set(jnp.nan).at[1, :, 3].set(0)
-    q, s = qt.quantize_cols_t(x, interpret=True)
-    ref = fp8.quantize(jnp.swapaxes(x, 1, 2), block_size=64)
-    _assert_same((q, s), (ref.data, fp8.block_scales(ref)[..., 0]))
+
+    @jax.jit  # kernels and reference in one program (eagerly every op compiles its own)
+    def both(x):
+        ref = fp8.quantize(jnp.swapaxes(x, 1, 2), block_size=64)
+        # 2-D token operands [R, K] -> [K, R] (the weight gradient's K-major copies)
+        return (qt.quantize_cols_t(x, interpret=True), qp.cols_t(x[0]),
+                (ref.data, fp8.block_scales(ref)[..., 0]))
+
+    (q, s), got, (ref_data, ref_scales) = both(x)
+    _assert_same((q, s), (ref_data, ref_scales))
     chex.assert_shape((q, s), [(2, 128, 64), (2, 128)])
-    # 2-D token operands [R, K] -> [K, R] (the weight gradient's K-major copies)
-    got = qp.cols_t(x[0])
-    _assert_same(got, (ref.data[0], fp8.block_scales(ref)[0, :, 0]))
+    _assert_same(got, (ref_data[0], ref_scales[0]))
     with pytest.raises(ValueError, match="multiples of"):
         qt.quantize_cols_t(x[:, :, :100], interpret=True)
     assert not qt.cols_supported(100, 64)
-    _assert_same(qp.cols_t(x[:, :, :100]), qx.quantize_cols_t_reference(x[:, :, :100]))
+    _assert_same(*jax.jit(lambda x: (qp.cols_t(x), qx.quantize_cols_t_reference(x)))(
+        x[:, :, :100]))
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
