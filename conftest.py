@@ -41,7 +41,7 @@ _JAX_INTERNALS = frozenset({
     "test_fp8_wire_gemm.py", "test_no_triton_on_hopper.py", "test_tpu_export.py",
     "test_variants.py",
 })
-_KERNEL_TESTS = os.path.join("tests", "moe", "kernels")  # every kernel test file
+_KERNEL_TESTS = os.path.join("tests", "accel_kernels")  # every kernel test file
 # The tests of the example trainer and the benchmark scripts check those scripts; the
 # packages' coverage (the full run's --cov-fail-under) is the packages' own tests'. Coverage's
 # tracer (sys.settrace on Python 3.11) slows jax's Python-heavy tracing by about half, and
