@@ -11,7 +11,10 @@ the modeled times handed to XLA's scheduler (``xla_comm.latency``). Cases (``--o
 
 * ``moe8`` / ``moe8b``: the MoE layer's train step (FP8 wires, capacity 1.25) at EP=8, shape A
   (8192 tokens per device, d 2048, d_ff 1024, 32 experts, top-2) / B (d 4096, d_ff 2048, 64
-  experts, top-8), dense and dropless, per ``--chunks`` count of ``overlap_chunks``;
+  experts, top-8), dense and dropless, per ``--chunks`` count of ``overlap_chunks``; the loss
+  is ``sum(y ct)`` (``--loss linear``), which leaves the layer's output dead (the two-stage
+  combine's return across hosts is compiled away, and the output gradient is known before
+  the forward runs); ``--loss square``, ``0.5 sum(y^2 ct)``, uses it as a next layer would;
 * ``moe16`` / ``moe64``: A's per-device work over 16 GPUs (2 hosts; also with the expert axis
   within a host and the hosts data parallel) and 64 (8 hosts), with the one-stage exchange and
   the two-stage one (``DispatchOptions.host_axis``: across hosts once per token, then within
@@ -125,6 +128,9 @@ def parse_args(argv=None):
     add("--link-gbps", type=float, help="per GPU within a host (default: xla_comm.schedule's)")
     add("--inter-host-gbps", type=float, default=50.0)
     add("--parallel-collectives", type=int, default=1, help="async collectives in flight")
+    add("--loss", choices=("linear", "square"), default="linear",
+        help="the layer cases' loss: sum(y ct) (the records') or 0.5 sum(y^2 ct) (the "
+        "output used, as a next layer uses it)")
     add("--latency-model", action=argparse.BooleanOptionalAction, default=None)
     add("--budget", type=float, default=500.0, help="seconds; later cases are skipped")
     add("--target-config", metavar="TXTPB", help="compile for the GPU this describes")
@@ -166,7 +172,7 @@ class Run:
         self.report = {"benchmark": "schedule8", "env": bench.env(), "cases": {}, "skipped": [],
                        "errors": {}, "target_config": a.target_config,
                        "latency_model": a.latency_model,
-                       "parallel_collectives": a.parallel_collectives,
+                       "parallel_collectives": a.parallel_collectives, "loss": a.loss,
                        "commit": bench.commit(), "date": time.strftime("%Y-%m-%d"),
                        "command": " ".join(["python3 benchmarks/schedule8.py", *(argv or [])])}
         self.hlo_dir = Path(a.hlo_dir) if a.hlo_dir else None
@@ -355,7 +361,13 @@ def moe_compiled(run, mesh, s: MoeShape, transport, chunks, local_first=False,
 
     def loss(x, router, wgu, wd, ct):
         y, aux = moe.moe_apply(x, router, wgu, wd, options=o, mesh=mesh)
-        return jnp.sum(y.astype(jnp.float32) * ct) + 0.01 * aux["load_balance_loss"]
+        y = y.astype(jnp.float32)
+        # 'linear' leaves the output dead (only the weights' gradient needs what the combine
+        # sends), so XLA drops the two-stage combine's return across hosts, and the output
+        # gradient is known before the forward runs; with 'square' the output gradient
+        # y * ct needs the output, as a next layer's would.
+        out = 0.5 * jnp.sum(y * y * ct) if run.a.loss == "square" else jnp.sum(y * ct)
+        return out + 0.01 * aux["load_balance_loss"]
 
     def sds(shape, dtype, spec):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))

@@ -391,7 +391,8 @@ def moe_apply(
     _check_optional_inputs(x, w_down, options, inputs)
     b, s, d = x.shape
     t = b * s
-    options = options.resolve(t, d, w_down.shape[1], mesh=mesh)
+    options = options.resolve(t, d, w_down.shape[1], mesh=mesh,
+                              token_bytes=jnp.dtype(x.dtype).itemsize)
     axes, chunks = options.token_axes, options.dispatch.overlap_chunks
     n_dev = math.prod(mesh.shape[a] for a in axes)
     t_pad = -(-t // (n_dev * chunks)) * (n_dev * chunks)  # whole chunks on every device

@@ -45,7 +45,7 @@ from moe.routing import RouterConfig
 
 __all__ = ["DispatchOptions", "ExpertOptions", "MoEOptions", "ResolvedOptions",
            "auto_overlap_chunks", "auto_transport", "hosts_per_token", "renamed_keywords",
-           "resolve_host_axis"]
+           "resolve_host_axis", "two_stage_pays"]
 
 # The one definition of every enum-like option; the allowed values are read off these types
 # (:func:`choices`), so a new value is added here and nowhere else.
@@ -244,11 +244,12 @@ class DispatchOptions:
         expert axis. ``'auto'`` (the layer's; the flat ``moe.dispatch`` functions read it as
         None): the first axis of a tuple ``expert_axis`` when the mesh's devices along it sit
         in different processes (``Device.process_index``, and ``slice_index`` where the
-        platform has it) while those along the other expert axes share one, and only when a
-        token's slots reach fewer hosts than ``top_k`` (:func:`hosts_per_token`: node-limited
-        routing, or more slots than hosts): else every slot may cross on its own anyway and
-        the second stage only adds a hop, so None. One host (or a single-process mesh) keeps
-        the one-stage exchange.
+        platform has it) while those along the other expert axes share one, and only when
+        its first stage sends fewer bytes across hosts per token than one stage would
+        (:func:`two_stage_pays`: a token's slots must reach clearly fewer hosts than
+        ``top_k``, :func:`hosts_per_token`, as with node-limited routing): else the second
+        stage only adds a hop, so None. One host (or a single-process mesh) keeps the
+        one-stage exchange.
 
     Example:
       >>> from moe import DispatchOptions
@@ -378,6 +379,67 @@ def hosts_per_token(router: RouterConfig, num_slots: int, hosts: int) -> int:
     return bound
 
 
+def _wire_row_bytes(dtype: WireDtype, d_model: int, token_bytes: int, block_size: int) -> int:
+    """Bytes of one row of ``d_model`` channels on a wire of ``dtype`` (``None``: the tokens'
+    dtype, ``token_bytes`` per channel): FP8 e4m3 bytes plus E8M0 scales packed four per
+    32-bit word."""
+    if dtype == "fp8":
+        blocks = -(-d_model // block_size)
+        return d_model + 4 * -(-blocks // 4)
+    return d_model * (2 if dtype == "bf16" else token_bytes)
+
+
+def two_stage_pays(top_k: int, host_slots: int, d_model: int, dispatch: DispatchOptions, *,
+                   token_bytes: int = 2, block_size: int = 128) -> bool:
+    """Whether the two-stage exchange sends fewer bytes across hosts per token than the
+    one-stage one, over a training step (forward and backward).
+
+    Per token, the one-stage exchange sends one row per slot, ``k = top_k`` of them, and each
+    crosses four times: the dispatched row (``dispatch_dtype``'s wire), the expert's output
+    back (the tokens' dtype), the combine's gradient (``combine_grad_dtype``'s wire) and the
+    dispatch's gradient (the tokens' dtype). The first stage of the two-stage exchange sends
+    one row per host the token reaches, at most ``k_1 = host_slots`` of them, and each
+    crosses as the dispatched row (the same wire, with its ``k`` slot ids and routing weights,
+    4 bytes each), the host's summed output (tokens' dtype), the output gradient (tokens'
+    dtype: it is weighted per slot only after it crossed) and the host's summed input
+    gradient (tokens' dtype), and the weights' gradient comes back (4 bytes a slot). Both
+    send the same share of their rows to other hosts, ``(H - 1) / H``, and pad them by the
+    same capacity factor, so the two-stage exchange pays when::
+
+        k_1 (wire_dispatch + 3 t + 12 k) < k (wire_dispatch + wire_combine_grad + 2 t)
+
+    with ``t = token_bytes * d_model`` and a wire row's bytes its dtype's. Having more slots
+    than hosts (``k_1 < k``) is not enough: with FP8 wires and bf16 tokens a first-stage row
+    weighs about 7/6 of a one-stage slot's, so ``k_1`` must stay below about 6/7 of ``k``.
+    The condition is necessary, not sufficient: the second stage moves every slot again
+    within the host, on the faster links there (beside the first stage only where XLA keeps
+    two collectives in flight), and a dense first stage holds at most ``T`` rows per host,
+    which trims its padding when the hosts are few (not counted here).
+
+    Args:
+      top_k: slots per token.
+      host_slots: the most hosts one token's slots reach (:func:`hosts_per_token`).
+      d_model: channels per token.
+      dispatch: the wire formats (``dispatch_dtype``, ``combine_grad_dtype``).
+      token_bytes: bytes per channel of the tokens (2: bf16).
+      block_size: channels per FP8 scale.
+
+    Returns:
+      True where the first stage sends fewer bytes across hosts.
+
+    Example:
+      >>> fp8 = DispatchOptions(dispatch_dtype="fp8", combine_grad_dtype="fp8")
+      >>> two_stage_pays(8, 4, 7168, fp8)  # DeepSeek-V3: top-8 within 4 hosts
+      True
+      >>> two_stage_pays(8, 7, 7168, fp8), two_stage_pays(2, 2, 2048, fp8)
+      (False, False)
+    """
+    t = token_bytes * d_model
+    wire = _wire_row_bytes(dispatch.dispatch_dtype, d_model, token_bytes, block_size)
+    grad = _wire_row_bytes(dispatch.combine_grad_dtype, d_model, token_bytes, block_size)
+    return host_slots * (wire + 3 * t + 12 * top_k) < top_k * (wire + grad + 2 * t)
+
+
 def device_hosts(mesh: Any) -> Any:
     """An int array of ``mesh``'s shape: the host of each device (its slice and process
     index), or None for a mesh without devices (``jax.sharding.AbstractMesh``)."""
@@ -391,15 +453,19 @@ def device_hosts(mesh: Any) -> Any:
 
 
 def resolve_host_axis(dispatch: DispatchOptions, mesh: Any, transport: str,
-                      router: RouterConfig | None = None, num_slots: int = 0) -> str | None:
+                      router: RouterConfig | None = None, num_slots: int = 0, *,
+                      d_model: int | None = None, token_bytes: int = 2,
+                      block_size: int = 128) -> str | None:
     """The host axis the layer's exchange runs two stages over, or None (one stage).
 
     ``host_axis`` None, the ``'ragged'`` transport, or a host axis of one device: None. A
     named axis: that axis. ``'auto'``: the first of a tuple ``expert_axis`` when the mesh's
     devices along it are on different hosts (:func:`device_hosts`), those along every other
-    expert axis on one, and (given the ``router`` and its ``num_slots``) a token's slots
-    reach fewer hosts than ``top_k`` (:func:`hosts_per_token`), so the first stage sends
-    fewer rows across hosts than one stage would; else None.
+    expert axis on one, and (given the ``router`` and its ``num_slots``) the first stage
+    sends fewer bytes across hosts per token than one stage would: :func:`two_stage_pays`
+    with the hosts a token's slots reach (:func:`hosts_per_token`) for rows of ``d_model``
+    channels of ``token_bytes`` each (without ``d_model``: fewer rows, a token's slots
+    reaching fewer hosts than ``top_k``); else None.
 
     Example:
       >>> import jax
@@ -425,9 +491,12 @@ def resolve_host_axis(dispatch: DispatchOptions, mesh: Any, transport: str,
         if not varies(axes[0]) or any(varies(a) for a in axes[1:]):
             return None
         axis = axes[0]
-        if router is not None and hosts_per_token(router, num_slots,
-                                                  mesh.shape[axis]) >= router.top_k:
-            return None  # every slot may cross on its own anyway: a second stage only adds a hop
+        if router is not None:
+            k_1 = hosts_per_token(router, num_slots, mesh.shape[axis])
+            if not (k_1 < router.top_k if d_model is None else two_stage_pays(
+                    router.top_k, k_1, d_model, dispatch, token_bytes=token_bytes,
+                    block_size=block_size)):
+                return None  # the first stage would send as much across hosts, or more
     return axis if mesh.shape[axis] > 1 else None
 
 
@@ -642,8 +711,8 @@ class MoEOptions:
                 )
         return (*batch, *axes)
 
-    def resolve(self, num_tokens: int, d_model: int, d_ff: int, *, mesh: Any
-                ) -> ResolvedOptions:
+    def resolve(self, num_tokens: int, d_model: int, d_ff: int, *, mesh: Any,
+                token_bytes: int = 2) -> ResolvedOptions:
         """These options validated against one call and every ``'auto'`` decided for it.
 
         The one validation pass of a :func:`moe.moe_apply` call (the checks of :meth:`check`),
@@ -659,6 +728,8 @@ class MoEOptions:
           d_model: the model width.
           d_ff: the hidden width of one expert.
           mesh: the call's mesh.
+          token_bytes: bytes per channel of the call's tokens (what ``host_axis='auto'``
+            weighs the exchanges' bytes by: :func:`resolve_host_axis`).
 
         Returns:
           The :class:`ResolvedOptions`.
@@ -679,7 +750,9 @@ class MoEOptions:
             transport = auto_transport(ep)
         e = self.router.num_experts
         slots = -(-e // ep) * ep
-        host_axis = resolve_host_axis(self.dispatch, mesh, transport, self.router, slots)
+        host_axis = resolve_host_axis(self.dispatch, mesh, transport, self.router, slots,
+                                      d_model=d_model, token_bytes=token_bytes,
+                                      block_size=self.fp8_block_size)
         chunks = self.dispatch.overlap_chunks
         if chunks == "auto":
             chunks = auto_overlap_chunks(ep, -(-num_tokens // devices), transport)

@@ -15,6 +15,11 @@ how long one collective transfers on a GPU, from its shapes and a few measured r
   spans hosts sends the share addressed to other hosts at `Hardware.inter_host_GBps` (the two
   links run at once, so the slower share sets the time; ring collectives, whose every step
   crosses a host boundary somewhere, run at the inter-host rate).
+* links (`collective_links`): a collective occupies, for its whole transfer, the links its
+  group reaches: ``'intra_host'`` (the host's GPU-to-GPU links) when a peer shares its host,
+  ``'inter_host'`` (the GPU's network link) when a peer is on another host; so a group within
+  one host takes the first, a group of one device per host the second, any other group that
+  spans hosts both.
 
 Example:
   >>> mod = hlo.parse_hlo('''HloModule m
@@ -45,6 +50,7 @@ __all__ = [
     "GroupedRows",
     "Hardware",
     "collective_attrs",
+    "collective_links",
     "cross_host_bytes",
     "instruction_cost",
     "op_cost",
@@ -423,6 +429,34 @@ def transfer_us(c: hlo.Collective, attrs: str, num_devices: int, hw: Hardware
         return hw.latency_us + t, len(hosts)
     return hw.latency_us + sent / (hw.inter_host_GBps * 1e3), len(hosts)
 
+
+
+INTRA_HOST, INTER_HOST = "intra_host", "inter_host"
+
+
+def collective_links(c: hlo.Collective, attrs: str, num_devices: int,
+                     devices_per_host: int) -> tuple[str, ...]:
+    """The links one collective occupies while it transfers (``attrs``: as for
+    :func:`transfer_us`): ``'intra_host'`` when a peer of its group shares the first member's
+    host (the GPU-to-GPU links within a host), ``'inter_host'`` when a peer sits on another
+    host (the network); none for a group of one device.
+
+    Example:
+      >>> c = hlo.Collective("a2a", "all-to-all", True, ("u8",), ((8192,),), 8192, 8, 7168.0,
+      ...                    "main", False)
+      >>> collective_links(c, "replica_groups={{0,1,2,3}}", 8, 4)  # one host
+      ('intra_host',)
+      >>> collective_links(c, "replica_groups={{0,4},{1,5},{2,6},{3,7}}", 8, 4)  # one per host
+      ('inter_host',)
+      >>> collective_links(c, "replica_groups={{0,1,2,3,4,5,6,7}}", 8, 4)  # both
+      ('intra_host', 'inter_host')
+    """
+    groups = replica_groups(attrs, num_devices)
+    members = groups[0] if groups else list(range(min(c.group_size, devices_per_host)))
+    me = members[0] // devices_per_host
+    same = sum(d // devices_per_host == me for d in members) - 1
+    away = len(members) - 1 - same
+    return (*((INTRA_HOST,) if same else ()), *((INTER_HOST,) if away else ()))
 
 
 def cross_host_bytes(c: hlo.Collective, attrs: str, num_devices: int,

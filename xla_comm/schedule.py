@@ -1,17 +1,28 @@
 """How much of a compiled program's communication its schedule hides, in time, not in ops.
 
 `schedule_report(compiled, hardware)` replays the scheduled HLO of a compiled step (XLA's
-order of instructions, async collectives as ``*-start`` / ``*-done`` pairs) on two streams: a
-compute stream that runs one instruction after another for the time the cost model gives it,
-and a communication stream that runs one collective after another for its transfer time
-under a link model. A ``-done`` that is reached before its transfer has finished stalls the
+order of instructions, async collectives as ``*-start`` / ``*-done`` pairs) on a compute
+stream that runs one instruction after another for the time the cost model gives it, and on
+two links, within a host and between hosts, each of which carries one collective at a time.
+A collective starts when it is issued and every link it occupies is free
+(`xla_comm.costs.collective_links`: a group within one host takes the host's links, a group of
+one device per host the network, any other group that spans hosts both), and transfers for
+its time under the link model. Collectives on the same link run one after another in issue
+order; collectives on different links run at once, which happens only where the schedule
+keeps them in flight together (a ``-start`` issued before an earlier one's ``-done``: XLA
+schedules that only when compiled to keep several collectives in flight,
+``xla_comm.overlap``'s ``parallel_collectives``, and runs such collectives on streams of their
+own). A schedule that keeps one collective in flight therefore replays as on a single
+communication stream. A ``-done`` that is reached before its transfer has finished stalls the
 compute stream; a synchronous collective stalls it for its whole transfer. What the compute
 stream waits is *exposed* communication; the report gives it per collective and summed over
 the step (`ScheduleReport.exposed_fraction` = exposed time / collective time).
 
 The models (`xla_comm.costs`, all parameters of `Hardware`): each instruction computes for
 ``max(FLOPs / GEMM rate, bytes / HBM bandwidth)`` plus a launch, each collective transfers for
-a latency plus its ring bytes over the link (within a host, or across hosts). A while loop
+a latency plus its ring bytes over the link (within a host, or across hosts), and holds each
+link it occupies for all of that time (a transfer alone on a link does not speed up, and two
+on one link do not share it). A while loop
 costs its body times its known trip count, a conditional its first branch (the balanced case
 of the dropless transport; a boolean conditional's false branch, index 0 of the `jax.lax.cond`
 it came from; `branch` picks another), a call its callee.
@@ -40,7 +51,9 @@ Example:
 
 References:
   XLA latency-hiding scheduler (openxla.org/xla): async collectives overlap the compute
-    scheduled between their start and done.
+    scheduled between their start and done; the flag
+    ``--xla_gpu_experimental_parallel_collective_overlap_limit`` bounds how many it keeps
+    in flight.
   NCCL: collectives of one communicator run one after another on their stream.
 """
 
@@ -81,7 +94,7 @@ class Window:
       computation: the HLO computation holding it.
       bytes_sent: bytes each device sends (ring bytes).
       hosts: hosts its replica group spans (1: within a host).
-      transfer_us: its time on the communication stream.
+      transfer_us: its transfer time on its links.
       covered_us: compute time the schedule placed between its start and done.
       exposed_us: time the compute stream waited for it.
       ops: compute ops between start and done; gemms: of them GEMMs.
@@ -89,6 +102,7 @@ class Window:
       conditional: it lies in a conditional branch (runs only when that branch is taken).
       cross_host_bytes: of ``bytes_sent``, the bytes addressed to other hosts
         (`xla_comm.costs.cross_host_bytes`).
+      links: the links it occupies (`xla_comm.costs.collective_links`).
     """
 
     name: str
@@ -105,6 +119,7 @@ class Window:
     executions: int = 1
     conditional: bool = False
     cross_host_bytes: float = 0.0
+    links: tuple[str, ...] = ()
 
     @property
     def hidden_fraction(self) -> float:
@@ -123,6 +138,8 @@ class ScheduleReport:
       compute_us: the modeled compute time alone.
       hardware: the `Hardware` used.
       num_devices: devices of the program.
+      max_in_flight: the most collectives the schedule has in flight at once (an async
+        one from its ``-start`` to its ``-done``).
     """
 
     windows: tuple[Window, ...]
@@ -130,6 +147,7 @@ class ScheduleReport:
     compute_us: float
     hardware: Hardware
     num_devices: int = 1
+    max_in_flight: int = 1
 
     @property
     def collective_us(self) -> float:
@@ -147,12 +165,24 @@ class ScheduleReport:
         return self.exposed_us / self.collective_us if self.collective_us else 0.0
 
     @property
+    def link_us(self) -> dict[str, float]:
+        """Per link, the summed transfer time of the collectives that occupy it."""
+        out: dict[str, float] = {}
+        for w in self.windows:
+            for link in w.links:
+                out[link] = out.get(link, 0.0) + w.transfer_us * w.executions
+        return out
+
+    @property
     def exposed_floor_fraction(self) -> float:
-        """``max(0, collective - compute) / collective``: the least exposed fraction any order
-        of this step's work reaches on a link that carries one collective at a time (the step
-        lasts at least its collectives, and exposed = step - compute)."""
+        """``max(0, communication - compute) / collective``: the least exposed fraction any
+        order of this step's work reaches with at most as many collectives in flight as this
+        schedule keeps (exposed = step - compute, and the step lasts at least its
+        communication). With one in flight the communication is every collective one after
+        another (``collective_us``); with more, the busiest link's share (`link_us`)."""
         coll = self.collective_us
-        return max(0.0, coll - self.compute_us) / coll if coll else 0.0
+        comm = coll if self.max_in_flight <= 1 else max(self.link_us.values(), default=coll)
+        return max(0.0, comm - self.compute_us) / coll if coll else 0.0
 
     def of_kind(self, *kinds: str) -> tuple[Window, ...]:
         """The windows of collectives of these kinds."""
@@ -219,13 +249,15 @@ class _Replay:
     grouped_rows: costs.GroupedRows = None
     windows: list[Window] = dataclasses.field(default_factory=list)
     compute_us: float = 0.0
+    max_in_flight: int = 0
     started: dict[str, tuple] = dataclasses.field(default_factory=dict)  # (coll, hosts, ex, cond)
 
-    def run(self, comp: str, *, executions: int = 1, conditional: bool = False,
-            comm_free: float = 0.0) -> tuple[float, float]:
-        """Replays ``comp``; returns (its time, when the comm stream frees up), both relative
-        to its start."""
+    def run(self, comp: str, *, executions: int = 1, conditional: bool = False
+            ) -> tuple[float, dict[str, float]]:
+        """Replays ``comp``; returns its time and when each link frees up, both relative to
+        its start (every link free at its start)."""
         t = 0.0
+        free: dict[str, float] = {}  # link -> when its last collective ends
         pending: dict[str, tuple[float, float, float, int, int]] = {}
         by_done = {c.done_name: name for name, (c, _) in self.collectives.items()
                    if c.done_name and c.computation == comp}
@@ -233,28 +265,35 @@ class _Replay:
             if ins.name in self.collectives and self.collectives[ins.name][0].computation == comp:
                 coll, attrs = self.collectives[ins.name]
                 xfer, hosts = costs.transfer_us(coll, attrs, self.mod.num_devices, self.hw)
-                begin = max(t, comm_free)
-                comm_free = begin + xfer
+                links = costs.collective_links(coll, attrs, self.mod.num_devices,
+                                               self.hw.devices_per_host)
+                # It starts when issued and every link it takes is free: behind the earlier
+                # collectives on those links, beside those on others (only ones still in
+                # flight can be: a passed -done waited for its transfer's end).
+                end = max([t, *(free.get(link, 0.0) for link in links)]) + xfer
+                free.update(dict.fromkeys(links, end))
+                self.max_in_flight = max(self.max_in_flight, len(pending) + 1)
                 if coll.is_async:
-                    pending[ins.name] = (comm_free, xfer, t, 0, 0)
-                    self.started[ins.name] = (coll, hosts, executions, conditional)
+                    pending[ins.name] = (end, xfer, t, 0, 0)
+                    self.started[ins.name] = (coll, hosts, executions, conditional, links)
                 else:
-                    stall = comm_free - t
+                    stall = end - t
                     self.windows.append(Window(ins.name, coll.kind, False, comp,
                                                coll.ring_bytes, hosts, xfer, 0.0, stall, 0, 0,
                                                executions, conditional,
-                                               self._away(coll, attrs)))
-                    t = comm_free
+                                               self._away(coll, attrs), links))
+                    t = end
                 continue
             if ins.name in by_done and by_done[ins.name] in pending:
                 start = by_done[ins.name]
                 end, xfer, t0, n_ops, n_gemms = pending.pop(start)
-                coll, hosts, ex, cond = self.started[start]
+                coll, hosts, ex, cond, links = self.started[start]
                 stall = max(0.0, end - t)
                 covered = t - t0
                 self.windows.append(Window(start, coll.kind, True, comp, coll.ring_bytes,
                                            hosts, xfer, covered, stall, n_ops, n_gemms, ex,
-                                           cond, self._away(coll, self.collectives[start][1])))
+                                           cond, self._away(coll, self.collectives[start][1]),
+                                           links))
                 t = max(t, end)
                 continue
             dt, gemm = self._cost(ins, executions, conditional)
@@ -262,7 +301,7 @@ class _Replay:
                 for k, (end, xfer, t0, n_ops, n_gemms) in pending.items():
                     pending[k] = (end, xfer, t0, n_ops + 1, n_gemms + int(gemm))
             t += dt
-        return t, comm_free
+        return t, free
 
     def _away(self, coll: hlo.Collective, attrs: str) -> float:
         return costs.cross_host_bytes(coll, attrs, self.mod.num_devices,
@@ -308,6 +347,16 @@ def schedule_report(compiled_or_text: Any, hardware: Hardware, *, branch: int = 
                     grouped_rows: costs.GroupedRows = None) -> ScheduleReport:
     """Replay a compiled step's schedule and report its exposed communication, in time.
 
+    The compute stream runs the schedule's instructions in order; each collective transfers
+    on the links it occupies (within a host, between hosts, or both:
+    `xla_comm.costs.collective_links`) once it is issued and they are free, so collectives
+    sharing a link run one after another and collectives on different links run at once
+    where the schedule keeps them in flight together (a ``-start`` before an earlier
+    ``-done``, as XLA schedules when compiled to keep several collectives in flight). With one
+    collective in flight at a time this is one communication stream. A ``-done`` reached
+    before its transfer ends, and a synchronous collective, stall the compute stream: that
+    wait is the exposed time.
+
     Args:
       compiled_or_text: ``jax.jit(f).lower(*args).compile()`` (its scheduled HLO) or HLO text.
       hardware: the rates of the cost and link models.
@@ -343,7 +392,7 @@ def schedule_report(compiled_or_text: Any, hardware: Hardware, *, branch: int = 
     entry = mod.entry or next(iter(mod.computations), None)
     step = replay.run(entry)[0] if entry else 0.0
     return ScheduleReport(tuple(replay.windows), step, replay.compute_us, hardware,
-                          mod.num_devices)
+                          mod.num_devices, max(replay.max_in_flight, 1))
 
 
 # ----------------------------------------------------------------------------- topologies

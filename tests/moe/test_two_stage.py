@@ -19,7 +19,7 @@ import pytest
 from _meshes import make_mesh
 
 import moe
-from moe.options import resolve_host_axis
+from moe.options import resolve_host_axis, two_stage_pays
 from xla_comm import schedule
 
 E, K, D, F = 8, 2, 64, 32
@@ -140,3 +140,34 @@ def test_auto_finds_the_axis_that_crosses_processes():
     assert resolve_host_axis(named, _fake_mesh(lambda h, i: 0), "dense") == "host"
     with pytest.raises(ValueError, match="first name of expert_axis"):
         moe.DispatchOptions(expert_axis=AXES, host_axis="expert")
+
+
+def test_auto_takes_two_stages_only_where_the_first_sends_fewer_bytes_across_hosts(
+        monkeypatch):
+    """Per token and training step, a first-stage row crosses as the wire row, the host's sum,
+    the output gradient and the input gradient's sum (three in the tokens' dtype) where a
+    one-stage slot's crosses as two wire rows and two in the tokens' dtype: fewer rows
+    (``k_1 < k``) pay only while they outweigh that."""
+    fp8 = moe.DispatchOptions(expert_axis=AXES, dispatch_dtype="fp8", combine_grad_dtype="fp8")
+    # DeepSeek-V3, d 7168: a one-stage slot 2 x 7224 + 2 x 14336 = 43120 B; a first-stage row
+    # 7224 + 3 x 14336 + 12 x 8 = 50328 B. 4 rows for 8 slots pay; 7 do not.
+    assert two_stage_pays(8, 4, 7168, fp8) and not two_stage_pays(8, 7, 7168, fp8)
+    assert two_stage_pays(8, 6, 7168, fp8)  # 301968 < 344960
+    # Shape A: top-2 reaching 2 hosts sends as many rows, each heavier.
+    assert not two_stage_pays(2, 2, 2048, fp8)
+    # With the tokens' dtype on the wire every pass weighs the same: fewer rows pay.
+    plain = moe.DispatchOptions(expert_axis=AXES)
+    assert two_stage_pays(8, 7, 7168, plain) and not two_stage_pays(8, 8, 7168, plain)
+    assert not two_stage_pays(8, 7, 7168, fp8, token_bytes=4)
+    fake = _fake_mesh(lambda h, i: h)
+    top3, top2 = moe.RouterConfig(8, 3), moe.RouterConfig(8, 2)
+    assert resolve_host_axis(fp8, fake, "dense", top3, 8, d_model=256) == "host"
+    assert resolve_host_axis(fp8, fake, "dense", top2, 8, d_model=256) is None
+    # The layer's resolution weighs its own widths (here on a mesh whose rows are 2 "hosts").
+    monkeypatch.setattr(moe.options, "device_hosts", lambda mesh: np.repeat([[0], [1]], 4, 1))
+    mesh = make_mesh((2, 4), AXES)
+    for k, two in ((3, True), (2, False)):
+        opts = moe.MoEOptions.create(8, k, expert_axis=AXES, transport="dense",
+                                     dispatch_dtype="fp8", combine_grad_dtype="fp8",
+                                     fp8_block_size=32)
+        assert opts.resolve(64, 256, 128, mesh=mesh).two_stage is two

@@ -92,6 +92,92 @@ def test_collectives_share_one_stream():
     assert w2.exposed_us == pytest.approx(1.0)
 
 
+def _hosts_module(body: str) -> str:
+    """16 devices, 2 hosts of 8 (`HW`'s devices_per_host): ``[2,8]<=[16]`` groups within a
+    host, ``[8,2]<=[2,8]T(1,0)`` one device per host, ``[1,16]<=[16]`` both."""
+    return f"""HloModule m, num_partitions=16
+ENTRY %main (p: f32[1000], q: f32[1000]) -> f32[1000] {{
+  %p = f32[1000]{{0}} parameter(0)
+  %q = f32[1000]{{0}} parameter(1)
+{body}
+}}"""
+
+
+INTRA, INTER, BOTH = ("replica_groups=[2,8]<=[16]", "replica_groups=[8,2]<=[2,8]T(1,0)",
+                      "replica_groups=[1,16]<=[16]")
+
+
+def test_a_collective_takes_the_links_its_group_reaches():
+    c = hlo.Collective("a", "all-to-all", True, ("f32",), ((1000,),), 4000, 8, 3500.0, "main",
+                       False)
+    assert costs.collective_links(c, INTRA, 16, 8) == ("intra_host",)
+    assert costs.collective_links(c, INTER, 16, 8) == ("inter_host",)
+    assert costs.collective_links(c, BOTH, 16, 8) == ("intra_host", "inter_host")
+    assert costs.collective_links(c, "replica_groups={{0},{1}}", 2, 8) == ()
+
+
+def test_one_collective_in_flight_replays_on_one_stream():
+    """Each -start after the previous -done (XLA's default of one collective in flight): the
+    links change nothing, and the times are those of one communication stream. Across hosts
+    (8 us: 2000 B at 0.25 GB/s) under one add (12 us), then a synchronous all-reduce within a
+    host (7 us: 2 x 7/8 x 4000 B, all exposed), then an all-to-all over both hosts
+    (max(1500 B / 1 GB/s, 2000 B / 0.25 GB/s) = 8 us) with nothing under it."""
+    text = _hosts_module(f"""
+  %s1 = f32[1000]{{0}} all-to-all-start(%p), {INTER}, dimensions={{0}}
+  %a = f32[1000]{{0}} add(%q, %q)
+  %d1 = f32[1000]{{0}} all-to-all-done(%s1)
+  %r = f32[1000]{{0}} all-reduce(%d1), {INTRA}, to_apply=%add
+  %s2 = f32[1000]{{0}} all-to-all-start(%r), {BOTH}, dimensions={{0}}
+  %d2 = f32[1000]{{0}} all-to-all-done(%s2)
+  ROOT %b = f32[1000]{{0}} add(%d2, %a)""")
+    rep = schedule.schedule_report(text, HW)
+    a2a, ar, both = rep.windows
+    assert rep.max_in_flight == 1
+    assert [w.links for w in rep.windows] == [("inter_host",), ("intra_host",),
+                                              ("intra_host", "inter_host")]
+    assert (a2a.transfer_us, a2a.covered_us, a2a.exposed_us) == pytest.approx((8.0, 12.0, 0.0))
+    assert (ar.transfer_us, ar.exposed_us) == pytest.approx((7.0, 7.0))
+    assert (both.transfer_us, both.exposed_us) == pytest.approx((8.0, 8.0))
+    assert rep.step_us == pytest.approx(12 + 7 + 8 + 12)
+    assert rep.exposed_fraction == pytest.approx(15.0 / 23.0)
+    assert rep.link_us == pytest.approx({"inter_host": 16.0, "intra_host": 15.0})
+    # One collective after another: 23 us of them, under 24 us of compute, could all hide.
+    assert rep.exposed_floor_fraction == 0.0
+
+
+def test_collectives_in_flight_together_overlap_only_on_different_links():
+    """Two -starts before their -dones (as XLA schedules with several collectives in flight).
+    Across hosts (8 us) beside within a host (3.5 us: 7/8 of 4000 B): both start at 0, and
+    the second ends under the first. Two across hosts, or one over both hosts beside one
+    within a host, share a link: the second starts when the first ends."""
+    def pair(first, second):
+        text = _hosts_module(f"""
+  %s1 = f32[1000]{{0}} all-to-all-start(%p), {first}, dimensions={{0}}
+  %s2 = f32[1000]{{0}} all-to-all-start(%q), {second}, dimensions={{0}}
+  %d1 = f32[1000]{{0}} all-to-all-done(%s1)
+  %d2 = f32[1000]{{0}} all-to-all-done(%s2)
+  ROOT %b = f32[1000]{{0}} add(%d1, %d2)""")
+        rep = schedule.schedule_report(text, HW)
+        return rep, [(w.transfer_us, w.exposed_us) for w in rep.windows]
+
+    rep, times = pair(INTER, INTRA)
+    assert rep.max_in_flight == 2
+    assert times == pytest.approx([(8.0, 8.0), (3.5, 0.0)])  # beside each other
+    assert rep.step_us == pytest.approx(8.0 + 12.0)
+    rep, times = pair(INTER, INTER)
+    assert times == pytest.approx([(8.0, 8.0), (8.0, 8.0)])  # one after the other
+    assert rep.step_us == pytest.approx(16.0 + 12.0)
+    rep, times = pair(BOTH, INTRA)
+    assert times == pytest.approx([(8.0, 8.0), (3.5, 3.5)])  # behind the one over both
+    # The floor with two in flight: the busiest link's time (here 8 + 8 us across hosts, no
+    # compute to hide it under) rather than every transfer one after another.
+    rep, _ = pair(INTER, INTER)
+    assert rep.exposed_floor_fraction == pytest.approx((16.0 - 12.0) / 16.0)
+    rep, _ = pair(INTER, INTRA)
+    assert rep.link_us == pytest.approx({"inter_host": 8.0, "intra_host": 3.5})
+    assert rep.exposed_floor_fraction == pytest.approx(0.0)
+
+
 def test_gemm_costs_flops_and_the_fp8_rate():
     """A [100, 50] x [50, 200] dot: 2 MFLOP, 2 ms at 1 GFLOP/s (its 70 KB take 70 us); as a cuBLAS
     custom call reading its dimensions from the backend config; as a Mosaic GPU grouped GEMM
