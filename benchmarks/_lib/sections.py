@@ -143,7 +143,9 @@ def schedules(C: dict) -> Lines:
              "other columns are the second compile's. "
              "A: 8192 tokens/device, d 2048, d_ff 1024, 32 experts, top-2, FP8 wires; B: d 4096, "
              "d_ff 2048, 64 experts, top-8; over 16 and 64 GPUs A's per-device work (4 local "
-             "experts: 64 and 256 experts). "
+             "experts: 64 and 256 experts). The layer cases differentiate a loss linear in "
+             "the output, which lets XLA drop the forward's combine: with the output used "
+             "(`--loss square`) more is exposed (docs/benchmark_log.md). "
              + (f"The layer's default chunk counts in this run: dense "
                 f"{r['defaults']['dense']}, dropless {r['defaults']['dropless']}. "
                 if r.get("defaults") else "")
