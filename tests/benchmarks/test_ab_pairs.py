@@ -143,9 +143,12 @@ ENTRY %main (u: f16[2,8,4], t: s32[3]) -> bf16[2,8,8] {
 
 
 @pytest.mark.slow
-def test_muon_step_pair_against_54b8671_gives_issue_63s_keys(tmp_path_factory, tmp_path):
+def test_muon_step_pair_against_54b8671_gives_issue_63s_keys(tmp_path_factory, tmp_path,
+                                                             monkeypatch):
     """54b8671 (no accel_kernels; muon(..., mesh=)) loads beside this tree; the pair writes
-    update_over_54b8671, orthogonality_error_ratio and ns_passes_over_gemm_time."""
+    update_over_54b8671, orthogonality_error_ratio and ns_passes_over_gemm_time, which
+    ``report.py --adopt NAME RUN --keys-from AB`` puts in a record of the same commit and
+    device, and refuses for another."""
     out = tmp_path / "ab.json"
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report.py"), "--ab-pairs",
                           str(_export("54b8671", tmp_path_factory)), "--pairs", "muon_step",
@@ -160,3 +163,16 @@ def test_muon_step_pair_against_54b8671_gives_issue_63s_keys(tmp_path_factory, t
     assert r["update_over_54b8671"] == ms["cases"]["update"]["new_over_base"]
     assert set(ms["orthogonality"]["error"]["base"]) == {"wq", "w_gate", "w_down"}
     assert 0 < ms["orthogonality"]["error"]["new"]["wq"] < 1 and ms["ns_profile"]["us_per_step"]
+    import report  # benchmarks/report.py
+
+    monkeypatch.setattr(report.records, "CURRENT", tmp_path)
+    run = tmp_path / "run.json"
+    env = {"python": "3", "jax": "0", "commit": r["commit"], "device_kind": "cpu", "n_devices": 1,
+           "dirty": False, "argv": ["python3", "benchmarks/muon_step.py"]}
+    run.write_text(json.dumps({"env": env, "ceilings": [{"name": "dense_bf16", "tflops": 1.0}]}))
+    got = json.loads(report.adopt("muon_step_1gpu", run, keys_from=out).read_text())["results"]
+    assert got["update_over_54b8671"] == r["update_over_54b8671"] and got["device"] == "cpu"
+    assert got["muon_ab"]["base_commit"] == "54b8671" and got["ns_passes_over_gemm_time"] > 0
+    run.write_text(json.dumps({"env": env | {"device_kind": "NVIDIA H100"}}))
+    with pytest.raises(ValueError, match="not the commit and device"):
+        report.adopt("muon_step_1gpu", run, keys_from=out)
