@@ -78,8 +78,7 @@ def scale_experts(ex, sizes, experts):
     return ex * ((1.0 + first + jnp.minimum(row_e, el - 1)) / experts)[:, None].astype(ex.dtype)
 
 
-def pipeline(mesh, spec, a, *, transport, wire, cf=None, impl="auto", scale=False,
-             kernels="auto"):
+def pipeline(mesh, spec, a, *, transport, wire, cf=None, impl="auto", scale=False, kernels="auto"):
     """Jitted ``disp(x, ids)``, ``fwd(x, ids, w)``, ``full(...) -> (y, expert_x, sizes,
     dropped)``, ``grad(x, ids, w, ct) -> (dx, dw)`` and ``bucket(x, ids)`` (dropless)."""
     def disp(x, ids):

@@ -123,8 +123,7 @@ def experts_case(report, a, data, case):
         if recipe != "bf16" and ref is not None:
             row.update(bench.accuracy(out, ref))
         if a.breakdown:
-            prof = bench.trace_profile(step, args, tempfile.mkdtemp(prefix="experts_"), 3,
-                                       top=16)
+            prof = bench.trace_profile(step, args, tempfile.mkdtemp(prefix="experts_"), 3, top=16)
             row["breakdown"] = prof.get("breakdown", prof)
         report["experts"].append(row)
         print(f"[experts] {case} {recipe}: {sec * 1e3:.3f} ms, MFU {row['bf16_equiv_mfu']:.3f}",

@@ -44,8 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--ceiling-n", type=int, help="dense ceiling size (8192; small 256)")
     return bench.parse(p, argv, small=dict(tokens=1024, d_model=256, d_ff=128, experts=4,
                                            ceiling_n=256),
-                       full=dict(tokens=32768, d_model=4096, d_ff=2048, experts=8,
-                                 ceiling_n=8192))
+                       full=dict(tokens=32768, d_model=4096, d_ff=2048, experts=8, ceiling_n=8192))
 
 
 def operands(a, routing: str, backend: str):

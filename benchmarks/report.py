@@ -10,7 +10,7 @@ code changed since: README.md, Benchmarks).
     python3 benchmarks/report.py --stale         # list the dated records; exit 1 if any
     python3 benchmarks/report.py --main-job      # rerun the README's main job (CPU, ~3 min)
     python3 benchmarks/report.py --run OUT [--only gmm,lm_step] [--small]  # the suite
-    python3 benchmarks/report.py --adopt NAME OUT/NAME.json  # make a run current
+    python3 benchmarks/report.py --adopt NAME OUT/NAME.json [--keys-from AB.json]  # current
     python3 benchmarks/report.py --ab-pairs BASE_TREE [--pairs layer,...] [--rounds N] [--small]
         [--validate NAME] --out OUT.json  # both trees in one process per pair (_lib/ab.py)
 
@@ -193,12 +193,21 @@ def script_measures(command: str) -> list[str] | None:
 
 
 def adopt(name: str, result: pathlib.Path, *, commit=None, command=None, hardware=None,
-          measures=None, date=None, ceiling=None, **extra) -> pathlib.Path:
+          measures=None, date=None, ceiling=None, keys_from=None, **extra) -> pathlib.Path:
     """Make a run's JSON ``current/NAME.json`` (the earlier one stays in git history): commit,
     command, hardware and date default to its ``env``, the measured paths to the script's
-    ``MEASURES`` (else the replaced record's); ``extra``: more fields (``rerun``)."""
+    ``MEASURES`` (else the replaced record's); ``extra``: more fields (``rerun``); ``keys_from``:
+    an ``--ab-pairs`` JSON (same commit and device) whose muon_step keys (``_lib/ab.py``'s
+    ``summarize``) join the results, with its device, commit and pair record (``muon_ab``)."""
     res = json.loads(result.read_text())
     env, target = res.get("env", {}), records.CURRENT / f"{name}.json"
+    if keys_from:
+        ab = json.loads(pathlib.Path(keys_from).read_text())
+        if (ab["commit"], ab["device"]) != (commit or env.get("commit"), env.get("device_kind")):
+            raise ValueError(f"{keys_from}: not the commit and device of {result}.")
+        res |= {k: v for k, v in ab.items() if k in ("device", "commit") or k.startswith((
+            "update_over_", "orthogonality_", "ns_passes_"))} | {"muon_ab": ab["pairs"][
+                "muon_step"] | {"base_commit": ab["base_commit"]}}
     if not env.get("jax") or not env.get("python"):
         raise ValueError(f"{result}: no env.jax / env.python; the benchmark scripts write them.")
     if commit is None and env.get("dirty"):
@@ -222,8 +231,7 @@ def adopt(name: str, result: pathlib.Path, *, commit=None, command=None, hardwar
                if env.get("backend") == "cpu" else f"{env['n_devices']}x {env['device_kind']}"),
            "software": {"python": env["python"], "jax": env["jax"], **res.get("software", {})},
            "command": command,
-           "ceiling": ceiling, "measures": measures, "source": result.name, "results": res,
-           **extra}
+           "ceiling": ceiling, "measures": measures, "source": result.name, "results": res, **extra}
     target.write_text(json.dumps(rec, indent=1) + "\n")
     return target
 
@@ -342,6 +350,8 @@ def main(argv=None) -> int:
     for flag in ("commit", "command", "hardware", "date"):
         p.add_argument(f"--{flag}", help=f"--adopt: the run's {flag} (default: its env)")
     p.add_argument("--measures", help="--adopt: comma-separated source paths it measures")
+    p.add_argument("--keys-from", metavar="AB_JSON", help="--adopt: an --ab-pairs JSON whose "
+                   "muon_step keys join the results (same commit and device)")
     p.add_argument("--ab-pairs", metavar="BASE_TREE", help="A/B of four workloads built from "
                    "this tree's packages and BASE_TREE's, both in one process per pair")
     p.add_argument("--pairs", default="layer,experts,muon_step,lm_step", help="--ab-pairs")
@@ -359,8 +369,7 @@ def main(argv=None) -> int:
             return ab_pairs.worker(a.ab_pairs, a.pairs, a.rounds, a.small, a.out)
         if a.validate and not a.out:
             raise ValueError("--validate reads the A/B's JSON: pass --out too")
-        rc = ab_pairs.run_all(a.ab_pairs, a.pairs.split(","), a.rounds, a.small, a.out,
-                              a.timeout)
+        rc = ab_pairs.run_all(a.ab_pairs, a.pairs.split(","), a.rounds, a.small, a.out, a.timeout)
         return validate(a.validate, a.out) if a.validate and rc == 0 else rc
     if a.main_job:
         return main_job()
@@ -368,7 +377,7 @@ def main(argv=None) -> int:
         return list_stale()
     if a.adopt:
         print(adopt(a.adopt[0], pathlib.Path(a.adopt[1]), commit=a.commit, command=a.command,
-                    hardware=a.hardware, date=a.date,
+                    hardware=a.hardware, date=a.date, keys_from=a.keys_from,
                     measures=a.measures and a.measures.split(",")))
     return write_documents(a.check)
 

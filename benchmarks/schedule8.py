@@ -149,8 +149,7 @@ def parse_args(argv=None):
     return a
 
 
-def grouped_rows(tokens: int, chunks: int, top_k: int, devices: int = 1,
-                 local_first: bool = False):
+def grouped_rows(tokens: int, chunks: int, top_k: int, devices: int = 1, local_first: bool = False):
     """The rows a chunk's grouped GEMMs compute under balanced routing, which the replay
     charges (not the worst-case layout's); with ``local_first`` the first chunk's local pass
     takes 1 / devices of them (by named scope, ``xla_comm.costs.GroupedRows``)."""
@@ -340,8 +339,7 @@ def measure_rates(small: bool) -> tuple[float, float, float]:
 # ----------------------------------------------------------------------------- the MoE layer
 
 
-def moe_compiled(run, mesh, s: MoeShape, transport, chunks, local_first=False,
-                 host_axis=None):
+def moe_compiled(run, mesh, s: MoeShape, transport, chunks, local_first=False, host_axis=None):
     """The layer's train step on ``mesh`` (its expert axes: every axis but ``'data'``; with
     ``host_axis`` the two-stage exchange over it)."""
     import jax
@@ -411,8 +409,7 @@ def multi_host_cases(run, group, chunk_list, local_list):
                     f"{'_local_first' if lf else ''}_chunks{c}")
             extra = {"topology": topo, "placement": "expert axis over every host", "chunks": c,
                      "local_first": lf, "shape": dataclasses.asdict(s),
-                     "grouped_rows": grouped_rows(s.tokens, c, s.top_k, mesh.shape["expert"],
-                                                  lf)}
+                     "grouped_rows": grouped_rows(s.tokens, c, s.top_k, mesh.shape["expert"], lf)}
             run.case(name, lambda c=c, lf=lf: moe_compiled(run, mesh, s, "dense", c, lf), extra)
     hosts = 2 if run.a.small else ndev // 8
     split = run.mesh(topo, (1, hosts, ndev // hosts), ("data", "host", "expert"))
@@ -581,8 +578,7 @@ def train_setup(run, mesh_shape, micro_batches, chunks, optimizer="muon"):
                                      devices=np.zeros(mesh_shape))
         chunks = train_lm.resolve_overlap_chunks(args, mesh, pgle=bool(run.a.latency_model))
     tokens = args.batch * args.seq_len // ndev // micro_batches
-    c = moe.auto_overlap_chunks(mesh_shape[1], tokens, "dense") if chunks == "auto" else int(
-        chunks)
+    c = moe.auto_overlap_chunks(mesh_shape[1], tokens, "dense") if chunks == "auto" else int(chunks)
     argv = [*preset, "--optimizer", optimizer, "--mesh", ",".join(map(str, mesh_shape)),
             "--overlap-chunks", str(chunks)]
     if optimizer == "muon":
@@ -805,8 +801,7 @@ def two_stage_keys(cases: dict, chunks: int, frac) -> dict:
         a_one, a_two = (f"moe_ep{ep}_A_dense_chunks{chunks}",
                         f"moe_ep{ep}_A_dense_two_stage_chunks{chunks}")
         out[f"moe_ep{ep}_A_two_stage_exposed_fraction"] = frac(a_two)
-        out[f"moe_ep{ep}_A_two_stage_step_over_one_stage"] = ratio(a_two, a_one, "all",
-                                                                   "step_us")
+        out[f"moe_ep{ep}_A_two_stage_step_over_one_stage"] = ratio(a_two, a_one, "all", "step_us")
         out[f"moe_ep{ep}_A_cross_host_bytes_ratio"] = ratio(a_two, a_one, "all_to_all",
                                                             "cross_host_bytes")
     return out

@@ -123,8 +123,7 @@ def moe_variant(params, opts, x, transport: str, recipe: str, capacity_factor=No
 
     def loss(x, rk, wgu, wd, ct):
         y, aux = moe.moe_apply(x, rk, wgu, wd, options=o)
-        return jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32)), (
-            y, aux["dropped_slots"])
+        return jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32)), (y, aux["dropped_slots"])
 
     step = jax.jit(lambda *args: (lambda r: (r[0][1], r[1]))(
         jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(*args)))

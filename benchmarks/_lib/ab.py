@@ -5,6 +5,11 @@ by :func:`rename_source` (NAME tokens, not attributes, comments or messages; and
 are whole dotted module paths of the copy). Neither tree registers primitives, lowerings, FFI
 targets or JAX options; flax's Linen name ``balancing_bias``, which both register, goes back
 to this tree's class. :func:`check_own_code` checks module origins.
+
+Issue 63's keys on one GPU (BASE: ``git archive 54b8671 moe muon_jax xla_comm examples``
+extracted, and ``echo 54b8671 > BASE/COMMIT``): ``report.py --ab-pairs BASE --pairs muon_step
+--out AB.json``, then ``report.py --adopt muon_step_1gpu RUN.json --keys-from AB.json`` with
+RUN.json report.py's SUITE run of muon_step_1gpu on the same commit and GPU (:func:`summarize`).
 """
 
 from __future__ import annotations
@@ -32,9 +37,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from _lib import ROOT, bench
+from xla_comm.breakdown import Rule, scope_regex
 
 PACKAGES = ("moe", "muon_jax", "xla_comm", "accel_kernels")
 ROUNDS = {"layer": 20, "experts": 20, "muon_step": 10, "lm_step": 10}  # the pairs' rounds
+NS_RULES = (Rule("gemm", "scope", scope_regex(r"tiles_\d+_of_\d+")),  # see ns_passes
+            Rule("gemm", "kernel", r"^symmetric_upper|^anonymous_mosaic_gpu_kernel"))
 T0 = time.perf_counter()
 
 
@@ -197,12 +205,13 @@ def pair_muon_step(trees: dict, a) -> dict:
     """A ``muon_jax.muon`` step (update, apply) on muon_step.py's 1.62B bf16 params, sharded
     over a one-device mesh (unsharded, each matrix compiles kernels of its own: minutes on
     Hopper), library defaults (bf16 momentum: both trees' f32 states may not fit an H100); no
-    MoE banks (the new tree splits them). Agreement: the param changes (bf16 rounding ~1e-3)."""
+    MoE banks (the new tree splits them). Agreement: the param changes (bf16 rounding ~1e-3).
+    Then :func:`ns_passes` (this tree) and :func:`polar_errors` (layer 0's gradients)."""
     import optax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    layers, d, f = (4, 64, 176) if a.small else (8, 4096, 11008)
+    layers, d, f = (1, 64, 176) if a.small else (8, 4096, 11008)
     shapes = {"wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d), "w_gate": (d, f),
               "w_up": (d, f), "w_down": (f, d)}
     mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1],
@@ -229,7 +238,48 @@ def pair_muon_step(trees: dict, a) -> dict:
     with jax.set_mesh(mesh):
         case = measure("muon_step", {s: step(t.muon_jax) for s, t in trees.items()}, a,
                        tol=2e-2, pick=lambda out: out[0], ref=params)
-    return {"shapes": dict(layers=layers, d_model=d, d_ff=f), "cases": {"update": case}}
+        ns = ns_passes(trees["new"].muon_jax, params, mesh)
+    return {"shapes": dict(layers=layers, d_model=d, d_ff=f), "cases": {"update": case},
+            "ns_profile": ns, "orthogonality": polar_errors(trees, {
+                k: grads["layer_0"][k] for k in ("wq", "w_gate", "w_down")})}
+
+
+def ns_passes(muon_jax, params, mesh) -> dict:
+    """Newton-Schulz alone as muon_step.py's ``ns`` runs it (the tree's defaults on its owner
+    stacks of ``params``, f32 in, bf16 out), 3 calls traced: ``ratio``, device time of the
+    kernels that are not GEMMs over that of GEMMs (None, with the reason, where the profiler
+    fails). Each kernel is classified by the HLO instruction it runs (``op_breakdown``): dots
+    and fusions holding one, cuBLAS / cuBLASLt custom calls, and the symmetric-tile Mosaic GPU
+    kernel, a custom call under its ``tiles_W_of_T`` scope (xla_comm.costs.TILES_SCOPE), are
+    GEMMs; kernels that name no instruction are classified by name (Mosaic's by ours)."""
+    plan = muon_jax.scale_by_muon(sharding=muon_jax.ShardingOptions(mesh)).init(params).plan
+    xs = [jnp.ones((s.k_owner, s.m, s.n), jnp.float32) for s in plan.stacks]
+    f = jax.jit(lambda xs: [muon_jax.orthogonalize(x).astype(jnp.bfloat16) for x in xs])
+    prof = bench.trace_profile(f.lower(xs).compile(), (xs,), tempfile.mkdtemp(prefix="ns_"), 3,
+                               rules=NS_RULES)
+    bd = prof.get("breakdown", {})
+    us = bd.get("us_per_step") or {}
+    ratio = (sum(us.values()) - us["gemm"]) / us["gemm"] if us.get("gemm") else None
+    log(f"muon_step: Newton-Schulz non-GEMM over GEMM device time {ratio}")
+    return {"ratio": ratio, "shapes": [[s.k_owner, s.m, s.n] for s in plan.stacks]} | (
+        {k: bd[k] for k in ("us_per_step", "top_ops", "unmatched_kernels")} if ratio
+        is not None else {"reason": prof.get("reason", bd)})
+
+
+def polar_errors(trees: dict, mats: dict) -> dict:
+    """Each tree's ``orthogonalize`` with its defaults (what its Muon runs) of each matrix
+    (f32): the relative Frobenius distance to the exact polar factor ``U V^T``, by QDWH
+    (``jax.scipy.linalg.polar``, f32 matmuls: within 1e-6 of a float64 SVD's on 512 x 1376; an
+    SVD of 4096 x 11008 takes minutes on a host); ``ratio``: the largest new / base."""
+    xs = [jnp.asarray(np.asarray(x), jnp.float32) for x in mats.values()]  # off the mesh
+    want = jax.jit(lambda xs: [jax.scipy.linalg.polar(x, ("right", "left")[  # QDWH: m >= n
+        x.shape[0] < x.shape[1]])[0] for x in xs])(xs)
+    err = {s: dict(zip(mats, map(float, jax.jit(lambda xs, ws, f=t.muon_jax.orthogonalize: [
+        jnp.linalg.norm(f(x) - w) / jnp.linalg.norm(w) for x, w in zip(xs, ws, strict=True)])(
+            xs, want)), strict=True)) for s, t in trees.items()}
+    ratio = max(err["new"][k] / err["base"][k] for k in mats)
+    log(f"muon_step: distance to the polar factor {err}, new / base at most {ratio:.4f}")
+    return {"error": err, "ratio": ratio, "shapes": {k: list(x.shape) for k, x in mats.items()}}
 
 
 def pair_lm_step(trees: dict, a) -> dict:
@@ -323,9 +373,16 @@ def run_all(base_tree: str, pairs: list[str], rounds: int | None, small: bool, o
 
 def summarize(rep: dict, pairs: list[str]) -> dict:
     """The summary keys: the device, the largest |log(new / base)| of any case, whether every
-    case is within 3% and agrees, whether every pair ran on its own trees' code."""
+    case is within 3% and agrees, whether every pair ran on its own trees' code; with the
+    muon_step pair, ``update_over_BASE`` (its new / base; BASE the base commit, where known),
+    ``orthogonality_error_ratio`` and ``ns_passes_over_gemm_time`` (:func:`pair_muon_step`)."""
     cases = [c for p in rep["pairs"].values() for c in p["cases"].values()]
     rep["device"] = next((p["env"]["device_kind"] for p in rep["pairs"].values()), None)
+    if ms := rep["pairs"].get("muon_step"):
+        base = rep["base_commit"] if rep["base_commit"] != "unknown" else "base"
+        rep |= {f"update_over_{base}": ms["cases"]["update"]["new_over_base"],
+                "orthogonality_error_ratio": ms["orthogonality"]["ratio"],
+                "ns_passes_over_gemm_time": ms["ns_profile"]["ratio"]}
     ratios = [c["new_over_base"] for c in cases]
     return rep | {"max_abs_log_ratio": max((round(abs(math.log(r)), 5) for r in ratios),
                                            default=None),

@@ -223,8 +223,7 @@ def compile_with(lowered, opts: dict | None):
     opts, dropped = dict(opts or {}), []
     while True:
         try:
-            return (lowered.compile(compiler_options=opts) if opts else lowered.compile(),
-                    dropped)
+            return (lowered.compile(compiler_options=opts) if opts else lowered.compile(), dropped)
         except Exception as err:
             bad = [k for k in opts if k in str(err)]
             if not bad:

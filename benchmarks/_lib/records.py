@@ -73,8 +73,7 @@ class Git:
 
     def changes_after(self, commit: str, paths) -> list[str]:
         """Commits after ``commit`` up to HEAD that touch ``paths``, oldest first (short)."""
-        out = self._git("rev-list", "--reverse", "--abbrev-commit", f"{commit}..HEAD", "--",
-                        *paths)
+        out = self._git("rev-list", "--reverse", "--abbrev-commit", f"{commit}..HEAD", "--", *paths)
         return out.split()
 
 
