@@ -41,8 +41,7 @@ RECIPES = {
     "fp8_gemm": {"gemm_dtype": "fp8"},
     "fp8_gemm_dgrad": {"gemm_dtype": "fp8", "dgrad_dtype": "fp8"},
     "fp8_all": {"gemm_dtype": "fp8", "dgrad_dtype": "fp8", "wgrad_dtype": "fp8"},
-    "fp8_all_z": {"gemm_dtype": "fp8", "dgrad_dtype": "fp8", "wgrad_dtype": "fp8",
-                  "save_z": "fp8"},
+    "fp8_all_z": {"gemm_dtype": "fp8", "dgrad_dtype": "fp8", "wgrad_dtype": "fp8", "save_z": "fp8"},
     "recompute": {"save_z": "recompute"},
 }
 LAYOUTS = {"padded": ("einsum", "mosaic"), "ragged": ("mosaic", "triton", "ragged_dot")}

@@ -103,8 +103,7 @@ def _ref_wgrad(x, g, gs):
     dn = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
         rhs_group_dimensions=[])
-    return jax.lax.ragged_dot_general(_f32(x), _f32(g), gs, dn,
-                                      precision=jax.lax.Precision.HIGHEST)
+    return jax.lax.ragged_dot_general(_f32(x), _f32(g), gs, dn, precision=jax.lax.Precision.HIGHEST)
 
 
 def row(report, a, backend, op, dtype, routing, w) -> dict:

@@ -184,8 +184,7 @@ def variant(name, ctx, a, blocks) -> dict:
 
 def ns_only(ctx, a, blocks, rate) -> dict:
     """Newton-Schulz alone on each device's owner share (f32 in, bf16 out)."""
-    plan = muon_jax.scale_by_muon(
-        sharding=muon_jax.ShardingOptions(ctx.mesh)).init(ctx.params).plan
+    plan = muon_jax.scale_by_muon(sharding=muon_jax.ShardingOptions(ctx.mesh)).init(ctx.params).plan
     xs = jax.jit(lambda: [jnp.ones((ctx.n * s.k_owner, s.m, s.n), jnp.float32)
                           for s in plan.stacks], out_shardings=NamedSharding(ctx.mesh, P("data")))()
     f = jax.jit(jax.shard_map(lambda xs: [muon_jax.orthogonalize(

@@ -69,8 +69,7 @@ from pathlib import Path
 
 from _lib import bench
 
-MEASURES = ("moe/", "muon_jax/", "xla_comm/", "examples/", "accel_kernels/",
-            "benchmarks/targets/")
+MEASURES = ("moe/", "muon_jax/", "xla_comm/", "examples/", "accel_kernels/", "benchmarks/targets/")
 MEASURED_LINK_GBPS = 153.0  # all_to_all per GPU between two H200s of one host (BENCHMARKS.md)
 
 
@@ -359,11 +358,7 @@ def moe_compiled(run, mesh, s: MoeShape, transport, chunks, local_first=False, h
 
     def loss(x, router, wgu, wd, ct):
         y, aux = moe.moe_apply(x, router, wgu, wd, options=o, mesh=mesh)
-        y = y.astype(jnp.float32)
-        # 'linear' leaves the output dead (only the weights' gradient needs what the combine
-        # sends), so XLA drops the two-stage combine's return across hosts, and the output
-        # gradient is known before the forward runs; with 'square' the output gradient
-        # y * ct needs the output, as a next layer's would.
+        y = y.astype(jnp.float32)  # 'linear' leaves y dead, 'square' uses it (see --loss)
         out = 0.5 * jnp.sum(y * y * ct) if run.a.loss == "square" else jnp.sum(y * ct)
         return out + 0.01 * aux["load_balance_loss"]
 
@@ -742,8 +737,7 @@ def summarize(report: dict, defaults: dict[str, int]) -> dict:
     for key, case in (("", mu), ("f32_gather_", "muon_dp8_f32_gather"),
                       ("bf16_reduce_", "muon_dp8_bf16_gather_bf16_reduce")):
         head[f"muon_dp8_{key}exposed_fraction"] = frac(case)
-        head[f"muon_dp8_{key}chunked_exposed_fraction"] = frac(
-            f"{case}_chunk1")
+        head[f"muon_dp8_{key}chunked_exposed_fraction"] = frac(f"{case}_chunk1")
         head[f"muon_dp8_{key}exposed_floor"] = floor(case)
     head["muon_dp8_exposed_over_floor"] = (None if frac(mu) is None or floor(mu) is None
                                            else frac(mu) - floor(mu))

@@ -5,11 +5,8 @@ by :func:`rename_source` (NAME tokens, not attributes, comments or messages; and
 are whole dotted module paths of the copy). Neither tree registers primitives, lowerings, FFI
 targets or JAX options; flax's Linen name ``balancing_bias``, which both register, goes back
 to this tree's class. :func:`check_own_code` checks module origins.
-
-Issue 63's keys on one GPU (BASE: ``git archive 54b8671 moe muon_jax xla_comm examples``
-extracted, and ``echo 54b8671 > BASE/COMMIT``): ``report.py --ab-pairs BASE --pairs muon_step
---out AB.json``, then ``report.py --adopt muon_step_1gpu RUN.json --keys-from AB.json`` with
-RUN.json report.py's SUITE run of muon_step_1gpu on the same commit and GPU (:func:`summarize`).
+Against 54b8671 (BASE/COMMIT names it): ``report.py --ab-pairs BASE --pairs muon_step --out
+AB.json``, then ``report.py --adopt muon_step_1gpu RUN.json --keys-from AB.json``.
 """
 
 from __future__ import annotations

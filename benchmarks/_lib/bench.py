@@ -187,8 +187,7 @@ def medians(times: dict[str, list[float]]) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def dense_ceiling(n: int, warmup: int, iters: int, *, dtype: str = "bf16",
-                  inner: int = 3) -> dict:
+def dense_ceiling(n: int, warmup: int, iters: int, *, dtype: str = "bf16", inner: int = 3) -> dict:
     """A dense ``[n, n] @ [n, n]`` on device 0 (f32 accumulation, bf16 out), the rate MFU is
     measured against; ``dtype='fp8'``: e4m3 operands, the second K-major (as FP8 cores read)."""
     ka, kb = jax.random.split(jax.random.key(1))
@@ -374,8 +373,7 @@ def lm_regions() -> tuple[dict[str, str], dict[str, str]]:
              + r"|^p?jit\([^/()]*\)/(?!.*(?:jvp|transpose)\()",
              "attention": sr("attention"), "shared_experts": sr("moe_shared_experts"),
              "experts": sr(r"experts_\w+"),
-             "dispatch_combine": sr(r"dispatch_\w+", r"combine\w*", "moe_router",
-                                    "router_logits"),
+             "dispatch_combine": sr(r"dispatch_\w+", r"combine\w*", "moe_router", "router_logits"),
              "moe_other": sr("shard_map")},
             {"experts": r"^anonymous_mosaic_gpu_kernel|^fp8_|^gmm|^tgmm",
              "dispatch_combine": r"^wire_"})
