@@ -384,8 +384,7 @@ def _wire_row_bytes(dtype: WireDtype, d_model: int, token_bytes: int, block_size
     dtype, ``token_bytes`` per channel): FP8 e4m3 bytes plus E8M0 scales packed four per
     32-bit word."""
     if dtype == "fp8":
-        blocks = -(-d_model // block_size)
-        return d_model + 4 * -(-blocks // 4)
+        return d_model + 4 * fp8.num_scale_words(d_model, block_size)
     return d_model * (2 if dtype == "bf16" else token_bytes)
 
 

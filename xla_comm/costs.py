@@ -408,12 +408,19 @@ def _ndindex(dims: Sequence[int]) -> Iterable[tuple[int, ...]]:
             yield (i, *rest)
 
 
+def _first_group(c: hlo.Collective, attrs: str, num_devices: int,
+                 devices_per_host: int) -> list[int]:
+    """The devices of ``c``'s first replica group (without groups in ``attrs``: its size from
+    device 0, within one host as far as it fits)."""
+    groups = replica_groups(attrs, num_devices)
+    return groups[0] if groups else list(range(min(c.group_size, devices_per_host)))
+
+
 def transfer_us(c: hlo.Collective, attrs: str, num_devices: int, hw: Hardware
                 ) -> tuple[float, int]:
     """(transfer time in us, hosts spanned) of one collective under the link model; ``attrs``:
     the attribute text holding its replica groups (`collective_attrs`)."""
-    groups = replica_groups(attrs, num_devices)
-    members = groups[0] if groups else list(range(min(c.group_size, hw.devices_per_host)))
+    members = _first_group(c, attrs, num_devices, hw.devices_per_host)
     hosts = {d // hw.devices_per_host for d in members}
     sent = c.ring_bytes
     if not sent:
@@ -451,8 +458,7 @@ def collective_links(c: hlo.Collective, attrs: str, num_devices: int,
       >>> collective_links(c, "replica_groups={{0,1,2,3,4,5,6,7}}", 8, 4)  # both
       ('intra_host', 'inter_host')
     """
-    groups = replica_groups(attrs, num_devices)
-    members = groups[0] if groups else list(range(min(c.group_size, devices_per_host)))
+    members = _first_group(c, attrs, num_devices, devices_per_host)
     me = members[0] // devices_per_host
     same = sum(d // devices_per_host == me for d in members) - 1
     away = len(members) - 1 - same
@@ -471,8 +477,7 @@ def cross_host_bytes(c: hlo.Collective, attrs: str, num_devices: int,
       >>> cross_host_bytes(c, "replica_groups={{0,1,2,3,4,5,6,7}}", 8, 4)  # 4 of 7 peers away
       4096.0
     """
-    groups = replica_groups(attrs, num_devices)
-    members = groups[0] if groups else list(range(min(c.group_size, devices_per_host)))
+    members = _first_group(c, attrs, num_devices, devices_per_host)
     me, others = members[0] // devices_per_host, len(members) - 1
     away = sum(d // devices_per_host != me for d in members)
     if not others or not away:
