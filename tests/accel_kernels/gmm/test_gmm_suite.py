@@ -6,6 +6,8 @@ spellings."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,7 @@ R = 256
 F8 = jnp.float8_e4m3fn
 
 
+@functools.partial(jax.jit, static_argnums=0)  # one program, not one per op
 def _data(dtype=jnp.float32):
     ks = jax.random.split(jax.random.key(0), 4)
     a = jax.random.normal(ks[0], (R, K), jnp.float32).astype(dtype)
@@ -47,12 +50,17 @@ REF = api.gemms("xla", 2)
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
 def test_bf16_gemms_match_ragged_dot(name, ndim, dtype, tol):
     ops = api.gemms(name, ndim)
-    a, w, g = _data(dtype)
-    got = [_from_impl(ndim, ops.fwd(_as_impl(ndim, a), w, GS, jnp.float32)),
-           _from_impl(ndim, ops.dgrad(_as_impl(ndim, g), w, GS, jnp.float32)),
-           ops.wgrad(_as_impl(ndim, a), _as_impl(ndim, g), GS, jnp.float32)]
-    want = [REF.fwd(a, w, GS, jnp.float32), REF.dgrad(g, w, GS, jnp.float32),
-            REF.wgrad(a, g, GS, jnp.float32)]
+
+    @jax.jit  # the three GEMMs and their references in one program (eagerly one per op)
+    def run(a, w, g):
+        got = [_from_impl(ndim, ops.fwd(_as_impl(ndim, a), w, GS, jnp.float32)),
+               _from_impl(ndim, ops.dgrad(_as_impl(ndim, g), w, GS, jnp.float32)),
+               ops.wgrad(_as_impl(ndim, a), _as_impl(ndim, g), GS, jnp.float32)]
+        want = [REF.fwd(a, w, GS, jnp.float32), REF.dgrad(g, w, GS, jnp.float32),
+                REF.wgrad(a, g, GS, jnp.float32)]
+        return got, want
+
+    got, want = run(*_data(dtype))
     for x, y in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol * 16)
 
@@ -60,21 +68,26 @@ def test_bf16_gemms_match_ragged_dot(name, ndim, dtype, tol):
 @pytest.mark.parametrize("name,ndim", CASES)
 def test_fp8_gemms_match_ragged_dot(name, ndim):
     ops = api.gemms(name, ndim)
-    a, w, g = _data()
-    aq, bq = a.astype(F8), jnp.swapaxes(w, 1, 2).astype(F8)  # K-major weight [E, N, K]
-    s_a, s_b = jnp.full((R,), 0.5), jnp.full((E, N), 2.0)
-    got = _from_impl(ndim, ops.mm8(_as_impl(ndim, aq), bq, GS, jnp.float32,
-                                   _as_impl(ndim, s_a[:, None])[..., 0], s_b))
-    want = REF.mm8(aq, bq, GS, jnp.float32, s_a, s_b)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
-    at, gt = a.T.astype(F8), g.T.astype(F8)
-    if ops.x_ndim == 3:
-        at3, gt3 = (jnp.swapaxes(_as_impl(ndim, x), 1, 2).astype(F8) for x in (a, g))
-        got = ops.tmm8(at3, gt3, GS, jnp.float32, jnp.full((E, K), 0.5), jnp.full((E, N), 2.0))
-    else:
-        got = ops.tmm8(at, gt, GS, jnp.float32, jnp.full((K,), 0.5), jnp.full((N,), 2.0))
-    want = REF.tmm8(at, gt, GS, jnp.float32, jnp.full((K,), 0.5), jnp.full((N,), 2.0))
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+
+    @jax.jit  # the two GEMMs and their references in one program (eagerly one per op)
+    def run(a, w, g):
+        aq, bq = a.astype(F8), jnp.swapaxes(w, 1, 2).astype(F8)  # K-major weight [E, N, K]
+        s_a, s_b = jnp.full((R,), 0.5), jnp.full((E, N), 2.0)
+        got = _from_impl(ndim, ops.mm8(_as_impl(ndim, aq), bq, GS, jnp.float32,
+                                       _as_impl(ndim, s_a[:, None])[..., 0], s_b))
+        want = REF.mm8(aq, bq, GS, jnp.float32, s_a, s_b)
+        at, gt = a.T.astype(F8), g.T.astype(F8)
+        if ops.x_ndim == 3:
+            at3, gt3 = (jnp.swapaxes(_as_impl(ndim, x), 1, 2).astype(F8) for x in (a, g))
+            got_t = ops.tmm8(at3, gt3, GS, jnp.float32, jnp.full((E, K), 0.5),
+                             jnp.full((E, N), 2.0))
+        else:
+            got_t = ops.tmm8(at, gt, GS, jnp.float32, jnp.full((K,), 0.5), jnp.full((N,), 2.0))
+        want_t = REF.tmm8(at, gt, GS, jnp.float32, jnp.full((K,), 0.5), jnp.full((N,), 2.0))
+        return (got, want), (got_t, want_t)
+
+    for got, want in run(*_data()):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
 def test_registry_choices_on_cpu():

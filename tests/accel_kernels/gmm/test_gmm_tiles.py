@@ -8,12 +8,16 @@ tiles they compute is plain index arithmetic: every row that may be nonzero (the
 tile may hold only rows past ``live_rows``.
 """
 
+import jax
 import numpy as np
 import pytest
 
 from accel_kernels.gmm import mosaic_kernel as gmm_mosaic
 
 TILE = 128
+# jitted: one program per call shape (eagerly every op of the index arithmetic compiles its own)
+_tile_groups = jax.jit(gmm_mosaic.tile_groups, static_argnums=(1, 2))
+_contraction_tiles = jax.jit(gmm_mosaic.contraction_tiles, static_argnums=(1, 2))
 
 
 def _layout(seed):
@@ -35,8 +39,8 @@ def _group_and_offset(sizes, rows):
 @pytest.mark.parametrize("seed", range(4))
 def test_gmm_tiles_cover_the_live_rows_and_skip_only_dead_ones(seed):
     sizes, live, rows = _layout(seed)
-    tiles = np.asarray(gmm_mosaic.tile_groups(sizes, rows, TILE, live))
-    plain = np.asarray(gmm_mosaic.tile_groups(sizes, rows, TILE))
+    tiles = np.asarray(_tile_groups(sizes, rows, TILE, live))
+    plain = np.asarray(_tile_groups(sizes, rows, TILE))
     g, off = _group_and_offset(sizes, rows)
     n = len(sizes)
     row_tile = tiles[np.arange(rows) // TILE]
@@ -51,11 +55,11 @@ def test_gmm_tiles_cover_the_live_rows_and_skip_only_dead_ones(seed):
 def test_tgmm_contraction_covers_the_live_rows_inside_the_group(seed):
     sizes, live, rows = _layout(seed)
     tk = 64
-    first, count = map(np.asarray, gmm_mosaic.contraction_tiles(sizes, rows, tk, live))
+    first, count = map(np.asarray, _contraction_tiles(sizes, rows, tk, live))
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     np.testing.assert_array_equal(first * tk, starts)
     assert np.all(count * tk >= live)  # every live row is contracted
     assert np.all(count * tk <= sizes)  # never past the group
     assert np.all(count * tk < live + tk)  # and no whole tile past its live rows
-    _, full = map(np.asarray, gmm_mosaic.contraction_tiles(sizes, rows, tk))
+    _, full = map(np.asarray, _contraction_tiles(sizes, rows, tk))
     np.testing.assert_array_equal(full * tk, sizes)

@@ -69,10 +69,28 @@ def _close(got, want, rtol):
     assert err <= rtol, f"max rel err {err:.3g} > {rtol}"
 
 
+@functools.cache
+def _kernels_fn():
+    """gmm, gmm(transpose_rhs) and tgmm at TILES in one jitted program (eagerly, every op
+    around the interpreted kernels would compile its own program); one compile per dtype."""
+
+    def run(lhs, rhs, dy, gs):
+        return (gp.gmm(lhs, rhs, gs, tiling=TILES),
+                gp.gmm(dy, rhs, gs, transpose_rhs=True, tiling=TILES),
+                gp.tgmm(lhs, dy, gs, out_dtype=jnp.float32, tiling=TILES))
+
+    return jax.jit(run)
+
+
+@functools.cache
+def _kernel_outputs(dtype):
+    lhs, rhs, dy = _data(dtype)
+    return (lhs, rhs, dy), _kernels_fn()(lhs, rhs, dy, jnp.asarray(GS))
+
+
 @pytest.mark.parametrize("dtype,rtol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
 def test_gmm_matches_reference(dtype, rtol):
-    lhs, rhs, _ = _data(dtype)
-    out = gp.gmm(lhs, rhs, jnp.asarray(GS), tiling=TILES)
+    (lhs, rhs, _), (out, _, _) = _kernel_outputs(dtype)
     assert out.shape == (M, N) and out.dtype == dtype
     want = _ref_gmm(lhs, rhs, GS)
     _close(out, want, rtol)
@@ -81,8 +99,7 @@ def test_gmm_matches_reference(dtype, rtol):
 
 @pytest.mark.parametrize("dtype,rtol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
 def test_gmm_transposed_rhs_matches_reference(dtype, rtol):
-    _, rhs, dy = _data(dtype)  # dy [M, N] @ rhs[g]^T ([N, K]) -> [M, K]
-    out = gp.gmm(dy, rhs, jnp.asarray(GS), transpose_rhs=True, tiling=TILES)
+    (_, rhs, dy), (_, out, _) = _kernel_outputs(dtype)  # dy [M, N] @ rhs[g]^T -> [M, K]
     assert out.shape == (M, K)
     _close(out, _ref_gmm(dy, np.swapaxes(np.asarray(rhs, np.float32), 1, 2), GS), rtol)
     assert np.all(np.asarray(out)[GS.sum() :] == 0)
@@ -90,19 +107,20 @@ def test_gmm_transposed_rhs_matches_reference(dtype, rtol):
 
 @pytest.mark.parametrize("dtype,rtol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
 def test_tgmm_matches_reference(dtype, rtol):
-    lhs, _, dy = _data(dtype)
-    out = gp.tgmm(lhs, dy, jnp.asarray(GS), out_dtype=jnp.float32, tiling=TILES)
+    (lhs, _, dy), (_, _, out) = _kernel_outputs(dtype)
     assert out.shape == (G, K, N) and out.dtype == jnp.float32
     _close(out, _ref_tgmm(lhs, dy, GS), rtol)
     assert np.all(np.asarray(out)[1] == 0)  # the empty group
 
 
 def test_tgmm_ignores_padding_rows():
-    lhs, _, dy = _data(jnp.float32)
+    lhs, rhs, dy = _data(jnp.float32)
     tail = slice(int(GS.sum()), None)
-    noisy_lhs = lhs.at[tail].set(1e30)
-    noisy_dy = dy.at[tail].set(jnp.nan)
-    out = gp.tgmm(noisy_lhs, noisy_dy, jnp.asarray(GS), tiling=TILES)
+    noisy_lhs = np.asarray(lhs).copy()
+    noisy_lhs[tail] = 1e30
+    noisy_dy = np.asarray(dy).copy()
+    noisy_dy[tail] = np.nan
+    *_, out = _kernels_fn()(jnp.asarray(noisy_lhs), rhs, jnp.asarray(noisy_dy), jnp.asarray(GS))
     _close(out, _ref_tgmm(lhs, dy, GS), 1e-5)
 
 
@@ -111,19 +129,31 @@ def test_unaligned_shapes_and_default_tiles():
     m, k, n = 90, 40, 24
     gs = np.array([7, 50, 0, 33], np.int32)  # sums to m: no padding rows
     lhs, rhs, dy = _data(jnp.float32, seed=1, m=m, k=k, n=n)
-    _close(gp.gmm(lhs, rhs, jnp.asarray(gs), tiling=TILES), _ref_gmm(lhs, rhs, gs), 1e-5)
-    _close(gp.gmm(lhs, rhs, jnp.asarray(gs)), _ref_gmm(lhs, rhs, gs), 1e-5)
-    got = gp.gmm(dy, rhs, jnp.asarray(gs), transpose_rhs=True, tiling=TILES)  # [m, k]
-    _close(got, _ref_gmm(dy, np.swapaxes(np.asarray(rhs), 1, 2), gs), 1e-5)
-    _close(gp.tgmm(lhs, dy, jnp.asarray(gs), tiling=TILES), _ref_tgmm(lhs, dy, gs), 1e-5)
-    _close(gp.tgmm(lhs, dy, jnp.asarray(gs)), _ref_tgmm(lhs, dy, gs), 1e-5)
+
+    @jax.jit  # the five calls in one program (eagerly every op compiles its own)
+    def run(lhs, rhs, dy, gs):
+        return (gp.gmm(lhs, rhs, gs, tiling=TILES), gp.gmm(lhs, rhs, gs),
+                gp.gmm(dy, rhs, gs, transpose_rhs=True, tiling=TILES),  # [m, k]
+                gp.tgmm(lhs, dy, gs, tiling=TILES), gp.tgmm(lhs, dy, gs))
+
+    fwd, fwd_default, got_t, wgrad, wgrad_default = run(lhs, rhs, dy, jnp.asarray(gs))
+    _close(fwd, _ref_gmm(lhs, rhs, gs), 1e-5)
+    _close(fwd_default, _ref_gmm(lhs, rhs, gs), 1e-5)
+    _close(got_t, _ref_gmm(dy, np.swapaxes(np.asarray(rhs), 1, 2), gs), 1e-5)
+    _close(wgrad, _ref_tgmm(lhs, dy, gs), 1e-5)
+    _close(wgrad_default, _ref_tgmm(lhs, dy, gs), 1e-5)
 
 
 def test_jit_and_traced_group_sizes():
-    lhs, rhs, _ = _data(jnp.float32)
-    f = jax.jit(functools.partial(gp.gmm, tiling=TILES))
+    """One jitted program (the one above) for every group-size vector: the sizes are traced."""
+    lhs, rhs, dy = _data(jnp.float32)
+    f = _kernels_fn()
     for gs in (GS, np.array([0, 0, 96, 0], np.int32), np.zeros(4, np.int32)):
-        np.testing.assert_allclose(f(lhs, rhs, jnp.asarray(gs)), _ref_gmm(lhs, rhs, gs), 1e-5, 1e-4)
+        out, _, _ = f(lhs, rhs, dy, jnp.asarray(gs))
+        np.testing.assert_allclose(out, _ref_gmm(lhs, rhs, gs), 1e-5, 1e-4)
+
+
+_work_tiles = jax.jit(gp.work_tiles, static_argnums=(1, 2))  # one program for every seed
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -132,7 +162,7 @@ def test_work_tiles_cover_every_row_once(seed):
     m, bm, g = 160, 16, 5
     gs = r.multinomial(int(r.integers(0, m + 1)), np.ones(g) / g).astype(np.int32)
     gs[r.integers(0, g)] = 0
-    grp, tile, lo, hi = (np.asarray(a) for a in gp.work_tiles(jnp.asarray(gs), m, bm))
+    grp, tile, lo, hi = (np.asarray(a) for a in _work_tiles(jnp.asarray(gs), m, bm))
     assert grp.shape == (m // bm + g,)
     owner = np.full(m, -1)
     off = _offsets(gs)
