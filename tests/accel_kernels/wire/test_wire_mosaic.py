@@ -51,6 +51,7 @@ def _kernel(text: str, name: str) -> str | None:
     return "mosaic" if mosaic else "triton"
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))  # one program per shape, not one per op
 def _rows(t: int, d: int, dtype=BF16) -> jax.Array:
     """Rows with per-row magnitudes from 2^-130 to 2^60, a zero row, an inf and a NaN."""
     k1, k2 = jax.random.split(jax.random.key(3))
@@ -149,8 +150,9 @@ def test_gather_rows_dispatch(wire, width, want):
     text = export_for_cuda(fn, S((12, width), F32), S(INDEX.shape, I32))
     assert _kernel(text, "wire_gather_encode") == want
     x = _rows(12, width, F32)
-    chex.assert_trees_all_equal(jax.jit(fn)(x, INDEX),
-                                wire_api.gather_rows(x, INDEX, wire=codec, block_size=128))
+    # the call site and the reference in one program (eagerly every op compiles its own)
+    chex.assert_trees_all_equal(*jax.jit(lambda x, i: (
+        fn(x, i), wire_api.gather_rows(x, i, wire=codec, block_size=128)))(x, INDEX))
 
 
 @pytest.mark.filterwarnings(TRITON_DEPRECATED)
@@ -188,27 +190,41 @@ def test_expert_layout_decode_dispatch(wire, width, want):
     dropless = functools.partial(movement._pairs_to_layout, plan=_plan(p, c, pair_row), c=c, o=0,
                                  w=w, width=width)
     x = _rows(2 * p * c, width, F32)
-    recv = wire_api.encode_rows(x, wire=w.codec, block_size=128)
-    for fn, ref in ((dense, w.decode(recv, width).reshape(p, 2, c, width).transpose(1, 0, 2, 3)
-                     .reshape(2, p * c, width)),
-                    (dropless, w.decode(_take(recv, pair_row), width))):
+
+    @jax.jit  # both layouts and their references in one program (eagerly one per op)
+    def run(x):
+        recv = wire_api.encode_rows(x, wire=w.codec, block_size=128)
+        ref_dense = (w.decode(recv, width).reshape(p, 2, c, width).transpose(1, 0, 2, 3)
+                     .reshape(2, p * c, width))
+        return recv, (dense(recv), ref_dense), (dropless(recv),
+                                                w.decode(_take(recv, pair_row), width))
+
+    recv, *results = run(x)
+    for fn, (got, ref) in zip((dense, dropless), results, strict=True):
         text = export_for_cuda(fn, S(recv.shape, recv.dtype))
         assert _kernel(text, "wire_gather_decode") == want
-        chex.assert_trees_all_equal(jax.jit(fn)(recv), ref)
+        chex.assert_trees_all_equal(got, ref)
 
 
 @pytest.mark.parametrize("width,want", [(1536, "mosaic"), (256, None), (768, None)])
 def test_rows_from_wire_dispatch(width, want):
     """`moe.experts.fp8_gemm.rows_from_wire`: the FP8 GEMM's e4m3 rows from received wire rows."""
     fn = functools.partial(fp8_gemm.rows_from_wire, width=width, block_size=128)
-    buf = wire_api.encode_rows(_rows(12, width, F32), wire="fp8", block_size=128)
-    text = export_for_cuda(lambda b, i: fn(b, index=i), S(buf.shape, U32), S(INDEX.shape, I32))
+    buf = jax.eval_shape(functools.partial(wire_api.encode_rows, wire="fp8", block_size=128),
+                         S((12, width), F32))
+    text = export_for_cuda(lambda b, i: fn(b, index=i), buf, S(INDEX.shape, I32))
     assert _kernel(text, "wire_gather_rows_fp8") == want
-    ref = quant_xla.quantize_rows_reference(wire_api.decode_rows(
-        _take(buf, INDEX), wire="fp8", width=width, block_size=128, out_dtype=F32))
+
+    @jax.jit  # the call site and its reference in one program (eagerly one per op)
+    def run(x, i):
+        buf = wire_api.encode_rows(x, wire="fp8", block_size=128)
+        ref = quant_xla.quantize_rows_reference(wire_api.decode_rows(
+            _take(buf, i), wire="fp8", width=width, block_size=128, out_dtype=F32))
+        return fn(buf, index=i), ref
+
+    got, ref = run(_rows(12, width, F32), INDEX)
     # Bytes: the NaN row's e4m3 NaNs do not compare equal as values on every numpy.
-    chex.assert_trees_all_equal(_bytes(jax.jit(lambda b, i: fn(b, index=i))(buf, INDEX)),
-                                _bytes(ref))
+    chex.assert_trees_all_equal(_bytes(got), _bytes(ref))
 
 
 def test_dispatch_lowers_with_mosaic_wire_kernels():
@@ -260,8 +276,8 @@ def interpret(monkeypatch):
     monkeypatch.setattr(wm, "_view", _RowView)
 
     def run(fn, *args):
-        with force_gpu_interpret_mode():
-            return jax.tree.map(np.asarray, fn(*args))
+        with force_gpu_interpret_mode():  # jitted: the ops around the kernel in one program
+            return jax.tree.map(np.asarray, jax.jit(fn)(*args))
 
     return run
 
@@ -275,15 +291,21 @@ def test_fp8_kernels_interpreted_give_the_xla_bytes(interpret, width, block):
     """Rows with zeros, inf, NaN and magnitudes 2^-130 .. 2^60; indices out of range."""
     x = _rows(12, width)
     enc, dec, quant = _fp8_kernels(width, block)
-    ref = wire_api.gather_rows(x, jnp.where(INDEX < 0, 12, INDEX), wire="fp8",
-                                 block_size=block)
+
+    @jax.jit  # the XLA references in one program (eagerly every op compiles its own)
+    def references(x, index):
+        ref = wire_api.gather_rows(x, jnp.where(index < 0, 12, index), wire="fp8",
+                                   block_size=block)
+        buf = wire_api.encode_rows(x, wire="fp8", block_size=block)
+        decoded = wire_api.decode_rows(_take(buf, index), wire="fp8", width=width,
+                                       block_size=block, out_dtype=BF16)
+        rows = quant_xla.quantize_rows_reference(wire_api.decode_rows(
+            _take(buf, index), wire="fp8", width=width, block_size=block, out_dtype=F32))
+        return ref, buf, decoded, rows
+
+    ref, buf, decoded, rows = references(x, INDEX)
     chex.assert_trees_all_equal(_bytes(interpret(enc, x, INDEX)), _bytes(ref))
-    buf = wire_api.encode_rows(x, wire="fp8", block_size=block)
-    decoded = wire_api.decode_rows(_take(buf, INDEX), wire="fp8", width=width,
-                                     block_size=block, out_dtype=BF16)
     chex.assert_trees_all_equal(_bytes(interpret(dec, buf, INDEX)), _bytes(decoded))
-    rows = quant_xla.quantize_rows_reference(wire_api.decode_rows(
-        _take(buf, INDEX), wire="fp8", width=width, block_size=block, out_dtype=F32))
     chex.assert_trees_all_equal(_bytes(interpret(quant, buf, INDEX)), _bytes(rows))
 
 
@@ -291,10 +313,11 @@ def test_float_kernels_interpreted_give_the_xla_bytes(interpret):
     x = _rows(12, 512, F32)
     enc = functools.partial(wm.gather_encode, fp8_wire=False, out_dtype=BF16)
     dec = functools.partial(wm.gather_decode, width=512, fp8_wire=False, out_dtype=F32)
-    ref = _take(x.astype(BF16), INDEX)
+    ref, ref_dec = jax.jit(lambda x, i: (_take(x.astype(BF16), i),  # one program, not one per op
+                                         _take(_take(x.astype(BF16), i), i[::-1]).astype(F32)))(
+        x, INDEX)
     chex.assert_trees_all_equal(_bytes(interpret(enc, x, INDEX)), _bytes(ref))
-    chex.assert_trees_all_equal(_bytes(interpret(dec, ref, INDEX[::-1])),
-                                _bytes(_take(ref, INDEX[::-1]).astype(F32)))
+    chex.assert_trees_all_equal(_bytes(interpret(dec, ref, INDEX[::-1])), _bytes(ref_dec))
 
 
 @pytest.mark.parametrize("r", [10, 9])
@@ -305,10 +328,15 @@ def test_local_gathers_interpreted_give_the_xla_bytes(interpret, r):
     index = INDEX[:r]
     got = interpret(functools.partial(wm.gather_local_rows_quantized, block_size=128), x,
                     index)
-    want = fp8_gemm.rows_from_tokens(x, index, 128)  # the XLA path on the CPU
-    chex.assert_trees_all_equal(_bytes(got), _bytes(want))
     w = jax.random.uniform(jax.random.key(4), (24,), F32)
     slot = jnp.array([23, 0, 5, -1, 24, 7, 7, 12, 1, 3], I32)[:r]
-    got = interpret(functools.partial(wm.gather_weighted_rows_quantized, top_k=2), x, w, slot)
-    want = fp8_gemm.rows_from_weighted(x, w, slot, top_k=2, wire_dtype=BF16)
+
+    @jax.jit  # the XLA paths on the CPU, in one program (eagerly every op compiles its own)
+    def references(x, index, w, slot):
+        return (fp8_gemm.rows_from_tokens(x, index, 128),
+                fp8_gemm.rows_from_weighted(x, w, slot, top_k=2, wire_dtype=BF16))
+
+    want, want_weighted = references(x, index, w, slot)
     chex.assert_trees_all_equal(_bytes(got), _bytes(want))
+    got = interpret(functools.partial(wm.gather_weighted_rows_quantized, top_k=2), x, w, slot)
+    chex.assert_trees_all_equal(_bytes(got), _bytes(want_weighted))
