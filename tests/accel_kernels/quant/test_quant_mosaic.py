@@ -105,6 +105,14 @@ def before_hopper(monkeypatch):
     jax.clear_caches()
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _rows_and_reference(shape):
+    """``qp.rows`` lowered for the CPU and the XLA reference on the same values, one program
+    (eagerly every reference op compiles its own)."""
+    x = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(BF16) * 5
+    return qp.rows(x), quant_xla.quantize_rows_reference(x)
+
+
 @pytest.mark.parametrize("shape,want", [((64, 256), "mosaic"), ((2, 8, 256), "mosaic"),
                                         ((64, 1408), "mosaic"), ((64, 96), "xla"),
                                         ((6, 128), "xla"), ((64, 8), "xla")])
@@ -118,8 +126,7 @@ def test_row_dispatch_by_shape(shape, want):
         assert not calls
     else:
         assert len(calls) == 1 and "_mgpu" in calls[0]
-    x = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(BF16) * 5
-    chex.assert_trees_all_equal(jax.jit(qp.rows)(x), quant_xla.quantize_rows_reference(x))
+    chex.assert_trees_all_equal(*_rows_and_reference(shape))
 
 
 @pytest.mark.filterwarnings(TRITON_DEPRECATED)
@@ -151,11 +158,17 @@ def test_traceable_sigmoid_matches_jax_nn(kind):
     act = GatedActivation(kind)
     k = jax.random.split(jax.random.key(1), 3)
     g, u, dh = (jax.random.normal(key, (256,)) * 6 for key in k)
-    chex.assert_trees_all_close(act.apply_parts(g, u, sigmoid=mosaic_gpu.sigmoid),
-                                act.apply_parts(g, u), rtol=1e-5, atol=1e-6)
-    chex.assert_trees_all_close(act.grad_parts(g, u, dh, sigmoid=mosaic_gpu.sigmoid),
-                                act.grad_parts(g, u, dh), rtol=1e-5, atol=1e-5)
-    assert np.isfinite(np.asarray(act.apply_parts(g * 30, u, sigmoid=mosaic_gpu.sigmoid))).all()
+
+    @jax.jit  # both sigmoids in one program (eagerly every op compiles its own)
+    def parts(g, u, dh):
+        return (act.apply_parts(g, u, sigmoid=mosaic_gpu.sigmoid), act.apply_parts(g, u),
+                act.grad_parts(g, u, dh, sigmoid=mosaic_gpu.sigmoid), act.grad_parts(g, u, dh),
+                act.apply_parts(g * 30, u, sigmoid=mosaic_gpu.sigmoid))
+
+    h, h_ref, d, d_ref, h_big = parts(g, u, dh)
+    chex.assert_trees_all_close(h, h_ref, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(d, d_ref, rtol=1e-5, atol=1e-5)
+    assert np.isfinite(np.asarray(h_big)).all()
 
 
 @pytest.mark.parametrize("shape", [(2, 1408, 2816), (1, 64, 128)])
@@ -177,6 +190,13 @@ def test_weight_kernels_lower_with_their_shapes(shape):
         qm.quantize_cols_t(jnp.zeros((1, 64, 192)))
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _weights_and_reference(shape):
+    """``qp.cols_t_and_rows`` lowered for the CPU and the XLA reference, one program."""
+    a = jax.random.normal(jax.random.key(2), shape, jnp.float32) * 3
+    return qp.cols_t_and_rows(a), quant_xla.quantize_cols_t_and_rows_reference(a)
+
+
 @pytest.mark.parametrize("shape,want", [((3, 128, 256), "mosaic"), ((256, 384), "mosaic"),
                                         ((2, 64, 192), "xla"), ((2, 48, 128), "xla")])
 def test_weight_dispatch_by_shape(shape, want):
@@ -188,9 +208,7 @@ def test_weight_dispatch_by_shape(shape, want):
         assert not calls
     else:
         assert len(calls) == 1 and "_mgpu" in calls[0]
-    a = jax.random.normal(jax.random.key(2), shape, jnp.float32) * 3
-    chex.assert_trees_all_equal(jax.jit(qp.cols_t_and_rows)(a),
-                                quant_xla.quantize_cols_t_and_rows_reference(a))
+    chex.assert_trees_all_equal(*_weights_and_reference(shape))
 
 
 @pytest.mark.filterwarnings(TRITON_DEPRECATED)
@@ -220,8 +238,8 @@ def interpret(monkeypatch):
     monkeypatch.setattr(mosaic_gpu, "load", lambda ref, layout, optimized=True: ref[...])
 
     def run(fn, *args):
-        with force_gpu_interpret_mode():
-            return jax.tree.map(np.asarray, fn(*args))
+        with force_gpu_interpret_mode():  # jitted: the ops around the kernel in one program
+            return jax.tree.map(np.asarray, jax.jit(fn)(*args))
 
     return run
 

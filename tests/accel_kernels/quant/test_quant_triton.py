@@ -32,10 +32,16 @@ def _assert_same(got, want):
 def test_quantize_rows_matches_moe_fp8_quantize():
     x = jax.random.normal(jax.random.key(0), (16, 256), jnp.bfloat16) * 5
     x = x.at[3, 7].set(jnp.inf).at[5, 1].set(jnp.nan).at[6].set(0).at[8, 0].set(1e-30)
-    q, s = jax.jit(functools.partial(qt.quantize_rows, interpret=True))(x)
-    _assert_same((q, s), qx.quantize_rows_reference(x))
-    ref = fp8.quantize(x, block_size=256)
-    _assert_same((q, s), (ref.data, fp8.block_scales(ref)[:, 0]))
+
+    @jax.jit  # kernel and references in one program (eagerly every op compiles its own)
+    def both(x):
+        ref = fp8.quantize(x, block_size=256)
+        return (qt.quantize_rows(x, interpret=True), qx.quantize_rows_reference(x),
+                (ref.data, fp8.block_scales(ref)[:, 0]))
+
+    (q, s), want, want_fp8 = both(x)
+    _assert_same((q, s), want)
+    _assert_same((q, s), want_fp8)
     chex.assert_shape((q, s), [(16, 256), (16,)])
     assert np.isnan(np.asarray(s)[[3, 5]]).all() and np.isfinite(np.asarray(s)[6])
 
@@ -68,7 +74,7 @@ def test_gated_kernels_match_references(kind):
 def test_unsupported_widths_use_the_reference_and_kernels_refuse_them():
     x = jnp.ones((4, 200), jnp.bfloat16)  # 200 is not a multiple of 16
     assert not qt.supported(200) and qt.supported(1408)
-    _assert_same(qp.rows(x), qx.quantize_rows_reference(x))
+    _assert_same(*jax.jit(lambda x: (qp.rows(x), qx.quantize_rows_reference(x)))(x))
     with pytest.raises(ValueError, match="multiple of 16"):
         qt.quantize_rows(x, interpret=True)
     with pytest.raises(ValueError, match="dh must be"):
@@ -153,19 +159,23 @@ def test_gated_grad_quantize_rows_fp8_only():
     dh = rng.standard_normal((8, 64), np.float32)
     dh[2], dh[5, 1] = 0, np.nan
     kern = functools.partial(qt.gated_grad_quantize_rows, act=act, interpret=True)
-    got = jax.jit(functools.partial(kern, out_dtype=None))(z, dh)
+
+    @jax.jit  # kernels and references in one program (eagerly every op compiles its own)
+    def both(z, dh):
+        return (kern(z, dh, out_dtype=None), kern(z, dh),
+                qx.gated_grad_quantize_rows_reference(z, dh, act, None), act.grad(z, dh))
+
+    got, (_, *with_dz), want, dz_ref = both(z, dh)
     assert len(got) == 2
     chex.assert_shape(got, [(8, 128), (8,)])
-    _, *with_dz = jax.jit(kern)(z, dh)
     _assert_same(got, tuple(with_dz))
-    _assert_same(got, jax.jit(qx.gated_grad_quantize_rows_reference, static_argnums=(2, 3))(
-        z, dh, act, None))
+    _assert_same(got, want)
     s = np.asarray(got[1])
     assert np.isnan(s[5]) and np.isfinite(np.delete(s, 5)).all() and s[2] == 2.0**-126
     assert not np.asarray(got[0]).astype(np.float32)[2].any()
     ok = np.arange(8) != 5
     dzq = np.asarray(got[0]).astype(np.float32)[ok] * s[ok, None]
-    chex.assert_trees_all_close(dzq, np.asarray(act.grad(z, dh))[ok], rtol=0.07,
+    chex.assert_trees_all_close(dzq, np.asarray(dz_ref)[ok], rtol=0.07,
                                 atol=1e-3 * float(s[ok].max()))
 
 
@@ -177,9 +187,15 @@ def test_gated_grad_reads_only_the_first_f_columns_of_a_wider_dh():
     z = jnp.asarray(rng.standard_normal((8, 2 * 48), np.float32) * 4, jnp.bfloat16)
     dh = jnp.asarray(rng.standard_normal((8, 48), np.float32), jnp.bfloat16)
     wide = jnp.concatenate([dh, jnp.full((8, 16), jnp.nan, dh.dtype)], axis=1)
-    want = qx.gated_grad_quantize_rows_reference(z, dh, act, None)
-    _assert_same(qt.gated_grad_quantize_rows(z, wide, act, out_dtype=None, interpret=True),
-                 want)
-    _assert_same(qx.gated_grad_quantize_rows_reference(z, wide, act, None), want)
-    _assert_same(qp.gated_grad_rows(z, wide, act, None), want)  # on the CPU: the reference
+
+    @jax.jit  # kernel and references in one program (eagerly every op compiles its own)
+    def run(z, dh, wide):
+        return (qx.gated_grad_quantize_rows_reference(z, dh, act, None),
+                qt.gated_grad_quantize_rows(z, wide, act, out_dtype=None, interpret=True),
+                qx.gated_grad_quantize_rows_reference(z, wide, act, None),
+                qp.gated_grad_rows(z, wide, act, None))  # on the CPU: the reference
+
+    want, *got = run(z, dh, wide)
+    for g in got:
+        _assert_same(g, want)
     assert np.isfinite(np.asarray(want[1])).all()
