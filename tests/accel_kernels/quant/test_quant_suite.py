@@ -6,6 +6,8 @@ leading axes. Explicit kernels refuse shapes they do not take."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,7 @@ IMPLS = ["auto", "xla", "triton", "mosaic"]
 ACT = GatedActivation("silu")
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))  # one program per shape, not one per op
 def _x(shape, seed=0):
     return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(jnp.bfloat16)
 
@@ -38,27 +41,37 @@ def test_rows(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_gated_rows(impl):
     z = _x((8, 256))
-    _same(api.gated_rows(z, ACT, implementation=impl), xla.gated_quantize_rows_reference(z, ACT))
+    # jitted, kernel and reference in one program (test_rows calls each implementation eagerly)
+    _same(*jax.jit(lambda z: (api.gated_rows(z, ACT, implementation=impl),
+                              xla.gated_quantize_rows_reference(z, ACT)))(z))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, None])
 def test_gated_grad_rows(impl, out_dtype):
     z, dh = _x((8, 256)), _x((8, 128), seed=1)
-    want = xla.gated_grad_quantize_rows_reference(z, dh, ACT, out_dtype)
-    _same(api.gated_grad_rows(z, dh, ACT, out_dtype, implementation=impl), want)
+    # jitted, kernel and reference in one program (test_rows calls each implementation eagerly)
+    _same(*jax.jit(lambda z, dh: (
+        api.gated_grad_rows(z, dh, ACT, out_dtype, implementation=impl),
+        xla.gated_grad_quantize_rows_reference(z, dh, ACT, out_dtype)))(z, dh))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_cols_t_and_rows(impl):
     """A weight's K-major column copy and its row copy (NaN columns and rows, a zero column,
     rows of very different magnitudes), one at a time and from the two-pass kernel."""
-    a = jax.random.normal(jax.random.key(4), (2, 128, 256), jnp.float32)
-    a = a * jnp.exp(jax.random.normal(jax.random.key(5), (2, 128, 1)) * 4)
-    a = a.at[0, 5, 7].set(jnp.nan).at[1, :, 3].set(0)
-    _same(api.cols_t(a, implementation=impl), xla.quantize_cols_t_reference(a))
-    _same(api.cols_t_and_rows(a, implementation=impl),
-          xla.quantize_cols_t_and_rows_reference(a))
+
+    @jax.jit  # kernels and references in one program (test_rows calls each eagerly)
+    def run():
+        a = jax.random.normal(jax.random.key(4), (2, 128, 256), jnp.float32)
+        a = a * jnp.exp(jax.random.normal(jax.random.key(5), (2, 128, 1)) * 4)
+        a = a.at[0, 5, 7].set(jnp.nan).at[1, :, 3].set(0)
+        return ((api.cols_t(a, implementation=impl), xla.quantize_cols_t_reference(a)),
+                (api.cols_t_and_rows(a, implementation=impl),
+                 xla.quantize_cols_t_and_rows_reference(a)))
+
+    for got, want in run():
+        _same(got, want)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -6,6 +6,8 @@ the deprecated 'pallas'."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +22,7 @@ D, BS = 512, 128
 INDEX = jnp.array([5, 0, 2, 3, 23, 24, 99, 5], jnp.int32)
 
 
+@functools.partial(jax.jit, static_argnums=0)  # one program, not one per op
 def _rows(t=24):
     """Rows with per-row magnitudes from 2^-130 to 2^60, a zero row, an inf and a NaN."""
     k1, k2 = jax.random.split(jax.random.key(3))
@@ -41,30 +44,41 @@ def _same(got, want):
 @pytest.mark.parametrize("wire", ["fp8", "bf16"])
 def test_gather_rows_and_gather_decode(kernels, wire):
     codec = "fp8" if wire == "fp8" else jnp.dtype(jnp.bfloat16)
-    x = _rows()
-    want = api.gather_rows(x, INDEX, wire=codec, block_size=BS, implementation="xla")
-    _same(api.gather_rows(x, INDEX, wire=codec, block_size=BS, implementation=kernels), want)
-    buf = api.encode_rows(x, wire=codec, block_size=BS)
     kw = dict(wire=codec, width=D, block_size=BS, out_dtype=jnp.bfloat16)
-    _same(api.gather_decode(buf, INDEX, implementation=kernels, **kw),
-          api.gather_decode(buf, INDEX, implementation="xla", **kw))
+
+    @jax.jit  # the gathers and their XLA references in one program (eagerly one per op)
+    def run(x, index):
+        want = api.gather_rows(x, index, wire=codec, block_size=BS, implementation="xla")
+        got = api.gather_rows(x, index, wire=codec, block_size=BS, implementation=kernels)
+        buf = api.encode_rows(x, wire=codec, block_size=BS)
+        return ((got, want), (api.gather_decode(buf, index, implementation=kernels, **kw),
+                              api.gather_decode(buf, index, implementation="xla", **kw)))
+
+    for got, want in run(_rows(), INDEX):
+        _same(got, want)
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_row_quantized_gathers(kernels):
-    x = _rows()
-    wire = api.encode_rows(x, wire="fp8", block_size=BS)
-    want = quant_xla.quantize_rows_reference(api.gather_decode(
-        wire, INDEX, wire="fp8", width=D, block_size=BS, out_dtype=jnp.float32,
-        implementation="xla"))
-    _same(api.gather_rows_quantized(wire, INDEX, width=D, block_size=BS,
-                                    implementation=kernels), want)
-    _same(api.gather_local_rows_quantized(x, INDEX, block_size=BS, implementation=kernels), want)
     w = jax.random.uniform(jax.random.key(1), (48,))
     slot = jnp.array([0, 47, 5, 48, 13], jnp.int32)
     kw = dict(top_k=2, wire_dtype=jnp.bfloat16)
-    _same(api.gather_weighted_rows_quantized(x, w, slot, implementation=kernels, **kw),
-          api.gather_weighted_rows_quantized(x, w, slot, implementation="xla", **kw))
+
+    @jax.jit  # the gathers and their XLA references in one program (eagerly one per op)
+    def run(x, index, w, slot):
+        wire = api.encode_rows(x, wire="fp8", block_size=BS)
+        want = quant_xla.quantize_rows_reference(api.gather_decode(
+            wire, index, wire="fp8", width=D, block_size=BS, out_dtype=jnp.float32,
+            implementation="xla"))
+        return ((api.gather_rows_quantized(wire, index, width=D, block_size=BS,
+                                           implementation=kernels), want),
+                (api.gather_local_rows_quantized(x, index, block_size=BS,
+                                                 implementation=kernels), want),
+                (api.gather_weighted_rows_quantized(x, w, slot, implementation=kernels, **kw),
+                 api.gather_weighted_rows_quantized(x, w, slot, implementation="xla", **kw)))
+
+    for got, want in run(_rows(), INDEX, w, slot):
+        _same(got, want)
 
 
 def test_names_and_the_deprecated_pallas():
