@@ -60,6 +60,7 @@ def test_axis_names_normalize():
         mo.DispatchOptions(batch_axes=("data",)))
 
 
+@jax.jit  # one program, not one per op
 def _layer_inputs():
     k = jax.random.split(jax.random.key(0), 4)
     return (jax.random.normal(k[0], (2, 4, 16)), jax.random.normal(k[1], (16, 4)),
@@ -94,9 +95,11 @@ def test_experts_apply_takes_the_options_object():
     wgu = jnp.full((4, 16, 16), 0.1, jnp.float32)
     wd = jnp.full((4, 8, 16), 0.1, jnp.float32)
     eo = moe.ExpertOptions(gemm_dtype="fp8", save_z="recompute", activation="gelu")
-    got = moe.experts.experts_apply(x, gs, wgu, wd, options=eo)
-    want = moe.gated_experts(x, gs, wgu, wd, gemm_dtype="fp8", save_z="recompute",
-                             activation="gelu")
+    # both in one jitted program (called eagerly they compile one program per op)
+    got, want = jax.jit(lambda x, gs, wgu, wd: (
+        moe.experts.experts_apply(x, gs, wgu, wd, options=eo),
+        moe.gated_experts(x, gs, wgu, wd, gemm_dtype="fp8", save_z="recompute",
+                          activation="gelu")))(x, gs, wgu, wd)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     with pytest.raises(TypeError, match="options must be a moe.ExpertOptions"):
         moe.experts.experts_apply(x, gs, wgu, wd, options={"gemm_dtype": "fp8"})
