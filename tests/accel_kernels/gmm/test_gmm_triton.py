@@ -192,7 +192,8 @@ def test_refuses_tpu(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     lhs, rhs, _ = _data(jnp.float32)
     with pytest.raises(ValueError, match="implementation='xla'"):
-        gp.gmm(lhs, rhs, jnp.asarray(GS))
+        # traced, not run: the ops before the refusal would each compile eagerly
+        jax.jit(gp.gmm)(lhs, rhs, jnp.asarray(GS))
     x = jnp.ones((8, 64))
     w_gu, w_d = jnp.ones((2, 64, 64)), jnp.ones((2, 32, 64))
     with pytest.raises(ValueError, match="gemm_implementation='triton' needs an NVIDIA GPU"):
