@@ -1,5 +1,6 @@
 """benchmarks/layer.py --small end to end (CPU, the session's 8 devices): the transports under
-balanced and Zipf routing, the summary keys, the FP8 layer keys, the eager call; and
+balanced and Zipf routing, the summary keys, the FP8 layer keys (the eager call: through the
+runner, tests/benchmarks/test_benchmarks_report.py); and
 xla_comm.breakdown's op breakdown on a real trace."""
 
 import sys
@@ -158,15 +159,16 @@ def test_layer_small_writes_the_summary_keys(tmp_path):
 
 
 @pytest.mark.slow
-def test_layer_small_fp8_preset_and_eager_call():
+def test_layer_small_fp8_preset():
+    """The FP8 preset's keys. (The eager call, ``layer.py --small --eager``, runs as the
+    benchmark runner runs it: test_benchmarks_report.py's
+    test_the_runner_runs_a_benchmark_and_its_run_is_adoptable.)"""
     r = layer.main(["--small", "--preset", "fp8", "--routing", "balanced"])
     tag = f"{jax.device_count()}cpu"
     assert not r["errors"], r["errors"]
     for k in ("bf16", "fp8"):
         for transport in ("dense", "dropless"):
             assert r[f"moe_layer_{k}_mfu_{tag}_{transport}"] > 0
-    e = layer.main(["--small", "--eager"])
-    assert e["eager_over_jit"] > 0 and e["tokens"] == 128
 
 
 def test_trace_breakdown_names():

@@ -179,6 +179,7 @@ def test_the_runner_runs_a_benchmark_and_its_run_is_adoptable(tmp_path):
     assert f"--adopt eager_layer {tmp_path / 'eager_layer.json'}" in r.stdout
     run = json.loads((tmp_path / "eager_layer.json").read_text())
     assert run["eager_over_jit"] > 0 and run["env"]["argv"][1] == "benchmarks/layer.py"
+    assert run["tokens"] == 128  # layer.py --small --eager: moe.MoE outside jit, 128 tokens
 
 
 @pytest.mark.slow
@@ -190,10 +191,13 @@ def test_main_job_reruns_the_trainer_and_makes_it_current(tmp_path, monkeypatch)
 
     shutil.copytree(ROOT / "benchmarks/results/current", tmp_path / "current")
     monkeypatch.setattr(report.records, "CURRENT", tmp_path / "current")
+    # Muon alone (the record is read for it), as in tests/examples/test_train_lm.py's TINY
+    # runs (--warmup 2 --steps 4: the schedule is compiled into the step), so the trainer's
+    # programs are shared through the session's compilation cache.
     monkeypatch.setattr(report, "MAIN_JOB", f"python3 examples/train_lm.py --out {tmp_path}/run "
                         "--no-progress --d-model 64 --layers 1 --heads 2 --d-ff 32 --experts 4 "
                         "--batch 8 --seq-len 16 --eval-batches 1 --max-corpus-mb 0.5 "
-                        "--fp8-block-size 16 --warmup 1 --steps 3")
+                        "--fp8-block-size 16 --warmup 2 --steps 4 --optimizer muon")
     monkeypatch.setattr(report, "write_documents", lambda check: 0)
     monkeypatch.setattr(report.records, "Git", type("Stub", (), {
         "_git": lambda self, *a: "" if a[0] == "status" else "abc1234"}))
