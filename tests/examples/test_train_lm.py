@@ -64,16 +64,27 @@ def _one_line_error(proc) -> str:
     return lines[0].removeprefix("train_lm.py: error: ")
 
 
+def _checkpoints(out: pathlib.Path, name: str) -> list[int]:
+    """The steps of ``name``'s checkpoints kept under ``out``."""
+    return sorted(int(p.name) for p in (out / "ckpt" / name).iterdir() if p.name.isdigit())
+
+
 def _losses(out: pathlib.Path, name: str) -> list[tuple[int, float]]:
     recs = lm_metrics.read_metrics(out / "metrics.jsonl")
     return [(r["step"], r["train_loss"]) for r in recs if r["optimizer"] == name]
 
 
 def test_trainer_writes_metrics_plot_and_summary(tmp_path, capsys):
+    """Also --keep-checkpoints 1: the newest checkpoint per optimizer alone is kept (0 keeps
+    all: test_resume_continues_exactly's uninterrupted run; the default is 2)."""
     out = tmp_path / "run"
     rc = train_lm.main([*TINY, "--optimizer", "both", "--steps", "4", "--eval-every", "1",
-                        "--ckpt-every", "2", "--peak-tflops", "0.5", "--out", str(out)])
+                        "--ckpt-every", "2", "--keep-checkpoints", "1", "--peak-tflops", "0.5",
+                        "--out", str(out)])
     assert rc == 0
+    for name in ("muon", "adamw"):
+        assert _checkpoints(out, name) == [4]
+    assert train_lm.parse_args(TINY).keep_checkpoints == lm_checkpoint.KEEP_CHECKPOINTS == 2
     text = capsys.readouterr().out
     assert "bits/byte" in text and ("beats" in text or "trails" in text)
     recs = lm_metrics.read_metrics(out / "metrics.jsonl")
@@ -285,7 +296,11 @@ def test_resume_continues_exactly(tmp_path, capsys, cli):
               "--fp8-projections", "all", "--eval-every", "100",
               "--ckpt-every", "3"]
     full, split = tmp_path / "full", tmp_path / "split"
-    assert train_lm.main([*common, "--steps", "6", "--out", str(full)]) == 0
+    # The uninterrupted run also shows --keep-checkpoints 0 keeping every checkpoint (here
+    # every 2 steps; the default would keep the newest 2).
+    assert train_lm.main([*common, "--steps", "6", "--ckpt-every", "2", "--keep-checkpoints",
+                          "0", "--out", str(full)]) == 0
+    assert _checkpoints(full, "muon") == [2, 4, 6]
     # First half: a run whose schedule is the 6-step one, stopped at its step-3 checkpoint.
     capsys.readouterr()
     assert train_lm.main([*common, "--steps", "6", "--stop-after", "3", "--out", str(split)]) == 0
@@ -341,20 +356,6 @@ def _checkpoint_mismatches_are_refused(common, out, cli):
         "(model/"), lines
     assert "is (64, 64) there, (32, 32) here); it was saved before checkpoints recorded" in (
         lines[0])
-
-
-def test_checkpoint_retention(tmp_path):
-    """--keep-checkpoints N keeps the newest N per optimizer (0: all); the default is 2."""
-    kept = {}
-    for keep in (0, 1):
-        out = tmp_path / f"keep{keep}"
-        assert train_lm.main([*TINY, "--optimizer", "adamw", "--steps", "3", "--ckpt-every", "1",
-                              "--eval-every", "100", "--keep-checkpoints", str(keep),
-                              "--out", str(out)]) == 0
-        kept[keep] = sorted(int(p.name) for p in (out / "ckpt" / "adamw").iterdir()
-                            if p.name.isdigit())
-    assert kept == {0: [1, 2, 3], 1: [3]}
-    assert train_lm.parse_args(TINY).keep_checkpoints == lm_checkpoint.KEEP_CHECKPOINTS == 2
 
 
 def test_setup_line_names_only_the_runs_it_trains():
