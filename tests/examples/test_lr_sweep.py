@@ -23,10 +23,13 @@ import lm_metrics  # noqa: E402
 import lr_sweep  # noqa: E402  (examples/lr_sweep.py)
 import train_lm  # noqa: E402  (examples/train_lm.py)
 
+# tests/examples/test_train_lm.py's TINY with its --steps 4 (the schedule's length and the
+# learning rate are compiled into a step): the grid's default points train the programs that
+# file's runs of both optimizers compile, shared through the session's compilation cache.
 TINY = [
     "--d-model", "64", "--layers", "1", "--heads", "2", "--d-ff", "32", "--experts", "4",
     "--batch", "8", "--seq-len", "16", "--eval-batches", "1", "--max-corpus-mb", "0.5",
-    "--fp8-block-size", "16", "--warmup", "1", "--steps", "3", "--no-progress",
+    "--fp8-block-size", "16", "--warmup", "2", "--steps", "4", "--no-progress",
 ]
 
 
@@ -72,12 +75,12 @@ def test_sweep_cpu_tiny(tmp_path, monkeypatch):
     assert sorted((r["optimizer"], r["lr"]) for r in runs) == sorted(
         [("muon", default_muon / 4), ("muon", default_muon), ("adamw", default_adam)])
     for r in runs:
-        assert r["steps"] == 3 and r["tokens"] == 3 * 8 * 16 and r["preset"] == "cpu"
+        assert r["steps"] == 4 and r["tokens"] == 4 * 8 * 16 and r["preset"] == "cpu"
         assert math.isfinite(r["final_val_loss"]) and r["wall_s"] > 0
         # Each row's loss is the last validation record of its own run.
         recs = lm_metrics.read_metrics(out / "runs" / f"{r['optimizer']}_lr{r['lr']:.3g}"
                                        / "metrics.jsonl")
-        assert [x["step"] for x in recs] == [1, 2, 3]
+        assert [x["step"] for x in recs] == [1, 2, 3, 4]
         assert recs[-1]["val_loss"] == r["final_val_loss"]
     # The reuse key: every setting of the trainer but the learning rate and the optimizer.
     cfg = {k: v for k, v in vars(train_lm.parse_args([*TINY, "--out", str(out)])).items()}
