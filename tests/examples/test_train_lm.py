@@ -33,6 +33,12 @@ TINY = [
     "--fp8-block-size", "16", "--warmup", "2", "--no-progress",
 ]
 
+def _abstract_model(cfg):
+    """The model's structure, options and parameter shapes without running its initializers
+    (each an eager op that compiles): what the tests that only read them need."""
+    return nnx.eval_shape(lambda: lm_model.TransformerLM(cfg, rngs=nnx.Rngs(0)))
+
+
 # What describe() reads of a corpus, without loading one.
 _Corpus = types.SimpleNamespace(train=np.zeros(1000, np.uint8), val=np.zeros(100, np.uint8),
                                 num_train_files=1, num_val_files=1, root="stdlib")
@@ -165,7 +171,7 @@ def test_mfu_is_na_on_cpu_without_a_peak():
 @pytest.mark.parametrize("kw", [{}, {"tie_embeddings": True}, {"num_experts": 4, "top_k": 1}])
 def test_param_counts_match_the_model(kw):
     cfg = lm_model.LMConfig(d_model=32, num_heads=2, d_ff=16, **kw)
-    model = lm_model.TransformerLM(cfg, rngs=nnx.Rngs(0))
+    model = _abstract_model(cfg)
     sizes = {jax.tree_util.keystr(p): int(np.prod(x.shape))
              for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
     counts = lm_model.param_counts(cfg)
@@ -230,7 +236,7 @@ def test_fp8_gemms_flag_sets_each_expert_gemm(recipe):
     recipes = {"none": ("bf16",) * 3, "forward": ("fp8", "bf16", "bf16"),
                "forward_dgrad": ("fp8", "fp8", "bf16"), "all": ("fp8",) * 3}
     cfg = train_lm.model_config(args)
-    model = lm_model.TransformerLM(cfg, rngs=nnx.Rngs(0))
+    model = _abstract_model(cfg)
     eo = model.blocks[0].moe.options.experts
     assert (eo.gemm_dtype, eo.dgrad_dtype, eo.wgrad_dtype) == recipes[recipe]
     attn = model.blocks[0].attn
@@ -265,7 +271,7 @@ def test_help_shows_defaults(capsys):
 
 def test_router_on_adamw_mask():
     cfg = lm_model.LMConfig(d_model=32, num_heads=2, d_ff=16, num_experts=4)
-    params = nnx.state(lm_model.TransformerLM(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    params = nnx.state(_abstract_model(cfg), nnx.Param)
     flags = {jax.tree_util.keystr(p): f for p, f in
              jax.tree_util.tree_leaves_with_path(train_lm.router_on_adamw(params))}
     default = {jax.tree_util.keystr(p): f for p, f in
