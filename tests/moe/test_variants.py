@@ -40,11 +40,11 @@ def act_ref(z, kind="silu", alpha=None, limit=None):
     return (u + 1.0) * g * jax.nn.sigmoid(alpha * g)
 
 
-def reference(p, x, opts, mask=None, noise=None):
-    """Dense MoE over tokens ``x [T, d]``: (y, lb, z-loss, counts, ids, weights)."""
-    cfg, eo = opts.router, opts.experts
-    act = functools.partial(act_ref, kind=eo.activation.kind, alpha=eo.activation.alpha,
-                            limit=eo.activation.limit)
+def reference(p, x, cfg, activation, mask=None, noise=None):
+    """Dense MoE over tokens ``x [T, d]`` for the router config ``cfg`` and the experts'
+    ``activation``: (y, lb, z-loss, counts, ids, weights)."""
+    act = functools.partial(act_ref, kind=activation.kind, alpha=activation.alpha,
+                            limit=activation.limit)
     keep = jnp.ones(x.shape[0], bool) if mask is None else mask
     x = jnp.where(keep[:, None], x, 0.0)
     x_router = x
@@ -95,9 +95,11 @@ def params_of(model):
     return {k: np.asarray(v) for k, v in state.items() if k in TRAINED or k == "balancing_bias"}
 
 
-@functools.partial(jax.jit, static_argnames=("opts",))
-def ref_step(params, x, ct, mask, noise, opts):
-    """Reference y, aux and grads of (trained params, x)."""
+@functools.partial(jax.jit, static_argnames=("cfg", "activation"))
+def ref_step(params, x, ct, mask, noise, cfg, activation):
+    """Reference y, aux and grads of (trained params, x). Static on the router config and the
+    activation only (all the reference reads), so layers that differ in their transport or
+    mesh share one compiled reference."""
     bias = params["balancing_bias"]
     train = {k: v for k, v in params.items() if k != "balancing_bias"}
 
@@ -105,8 +107,8 @@ def ref_step(params, x, ct, mask, noise, opts):
         flat = x.reshape(-1, x.shape[-1])
         m = None if mask is None else mask.reshape(-1)
         nz = None if noise is None else noise.reshape(flat.shape)
-        y, lb, zl, counts, ids, w = reference({**train, "balancing_bias": bias}, flat, opts, m,
-                                              nz)
+        y, lb, zl, counts, ids, w = reference({**train, "balancing_bias": bias}, flat, cfg,
+                                              activation, m, nz)
         y = y.reshape(x.shape)
         aux = dict(load_balance_loss=lb, router_z_loss=zl, tokens_per_expert=counts,
                    expert_ids=ids.reshape(*x.shape[:2], -1),
@@ -142,7 +144,8 @@ def check_layer(model, x, mask=None, noise=None, ct_seed=2):
     ct = jax.random.normal(jax.random.key(ct_seed), x.shape)
     y, aux, gm, gx = layer_step(model, x, ct, mask)
     x_ref = jnp.where(jnp.isfinite(x), x, 0.0)  # masked tokens may hold NaN; ref zeroes them
-    ry, raux, gp, rgx = ref_step(params_of(model), x_ref, ct, mask, noise, model.options)
+    ry, raux, gp, rgx = ref_step(params_of(model), x_ref, ct, mask, noise, model.options.router,
+                                 model.options.experts.activation)
     got = {"y": y, "x": gx, **{k: v for k, v in nnx.to_pure_dict(gm).items() if k in TRAINED}}
     assert_close(got, {"y": ry, "x": rgx, **gp})
     assert np.isfinite(np.asarray(gx)).all() and np.isfinite(np.asarray(y)).all()
@@ -184,16 +187,25 @@ def tokens(b=4, s=8, seed=1):
     moe.GatedActivation("silu"), moe.GatedActivation("gelu"), moe.GatedActivation("gelu_tanh"),
     moe.GatedActivation("clamped_swiglu", alpha=1.702, limit=1.5)], ids=lambda a: a.kind)
 def test_activation_grad_is_the_exact_derivative(act):
+    z, got, want, exact_gelu = _activation_and_grads(act)
+    assert_close(got, want)
+    if act.kind == "clamped_swiglu":  # the clamps were hit on both operands
+        g, u = np.split(np.asarray(z), 2, axis=-1)
+        assert (g > act.limit).any() and (np.abs(u) > act.limit).any()
+    if act.kind == "gelu_tanh":  # the two GELUs differ, so each test pins its own
+        assert not np.allclose(got["h"], exact_gelu, atol=1e-5)
+
+
+@functools.partial(jax.jit, static_argnames="act")
+def _activation_and_grads(act):
+    """One program per activation: (z, the activation's {h, dz}, autodiff's of the formula,
+    the exact GELU's h)."""
     z = jax.random.normal(jax.random.key(0), (64, 2 * 12)) * 2.0  # some beyond the clamp
     dh = jax.random.normal(jax.random.key(1), (64, 12))
     plain = functools.partial(act_ref, kind=act.kind, alpha=act.alpha, limit=act.limit)
     h, vjp = jax.vjp(plain, z)
-    assert_close({"h": act.apply(z), "dz": act.grad(z, dh)}, {"h": h, "dz": vjp(dh)[0]})
-    if act.kind == "clamped_swiglu":  # the clamps were hit on both operands
-        g, u = jnp.split(z, 2, axis=-1)
-        assert (g > act.limit).any() and (jnp.abs(u) > act.limit).any()
-    if act.kind == "gelu_tanh":  # the two GELUs differ, so each test pins its own
-        assert not np.allclose(act.apply(z), moe.GatedActivation("gelu").apply(z), atol=1e-5)
+    return (z, {"h": act.apply(z), "dz": act.grad(z, dh)}, {"h": h, "dz": vjp(dh)[0]},
+            moe.GatedActivation("gelu").apply(z))
 
 
 @pytest.mark.parametrize("layout", ["ragged", "padded", "padded_mosaic", "aligned"])
@@ -303,6 +315,17 @@ def test_token_mask(transport, mesh):
     assert int(aux["dropped_slots"]) == int(aux["dropped_tokens"]) == 0
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "activation"))
+def _capacity_reference(p, flat, mask, cfg, activation):
+    """One program for the reference pieces of the capacity test: the unmasked tokens' expert
+    ids, the masked routing weights, and every expert's output for every token."""
+    ids = reference(p, flat, cfg, activation)[4]
+    w = reference(p, flat, cfg, activation, mask)[5]
+    y_all = jnp.einsum("td,edf->tef", flat, p["w_gate_up"], precision=HI)
+    y_all = jnp.einsum("tef,efd->ted", act_ref(y_all), p["w_down"], precision=HI)
+    return ids, w, y_all
+
+
 def test_token_mask_takes_no_capacity():
     """Dense transport with a capacity: masked tokens take no slot, so the slots kept are the
     first C of each (device, expert) among the unmasked tokens only."""
@@ -312,7 +335,9 @@ def test_token_mask_takes_no_capacity():
     x = tokens(b, s)
     mask = np.asarray(jax.random.bernoulli(jax.random.key(9), 0.6, (b, s)))
     flat = np.asarray(x).reshape(-1, D)
-    ids = np.asarray(reference(params_of(model), jnp.asarray(flat), model.options)[4])
+    p = params_of(model)
+    ids, w, y_all = map(np.asarray, _capacity_reference(
+        p, flat, mask.reshape(-1), model.options.router, model.options.experts.activation))
     t_local, cap = b * s // 8, 8  # ceil(0.5 * 64 * 2 / 8) = 8 (a multiple of 8)
     kept = np.zeros(ids.shape, bool)
     for dev in range(8):
@@ -330,19 +355,12 @@ def test_token_mask_takes_no_capacity():
     assert int(aux["dropped_slots"]) == n_dropped
     assert int(aux["dropped_tokens"]) == int(lost.any(axis=1).sum())
     # y: the kept slots of the reference (dropped ones contribute nothing).
-    p = params_of(model)
-    y_all = jnp.einsum("td,edf->tef", flat, p["w_gate_up"], precision=HI)
-    y_all = jnp.einsum("tef,efd->ted", act_ref(y_all), p["w_down"], precision=HI)
-    w = np.asarray(reference(p, jnp.asarray(flat), model.options, jnp.asarray(mask.reshape(-1)))[5])
     want = np.einsum("tk,tkd->td", np.where(kept, w, 0),
-                     np.take_along_axis(np.asarray(y_all), ids[:, :, None], axis=1))
+                     np.take_along_axis(y_all, ids[:, :, None], axis=1))
     chex.assert_trees_all_close(np.asarray(y).reshape(-1, D), want, rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- jitter
-
-
-forward = nnx.jit(lambda m, x: m(x)[0])
 
 
 def test_router_jitter_train_and_eval():
@@ -354,14 +372,17 @@ def test_router_jitter_train_and_eval():
     key = nnx.clone(model).jitter_rngs()  # the key the next training call draws
     noise = jax.random.uniform(key, (x.shape[0] * x.shape[1], D), jnp.float32, 1 - eps, 1 + eps)
     check_layer(model, x, noise=noise.reshape(x.shape))  # advances the stream
-    y1, y2 = forward(model, x), forward(model, x)
+    # the programs check_layer compiled (eval and train) give the outputs compared below
+    ct = jax.random.normal(jax.random.key(2), x.shape)
+    forward = lambda m: layer_step(m, x, ct, None)[0]  # noqa: E731
+    y1, y2 = forward(model), forward(model)
     assert not np.allclose(y1, y2)  # a fresh draw per call
     model.eval()
     assert model.deterministic
     check_layer(model, x)  # no noise
-    y_eval = forward(model, x)
+    y_eval = forward(model)
     model.train()
-    np.testing.assert_array_equal(forward(nnx.view(model, deterministic=True), x), y_eval)
+    np.testing.assert_array_equal(forward(nnx.view(model, deterministic=True)), y_eval)
 
 
 def test_router_jitter_on_the_router_only():
