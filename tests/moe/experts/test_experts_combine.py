@@ -34,11 +34,18 @@ def test_weighted_rows_kernel_gives_the_gather_then_quantize_bytes(wire_dtype):
     g[2] = 0
     g[3, 9] = np.nan
     g = jnp.asarray(g, jnp.bfloat16)
-    w = jnp.asarray(rng.uniform(0.01, 1.0, t * k), jnp.float32).at[5].set(0.0)
+    w = rng.uniform(0.01, 1.0, t * k).astype(np.float32)
+    w[5] = 0.0
+    w = jnp.asarray(w)
     slot = jnp.array([0, 3, 12, 5, 7, -1, 2, 11, 6, 40], jnp.int32)  # 12, -1, 40: out of range
-    sent = wire_api.gather_weighted_rows(g, w, jnp.where(slot < 0, t * k, slot), top_k=k,
-                                           wire=jnp.dtype(wire_dtype), block_size=d)
-    want = quant_xla.quantize_rows_reference(sent)
+
+    @jax.jit  # one program (eager, each op would compile its own)
+    def gather_then_quantize(g, w, slot):
+        sent = wire_api.gather_weighted_rows(g, w, jnp.where(slot < 0, t * k, slot), top_k=k,
+                                               wire=jnp.dtype(wire_dtype), block_size=d)
+        return quant_xla.quantize_rows_reference(sent)
+
+    want = gather_then_quantize(g, w, slot)
     got = jax.jit(functools.partial(wire_triton.gather_weighted_rows_quantized, top_k=k,
                                     wire_dtype=wire_dtype, interpret=True))(g, w, slot)
     xla = jax.jit(functools.partial(fp8_gemm.rows_from_weighted, top_k=k,
@@ -54,13 +61,20 @@ def test_weighted_rows_kernel_gives_the_gather_then_quantize_bytes(wire_dtype):
 E, K, D, F, T = 8, 2, 256, 128, 128
 
 
-@functools.cache
-def _layer_grads(backend: str, dispatch_dtype, fused: bool, dtype=jnp.bfloat16, data=1):
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _inputs(dtype, data):
+    """x, router, w_gate_up, w_down: one program (eager, each random op compiles its own)."""
     keys = jax.random.split(jax.random.key(5), 4)
     x = jax.random.normal(keys[0], (data, T, D), dtype)
     router = jax.random.normal(keys[1], (D, E), jnp.float32) * 0.1
     wgu = (jax.random.normal(keys[2], (E, D, 2 * F)) * D**-0.5).astype(dtype)
     wd = (jax.random.normal(keys[3], (E, F, D)) * F**-0.5).astype(dtype)
+    return x, router, wgu, wd
+
+
+@functools.cache
+def _layer_grads(backend: str, dispatch_dtype, fused: bool, dtype=jnp.bfloat16, data=1):
+    x, router, wgu, wd = _inputs(dtype, data)
     opts = moe.MoEOptions.create(E, K, transport="dropless", gemm_implementation=backend,
                                  dispatch_dtype=dispatch_dtype, gemm_dtype="fp8",
                                  dgrad_dtype="fp8", wgrad_dtype="fp8")
@@ -106,18 +120,21 @@ def test_applies_only_where_nothing_is_sent_and_dy_is_read_as_fp8():
     from moe import ExpertOptions
     from moe.experts.vjp import Call
 
-    ids = jnp.array([[0, 1], [2, 3]], jnp.int32)
+    ids = jax.ShapeDtypeStruct((2, 2), jnp.int32)
     statics = plan_build.PlanStatics(num_experts=4, axis_name="expert", axis_size=1,
                                      x_dtype="float32", block_size=128)
-    plan = plan_build.dropless_plan(ids, statics, buckets=(4,))
+    # the decision reads the plans' static fields only: abstract plans (nothing compiled)
+    plans = jax.eval_shape(lambda ids: (
+        plan_build.dropless_plan(ids, statics, buckets=(4,)),
+        plan_build.ragged_plan(ids, statics, exchange_implementation="native"),
+        plan_build.dense_plan(ids, statics, capacity=8)), ids)
+    plan, ragged, dense = plans
     fp8_all = Call(experts=ExpertOptions(gemm_implementation="mosaic", gemm_dtype="fp8",
                                          dgrad_dtype="fp8", wgrad_dtype="fp8"),
                    fp8_block_size=128, mask_rows=True)
     assert fused_combine.applies(fp8_all, plan, None)
-    assert fused_combine.applies(fp8_all, plan_build.ragged_plan(
-        ids, statics, exchange_implementation="native"), None)
-    assert not fused_combine.applies(fp8_all, plan_build.dense_plan(
-        ids, statics, capacity=8), None)  # the padded layout
+    assert fused_combine.applies(fp8_all, ragged, None)
+    assert not fused_combine.applies(fp8_all, dense, None)  # the padded layout
     assert not fused_combine.applies(fp8_all, plan, "fp8")  # FP8 gradient wire
     bf16_wgrad = dataclasses.replace(
         fp8_all, experts=dataclasses.replace(fp8_all.experts, wgrad_dtype="bf16"))
