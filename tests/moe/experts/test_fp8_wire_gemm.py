@@ -37,10 +37,15 @@ def test_rows_from_wire_are_the_requantized_decoded_rows():
     x[4, 5], x[5, 9] = np.nan, np.inf
     x[6] *= 1e-30
     x = jnp.asarray(x, jnp.bfloat16)
-    wire = wire_api.encode_rows(x, wire="fp8", block_size=block)
-    decoded = wire_api.decode_rows(wire, wire="fp8", width=d, block_size=block,
-                                     out_dtype=jnp.bfloat16)
-    want = quant_api.rows(decoded)
+
+    @jax.jit  # one program (eager, each op would compile its own)
+    def wire_and_want(x):
+        wire = wire_api.encode_rows(x, wire="fp8", block_size=block)
+        decoded = wire_api.decode_rows(wire, wire="fp8", width=d, block_size=block,
+                                         out_dtype=jnp.bfloat16)
+        return wire, quant_api.rows(decoded)
+
+    wire, want = wire_and_want(x)
     got = jax.jit(fp8_gemm.rows_from_wire, static_argnums=(1, 2))(wire, d, block)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(_bytes(g), _bytes(w))
@@ -51,13 +56,20 @@ def test_rows_from_wire_are_the_requantized_decoded_rows():
 E, K, D, F, T = 8, 2, 256, 128, 128
 
 
-@functools.cache
-def _layer_grads(backend: str, transport: str, expert_devices: int, with_wire: bool):
+@functools.partial(jax.jit, static_argnums=0)
+def _inputs(expert_devices):
+    """x, router, w_gate_up, w_down: one program (eager, each random op compiles its own)."""
     keys = jax.random.split(jax.random.key(1), 4)
     x = jax.random.normal(keys[0], (expert_devices, T, D), jnp.bfloat16)
     router = jax.random.normal(keys[1], (D, E), jnp.float32) * 0.1
     wgu = (jax.random.normal(keys[2], (E, D, 2 * F)) * D**-0.5).astype(jnp.bfloat16)
     wd = (jax.random.normal(keys[3], (E, F, D)) * F**-0.5).astype(jnp.bfloat16)
+    return x, router, wgu, wd
+
+
+@functools.cache
+def _layer_grads(backend: str, transport: str, expert_devices: int, with_wire: bool):
+    x, router, wgu, wd = _inputs(expert_devices)
     mesh = make_mesh((1, expert_devices))
     opts = moe.MoEOptions.create(E, K, transport=transport, gemm_implementation=backend,
                                  dispatch_dtype="fp8", gemm_dtype="fp8", dgrad_dtype="fp8",
@@ -129,14 +141,19 @@ def test_wire_rows_kernel_gives_the_reference_bytes():
     x[1] *= np.repeat(2.0 ** np.array([-30, -8, 0, 12]), block)
     x[2] = 0
     x[3, 7] = np.nan
-    wire = wire_api.encode_rows(jnp.asarray(x, jnp.bfloat16), wire="fp8", block_size=block)
     index = jnp.array([5, 1, -1, 3, 0, 6, 2, 4, 1], jnp.int32)  # -1 and 6: out of range
+
+    @jax.jit  # one program (eager, each op would compile its own)
+    def wire_and_want(x, index):
+        wire = wire_api.encode_rows(x, wire="fp8", block_size=block)
+        ok = (index >= 0) & (index < wire.shape[0])
+        rows = jnp.where(ok[:, None], wire[jnp.clip(index, 0, wire.shape[0] - 1)], 0)
+        return wire, quant_xla.quantize_rows_reference(wire_api.decode_rows(
+            rows, wire="fp8", width=d, block_size=block, out_dtype=jnp.float32))
+
+    wire, want = wire_and_want(jnp.asarray(x, jnp.bfloat16), index)
     got = jax.jit(functools.partial(wire_triton.gather_rows_quantized, width=d,
                                     block_size=block, interpret=True))(wire, index)
-    ok = (index >= 0) & (index < wire.shape[0])
-    rows = jnp.where(ok[:, None], wire[jnp.clip(index, 0, wire.shape[0] - 1)], 0)
-    want = quant_xla.quantize_rows_reference(wire_api.decode_rows(
-        rows, wire="fp8", width=d, block_size=block, out_dtype=jnp.float32))
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(_bytes(g), _bytes(w))
     assert not np.asarray(got[0][2], np.float32).any()
@@ -162,7 +179,7 @@ def test_local_rows_kernel_gives_the_wire_paths_bytes():
     x[5] *= 1e-30
     x = jnp.asarray(x, jnp.bfloat16)
     index = jnp.array([5, 1, -1, 3, 0, 6, 2, 4, 1, 12], jnp.int32)  # -1, 6, 12: out of range
-    wire = wire_api.encode_rows(x, wire="fp8", block_size=block)
+    wire = jax.jit(functools.partial(wire_api.encode_rows, wire="fp8", block_size=block))(x)
     want = jax.jit(fp8_gemm.rows_from_wire, static_argnums=(1, 2))(wire, d, block, index)
     got = jax.jit(functools.partial(wire_triton.gather_local_rows_quantized,
                                     block_size=block, interpret=True))(x, index)
