@@ -211,15 +211,19 @@ def _dispatch_fn(transport: str):
     return mesh, jax.jit(fn)
 
 
+@jax.jit
+def _fp8_round_trip_jit(a: jax.Array) -> jax.Array:
+    return fp8.dequantize(fp8.quantize(a, BS), jnp.bfloat16)
+
+
 def _fp8_round_trip(a: jax.Array) -> np.ndarray:
     """What the FP8 wire delivers for rows ``a``: e4m3 + E8M0 blocks, decoded to bf16."""
-    return np.asarray(fp8.dequantize(fp8.quantize(a, BS), jnp.bfloat16), np.float32)
+    return np.asarray(_fp8_round_trip_jit(a), np.float32)
 
 
-@pytest.mark.parametrize("d,transport", [(256, "dense"), (768, "ragged"), (896, "dropless")])
-def test_fp8_dispatch_and_grad_wire_carry_the_quantized_rows(d, transport):
-    """The FP8 wire's expert rows (and combine's FP8 cotangent rows) are exactly the
-    FP8 round trip of what the f32 wire delivers; combine's output matches the dense sum."""
+@functools.partial(jax.jit, static_argnums=0)
+def _dispatch_inputs(d: int):
+    """x (row magnitudes 2^+-20), expert ids, weights, cotangent: one program per width."""
     n = N_EP * T_LOCAL
     kx, ki, kw, kc, km = jax.random.split(jax.random.key(d), 5)
     mag = jnp.exp2(jax.random.randint(km, (n, 1), -20, 20).astype(jnp.float32))
@@ -227,9 +231,17 @@ def test_fp8_dispatch_and_grad_wire_carry_the_quantized_rows(d, transport):
     ids = jax.vmap(lambda k: jax.random.permutation(k, E)[:K])(jax.random.split(ki, n))
     w = jax.nn.softmax(jax.random.normal(kw, (n, K)), axis=-1)
     ct = jax.random.normal(kc, (n, d), jnp.float32)
+    return x, ids.astype(jnp.int32), w, ct
+
+
+@pytest.mark.parametrize("d,transport", [(256, "dense"), (768, "ragged"), (896, "dropless")])
+def test_fp8_dispatch_and_grad_wire_carry_the_quantized_rows(d, transport):
+    """The FP8 wire's expert rows (and combine's FP8 cotangent rows) are exactly the
+    FP8 round trip of what the f32 wire delivers; combine's output matches the dense sum."""
+    x, ids, w, ct = _dispatch_inputs(d)
     mesh, fn = _dispatch_fn(transport)
     put = lambda a: jax.device_put(a, NamedSharding(mesh, P("expert")))  # noqa: E731
-    out = fn(put(x), put(ids.astype(jnp.int32)), put(w), put(ct))
+    out = fn(put(x), put(ids), put(w), put(ct))
     (ex32, dey32, y32), (ex8, dey8, y8) = out["None"], out["fp8"]
     np.testing.assert_array_equal(np.asarray(ex8), _fp8_round_trip(ex32))
     np.testing.assert_array_equal(np.asarray(dey8), _fp8_round_trip(dey32))
@@ -307,9 +319,9 @@ def test_layer_fp8_dispatch_and_gemms_match_dense_moe(d, grads):
                     dtype=jnp.float32, rngs=nnx.Rngs(0))
     options = model.options
     assert options.dispatch.dispatch_dtype == "fp8" and options.experts.gemm_dtype == "fp8"
-    kx, kc = jax.random.split(jax.random.key(1))
-    x = jax.random.normal(kx, (4, 16, d), jnp.float32)
-    ct = jax.random.normal(kc, (4, 16, d), jnp.float32)
+    x, ct = jax.jit(lambda: tuple(  # one program (eager, each random op compiles its own)
+        jax.random.normal(k, (4, 16, d), jnp.float32)
+        for k in jax.random.split(jax.random.key(1))))()
     y, g = _layer_step(model, x, ct, grads)
     params = {k: np.asarray(v, np.float32)
               for k, v in nnx.to_pure_dict(nnx.state(model, nnx.Param)).items()}
