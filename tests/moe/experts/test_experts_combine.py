@@ -58,7 +58,9 @@ def test_weighted_rows_kernel_gives_the_gather_then_quantize_bytes(wire_dtype):
     assert s[2] == s[3] == s[5] == s[9] == 2.0**-126  # out of range; weight 0 on a zero row
 
 
-E, K, D, F, T = 8, 2, 256, 128, 128
+# Small (4 experts, 64 tokens): the bytes compared do not depend on the size, the compile
+# and the CPU's emulated GEMMs do.
+E, K, D, F, T = 4, 2, 256, 128, 64
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
