@@ -189,7 +189,9 @@ def test_bf16_within_2e_2():
         assert rel_max_err(a, b) < 2e-2, name
 
 
-@pytest.mark.parametrize("shape,names,transport", [(*MESHES[0], "dense"), (*MESHES[1], "ragged")])
+# ragged on EP 2 (a data axis too): the program test_dropless_fp8_wire_equals_ragged_bit_for_bit
+# compares against, compiled once for both
+@pytest.mark.parametrize("shape,names,transport", [(*MESHES[0], "dense"), (*MESHES[2], "ragged")])
 def test_fp8_dispatch_and_fp8_combine_grad(shape, names, transport):
     args, ct = init(**FP8)
     out = sharded_run(shape, names, transport, "fp8", "fp8", "bfloat16")(args, ct)
@@ -294,7 +296,7 @@ def test_dropless_aligned_layout_holds_the_same_rows(mesh):
 
 def test_group_alignment_is_for_dropless_only():
     mesh = make_mesh((1,), axis_type="auto")
-    x, ids = jnp.ones((8, 32)), jnp.zeros((8, 2), jnp.int32).at[:, 1].set(1)
+    x, ids = jax.ShapeDtypeStruct((8, 32), jnp.float32), jax.ShapeDtypeStruct((8, 2), jnp.int32)
     for transport, a in (("dense", 8), ("ragged", 8), ("dropless", 0), ("dropless", True)):
         f = jax.shard_map(lambda x, ids, t=transport, a=a: dispatch(
             x, ids, num_experts=4, axis_name="expert", transport=t, group_alignment=a)[0],
@@ -502,8 +504,8 @@ def test_bad_input_raises(kwargs, shape, match):
     kwargs = {"axis_name": "expert", **kwargs}
     k = kwargs.pop("top_k", K)
     mesh = make_mesh((8,), ("expert",), axis_type="auto")
-    x = jnp.zeros((8 * shape[0], shape[1]), jnp.float32)
-    ids = jnp.zeros((8 * shape[0], k), jnp.int32)
+    x = jax.ShapeDtypeStruct((8 * shape[0], shape[1]), jnp.float32)
+    ids = jax.ShapeDtypeStruct((8 * shape[0], k), jnp.int32)
     f = jax.shard_map(lambda x, ids: dispatch(x, ids, **kwargs)[0], mesh=mesh,
                       in_specs=(P("expert"), P("expert")), out_specs=P("expert"))
     with pytest.raises(ValueError, match=match):
@@ -522,7 +524,8 @@ def test_bad_buckets_raise(transport, buckets, match):
                                                     buckets=buckets).expert_x,
                       mesh=mesh, in_specs=(P("expert"), P("expert")), out_specs=P("expert"))
     with pytest.raises(ValueError, match=match):
-        jax.eval_shape(f, jnp.zeros((64, 32)), jnp.zeros((64, K), jnp.int32))
+        jax.eval_shape(f, jax.ShapeDtypeStruct((64, 32), jnp.float32),
+                       jax.ShapeDtypeStruct((64, K), jnp.int32))
 
 
 @pytest.mark.parametrize("transport,capacity,match", [
@@ -536,7 +539,7 @@ def test_bad_plan_capacity_raises(transport, capacity, match):
                                                 capacity=capacity).send_slot,
                       mesh=mesh, in_specs=P("expert"), out_specs=P("expert"))
     with pytest.raises(ValueError, match=match):
-        jax.eval_shape(f, jnp.zeros((64, K), jnp.int32))
+        jax.eval_shape(f, jax.ShapeDtypeStruct((64, K), jnp.int32))
 
 
 def test_a_plan_built_beforehand_dispatches_the_same_rows_and_must_fit():
@@ -551,8 +554,8 @@ def test_a_plan_built_beforehand_dispatches_the_same_rows_and_must_fit():
         return (dispatch_apply(x, ids, num_experts=E, options=opts, plan=plan).expert_x,
                 dispatch_apply(x, ids, num_experts=E, options=opts).expert_x)
 
-    x = jax.random.normal(jax.random.key(0), (T_ALL, 32))
-    ids = jax.random.randint(jax.random.key(1), (T_ALL, K), 0, E)
+    x, ids = jax.jit(lambda: (jax.random.normal(jax.random.key(0), (T_ALL, 32)),  # one program
+                              jax.random.randint(jax.random.key(1), (T_ALL, K), 0, E)))()
     got, want = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=(spec, spec),
                                       out_specs=(spec, spec)))(x, ids)
     chex.assert_trees_all_equal(got, want)
