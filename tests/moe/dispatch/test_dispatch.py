@@ -604,24 +604,26 @@ def test_aligned_dropless_into_mosaic_experts_equals_their_own_alignment(ep):
     from moe import gated_experts
 
     mesh = make_mesh((ep,), axis_type="auto")
-    t, d, f = 48, 64, 32
+    # 8 experts, not E: each is a 128-row tile group of the aligned layout, and the layouts'
+    # agreement does not depend on how many there are
+    e, t, d, f = 8, 48, 64, 32
 
     @jax.jit  # one program (eager, each random op would compile its own)
     def data():
         keys = jax.random.split(jax.random.key(7), 5)
         x = jax.random.normal(keys[0], (ep * t, d), jnp.float32)
-        ids = jax.vmap(lambda kk: jax.random.choice(kk, E, (K,), replace=False))(
+        ids = jax.vmap(lambda kk: jax.random.choice(kk, e, (K,), replace=False))(
             jax.random.split(keys[1], ep * t)).astype(jnp.int32)
         w = jax.nn.softmax(jax.random.normal(keys[2], (ep * t, K)), axis=-1)
-        wgu = jax.random.normal(keys[3], (E, d, 2 * f)) * d**-0.5
-        wd = jax.random.normal(keys[4], (E, f, d)) * f**-0.5
+        wgu = jax.random.normal(keys[3], (e, d, 2 * f)) * d**-0.5
+        wd = jax.random.normal(keys[4], (e, f, d)) * f**-0.5
         return x, ids, w, wgu, wd
 
     x, ids, w, wgu, wd = data()
 
     def run(align):
         def local(x, ids, w, wgu, wd):
-            ex, sizes, plan = dispatch(x, ids, num_experts=E, axis_name="expert",
+            ex, sizes, plan = dispatch(x, ids, num_experts=e, axis_name="expert",
                                        transport="dropless", group_alignment=align)
             ey = gated_experts(ex, sizes, wgu, wd, gemm_implementation="mosaic",
                                group_alignment=align)
