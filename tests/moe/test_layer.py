@@ -189,12 +189,17 @@ def assert_aux(aux, raux, kept=None):
 # ----------------------------------------------------------------------------- 1. exactness
 
 
+@functools.cache
+def _f32_run(mesh_spec, transport):
+    """run_both of the f32 layer with the default (XLA on the CPU) GEMMs: computed once for
+    test_f32_matches_reference and the Pallas test that compares against it."""
+    return run_both(layer(mesh_spec=mesh_spec, transport=transport), *inputs())
+
+
 @pytest.mark.parametrize("transport", ["dense", "ragged"])
 @pytest.mark.parametrize("mesh_spec", MESHES, ids=lambda m: f"{m[0][0]}x{m[0][1]}-{m[1]}")
 def test_f32_matches_reference(mesh_spec, transport):
-    model = layer(mesh_spec=mesh_spec, transport=transport)
-    x, ct = inputs()
-    got, want, aux, raux = run_both(model, x, ct)
+    got, want, aux, raux = _f32_run(mesh_spec, transport)
     assert got["w_gate_up"].shape == (E, D, 2 * F)
     assert_close(got, want, rtol=1e-5)
     assert_aux(aux, raux)
@@ -565,24 +570,24 @@ def test_linen_wrapper_matches_nnx():
 
 
 @pytest.mark.parametrize(
-    "mesh_spec,transport,other",
-    [(MESHES[2], "ragged", "xla"), (MESHES[3], "dense", "xla")],
+    "mesh_spec,transport",
+    [(MESHES[2], "ragged"), (MESHES[3], "dense")],
     ids=["ragged-2x4-explicit", "dense-1x8-auto"],
 )
-def test_pallas_backend_matches_other_backends_inside_the_layer(mesh_spec, transport, other):
+def test_pallas_backend_matches_other_backends_inside_the_layer(mesh_spec, transport):
     """gemm_implementation='triton' (interpreted on CPU) inside the layer's shard_map: y, aux
-    and every gradient equal those of the XLA implementations in f32."""
+    and every gradient equal those of the XLA implementations in f32 (the default GEMMs of
+    test_f32_matches_reference, which are XLA's on the CPU)."""
     x, ct = inputs()
-    results = {}
-    for backend in ("triton", other):
-        model = layer(mesh_spec=mesh_spec, transport=transport, gemm_implementation=backend)
-        y, aux, gm, gx = layer_step(model, x, ct)
-        results[backend] = (
-            {"y": np.asarray(y), "x": np.asarray(gx),
-             **jax.tree.map(np.asarray, nnx.to_pure_dict(gm))},
-            jax.tree.map(np.asarray, aux),
-        )
-    (got, aux), (want, raux) = results["triton"], results[other]
+    model = layer(mesh_spec=mesh_spec, transport=transport, gemm_implementation="triton")
+    y, aux, gm, gx = layer_step(model, x, ct)
+    got = {"y": np.asarray(y), "x": np.asarray(gx),
+           **jax.tree.map(np.asarray, nnx.to_pure_dict(gm))}
+    aux = jax.tree.map(np.asarray, aux)
+    resolved = moe.MoEOptions.create(E, K, transport=transport).resolve(
+        B * S, D, F, mesh=make_mesh(mesh_spec[0], axis_type=mesh_spec[1]))
+    assert resolved.experts.gemm_implementation == "xla"
+    want, _, raux, _ = _f32_run(mesh_spec, transport)  # the XLA layer's own y, grads, aux
     assert set(got) == set(want)
     assert_close(got, want, rtol=1e-5)
     assert_aux(aux, raux)
