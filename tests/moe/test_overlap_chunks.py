@@ -230,13 +230,15 @@ def _skewed(tokens, seed, towards, strength):
     return x + strength * col / jnp.linalg.norm(col)
 
 
+@functools.partial(jax.jit, static_argnames=("first_bucket", "devices", "chunks"))
 def _overflows(x, router, first_bucket, devices=8, chunks=2):
     """Whether some (device, chunk) source sends a device more slots than the first bucket
-    (top-k of the router logits; mesh (1, 8): device i holds the i-th block of tokens)."""
+    (top-k of the router logits; mesh (1, 8): device i holds the i-th block of tokens).
+    Jitted: one program for every case, not one per eager op."""
     ids = jax.lax.top_k(x.reshape(-1, D) @ router, K)[1]
-    return any(bool(split_first_bucket(
-        part, num_experts=E, axis_size=8, first_bucket=first_bucket).overflows)
-        for part in ids.reshape(devices * chunks, -1, K))
+    return jnp.stack([split_first_bucket(
+        part, num_experts=E, axis_size=8, first_bucket=first_bucket).overflows
+        for part in ids.reshape(devices * chunks, -1, K)]).any()
 
 
 # One compiled program per wire and chunk count serves every skew: the data alone decides
@@ -261,7 +263,7 @@ def test_pipelined_dropless_sends_overflow_in_its_own_pass(skew, wire):
     x = _skewed(tokens, 3, 7, skew)
     ct = jax.random.normal(jax.random.key(5), (*tokens, D))
     p = _params(0)
-    assert _overflows(x, p["router"], buckets[0]) == (skew > 0)
+    assert bool(_overflows(x, p["router"], buckets[0])) == (skew > 0)
     one = _grad_fn((1, 8), 1, **opts)(x, p, ct)
     many = _grad_fn((1, 8), 2, **opts)(x, p, ct)
     one, many = (jax.tree.map(np.asarray, t) for t in (one, many))  # no eager programs
