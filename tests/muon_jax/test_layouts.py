@@ -62,6 +62,16 @@ TRUE = {
 }
 
 
+def _zoo(module=Zoo, seed=0):
+    """The module as Flax builds it (its layers, shapes and metadata), with host-RNG values:
+    Flax's eager initializers would compile a program per initializer and shape, and Muon's
+    updates here (weight decay 0) depend on the gradients only."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: module(nnx.Rngs(0))))
+    rng = np.random.default_rng(seed)
+    state = jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s.shape), s.dtype), state)
+    return nnx.merge(graphdef, state)
+
+
 def _polar(a):
     u, _, vt = np.linalg.svd(a, full_matrices=False)
     return u @ vt
@@ -82,7 +92,8 @@ def _check_polar(updates, grads, keys):
 
 
 def test_flax_dimension_numbers_reads_each_layer():
-    dims = _flat(muon_jax.flax_dimension_numbers(Zoo(nnx.Rngs(0))))
+    # The views come from the module graph and shapes: an abstract Zoo (no initializers run).
+    dims = _flat(muon_jax.flax_dimension_numbers(nnx.eval_shape(lambda: Zoo(nnx.Rngs(0)))))
     assert dims["attn/query/kernel"] == MDN((0,), (1, 2))
     assert dims["attn/out/kernel"] == MDN((0, 1), (2,))
     assert dims["ein/kernel"] == MDN((0,), (1, 2))
@@ -94,16 +105,18 @@ def test_flax_dimension_numbers_reads_each_layer():
     assert dims["lin/bias"] is None
     # A stack axis elsewhere than first (nnx.vmap's out_axes) is found by shape; nnx.scan
     # stacks like nnx.vmap.
-    inner = nnx.vmap(lambda r: nnx.Linear(8, 12, rngs=r), out_axes=1)(nnx.Rngs(0).split(3))
+    inner = nnx.eval_shape(lambda: nnx.vmap(lambda r: nnx.Linear(8, 12, rngs=r), out_axes=1)(
+        nnx.Rngs(0).split(3)))
     assert muon_jax.flax_dimension_numbers(inner)["kernel"] == MDN(0, 2)
-    scanned = nnx.scan(lambda c, r: (c, nnx.Linear(8, 12, rngs=r)), in_axes=(nnx.Carry, 0),
-                       out_axes=(nnx.Carry, 0))(0, nnx.Rngs(0).split(3))[1]
+    scanned = nnx.eval_shape(lambda: nnx.scan(
+        lambda c, r: (c, nnx.Linear(8, 12, rngs=r)), in_axes=(nnx.Carry, 0),
+        out_axes=(nnx.Carry, 0))(0, nnx.Rngs(0).split(3))[1])
     assert muon_jax.flax_dimension_numbers(scanned)["kernel"] == MDN(1, 2)
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["unsharded", "sharded"])
 def test_muon_through_nnx_optimizer_is_each_kernels_polar_factor(sharded):
-    model = Zoo(nnx.Rngs(0))
+    model = _zoo()
     sharding, place = None, lambda path, x: x
     if sharded:  # replicated params, expert banks split over 'expert' (as moe places them)
         mesh = jax.make_mesh((2, 4), ("data", "expert"))
@@ -147,7 +160,10 @@ def _kernels(tree):
 
 
 def test_linen_params_get_their_views_from_auto_named_paths():
-    params = LinenZoo().init(jax.random.key(0), jnp.ones((1, 4, 8)))
+    # Linen's auto-named tree and shapes (no initializers run); values from the host RNG.
+    params = jax.eval_shape(lambda: LinenZoo().init(jax.random.key(0), jnp.ones((1, 4, 8))))
+    rng = np.random.default_rng(1)
+    params = jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s.shape), s.dtype), params)
     dims = _flat(muon_jax.flax_dimension_numbers(params))
     assert dims["params/MultiHeadDotProductAttention_0/query/kernel"] == MDN(0, (1, 2))
     assert dims["params/MultiHeadDotProductAttention_0/out/kernel"] == MDN((0, 1), 2)
@@ -158,7 +174,6 @@ def test_linen_params_get_their_views_from_auto_named_paths():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # every rank-3 kernel's view is read from its path
         state = tx.init(kernels)
-    rng = np.random.default_rng(1)
     grads = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), kernels)
     u, g = _flat(jax.jit(tx.update)(grads, state)[0]), _flat(grads)
     for k, shape in (("params/MultiHeadDotProductAttention_0/query/kernel", (8, 8)),
@@ -224,13 +239,18 @@ class FusedQKV(nnx.Module):
 def test_a_layer_declares_its_sublayers_fused_kernel():
     """A declared view (here of a sublayer's kernel, by a dotted name) wins over the
     sublayer's own, through nnx.Optimizer too: q, k and v are each their polar factor."""
-    model = FusedQKV(nnx.Rngs(0))
+    model = _zoo(FusedQKV)
     assert muon_jax.flax_dimension_numbers(model)["qkv"]["kernel"] == Split(
         0, 1, split_axis=1, parts=3)
     opt = nnx.Optimizer(model, muon_jax.muon(1.0, **EXACT), wrt=nnx.Param)
-    g = jax.random.normal(jax.random.key(1), (8, 24))
-    grads = nnx.grad(lambda m: jnp.sum(m.qkv.kernel[...] * g))(model)
-    updates = opt.update(model, grads)
+    g = jnp.asarray(np.random.default_rng(1).standard_normal((8, 24)), jnp.float32)
+
+    @nnx.jit  # one program (eager, every op of the update compiles its own)
+    def step(opt, model, g):
+        grads = nnx.grad(lambda m: jnp.sum(m.qkv.kernel[...] * g))(model)
+        return opt.update(model, grads)
+
+    updates = step(opt, model, g)
     got = -np.asarray(updates["qkv"]["kernel"], np.float64).reshape(8, 3, 8).transpose(1, 0, 2)
     want = np.stack([_polar(m) for m in np.asarray(g, np.float64).reshape(8, 3, 8)
                      .transpose(1, 0, 2)])
