@@ -42,7 +42,9 @@ def test_chunked_equals_unchunked_and_reference_with_same_bytes(axis_type):
     for chunk_bytes in (None, 1):  # 1 byte: one matrix per device per chunk
         tx = muon_jax.scale_by_muon(
             **F32_TX, sharding=muon_jax.ShardingOptions(mesh, chunk_bytes=chunk_bytes))
-        state = tx.init(params)
+        # Explicit axes: a jitted init (one program; the specs from the traced types); Auto:
+        # eager, the specs read from the placed arrays.
+        state = (jax.jit(tx.init) if axis_type == AxisType.Explicit else tx.init)(params)
         update = jax.jit(tx.update)
         rep = hlo.analyze_collectives(update.lower(grads[0], state).compile())
         assert rep.in_while_loop == ()
@@ -59,8 +61,8 @@ def test_chunked_equals_unchunked_and_reference_with_same_bytes(axis_type):
     for a, b in zip(s1.mu, sc.mu, strict=True):  # same shapes; rows in chunk order
         assert a.shape == b.shape and a.sharding.is_equivalent_to(b.sharding, a.ndim)
     # The same momentum per matrix: the chunks' contiguous ranges only reorder owner rows.
-    for a, b in zip(jax.tree.leaves(muon_jax.portable_state(s1)),
-                    jax.tree.leaves(muon_jax.portable_state(sc)), strict=True):
+    portable = jax.jit(muon_jax.portable_state)  # one program per plan, not one per op
+    for a, b in zip(jax.tree.leaves(portable(s1)), jax.tree.leaves(portable(sc)), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     for got_c, got_1, ref in zip(oc, o1, refs, strict=True):
         for k in SHAPES:
@@ -92,7 +94,7 @@ def test_chunked_data_parallel_step_reduce_scatters_same_bytes():
     for chunk_bytes in (None, 1):
         tx = muon_jax.scale_by_muon(
             **F32_TX, sharding=muon_jax.ShardingOptions(mesh, chunk_bytes=chunk_bytes))
-        state = tx.init(params)
+        state = jax.jit(tx.init)(params)  # Explicit axes: one program, not one per op
 
         @jax.jit
         def step(p, state, x, tx=tx):
