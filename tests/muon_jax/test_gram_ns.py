@@ -142,17 +142,22 @@ def test_auto_rule():
 def test_symmetric_matmul_equals_matmul(blocks):
     rng = np.random.default_rng(blocks)
     x = jnp.asarray(rng.standard_normal((2, 11, 7)), jnp.float32)  # 11 rows: uneven strips
-    want = x @ x.mT
-    got = jax.jit(functools.partial(symmetric_matmul, blocks=blocks))(x, x.mT)
-    chex.assert_trees_all_close(got, want, atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(got.mT))  # exactly symmetric
     a = jnp.asarray(rng.standard_normal((6, 6)), jnp.float32)
-    a = a @ a.T
-    chex.assert_trees_all_close(symmetric_matmul(a, a @ a, blocks=blocks), a @ a @ a,
-                                rtol=1e-5, atol=1e-4)
     c = jnp.asarray(rng.standard_normal((5, 3)) + 1j * rng.standard_normal((5, 3)), jnp.complex64)
-    chex.assert_trees_all_close(symmetric_matmul(c, c.conj().T, blocks=blocks), c @ c.conj().T,
-                                atol=1e-5)
+
+    @jax.jit  # the three products and their references in one program (eager: one per op)
+    def products(x, a, c):
+        a = a @ a.T
+        return ((symmetric_matmul(x, x.mT, blocks=blocks), x @ x.mT),
+                (symmetric_matmul(a, a @ a, blocks=blocks), a @ a @ a),
+                (symmetric_matmul(c, c.conj().T, blocks=blocks), c @ c.conj().T))
+
+    (got, want), (got_a, want_a), (got_c, want_c) = products(x, a, c)
+    chex.assert_trees_all_close(got, want, atol=1e-5)
+    got = np.asarray(got)
+    np.testing.assert_array_equal(got, np.swapaxes(got, -1, -2))  # exactly symmetric
+    chex.assert_trees_all_close(got_a, want_a, rtol=1e-5, atol=1e-4)
+    chex.assert_trees_all_close(got_c, want_c, atol=1e-5)
     with pytest.raises(ValueError, match="blocks must be an int >= 1"):
         symmetric_matmul(x, x.mT, blocks=0)
 
@@ -189,7 +194,7 @@ def test_sharded_muon_runs_gram_on_each_owner():
               mu_dtype=jnp.float32, dimension_numbers=muon_jax.MuonDimensionNumbers(-2, -1))
     ref_tx = muon_jax.scale_by_muon(**kw)
     tx = muon_jax.scale_by_muon(**kw, sharding=muon_jax.ShardingOptions(mesh))
-    ref_state, state = ref_tx.init(params), tx.init(
+    ref_state, state = ref_tx.init(params), jax.jit(tx.init)(  # Explicit: one init program
         {k: jax.device_put(v, NamedSharding(mesh, P())) for k, v in params.items()})
     ref_update, update = jax.jit(ref_tx.update), jax.jit(tx.update)
     for g in grads:
