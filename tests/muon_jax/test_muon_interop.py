@@ -64,11 +64,12 @@ def _torch_muon(weights, grads_seq, *, lr, weight_decay, momentum, nesterov, adj
 
 
 def _flax_run(tx, kernels, grads_seq, place=lambda tree: tree):
-    """Kernels after each step of ``tx`` (one jitted step)."""
+    """Kernels after each step of ``tx`` (one jitted step; a jitted init: one program, not
+    one per op)."""
     step = jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(
         *tx.update(g, s, p)))
     params, out = place(kernels), []
-    state = tx.init(params)
+    state = jax.jit(tx.init)(params)
     for grads in grads_seq:
         params, state = step(params, state, place(grads))
         out.append(jax.tree.map(np.asarray, params))
@@ -272,7 +273,7 @@ def test_clip_by_global_norm_on_reduced_view_gradients():
     sharded_batch = jax.device_put(batch, NamedSharding(mesh, P("d")))
 
     muon = muon_jax.muon(0.02, newton_schulz=F32, sharding=ShardingOptions(mesh))
-    state = muon.init(params)
+    state = jax.jit(muon.init)(params)  # Explicit axes: one program, not one per op
 
     @jax.jit
     def step(p, state, batch, max_norm):  # clipped gradients (all-reduced to compare), updates
@@ -292,7 +293,7 @@ def test_clip_by_global_norm_on_reduced_view_gradients():
         return clipped, muon_ref.update(clipped, muon_ref.init(p), p)[0]
 
     assert "reduce-scatter" in step.lower(params, state, sharded_batch, 1.0).compile().as_text()
-    norm = float(optax.tree.norm(jax.jit(jax.grad(_mlp_loss))(host, batch)))
+    norm = float(jax.jit(lambda p, b: optax.tree.norm(jax.grad(_mlp_loss)(p, b)))(host, batch))
     for max_norm in (0.1 * norm, 10.0 * norm):  # clipped, untouched
         got = step(params, state, sharded_batch, max_norm)
         want = reference(host, batch, max_norm)
