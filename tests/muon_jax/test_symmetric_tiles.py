@@ -66,14 +66,19 @@ def test_mirror_upper_reads_only_the_upper_triangle():
 def test_gram_product_equals_the_full_product(shape):
     """``X X^T`` with bf16 operands, f32 result: p and r padded (200 -> 256, 40 -> 64; 300 ->
     512, where the kernel skips tiles), a batch dimension, or none."""
-    x = jax.random.normal(jax.random.key(shape[-1]), shape).astype(BF16)
-    fn = jax.jit(functools.partial(symmetric_tiles_matmul, preferred_element_type=F32))
-    got = fn(x, x)
+
+    @jax.jit  # input, product and reference in one program (eager: one per op)
+    def products():
+        x = jax.random.normal(jax.random.key(shape[-1]), shape).astype(BF16)
+        got = symmetric_tiles_matmul(x, x, preferred_element_type=F32)
+        return got, jnp.matmul(x, x.mT, preferred_element_type=F32)
+
+    got, want = products()
     chex.assert_shape(got, (*shape[:-1], shape[-2]))
-    assert got.dtype == F32 and not jnp.isnan(got).any()
-    want = jnp.matmul(x, x.mT, preferred_element_type=F32)
+    got = np.asarray(got)
+    assert got.dtype == F32 and not np.isnan(got).any()
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-4)
-    chex.assert_trees_all_equal(got, got.mT)  # exactly symmetric
+    chex.assert_trees_all_equal(got, np.swapaxes(got, -1, -2))  # exactly symmetric
 
 
 @pytest.mark.parametrize("shape", [(2, 200, 40), (300, 70)])
@@ -82,16 +87,20 @@ def test_polynomial_products_equal_the_full_product_exactly(shape):
     integers that bf16 holds exactly: the result is the exact product, in f32 and bf16."""
     rng = np.random.default_rng(1)
     x = _ints(rng, shape)
-    b = jnp.matmul(x, x.mT, preferred_element_type=F32)
-    a = b + 3 * jnp.eye(shape[-2])
+
+    @jax.jit  # the products and their operands in one program (eager: one per op)
+    def products(x):
+        b = jnp.matmul(x, x.mT, preferred_element_type=F32)
+        a = b + 3 * jnp.eye(shape[-2])
+        got = symmetric_tiles_matmul(a, b, dtype=BF16, preferred_element_type=F32)
+        return a, b, got, symmetric_tiles_matmul(x, x)
+
+    a, b, got, small = products(x)
     want = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
-    got = jax.jit(functools.partial(symmetric_tiles_matmul, dtype=BF16,
-                                    preferred_element_type=F32))(a, b)
     chex.assert_trees_all_equal(got, jnp.asarray(want, F32))
     # default result dtype: the operands'
-    small = symmetric_tiles_matmul(x, x)
     assert small.dtype == BF16
-    chex.assert_trees_all_equal(small, b.astype(BF16))
+    chex.assert_trees_all_equal(small, np.asarray(b).astype(BF16))
 
 
 def test_a_non_symmetric_product_becomes_its_upper_triangle_mirrored():
@@ -101,7 +110,7 @@ def test_a_non_symmetric_product_becomes_its_upper_triangle_mirrored():
     rng = np.random.default_rng(2)
     u, w = _ints(rng, (2, 384, 50)), _ints(rng, (2, 384, 50))
     full = np.einsum("bik,bjk->bij", np.asarray(u, np.float64), np.asarray(w, np.float64))
-    got = symmetric_tiles_matmul(u, w, preferred_element_type=F32)
+    got = jax.jit(functools.partial(symmetric_tiles_matmul, preferred_element_type=F32))(u, w)
     chex.assert_trees_all_equal(got, jnp.asarray(_upper(full), F32))
 
 
