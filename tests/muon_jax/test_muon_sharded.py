@@ -56,6 +56,12 @@ def _make_params(mesh, specs):
             for k, x in _random_tree(0).items()}
 
 
+def _init(tx, params, axis_type=AxisType.Explicit):
+    """Explicit axes: a jitted init (one program; eager, the sharded init compiles one per op
+    and stack); Auto axes: eager (a traced init there needs param_specs)."""
+    return (jax.jit(tx.init) if axis_type == AxisType.Explicit else tx.init)(params)
+
+
 @pytest.fixture(scope="module")
 def reference_updates():
     """Five steps of unsharded scale_by_muon on the host trees (shared by all meshes)."""
@@ -73,7 +79,7 @@ def test_sharded_equals_unsharded_shardings_and_memory(case, reference_updates):
     mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names))
     params = _make_params(mesh, specs)
     tx = muon_jax.scale_by_muon(**F32_TX, sharding=ShardingOptions(mesh))
-    state = tx.init(params)
+    state = _init(tx, params, axis_type)
     assert isinstance(state, muon_jax.ShardedMuonState)
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
     update = jax.jit(tx.update)
@@ -230,7 +236,7 @@ def _ring_bytes(step, *args):
 def test_dp_step_communication_parity_with_adamw(dp_setup):
     mesh, host, params, batch = dp_setup
     tx = muon_jax.muon(0.02, newton_schulz=F32, sharding=ShardingOptions(mesh))
-    state = tx.init(params)
+    state = _init(tx, params)
     muon_step = _dp_step(tx, view_axes="d")
     adamw = optax.adamw(1e-3)
     adamw_state = adamw.init(params)
@@ -285,7 +291,7 @@ def test_wrappers_keep_collectives_results_and_skip_bitwise(dp_setup):
     for name, (plain, wrapped, kw) in cases.items():
         plain_step = _dp_step(plain, **kw)
         wrapped_step = _dp_step(wrapped, scaled=name == "dynamic_loss_scale", **kw)
-        ps, ws = plain.init(params), wrapped.init(params)
+        ps, ws = _init(plain, params), _init(wrapped, params)
         rep_p, _ = _ring_bytes(plain_step, params, ps, batch)
         rep_w, _ = _ring_bytes(wrapped_step, params, ws, batch)
         assert _collectives(rep_p) == _collectives(rep_w), (name, rep_p.table(), rep_w.table())
@@ -315,7 +321,7 @@ def test_tied_weight_gets_one_update_from_summed_gradient(dp_setup):
     masked = optax.masked(muon_jax.scale_by_muon(**F32_TX, sharding=ShardingOptions(mesh)),
                           {"embed": False, "w": True})
     step = _dp_step(masked, loss=tied_loss, view_axes="d")
-    state = masked.init(params)
+    state = _init(masked, params)
     rep, _ = _ring_bytes(step, params, state, batch)
     assert len(rep.of_kind("reduce-scatter")) == 1 and len(rep.of_kind("all-gather")) == 1
     new = np.asarray(step(params, state, batch)[0]["w"]) - host["w"]
@@ -383,7 +389,7 @@ def test_bf16_update_gathers_halve_their_bytes_and_round_once(dp_setup):
         tx = muon_jax.scale_by_muon(newton_schulz=F32,
                                     sharding=ShardingOptions(mesh, gather_dtype=dt))
         update = jax.jit(tx.update)
-        state = tx.init(params)
+        state = _init(tx, params)
         out[dt] = update(grads, state)[0]
         gathers = [c for c in hlo.analyze_collectives(update.lower(grads, state))
                    if c.kind == "all-gather" and c.buffer_bytes >= 64]
@@ -416,7 +422,7 @@ def test_bf16_reduce_sums_unreduced_gradients_in_bf16(dp_setup):
     for dt in (None, jnp.bfloat16):
         tx = muon_jax.muon(0.02, newton_schulz=F32, sharding=ShardingOptions(
             mesh, gather_dtype=None, reduce_dtype=dt))
-        state = tx.init(params)
+        state = _init(tx, params)
         step = _dp_step(tx, view_axes="d")
         scatters[dt] = {c.dtypes[0] for c in hlo.analyze_collectives(
             step.lower(params, state, batch)) if c.kind == "reduce-scatter"}
@@ -441,7 +447,7 @@ def test_auto_gathers_bf16_only_after_16_bit_newton_schulz(dp_setup, ns_dtype, g
                          params)
     ns = muon_jax.NewtonSchulzOptions(dtype=ns_dtype)
     tx = muon_jax.scale_by_muon(newton_schulz=ns, sharding=ShardingOptions(mesh))
-    state = tx.init(params)
+    state = _init(tx, params)
     update = jax.jit(tx.update)
     gathers = [c for c in hlo.analyze_collectives(update.lower(grads, state))
                if c.kind == "all-gather" and c.buffer_bytes >= 64]
@@ -449,5 +455,5 @@ def test_auto_gathers_bf16_only_after_16_bit_newton_schulz(dp_setup, ns_dtype, g
     same = muon_jax.scale_by_muon(newton_schulz=ns, sharding=ShardingOptions(mesh, gather_dtype=(
         jnp.bfloat16 if gathered == "bf16" else None)))
     chex.assert_trees_all_close(update(grads, state)[0],
-                                jax.jit(same.update)(grads, same.init(params))[0],
+                                jax.jit(same.update)(grads, _init(same, params))[0],
                                 rtol=1e-5, atol=1e-6)
