@@ -163,12 +163,13 @@ def _spec_dims(spec, ndim):
 
 
 @functools.cache
-def _sharding_problem(case):
-    """Host params and gradients of a case, and the unsharded updates of both transforms."""
-    keys = [k for k in SHARD_SHAPES if k in SHARDING_CASES[case][3] or k == "bias"]
+def _all_leaves_problem():
+    """Host params and gradients of every leaf, and the unsharded updates of both transforms
+    (one program each for all cases: Muon's and AdamW's updates are per leaf, so a case's
+    leaves update as they do in the whole tree)."""
     rng = np.random.default_rng(0)
-    host = {k: rng.standard_normal(SHARD_SHAPES[k]).astype(np.float32) for k in keys}
-    grads = {k: rng.standard_normal(SHARD_SHAPES[k]).astype(np.float32) for k in keys}
+    host = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHARD_SHAPES.items()}
+    grads = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHARD_SHAPES.items()}
     matrices = {k: v for k, v in host.items() if k != "bias"}
     refs = {}
     for with_bias, tx in ((True, muon_jax.muon(0.1, newton_schulz=F32)),
@@ -177,6 +178,14 @@ def _sharding_problem(case):
         g = {k: grads[k] for k in p}
         refs[with_bias] = jax.tree.map(np.asarray, jax.jit(tx.update)(g, tx.init(p), p)[0])
     return host, grads, refs
+
+
+def _sharding_problem(case):
+    """Host params and gradients of a case's leaves, and their unsharded updates."""
+    keys = [k for k in SHARD_SHAPES if k in SHARDING_CASES[case][3] or k == "bias"]
+    host, grads, refs = _all_leaves_problem()
+    return ({k: host[k] for k in keys}, {k: grads[k] for k in keys},
+            {b: {k: r[k] for k in keys if k in r} for b, r in refs.items()})
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
