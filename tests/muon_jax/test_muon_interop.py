@@ -21,6 +21,10 @@ from muon_jax import ShardingOptions
 pytestmark = pytest.mark.filterwarnings("ignore:muon_jax. no layer gives the matrix view")
 
 F32 = muon_jax.NewtonSchulzOptions(dtype=jnp.float32)
+# One Newton-Schulz step on both sides where the point is conventions on a mesh, shardings,
+# scaling or the clip, not the iteration (test_orthogonalize, test_gram_ns and
+# test_optax_port prove it): fewer unrolled steps shrink every compiled update program.
+NS = dict(ns_steps=1)
 
 # ----------------------------------------------------------------------------- torch.optim.Muon
 
@@ -47,7 +51,8 @@ def _torch_newton_schulz(g, steps=5, eps=1e-7):
     return x.T if g.shape[0] > g.shape[1] else x
 
 
-def _torch_muon(weights, grads_seq, *, lr, weight_decay, momentum, nesterov, adjust_lr_fn):
+def _torch_muon(weights, grads_seq, *, lr, weight_decay, momentum, nesterov, adjust_lr_fn,
+                ns_steps=5):
     """torch.optim.Muon's step on [out, in] weights, transcribed: EMA momentum, no bias
     correction, decoupled weight decay with the unadjusted lr."""
     w = {k: v.astype(np.float64) for k, v in weights.items()}
@@ -57,7 +62,7 @@ def _torch_muon(weights, grads_seq, *, lr, weight_decay, momentum, nesterov, adj
         for k, g in grads.items():
             buf[k] = momentum * buf[k] + (1 - momentum) * g  # buf.lerp_(grad, 1 - momentum)
             update = (1 - momentum) * g + momentum * buf[k] if nesterov else buf[k]
-            o = _torch_newton_schulz(update)
+            o = _torch_newton_schulz(update, ns_steps)
             w[k] = w[k] * (1 - lr * weight_decay) - lr * ADJUST[adjust_lr_fn](*w[k].shape) * o
         out.append(dict(w))
     return out
@@ -118,13 +123,15 @@ def test_torch_conventions_on_a_mesh(shape, names, specs, adjust_lr_fn):
     kernels, grads = _torch_problem(steps=3)
     ref = _torch_muon({k: v.T for k, v in kernels.items()},
                       [{k: g.T for k, g in gs.items()} for gs in grads], lr=0.05,
-                      weight_decay=0.1, momentum=0.9, nesterov=True, adjust_lr_fn=adjust_lr_fn)
+                      weight_decay=0.1, momentum=0.9, nesterov=True, adjust_lr_fn=adjust_lr_fn,
+                      **NS)
 
     def place(tree):
         return {k: jax.device_put(x, NamedSharding(mesh, specs.get(k, P())))
                 for k, x in tree.items()}
 
-    tx = _torch_tx(adjust_lr_fn, True, bias_correction=False, sharding=ShardingOptions(mesh))
+    tx = _torch_tx(adjust_lr_fn, True, bias_correction=False, sharding=ShardingOptions(mesh),
+                   **NS)
     got = _flax_run(tx, kernels, grads, place)
     chex.assert_trees_all_close(got, [{k: w.T for k, w in r.items()} for r in ref],
                                 rtol=1e-5, atol=1e-5)
@@ -135,7 +142,7 @@ def test_spectral_unclamped_scales_tall_and_wide_matrices():
          "tall": jnp.asarray(np.random.default_rng(2).standard_normal((16, 4)), jnp.float32)}
 
     def direction(scaling):
-        tx = muon_jax.scale_by_muon(newton_schulz=F32, shape_scaling=scaling)
+        tx = muon_jax.scale_by_muon(newton_schulz=F32, shape_scaling=scaling, **NS)
         return jax.jit(tx.update)(g, tx.init(g))[0]
 
     plain, clamped, unclamped = (direction(s) for s in (None, "spectral", "spectral_unclamped"))
@@ -164,38 +171,34 @@ def _spec_dims(spec, ndim):
 
 @functools.cache
 def _all_leaves_problem():
-    """Host params and gradients of every leaf, and the unsharded updates of both transforms
-    (one program each for all cases: Muon's and AdamW's updates are per leaf, so a case's
-    leaves update as they do in the whole tree)."""
+    """Host params and gradients of every leaf, and their unsharded muon updates (one program
+    for all cases: Muon's and AdamW's updates are per leaf, so a case's leaves update as they
+    do in the whole tree)."""
     rng = np.random.default_rng(0)
     host = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHARD_SHAPES.items()}
     grads = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHARD_SHAPES.items()}
-    matrices = {k: v for k, v in host.items() if k != "bias"}
-    refs = {}
-    for with_bias, tx in ((True, muon_jax.muon(0.1, newton_schulz=F32)),
-                          (False, muon_jax.scale_by_muon(newton_schulz=F32))):
-        p = host if with_bias else matrices
-        g = {k: grads[k] for k in p}
-        refs[with_bias] = jax.tree.map(np.asarray, jax.jit(tx.update)(g, tx.init(p), p)[0])
-    return host, grads, refs
+    tx = muon_jax.muon(0.1, newton_schulz=F32, **NS)
+    ref = jax.tree.map(np.asarray, jax.jit(tx.update)(grads, tx.init(host), host)[0])
+    return host, grads, ref
 
 
 def _sharding_problem(case):
     """Host params and gradients of a case's leaves, and their unsharded updates."""
     keys = [k for k in SHARD_SHAPES if k in SHARDING_CASES[case][3] or k == "bias"]
-    host, grads, refs = _all_leaves_problem()
-    return ({k: host[k] for k in keys}, {k: grads[k] for k in keys},
-            {b: {k: r[k] for k in keys if k in r} for b, r in refs.items()})
+    host, grads, ref = _all_leaves_problem()
+    return ({k: host[k] for k in keys}, {k: grads[k] for k in keys}, {k: ref[k] for k in keys})
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 @pytest.mark.parametrize("case", list(SHARDING_CASES))
 def test_updates_keep_param_shardings(case, axis_type):
-    """Eager init (scale_by_muon) and jitted init (muon, with param_specs on Auto axes): the
-    jitted updates carry each param's sharding (and, on Explicit axes, its typed sharding)."""
+    """Jitted init (with param_specs on Auto axes): the jitted updates carry each param's
+    sharding (and, on Explicit axes, its typed sharding) and equal the unsharded ones. (An
+    eager init's updates keep the params' shardings in test_muon_sharded's
+    test_sharded_equals_unsharded_shardings_and_memory.)"""
     shape, names, shard_axes, specs = SHARDING_CASES[case]
     mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names))
-    host, grads_host, refs = _sharding_problem(case)
+    host, grads_host, ref = _sharding_problem(case)
     specs = {k: specs.get(k, P()) for k in host}
 
     def place(tree):
@@ -203,35 +206,23 @@ def test_updates_keep_param_shardings(case, axis_type):
 
     params, grads = place(host), place(grads_host)
     auto = axis_type == AxisType.Auto
-    sharding = ShardingOptions(mesh, shard_axes)
-    cases = {
-        "scale_by_muon eager init": (
-            muon_jax.scale_by_muon(newton_schulz=F32, sharding=sharding),
-            lambda tx: tx.init({k: params[k] for k in specs if k != "bias"}), False),
-        "muon jitted init": (
-            muon_jax.muon(0.1, newton_schulz=F32, sharding=ShardingOptions(
-                mesh, shard_axes, param_specs=specs if auto else None)),
-            lambda tx: jax.jit(tx.init)(params), True),
-    }
-    for name, (tx, init, with_bias) in cases.items():
-        p = params if with_bias else {k: v for k, v in params.items() if k != "bias"}
-        g = grads if with_bias else {k: v for k, v in grads.items() if k != "bias"}
-        typed = {}
+    tx = muon_jax.muon(0.1, newton_schulz=F32, **NS, sharding=ShardingOptions(
+        mesh, shard_axes, param_specs=specs if auto else None))
+    typed = {}
 
-        @jax.jit
-        def update(g, state, p, tx=tx, typed=typed):
-            u, _ = tx.update(g, state, p)
-            typed.update({k: jax.typeof(x).sharding.spec for k, x in u.items()})
-            return u
+    @jax.jit
+    def update(g, state, p):
+        u, _ = tx.update(g, state, p)
+        typed.update({k: jax.typeof(x).sharding.spec for k, x in u.items()})
+        return u
 
-        updates, ref = update(g, init(tx), p), refs[with_bias]
-        for k, u in updates.items():
-            want = _spec_dims(specs[k], u.ndim)
-            assert _spec_dims(u.sharding.spec, u.ndim) == want, (name, k, u.sharding.spec)
-            if not auto:
-                assert _spec_dims(typed[k], u.ndim) == want, (name, k, typed[k])
-            np.testing.assert_allclose(np.asarray(u), ref[k], rtol=1e-5,
-                                       atol=1e-6, err_msg=f"{name} {k}")
+    updates = update(grads, jax.jit(tx.init)(params), params)
+    for k, u in updates.items():
+        want = _spec_dims(specs[k], u.ndim)
+        assert _spec_dims(u.sharding.spec, u.ndim) == want, (k, u.sharding.spec)
+        if not auto:
+            assert _spec_dims(typed[k], u.ndim) == want, (k, typed[k])
+        np.testing.assert_allclose(np.asarray(u), ref[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 def test_traced_init_on_auto_axes_needs_param_specs():
@@ -281,7 +272,7 @@ def test_clip_by_global_norm_on_reduced_view_gradients():
     params = jax.device_put(host, NamedSharding(mesh, P()))
     sharded_batch = jax.device_put(batch, NamedSharding(mesh, P("d")))
 
-    muon = muon_jax.muon(0.02, newton_schulz=F32, sharding=ShardingOptions(mesh))
+    muon = muon_jax.muon(0.02, newton_schulz=F32, **NS, sharding=ShardingOptions(mesh))
     state = jax.jit(muon.init)(params)  # Explicit axes: one program, not one per op
 
     @jax.jit
@@ -296,8 +287,8 @@ def test_clip_by_global_norm_on_reduced_view_gradients():
 
     @jax.jit
     def reference(p, batch, max_norm):  # optax's clip on the all-reduced gradients
-        clip, muon_ref = optax.clip_by_global_norm(max_norm), muon_jax.muon(0.02,
-                                                                           newton_schulz=F32)
+        clip = optax.clip_by_global_norm(max_norm)
+        muon_ref = muon_jax.muon(0.02, newton_schulz=F32, **NS)
         clipped, _ = clip.update(jax.grad(_mlp_loss)(p, batch), clip.init(p))
         return clipped, muon_ref.update(clipped, muon_ref.init(p), p)[0]
 
@@ -330,7 +321,7 @@ def test_sharded_step_exports_for_tpu(shape, names, axis_type):
     batch = (jax.ShapeDtypeStruct((32, 8), jnp.float32, sharding=batch_sharding),) * 2
     explicit = axis_type == AxisType.Explicit
     tx = optax.chain(muon_jax.clip_by_global_norm(1.0),
-                     muon_jax.muon(0.02, sharding=ShardingOptions(mesh, param_specs=specs)))
+                     muon_jax.muon(0.02, **NS, sharding=ShardingOptions(mesh, param_specs=specs)))
 
     def loss(p, batch):
         if explicit:  # FSDP on Explicit axes: the model gathers the sharded weights it uses
