@@ -20,6 +20,10 @@ PARAMS = {"w1": jnp.asarray(RNG.standard_normal((16, 24)), jnp.float32),
           "b": jnp.asarray(RNG.standard_normal((16,)), jnp.float32)}
 GRADS = [jax.tree.map(lambda x: jnp.asarray(RNG.standard_normal(x.shape), x.dtype), PARAMS)
          for _ in range(3)]
+# Two Newton-Schulz steps, passed to ours and to optax alike: the options' plumbing is the
+# point here, not the iteration (test_orthogonalize, test_gram_ns and test_optax_port prove
+# it); fewer unrolled steps shrink every compiled update program.
+NS = dict(ns_steps=2)
 
 
 def _ours(lr=1e-2, *, preconditioning="frobenius", adaptive=False, consistent_rms=None,
@@ -58,6 +62,8 @@ def _close(got, want, rtol=1e-5, atol=1e-6):
 ], ids=["aol", "schatten", "spectral", "adaptive", "consistent_rms", "dion", "ns_steps_array",
         "adam_eps_root", "weight_decay_mask", "mu_dtype"])
 def test_each_option_matches_optax(kw):
+    if "ns_coeffs" not in kw and "ns_steps" not in kw:  # dion: its 5 per-step triples
+        kw = {**NS, **kw}
     ref = optax_muon.muon(1e-2, nesterov=False, **kw)
     ours_kw = dict(kw)
     if "mu_dtype" in kw:  # optax's mu_dtype is Muon's and AdamW's momentum dtype
@@ -71,11 +77,11 @@ def test_each_option_matches_optax(kw):
 
 def test_nesterov_adamw_part_is_nadamw_when_asked():
     """optax's nesterov=True makes its AdamW part NAdamW: adam_nesterov=True gives that."""
-    ref = optax_muon.muon(1e-2)
-    ours = _ours(1e-2, adam_nesterov=True)
+    ref = optax_muon.muon(1e-2, **NS)
+    ours = _ours(1e-2, adam_nesterov=True, **NS)
     want = _run(ref)
     _close(_run(ours), want)
-    plain = _run(_ours(1e-2))
+    plain = _run(_ours(1e-2, **NS))
     assert not np.allclose(plain[-1]["b"], want[-1]["b"])  # the default: plain AdamW
 
 
@@ -84,8 +90,8 @@ def test_complex_matrices_are_orthogonalized_as_optax_does():
                           jnp.complex64)}
     grads = [jax.tree.map(lambda x, i=i: x * (i + 1) + 0.5j, c) for i in range(2)]
     for adaptive in (False, True):
-        ref = optax_muon.muon(1e-2, adaptive=adaptive)
-        ours = _ours(1e-2, adaptive=adaptive)
+        ref = optax_muon.muon(1e-2, adaptive=adaptive, **NS)
+        ours = _ours(1e-2, adaptive=adaptive, **NS)
         _close(_run(ours, c, grads), _run(ref, c, grads))
     assert muon_jax.default_muon_mask(c) == {"w": True}
 
@@ -95,8 +101,8 @@ def test_optax_style_dimension_numbers_route_none_to_adamw():
     'default view' as in muon_jax.muon's dimension_numbers)."""
     dn = muon_jax.MuonDimensionNumbers(reduction_axis=1, output_axis=0)
     dims = {"w1": dn, "w2": None, "b": None}
-    ref = optax_muon.muon(1e-2, muon_weight_dimension_numbers=dims)
-    ours = optax_compat.muon(1e-2, muon_weight_dimension_numbers=dims)
+    ref = optax_muon.muon(1e-2, muon_weight_dimension_numbers=dims, **NS)
+    ours = optax_compat.muon(1e-2, muon_weight_dimension_numbers=dims, **NS)
     _close(_run(ours), _run(ref))
     state = ours.init(PARAMS)
     assert isinstance(state.inner_states["muon"].inner_state[0].mu["w2"], optax.MaskedNode)
@@ -117,7 +123,7 @@ def _direction(sharding=None, *, preconditioning="frobenius", adaptive=False,
                consistent_rms=None):
     return muon_jax.scale_by_muon(
         shape_scaling="spectral" if consistent_rms is None else consistent_rms,
-        dimension_numbers=muon_jax.MuonDimensionNumbers(1, 2), sharding=sharding,
+        dimension_numbers=muon_jax.MuonDimensionNumbers(1, 2), sharding=sharding, **NS,
         newton_schulz=muon_jax.NewtonSchulzOptions(dtype=jnp.float32,
                                                    preconditioning=preconditioning,
                                                    adaptive=adaptive))
