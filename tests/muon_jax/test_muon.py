@@ -19,6 +19,10 @@ from muon_jax.matrices import path_str
 pytestmark = pytest.mark.filterwarnings("ignore:muon_jax. no layer gives the matrix view")
 
 F32 = muon_jax.NewtonSchulzOptions(dtype=jnp.float32)
+# Few Newton-Schulz steps, on both sides, where scaling, routing, masks or views are the point,
+# not the iteration (test_orthogonalize, test_gram_ns and test_optax_port prove it, and
+# test_scale_by_muon_matches_optax keeps optax's 5): they shrink the compiled update programs.
+NS = dict(ns_steps=1)
 
 # Leaves of odd shapes: wide, tall, square, tiny, a stack [L, m, n], a conv kernel, and a leaf
 # whose reduction axis comes after its output axis.
@@ -120,9 +124,9 @@ def test_scale_by_muon_matches_optax(ns_coeffs, beta, eps, nesterov, shape_scali
 def test_rms_match_scaling_mu_dtype_and_callable_dims():
     keys = ("row", "stacked", "conv")
     dims_fn = lambda p: {k: DIMS.get(k) for k in p}  # dimension numbers from a callable
-    tx = muon_jax.scale_by_muon(newton_schulz=F32, shape_scaling="rms_match",
+    tx = muon_jax.scale_by_muon(newton_schulz=F32, shape_scaling="rms_match", **NS,
                                 mu_dtype=jnp.bfloat16, dimension_numbers=dims_fn)
-    plain = muon_jax.scale_by_muon(newton_schulz=F32, shape_scaling=None,
+    plain = muon_jax.scale_by_muon(newton_schulz=F32, shape_scaling=None, **NS,
                                    mu_dtype=jnp.bfloat16, dimension_numbers=dims_fn)
     grads = {k: g[0] for k, g in _grads(1, steps=1).items() if k in keys}
     state = tx.init(jax.tree.map(jnp.zeros_like, grads))
@@ -140,7 +144,7 @@ def test_rms_match_scaling_mu_dtype_and_callable_dims():
 
 
 def test_masked_and_none_leaves_pass_through():
-    tx = muon_jax.scale_by_muon(newton_schulz=F32)
+    tx = muon_jax.scale_by_muon(newton_schulz=F32, **NS)
     params = {"w": jnp.ones((4, 6)), "skip": optax.MaskedNode(), "none": None}
     state = tx.init(params)
     updates, _ = jax.jit(tx.update)(  # one program (eager, each op compiles its own)
@@ -237,10 +241,10 @@ def test_muon_equals_its_reference_composition():
     params = jax.tree.map(lambda v: v + 0.5, float_leaves)
     lr = optax.linear_schedule(0.05, 0.01, 3)
     wd = 0.1
-    tx = muon_jax.muon(lr, weight_decay=wd, newton_schulz=F32,
+    tx = muon_jax.muon(lr, weight_decay=wd, newton_schulz=F32, **NS,
                        adamw=muon_jax.AdamWOptions(learning_rate=0.003, b2=0.99))
     muon_dims = {"mlp/kernel": MDN(0, 1), "layers/attn": MDN(1, 2)}
-    ref_muon = optax.contrib.scale_by_muon(weight_dimension_numbers=muon_dims)
+    ref_muon = optax.contrib.scale_by_muon(weight_dimension_numbers=muon_dims, **NS)
     ref_adam = optax.adamw(0.003, b1=0.9, b2=0.99, eps=1e-8, weight_decay=wd)
     flat_p = _flat(params)
     pm = {k: v for k, v in flat_p.items() if k in muon_dims}
@@ -366,9 +370,9 @@ def test_one_dimension_numbers_for_the_tree_is_a_view_of_the_muon_leaves_only():
               "b": jnp.zeros(8), "embed": jnp.ones((16, 4))}
     assert muon_jax.default_muon_mask(params, dimension_numbers=dn) == {
         "b": False, "embed": False, "w": True}
-    tx = muon_jax.muon(0.02, dimension_numbers=dn, newton_schulz=F32)
+    tx = muon_jax.muon(0.02, dimension_numbers=dn, newton_schulz=F32, **NS)
     grads = {k: jnp.asarray(rng.standard_normal(v.shape), jnp.float32) for k, v in params.items()}
-    ref_tx = muon_jax.muon(0.02, newton_schulz=F32)
+    ref_tx = muon_jax.muon(0.02, newton_schulz=F32, **NS)
     flipped = {"w": params["w"].T}
 
     @jax.jit  # both updates in one program (eager, each op compiles its own)
