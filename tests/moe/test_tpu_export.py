@@ -42,7 +42,11 @@ def test_moe_layer_forward_backward_exports_for_tpu(transport, extra, monkeypatc
     checks = [export.DisabledSafetyCheck.custom_call("ragged_all_to_all")]
     exp = export.export(jax.jit(step), platforms=("tpu",), disabled_checks=checks)(params, x)
     assert exp.platforms == ("tpu",)
-    text = exp.mlir_module()
+    # The ops alone: location metadata names source files, and a function traced first by
+    # another test of the same process (tests/accel_kernels/wire/test_wire_triton.py) keeps
+    # that file's name in the locations of this export.
+    text = "\n".join(re.sub(r"\bloc\(.*$", "", ln) for ln in exp.mlir_module().splitlines()
+                     if not ln.startswith("#loc"))
     targets = set(re.findall(r"custom_call @([\w$.]+)", text))
     spmd = {"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "xla_python_cpu_callback"}
     assert targets - spmd <= {"ragged_all_to_all"}, targets  # no Pallas / Triton / Mosaic call
