@@ -63,9 +63,10 @@ def _run(host_axis, chunks, items, seed=0):
 
 
 CASES = {
-    "dense-fp8": (2, dict(transport="dense", dispatch_dtype="fp8", combine_grad_dtype="fp8")),
-    "dense-bf16-local-first": (2, dict(transport="dense", dispatch_dtype="bf16",
-                                       local_first=True)),
+    # the second chunk's FP8 exchange through both stages; the first chunk's local pass
+    # (local_first) keeps its own-host slots out of them
+    "dense-fp8-local-first": (2, dict(transport="dense", dispatch_dtype="fp8",
+                                      combine_grad_dtype="fp8", local_first=True)),
     # a small first bucket: the slots past either stage's bucket take the overflow pass
     "dropless-bf16-overflow": (1, dict(transport="dropless", dispatch_dtype="bf16",
                                        combine_grad_dtype="bf16", capacity_factor=0.3)),
