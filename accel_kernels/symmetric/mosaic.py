@@ -5,9 +5,12 @@ touch the upper triangle are computed.
 ``[tile_m, 2 tile_n]`` output tile that holds an element on or above the diagonal; tiles wholly
 below it are left unwritten. When ``u w^T`` is symmetric (``w = u``: a Gram matrix ``X X^T``;
 or ``u``, ``w`` polynomials in one symmetric matrix, which commute) the full product is the
-upper triangle mirrored, which :func:`accel_kernels.symmetric.api.mirror_upper` does in one
-elementwise pass. Newton-Schulz spends most of its work on such products, so this kernel
-halves their tiles (``(T + 2) / (2 T)`` of them for ``T = p / tile_m`` row tiles).
+upper triangle mirrored. With ``mirror=True`` the kernel writes that mirror itself: each
+computed tile is also stored transposed below the diagonal from its epilogue, so the result is
+the full symmetric matrix with no pass after the kernel; without it,
+:func:`accel_kernels.symmetric.api.mirror_upper` does it in one elementwise pass. Newton-Schulz
+spends most of its work on such products, so this kernel halves their tiles
+(``(T + 2) / (2 T)`` of them for ``T = p / tile_m`` row tiles).
 
 Both operands are read K-major (rows of ``u`` and of ``w`` along the contraction), the layout
 in which ``X X^T`` needs no transposed copy of ``X``. The kernel runs on the persistent,
@@ -28,6 +31,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.typing import DTypeLike
 
 from accel_kernels import mosaic_gpu as mg
@@ -88,7 +92,8 @@ def upper_tile_share(p: int, dtype: DTypeLike = jnp.bfloat16,
 
 def upper_tile_mask(p: int, dtype: DTypeLike = jnp.bfloat16,
                     tiling: mt.MosaicTiling | None = None) -> np.ndarray:
-    """bool ``[p, p]``: the elements :func:`symmetric_upper` writes (``p`` one it takes).
+    """bool ``[p, p]``: the elements :func:`symmetric_upper` writes without ``mirror`` (``p``
+    one it takes; with ``mirror`` it writes every element).
 
     >>> upper_tile_mask(512)[::128, ::128].astype(int).tolist()
     [[1, 1, 1, 1], [1, 1, 1, 1], [0, 0, 1, 1], [0, 0, 1, 1]]
@@ -101,7 +106,100 @@ def upper_tile_mask(p: int, dtype: DTypeLike = jnp.bfloat16,
     return np.repeat(np.repeat(written, tm, axis=0), cta_n, axis=1)
 
 
-def _body(tile_mi, tile_ni, u_gmem, w_gmem, out_gmem, *, cfg: mt.MosaicTiling):
+def _store_transposed(value, slot) -> None:
+    """``slot[...] = value^T``: a transposed view of a tiled SMEM ref takes registers in the
+    transposed WGMMA layout (a shuffle within each quad of lanes away from the accumulator's)."""
+    mg.transposed(slot)[...] = plgpu.layout_cast(value, plgpu.Layout.WGMMA_TRANSPOSED)
+
+
+def _store(value, slot, dst, *, transpose: bool = False) -> None:
+    """TMA-store ``value`` (``[epi, epi]`` registers) into ``dst`` through the SMEM ``slot``;
+    ``transpose``: store ``value^T`` (written into the slot through a transposed view, which
+    the TMA copy then moves as it lies)."""
+    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+    if transpose:
+        _store_transposed(value, slot)
+    else:
+        slot[...] = value
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(slot, dst)
+
+
+def _store_symmetrized(value, slot, dst) -> None:
+    """TMA-store the symmetric matrix with ``value``'s upper triangle (a square block on the
+    diagonal of the product) into ``dst``: ``value^T`` is read back through ``slot``."""
+    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+    _store_transposed(value, slot)
+    value_t = mg.load(slot, layout=plgpu.Layout.WGMMA, optimized=False)
+    rows = lax.broadcasted_iota(jnp.int32, value.shape, 0)
+    cols = lax.broadcasted_iota(jnp.int32, value.shape, 1)
+    slot[...] = jnp.where(rows <= cols, value, value_t)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(slot, dst)
+
+
+def _mirror_epilogue(acc, out_smem, out_tile, mirror_tile, block, wg, cfg: mt.MosaicTiling):
+    """Store a compute warpgroup's ``[t, t]`` accumulator (``t = tile_m = tile_n``) both where
+    it lies and transposed into ``mirror_tile``, so the product comes out symmetric.
+
+    ``block``: the accumulator's ``(row, column)`` block index in ``[t, t]`` blocks of the
+    product. Above the diagonal (row < column) every ``[epi, epi]`` block goes to both places.
+    On it the blocks above the block diagonal do the same, the blocks on it are stored
+    symmetrized and those below it not at all. Below it (the lower-left quarter of a
+    diagonal ``[2 t, 2 t]`` block that a ``[t, 2 t]`` CTA tile computes) nothing is stored.
+    Each element below the diagonal so has one writer, the mirror of the element above it:
+    the result is exactly symmetric, the upper triangle as computed.
+    """
+    acc = acc.astype(out_smem.dtype)
+    e = cfg.epi_m
+    blocks = cfg.tile_m // e
+
+    def part(i, j):
+        return acc[i * e:(i + 1) * e, j * e:(j + 1) * e]
+
+    def at(tile, i, j):
+        return tile.at[i * e:(i + 1) * e, j * e:(j + 1) * e]
+
+    row, col = block
+
+    @pl.when(row < col)
+    def _above():
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        for i in range(blocks):
+            for j in range(blocks):
+                _store(part(i, j), out_smem.at[wg, 0], at(out_tile, i, j))
+                _store(part(i, j), out_smem.at[wg, 1], at(mirror_tile, j, i), transpose=True)
+
+    @pl.when(row == col)
+    def _on():
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        slot = 0
+        for i in range(blocks):
+            for j in range(i, blocks):
+                if i == j:
+                    _store_symmetrized(part(i, j), out_smem.at[wg, slot], at(out_tile, i, j))
+                    slot ^= 1
+                    continue
+                _store(part(i, j), out_smem.at[wg, slot], at(out_tile, i, j))
+                _store(part(i, j), out_smem.at[wg, slot ^ 1], at(out_tile, j, i),
+                       transpose=True)
+
+
+def _mirror_context(scope: mt.TileScope, out_tile, mirror_tile, block, cfg: mt.MosaicTiling):
+    """The compute warpgroups' context of the mirrored kernel: accumulate the pipeline in f32
+    registers, then :func:`_mirror_epilogue`."""
+
+    def compute_context(eval_pipeline):
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((cfg.tile_m, cfg.tile_n)))
+        def _(acc_ref):
+            eval_pipeline(acc_ref)
+            _mirror_epilogue(acc_ref[...], scope.out_smem, out_tile, mirror_tile, block,
+                             scope.wg, cfg)
+
+    return compute_context
+
+
+def _body(tile_mi, tile_ni, u_gmem, w_gmem, out_gmem, *, cfg: mt.MosaicTiling, mirror: bool):
     _, _, r = u_gmem.shape
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
     cta_n = 2 * tn
@@ -111,10 +209,23 @@ def _body(tile_mi, tile_ni, u_gmem, w_gmem, out_gmem, *, cfg: mt.MosaicTiling):
 
     def tile(index, scope: mt.TileScope):
         b, t = index
-        m_sl = pl.ds(tile_mi[t] * tm, tm)
-        n_sl = pl.ds(tile_ni[t] * cta_n, cta_n)
+        mi, ni = tile_mi[t], tile_ni[t]
+        m_sl = pl.ds(mi * tm, tm)
+        n_sl = pl.ds(ni * cta_n, cta_n)
         wg_n = pl.ds(scope.wg * tn, tn)
         out_tile = out_gmem.at[b, m_sl, n_sl].at[:, wg_n]
+        if mirror:
+            # The warpgroup's [tm, tn] accumulator is block (mi, 2 ni + wg) of the product in
+            # [tm, tm] blocks (tn = tm); its transpose goes to block (2 ni + wg, mi). The tile
+            # list holds the blocks with mi <= 2 ni + 1: all those on or above the diagonal,
+            # and below it only the lower-left quarters (2 ni + 1, 2 ni) of the diagonal
+            # [2 tm, 2 tm] blocks. Those quarters store nothing (the mirror of (2 ni, 2 ni + 1)
+            # lands on them), so every element has exactly one writer and the result does not
+            # depend on the order the CTAs run in.
+            context = _mirror_context(scope, out_tile, out_gmem.at[b, n_sl, m_sl].at[wg_n, :],
+                                      (mi, 2 * ni + scope.wg), cfg)
+        else:
+            context = mt.tile_context(scope, out_tile, None, cfg)
 
         def mma(idxs, a_smem, b_smem, acc_ref):
             del idxs
@@ -122,8 +233,7 @@ def _body(tile_mi, tile_ni, u_gmem, w_gmem, out_gmem, *, cfg: mt.MosaicTiling):
             plgpu.wgmma_wait(0)
             return acc_ref
 
-        pipeline = mt.warp_pipeline(mma, mt.tile_context(scope, out_tile, None, cfg), k_iters,
-                                    in_specs, cfg)
+        pipeline = mt.warp_pipeline(mma, context, k_iters, in_specs, cfg)
         pipeline(u_gmem.at[b, m_sl, :], w_gmem.at[b, n_sl, :], allocations=scope.allocs)
 
     mt.for_each_tile((out_gmem.shape[0], tile_mi.shape[0]), k_iters, in_specs,
@@ -147,16 +257,20 @@ def check_shapes(u_shape: tuple[int, ...], w_shape: tuple[int, ...], dtype: DTyp
 
 def symmetric_upper(u: jax.Array, w: jax.Array, *, out_dtype: DTypeLike | None = None,
                     tiling: mt.MosaicTiling | None = None,
-                    varying: frozenset = frozenset()) -> jax.Array:
-    """``u @ w^T`` on the output tiles that touch the upper triangle: ``[B, p, p]``.
+                    varying: frozenset = frozenset(), mirror: bool = False) -> jax.Array:
+    """``u @ w^T`` on the output tiles that touch the upper triangle: ``[B, p, p]``; with
+    ``mirror``, that upper triangle mirrored (the full symmetric matrix).
 
     .. math::
       c_b[i, j] = \\sum_k u_b[i, k] \\, w_b[j, k] \\quad \\text{for every } (i, j),\\ i \\le j
-      \\text{ (and the rest of their tiles)}
+      \\text{ (and the rest of their tiles)}; \\qquad
+      \\text{mirror: } c_b[i, j] = c_b[j, i] \\ (i > j) .
 
-    Tiles wholly below the diagonal are not written: their values are undefined. Use it for
-    products known to be symmetric and mirror the result
-    (:func:`accel_kernels.symmetric.api.mirror_upper`).
+    Without ``mirror`` tiles wholly below the diagonal are not written: their values are
+    undefined. Use it for products known to be symmetric and mirror the result
+    (:func:`accel_kernels.symmetric.api.mirror_upper`), or pass ``mirror=True``: the epilogue
+    also stores each tile transposed below the diagonal, one writer per element, and the
+    result equals ``mirror_upper`` of the unmirrored one, exactly symmetric.
 
     Args:
       u: ``[B, p, r]``, bfloat16 or float16.
@@ -165,6 +279,8 @@ def symmetric_upper(u: jax.Array, w: jax.Array, *, out_dtype: DTypeLike | None =
       tiling: tile sizes (default :func:`accel_kernels.mosaic_tiles.default_tiling`); ``p``
         must be a multiple of ``2 tile_n`` and ``tile_m``, ``r`` of ``tile_k``.
       varying: mesh axes the output varies over inside a check_vma ``shard_map``.
+      mirror: write the lower triangle too (``tiling`` needs ``tile_m = tile_n`` and
+        ``epi_m = epi_n``, as the default has).
 
     Returns:
       ``[B, p, p]`` in ``out_dtype``.
@@ -175,11 +291,16 @@ def symmetric_upper(u: jax.Array, w: jax.Array, *, out_dtype: DTypeLike | None =
     if why is not None or w.dtype != u.dtype:
         raise ValueError(f"symmetric_upper: {why or 'u and w must share a dtype'}; pad p and "
                          f"r (zero rows and columns change nothing) or use {AVOID}.")
+    if mirror and (cfg.tile_m != cfg.tile_n or cfg.epi_m != cfg.epi_n):
+        raise ValueError(f"symmetric_upper: mirror=True needs square tiles (tile_m = tile_n, "
+                         f"epi_m = epi_n), got {cfg}; pass such a tiling (the default is one) "
+                         "or mirror=False and mirror the result with mirror_upper.")
     n_mat, p, _ = u.shape
     mi, ni = upper_tile_map(p, cfg.tile_m, 2 * cfg.tile_n)
     bits = {"bfloat16": "bf16", "float16": "f16"}[jnp.dtype(u.dtype).name]
-    kernel = mt.persistent_kernel(functools.partial(_body, cfg=cfg), (n_mat, p, p), out_dtype,
-                                  varying, f"symmetric_upper_{bits}", avoid=AVOID)
+    name = f"symmetric_{'full' if mirror else 'upper'}_{bits}"
+    kernel = mt.persistent_kernel(functools.partial(_body, cfg=cfg, mirror=mirror),
+                                  (n_mat, p, p), out_dtype, varying, name, avoid=AVOID)
     # The scope tells a cost model reading the compiled HLO (xla_comm.costs.TILES_SCOPE) that
     # this custom call computes len(mi) of the full product's tiles: its shapes read as the
     # whole batched GEMM.

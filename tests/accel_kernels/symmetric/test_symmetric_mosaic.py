@@ -2,8 +2,9 @@
 
 The kernel runs only on a Hopper GPU. Here: its tile list covers the upper triangle and
 nothing wholly below it, its shape checks name what is wrong, it lowers for CUDA to one Mosaic
-GPU call carrying that tile list, and in Pallas' Mosaic GPU interpreter (jax >= 0.11) it
-writes ``u @ w^T`` on exactly the listed tiles.
+GPU call carrying that tile list (with ``mirror`` or without), and in Pallas' Mosaic GPU
+interpreter (jax >= 0.11) it writes ``u @ w^T`` on exactly the listed tiles, or with
+``mirror`` that upper triangle mirrored over the whole matrix.
 """
 
 import re
@@ -17,6 +18,7 @@ from _cuda_export import MOSAIC_GPU_CALLS, export_for_cuda, kernel_calls
 
 from accel_kernels import mosaic_tiles as mk
 from accel_kernels.symmetric import mosaic as ms
+from accel_kernels.symmetric.api import mirror_upper
 
 S = jax.ShapeDtypeStruct
 BF16 = jnp.bfloat16
@@ -93,6 +95,12 @@ def test_symmetric_upper_refuses_what_it_cannot_take_before_lowering():
         ms.symmetric_upper(jnp.zeros((1, 256, 64), BF16), jnp.zeros((1, 256, 64), jnp.float16))
     with pytest.raises(ValueError, match=r"u and w must both be \[B, p, r\]"):
         ms.symmetric_upper(jnp.zeros((256, 64), BF16), jnp.zeros((256, 64), BF16))
+    # the mirror transposes [tile_m, tile_n] accumulators and [epi_m, epi_n] blocks in place
+    y = jnp.zeros((1, 256, 64), BF16)
+    for tiling in (mk.MosaicTiling(tile_m=64), mk.MosaicTiling(epi_n=32)):
+        with pytest.raises(ValueError, match=r"mirror=True needs square tiles .*or "
+                                             r"mirror=False and mirror the result"):
+            ms.symmetric_upper(y, y, tiling=tiling, mirror=True)
 
 
 def test_reference_is_the_full_product():
@@ -105,14 +113,20 @@ def test_reference_is_the_full_product():
     assert ms.symmetric_upper_reference(u, w).dtype == BF16
 
 
-@pytest.mark.parametrize("b,p,r,dtype,out_dtype", [(2, 256, 128, BF16, None),
-                                                   (1, 512, 64, jnp.float16, jnp.float32)])
+@pytest.mark.parametrize("b,p,r,dtype,out_dtype,mirror", [
+    (2, 256, 128, BF16, None, False),
+    (1, 512, 64, jnp.float16, jnp.float32, False),
+    (2, 1024, 11008, BF16, None, True),  # Newton-Schulz's sizes: bf16 (standard form) ...
+    (1, 512, 64, jnp.float16, jnp.float32, True),  # ... f32 results (Gram form)
+])
 def test_kernel_lowers_for_cuda_to_one_mosaic_call_with_the_tile_list(b, p, r, dtype,
-                                                                      out_dtype):
-    text = export_for_cuda(lambda u, w: ms.symmetric_upper(u, w, out_dtype=out_dtype),
-                           S((b, p, r), dtype), S((b, p, r), dtype))
+                                                                      out_dtype, mirror):
+    text = export_for_cuda(
+        lambda u, w: ms.symmetric_upper(u, w, out_dtype=out_dtype, mirror=mirror),
+        S((b, p, r), dtype), S((b, p, r), dtype))
     bits = {"bfloat16": "bf16", "float16": "f16"}[jnp.dtype(dtype).name]
-    calls = kernel_calls(text, f"symmetric_upper_{bits}")
+    name = f"symmetric_{'full' if mirror else 'upper'}_{bits}"
+    calls = kernel_calls(text, name)
     assert len(calls) == 1, len(calls)
     assert any(f"@{name}(" in calls[0] for name in MOSAIC_GPU_CALLS), calls[0][:200]
     # operands: the tile list (row and column tile indices) and u, w; result [B, p, p]
@@ -124,7 +138,7 @@ def test_kernel_lowers_for_cuda_to_one_mosaic_call_with_the_tile_list(b, p, r, d
     assert out == f"tensor<{b}x{p}x{p}x{elem[jnp.dtype(out_dtype or dtype).name]}>"
     # the named scope by which xla_comm's cost model charges the call its share of the FLOPs
     total = (p // TILE_M) * (p // CTA_N)
-    assert re.search(rf'loc\("[^"]*/tiles_{tiles}_of_{total}/symmetric_upper_{bits}/', text)
+    assert re.search(rf'loc\("[^"]*/tiles_{tiles}_of_{total}/{name}/', text)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,3 +172,28 @@ def test_kernel_interpreted_writes_the_product_on_the_listed_tiles_only():
     # bf16 operands are exact in f32; only the summation order differs
     np.testing.assert_allclose(got[mask], want[mask], rtol=1e-5, atol=1e-4)
     assert np.isnan(got[~mask]).all()
+
+
+@pytest.mark.skipif(jax.__version_info__ < (0, 11),
+                    reason="jax 0.10's Mosaic GPU interpreter has no ref transposes")
+@pytest.mark.parametrize("b,out_dtype", [(2, jnp.float32), (1, BF16)])
+def test_kernel_interpreted_with_mirror_writes_the_upper_triangle_mirrored(b, out_dtype):
+    """Every element written (none left NaN), each one below the diagonal exactly its mirror
+    image, the upper triangle ``u @ w^T``'s: a non-symmetric product shows which writer won.
+    Integer operands keep the bf16 result exact; f32 results (32-bit registers) and bf16
+    ones (16-bit) take different shuffles into the transposed layout."""
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret.params import (
+            InterpretGPUParams,
+            force_gpu_interpret_mode,
+        )
+    except ImportError:  # pragma: no cover - depends on the installed jax
+        pytest.skip("no Mosaic GPU interpret mode in this jax")
+    p, r = 512, 64  # four row tiles, two column bands: tiles above, on and below the diagonal
+    rng = np.random.default_rng(b)
+    u, w = (jnp.asarray(rng.integers(-2, 3, size=(b, p, r)), BF16) for _ in range(2))
+    with force_gpu_interpret_mode(InterpretGPUParams(uninitialized_memory="nan")):
+        got = np.asarray(ms.symmetric_upper(u, w, out_dtype=out_dtype, mirror=True))
+    full = ms.symmetric_upper_reference(u, w, out_dtype=out_dtype)
+    np.testing.assert_array_equal(got, np.asarray(mirror_upper(full)))
+    np.testing.assert_array_equal(got, np.swapaxes(got, -1, -2))
