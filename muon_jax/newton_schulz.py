@@ -46,9 +46,10 @@ large, and more strips than 4 cut them too small to gain more."""
 
 AUTO_TILES_MIN_SIDE = 2048
 """``'auto'`` takes the symmetric-tile kernel on Hopper GPUs for banks whose Gram side
-``min(m, n)`` reaches this. It skips about half the tiles of the ``[p, p]`` products but pays
-a mirroring pass over each, which outweighs the skipped tiles' time for small ``p`` (this
-side is where the two were timed even)."""
+``min(m, n)`` reaches this. It skips about half the tiles of the ``[p, p]`` products but paid
+a mirroring pass over each, which outweighed the skipped tiles' time for small ``p`` (this
+side is where the two were timed even, before the kernel stored its own mirror from its
+epilogue: a smaller side may now pay)."""
 
 AUTO_GRAM_MIN_ASPECT = 2.0
 """``ns_method='auto'`` takes the Gram form (with the symmetric-tile kernel) for matrices at
@@ -435,6 +436,12 @@ class _Products(NamedTuple):
         u = jnp.swapaxes(u, -1, -2)
         return u.conj() if self.complex_ else u
 
+    def plus_ht(self, u: jax.Array) -> jax.Array:
+        """``u + u^H`` for a product ``u`` of :meth:`mms`: ``2 u`` where those come out exactly
+        Hermitian (the tile kernel's, mirrored in its epilogue), which is the same value and
+        saves the pass its transposed read would cost."""
+        return 2 * u if self.blocks == "tiles" else u + self.ht(u)
+
     def mm(self, u: jax.Array, v: jax.Array) -> jax.Array:
         """``u @ v`` with ``dtype`` operands, accumulated in ``work``."""
         return jnp.matmul(u.astype(self.dtype), v.astype(self.dtype),
@@ -694,7 +701,8 @@ def orthogonalize(
     y, first_gram, steps = _precondition(g, steps, preconditioning, eps, ops,
                                          fuse_first=not use_gram)
     if use_gram:
-        y = _gram_steps(y, first_gram, steps, gram.restarts, mm=ops.mm, mms=ops.mms, ht=ops.ht)
+        y = _gram_steps(y, first_gram, steps, gram.restarts, mm=ops.mm, mms=ops.mms,
+                        plus_ht=ops.plus_ht, ht=ops.ht)
     else:
         y = _standard_steps(y, steps, ops)
     if transposed:
@@ -702,7 +710,7 @@ def orthogonalize(
     return y.astype(x.dtype)
 
 
-def _gram_steps(y, r, steps, restarts, *, mm, mms, ht):
+def _gram_steps(y, r, steps, restarts, *, mm, mms, plus_ht, ht):
     r"""Newton-Schulz steps on the Gram matrix ``R = X X^H``, ``X`` rebuilt only at restarts.
 
     Each step's polynomial is ``P = a I + Z`` with ``Z = b R + c R^2``; ``X_{t+1} = P X_t``
@@ -735,7 +743,7 @@ def _gram_steps(y, r, steps, restarts, *, mm, mms, ht):
             alpha, w, r = 1.0, None, None
         else:  # R <- P R P = a^2 R + a (R Z + Z R) + Z R Z; R Z = Z R, so it is symmetrized
             rz = mms(r, z, z)
-            r = a * a * r + a * (rz + ht(rz)) + mms(z, rz, rz)
+            r = a * a * r + a * plus_ht(rz) + mms(z, rz, rz)
     return y
 
 

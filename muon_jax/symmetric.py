@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from accel_kernels.symmetric import api as symmetric_api
 from accel_kernels.symmetric.api import mirror_upper
 
+__all__ = ["TILES_DTYPES", "mirror_upper", "symmetric_matmul", "symmetric_tiles_matmul"]
+
 
 def symmetric_matmul(
     u: jax.Array,
@@ -100,7 +102,7 @@ def symmetric_tiles_matmul(
     preferred_element_type: jax.typing.DTypeLike | None = None,
 ) -> jax.Array:
     r"""``u @ w^T`` for operands whose product is known to be symmetric, from a GPU kernel that
-    computes only the tiles on and above the diagonal, then mirrored.
+    computes only the tiles on and above the diagonal and writes each one mirrored too.
 
     .. math::
       C = \mathrm{mirror}\big(\mathrm{upper\ tiles\ of\ } u w^T\big), \qquad
@@ -109,10 +111,11 @@ def symmetric_tiles_matmul(
     Both operands are given as rows (``w``, not ``w^T``): ``X X^T`` is
     ``symmetric_tiles_matmul(x, x)`` and, for a symmetric ``B``, ``A B`` is
     ``symmetric_tiles_matmul(a, b)``. On NVIDIA Hopper GPUs this is the Pallas Mosaic GPU
-    kernel of :func:`accel_kernels.symmetric.api.upper_product`, which skips the output
-    tiles wholly below the diagonal (about half of them), plus one mirroring pass
-    (:func:`mirror_upper`). On the CPU it is that kernel's XLA emulation: the full product with
-    the skipped tiles set to NaN, then mirrored, so a result that read them would show it.
+    kernel of :func:`accel_kernels.symmetric.api.symmetric_product`, which skips the output
+    tiles wholly below the diagonal (about half of them) and stores each tile it computes also
+    transposed below the diagonal, so no mirroring pass follows it. On the CPU it is that
+    kernel's XLA emulation: the full product's upper triangle mirrored (:func:`mirror_upper`).
+    Either way the result is exactly symmetric.
     Nothing checks that the product is symmetric: a non-symmetric one silently becomes the
     symmetric matrix with the same upper triangle.
 
@@ -151,9 +154,8 @@ def symmetric_tiles_matmul(
         raise ValueError(f"symmetric_tiles_matmul needs u and w of one shape [..., p, r]; got "
                          f"{u.shape} and {w.shape}.")
     try:
-        upper = symmetric_api.upper_product(u, w, out_dtype=preferred_element_type,
-                                            implementation="mosaic")
+        return symmetric_api.symmetric_product(u, w, out_dtype=preferred_element_type,
+                                               implementation="mosaic")
     except ValueError as e:
         raise ValueError(f"symmetric_tiles_matmul: {e} (symmetric_blocks=1 or more strips "
                          "take symmetric_matmul, which runs anywhere).") from None
-    return mirror_upper(upper)

@@ -39,7 +39,7 @@ from xla_comm.breakdown import Rule, scope_regex
 PACKAGES = ("moe", "muon_jax", "xla_comm", "accel_kernels")
 ROUNDS = {"layer": 20, "experts": 20, "muon_step": 10, "lm_step": 10}  # the pairs' rounds
 NS_RULES = (Rule("gemm", "scope", scope_regex(r"tiles_\d+_of_\d+")),  # see ns_passes
-            Rule("gemm", "kernel", r"^symmetric_upper|^anonymous_mosaic_gpu_kernel"))
+            Rule("gemm", "kernel", r"^symmetric_(?:upper|full)|^anonymous_mosaic_gpu_kernel"))
 T0 = time.perf_counter()
 
 

@@ -1,10 +1,12 @@
 """Newton-Schulz on the symmetric-tile kernel (``symmetric_blocks='tiles'``), on the CPU.
 
-There :func:`muon_jax.symmetric.symmetric_tiles_matmul` is the kernel's emulation (the tiles it
-skips are NaN, then mirrored): it must equal the full product for products that are
-symmetric, padding included; Newton-Schulz on it must match plain matmuls to bf16 rounding and
-be as close to the exact polar factor; ``'auto'`` must take it (and the Gram form with it) only
-where the module's constants say; and on a Hopper target it lowers to the kernel.
+There :func:`muon_jax.symmetric.symmetric_tiles_matmul` is the kernel's emulation (the full
+product's upper triangle, mirrored as the kernel mirrors it; the unmirrored kernel's skipped
+tiles are NaN): it must equal the full product for products that are symmetric, padding
+included; Newton-Schulz on it must match plain matmuls to bf16 rounding and be as close to the
+exact polar factor; ``'auto'`` must take it (and the Gram form with it) only where the module's
+constants say; and on a Hopper target it lowers to the kernel, mirroring included, with no
+mirror pass after it.
 """
 
 import functools
@@ -18,8 +20,8 @@ from _cuda_export import export_for_cuda, kernel_calls
 
 import muon_jax
 from accel_kernels import platform
+from accel_kernels.symmetric import api as symmetric_api
 from accel_kernels.symmetric import mosaic as mosaic_symmetric
-from muon_jax import symmetric
 from muon_jax.newton_schulz import (
     AUTO_GRAM_MIN_ASPECT,
     AUTO_SYMMETRIC_BLOCKS,
@@ -114,13 +116,12 @@ def test_a_non_symmetric_product_becomes_its_upper_triangle_mirrored():
     chex.assert_trees_all_equal(got, jnp.asarray(_upper(full), F32))
 
 
-def test_the_emulation_leaves_the_kernels_skipped_tiles_nan(monkeypatch):
-    """Without the mirroring, the CPU result is NaN on exactly the tiles the kernel's tile list
-    (`upper_tile_map`) leaves out: a result that read them would show it."""
-    monkeypatch.setattr(symmetric, "mirror_upper", lambda c: c)
+def test_the_emulation_leaves_the_kernels_skipped_tiles_nan():
+    """Unmirrored (``upper_product``), the CPU result is NaN on exactly the tiles the kernel's
+    tile list (`upper_tile_map`) leaves out: a result that read them would show it."""
     p = 512
     x = jnp.ones((p, 64), BF16)
-    got = np.asarray(symmetric_tiles_matmul(x, x, preferred_element_type=F32))
+    got = np.asarray(symmetric_api.upper_product(x, x, out_dtype=F32, implementation="mosaic"))
     mi, ni = mosaic_symmetric.upper_tile_map(p, 128, 256)
     written = np.zeros((p, p), bool)
     for m, n in zip(mi.tolist(), ni.tolist(), strict=True):
@@ -128,6 +129,19 @@ def test_the_emulation_leaves_the_kernels_skipped_tiles_nan(monkeypatch):
     assert (~written).any()
     np.testing.assert_array_equal(np.isnan(got), ~written)
     assert (got[written] == 64).all()
+
+
+@pytest.mark.parametrize("implementation", ["mosaic", "xla"])
+def test_symmetric_product_is_the_upper_product_mirrored(implementation):
+    """The mirrored kernel's contract, emulated: ``mirror_upper(upper_product(u, w))`` to the
+    bit, on a product that is not symmetric (so the mirror shows), p = 300 padded to 512."""
+    rng = np.random.default_rng(3)
+    u, w = _ints(rng, (2, 300, 50)), _ints(rng, (2, 300, 50))
+    kw = dict(out_dtype=F32, implementation=implementation)
+    got = symmetric_api.symmetric_product(u, w, **kw)
+    chex.assert_trees_all_equal(got, mirror_upper(symmetric_api.upper_product(u, w, **kw)))
+    full = np.einsum("bik,bjk->bij", np.asarray(u, np.float64), np.asarray(w, np.float64))
+    chex.assert_trees_all_equal(got, jnp.asarray(_upper(full), F32))
 
 
 def test_symmetric_tiles_matmul_refuses_what_the_kernel_cannot_take():
@@ -281,35 +295,58 @@ def test_ns_flops_counts_the_kernels_tiles(p, method):
 # ----------------------------------------------------------------------------------------------
 
 
+@functools.cache
+def _hopper_export(shape, dtype=BF16, steps=4):
+    """``orthogonalize`` (``'auto'``) lowered for a declared Hopper target; 4 steps, the fewest
+    with a restart and a segment of more than one step: a shorter export."""
+    fn = functools.partial(muon_jax.orthogonalize, ns_steps=steps, dtype=dtype)
+    with platform.compiling_for_cuda(HOPPER):
+        return export_for_cuda(fn, S(shape, F32))
+
+
+def _kernels(text, bits):
+    return len(kernel_calls(text, f"symmetric_full_{bits}"))
+
+
 @pytest.mark.jax_internals
 def test_auto_on_hopper_lowers_the_symmetric_products_to_the_kernel():
     """``'auto'`` for a declared Hopper target: a bank twice as wide as tall runs the Gram form
     with float16 operands, a square one the standard form with bf16 ones; every symmetric
-    product is a kernel call and only ``Q X`` / ``B X`` stay XLA matmuls. Below
-    AUTO_TILES_MIN_SIDE, or in float32, no kernel."""
-    side = AUTO_TILES_MIN_SIDE
-    steps = 4  # the fewest with a restart and a segment of more than one step: a shorter export
-
-    def export(shape, dtype=BF16):
-        fn = functools.partial(muon_jax.orthogonalize, ns_steps=steps, dtype=dtype)
-        with platform.compiling_for_cuda(HOPPER):
-            return export_for_cuda(fn, S(shape, F32))
-
-    def kernels(text, bits):
-        return len(kernel_calls(text, f"symmetric_upper_{bits}"))
-
+    product is a kernel call (the mirroring kernel) and only ``Q X`` / ``B X`` stay XLA
+    matmuls. Below AUTO_TILES_MIN_SIDE, or in float32, no kernel."""
+    side, steps = AUTO_TILES_MIN_SIDE, 4
     # Gram form, restarts (2,): two segments of 2 steps. Per segment X X^T (1), R R every
     # step (2), W Z all but the first step (1), R Z and Z (R Z) all but the last (2): 6 per
     # segment, 6 + 6 = 12 products. (At 5 steps, segments of 2 and 3: 6 + 10 = 16.)
-    gram = export((side, int(AUTO_GRAM_MIN_ASPECT * side)))
-    assert (kernels(gram, "f16"), kernels(gram, "bf16")) == (12, 0)
+    gram = _hopper_export((side, int(AUTO_GRAM_MIN_ASPECT * side)))
+    assert (_kernels(gram, "f16"), _kernels(gram, "bf16")) == (12, 0)
     assert gram.count("stablehlo.dot_general") == 2  # Q X at each of the two segments' ends
-    square = export((side, side))  # standard form: X X^T and A (c A + b I) per step
-    assert (kernels(square, "bf16"), kernels(square, "f16")) == (2 * steps, 0)
+    square = _hopper_export((side, side))  # standard form: X X^T and A (c A + b I) per step
+    assert (_kernels(square, "bf16"), _kernels(square, "f16")) == (2 * steps, 0)
     assert square.count("stablehlo.dot_general") == steps  # B X
     for shape, dtype in [((side // 2, 4 * side), BF16), ((side, side), F32)]:
-        text = export(shape, dtype)
-        assert kernels(text, "bf16") + kernels(text, "f16") == 0, (shape, dtype)
+        text = _hopper_export(shape, dtype)
+        assert _kernels(text, "bf16") + _kernels(text, "f16") == 0, (shape, dtype)
+
+
+@pytest.mark.jax_internals
+def test_on_hopper_no_mirror_pass_follows_the_kernel():
+    """The kernel writes the lower triangle itself: Newton-Schulz on a Hopper target holds no
+    transpose and no select (``mirror_upper``'s pass, and the Gram form's ``R Z + (R Z)^T``,
+    now ``2 R Z`` of an exactly symmetric product), in either form. The same program on the
+    unmirrored kernel plus ``mirror_upper`` shows both, so the check sees a mirror pass."""
+    side = AUTO_TILES_MIN_SIDE
+    for shape in [(side, int(AUTO_GRAM_MIN_ASPECT * side)), (side, side)]:  # Gram, standard
+        text = _hopper_export(shape)
+        assert "stablehlo.transpose" not in text and "stablehlo.select" not in text, shape
+    x = S((2, 256, 64), BF16)
+    with platform.compiling_for_cuda(HOPPER):
+        old = export_for_cuda(lambda x: symmetric_api.mirror_upper(
+            symmetric_api.upper_product(x, x, implementation="mosaic")), x)
+        new = export_for_cuda(lambda x: symmetric_tiles_matmul(x, x), x)
+    assert "stablehlo.transpose" in old and "stablehlo.select" in old
+    assert "stablehlo.transpose" not in new and "stablehlo.select" not in new
+    assert len(kernel_calls(new, "symmetric_full_bf16")) == 1
 
 
 def test_auto_on_hopper_leaves_a_float32_gram_form_to_plain_matmuls():
