@@ -161,6 +161,8 @@ def _mirror_epilogue(acc, out_smem, out_tile, mirror_tile, block, wg, cfg: mt.Mo
         return tile.at[i * e:(i + 1) * e, j * e:(j + 1) * e]
 
     row, col = block
+    # Each branch's stores alternate between the warpgroup's two SMEM slots: a write into one
+    # waits (wait_smem_to_gmem(1)) only for the store before last, the one that read it.
 
     @pl.when(row < col)
     def _above():
