@@ -295,7 +295,6 @@ def test_ns_flops_counts_the_kernels_tiles(p, method):
 # ----------------------------------------------------------------------------------------------
 
 
-@functools.cache
 def _hopper_export(shape, dtype=BF16, steps=4):
     """``orthogonalize`` (``'auto'``) lowered for a declared Hopper target; 4 steps, the fewest
     with a restart and a segment of more than one step: a shorter export."""
@@ -313,7 +312,9 @@ def test_auto_on_hopper_lowers_the_symmetric_products_to_the_kernel():
     """``'auto'`` for a declared Hopper target: a bank twice as wide as tall runs the Gram form
     with float16 operands, a square one the standard form with bf16 ones; every symmetric
     product is a kernel call (the mirroring kernel) and only ``Q X`` / ``B X`` stay XLA
-    matmuls. Below AUTO_TILES_MIN_SIDE, or in float32, no kernel."""
+    matmuls. No mirror pass follows the kernel: neither form holds a transpose or a select
+    (``mirror_upper``'s pass, and the Gram form's ``R Z + (R Z)^T``, now ``2 R Z`` of an
+    exactly symmetric product). Below AUTO_TILES_MIN_SIDE, or in float32, no kernel."""
     side, steps = AUTO_TILES_MIN_SIDE, 4
     # Gram form, restarts (2,): two segments of 2 steps. Per segment X X^T (1), R R every
     # step (2), W Z all but the first step (1), R Z and Z (R Z) all but the last (2): 6 per
@@ -324,6 +325,8 @@ def test_auto_on_hopper_lowers_the_symmetric_products_to_the_kernel():
     square = _hopper_export((side, side))  # standard form: X X^T and A (c A + b I) per step
     assert (_kernels(square, "bf16"), _kernels(square, "f16")) == (2 * steps, 0)
     assert square.count("stablehlo.dot_general") == steps  # B X
+    for text in (gram, square):  # wide or square: no orientation transpose either
+        assert "stablehlo.transpose" not in text and "stablehlo.select" not in text
     for shape, dtype in [((side // 2, 4 * side), BF16), ((side, side), F32)]:
         text = _hopper_export(shape, dtype)
         assert _kernels(text, "bf16") + _kernels(text, "f16") == 0, (shape, dtype)
@@ -331,14 +334,9 @@ def test_auto_on_hopper_lowers_the_symmetric_products_to_the_kernel():
 
 @pytest.mark.jax_internals
 def test_on_hopper_no_mirror_pass_follows_the_kernel():
-    """The kernel writes the lower triangle itself: Newton-Schulz on a Hopper target holds no
-    transpose and no select (``mirror_upper``'s pass, and the Gram form's ``R Z + (R Z)^T``,
-    now ``2 R Z`` of an exactly symmetric product), in either form. The same program on the
-    unmirrored kernel plus ``mirror_upper`` shows both, so the check sees a mirror pass."""
-    side = AUTO_TILES_MIN_SIDE
-    for shape in [(side, int(AUTO_GRAM_MIN_ASPECT * side)), (side, side)]:  # Gram, standard
-        text = _hopper_export(shape)
-        assert "stablehlo.transpose" not in text and "stablehlo.select" not in text, shape
+    """On a Hopper target ``symmetric_tiles_matmul`` is the mirroring kernel's call alone; the
+    unmirrored kernel plus ``mirror_upper``, what it was, shows the pass (a transpose and a
+    select), so the check in the Newton-Schulz export test would see one."""
     x = S((2, 256, 64), BF16)
     with platform.compiling_for_cuda(HOPPER):
         old = export_for_cuda(lambda x: symmetric_api.mirror_upper(
