@@ -92,28 +92,30 @@ def chunk_experts(x: jax.Array, weights: jax.Array, banks: Banks, plan: Dispatch
       >>> # y, plan, banks = chunk_experts(x, weights, Banks(w_gate_up, w_down), plan,
       >>> #                                options, chain=True)
     """
-    ex = _dispatch(x, plan, options)
+    return _chunk(x, weights, banks, plan, options, chain, None)[0]
+
+
+def _chunk(x: jax.Array, weights: jax.Array, banks: Banks, plan: DispatchPlan,
+           options: ResolvedOptions, chain: bool, then: jax.Array | None
+           ) -> tuple[ChunkOutput, jax.Array | None]:
+    """:func:`chunk_experts`, and ``then`` (the next chunk's tokens, or None) made readable
+    only once this chunk's expert layout has arrived; in the backward, this chunk's layout
+    gradient leaves only once the next chunk's token gradient is back (:func:`_in_order`)."""
+    ex = movement.dispatch_tokens(x, plan, dispatch_dtype=options.dispatch.dispatch_dtype,
+                                  with_wire=options.wire_to_experts)
+    rows = ex.expert_x
+    if then is not None:
+        rows, then = _in_order(rows, then)
     combine = CombineArgs(weights, plan, options.dispatch.combine_grad_dtype)
-    y, banks = _experts(ex, banks, options, combine, chain)
-    return ChunkOutput(y.astype(x.dtype), plan, banks)
-
-
-def _dispatch(x: jax.Array, plan: DispatchPlan, options: ResolvedOptions
-              ) -> movement.Dispatched:
-    return movement.dispatch_tokens(x, plan, dispatch_dtype=options.dispatch.dispatch_dtype,
-                                    with_wire=options.wire_to_experts)
-
-
-def _experts(ex: movement.Dispatched, banks: Banks, options: ResolvedOptions,
-             combine: CombineArgs | None, chain: bool) -> tuple[jax.Array, Banks]:
     # The dense layout interleaves padding per source (row p * C + r), so its valid rows
     # are not a prefix: every row runs (padding rows are zero and are never read back by
     # combine).
-    sizes = None if ex.expert_x.ndim == 3 else ex.group_sizes
-    return run_experts(ex.expert_x, sizes, banks, options.experts,
-                       block_size=options.fp8_block_size,
-                       group_alignment=options.group_alignment, x_wire=ex.wire,
-                       combine=combine, chain=chain)
+    sizes = None if rows.ndim == 3 else ex.group_sizes
+    y, banks = run_experts(rows, sizes, banks, options.experts,
+                           block_size=options.fp8_block_size,
+                           group_alignment=options.group_alignment, x_wire=ex.wire,
+                           combine=combine, chain=chain)
+    return ChunkOutput(y.astype(x.dtype), plan, banks), then
 
 
 @jax.custom_vjp
@@ -135,40 +137,6 @@ def _in_order_bwd(_, cts):
 _in_order.defvjp(_in_order_fwd, _in_order_bwd)
 
 
-def _two_stage_chunks(xs: list[jax.Array], weights: list[jax.Array], banks: Banks,
-                      plans: tuple[DispatchPlan, ...], options: ResolvedOptions
-                      ) -> tuple[list[jax.Array], Banks]:
-    """The pipelined chunks of the two-stage exchange (:class:`moe.dispatch.TwoStagePlan`),
-    chunk after chunk: each chunk's second stage before the next chunk's first, forward and
-    backward. Left to itself XLA's scheduler issues every chunk's first stage before any
-    chunk's second (the two are one data dependency apart, and either overlaps nothing
-    else): with one collective in flight the first chunk's experts then wait for the first
-    stages of all chunks and its own second, and the experts' GEMMs cover the later chunks'
-    exchanges no longer. The order is data dependencies only (:func:`_in_order`): chunk
-    ``c + 1``'s tokens are read after chunk ``c``'s expert layout arrived (so its first stage
-    follows ``c``'s second; in the backward, chunk ``c``'s second stage back follows chunk
-    ``c + 1``'s first), and chunk ``c + 1``'s expert outputs are combined after chunk ``c``'s
-    output exists (its second stage back follows ``c``'s first; backward: chunk ``c``'s
-    gradient crosses hosts after chunk ``c + 1``'s has reached its experts). The values are
-    the ones :func:`chunk_experts` gives. Returns the chunks' outputs and the banks of the
-    last."""
-    chunks, ys = len(plans), []
-    combine_dtype = options.dispatch.combine_grad_dtype
-    for c in range(chunks):
-        with jax.named_scope(f"moe_chunk{c}"):
-            ex = _dispatch(xs[c], plans[c], options)
-            rows = ex.expert_x
-            if c + 1 < chunks:
-                rows, xs[c + 1] = _in_order(rows, xs[c + 1])
-            ey, banks = _experts(ex._replace(expert_x=rows), banks, options, None,
-                                 c < chunks - 1)
-            if c:
-                ys[c - 1], ey = _in_order(ys[c - 1], ey)
-            ys.append(movement.combine_tokens(ey, weights[c], plans[c], combine_dtype
-                                              ).astype(xs[c].dtype))
-    return ys, banks
-
-
 def run_chunks(x: jax.Array, weights: jax.Array, banks: Banks, plans: plan_build.ChunkPlans,
                options: ResolvedOptions, *, shared: tuple[jax.Array, jax.Array] | None = None,
                shared_gate: jax.Array | None = None, mask: jax.Array | None = None) -> Chunks:
@@ -181,6 +149,14 @@ def run_chunks(x: jax.Array, weights: jax.Array, banks: Banks, plans: plan_build
     can cover. Each chunk but the last passes the banks on to the next, so that in the
     backward (chunks in reverse) a chunk's weight-gradient GEMMs start from the later chunks'
     sum instead of XLA adding one full bank per chunk.
+
+    With the two-stage exchange (:class:`moe.dispatch.TwoStagePlan`) the chunks' dispatches
+    run in turn: chunk ``c + 1``'s tokens are read only once chunk ``c``'s expert layout has
+    arrived (both of its stages), and in the backward chunk ``c``'s layout gradient leaves
+    only once chunk ``c + 1``'s token gradient is back. Left free, XLA's scheduler issues
+    every chunk's first stage before any chunk's second (they are a data dependency apart):
+    with one collective in flight the first chunk's experts then wait for the first stages
+    of all chunks, which its GEMMs could have covered. The order changes no value.
 
     Args:
       x: ``[T, d]`` this device's tokens.
@@ -202,29 +178,29 @@ def run_chunks(x: jax.Array, weights: jax.Array, banks: Banks, plans: plan_build
     chunks, e_local = len(plans.plans), options.num_slots // options.expert_axis_size
     tc = x.shape[0] // chunks
     ys, lost, y_shared, dropped = [], [], None, jnp.zeros((), jnp.int32)
-    chained, y_local, lost_local = banks, None, None
-    if plans.local is not None:  # the first chunk's own experts' slots, no exchange
-        local, part = plans.local, slice(0, tc)
-        w = weights[part] if local.columns is None else jnp.take_along_axis(
-            weights[part], local.columns, axis=1)
-        with jax.named_scope("moe_chunk0"), jax.named_scope("moe_local_first"):
-            y_local, _, chained = chunk_experts(x[part], w, chained, local.plan, options,
-                                                chain=True)
-        dropped = dropped + local.plan.dropped
-        lost_local = (local.expert_ids < e_local) & ~local.plan.kept
-    parts = [slice(c * tc, (c + 1) * tc) for c in range(chunks)]
-    if chunks > 1 and isinstance(plans.plans[0], TwoStagePlan):
-        chunk_ys, chained = _two_stage_chunks([x[p] for p in parts], [weights[p] for p in parts],
-                                              chained, plans.plans, options)
-    else:
-        chunk_ys = []
-        for c in range(chunks):
-            with jax.named_scope(f"moe_chunk{c}"):  # a profile (or a cost model) tells them
-                y_c, _, chained = chunk_experts(x[parts[c]], weights[parts[c]], chained,
-                                                plans.plans[c], options, chain=c < chunks - 1)
-            chunk_ys.append(y_c)
-    for c, (y_c, plan) in enumerate(zip(chunk_ys, plans.plans, strict=True)):
-        if c == 0 and y_local is not None:
+    chained = banks
+    xs = [x[c * tc:(c + 1) * tc] for c in range(chunks)]
+    # The two-stage exchange's chunks take their dispatches in turn (see run_chunks).
+    in_turn = isinstance(plans.plans[0], TwoStagePlan)
+    for c in range(chunks):
+        part = slice(c * tc, (c + 1) * tc)
+        y_local = lost_local = None
+        with jax.named_scope(f"moe_chunk{c}"):  # a profile (or a cost model) tells them apart
+            if c == 0 and plans.local is not None:  # its own experts' slots, no exchange
+                local = plans.local
+                w = weights[part] if local.columns is None else jnp.take_along_axis(
+                    weights[part], local.columns, axis=1)
+                with jax.named_scope("moe_local_first"):
+                    y_local, _, chained = chunk_experts(x[part], w, chained, local.plan,
+                                                        options, chain=True)
+                dropped = dropped + local.plan.dropped
+                lost_local = (local.expert_ids < e_local) & ~local.plan.kept
+            then = xs[c + 1] if in_turn and c + 1 < chunks else None
+            (y_c, plan, chained), then = _chunk(xs[c], weights[part], chained, plans.plans[c],
+                                                options, c < chunks - 1, then)
+            if then is not None:
+                xs[c + 1] = then
+        if y_local is not None:
             y_c = (y_c.astype(jnp.float32) + y_local.astype(jnp.float32)).astype(x.dtype)
         if c == 0 and shared is not None:
             y_shared = shared_experts(x, *shared, shared_gate,
@@ -234,7 +210,7 @@ def run_chunks(x: jax.Array, weights: jax.Array, banks: Banks, plans: plan_build
         ys.append(y_c)
         dropped = dropped + plan.dropped
         lost_c = (plans.expert_ids[c] < options.num_slots) & ~plan.kept  # masked: not lost
-        lost.append(lost_c if c or lost_local is None else lost_c | lost_local)
+        lost.append(lost_c if lost_local is None else lost_c | lost_local)
     y = ys[0] if chunks == 1 else jnp.concatenate(ys, axis=0)
     if plans.overflow_ids is not None:  # one branch for the expert axis: its collectives run
         axis = options.dispatch.expert_axis  # on every device of it
