@@ -99,8 +99,7 @@ def _chunk(x: jax.Array, weights: jax.Array, banks: Banks, plan: DispatchPlan,
            options: ResolvedOptions, chain: bool, then: jax.Array | None
            ) -> tuple[ChunkOutput, jax.Array | None]:
     """:func:`chunk_experts`, and ``then`` (the next chunk's tokens, or None) made readable
-    only once this chunk's expert layout has arrived; in the backward, this chunk's layout
-    gradient leaves only once the next chunk's token gradient is back (:func:`_in_order`)."""
+    only once this chunk's expert layout has arrived (:func:`_in_order`)."""
     ex = movement.dispatch_tokens(x, plan, dispatch_dtype=options.dispatch.dispatch_dtype,
                                   with_wire=options.wire_to_experts)
     rows = ex.expert_x
@@ -120,9 +119,11 @@ def _chunk(x: jax.Array, weights: jax.Array, banks: Banks, plan: DispatchPlan,
 
 @jax.custom_vjp
 def _in_order(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(a, b)`` as they are, neither usable before both exist, and the same for their
-    cotangents in the backward: an ``optimization_barrier`` each way, which XLA keeps as
-    scheduling dependencies (what reads one waits for what made the other)."""
+    """``(a, b)`` as they are, neither usable before both exist (an
+    ``optimization_barrier``, which XLA keeps as scheduling dependencies: what reads one
+    waits for what made the other). The forward only: the cotangents pass as they come, as
+    the backward's scheduler placed the exchanges better left free (the mirrored order
+    exposed more of them in the compiled steps)."""
     return jax.lax.optimization_barrier((a, b))
 
 
@@ -131,7 +132,7 @@ def _in_order_fwd(a, b):
 
 
 def _in_order_bwd(_, cts):
-    return jax.lax.optimization_barrier(cts)
+    return cts
 
 
 _in_order.defvjp(_in_order_fwd, _in_order_bwd)
@@ -150,13 +151,12 @@ def run_chunks(x: jax.Array, weights: jax.Array, banks: Banks, plans: plan_build
     backward (chunks in reverse) a chunk's weight-gradient GEMMs start from the later chunks'
     sum instead of XLA adding one full bank per chunk.
 
-    With the two-stage exchange (:class:`moe.dispatch.TwoStagePlan`) the chunks' dispatches
-    run in turn: chunk ``c + 1``'s tokens are read only once chunk ``c``'s expert layout has
-    arrived (both of its stages), and in the backward chunk ``c``'s layout gradient leaves
-    only once chunk ``c + 1``'s token gradient is back. Left free, XLA's scheduler issues
-    every chunk's first stage before any chunk's second (they are a data dependency apart):
-    with one collective in flight the first chunk's experts then wait for the first stages
-    of all chunks, which its GEMMs could have covered. The order changes no value.
+    With the two-stage exchange (:class:`moe.dispatch.TwoStagePlan`) the chunks' forward
+    dispatches run in turn: chunk ``c + 1``'s tokens are read only once chunk ``c``'s expert
+    layout has arrived (both of its stages). Left free, XLA's scheduler issues every chunk's
+    first stage before any chunk's second (they are a data dependency apart): with one
+    collective in flight the first chunk's experts then wait for the first stages of all
+    chunks, which its GEMMs could have covered. The order changes no value.
 
     Args:
       x: ``[T, d]`` this device's tokens.
