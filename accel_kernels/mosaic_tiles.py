@@ -212,10 +212,12 @@ def for_each_tile(loop_shape, alloc_steps, in_specs, alloc_refs, out_dtype, cfg:
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def tile_context(scope: TileScope, out_tile, scale_refs, cfg: MosaicTiling, prior_tile=None):
+def tile_context(scope: TileScope, out_tile, scale_refs, cfg: MosaicTiling, prior_tile=None,
+                 *, store=None):
     """The compute warpgroups' context: accumulate the pipeline in f32 registers, multiply by
     ``scale_refs()`` (row and column scale refs; None: unscaled), add ``prior_tile`` (a ref,
-    or None), store into ``out_tile``."""
+    or None), store into ``out_tile``; ``store(acc)``, if given, stores the accumulator in
+    place of :func:`epilogue` (``out_tile`` and ``prior_tile`` then unused)."""
 
     def compute_context(eval_pipeline):
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((cfg.tile_m, cfg.tile_n)))
@@ -224,7 +226,10 @@ def tile_context(scope: TileScope, out_tile, scale_refs, cfg: MosaicTiling, prio
             acc = acc_ref[...]
             if scale_refs is not None:
                 acc = scaled(acc, *scale_refs(), scope.scale_smem, scope.scale_bars, scope.wg)
-            epilogue(acc, scope.out_smem, out_tile, scope.wg, cfg, scope.prior(prior_tile))
+            if store is not None:
+                store(acc)
+            else:
+                epilogue(acc, scope.out_smem, out_tile, scope.wg, cfg, scope.prior(prior_tile))
 
     return compute_context
 

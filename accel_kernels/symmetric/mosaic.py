@@ -187,20 +187,6 @@ def _mirror_epilogue(acc, out_smem, out_tile, mirror_tile, block, wg, cfg: mt.Mo
                        transpose=True)
 
 
-def _mirror_context(scope: mt.TileScope, out_tile, mirror_tile, block, cfg: mt.MosaicTiling):
-    """The compute warpgroups' context of the mirrored kernel: accumulate the pipeline in f32
-    registers, then :func:`_mirror_epilogue`."""
-
-    def compute_context(eval_pipeline):
-        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((cfg.tile_m, cfg.tile_n)))
-        def _(acc_ref):
-            eval_pipeline(acc_ref)
-            _mirror_epilogue(acc_ref[...], scope.out_smem, out_tile, mirror_tile, block,
-                             scope.wg, cfg)
-
-    return compute_context
-
-
 def _body(tile_mi, tile_ni, u_gmem, w_gmem, out_gmem, *, cfg: mt.MosaicTiling, mirror: bool):
     _, _, r = u_gmem.shape
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
@@ -224,10 +210,13 @@ def _body(tile_mi, tile_ni, u_gmem, w_gmem, out_gmem, *, cfg: mt.MosaicTiling, m
             # [2 tm, 2 tm] blocks. Those quarters store nothing (the mirror of (2 ni, 2 ni + 1)
             # lands on them), so every element has exactly one writer and the result does not
             # depend on the order the CTAs run in.
-            context = _mirror_context(scope, out_tile, out_gmem.at[b, n_sl, m_sl].at[wg_n, :],
-                                      (mi, 2 * ni + scope.wg), cfg)
+            store = functools.partial(
+                _mirror_epilogue, out_smem=scope.out_smem, out_tile=out_tile,
+                mirror_tile=out_gmem.at[b, n_sl, m_sl].at[wg_n, :],
+                block=(mi, 2 * ni + scope.wg), wg=scope.wg, cfg=cfg)
         else:
-            context = mt.tile_context(scope, out_tile, None, cfg)
+            store = None
+        context = mt.tile_context(scope, out_tile, None, cfg, store=store)
 
         def mma(idxs, a_smem, b_smem, acc_ref):
             del idxs
