@@ -6,11 +6,39 @@ Open MPI, a Kubernetes indexed Job, a TPU pod).
 
 from __future__ import annotations
 
+import argparse
 import os
 
 _CLUSTER_ENV = {"SLURM_NTASKS": "SLURM", "OMPI_COMM_WORLD_SIZE": "Open MPI",
                 "JAX_COORDINATOR_ADDRESS": "JAX_COORDINATOR_ADDRESS",
                 "TPU_WORKER_HOSTNAMES": "a TPU pod"}
+
+
+def add_process_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that join the processes of a run (:func:`init_distributed` reads them)."""
+    p.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                   help="jax.distributed: the coordinator (process 0's host and a free port); "
+                        "with --num-processes and --process-id. Without them a cluster "
+                        "environment (SLURM, Open MPI, a Kubernetes indexed Job, a TPU pod) is "
+                        "detected, else one process")
+    p.add_argument("--num-processes", type=int, default=None, help="jax.distributed: processes")
+    p.add_argument("--process-id", type=int, default=None, help="jax.distributed: this one's id")
+    p.add_argument("--init-timeout", type=int, default=300,
+                   help="seconds to wait for every process at start, and without a heartbeat "
+                        "from one before every other exits with an error naming it")
+
+
+def process_flags_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with :func:`add_process_flags`' values, or None."""
+    given = [args.coordinator_address, args.num_processes, args.process_id]
+    if any(v is not None for v in given) and any(v is None for v in given):
+        return ("--coordinator-address, --num-processes and --process-id go together "
+                "(or give none of them: a cluster environment is detected).")
+    if args.num_processes is not None and not 0 <= args.process_id < args.num_processes:
+        return f"--process-id must be in [0, {args.num_processes}), got {args.process_id}."
+    if args.init_timeout < 1:
+        return f"--init-timeout must be >= 1 second, got {args.init_timeout}."
+    return None
 
 
 def processes_from(argv: list[str]) -> int:

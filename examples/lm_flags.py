@@ -12,6 +12,8 @@ import argparse
 import difflib
 import pathlib
 
+from lm_cluster import add_process_flags, process_flags_error
+
 DESCRIPTION = "Train a byte-level MoE language model with sharded Muon (and/or AdamW) on real text."
 
 MESH_AXES = ("data", "expert")
@@ -245,16 +247,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="stop (with a checkpoint) after this step; the learning-rate schedule "
                    "still spans --steps, so --resume later continues the same run")
     p.add_argument("--seed", type=int, default=0, help="init and batch order")
-    p.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
-                   help="jax.distributed: the coordinator (process 0's host and a free port); "
-                        "with --num-processes and --process-id. Without them a cluster "
-                        "environment (SLURM, Open MPI, a Kubernetes indexed Job, a TPU pod) is "
-                        "detected, else one process")
-    p.add_argument("--num-processes", type=int, default=None, help="jax.distributed: processes")
-    p.add_argument("--process-id", type=int, default=None, help="jax.distributed: this one's id")
-    p.add_argument("--init-timeout", type=int, default=300,
-                   help="seconds to wait for every process at start, and without a heartbeat "
-                        "from one before every other exits with an error naming it")
+    add_process_flags(p)
     p.add_argument("--process-logs", action="store_true",
                    help="also write each process's output to OUT/logs/process_<id>.log")
     p.add_argument("--max-corpus-mb", type=float, default=16.0, help="<= 0: all")
@@ -312,15 +305,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          f"({args.micro_batches}).")
     if args.top_k > args.experts:
         raise UsageError(f"--top-k ({args.top_k}) cannot exceed --experts ({args.experts}).")
-    given = [args.coordinator_address, args.num_processes, args.process_id]
-    if any(v is not None for v in given) and any(v is None for v in given):
-        raise UsageError("--coordinator-address, --num-processes and --process-id go together "
-                         "(or give none of them: a cluster environment is detected).")
-    if args.num_processes is not None and not 0 <= args.process_id < args.num_processes:
-        raise UsageError(f"--process-id must be in [0, {args.num_processes}), got "
-                         f"{args.process_id}.")
-    if args.init_timeout < 1:
-        raise UsageError(f"--init-timeout must be >= 1 second, got {args.init_timeout}.")
+    if (error := process_flags_error(args)) is not None:
+        raise UsageError(error)
     if args.keep_checkpoints < 0:
         raise UsageError(f"--keep-checkpoints must be >= 0 (0 keeps all), got "
                          f"{args.keep_checkpoints}.")

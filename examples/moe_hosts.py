@@ -42,7 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from lm_cluster import init_distributed  # noqa: E402
+from lm_cluster import add_process_flags, init_distributed, process_flags_error  # noqa: E402
 
 import moe  # noqa: E402
 from xla_comm import schedule  # noqa: E402
@@ -72,11 +72,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--dtype", choices=("float32", "bfloat16"), default=None)
     add("--rounds", type=int, default=5, help="interleaved timing rounds")
     add("--out", default=None, help="also write the figures here (JSON)")
-    add("--coordinator-address", default=None)
-    add("--num-processes", type=int, default=None)
-    add("--process-id", type=int, default=None)
-    add("--init-timeout", type=int, default=300)
+    add_process_flags(p)
     a = p.parse_args(argv)
+    if (error := process_flags_error(a)) is not None:
+        p.error(error)
     for key, value in PRESETS[a.preset].items():
         if getattr(a, key) is None:
             setattr(a, key, value)
